@@ -1,0 +1,1 @@
+"""tinyvllm: a small, fast, readable LLM inference engine."""
