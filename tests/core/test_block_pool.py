@@ -1,0 +1,152 @@
+"""BlockPool and KVCacheManager: free list, reference counts, prefix hits, LRU eviction. No torch."""
+import subprocess
+import sys
+
+import pytest
+
+from tinyvllm.core.block_pool import BlockPool, hash_block
+from tinyvllm.core.kv_cache_manager import KVCacheManager
+from tinyvllm.core.request import Request
+
+
+def make_request(rid: str, tokens: list[int]) -> Request:
+    return Request(request_id=rid, prompt_token_ids=tokens, max_tokens=16)
+
+
+def holders(manager: KVCacheManager) -> dict[int, int]:
+    count: dict[int, int] = {}
+    for table in manager.block_tables.values():
+        for b in table:
+            count[b] = count.get(b, 0) + 1
+    return count
+
+
+def test_core_never_imports_torch():
+    code = ("import sys, tinyvllm.core.scheduler, tinyvllm.core.kv_cache_manager, tinyvllm.core.outputs;"
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_allocate_and_free_returns_every_block():
+    pool = BlockPool(8, enable_caching=False)
+    a = pool.allocate(3)
+    b = pool.allocate(5)
+    assert sorted(a + b) == list(range(8))
+    assert pool.num_free_blocks == 0
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+    pool.free(a)
+    pool.free(b)
+    assert pool.num_free_blocks == 8
+    pool.check_invariants({})
+
+
+def test_double_free_is_caught():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.free([b])
+    with pytest.raises(AssertionError):
+        pool.free([b])
+
+
+def test_chained_hash_depends_on_the_whole_prefix():
+    h1 = hash_block(None, [1, 2])
+    assert hash_block(h1, [3, 4]) != hash_block(hash_block(None, [9, 9]), [3, 4])
+    assert hash_block(h1, [3, 4]) == hash_block(hash_block(None, [1, 2]), [3, 4])
+    assert hash_block(None, [1, 2]) != hash_block(None, [2, 1])
+
+
+def test_prefix_hit_reuses_blocks_and_counts_references():
+    bs = 4
+    m = KVCacheManager(BlockPool(10), bs)
+    a = make_request("a", list(range(10)))  # 2 full blocks + 2 tokens
+    assert m.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    m.cache_full_blocks(a)
+    b = make_request("b", list(range(8)) + [99, 98, 97])
+    hits = m.find_cached_prefix(b)
+    assert hits == m.block_table("a")[:2]
+    assert m.allocate_slots(b, b.num_tokens - 8, hits)
+    assert m.block_table("b")[:2] == m.block_table("a")[:2]
+    m.pool.check_invariants(holders(m))
+    assert m.pool.blocks[hits[0]].ref_cnt == 2
+    m.free(a)
+    m.pool.check_invariants(holders(m))
+    m.free(b)
+    m.pool.check_invariants(holders(m))
+    assert m.pool.num_free_blocks == 10
+
+
+def test_partial_block_and_last_token_are_never_taken_from_cache():
+    bs = 4
+    m = KVCacheManager(BlockPool(10), bs)
+    a = make_request("a", list(range(8)))
+    assert m.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    m.cache_full_blocks(a)
+    # Same 8 tokens: both blocks are cached, but the last token must be computed, so only 1 block hits.
+    same = make_request("same", list(range(8)))
+    assert len(m.find_cached_prefix(same)) == 1
+    # 7 tokens: second block is partial for this request.
+    shorter = make_request("shorter", list(range(7)))
+    assert len(m.find_cached_prefix(shorter)) == 1
+
+
+def test_cached_blocks_survive_until_free_list_is_empty_then_lru():
+    bs = 2
+    m = KVCacheManager(BlockPool(4), bs)
+    a = make_request("a", [1, 2, 3, 4])
+    assert m.allocate_slots(a, 4)
+    a.num_computed_tokens = 4
+    m.cache_full_blocks(a)
+    a_blocks = list(m.block_table("a"))
+    m.free(a)
+    assert m.pool.num_free_blocks == 4
+    # Two fresh blocks come from the never-used part of the pool: a's blocks stay cached.
+    b = make_request("b", [7, 7, 7, 7])
+    assert m.allocate_slots(b, 4)
+    assert not set(m.block_table("b")) & set(a_blocks)
+    again = make_request("again", [1, 2, 3, 4, 5])
+    assert m.find_cached_prefix(again) == a_blocks
+    # Now the free list is empty: a new allocation evicts a's tail block first (freed first).
+    c = make_request("c", [8, 8])
+    assert m.allocate_slots(c, 2)
+    assert m.block_table("c") == [a_blocks[1]]
+    assert m.pool.stats.evicted_blocks == 1
+    assert m.find_cached_prefix(again) == a_blocks[:1]
+    m.pool.check_invariants(holders(m))
+
+
+def test_hash_collision_is_a_miss():
+    pool = BlockPool(4)
+    (b,) = pool.allocate(1)
+    h = hash_block(None, [1, 2])
+    pool.cache_block(b, h, None, [1, 2])
+    assert pool.lookup(h, None, [1, 2]) == b
+    # Same hash key but different tokens (as a collision would give): never a hit.
+    assert pool.lookup(h, None, [1, 3]) is None
+    assert pool.lookup(h, b"x" * 16, [1, 2]) is None
+
+
+def test_allocation_failure_changes_nothing():
+    m = KVCacheManager(BlockPool(3), 4)
+    r = make_request("r", list(range(20)))
+    assert not m.allocate_slots(r, 20)
+    assert m.pool.num_free_blocks == 3
+    assert "r" not in m.block_tables
+
+
+def test_reviving_an_evictable_hit_counts_against_free_blocks():
+    bs = 2
+    m = KVCacheManager(BlockPool(3), bs)
+    a = make_request("a", [1, 2, 3, 4])
+    assert m.allocate_slots(a, 4)
+    a.num_computed_tokens = 4
+    m.cache_full_blocks(a)
+    m.free(a)  # 3 free: 1 never used + 2 cached
+    b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8])  # hits 2 blocks (wants 3 more tokens-worth: 2 blocks)
+    hits = m.find_cached_prefix(b)
+    assert len(hits) == 2
+    # Needs ceil(8/2)=4 blocks: 2 revived + 2 new, but only 1 non-hit block is free.
+    assert not m.allocate_slots(b, 4, hits)
+    m.pool.check_invariants(holders(m))

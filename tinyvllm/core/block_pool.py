@@ -1,0 +1,171 @@
+"""The pool of KV-cache blocks: free list, reference counts, and the prefix-cache hash map.
+
+A block is in exactly one of three states:
+  * free: in `_free`, holds nothing worth keeping (never filled, or its hash was evicted);
+  * in use: `ref_cnt > 0`, held by that many requests (more than one only through prefix caching);
+  * cached: `ref_cnt == 0` but its contents are registered under a hash, waiting in the LRU
+    `_evictable`; a prefix hit revives it, and it is evicted (oldest first) only when `_free` is empty.
+
+Each full block is named by a chained hash, h_i = H(h_{i-1} || token ids of block i), so equal hashes mean
+equal prefixes up to and including that block. A hit is also checked against the stored token ids and
+parent hash, so a hash collision can never hand a request someone else's K/V.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """The chained content hash of one full block (128-bit BLAKE2b)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"\0" * 16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    parent_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None  # kept to verify hits
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters since start-up, in tokens (queries and hits) and blocks (evictions)."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_blocks: int = 0
+
+
+class BlockPool:
+    """Hands out block ids, counts their holders, and keeps freed full blocks reusable by hash."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+        self._cached: dict[bytes, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that `allocate` can hand out now (free plus evictable cached ones)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks with ref_cnt 1; takes never-used blocks first, then evicts LRU cached ones."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} blocks with {self.num_free_blocks} free")  # caller checks first
+        out = []
+        for _ in range(n):
+            if self._free:
+                block = self.blocks[self._free.popleft()]
+            else:
+                block_id, _ = self._evictable.popitem(last=False)
+                block = self.blocks[block_id]
+                self._evict(block)
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            out.append(block.block_id)
+        return out
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each (prefix hit); a cached block leaves the LRU."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self._evictable[block_id]
+            block.ref_cnt += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference on each, in the order given: callers pass a request's blocks last-first,
+        so that the tail of a sequence, least likely to be shared, is evicted first."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_cnt > 0, f"double free of block {block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is not None:
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
+
+    def cache_block(self, block_id: int, block_hash: bytes, parent_hash: bytes | None,
+                    token_ids: Sequence[int]) -> None:
+        """Register a full, computed block under its hash. If another block already holds that content,
+        this one stays unregistered (it is freed normally when its holders let go)."""
+        if not self.enable_caching:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
+        self._cached[block_hash] = block_id
+
+    def lookup(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> int | None:
+        """The cached block holding exactly this content, or None."""
+        block_id = self._cached.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
+            return None  # a hash collision: treat as a miss
+        return block_id
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = block.parent_hash = block.token_ids = None
+            self.stats.evicted_blocks += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; only possible when no block is in use. Returns success."""
+        if len(self._free) + len(self._evictable) != self.num_blocks:
+            return False
+        for block_id in list(self._evictable):
+            self._evict(self.blocks[block_id])
+            self._free.append(block_id)
+        self._evictable.clear()
+        return True
+
+    def check_invariants(self, holders: dict[int, int]) -> None:
+        """Raise AssertionError unless the pool is consistent with `holders` (block id -> number of
+        requests whose block table holds it). For tests and debugging."""
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is twice in the free list"
+        assert not free & evictable, "a block is both free and cached-evictable"
+        for block in self.blocks:
+            expected = holders.get(block.block_id, 0)
+            assert block.ref_cnt == expected, (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but {expected} holders")
+            if expected:
+                assert block.block_id not in free and block.block_id not in evictable, (
+                    f"block {block.block_id} is in use and free")
+            else:
+                assert (block.block_id in free) != (block.block_id in evictable), (
+                    f"block {block.block_id} is unreferenced but neither free nor evictable")
+            if block.block_id in evictable:
+                assert block.block_hash is not None
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) == block.block_id
+        assert len(self._cached) == sum(b.block_hash is not None for b in self.blocks)

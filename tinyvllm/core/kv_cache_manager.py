@@ -1,0 +1,110 @@
+"""Per-request block tables on top of the block pool: slot allocation, prefix lookup, freeing.
+
+Token t of a request lives in block `block_table[t // block_size]`, at offset `t % block_size`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from tinyvllm.core.block_pool import BlockPool, hash_block
+from tinyvllm.core.request import Request
+
+
+class KVCacheManager:
+    """Owns every request's block table. Never imports torch."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.block_tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.block_tables.get(request_id, [])
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached prefix of the request's tokens, verified token by token.
+
+        At most `num_tokens - 1` tokens are taken from the cache, so that at least one token is
+        computed and yields the logits to sample from.
+        """
+        if not self.enable_caching:
+            return []
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        parent = None
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            tokens = request.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            block_id = self.pool.lookup(block_hash, parent, tokens)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = block_hash
+        return hits
+
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admission's lookup in the pool's statistics."""
+        if self.enable_caching:
+            self.pool.stats.queried_tokens += request.num_tokens
+            self.pool.stats.hit_tokens += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: Sequence[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens` (plus the
+        cached prefix blocks being adopted). Returns False, changing nothing, if the pool is short."""
+        table = self.block_tables.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_required = math.ceil((num_computed + num_new_tokens) / self.block_size)
+        num_new_blocks = max(0, num_required - len(table) - len(cached_blocks))
+        # Adopting a cached block that sits in the LRU takes it out of the free count.
+        num_revived = sum(1 for b in cached_blocks if self.pool.is_evictable(b))
+        if num_new_blocks > self.pool.num_free_blocks - num_revived:
+            if not table:
+                del self.block_tables[request.request_id]
+            return False
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            table.extend(cached_blocks)
+            self._num_registered[request.request_id] = len(table)
+        if num_new_blocks:
+            table.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Offer the request's full, computed blocks to the prefix cache. Call after the step that
+        wrote their K/V, never before: a cached block must hold what its hash says."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        table = self.block_tables.get(rid)
+        if not table:
+            return
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        start = self._num_registered.get(rid, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        bs = self.block_size
+        for i in range(start, num_full):
+            parent = request.block_hashes[i - 1] if i else None
+            self.pool.cache_block(table[i], request.block_hashes[i], parent,
+                                  request.token_ids[i * bs:(i + 1) * bs])
+        self._num_registered[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (see BlockPool.free)."""
+        table = self.block_tables.pop(request.request_id, [])
+        self._num_registered.pop(request.request_id, None)
+        self.pool.free(reversed(table))
+
+    def _update_block_hashes(self, request: Request) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), request.num_tokens // bs):
+            hashes.append(hash_block(hashes[i - 1] if i else None, request.token_ids[i * bs:(i + 1) * bs]))

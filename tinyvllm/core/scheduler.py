@@ -1,0 +1,190 @@
+"""Continuous batching: one loop per step over a token budget.
+
+Each step (vLLM v1's shape, no separate prefill phase):
+  1. running requests that are decoding get one token each, then running requests part-way through
+     their prompt get the next chunk, as far as `max_num_batched_tokens` allows;
+  2. if a request cannot get the blocks it needs, the most recently admitted running request is
+     preempted (its blocks freed, recomputed later from scratch) until it can, or until it is itself
+     the victim;
+  3. if nothing was preempted, waiting requests are admitted in arrival order (adopting cached prefix
+     blocks) while the budget, `max_num_seqs` and the free blocks allow; a prompt longer than the
+     budget is split into chunks over several steps.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from tinyvllm.config import SchedulerConfig, blocks_needed
+from tinyvllm.core.kv_cache_manager import KVCacheManager
+from tinyvllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from tinyvllm.core.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self._released: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> bool:
+        """Queue a request. One that can never run is finished at once with FINISHED_ERROR and a
+        message in `request.error`; returns whether it was queued."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        error = self._never_fits(request)
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = error
+            return False
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return True
+
+    def _never_fits(self, request: Request) -> str | None:
+        n, limit = request.num_prompt_tokens, self.config.max_model_len
+        if n == 0:
+            return "the prompt is empty; at least one token is needed"
+        if n >= limit:
+            return (f"the prompt has {n} tokens, but this model allows at most {limit} tokens in total "
+                    f"(prompt plus output), so the prompt must have at most {limit - 1} tokens")
+        pool = self.kv_cache.pool
+        if blocks_needed(n + 1, self.kv_cache.block_size) > pool.num_blocks:
+            return (f"the prompt has {n} tokens, but the whole KV cache holds only "
+                    f"{pool.num_blocks * self.kv_cache.block_size} tokens")
+        return None
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (or abort) requests wherever they are; frees their blocks. Unknown ids are ignored."""
+        assert status.is_finished
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        done = []
+        for rid in ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self.kv_cache.free(request)
+            request.status = status
+            self._released.add(rid)
+            done.append(request)
+        return done
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}  # request id -> tokens this step (insertion order = batch order)
+        new_ids: set[str] = set()
+        preempted = 0
+
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decoding + prefilling:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, n):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                preempted += 1
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = n
+                budget -= n
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            cached = self.kv_cache.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * self.kv_cache.block_size
+            n = request.num_tokens - num_cached_tokens
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.kv_cache.allocate_slots(request, n, cached):
+                break
+            self.waiting.popleft()
+            self.kv_cache.record_prefix_query(request, num_cached_tokens)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached_tokens
+            self.running.append(request)
+            scheduled[request.request_id] = n
+            new_ids.add(request.request_id)
+            budget -= n
+
+        sequences = [self._scheduled_sequence(self.requests[rid], n, rid in new_ids)
+                     for rid, n in scheduled.items()]
+        released, self._released = frozenset(self._released), set()
+        return SchedulerOutput(sequences=sequences,
+                               num_batched_tokens=self.config.max_num_batched_tokens - budget,
+                               released_request_ids=released, num_preempted=preempted)
+
+    def _scheduled_sequence(self, request: Request, n: int, is_new: bool) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        request.num_computed_tokens += n
+        return ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=request.token_ids[start:start + n],
+            num_computed_tokens=start,
+            block_ids=self.kv_cache.block_table(request.request_id),
+            sample=request.num_computed_tokens == request.num_tokens,
+            is_new=is_new,
+            sampling_params=request.sampling_params,
+            prompt_len=request.num_prompt_tokens,
+            all_token_ids=request.token_ids,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: free everything, go back to the front of the queue."""
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._released.add(request.request_id)
+
+    def update_from_output(self, output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[tuple[Request, list[int]]]:
+        """Append the sampled tokens, register newly full blocks in the prefix cache, and apply the
+        token-level stopping rules. Returns (request, new token ids) for every request that got a token,
+        finished ones included (their status says so)."""
+        sampled = iter(runner_output.sampled_token_ids)
+        updated = []
+        for seq in output.sequences:
+            token = next(sampled) if seq.sample else None
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            self.kv_cache.cache_full_blocks(request)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish_requests(request.request_id, status)
+            updated.append((request, [token]))
+        return updated
