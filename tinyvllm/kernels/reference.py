@@ -1,0 +1,136 @@
+"""Pure-torch reference for every op in the ops table. These docstrings are the specification: the
+Triton kernels must compute the same function, with the same signature, to within rounding.
+
+Shapes: T tokens in the packed batch, Hq query heads, Hk KV heads (Hq % Hk == 0), D head dim,
+KV cache per layer `[num_blocks, Hk, block_size, D]` for K and the same for V. Token t of a sequence
+lives at slot `block_table[t // block_size] * block_size + t % block_size`.
+Arithmetic is in float32 (float64 when the inputs are float64); outputs are in the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w ⊙ round(x / sqrt(mean(x²) + eps)), normalised in float32 and rounded to x's dtype before
+    the weight multiply (Hugging Face LlamaRMSNorm's order). x: [T, H], weight: [H]."""
+    xf = x.to(_acc_dtype(x))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add and RMSNorm: r' = round(x + residual); returns (rms_norm(r'), r')."""
+    new_residual = (x.to(_acc_dtype(x)) + residual.to(_acc_dtype(x))).to(x.dtype)
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+         cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding, rotate-half (GPT-NeoX) layout as in Hugging Face Llama, in place on q and k.
+
+    For each head vector x = [x1, x2] (halves of D/2) at position p, with c = cos_sin[p, :D/2] and
+    s = cos_sin[p, D/2:]:  x ← [x1·c − x2·s, x2·c + x1·s].
+    q: [T, Hq, D], k: [T, Hk, D], positions: [T] int, cos_sin: [max_pos, D] float32.
+    """
+    half = q.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions.long()).to(_acc_dtype(q))
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    for x in (q, k):
+        x1, x2 = x[..., :half].to(cos.dtype), x[..., half:].to(cos.dtype)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x.copy_(out.to(x.dtype))
+    return q, k
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store token t's K/V at cache slot `slot_mapping[t]`; a negative slot (a padded row) writes
+    nothing. k, v: [T, Hk, D]; caches: [num_blocks, Hk, block_size, D]."""
+    block_size = k_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = k[valid].to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v[valid].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence's K or V, contiguous: [length, Hk, D]."""
+    block_size = cache.shape[2]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [nb, Hk, bs, D]
+    return blocks.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Causal softmax attention of queries at absolute positions q_positions over keys 0..len(k)-1.
+    q: [n, Hq, D], k/v: [L, Hk, D] → [n, Hq, D] in the accumulation dtype."""
+    acc = _acc_dtype(q)
+    group = q.shape[1] // k.shape[1]
+    kf = k.to(acc).repeat_interleave(group, dim=1)
+    vf = v.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(acc), kf) * scale
+    key_pos = torch.arange(k.shape[0], device=q.device)
+    mask = key_pos[None, :] > q_positions[:, None].to(q.device)  # [n, L]
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vf)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float, max_seqlen_q: int | None = None) -> torch.Tensor:
+    """Causal attention for prompt chunks over the paged cache (FlashAttention-2's function).
+
+    Sequence s owns query rows cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1 (q_len_s rows) and has seq_lens[s]
+    tokens of context in the cache, this chunk's included; its row i sits at absolute position
+    p = seq_lens[s] − q_len_s + i and attends to keys 0..p:
+        out[i] = softmax(scale · q_i Kᵀ[0..p]) V[0..p]
+    Query head h reads KV head h // (Hq / Hk) (grouped-query attention).
+    q: [Tq, Hq, D]; cu_seqlens_q: [S+1] int32; seq_lens: [S] int32; block_tables: [S, max_blocks] int32.
+    `max_seqlen_q` is a launch hint for kernels; ignored here.
+    """
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for s, length in enumerate(seq_lens.tolist()):
+        lo, hi = cu[s], cu[s + 1]
+        if hi == lo:
+            continue
+        k = gather_kv(k_cache, block_tables[s], length)
+        v = gather_kv(v_cache, block_tables[s], length)
+        positions = torch.arange(length - (hi - lo), length)
+        out[lo:hi] = _attend(q[lo:hi], k, v, positions, scale).to(q.dtype)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                     max_seq_len: int | None = None) -> torch.Tensor:
+    """One query token per sequence, at the last position of its context:
+        out[b] = softmax(scale · q_b Kᵀ[0..L_b−1]) V[0..L_b−1],  L_b = seq_lens[b].
+    A row with seq_lens[b] == 0 (a padded row) outputs zeros.
+    q: [B, Hq, D]; seq_lens: [B] int32; block_tables: [B, max_blocks] int32. `max_seq_len` is a launch
+    hint for kernels; ignored here."""
+    out = torch.zeros_like(q)
+    for b, length in enumerate(seq_lens.tolist()):
+        if length == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], length)
+        v = gather_kv(v_cache, block_tables[b], length)
+        out[b] = _attend(q[b:b + 1], k, v, torch.tensor([length - 1]), scale)[0].to(q.dtype)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: x = [g, u] along the last dim (each F wide) → silu(g) ⊙ u, in float32, rounded."""
+    f = x.shape[-1] // 2
+    xf = x.to(_acc_dtype(x))
+    g, u = xf[..., :f], xf[..., f:]
+    return (g * torch.sigmoid(g) * u).to(x.dtype)

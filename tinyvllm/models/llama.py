@@ -1,0 +1,149 @@
+"""Llama 3.x decoder over a packed (varlen) batch and a paged KV cache.
+
+Per layer, with r the residual stream:
+    h = RMSNorm(r);  q, k, v = h Wqkv;  q, k ← RoPE(q, k, positions);  cache ← (k, v)
+    r = r + Attention(q, cache) Wo
+    h = RMSNorm(r);  r = r + (silu(h Wg) ⊙ h Wu) Wd
+and logits = RMSNorm(r) Wlm (Wlm = Wemb when embeddings are tied).
+
+Q, K and V share one matrix product (`qkv_proj`, rows [q | k | v]) and so do gate and up
+(`gate_up_proj`, rows [gate | up]); the loader fills them from Hugging Face's separate tensors.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tinyvllm.config import ModelConfig
+from tinyvllm.kernels import Ops
+from tinyvllm.models.attention_metadata import AttnMetadata
+from tinyvllm.models.rope import cos_sin_table
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, Hk, block_size, D]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                meta: AttnMetadata, kv_cache: KVCache) -> torch.Tensor:
+        # x: [T, H]
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.rope(q, k, positions, cos_sin)
+        k_cache, v_cache = kv_cache
+        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        D = meta.num_decode_tokens
+        if D:
+            out[:D] = self.ops.decode_attention(q[:D], k_cache, v_cache, meta.decode_seq_lens,
+                                                meta.decode_block_tables, self.scale,
+                                                meta.max_decode_seq_len)
+        if D < T:
+            out[D:] = self.ops.prefill_attention(q[D:], k_cache, v_cache, meta.prefill_cu_seqlens_q,
+                                                 meta.prefill_seq_lens, meta.prefill_block_tables,
+                                                 self.scale, meta.max_prefill_q_len)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ops = ops
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, residual stream): with a residual, adds it first (fused)."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps), x
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, ops, dtype)
+        self.mlp = LlamaMLP(config, ops, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, cos_sin, meta, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids, positions, meta, kv_caches) → final hidden states; compute_logits → logits.
+
+    Parameters are created in `dtype` on the current default device (the loader builds it on the meta
+    device and materialises it with `to_empty`); `init_rope_table` must run once on the real device.
+    """
+
+    def __init__(self, config: ModelConfig, ops: Ops, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, dtype)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.register_buffer("cos_sin", torch.empty(max_positions, config.head_dim), persistent=False)
+
+    def init_rope_table(self) -> None:
+        """Fill the float32 [max_positions, D] cos/sin table on the model's device."""
+        c = self.config
+        self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, self.max_positions,
+                                     device=self.embed_tokens.weight.device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        # input_ids, positions: [T] → hidden: [T, H]
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, self.cos_sin, meta, kv_cache)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] → [N, V] float32 logits."""
+        return F.linear(hidden, self.lm_head_weight).float()
