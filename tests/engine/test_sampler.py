@@ -98,6 +98,19 @@ def test_mixed_batch_greedy_rows_are_argmax_and_input_untouched():
     assert torch.equal(logits, before)
 
 
+def test_non_contiguous_logits():
+    torch.manual_seed(4)
+    logits = torch.randn(30, 5).t()  # [5, 30], not contiguous
+    p = SamplingParams(temperature=0.0, presence_penalty=1.0, min_tokens=2)
+    rows = [SamplingRow(p, [], [int(logits[i].argmax())], min_tokens_banned_ids=frozenset({0})) for i in range(5)]
+    out = sample(rows, logits).sampled_token_ids
+    ref = logits.clone()
+    for i in range(5):
+        ref[i, int(logits[i].argmax())] -= 1.0
+        ref[i, 0] = float("-inf")
+    assert torch.equal(out, ref.argmax(-1))
+
+
 # ------------------------------------------------------------------------- seeds
 
 

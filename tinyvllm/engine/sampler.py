@@ -118,7 +118,8 @@ class Sampler:
             # (the float32 conversion is monotone, so the argmax is the same).
             sampled = logits.argmax(dim=-1)
         else:
-            work = logits.to(dtype=torch.float32, copy=True)
+            # A contiguous float32 copy: the caller's logits stay untouched, and flat views work.
+            work = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
             if tensors.min_tokens_ban is not None:
                 work.view(-1).index_fill_(0, tensors.min_tokens_ban, _NEG_INF)
             if tensors.output_counts is not None:
