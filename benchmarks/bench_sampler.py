@@ -52,6 +52,11 @@ def bench(name: str, kwargs: dict, batch: int, vocab: int, device: torch.device,
     gen = torch.Generator(device=device).manual_seed(0)
     sampler = Sampler()
     host_ms, device_ms = [], []
+    peak_mib = None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
     for rep in range(reps + 3):
         t0 = time.perf_counter()
         tensors = SamplingTensors.from_rows(rows, vocab, device)
@@ -70,8 +75,10 @@ def bench(name: str, kwargs: dict, batch: int, vocab: int, device: torch.device,
         if rep >= 3:
             host_ms.append((t1 - t0) * 1e3)
             device_ms.append(elapsed)
+    if device.type == "cuda":
+        peak_mib = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     return {"config": name, "batch": batch, "vocab": vocab, "from_rows_ms": quantiles(host_ms),
-            "sampler_ms": quantiles(device_ms)}  # fmt: skip
+            "sampler_ms": quantiles(device_ms), "peak_extra_mib": peak_mib}  # fmt: skip
 
 
 def main() -> None:
@@ -91,7 +98,8 @@ def main() -> None:
             results.append(r)
             print(f"B={batch:4d} {name:20s} sampler {r['sampler_ms']['median']:8.3f} ms "
                   f"(p10 {r['sampler_ms']['p10']:.3f}, p90 {r['sampler_ms']['p90']:.3f})  "
-                  f"from_rows {r['from_rows_ms']['median']:7.3f} ms   [one fp32 pass ~{pass_ms:.3f} ms]", flush=True)  # fmt: skip
+                  f"from_rows {r['from_rows_ms']['median']:7.3f} ms  peak {r['peak_extra_mib'] or 0:7.0f} MiB  "
+              f"[one fp32 pass ~{pass_ms:.3f} ms]", flush=True)  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": str(device), "torch": torch.__version__, "results": results}, f, indent=1)

@@ -265,6 +265,24 @@ def test_penalties_equal_hand_computation():
     assert torch.equal(out, expected)
 
 
+def test_penalty_rows_as_arrays_equal_lists():
+    import array
+
+    import numpy as np
+
+    torch.manual_seed(5)
+    logits = torch.randn(3, 20)
+    p = SamplingParams(repetition_penalty=1.7, frequency_penalty=0.3, presence_penalty=-0.4)
+    prompts, outputs = [[1, 2, 2], [], [19]], [[2, 5, 5, 5], [0], []]
+    as_lists = [SamplingRow(p, pr, out) for pr, out in zip(prompts, outputs)]
+    as_arrays = [SamplingRow(p, array.array("q", pr), np.array(out, dtype=np.int64)) for pr, out in zip(prompts, outputs)]
+    a = apply_penalties(logits.clone(), SamplingTensors.from_rows(as_lists, 20, CPU))
+    b = apply_penalties(logits.clone(), SamplingTensors.from_rows(as_arrays, 20, CPU))
+    assert torch.equal(a, b) and not torch.equal(a, logits)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        SamplingTensors.from_rows([SamplingRow(p, array.array("q", [20]), [])], 20, CPU)
+
+
 def test_repetition_penalty_changes_greedy_choice():
     logits = torch.tensor([[0.0, 4.0, 0.0, 0.0, 0.0, 3.0]])
     plain = sample([SamplingRow(SamplingParams(temperature=0.0), [1], [])], logits).sampled_token_ids

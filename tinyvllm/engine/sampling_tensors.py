@@ -13,6 +13,7 @@ non-blocking on CUDA: building the tensors never waits for the GPU.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -226,16 +227,26 @@ class SamplingTensors:
 def _flat_indices(token_lists: Sequence[Sequence[int]], vocab_size: int, field: str) -> torch.Tensor:
     """CPU int64 tensor of ``row * vocab_size + token`` over every token of every row.
 
-    Flattened through numpy (``fromiter`` over a chain), about 4x faster than
-    ``torch.tensor`` of a Python list: this is the host cost of penalties.
+    This is the host cost of penalties, O(tokens) per step. Rows held as ``array.array``
+    ('q' or 'l') or int64 numpy arrays are read without a Python loop; lists go through
+    ``np.fromiter`` (about 4x faster than ``torch.tensor`` of a list, still ~50 ns a token).
     """
     lengths = np.fromiter((len(ids) for ids in token_lists), dtype=np.int64, count=len(token_lists))
-    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lengths.sum()))
+    if all(_is_int64_buffer(ids) for ids in token_lists):
+        tokens = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in token_lists] or [np.empty(0, np.int64)])
+    else:
+        tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=int(lengths.sum()))
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         bad = int(tokens[(tokens < 0) | (tokens >= vocab_size)][0])
         raise ValueError(f"{field} holds token id {bad}, outside the vocabulary [0, {vocab_size}).")
     rows = np.repeat(np.arange(len(token_lists), dtype=np.int64) * vocab_size, lengths)
     return torch.from_numpy(rows + tokens)
+
+
+def _is_int64_buffer(ids: object) -> bool:
+    if isinstance(ids, array.array):
+        return ids.itemsize == 8 and ids.typecode in "qlQL"
+    return isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
