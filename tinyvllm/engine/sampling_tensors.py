@@ -35,6 +35,8 @@ class SamplingRow:
         params: the request's sampling parameters.
         prompt_token_ids: the prompt (read only when the row's repetition_penalty != 1).
         output_token_ids: the tokens generated so far (read for penalties and min_tokens).
+            Token rows may be lists, ``array.array('q')`` or int64 numpy arrays; the last
+            two are read without a Python loop (penalties cost O(tokens) host time a step).
         generator: the request's own generator, on the sampling device, seeded with
             ``params.seed`` (see :func:`make_generator`); required when the request has a
             seed, ``None`` otherwise (the row then draws from the batch generator).
