@@ -1,0 +1,308 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and rules.
+
+Pure Python (no torch) so that the scheduler, the server schema and the tests
+can build and validate parameters anywhere. The sampler
+(:mod:`tinyvllm.engine.sampler`) turns a batch of these into device tensors.
+
+Normalisations done in ``__post_init__`` (all as vLLM does):
+
+* ``top_k = -1`` becomes ``0`` (both mean "disabled"); ``seed = -1`` becomes ``None``.
+* ``stop`` and ``stop_token_ids`` become lists (``None`` -> ``[]``, a single
+  string -> ``[string]``).
+* ``logprobs=True`` / ``prompt_logprobs=True`` become ``1``.
+* ``0 < temperature < 0.01`` is raised to ``0.01`` with a warning (tiny
+  temperatures overflow half-precision logits in vLLM; we keep the rule so
+  that the same request samples the same distribution on both engines).
+* ``temperature < 1e-5`` means greedy: ``top_p``, ``top_k`` and ``min_p`` are
+  reset to their neutral values (1.0, 0, 0.0), and ``n`` must be 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+import numbers
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (argmax) sampling, as in vLLM."""
+
+MIN_RANDOM_TEMPERATURE = 1e-2
+"""Positive temperatures below this are raised to it, as in vLLM (``_MAX_TEMP``)."""
+
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+class SamplingType(enum.Enum):
+    """How the sampler picks the next token of a request."""
+
+    GREEDY = 0
+    """argmax of the (penalised) logits."""
+    RANDOM = 1
+    """a draw from the batch generator."""
+    RANDOM_SEED = 2
+    """a draw from the request's own generator, seeded with ``SamplingParams.seed``."""
+
+
+def _check_int(name: str, value: Any, *, optional: bool = False) -> int | None:
+    """Return ``value`` as a Python int, or raise TypeError naming the field.
+
+    Booleans are rejected (``True`` is an ``int`` to Python but never what a user means
+    for a count); integral numbers from numpy are accepted and converted.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        kind = "an int or None" if optional else "an int"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__} ({value!r}).")
+    return int(value)
+
+
+def _check_float(name: str, value: Any) -> float:
+    """Return ``value`` as a finite Python float, or raise TypeError/ValueError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r}).")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}.")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r}).")
+    return value
+
+
+@dataclasses.dataclass(eq=True)
+class SamplingParams:
+    """Sampling parameters of one request (vLLM's ``SamplingParams`` subset).
+
+    Attributes:
+        n: number of output sequences to generate for the prompt (>= 1; 1 when greedy).
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token that
+            already occurs in the output.
+        frequency_penalty: in [-2, 2]; subtracted ``count`` times from the logit of a token
+            that occurs ``count`` times in the output.
+        repetition_penalty: > 0; for every token that occurs in the prompt or the output,
+            a positive logit is divided by it and a non-positive one multiplied (HF/CTRL).
+            1.0 disables it.
+        temperature: >= 0; logits are divided by it. Below 1e-5: greedy.
+        top_p: in (0, 1]; keep the smallest set of most likely tokens whose probability
+            mass reaches ``top_p`` (the most likely token is always kept). 1.0 disables it.
+        top_k: keep the ``top_k`` most likely tokens; 0 (or -1, normalised to 0) disables it.
+        min_p: in [0, 1]; drop tokens whose probability is below ``min_p`` times the
+            probability of the most likely token. 0.0 disables it.
+        seed: seed of the request's own random generator (same seed, same output, whatever
+            else is batched with it); None uses the engine's generator. -1 means None.
+        stop: strings that end generation when they appear in the output text.
+        stop_token_ids: token ids that end generation (besides EOS unless ``ignore_eos``).
+        ignore_eos: keep generating after EOS.
+        max_tokens: most tokens to generate (>= 1); None means up to the model's length.
+        min_tokens: EOS and ``stop_token_ids`` are banned until this many tokens exist.
+        logprobs: number of most likely tokens whose logprobs are returned for each
+            generated token, besides the sampled one (0: the sampled one alone).
+            None returns no logprobs.
+        prompt_logprobs: the same for prompt tokens (accepted here; the engine may
+            reject it as unsupported).
+        skip_special_tokens: drop special tokens when detokenising.
+        spaces_between_special_tokens: put spaces between special tokens when detokenising.
+        include_stop_str_in_output: keep the matched stop string in the output text.
+        detokenize: produce text (stop strings need it).
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        self._normalise_types()
+        self._verify_args()
+        if self.temperature < SAMPLING_EPS:
+            # Zero temperature means greedy sampling: the filters cannot change an argmax.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), got {self.n}.")
+
+    # -- validation ----------------------------------------------------------------------
+
+    def _normalise_types(self) -> None:
+        """Check every field's type and bring it to its canonical form (see module doc)."""
+        self.n = _check_int("n", self.n)
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty)
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        self.temperature = _check_float("temperature", self.temperature)
+        self.top_p = _check_float("top_p", self.top_p)
+        self.top_k = _check_int("top_k", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        self.min_p = _check_float("min_p", self.min_p)
+        self.seed = _check_int("seed", self.seed, optional=True)
+        if self.seed == -1:
+            self.seed = None
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, optional=True)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens)
+        if self.logprobs is True:
+            self.logprobs = 1
+        self.logprobs = _check_int("logprobs", self.logprobs, optional=True)
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, optional=True)
+        for name in (
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+            "detokenize",
+        ):
+            _check_bool(name, getattr(self, name))
+        if 0.0 < self.temperature < MIN_RANDOM_TEMPERATURE and self.temperature >= SAMPLING_EPS:
+            logger.warning(
+                "temperature %s is less than %s, which may cause numerical errors; raised to %s (as vLLM does).",
+                self.temperature,
+                MIN_RANDOM_TEMPERATURE,
+                MIN_RANDOM_TEMPERATURE,
+            )
+            self.temperature = MIN_RANDOM_TEMPERATURE
+
+    def _verify_args(self) -> None:
+        """Value ranges, vLLM's rules (types are already canonical)."""
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disabled), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 (or None), got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative (or None), got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative (or None), got {self.prompt_logprobs}.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True; set detokenize=True to use stop.")
+
+    # -- derived -------------------------------------------------------------------------
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """GREEDY below ``SAMPLING_EPS`` temperature, else RANDOM_SEED with a seed, else RANDOM."""
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.sampling_type is SamplingType.GREEDY
+
+    # -- copies --------------------------------------------------------------------------
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (the list fields are copied, so mutating one never touches the other)."""
+        return self.replace()
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` applied, validated again (raises like the constructor).
+
+        Note that a greedy instance has had ``top_p``/``top_k``/``min_p`` reset; raising
+        the temperature of its copy does not bring back the values it was built with.
+        """
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["stop"] = list(fields["stop"])
+        fields["stop_token_ids"] = list(fields["stop_token_ids"])
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"SamplingParams has no field(s) {sorted(unknown)}.")
+        fields.update(changes)
+        return SamplingParams(**fields)
+
+    def __repr__(self) -> str:
+        # Only the fields that differ from the defaults: short enough to read in a log.
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default
+            if f.name in ("stop", "stop_token_ids"):
+                default = []
+            if value != default:
+                parts.append(f"{f.name}={value!r}")
+        return f"SamplingParams({', '.join(parts)})"
+
+
+def _normalise_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    elif isinstance(stop, (list, tuple)):
+        stop = list(stop)
+    else:
+        raise TypeError(f"stop must be a string, a list of strings or None, got {type(stop).__name__}.")
+    for s in stop:
+        if not isinstance(s, str):
+            raise TypeError(f"stop must contain only strings, got {type(s).__name__} ({s!r}).")
+        if not s:
+            raise ValueError("stop cannot contain an empty string.")
+    return stop
+
+
+def _normalise_stop_token_ids(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
+        raise TypeError(f"stop_token_ids must be a list of ints or None, got {type(ids).__name__}.")
+    out = []
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+            raise TypeError(f"stop_token_ids must contain only ints, got {type(token_id).__name__} ({token_id!r}).")
+        if token_id < 0:
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {token_id}.")
+        out.append(int(token_id))
+    return out
