@@ -35,8 +35,8 @@ LLAMA3_SPLIT_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# Standard-library modules whose docstrings form the training text (paths under the stdlib
-# directory; all present in Python 3.10 - 3.13; a missing one is skipped).
+# Standard-library modules whose docstrings form the training text: ``<name>.py`` or
+# ``<name>/__init__.py`` under the stdlib directory (a missing one is skipped).
 CORPUS_MODULES = (
     "argparse", "ast", "base64", "bisect", "calendar", "collections/__init__", "configparser",
     "contextlib", "copy", "csv", "dataclasses", "datetime", "difflib", "doctest", "enum",
@@ -94,7 +94,9 @@ def training_corpus() -> tuple[str, ...]:
     for module in CORPUS_MODULES:
         path = stdlib / f"{module}.py"
         if not path.is_file():
-            continue
+            path = stdlib / module / "__init__.py"
+            if not path.is_file():
+                continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
