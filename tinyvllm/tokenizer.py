@@ -40,6 +40,11 @@ class Tokenizer:
             keys must be in :data:`SPECIAL_TOKEN_ATTRIBUTES`; each token must be in the vocabulary.
         chat_template: one Jinja template, or named templates (``{"default": ..., "tool_use": ...}``),
             or None when the model has no chat template.
+
+    Attributes:
+        vocab_size: number of ids, added tokens included (the largest id + 1).
+        bos_token_id, eos_token_id: ids of the named bos/eos tokens, None when not named.
+        all_special_ids: ids of the special added tokens and of the named special tokens.
     """
 
     def __init__(
@@ -58,7 +63,6 @@ class Tokenizer:
         self.chat_template = chat_template
         vocab = backend.get_vocab(with_added_tokens=True)
         self.vocab_size: int = max(vocab.values()) + 1
-        """Number of ids, added tokens included: the largest id + 1."""
         self.bos_token_id: int | None = self._named_id("bos_token")
         self.eos_token_id: int | None = self._named_id("eos_token")
         special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
@@ -173,7 +177,9 @@ class IncrementalDetokenizer:
       released (returned by :meth:`get_delta`) <= visible (:attr:`output_text`) <= final.
     ``output_text`` never ends in a character that may still change. After :meth:`finish` (or
     a stop string) it is final and equals ``tokenizer.decode(generated_ids, skip_special_tokens)``
-    cut at the stop string, if any.
+    cut at the stop string, if any. When a request ends for another reason (EOS, stop token,
+    max_tokens, abort), call :meth:`finish` (or ``get_delta(finished=True)``) before reading the
+    final ``output_text``: until then bytes that never completed a character are held back.
 
     Stop strings: the first one to complete in the text wins (the earliest end; for equal ends
     the longest); only the last ``max(len(stop)) - 1`` visible characters plus the new text are
@@ -241,6 +247,7 @@ class IncrementalDetokenizer:
 
     @property
     def generated_token_ids(self) -> list[int]:
+        """The ids given to :meth:`add_tokens` so far."""
         return self._ids[self._num_prompt :]
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str | None:
@@ -284,7 +291,8 @@ class IncrementalDetokenizer:
         """Text not returned before, for streaming.
 
         While not finished, the last ``max(len(stop)) - 1`` visible characters are held back (they
-        could still become a stop string, which is not part of the output); ``finished=True``
+        could still become a stop string, which is not part of the output; nothing is held back
+        with ``include_stop_str_in_output``, as in vLLM: such text is output anyway); ``finished=True``
         calls :meth:`finish` and releases everything. After a stop string matched everything is
         released whatever ``finished`` says.
         """
