@@ -1,0 +1,327 @@
+"""Text <-> token ids: a Hugging Face ``tokenizer.json`` wrapper, chat templates, incremental detokenization.
+
+* :class:`Tokenizer` loads ``tokenizer.json`` + ``tokenizer_config.json`` (and, if present,
+  ``special_tokens_map.json``, ``chat_template.jinja``, ``additional_chat_templates/*.jinja``)
+  from a model directory with the ``tokenizers`` library only; transformers is not needed.
+* :meth:`Tokenizer.apply_chat_template` renders the model's Jinja chat template exactly as
+  ``transformers`` does (:mod:`tinyvllm.chat_template`).
+* :class:`IncrementalDetokenizer` turns a request's generated ids into text token by token,
+  never emitting half a UTF-8 character, and cuts the text at stop strings.
+
+Decoding is the raw ``tokenizers`` decode: ``clean_up_tokenization_spaces`` from
+tokenizer_config.json is ignored (as in vLLM's incremental output), so
+``Tokenizer.decode(ids)`` and the detokenizer's final text always agree.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import tokenizers
+
+from tinyvllm.chat_template import ChatTemplates, load_chat_templates, render_chat_template, select_chat_template
+
+# Named special-token attributes, as transformers' SPECIAL_TOKENS_ATTRIBUTES; the ones present
+# are passed to chat templates as variables (``bos_token``, ``eos_token``, ...).
+SPECIAL_TOKEN_ATTRIBUTES = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus the special tokens and chat template(s) of one model.
+
+    Args:
+        backend: the loaded ``tokenizers.Tokenizer``.
+        special_tokens: named special tokens as strings, e.g. ``{"bos_token": "<|begin_of_text|>"}``;
+            keys must be in :data:`SPECIAL_TOKEN_ATTRIBUTES`; each token must be in the vocabulary.
+        chat_template: one Jinja template, or named templates (``{"default": ..., "tool_use": ...}``),
+            or None when the model has no chat template.
+
+    Attributes:
+        vocab_size: number of ids, added tokens included (the largest id + 1).
+        bos_token_id, eos_token_id: ids of the named bos/eos tokens, None when not named.
+        all_special_ids: ids of the special added tokens and of the named special tokens.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        special_tokens: dict[str, str] | None = None,
+        chat_template: ChatTemplates | None = None,
+    ) -> None:
+        self._backend = backend
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        for name, token in self.special_tokens.items():
+            if name not in SPECIAL_TOKEN_ATTRIBUTES:
+                raise ValueError(f"unknown special token attribute {name!r}; expected one of {SPECIAL_TOKEN_ATTRIBUTES}")
+            if backend.token_to_id(token) is None:
+                raise ValueError(f"{name} {token!r} is not in the tokenizer's vocabulary")
+        self.chat_template = chat_template
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.vocab_size: int = max(vocab.values()) + 1
+        self.bos_token_id: int | None = self._named_id("bos_token")
+        self.eos_token_id: int | None = self._named_id("eos_token")
+        special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        special |= {backend.token_to_id(t) for t in self.special_tokens.values()}
+        self.all_special_ids: set[int] = special
+
+    def _named_id(self, name: str) -> int | None:
+        token = self.special_tokens.get(name)
+        return None if token is None else self._backend.token_to_id(token)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
+        """Load the tokenizer of a Hugging Face model directory (no network access).
+
+        Special tokens come from tokenizer_config.json (a string or an AddedToken dict with
+        ``"content"``); special_tokens_map.json fills in the ones it lacks. The chat template comes
+        from ``chat_template.jinja`` (+ ``additional_chat_templates/``) when present, else from
+        tokenizer_config.json's ``chat_template`` (a string or a list of ``{"name", "template"}``).
+
+        Raises:
+            ValueError: ``model_dir`` has no tokenizer.json.
+        """
+        model_dir = Path(model_dir)
+        if not (model_dir / "tokenizer.json").is_file():
+            raise ValueError(f"{model_dir} has no tokenizer.json; pass a Hugging Face model directory")
+        backend = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        special_map = _read_json(model_dir / "special_tokens_map.json")
+        special_tokens = {}
+        for name in SPECIAL_TOKEN_ATTRIBUTES:
+            value = config.get(name) or special_map.get(name)
+            if value:
+                special_tokens[name] = value["content"] if isinstance(value, dict) else str(value)
+        return cls(backend, special_tokens, load_chat_templates(model_dir, config))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (Llama 3: BOS first)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; bytes that do not form valid UTF-8 decode to U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Vocabulary strings of ``ids`` (byte-level BPE: ``"Ġthe"`` for ``" the"``)."""
+        tokens = []
+        for i in ids:
+            token = self._backend.id_to_token(i) if 0 <= i < self.vocab_size else None
+            if token is None:
+                raise ValueError(f"token id {i} is not in the vocabulary (size {self.vocab_size})")
+            tokens.append(token)
+        return tokens
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render ``messages`` with the chat template, as ``transformers``' ``apply_chat_template(tokenize=False)``.
+
+        The template sees ``messages``, ``tools``, ``documents`` (None unless passed),
+        ``add_generation_prompt``, the named special tokens (``bos_token``, ``eos_token``, ...)
+        and ``kwargs`` (e.g. ``date_string``), which override the special tokens.
+        ``chat_template`` is a template string or the name of one of the model's templates.
+        See :mod:`tinyvllm.chat_template` for the environment.
+
+        Raises:
+            ValueError: no chat template, an empty conversation, or the template rejected the
+                messages (``raise_exception``), broke a sandbox rule or has a syntax error.
+            TypeError: ``tools`` is not a list of JSON-schema dicts.
+        """
+        template = select_chat_template(self.chat_template, chat_template, tools)
+        variables = {**self.special_tokens, **kwargs}
+        return render_chat_template(
+            template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class _Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+# Prompt tokens decoded as context before the first generated token (vLLM uses 5 too): enough
+# for decoders whose output depends on the previous token, such as Metaspace's leading space.
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """One request's generated ids -> text, token by token, with stop strings.
+
+    Decoding follows vLLM's prefix-offset / read-offset technique: each step decodes only the
+    window ``ids[prefix_offset:]`` (the last emitted group of tokens + the new ones) and takes
+    the text past ``decode(ids[prefix_offset:read_offset])`` as new, so a step costs O(window),
+    not O(length). While the window's text ends in U+FFFD (a multi-byte character split across
+    tokens, or bytes that are not UTF-8) the tokens stay in the window; the text before that
+    trailing U+FFFD run is already final and is visible.
+
+    Text states, each a prefix of the next:
+      released (returned by :meth:`get_delta`) <= visible (:attr:`output_text`) <= final.
+    ``output_text`` never ends in a character that may still change. After :meth:`finish` (or
+    a stop string) it is final and equals ``tokenizer.decode(generated_ids, skip_special_tokens)``
+    cut at the stop string, if any. When a request ends for another reason (EOS, stop token,
+    max_tokens, abort), call :meth:`finish` (or ``get_delta(finished=True)``) before reading the
+    final ``output_text``: until then bytes that never completed a character are held back.
+
+    Stop strings: the first one to complete in the text wins (the earliest end; for equal ends
+    the longest); only the last ``max(len(stop)) - 1`` visible characters plus the new text are
+    searched. ``output_text`` is then cut before it (or after it, with
+    ``include_stop_str_in_output``) and the detokenizer is finished.
+
+    Args:
+        tokenizer: anything with ``decode(ids, skip_special_tokens)``, normally :class:`Tokenizer`.
+        prompt_token_ids: the prompt; its last few tokens give the first generated token context.
+        skip_special_tokens: drop special tokens from the text.
+        spaces_between_special_tokens: accepted for vLLM compatibility and ignored: the
+            ``tokenizers`` decoders of byte-level BPE models (Llama 3) write special tokens
+            verbatim, with no spaces added, as vLLM does for fast tokenizers.
+        stop: stop strings (non-empty).
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+
+    def __init__(
+        self,
+        tokenizer: _Decoder,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop: Sequence[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        stop = list(stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = stop
+        self._include_stop = include_stop_str_in_output
+        self._max_stop_len = max((len(s) for s in stop), default=0)
+        # Characters held back from get_delta() while they could still start a stop string.
+        self._stop_holdback = 0 if include_stop_str_in_output else max(self._max_stop_len - 1, 0)
+
+        self._ids: list[int] = list(prompt_token_ids)
+        self._num_prompt = len(self._ids)
+        self._prefix_offset = max(self._num_prompt - _PROMPT_CONTEXT_TOKENS, 0)
+        self._read_offset = self._num_prompt
+        if self._decode(self._prefix_offset, self._read_offset).endswith(_REPLACEMENT_CHAR):
+            # The prompt ends inside a character: generated text gets no context.
+            self._prefix_offset = self._num_prompt
+        self._committed = ""  # text of ids[num_prompt:read_offset]
+        self._pending = ""  # text of ids[read_offset:], ends in U+FFFD; its head may be final
+        self._visible_len = 0  # len(committed) + len(final head of pending)
+        self._final_text: str | None = None  # set when finished: by a stop string or finish()
+        self._matched_stop: str | None = None
+        self._released = 0
+
+    @property
+    def output_text(self) -> str:
+        """The generated text so far (never a partial character, unless finished)."""
+        if self._final_text is not None:
+            return self._final_text
+        if not self._pending:
+            return self._committed
+        return self._committed + self._pending[: self._visible_len - len(self._committed)]
+
+    @property
+    def finished(self) -> bool:
+        """True after a stop string matched or :meth:`finish` was called."""
+        return self._final_text is not None
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """The ids given to :meth:`add_tokens` so far."""
+        return self._ids[self._num_prompt :]
+
+    def add_tokens(self, new_token_ids: Sequence[int]) -> str | None:
+        """Append generated ids; return the stop string that matched, else None.
+
+        Raises:
+            RuntimeError: the detokenizer is already finished.
+        """
+        if self.finished:
+            raise RuntimeError("add_tokens() after the request finished (stop string matched or finish() called)")
+        if not new_token_ids:
+            return None
+        self._ids.extend(new_token_ids)
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        old_visible_len = self._visible_len
+        if new_text.endswith(_REPLACEMENT_CHAR):
+            self._pending = new_text[len(prefix_text) :]
+            self._visible_len = len(self._committed) + len(self._pending.rstrip(_REPLACEMENT_CHAR))
+        else:
+            if len(new_text) > len(prefix_text):
+                self._committed += new_text[len(prefix_text) :]
+                self._prefix_offset = self._read_offset
+            # else: only skipped special tokens; keep the context, drop nothing.
+            self._read_offset = len(self._ids)
+            self._pending = ""
+            self._visible_len = len(self._committed)
+        return self._check_stop(self.output_text, old_visible_len)
+
+    def finish(self) -> str | None:
+        """Mark the request finished: the held-back tail (bytes that never formed a character,
+        shown as U+FFFD) joins the text. Returns the stop string that matched, if any."""
+        if self._final_text is None:
+            text = self._committed + self._pending
+            old_visible_len = self._visible_len
+            if self._check_stop(text, old_visible_len) is None:
+                self._final_text = text
+        return self._matched_stop
+
+    def get_delta(self, finished: bool) -> str:
+        """Text not returned before, for streaming.
+
+        While not finished, the last ``max(len(stop)) - 1`` visible characters are held back (they
+        could still become a stop string, which is not part of the output; nothing is held back
+        with ``include_stop_str_in_output``, as in vLLM: such text is output anyway); ``finished=True``
+        calls :meth:`finish` and releases everything. After a stop string matched everything is
+        released whatever ``finished`` says.
+        """
+        if finished:
+            self.finish()
+        text = self.output_text
+        end = len(text) if self.finished else max(len(text) - self._stop_holdback, self._released)
+        delta = text[self._released : end]
+        self._released = end
+        return delta
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
+
+    def _check_stop(self, text: str, old_len: int) -> str | None:
+        """Find the first stop string completed in ``text`` after position ``old_len``; cut there."""
+        if not self._stop:
+            return None
+        search_from = max(old_len - self._max_stop_len + 1, 0)
+        best: tuple[int, int, str] | None = None  # (end, -len, stop)
+        for s in self._stop:
+            i = text.find(s, search_from)
+            if i >= 0 and (best is None or (i + len(s), -len(s)) < best[:2]):
+                best = (i + len(s), -len(s), s)
+        if best is None:
+            return None
+        end, neg_len, s = best
+        self._final_text = text[: end if self._include_stop else end + neg_len]
+        self._matched_stop = s
+        return s
