@@ -22,6 +22,7 @@ from tinyvllm.models.llama import LlamaForCausalLM
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # Tensors that some checkpoints carry and that hold nothing we need.
+_PROGRESS_MIN_BYTES = 512 << 20  # a progress bar only for checkpoints that take a while
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
@@ -90,7 +91,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, show_progress: 
     params = dict(model.named_parameters())
     seen: set[str] = set()
     files = safetensors_files(model_dir)
-    bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not show_progress)
+    big = sum(f.stat().st_size for f in files) > _PROGRESS_MIN_BYTES
+    bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not (show_progress and big))
     for name, path, tensor in _iter_checkpoint(files):
         target = targets.get(name)
         if target is None:

@@ -1,0 +1,182 @@
+"""The offline API's contract: input forms, output order, n, seeds, stops, logprobs, errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    write_dummy_checkpoint(path, make_config("tiny"), seed=7, init_std=0.1, dtype="float32")
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model=str(model_dir), device="cpu", max_model_len=256, max_num_batched_tokens=64)
+
+
+def test_prompt_forms_and_input_order(llm):
+    tok = llm.get_tokenizer()
+    text = "The list type is"
+    ids = tok.encode(text)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate([text, {"prompt_token_ids": ids}, {"prompt": text}, ids], params, use_tqdm=False)
+    assert len(outs) == 4
+    assert outs[0].prompt == text and outs[0].prompt_token_ids == ids
+    assert all(o.outputs[0].token_ids == outs[0].outputs[0].token_ids for o in outs)
+    single = llm.generate(text, params, use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    # Text equals the detokenized tokens.
+    o = outs[0].outputs[0]
+    assert o.text == tok.decode(o.token_ids) and o.finish_reason == "length"
+    # Outputs come back in input order even when lengths differ.
+    ps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 1, 5)]
+    outs = llm.generate(["a", "b", "c"], ps, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [9, 1, 5]
+    assert [o.prompt for o in outs] == ["a", "b", "c"]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
+    alone = llm.generate("Hello", p, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(["x y z", "Hello", "more text here"], [others, p, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = llm.generate("Hello", p.replace(seed=43), use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_n_completions(llm):
+    p = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    (out,) = llm.generate("Once", p, use_tqdm=False)
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    again = llm.generate("Once", p, use_tqdm=False)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+
+
+def test_stop_strings_cut_the_text(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = llm.generate("The", greedy, use_tqdm=False)[0].outputs[0].text
+    assert len(full) > 6
+    stop = full[3:6]
+    cut = llm.generate("The", greedy.replace(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.text == full[:full.index(stop)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = llm.generate("The", greedy.replace(stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == full[:full.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ids = llm.generate("The", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    target = ids[4]
+    first = ids.index(target)
+    out = llm.generate("The", greedy.replace(stop_token_ids=[target]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason == target
+
+
+def test_eos_from_generation_config_stops_unless_ignored(llm, model_dir, tmp_path):
+    """Make the 3rd greedy token an EOS id (through generation_config.json) and check both behaviours."""
+    import json
+    import shutil
+
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ids = llm.generate("The", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    eos = ids[2]
+    first = ids.index(eos)
+    shutil.copytree(model_dir, tmp_path / "m")
+    gen_path = tmp_path / "m" / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen["eos_token_id"] = [eos]
+    gen_path.write_text(json.dumps(gen))
+    other = LLM(model=str(tmp_path / "m"), device="cpu", max_model_len=256)
+    out = other.generate("The", greedy.replace(ignore_eos=False), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    assert out.text == other.get_tokenizer().decode(ids[:first])  # the EOS token's text is not emitted
+    assert other.generate("The", greedy, use_tqdm=False)[0].outputs[0].token_ids == ids
+    # min_tokens holds EOS back: it is banned until 5 tokens are out.
+    held = other.generate("The", greedy.replace(ignore_eos=False, min_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert eos not in held.token_ids[:5]
+
+
+def test_logprobs(llm):
+    p = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    o = llm.generate("Hi", p, use_tqdm=False)[0].outputs[0]
+    assert len(o.logprobs) == 4
+    total = 0.0
+    for tok, entry in zip(o.token_ids, o.logprobs):
+        assert tok in entry and entry[tok].rank == 1  # greedy picks the top token
+        assert 3 <= len(entry) <= 4
+        ranked = sorted(entry.values(), key=lambda lp: -lp.logprob)
+        assert all(lp.logprob <= 0 for lp in ranked)
+        total += entry[tok].logprob
+    assert math.isclose(o.cumulative_logprob, total, rel_tol=1e-6)
+
+
+def test_logprobs_match_a_float64_softmax(llm, model_dir):
+    """The reported logprob of each greedy token equals log_softmax of the model's logits."""
+    engine = llm.llm_engine
+    p = SamplingParams(temperature=0, max_tokens=3, logprobs=0, ignore_eos=True)
+    out = llm.generate("Hello there", p, use_tqdm=False)[0]
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    from tests.models.test_hf_parity import chunked_logits
+
+    logits = chunked_logits(engine, ids, [len(ids)]).double()
+    ref = torch.log_softmax(logits, -1)
+    n = len(out.prompt_token_ids)
+    for i, (tok, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+        assert math.isclose(entry[tok].logprob, ref[n - 1 + i, tok].item(), abs_tol=1e-5)
+
+
+def test_too_long_prompt_fails_alone(llm):
+    ok = "short prompt"
+    too_long = {"prompt_token_ids": [1] * 300}
+    outs = llm.generate([ok, too_long, ok], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                        use_tqdm=False)
+    assert outs[1].error and "at most 255" in outs[1].error
+    assert outs[1].outputs[0].finish_reason == "error" and outs[1].outputs[0].token_ids == []
+    assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 3
+    assert outs[2].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert llm.get_metrics()["num_free_kv_blocks"] == llm.get_metrics()["num_kv_blocks"]
+
+
+def test_malformed_input_raises_and_queues_nothing(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(["fine", {"prompt_token_ids": [1, 10**9]}], use_tqdm=False)
+    with pytest.raises(TypeError):
+        llm.generate([3.5], use_tqdm=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(["a", "b"], [SamplingParams(), SamplingParams(), SamplingParams()], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(TypeError, match="unknown argument"):
+        LLM(model="x", not_an_option=1)
+
+
+def test_chat_uses_the_template(llm):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (out,) = llm.chat(messages, params, use_tqdm=False)
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert out.prompt == rendered
+    assert out.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
+    direct = llm.generate({"prompt_token_ids": out.prompt_token_ids}, params, use_tqdm=False)[0]
+    assert direct.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_default_sampling_params_come_from_generation_config(llm):
+    gen = llm.llm_engine.generation_config
+    d = llm.get_default_sampling_params()
+    if "temperature" in gen:
+        assert d.temperature == gen["temperature"]
+    if "top_p" in gen:
+        assert d.top_p == gen["top_p"]

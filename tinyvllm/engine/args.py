@@ -1,0 +1,66 @@
+"""Engine options, with vLLM's names, shared by `LLM`, the CLI and the server."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "dummy:tiny"  # a tiny random-weight checkpoint, written on first use
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class EngineArgs:
+    """Everything needed to build an engine. `None` means "derive it" (see each field)."""
+
+    model: str | None = None  # a Hugging Face model directory or "dummy:<preset>"; None: DEFAULT_MODEL
+    tokenizer: str | None = None  # directory with tokenizer.json; None: the model's
+    dtype: str = "auto"  # auto (the checkpoint's), bfloat16, float16, float32
+    device: str = "auto"  # auto (cuda if available), cpu, cuda, cuda:N
+    kernel_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch, triton
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 8192 (at least max_model_len without chunking)
+    max_model_len: int | None = None  # None: min(max_position_embeddings, what the KV cache holds)
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None  # KV cache budget; on the CPU the default is 1 GiB
+    load_format: str = "auto"  # auto/safetensors, or dummy (random weights, config only)
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False  # no CUDA graphs
+
+    def replace(self, **changes) -> "EngineArgs":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per EngineArgs field, spelled as vLLM spells it (--max-num-seqs, ...)."""
+    d = EngineArgs()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="model directory or dummy:<preset> (default: %s)" % DEFAULT_MODEL)
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--device", default=d.device)
+    g.add_argument("--kernel-backend", default=d.kernel_backend, choices=["auto", "torch", "triton"])
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "dummy"])
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enforce-eager", action="store_true")
+
+
+def engine_args_from_cli(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()})

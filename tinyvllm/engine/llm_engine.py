@@ -1,0 +1,389 @@
+"""The engine: add_request / step / abort. Owns the scheduler, the model runner and the detokenizers.
+
+One `step()` schedules a batch, runs it, appends the sampled tokens, applies the stopping rules (token
+ids in the scheduler, stop strings here, after detokenizing) and returns a `RequestOutput` for every
+request that changed. Parallel sampling (`n > 1`) runs n child sequences under one request id.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyvllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from tinyvllm.core.block_pool import BlockPool
+from tinyvllm.core.kv_cache_manager import KVCacheManager
+from tinyvllm.core.request import Request, RequestStatus
+from tinyvllm.core.scheduler import Scheduler
+from tinyvllm.engine.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MODEL, EngineArgs
+from tinyvllm.engine.model_runner import ModelRunner
+from tinyvllm.kernels import default_backend
+from tinyvllm.models.checkpoint import resolve_model
+from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Sequence[int] | dict
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Sampling defaults a checkpoint's generation_config.json may set (vLLM's "generation config" defaults).
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for, but torch sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}; expected auto, cpu or cuda[:N]")
+    return dev
+
+
+def resolve_dtype(dtype: str, model_config: ModelConfig) -> torch.dtype:
+    name = model_config.dtype if dtype == "auto" else dtype
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected auto, bfloat16, float16 or float32")
+    return _DTYPES[name]
+
+
+def read_generation_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one child sequence (the scheduler's Request plus text and logprobs)."""
+
+    request: Request
+    parent_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Sequence] = field(default_factory=list)
+    arrival_time: float = 0.0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.request.is_finished for c in self.children)
+
+
+class LLMEngine:
+    """Synchronous engine core: `add_request`, then `step()` until `has_unfinished_requests()` is False."""
+
+    def __init__(self, args: EngineArgs, show_progress: bool = False) -> None:
+        self.args = args
+        self.model_dir = resolve_model(args.model or DEFAULT_MODEL)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(args.tokenizer or self.model_dir)
+        self.generation_config = read_generation_config(self.model_dir)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.model_config)
+        backend = default_backend(self.device.type) if args.kernel_backend == "auto" else args.kernel_backend
+        self.eos_token_ids = self._eos_token_ids()
+
+        self.runner = ModelRunner(self.model_config, model_dir=str(self.model_dir), device=self.device,
+                                  dtype=self.dtype, kernel_backend=backend, load_format=args.load_format,
+                                  seed=args.seed, eos_token_ids=self.eos_token_ids, show_progress=show_progress)
+        cache_config = CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                                   num_gpu_blocks_override=args.num_gpu_blocks_override,
+                                   cpu_kv_cache_bytes=args.kv_cache_memory_bytes or (1 << 30),
+                                   enable_prefix_caching=args.enable_prefix_caching)
+        budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if args.kv_cache_memory_bytes is not None and args.num_gpu_blocks_override is None:
+            num_blocks = max(1, args.kv_cache_memory_bytes // self.runner.bytes_per_block(args.block_size))
+        else:
+            num_blocks = self.runner.determine_num_blocks(cache_config, budget)
+        max_model_len = self._max_model_len(num_blocks * args.block_size)
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
+            budget = max(budget, max_model_len)
+        self.scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                                                max_model_len=max_model_len,
+                                                enable_chunked_prefill=args.enable_chunked_prefill)
+        self.cache_config = cache_config
+        self.num_blocks = num_blocks
+        self.runner.allocate_kv_cache(num_blocks, args.block_size)
+        pool = BlockPool(num_blocks, enable_caching=args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, KVCacheManager(pool, args.block_size))
+        self.default_sampling_params = self._default_sampling_params()
+        self._sequences: dict[str, _Sequence] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (rejected requests)
+        self._ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        logger.info("engine ready: %s on %s (%s, %s kernels), %d KV blocks of %d tokens, max_model_len %d",
+                    self.model_dir, self.device, self.dtype, backend, num_blocks, args.block_size, max_model_len)
+
+    # ------------------------------------------------------------------ configuration helpers
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        gen_eos = self.generation_config.get("eos_token_id")
+        for source in (self.tokenizer.eos_token_id, gen_eos, list(self.model_config.eos_token_ids)):
+            for i in (source if isinstance(source, list) else [source]):
+                if i is not None and i not in ids:
+                    ids.append(int(i))
+        return tuple(ids)
+
+    def _max_model_len(self, cache_tokens: int) -> int:
+        limit = self.model_config.max_position_embeddings
+        asked = self.args.max_model_len
+        if asked is None:
+            return min(limit, cache_tokens)
+        if asked > limit:
+            raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings ({limit})")
+        if asked > cache_tokens:
+            raise ValueError(f"max_model_len={asked} exceeds what the KV cache holds ({cache_tokens} tokens); "
+                             f"lower max_model_len or give the cache more memory")
+        return asked
+
+    def _default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() overridden by the sampling fields of generation_config.json, as vLLM does."""
+        changes = {ours: self.generation_config[theirs] for theirs, ours in _GENERATION_DEFAULTS.items()
+                   if theirs in self.generation_config}
+        if not self.generation_config.get("do_sample", True):
+            changes["temperature"] = 0.0
+        try:
+            return SamplingParams().replace(**changes)
+        except (TypeError, ValueError) as e:
+            logger.warning("ignoring sampling defaults of generation_config.json: %s", e)
+            return SamplingParams()
+
+    # ------------------------------------------------------------------ requests
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids). Raises ValueError/TypeError for malformed prompts."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_token_ids(prompt)
+        raise TypeError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                         for i in ids):
+            raise TypeError("prompt_token_ids must be a list of integers")
+        vocab = self.model_config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return list(ids)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. Malformed input raises ValueError/TypeError and queues
+        nothing. A well-formed request that can never run (prompt too long) finishes at once: its
+        RequestOutput, with `error` set and finish_reason "error", comes out of the next `step()`."""
+        params = self.default_sampling_params if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by tinyvllm yet")
+        if params.logprobs is not None and params.logprobs > self.model_config.vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size")
+        text, token_ids = self.tokenize_prompt(prompt)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        parent = _Parent(request_id, text, token_ids, arrival_time=arrival_time)
+        max_len = self.scheduler_config.max_model_len
+        max_tokens = max(1, max_len - len(token_ids))
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = params.replace(seed=params.seed + index)
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            request = Request(
+                request_id=child_id, prompt_token_ids=token_ids, max_tokens=max_tokens,
+                sampling_params=child_params, min_tokens=params.min_tokens,
+                eos_token_ids=frozenset() if params.ignore_eos else frozenset(self.eos_token_ids),
+                stop_token_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time)
+            detok = None
+            if params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, token_ids,
+                                               skip_special_tokens=params.skip_special_tokens,
+                                               spaces_between_special_tokens=params.spaces_between_special_tokens,
+                                               stop=params.stop,
+                                               include_stop_str_in_output=params.include_stop_str_in_output)
+            seq = _Sequence(request, request_id, index, child_params, detok,
+                            logprobs=[] if params.logprobs is not None else None,
+                            cumulative_logprob=0.0 if params.logprobs is not None else None)
+            parent.children.append(seq)
+        if not self.scheduler.add_request(parent.children[0].request):
+            parent.error = parent.children[0].request.error
+            for c in parent.children:
+                c.request.status = RequestStatus.FINISHED_ERROR
+                c.finished_time = time.monotonic()
+            self._pending.append(self._make_output(parent))
+            logger.warning("request %s rejected: %s", request_id, parent.error)
+            return request_id
+        for c in parent.children[1:]:
+            self.scheduler.add_request(c.request)
+        self._parents[request_id] = parent
+        for c in parent.children:
+            self._sequences[c.request.request_id] = c
+        return request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Abort requests (by the ids add_request returned); their blocks return to the pool at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            child_ids = [c.request.request_id for c in parent.children]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for cid in child_ids:
+                self._sequences.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or bool(self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns the outputs of every request that changed (cumulative)."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        now = time.monotonic()
+        for seq in sched.sequences:
+            if seq.is_new:
+                req = self._sequences[seq.request_id].request
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                    self.num_prompt_tokens += req.num_prompt_tokens
+        runner_out = self.runner.execute(sched)
+        logprobs_by_id = {}
+        if runner_out.logprobs is not None:
+            sampled_ids = [s.request_id for s in sched.sequences if s.sample]
+            logprobs_by_id = dict(zip(sampled_ids, runner_out.logprobs))
+        updated = self.scheduler.update_from_output(sched, runner_out)
+        now = time.monotonic()
+        changed: dict[str, _Parent] = {}
+        for request, new_ids in updated:
+            seq = self._sequences[request.request_id]
+            self.num_generation_tokens += len(new_ids)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._update_logprobs(seq, logprobs_by_id.get(request.request_id))
+            self._detokenize(seq, new_ids)
+            if request.is_finished:
+                seq.finished_time = now
+            changed[seq.parent_id] = self._parents[seq.parent_id]
+        for parent in changed.values():
+            outputs.append(self._make_output(parent))
+            if parent.finished:
+                del self._parents[parent.request_id]
+                for c in parent.children:
+                    self._sequences.pop(c.request.request_id, None)
+        return outputs
+
+    def _detokenize(self, seq: _Sequence, new_ids: list[int]) -> None:
+        request = seq.request
+        if seq.detokenizer is None:
+            return
+        stopped_by_token = (request.status == RequestStatus.FINISHED_STOPPED
+                            and not seq.params.include_stop_str_in_output)
+        ids = new_ids[:-1] if stopped_by_token else new_ids
+        stop_str = seq.detokenizer.add_tokens(ids) if ids else None
+        if stop_str is None and request.is_finished:
+            stop_str = seq.detokenizer.finish()  # flush bytes that never formed a whole character
+        if stop_str is not None:
+            if not request.is_finished:
+                self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
+            else:
+                request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop_str
+
+    def _update_logprobs(self, seq: _Sequence, entry: list[tuple[int, float, int]] | None) -> None:
+        if seq.logprobs is None or entry is None:
+            return
+        decoded = self.tokenizer.convert_ids_to_tokens([t for t, _, _ in entry])
+        seq.logprobs.append({t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(entry, decoded)})
+        seq.cumulative_logprob += entry[0][1]
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        outs = []
+        for c in parent.children:
+            r = c.request
+            finished = r.is_finished
+            text = ""
+            if c.detokenizer is not None:
+                text = c.detokenizer.output_text
+                if not finished:
+                    text = text[:len(text) - self._holdback(c.params)]
+            outs.append(CompletionOutput(index=c.index, text=text, token_ids=list(r.output_token_ids),
+                                         cumulative_logprob=c.cumulative_logprob,
+                                         logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                                         finish_reason=r.status.finish_reason, stop_reason=r.stop_reason))
+        first = parent.children[0].request
+        metrics = RequestMetrics(arrival_time=parent.arrival_time, first_scheduled_time=first.first_scheduled_time,
+                                 first_token_time=first.first_token_time,
+                                 finished_time=max((c.finished_time or 0.0) for c in parent.children)
+                                 if parent.finished else None)
+        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
+                             prompt_token_ids=parent.prompt_token_ids, outputs=outs, finished=parent.finished,
+                             num_cached_tokens=first.num_cached_tokens, error=parent.error, metrics=metrics)
+
+    @staticmethod
+    def _holdback(params: SamplingParams) -> int:
+        """Characters withheld from unfinished text: they might still turn into a stop string
+        (none when the stop string is part of the output anyway, as in vLLM)."""
+        if params.include_stop_str_in_output:
+            return 0
+        return max((len(s) for s in params.stop), default=1) - 1
+
+    # ------------------------------------------------------------------ introspection
+    def get_metrics(self) -> dict[str, float]:
+        pool = self.scheduler.kv_cache.pool
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": pool.usage,
+            "num_kv_blocks": pool.num_blocks,
+            "num_free_kv_blocks": pool.num_free_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+            "prefix_cache_queried_tokens": pool.stats.queried_tokens,
+            "prefix_cache_hit_tokens": pool.stats.hit_tokens,
+            "prefix_cache_evicted_blocks": pool.stats.evicted_blocks,
+        }

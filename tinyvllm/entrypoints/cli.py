@@ -1,0 +1,158 @@
+"""`tinyvllm` command line: generate | chat | make-dummy (serve and bench plug in as sub-commands)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from tinyvllm.engine.args import add_engine_cli_args, engine_args_from_cli
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def add_sampling_cli_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=None, help="default: the model's generation config, else 1.0")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--presence-penalty", type=float, default=None)
+    g.add_argument("--frequency-penalty", type=float, default=None)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_cli(ns: argparse.Namespace, defaults):
+    changes = {"max_tokens": ns.max_tokens, "n": ns.n, "ignore_eos": ns.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        if getattr(ns, name) is not None:
+            changes[name] = getattr(ns, name)
+    if ns.sampling_seed is not None:
+        changes["seed"] = ns.sampling_seed
+    if ns.stop:
+        changes["stop"] = ns.stop
+    return defaults.replace(**changes)
+
+
+def _print_outputs(outputs, as_json: bool) -> None:
+    for out in outputs:
+        if as_json:
+            print(json.dumps({"prompt": out.prompt, "error": out.error,
+                              "outputs": [{"text": o.text, "token_ids": o.token_ids,
+                                           "finish_reason": o.finish_reason} for o in out.outputs]}))
+            continue
+        if out.error:
+            print(f"[error] {out.error}", file=sys.stderr)
+            continue
+        for o in out.outputs:
+            print(f"{out.prompt or ''}{o.text}")
+            print("-" * 40)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from tinyvllm.llm import LLM
+
+    prompts = list(ns.prompts)
+    if ns.prompts_file:
+        with open(ns.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("tinyvllm generate: give at least one PROMPT or --prompts-file", file=sys.stderr)
+        return 2
+    llm = LLM(**vars(engine_args_from_cli(ns)))
+    params = sampling_params_from_cli(ns, llm.get_default_sampling_params())
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    _print_outputs(outputs, ns.json)
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from tinyvllm.llm import LLM
+
+    llm = LLM(**vars(engine_args_from_cli(ns)))
+    params = sampling_params_from_cli(ns, llm.get_default_sampling_params())
+    messages = [{"role": "system", "content": ns.system}] if ns.system else []
+    turns = [ns.message] if ns.message else None
+    while True:
+        if turns is not None:
+            if not turns:
+                return 0
+            user = turns.pop(0)
+        else:
+            try:
+                user = input("> ")
+            except EOFError:
+                return 0
+        messages.append({"role": "user", "content": user})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        print(reply)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_make_dummy(ns: argparse.Namespace) -> int:
+    from tinyvllm.models.checkpoint import write_dummy_checkpoint
+
+    path = write_dummy_checkpoint(ns.out_dir, ns.preset, seed=ns.seed, dtype=ns.dtype)
+    print(path)
+    return 0
+
+
+def build_parser(extra: Sequence[Callable[[argparse._SubParsersAction], None]] = ()) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tinyvllm", description="A small, fast LLM inference engine.")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts and print the results")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT")
+    gen.add_argument("--prompts-file", default=None, help="one prompt per line")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_cli_args(gen)
+    add_sampling_cli_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat through the model's chat template")
+    chat.add_argument("--system", default=None)
+    chat.add_argument("--message", action="append", default=None, help="user turn(s); none: interactive")
+    add_engine_cli_args(chat)
+    add_sampling_cli_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    dummy = sub.add_parser("make-dummy", help="write a random-weight Hugging Face checkpoint")
+    dummy.add_argument("preset")
+    dummy.add_argument("out_dir")
+    dummy.add_argument("--seed", type=int, default=0)
+    dummy.add_argument("--dtype", default=None)
+    dummy.set_defaults(func=cmd_make_dummy)
+
+    for register in extra:
+        register(sub)
+    return parser
+
+
+def _subcommands() -> list[Callable]:
+    """Sub-commands that live in their own modules (each imports its heavy dependencies lazily)."""
+    from tinyvllm.entrypoints import bench_cli, serve_cli
+
+    return [serve_cli.register, bench_cli.register]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser(_subcommands())
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except (ValueError, TypeError) as e:
+        print(f"tinyvllm {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

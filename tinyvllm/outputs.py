@@ -1,0 +1,53 @@
+"""What the user gets back, with vLLM's names."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token under the model's raw distribution, its rank (1 = most likely),
+    and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None  # one dict per generated token, when requested
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string, if one ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: its prompt and its completions so far (cumulative)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int | None = None
+    error: str | None = None  # set when the request could not run at all (finish_reason "error")
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: None = field(default=None)
