@@ -5,6 +5,9 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several workers share few cores: OpenMP threads spinning against each other cost more than they give.
+    torch.set_num_threads(1)
 if not HAS_CUDA:
     # Must be set before any @triton.jit function is defined, i.e. before kernel modules are imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from tinyvllm.engine.args import EngineArgs
 from tinyvllm.engine.llm_engine import LLMEngine, PromptType
 from tinyvllm.outputs import RequestOutput
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -89,6 +89,7 @@ class LLM:
 
     def _run(self, prompts: list[dict], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        params = [p.replace(output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)

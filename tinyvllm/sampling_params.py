@@ -38,6 +38,17 @@ _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 
 
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0
+    """everything generated so far, at every step."""
+    DELTA = 1
+    """only what is new since the previous output."""
+    FINAL_ONLY = 2
+    """one output, when the request finishes (what ``LLM.generate`` uses)."""
+
+
 class SamplingType(enum.Enum):
     """How the sampler picks the next token of a request."""
 
@@ -114,6 +125,7 @@ class SamplingParams:
         spaces_between_special_tokens: put spaces between special tokens when detokenising.
         include_stop_str_in_output: keep the matched stop string in the output text.
         detokenize: produce text (stop strings need it).
+        output_kind: what each RequestOutput carries: cumulative (default), delta or final only.
     """
 
     n: int = 1
@@ -136,6 +148,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalise_types()
@@ -183,6 +196,8 @@ class SamplingParams:
             "detokenize",
         ):
             _check_bool(name, getattr(self, name))
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
         if 0.0 < self.temperature < MIN_RANDOM_TEMPERATURE and self.temperature >= SAMPLING_EPS:
             logger.warning(
                 "temperature %s is less than %s, which may cause numerical errors; raised to %s (as vLLM does).",

@@ -1,5 +1,6 @@
 """Scheduler: token budget, decodes first, chunked prefill, preemption order, rejection, no leaks.
 The model is simulated: each sampled token is a fixed function of the request and its length."""
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -230,3 +231,73 @@ def test_random_schedules_keep_the_pool_consistent(data):
         check(s)
     drain(s)
     assert s.kv_cache.pool.num_free_blocks == num_blocks
+
+
+class FakeModel:
+    """Deterministic 'model': the next token depends on the request, its length and its last input
+    token. Resolves PLACEHOLDER inputs from the previous step's samples, as the GPU runner does."""
+
+    def __init__(self):
+        self.prev: dict[str, int] = {}
+
+    def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        from tinyvllm.core.outputs import PLACEHOLDER
+
+        sampled, now = [], {}
+        for q in out.sequences:
+            last = q.token_ids[-1]
+            if last == PLACEHOLDER:
+                last = self.prev[q.request_id]
+            if q.sample:
+                tok = (fake_token(q.request_id, q.context_len) + 13 * last) % 1000
+                sampled.append(tok)
+                now[q.request_id] = tok
+        self.prev = now
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def run_sync(s: Scheduler) -> None:
+    model = FakeModel()
+    while s.has_unfinished():
+        out = s.schedule()
+        s.update_from_output(out, model(out))
+        check(s)
+
+
+def run_pipelined(s: Scheduler) -> int:
+    """Async scheduling: step k+1 is scheduled before step k's tokens are known. Returns the number
+    of steps that had a placeholder input."""
+    model = FakeModel()
+    prev = None
+    with_placeholders = 0
+    while s.has_unfinished() or prev is not None:
+        out = s.schedule()
+        result = model(out) if not out.is_empty else None
+        with_placeholders += any(-1 in q.token_ids for q in out.sequences)
+        if prev is not None:
+            s.update_from_output(*prev)
+        check(s)
+        prev = (out, result) if result is not None else None
+    return with_placeholders
+
+
+@pytest.mark.parametrize("num_blocks", [64, 7])
+def test_pipelined_scheduling_gives_the_same_tokens(num_blocks):
+    def make():
+        s = make_scheduler(num_blocks=num_blocks, block_size=4, budget=24, max_model_len=28)
+        reqs = [Request(request_id=f"r{i}", prompt_token_ids=list(range(i, i + 3 + 2 * i)), max_tokens=6 + i,
+                        stop_token_ids=frozenset({999})) for i in range(5)]
+        for r in reqs:
+            s.add_request(r)
+        return s, reqs
+
+    s1, reqs1 = make()
+    run_sync(s1)
+    s2, reqs2 = make()
+    assert run_pipelined(s2) > 0
+    assert [r.output_token_ids for r in reqs1] == [r.output_token_ids for r in reqs2]
+    assert [r.status for r in reqs1] == [r.status for r in reqs2]
+    assert all(r.num_pending_outputs == 0 for r in reqs2)
+    assert s2.kv_cache.pool.num_free_blocks == num_blocks
+    if num_blocks == 7:
+        assert s2.num_preemptions > 0

@@ -115,7 +115,6 @@ def chunked_logits(engine, prompt: list[int], chunks: list[int]) -> torch.Tensor
     """Run the prompt through the runner chunk by chunk (each chunk reads the previous ones' K/V from
     the paged cache) and return logits for every position."""
     from tinyvllm.core.outputs import ScheduledSequence, SchedulerOutput
-    from tinyvllm.engine.step_inputs import build_step_inputs
 
     assert sum(chunks) == len(prompt)
     runner = engine.runner
@@ -125,7 +124,7 @@ def chunked_logits(engine, prompt: list[int], chunks: list[int]) -> torch.Tensor
     for n in chunks:
         seq = ScheduledSequence(request_id="tf", token_ids=prompt[start:start + n], num_computed_tokens=start,
                                 block_ids=blocks, sample=False, is_new=start == 0)
-        inputs = build_step_inputs(SchedulerOutput([seq], n), bs, runner.device)
+        inputs = runner.builder.build(SchedulerOutput([seq], n))
         hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches)
         logits.append(runner.model.compute_logits(hidden))
         start += n

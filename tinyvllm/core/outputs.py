@@ -6,13 +6,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+PLACEHOLDER = -1  # a token id not yet known on the host
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledSequence:
     """One request's share of a step: feed `token_ids` at positions
     `num_computed_tokens ... num_computed_tokens + len(token_ids) - 1`."""
 
     request_id: str
-    token_ids: Sequence[int]  # the step's input tokens for this request (one for a decode)
+    token_ids: Sequence[int]  # the step's input tokens (one for a decode); PLACEHOLDER: the token the
+    # previous step sampled for this request, still on the device (async scheduling)
     num_computed_tokens: int  # tokens whose K/V was in the cache before this step
     block_ids: Sequence[int]  # the request's block table after this step's allocation; read-only
     sample: bool  # the chunk ends at the request's last known token: sample the next one
@@ -20,6 +24,7 @@ class ScheduledSequence:
     sampling_params: Any = None  # opaque to the core; the runner's sampler reads it
     prompt_len: int = 0  # for penalties: token_ids of the whole request are prompt then output
     all_token_ids: Sequence[int] = ()  # the request's known tokens (read-only view), for penalties
+    output_index: int = 0  # when sampling: the index, among the request's outputs, of the token sampled
 
     @property
     def num_new_tokens(self) -> int:

@@ -53,6 +53,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    # Tokens sampled by steps still running on the device (async scheduling): their positions exist,
+    # their ids arrive with the step's results.
+    num_pending_outputs: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit tokens at first admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -70,6 +73,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_total_tokens(self) -> int:
+        """Known tokens plus those being sampled by steps in flight."""
+        return len(self.token_ids) + self.num_pending_outputs
+
+    def has_room_to_grow(self, max_model_len: int) -> bool:
+        """Whether another output token may be scheduled, counting the ones in flight."""
+        return (self.num_output_tokens + self.num_pending_outputs < self.max_tokens
+                and self.num_total_tokens < max_model_len)
 
     @property
     def num_prompt_tokens(self) -> int:

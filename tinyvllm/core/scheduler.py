@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from tinyvllm.config import SchedulerConfig, blocks_needed
 from tinyvllm.core.kv_cache_manager import KVCacheManager
-from tinyvllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from tinyvllm.core.outputs import PLACEHOLDER, ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from tinyvllm.core.request import Request, RequestStatus
 
 
@@ -93,14 +93,21 @@ class Scheduler:
         new_ids: set[str] = set()
         preempted = 0
 
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        max_len = self.config.max_model_len
+        decoding, prefilling = [], []
+        for r in self.running:
+            todo = r.num_total_tokens - r.num_computed_tokens
+            if todo == 1 and r.has_room_to_grow(max_len):
+                decoding.append(r)
+            elif todo > 1:
+                prefilling.append(r)
+            # else: every token it may still produce is already in flight
         for request in decoding + prefilling:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_total_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, n):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim.request_id, 0)
@@ -115,6 +122,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.num_pending_outputs:
+                break  # preempted while a step was sampling for it: wait for that token
             cached = self.kv_cache.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv_cache.block_size
             n = request.num_tokens - num_cached_tokens
@@ -144,16 +153,24 @@ class Scheduler:
     def _scheduled_sequence(self, request: Request, n: int, is_new: bool) -> ScheduledSequence:
         start = request.num_computed_tokens
         request.num_computed_tokens += n
+        token_ids = request.token_ids[start:start + n]
+        if len(token_ids) < n:  # a decode of the token the step in flight is sampling
+            token_ids += [PLACEHOLDER] * (n - len(token_ids))
+        sample = request.num_computed_tokens == request.num_total_tokens
+        output_index = request.num_output_tokens + request.num_pending_outputs
+        if sample:
+            request.num_pending_outputs += 1
         return ScheduledSequence(
             request_id=request.request_id,
-            token_ids=request.token_ids[start:start + n],
+            token_ids=token_ids,
             num_computed_tokens=start,
             block_ids=self.kv_cache.block_table(request.request_id),
-            sample=request.num_computed_tokens == request.num_tokens,
+            sample=sample,
             is_new=is_new,
             sampling_params=request.sampling_params,
             prompt_len=request.num_prompt_tokens,
             all_token_ids=request.token_ids,
+            output_index=output_index,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -177,11 +194,15 @@ class Scheduler:
         for seq in output.sequences:
             token = next(sampled) if seq.sample else None
             request = self.requests.get(seq.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            self.kv_cache.cache_full_blocks(request)
+            if request is None:
+                continue  # finished or aborted while the step ran: its token is dropped
+            if request.status == RequestStatus.RUNNING:
+                self.kv_cache.cache_full_blocks(request)
             if token is None:
                 continue
+            # A request preempted after this step was launched keeps the token: it was sampled from
+            # a complete context, and the recomputation will include it.
+            request.num_pending_outputs -= 1
             request.append_output_token(token)
             status = request.check_stop(self.config.max_model_len)
             if status is not None:

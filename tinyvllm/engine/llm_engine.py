@@ -20,14 +20,15 @@ import torch
 from tinyvllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from tinyvllm.core.block_pool import BlockPool
 from tinyvllm.core.kv_cache_manager import KVCacheManager
+from tinyvllm.core.outputs import SchedulerOutput
 from tinyvllm.core.request import Request, RequestStatus
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MODEL, EngineArgs
-from tinyvllm.engine.model_runner import ModelRunner
+from tinyvllm.engine.model_runner import ModelRunner, StepHandle
 from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ def resolve_dtype(dtype: str, model_config: ModelConfig) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _needs_history(params: SamplingParams) -> bool:
+    """Whether sampling reads the request's whole token history (penalties): no async overlap then."""
+    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+
+
 def read_generation_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "generation_config.json"
     if not path.is_file():
@@ -73,10 +79,13 @@ class _Sequence:
     parent_id: str
     index: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: IncrementalDetokenizer | None  # None: no text, or text decoded once at the end
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     finished_time: float | None = None
+    final_text: str | None = None  # text decoded at finish when there was no incremental detokenizer
+    num_sent_tokens: int = 0  # for DELTA outputs
+    num_sent_chars: int = 0
 
 
 @dataclass
@@ -118,7 +127,7 @@ class LLMEngine:
         if args.kv_cache_memory_bytes is not None and args.num_gpu_blocks_override is None:
             num_blocks = max(1, args.kv_cache_memory_bytes // self.runner.bytes_per_block(args.block_size))
         else:
-            num_blocks = self.runner.determine_num_blocks(cache_config, budget)
+            num_blocks = self.runner.determine_num_blocks(cache_config, budget, args.max_num_seqs)
         max_model_len = self._max_model_len(num_blocks * args.block_size)
         if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
             budget = max(budget, max_model_len)
@@ -127,7 +136,15 @@ class LLMEngine:
                                                 enable_chunked_prefill=args.enable_chunked_prefill)
         self.cache_config = cache_config
         self.num_blocks = num_blocks
-        self.runner.allocate_kv_cache(num_blocks, args.block_size)
+        self.runner.initialize(num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
+                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                               cuda_graphs=not args.enforce_eager)
+        # Async scheduling: on CUDA, step N+1 is scheduled and launched before step N's tokens are read,
+        # so the host's work overlaps the device's. Requests with penalties need every token of their
+        # history at sampling time; while one is live, steps run one at a time.
+        self.async_scheduling = self.device.type == "cuda"
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._num_history_requests = 0
         pool = BlockPool(num_blocks, enable_caching=args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, KVCacheManager(pool, args.block_size))
         self.default_sampling_params = self._default_sampling_params()
@@ -218,31 +235,21 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         parent = _Parent(request_id, text, token_ids, arrival_time=arrival_time)
-        max_len = self.scheduler_config.max_model_len
-        max_tokens = max(1, max_len - len(token_ids))
+        max_tokens = max(1, self.scheduler_config.max_model_len - len(token_ids))
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.replace(seed=params.seed + index)
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             request = Request(
-                request_id=child_id, prompt_token_ids=token_ids, max_tokens=max_tokens,
-                sampling_params=child_params, min_tokens=params.min_tokens,
+                request_id=request_id if params.n == 1 else f"{index}_{request_id}", prompt_token_ids=token_ids,
+                max_tokens=max_tokens, sampling_params=child_params, min_tokens=params.min_tokens,
                 eos_token_ids=frozenset() if params.ignore_eos else frozenset(self.eos_token_ids),
                 stop_token_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time)
-            detok = None
-            if params.detokenize:
-                detok = IncrementalDetokenizer(self.tokenizer, token_ids,
-                                               skip_special_tokens=params.skip_special_tokens,
-                                               spaces_between_special_tokens=params.spaces_between_special_tokens,
-                                               stop=params.stop,
-                                               include_stop_str_in_output=params.include_stop_str_in_output)
-            seq = _Sequence(request, request_id, index, child_params, detok,
-                            logprobs=[] if params.logprobs is not None else None,
-                            cumulative_logprob=0.0 if params.logprobs is not None else None)
-            parent.children.append(seq)
+            parent.children.append(_Sequence(request, request_id, index, child_params, self._detokenizer(
+                child_params, token_ids), logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None))
         if not self.scheduler.add_request(parent.children[0].request):
             parent.error = parent.children[0].request.error
             for c in parent.children:
@@ -256,7 +263,16 @@ class LLMEngine:
         self._parents[request_id] = parent
         for c in parent.children:
             self._sequences[c.request.request_id] = c
+            self._num_history_requests += _needs_history(params)
         return request_id
+
+    def _detokenizer(self, params: SamplingParams, prompt_ids: list[int]) -> IncrementalDetokenizer | None:
+        """Incremental only when text is needed before the end (stop strings, streamed outputs)."""
+        if not params.detokenize or (params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop):
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                                      spaces_between_special_tokens=params.spaces_between_special_tokens,
+                                      stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests (by the ids add_request returned); their blocks return to the pool at once."""
@@ -267,22 +283,42 @@ class LLMEngine:
                 continue
             child_ids = [c.request.request_id for c in parent.children]
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-            for cid in child_ids:
-                self._sequences.pop(cid, None)
+            self._forget(parent)
+
+    def _forget(self, parent: _Parent) -> None:
+        for c in parent.children:
+            if self._sequences.pop(c.request.request_id, None) is not None:
+                self._num_history_requests -= _needs_history(c.params)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._pending)
+        return bool(self._parents) or bool(self._pending) or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns the outputs of every request that changed (cumulative)."""
+        """Schedule and launch a batch, then process the previous one (async scheduling) or this one.
+        Returns the outputs of every request that changed."""
         outputs, self._pending = self._pending, []
+        overlap = self.async_scheduling and self._num_history_requests == 0
+        if not overlap and self._in_flight is not None:
+            outputs += self._process(*self._in_flight)
+            self._in_flight = None
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return outputs
+        launched = None
+        if not sched.is_empty:
+            self._note_scheduled(sched)
+            launched = (sched, self.runner.launch(sched))
+        if self._in_flight is not None:
+            outputs += self._process(*self._in_flight)
+        self._in_flight = launched
+        if not overlap and self._in_flight is not None:
+            outputs += self._process(*self._in_flight)
+            self._in_flight = None
+        return outputs
+
+    def _note_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
         for seq in sched.sequences:
             if seq.is_new:
@@ -290,7 +326,10 @@ class LLMEngine:
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now
                     self.num_prompt_tokens += req.num_prompt_tokens
-        runner_out = self.runner.execute(sched)
+
+    def _process(self, sched: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:
+        """Read a launched step's tokens and turn them into outputs."""
+        runner_out = handle.result()
         logprobs_by_id = {}
         if runner_out.logprobs is not None:
             sampled_ids = [s.request_id for s in sched.sequences if s.sample]
@@ -308,20 +347,25 @@ class LLMEngine:
             if request.is_finished:
                 seq.finished_time = now
             changed[seq.parent_id] = self._parents[seq.parent_id]
+        outputs = []
         for parent in changed.values():
-            outputs.append(self._make_output(parent))
-            if parent.finished:
+            finished = parent.finished
+            if finished or parent.children[0].params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(parent))
+            if finished:
                 del self._parents[parent.request_id]
-                for c in parent.children:
-                    self._sequences.pop(c.request.request_id, None)
+                self._forget(parent)
         return outputs
 
     def _detokenize(self, seq: _Sequence, new_ids: list[int]) -> None:
         request = seq.request
-        if seq.detokenizer is None:
-            return
         stopped_by_token = (request.status == RequestStatus.FINISHED_STOPPED
                             and not seq.params.include_stop_str_in_output)
+        if seq.detokenizer is None:
+            if request.is_finished and seq.params.detokenize:
+                ids = request.output_token_ids[:-1] if stopped_by_token else request.output_token_ids
+                seq.final_text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+            return
         ids = new_ids[:-1] if stopped_by_token else new_ids
         stop_str = seq.detokenizer.add_tokens(ids) if ids else None
         if stop_str is None and request.is_finished:
@@ -341,19 +385,7 @@ class LLMEngine:
         seq.cumulative_logprob += entry[0][1]
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
-        outs = []
-        for c in parent.children:
-            r = c.request
-            finished = r.is_finished
-            text = ""
-            if c.detokenizer is not None:
-                text = c.detokenizer.output_text
-                if not finished:
-                    text = text[:len(text) - self._holdback(c.params)]
-            outs.append(CompletionOutput(index=c.index, text=text, token_ids=list(r.output_token_ids),
-                                         cumulative_logprob=c.cumulative_logprob,
-                                         logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                                         finish_reason=r.status.finish_reason, stop_reason=r.stop_reason))
+        outs = [self._completion(c) for c in parent.children]
         first = parent.children[0].request
         metrics = RequestMetrics(arrival_time=parent.arrival_time, first_scheduled_time=first.first_scheduled_time,
                                  first_token_time=first.first_token_time,
@@ -362,6 +394,23 @@ class LLMEngine:
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=outs, finished=parent.finished,
                              num_cached_tokens=first.num_cached_tokens, error=parent.error, metrics=metrics)
+
+    def _completion(self, c: _Sequence) -> CompletionOutput:
+        r = c.request
+        text = c.final_text or ""
+        if c.detokenizer is not None:
+            text = c.detokenizer.output_text
+            if not r.is_finished:
+                text = text[:len(text) - self._holdback(c.params)]
+        token_ids, logprobs = r.output_token_ids, c.logprobs
+        if c.params.output_kind == RequestOutputKind.DELTA:
+            text, c.num_sent_chars = text[c.num_sent_chars:], len(text)
+            token_ids, start, c.num_sent_tokens = token_ids[c.num_sent_tokens:], c.num_sent_tokens, len(token_ids)
+            logprobs = logprobs[start:] if logprobs is not None else None
+        return CompletionOutput(index=c.index, text=text, token_ids=list(token_ids),
+                                cumulative_logprob=c.cumulative_logprob,
+                                logprobs=list(logprobs) if logprobs is not None else None,
+                                finish_reason=r.status.finish_reason, stop_reason=r.stop_reason)
 
     @staticmethod
     def _holdback(params: SamplingParams) -> int:

@@ -1,21 +1,26 @@
-"""Runs one scheduled step on the device: inputs → forward → logits → sampled ids.
+"""Runs scheduled steps on the device: inputs → forward → logits → sampled ids.
 
-Owns the model, the KV cache tensors and the sampler. Sizes the cache: on CUDA from the memory left
-after a profiling forward at the largest step (`gpu_memory_utilization`), on the CPU from
-`num_gpu_blocks_override` or a byte budget.
+Owns the model, the KV cache tensors, the step-input staging, the decode CUDA graphs and the samplers.
+`launch(step)` only enqueues work and returns a handle; `handle.result()` waits for that step's sampled
+ids, one small device-to-host copy. The engine can therefore schedule and launch step N+1 before it
+reads step N's tokens: a decode input that is still on the device (PLACEHOLDER) is gathered there from
+the previous step's sampled ids.
 """
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from tinyvllm.config import CacheConfig, ModelConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
-from tinyvllm.engine.sampler import Sampler
+from tinyvllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tinyvllm.engine.sampler import LogprobsTensors, Sampler
 from tinyvllm.engine.sampling_tensors import SamplingRow, SamplingTensors
-from tinyvllm.engine.step_inputs import build_step_inputs
+from tinyvllm.engine.step_inputs import StepInputBuilder, StepInputs
 from tinyvllm.kernels import get_ops
 from tinyvllm.models.llama import KVCache
 from tinyvllm.models.loader import build_model
@@ -25,10 +30,43 @@ logger = logging.getLogger(__name__)
 _SEED_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, step) pairs over the seed space
 
 
-def step_seed(seed: int, num_output_tokens: int) -> int:
-    """The generator seed for a seeded request's next token: a function of (seed, position) only, so
-    a request samples the same tokens whatever shares its batch and however often it is preempted."""
-    return (seed * _SEED_MIX + num_output_tokens * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+def step_seed(seed: int, output_index: int) -> int:
+    """The random seed for a seeded request's output token `output_index`: a function of the two only,
+    so a request samples the same tokens whatever shares its batch and however often it is preempted."""
+    return (seed * _SEED_MIX + output_index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+def _is_plain(params) -> bool:
+    """Sampling the fused kernel handles: greedy or temperature only, no penalties, no logprobs."""
+    return (params.logprobs is None and params.presence_penalty == 0 and params.frequency_penalty == 0
+            and params.repetition_penalty == 1 and (params.is_greedy or (
+                params.top_p == 1 and params.top_k == 0 and params.min_p == 0)))
+
+
+@dataclass
+class StepHandle:
+    """A launched step. `result()` blocks until its sampled ids are on the host."""
+
+    sampled_host: torch.Tensor | None  # [N] int64, filled asynchronously
+    event: torch.cuda.Event | None
+    sample_order: list[int]
+    logprobs: LogprobsTensors | None
+    num_logprobs: list[int | None]
+
+    def result(self) -> ModelRunnerOutput:
+        if self.sampled_host is None:
+            return ModelRunnerOutput(sampled_token_ids=[])
+        if self.event is not None:
+            self.event.synchronize()
+        ids = self.sampled_host.tolist()
+        logprobs = None
+        if self.logprobs is not None:
+            rows = self.logprobs.to_lists(self.num_logprobs)
+            per_row = [None if r is None else
+                       [(tok, lp, r[2] if k == 0 else k) for k, (tok, lp) in enumerate(zip(r[0], r[1]))]
+                       for r in rows]
+            logprobs = [per_row[j] for j in self.sample_order]
+        return ModelRunnerOutput(sampled_token_ids=[ids[j] for j in self.sample_order], logprobs=logprobs)
 
 
 class ModelRunner:
@@ -38,6 +76,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
+        self.kernel_backend = kernel_backend
         self.ops = get_ops(kernel_backend)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model = build_model(model_config, self.ops, model_dir=model_dir, device=device, dtype=dtype,
@@ -45,25 +84,34 @@ class ModelRunner:
                                  load_format=load_format, seed=seed, show_progress=show_progress)
         self.sampler = Sampler()
         self.batch_generator = torch.Generator(device=device).manual_seed(seed)
+        self._rng = random.Random(seed)  # seeds of unseeded requests for the fused sampler
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
+        self.builder: StepInputBuilder | None = None
+        self.graphs: DecodeGraphs | None = None
+        self._prev_sampled: torch.Tensor | None = None  # last launched step's sampled ids (device)
+        self._prev_index: dict[str, int] = {}
+        # Host staging written at launch and copied asynchronously: two of each, used alternately, since
+        # the engine reads step N's results only after launching step N+1.
+        self._host_bufs: list[dict[str, torch.Tensor]] = []
+        self._num_launched = 0
 
-    # ------------------------------------------------------------------ KV cache
+    # ------------------------------------------------------------------ KV cache and set-up
     def bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * elem
 
-    def determine_num_blocks(self, cache: CacheConfig, max_num_batched_tokens: int) -> int:
+    def determine_num_blocks(self, cache: CacheConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """How many blocks fit: the override if given; on CUDA, what `gpu_memory_utilization` of the
-        card leaves after weights and a profiling forward of `max_num_batched_tokens` tokens; on the
-        CPU, `cpu_kv_cache_bytes`."""
+        card leaves after weights, a profiling forward of `max_num_batched_tokens` tokens and the
+        sampler's workspace; on the CPU, `cpu_kv_cache_bytes`."""
         per_block = self.bytes_per_block(cache.block_size)
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if self.device.type != "cuda":
             return max(1, cache.cpu_kv_cache_bytes // per_block)
-        peak = self._profile_peak_memory(max_num_batched_tokens, cache.block_size)
+        peak = self._profile_peak_memory(max_num_batched_tokens, max_num_seqs, cache.block_size)
         total = torch.cuda.get_device_properties(self.device).total_memory
         free_for_cache = int(total * cache.gpu_memory_utilization) - peak
         if free_for_cache < per_block:
@@ -72,21 +120,35 @@ class ModelRunner:
                 f"of the {total * cache.gpu_memory_utilization / 2**30:.1f} GiB allowed by "
                 f"gpu_memory_utilization={cache.gpu_memory_utilization}; raise it or lower "
                 f"max_num_batched_tokens")
-        return free_for_cache // per_block
+        return int(free_for_cache // per_block)
 
     @torch.no_grad()
-    def _profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
-        """Peak device memory of a prefill forward of `num_tokens` tokens with a one-block cache."""
+    def _profile_peak_memory(self, num_tokens: int, max_num_seqs: int, block_size: int) -> int:
+        """Peak memory of a prefill of `num_tokens` tokens plus logits and sampling for
+        `max_num_seqs` rows (graph logits buffers included), with a one-block cache."""
         self.allocate_kv_cache(1, block_size)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        from tinyvllm.core.outputs import ScheduledSequence as Seq
-        seq = Seq(request_id="profile", token_ids=[0] * num_tokens, num_computed_tokens=0,
-                  block_ids=[0] * ((num_tokens + block_size - 1) // block_size), sample=True, is_new=True)
-        inputs = build_step_inputs(SchedulerOutput([seq], num_tokens), block_size, self.device)
-        inputs.meta.slot_mapping.fill_(-1)  # write nothing
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-        self.model.compute_logits(hidden[inputs.logits_indices])
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model.embed_tokens(ids)
+        from tinyvllm.models.attention_metadata import AttnMetadata
+        i32 = torch.int32
+        meta = AttnMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            num_decode_tokens=0, decode_seq_lens=torch.zeros(0, dtype=i32, device=self.device),
+            decode_block_tables=torch.zeros(0, 1, dtype=i32, device=self.device), max_decode_seq_len=0,
+            num_prefills=1, prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=i32, device=self.device),
+            prefill_seq_lens=torch.tensor([1], dtype=i32, device=self.device),
+            prefill_block_tables=torch.zeros(1, 1, dtype=i32, device=self.device),
+            max_prefill_q_len=num_tokens, max_prefill_seq_len=1)
+        # Every query attends to one cached token: the cost of attention is not what is measured here.
+        del hidden
+        hidden = self.model(ids, torch.zeros_like(ids), meta, self.kv_caches)
+        rows = max_num_seqs
+        logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
+        graph_logits = torch.empty_like(logits)  # the decode graphs keep their own logits buffer
+        probs = torch.softmax(logits, -1)  # the torch sampler's largest temporaries
+        del probs, graph_logits, logits, hidden
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
@@ -101,39 +163,108 @@ class ModelRunner:
         buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(buffer[i, 0], buffer[i, 1]) for i in range(c.num_hidden_layers)]
 
+    def initialize(self, *, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                   max_num_batched_tokens: int, cuda_graphs: bool) -> None:
+        """Allocate the cache and the input staging; capture the decode graphs (CUDA only)."""
+        self.allocate_kv_cache(num_blocks, block_size)
+        max_blocks = -(-max_model_len // block_size)
+        self.builder = StepInputBuilder(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                                        max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
+                                        device=self.device)
+        pin = self.device.type == "cuda"
+        self._host_bufs = [{"ids": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
+                            "temps": torch.zeros(max_num_seqs, dtype=torch.float32, pin_memory=pin),
+                            "seeds": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin)}
+                           for _ in range(2)]
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes=graph_batch_sizes(max_num_seqs),
+                                       max_blocks_per_seq=max_blocks, max_seq_len=max_model_len,
+                                       device=self.device)
+            self.graphs.capture()
+
     # ------------------------------------------------------------------ one step
-    @torch.no_grad()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        inputs = build_step_inputs(sched, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        return self.launch(sched).result()
+
+    @torch.no_grad()
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Enqueue one step (inputs, forward, sampling, the copy of the sampled ids) and return."""
+        assert self.builder is not None, "initialize() first"
+        decode_only = all(s.num_new_tokens == 1 for s in sched.sequences)
+        bucket = self.graphs.bucket(len(sched.sequences)) if self.graphs and decode_only else None
+        inputs = self.builder.build(sched, pad_decodes_to=bucket, prev_sample_index=self._prev_index)
+        if inputs.placeholder_rows is not None:
+            inputs.input_ids[inputs.placeholder_rows] = self._prev_sampled[inputs.placeholder_src]
         if not inputs.sampled:
-            return ModelRunnerOutput(sampled_token_ids=[])
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        rows = [self._sampling_row(s) for s in inputs.sampled]
+            self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+            self._prev_sampled, self._prev_index = None, {}
+            return StepHandle(None, None, [], None, [])
+        if bucket is not None:
+            m = inputs.meta
+            logits = self.graphs.replay(bucket, inputs.input_ids, inputs.positions, m.slot_mapping,
+                                        m.decode_seq_lens, m.decode_block_tables)[:inputs.num_decodes]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        bufs = self._host_bufs[self._num_launched % 2]
+        self._num_launched += 1
+        sampled, logprobs = self._sample(logits, inputs, bufs)
+        self._prev_sampled = sampled
+        self._prev_index = {s.request_id: i for i, s in enumerate(inputs.sampled)}
+        event = None
+        if self.device.type == "cuda":
+            host = bufs["ids"][:sampled.shape[0]]
+            host.copy_(sampled, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = sampled
+        num_logprobs = [s.sampling_params.logprobs for s in inputs.sampled]
+        return StepHandle(host, event, inputs.sample_order, logprobs, num_logprobs)
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs,
+                bufs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, LogprobsTensors | None]:
+        seqs = inputs.sampled
+        if self.kernel_backend == "triton" and all(_is_plain(s.sampling_params) and not self._banned(s)
+                                                   for s in seqs):
+            return self._sample_fused(logits, seqs, bufs), None
+        rows = [self._sampling_row(s) for s in seqs]
         tensors = SamplingTensors.from_rows(rows, self.model_config.vocab_size, self.device)
         out = self.sampler(logits, tensors, self.batch_generator)
-        ids = out.sampled_token_ids.tolist()
-        logprobs = None
-        if out.logprobs is not None:
-            per_row = out.logprobs.to_lists([s.sampling_params.logprobs for s in inputs.sampled])
-            logprobs = [None if r is None else list(zip(r[0], r[1], [r[2]] + [k + 1 for k in range(len(r[0]) - 1)]))
-                        for r in per_row]
-            logprobs = [logprobs[j] for j in inputs.sample_order]
-        return ModelRunnerOutput(sampled_token_ids=[ids[j] for j in inputs.sample_order], logprobs=logprobs)
+        return out.sampled_token_ids, out.logprobs
+
+    def _sample_fused(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
+                      bufs: dict[str, torch.Tensor]) -> torch.Tensor:
+        from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
+
+        n = len(seqs)
+        temps, seeds = bufs["temps"].numpy(), bufs["seeds"].numpy()
+        for i, s in enumerate(seqs):
+            p = s.sampling_params
+            if p.is_greedy:
+                temps[i], seeds[i] = 0.0, 0
+            else:
+                temps[i] = p.temperature
+                seeds[i] = step_seed(p.seed, s.output_index) if p.seed is not None else self._rng.getrandbits(63)
+        t = bufs["temps"][:n].to(self.device, non_blocking=True)
+        sd = bufs["seeds"][:n].to(self.device, non_blocking=True)
+        return sample_greedy_or_gumbel(logits, t, sd)
+
+    def _banned(self, seq: ScheduledSequence) -> bool:
+        return seq.output_index < seq.sampling_params.min_tokens
 
     def _sampling_row(self, seq: ScheduledSequence) -> SamplingRow:
         params = seq.sampling_params
-        num_output = len(seq.all_token_ids) - seq.prompt_len
         generator = None
         if params.seed is not None and not params.is_greedy:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(step_seed(params.seed, num_output))
+            generator.manual_seed(step_seed(params.seed, seq.output_index))
         banned: frozenset[int] = frozenset()
-        if num_output < params.min_tokens:  # EOS is banned even with ignore_eos, as in vLLM
+        if self._banned(seq):  # EOS is banned even with ignore_eos, as in vLLM
             banned = frozenset(params.stop_token_ids) | self.eos_token_ids
         # Token lists are copied only for the penalties that read them.
         uses_output = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
         prompt = seq.all_token_ids[:seq.prompt_len] if params.repetition_penalty != 1 else ()
-        output = seq.all_token_ids[seq.prompt_len:] if uses_output else ()
+        output = seq.all_token_ids[seq.prompt_len:] if uses_output else ()  # bans are decided above
         return SamplingRow(params=params, prompt_token_ids=prompt, output_token_ids=output,
                            generator=generator, min_tokens_banned_ids=banned)

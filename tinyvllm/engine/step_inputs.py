@@ -1,90 +1,194 @@
 """Turn a SchedulerOutput into the tensors of one forward pass.
 
-Row order: decode rows (sequences fed one token) first, then prompt chunks, so attention can split the
-batch into one decode launch and one prefill launch over contiguous row ranges.
+Row order: decode rows (sequences fed one token) first, then prompt chunks, so attention splits the batch
+into one decode launch and one prefill launch over contiguous row ranges.
+
+Everything is packed on the host into two flat staging buffers (int64: token ids, positions, slots,
+logits rows; int32: sequence lengths, cu_seqlens, block tables) that are pinned on CUDA and alternate
+between steps, then reaches the device in two asynchronous copies; the tensors handed to the model are
+views into the device copies. Block tables come from the incrementally updated `BlockTableRows`.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tinyvllm.core.outputs import ScheduledSequence, SchedulerOutput
+from tinyvllm.core.outputs import PLACEHOLDER, ScheduledSequence, SchedulerOutput
+from tinyvllm.engine.block_tables import BlockTableRows
 from tinyvllm.models.attention_metadata import AttnMetadata
 
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
+    input_ids: torch.Tensor  # [T] int64 (placeholder rows hold PLACEHOLDER until resolved)
     positions: torch.Tensor  # [T] int64
     meta: AttnMetadata
     logits_indices: torch.Tensor  # [N] int64: the row whose hidden state gives each sample
-    sampled: list[ScheduledSequence]  # the N sequences sampled, in row order
-    sample_order: list[int]  # sample_order[j] = row-order index of the j-th sampled sequence in
-    # SchedulerOutput order
+    sampled: list[ScheduledSequence]  # the N sampled sequences, in row order
+    sample_order: list[int]  # j-th sample in SchedulerOutput order = sampled[sample_order[j]]
+    placeholder_rows: torch.Tensor | None  # [K] int64: rows whose input is the previous step's sample...
+    placeholder_src: torch.Tensor | None  # [K] int64: ...at this index of that step's sampled ids
+    num_decodes: int
+    decode_block_width: int  # columns of the decode block table in use
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == int(self.input_ids.shape[0])
 
 
-def _block_table(seqs: Sequence[ScheduledSequence]) -> np.ndarray:
-    width = max((len(s.block_ids) for s in seqs), default=0)
-    table = np.zeros((len(seqs), max(width, 1)), dtype=np.int32)
-    for i, s in enumerate(seqs):
-        table[i, :len(s.block_ids)] = s.block_ids
-    return table
+class _Staging:
+    """One set of host staging buffers and their device twins."""
+
+    def __init__(self, n64: int, n32: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        if device.type == "cpu":
+            self.dev64, self.dev32 = self.host64, self.host32
+        else:
+            self.dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
+            self.dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
 
 
-def build_step_inputs(sched: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
-    """Pack the scheduled sequences into flat token rows with their cache slots and attention metadata."""
-    decodes = [s for s in sched.sequences if s.num_new_tokens == 1]
-    prefills = [s for s in sched.sequences if s.num_new_tokens > 1]
-    ordered = decodes + prefills
+class StepInputBuilder:
+    def __init__(self, *, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_blocks_per_seq: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.tables = BlockTableRows(max(2 * max_num_seqs, 8), max_blocks_per_seq)
+        max_tokens = max(max_num_batched_tokens, max_num_seqs)
+        n64 = 4 * max_tokens + 2 * max_num_seqs
+        n32 = 3 * (max_num_seqs + 1) + max_num_seqs * max_blocks_per_seq
+        self._staging = [_Staging(n64, n32, device) for _ in range(2)]
+        self._step = 0
 
-    total = sum(s.num_new_tokens for s in ordered)
-    input_ids = np.empty(total, dtype=np.int64)
-    positions = np.empty(total, dtype=np.int64)
-    slots = np.empty(total, dtype=np.int64)
-    last_rows = np.empty(len(ordered), dtype=np.int64)
-    row = 0
-    for i, s in enumerate(ordered):
-        n = s.num_new_tokens
-        pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + n)
-        blocks = np.asarray(s.block_ids, dtype=np.int64)[pos // block_size]
-        input_ids[row:row + n] = s.token_ids
-        positions[row:row + n] = pos
-        slots[row:row + n] = blocks * block_size + pos % block_size
-        row += n
-        last_rows[i] = row - 1
+    def release(self, request_ids) -> None:
+        self.tables.release(request_ids)
 
-    decode_lens = np.array([s.context_len for s in decodes], dtype=np.int32)
-    prefill_lens = np.array([s.context_len for s in prefills], dtype=np.int32)
-    cu = np.zeros(len(prefills) + 1, dtype=np.int32)
-    np.cumsum([s.num_new_tokens for s in prefills], out=cu[1:])
+    def build(self, sched: SchedulerOutput, pad_decodes_to: int | None = None,
+              prev_sample_index: dict[str, int] | None = None) -> StepInputs:
+        """Pack one step. With `pad_decodes_to` (a decode-only step replayed as a CUDA graph), the
+        token arrays get padded rows that write nowhere (slot −1) and attend to nothing (length 0).
+        `prev_sample_index` maps request ids to their row in the previous step's sampled ids, for the
+        PLACEHOLDER inputs of async scheduling."""
+        stage = self._staging[self._step % 2]
+        self._step += 1
+        bs = self.block_size
+        self.tables.release(sched.released_request_ids)
+        decodes = [s for s in sched.sequences if s.num_new_tokens == 1]
+        prefills = [s for s in sched.sequences if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        D = len(decodes)
+        num_tokens = sum(s.num_new_tokens for s in ordered)
+        T = num_tokens if pad_decodes_to is None else pad_decodes_to
+        assert pad_decodes_to is None or (not prefills and pad_decodes_to >= D)
 
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
+        # ---- int64 region: ids [T] | positions [T] | slots [T] | logits rows [N]
+        a64 = stage.np64
+        ids, pos, slots = a64[0:T], a64[T:2 * T], a64[2 * T:3 * T]
+        rows = [self.tables.update(s) for s in ordered]
+        table = self.tables.table
+        ph_rows: list[int] = []
+        ph_src: list[int] = []
+        if D:
+            dpos = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=D)
+            ids[:D] = [s.token_ids[0] for s in decodes]
+            pos[:D] = dpos
+            drows = np.asarray(rows[:D])
+            slots[:D] = table[drows, dpos // bs].astype(np.int64) * bs + dpos % bs
+            for i, s in enumerate(decodes):
+                if s.token_ids[0] == PLACEHOLDER:
+                    if prev_sample_index is None or s.request_id not in prev_sample_index:
+                        raise RuntimeError(f"request {s.request_id}'s input token is not known yet")
+                    ph_rows.append(i)
+                    ph_src.append(prev_sample_index[s.request_id])
+        if T > num_tokens:  # padding rows
+            ids[num_tokens:], pos[num_tokens:], slots[num_tokens:] = 0, 0, -1
+        row = D
+        last_rows = list(range(D))
+        for s, r in zip(prefills, rows[D:]):
+            n = s.num_new_tokens
+            p = np.arange(s.num_computed_tokens, s.num_computed_tokens + n)
+            ids[row:row + n] = s.token_ids
+            pos[row:row + n] = p
+            slots[row:row + n] = table[r, p // bs].astype(np.int64) * bs + p % bs
+            row += n
+            last_rows.append(row - 1)
+        sampled_rows = [i for i, s in enumerate(ordered) if s.sample]
+        N = len(sampled_rows)
+        a64[3 * T:3 * T + N] = [last_rows[i] for i in sampled_rows]
+        K = len(ph_rows)
+        a64[3 * T + N:3 * T + N + K] = ph_rows
+        a64[3 * T + N + K:3 * T + N + 2 * K] = ph_src
+        n64 = 3 * T + N + 2 * K
 
-    meta = AttnMetadata(
-        slot_mapping=dev(slots),
-        num_decode_tokens=len(decodes),
-        decode_seq_lens=dev(decode_lens),
-        decode_block_tables=dev(_block_table(decodes)),
-        max_decode_seq_len=int(decode_lens.max(initial=0)),
-        num_prefills=len(prefills),
-        prefill_cu_seqlens_q=dev(cu),
-        prefill_seq_lens=dev(prefill_lens),
-        prefill_block_tables=dev(_block_table(prefills)),
-        max_prefill_q_len=max((s.num_new_tokens for s in prefills), default=0),
-        max_prefill_seq_len=int(prefill_lens.max(initial=0)),
-    )
-    sampled_rows = [i for i, s in enumerate(ordered) if s.sample]
-    rank = {id(ordered[i]): j for j, i in enumerate(sampled_rows)}
-    sample_order = [rank[id(s)] for s in sched.sequences if s.sample]
-    return StepInputs(
-        input_ids=dev(input_ids),
-        positions=dev(positions),
-        meta=meta,
-        logits_indices=dev(last_rows[sampled_rows]),
-        sampled=[ordered[i] for i in sampled_rows],
-        sample_order=sample_order,
-    )
+        # ---- int32 region: decode lens [Dp] | prefill lens [P] | cu [P+1] | decode table | prefill table
+        a32 = stage.np32
+        Dp = D if pad_decodes_to is None else pad_decodes_to
+        P = len(prefills)
+        o = 0
+        dlens = a32[o:o + Dp]
+        o += Dp
+        if D:
+            dlens[:D] = pos[:D] + 1
+        dlens[D:] = 0
+        plens = a32[o:o + P]
+        o += P
+        plens[:] = [s.context_len for s in prefills]
+        cu = a32[o:o + P + 1]
+        o += P + 1
+        cu[0] = 0
+        np.cumsum([s.num_new_tokens for s in prefills], out=cu[1:])
+        dwidth = max(1, max((-(-int(x) // bs) for x in dlens[:D]), default=1))
+        dtab = a32[o:o + D * dwidth].reshape(D, dwidth)
+        o += D * dwidth
+        if D:
+            dtab[:] = table[np.asarray(rows[:D]), :dwidth]
+        pwidth = max(1, max((-(-s.context_len // bs) for s in prefills), default=1))
+        ptab = a32[o:o + P * pwidth].reshape(P, pwidth)
+        o += P * pwidth
+        if P:
+            ptab[:] = table[np.asarray(rows[D:]), :pwidth]
+        n32 = o
+
+        # ---- to the device: two copies
+        if stage.dev64 is not stage.host64:
+            stage.dev64[:n64].copy_(stage.host64[:n64], non_blocking=True)
+            stage.dev32[:n32].copy_(stage.host32[:n32], non_blocking=True)
+        d64, d32 = stage.dev64, stage.dev32
+        o = 0
+
+        def take32(n: int) -> torch.Tensor:
+            nonlocal o
+            t = d32[o:o + n]
+            o += n
+            return t
+
+        d_dlens, d_plens, d_cu = take32(Dp), take32(P), take32(P + 1)
+        d_dtab = take32(D * dwidth).view(D, dwidth)
+        d_ptab = take32(P * pwidth).view(P, pwidth)
+        meta = AttnMetadata(
+            slot_mapping=d64[2 * T:3 * T],
+            num_decode_tokens=Dp,
+            decode_seq_lens=d_dlens,
+            decode_block_tables=d_dtab,
+            max_decode_seq_len=int(dlens.max(initial=0)),
+            num_prefills=P,
+            prefill_cu_seqlens_q=d_cu,
+            prefill_seq_lens=d_plens,
+            prefill_block_tables=d_ptab,
+            max_prefill_q_len=max((s.num_new_tokens for s in prefills), default=0),
+            max_prefill_seq_len=int(plens.max(initial=0)),
+        )
+        rank = {id(ordered[i]): j for j, i in enumerate(sampled_rows)}
+        return StepInputs(
+            input_ids=d64[0:T], positions=d64[T:2 * T], meta=meta, logits_indices=d64[3 * T:3 * T + N],
+            sampled=[ordered[i] for i in sampled_rows],
+            sample_order=[rank[id(s)] for s in sched.sequences if s.sample],
+            placeholder_rows=d64[3 * T + N:3 * T + N + K] if K else None,
+            placeholder_src=d64[3 * T + N + K:3 * T + N + 2 * K] if K else None,
+            num_decodes=D, decode_block_width=dwidth,
+        )
