@@ -180,3 +180,25 @@ def test_default_sampling_params_come_from_generation_config(llm):
         assert d.temperature == gen["temperature"]
     if "top_p" in gen:
         assert d.top_p == gen["top_p"]
+
+
+@pytest.mark.parametrize("blocks", [None, 12])
+def test_async_scheduling_gives_the_same_outputs(model_dir, blocks):
+    """Overlapping step N+1's scheduling with step N (placeholders for in-flight tokens) changes
+    nothing: greedy, seeded sampling, stop strings and n, with and without preemption."""
+    prompts = ["The list type", "Once upon a time there", "x", "a b c d e f g h i j k l"]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=17, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=25, stop=["e"], ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=12, ignore_eos=True)]
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(model=str(model_dir), device="cpu", max_model_len=48, block_size=4,
+                  num_gpu_blocks_override=blocks, max_num_batched_tokens=16, async_scheduling=async_scheduling)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([[(o.token_ids, o.text, o.finish_reason) for o in out.outputs] for out in outs])
+        m = llm.get_metrics()
+        assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
+        if blocks:
+            assert m["num_preemptions"] > 0
+    assert results[0] == results[1]

@@ -30,6 +30,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # no CUDA graphs
+    async_scheduling: bool | None = None  # overlap host work with the device; None: on for CUDA
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
@@ -60,6 +61,8 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 before reading step N's tokens (default: on for CUDA)")
 
 
 def engine_args_from_cli(ns: argparse.Namespace) -> EngineArgs:

@@ -142,7 +142,8 @@ class LLMEngine:
         # Async scheduling: on CUDA, step N+1 is scheduled and launched before step N's tokens are read,
         # so the host's work overlaps the device's. Requests with penalties need every token of their
         # history at sampling time; while one is live, steps run one at a time.
-        self.async_scheduling = self.device.type == "cuda"
+        self.async_scheduling = (self.device.type == "cuda" if args.async_scheduling is None
+                                 else args.async_scheduling)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._num_history_requests = 0
         pool = BlockPool(num_blocks, enable_caching=args.enable_prefix_caching)

@@ -1,0 +1,177 @@
+"""`tinyvllm bench latency | throughput | shared-prefix`: ours beside the anchor and the floor, one run.
+
+Each prints a table (ours, Hugging Face transformers when `--baseline hf`, their ratio, the hardware
+floor from the ceilings measured at the start of the run) and writes JSON to benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from tinyvllm.bench.report import print_table, write_json
+from tinyvllm.bench.roofline import Ceilings, ModelCosts, latency_floor, measure_ceilings, throughput_floor
+from tinyvllm.bench.workloads import Workload, latency_workload, shared_prefix_workload, throughput_workload
+from tinyvllm.engine.args import EngineArgs, engine_args_from_cli
+from tinyvllm.llm import LLM
+from tinyvllm.models.checkpoint import resolve_model
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+
+def _free(*objs: Any) -> None:
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _engine_args(ns: argparse.Namespace, **changes: Any) -> EngineArgs:
+    return engine_args_from_cli(ns).replace(model=str(resolve_model(ns.model)), **changes)
+
+
+def _params(w: Workload) -> list[SamplingParams]:
+    return [SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=True) for m in w.max_tokens]
+
+
+def _prompts(w: Workload, vocab_size: int) -> list[dict]:
+    """The workload's token ids (drawn from [0, 10000]), folded into small test vocabularies."""
+    return [{"prompt_token_ids": [t % vocab_size for t in p]} for p in w.prompts]
+
+
+def _warm_up(llm: LLM) -> None:
+    """One short request (WORKLOADS.md: one warm-up request first): compiles kernels, fills caches."""
+    llm.generate({"prompt_token_ids": list(range(1, 65))}, SamplingParams(max_tokens=16, ignore_eos=True),
+                 use_tqdm=False)
+
+
+def _ceilings(device: torch.device) -> Ceilings | None:
+    return measure_ceilings(device) if device.type == "cuda" else None
+
+
+def _ttft(out: RequestOutput) -> float:
+    return out.metrics.first_token_time - out.metrics.arrival_time
+
+
+# ---------------------------------------------------------------------------------------------- latency
+def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() and ns.device != "cpu" else "cpu")
+    ceil = _ceilings(device)
+    w = latency_workload(ns.input_len, ns.output_len)
+    model_dir = resolve_model(ns.model)
+    hf = None
+    if ns.baseline == "hf":
+        from tinyvllm.bench.hf_baseline import hf_latency, load_hf
+
+        model = load_hf(model_dir, device)
+        hf = hf_latency(model, w.prompts[0], ns.baseline_output_len, device)
+        _free(model)
+    llm = LLM(**vars(_engine_args(ns)))
+    _warm_up(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
+    runs = []
+    for _ in range(ns.iters):
+        out = llm.generate(_prompts(w, llm.llm_engine.model_config.vocab_size), params, use_tqdm=False)[0]
+        m = out.metrics
+        n = len(out.outputs[0].token_ids)
+        runs.append({"ttft_s": _ttft(out), "decode_tokens_per_s": (n - 1) / (m.finished_time - m.first_token_time),
+                     "e2e_s": m.finished_time - m.arrival_time})
+    ours = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    costs = ModelCosts.of(llm.llm_engine.model_config)
+    floor = latency_floor(costs, ns.input_len, ns.output_len, ceil) if ceil else None
+    rows = [("tinyvllm", f"{ours['decode_tokens_per_s']:.0f}", f"{ours['ttft_s'] * 1e3:.1f}")]
+    if hf:
+        rows.append(("transformers", f"{hf['decode_tokens_per_s']:.1f}", f"{hf['ttft_s'] * 1e3:.1f}"))
+        rows.append(("ratio ours/hf", f"{ours['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.1f}x", ""))
+    if floor:
+        rows.append(("floor (weights/bandwidth)", f"{floor['decode_tokens_per_s']:.0f}", f"{floor['ttft_s'] * 1e3:.2f}"))
+        rows.append(("ours / floor", f"{ours['decode_tokens_per_s'] / floor['decode_tokens_per_s']:.2f}", ""))
+    print_table(f"latency: batch 1, {ns.input_len} in, {ns.output_len} out, greedy ({ns.model})", rows,
+                ("", "decode tok/s", "TTFT ms"))
+    result = {"workload": "latency", "model": ns.model, "input_len": ns.input_len, "output_len": ns.output_len,
+              "ours": ours, "runs": runs, "hf": hf, "floor": floor, "ceilings": ceil.__dict__ if ceil else None,
+              "engine_args": vars(_engine_args(ns))}
+    write_json(ns.name or "latency", result, ns.out_dir)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- throughput
+def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() and ns.device != "cpu" else "cpu")
+    ceil = _ceilings(device)
+    w = throughput_workload(ns.num_prompts)
+    model_dir = resolve_model(ns.model)
+    hf = None
+    if ns.baseline == "hf":
+        from tinyvllm.bench.hf_baseline import hf_static_batch, load_hf
+
+        model = load_hf(model_dir, device)
+        k = min(ns.baseline_requests, len(w.prompts))
+        hf = hf_static_batch(model, w.prompts[:k], w.max_tokens[:k], w.temperature, device)
+        _free(model)
+    llm = LLM(**vars(_engine_args(ns)))
+    _warm_up(llm)
+    start = time.perf_counter()
+    outs = llm.generate(_prompts(w, llm.llm_engine.model_config.vocab_size), _params(w), use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == w.num_output_tokens, (produced, w.num_output_tokens)
+    ours = {"seconds": elapsed, "output_tokens": produced, "output_tokens_per_s": produced / elapsed,
+            "total_tokens_per_s": (produced + sum(map(len, w.prompts))) / elapsed,
+            "num_preemptions": llm.get_metrics()["num_preemptions"]}
+    costs = ModelCosts.of(llm.llm_engine.model_config)
+    floor = throughput_floor(costs, [len(p) for p in w.prompts], w.max_tokens, ceil) if ceil else None
+    rows = [("tinyvllm", f"{ours['output_tokens_per_s']:.0f}", f"{elapsed:.2f}")]
+    if hf:
+        rows.append((f"transformers ({hf['num_requests']} req, static batch)", f"{hf['output_tokens_per_s']:.0f}",
+                     f"{hf['seconds']:.2f}"))
+        rows.append(("ratio ours/hf", f"{ours['output_tokens_per_s'] / hf['output_tokens_per_s']:.1f}x", ""))
+    if floor:
+        rows.append(("floor", f"{floor['output_tokens_per_s']:.0f}", f"{floor['seconds']:.2f}"))
+        rows.append(("ours / floor", f"{ours['output_tokens_per_s'] / floor['output_tokens_per_s']:.2f}", ""))
+    print_table(f"throughput: {len(w.prompts)} requests, {produced} output tokens ({ns.model})", rows,
+                ("", "output tok/s", "seconds"))
+    profile = None
+    if ns.profile:
+        from tinyvllm.bench.profile import profile_steps
+
+        profile = profile_steps(llm, w, ns.out_dir)
+    result = {"workload": "throughput", "model": ns.model, "ours": ours, "hf": hf, "floor": floor,
+              "ceilings": ceil.__dict__ if ceil else None, "profile": profile,
+              "engine_args": vars(_engine_args(ns))}
+    write_json(ns.name or "throughput", result, ns.out_dir)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- shared prefix
+def run_shared_prefix(ns: argparse.Namespace) -> dict[str, Any]:
+    w = shared_prefix_workload(ns.num_prompts)
+    results = {}
+    for caching in (False, True):
+        llm = LLM(**vars(_engine_args(ns, enable_prefix_caching=caching)))
+        _warm_up(llm)
+        start = time.perf_counter()
+        outs = llm.generate(_prompts(w, llm.llm_engine.model_config.vocab_size), _params(w), use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        ttfts = [_ttft(o) for o in outs]
+        m = llm.get_metrics()
+        results["on" if caching else "off"] = {
+            "seconds": elapsed, "mean_ttft_s": statistics.fmean(ttfts), "p50_ttft_s": statistics.median(ttfts),
+            "prefix_cache_hit_tokens": m["prefix_cache_hit_tokens"],
+            "prefix_cache_queried_tokens": m["prefix_cache_queried_tokens"]}
+        _free(llm)
+    on, off = results["on"], results["off"]
+    rows = [(k, f"{v['seconds']:.2f}", f"{v['mean_ttft_s'] * 1e3:.0f}", f"{v['p50_ttft_s'] * 1e3:.0f}",
+             f"{v['prefix_cache_hit_tokens']}/{v['prefix_cache_queried_tokens']}") for k, v in results.items()]
+    rows.append(("off / on", f"{off['seconds'] / on['seconds']:.1f}x", f"{off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x",
+                 f"{off['p50_ttft_s'] / on['p50_ttft_s']:.1f}x", ""))
+    print_table(f"shared-prefix: {len(w.prompts)} requests, 1024-token shared prefix + 64, 128 out ({ns.model})",
+                rows, ("prefix caching", "seconds", "mean TTFT ms", "p50 TTFT ms", "hit/queried tokens"))
+    result = {"workload": "shared-prefix", "model": ns.model, **results,
+              "speedup_total": off["seconds"] / on["seconds"], "speedup_mean_ttft": off["mean_ttft_s"] / on["mean_ttft_s"]}
+    write_json(ns.name or "shared_prefix", result, ns.out_dir)
+    return result

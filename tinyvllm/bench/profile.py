@@ -1,0 +1,101 @@
+"""Where a decode step's time goes: GEMMs, attention, sampling, other kernels, and the gaps in between.
+
+The workload's requests are prefilled, then `steps` decode steps are timed without the profiler (wall
+time per step) and `steps` more with it (device time per kernel). Device time is classified by kernel
+name; whatever of the wall time no kernel covers is host/launch gap. Writes a PNG bar chart.
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyvllm.bench.workloads import Workload
+from tinyvllm.sampling_params import SamplingParams
+
+_CATEGORIES = [
+    ("attention", re.compile(r"attention|attn|flash|_fwd", re.I)),
+    ("GEMM", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|splitk|sm90_", re.I)),
+    ("sampling", re.compile(r"sample|argmax|topk|sort", re.I)),
+    ("copies", re.compile(r"memcpy|memset", re.I)),
+]
+
+
+def classify(name: str) -> str:
+    for label, pattern in _CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other kernels"
+
+
+def _decode_steps(engine, n: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n
+
+
+def profile_steps(llm, w: Workload, out_dir: str | None, steps: int = 30) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.llm_engine
+    ids = [engine.add_request(None, {"prompt_token_ids": p},
+                              SamplingParams(temperature=w.temperature, max_tokens=10_000, ignore_eos=True))
+           for p in w.prompts]
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()
+    batch = len(engine.scheduler.running)
+    wall = _decode_steps(engine, steps)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _decode_steps(engine, steps)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    per_category: dict[str, float] = {}
+    for evt in prof.key_averages():
+        device_us = getattr(evt, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(evt, "self_cuda_time_total", 0)
+        if device_us <= 0:
+            continue
+        label = classify(evt.key)
+        per_category[label] = per_category.get(label, 0.0) + device_us / 1e3 / steps
+    kernel_ms = sum(per_category.values())
+    per_category["host/launch gaps"] = max(0.0, wall * 1e3 - kernel_ms)
+    result = {"batch": batch, "wall_ms_per_step": wall * 1e3, "ms_per_step": per_category,
+              "top_kernels": [(e.key, getattr(e, "self_device_time_total", 0) / 1e3 / steps)
+                              for e in sorted(prof.key_averages(),
+                                              key=lambda e: -getattr(e, "self_device_time_total", 0))[:15]]}
+    _plot(result, Path(out_dir or "benchmarks/results") / "throughput_step_breakdown.png")
+    print(f"decode step at batch {batch}: {wall * 1e3:.2f} ms wall; " +
+          ", ".join(f"{k} {v:.2f} ms" for k, v in per_category.items()))
+    return result
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = result["ms_per_step"]
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    left = 0.0
+    colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
+    for (label, ms), color in zip(parts.items(), colors):
+        ax.barh([0], [ms], left=left, color=color, label=f"{label}: {ms:.2f} ms")
+        left += ms
+    ax.set_yticks([])
+    ax.set_xlabel("milliseconds per decode step")
+    ax.set_title(f"Decode step at batch {result['batch']}: {result['wall_ms_per_step']:.2f} ms wall")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")

@@ -1,0 +1,52 @@
+"""Printing a table and writing JSON: every benchmark reports the same way."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path("benchmarks/results")
+
+
+def environment() -> dict[str, Any]:
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    try:
+        env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["git"] = None
+    return env
+
+
+def print_table(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = "  ".join("{:<%d}" % w for w in widths)
+    print(f"\n{title}")
+    print(line.format(*header))
+    print(line.format(*("-" * w for w in widths)))
+    for row in rows:
+        print(line.format(*(str(x) for x in row)))
+
+
+def write_json(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
+    out_dir = Path(out_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    payload = {"benchmark": name, "environment": environment(), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {path}")
+    return path
