@@ -112,12 +112,18 @@ def main() -> None:
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 256],
                     help="page sizes of our paged cache (the first is the headline)")
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile config per shape")
+    ap.add_argument("--config", action="append", default=None, metavar="M,N,WARPS,STAGES",
+                    help="sweep these tile configs instead of the candidates (repeatable)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     ap.add_argument("--quick", action="store_true", help="lengths 1k, 4k, 16k at head dim 64")
     ap.add_argument("--out", default=None, help="directory for the JSON and PNG (default benchmarks/results)")
     args = ap.parse_args()
     if args.quick:
         args.head_dims, args.lengths = [64], [1024, 4096, 16384]
+    candidates = CANDIDATE_CONFIGS
+    if args.config:
+        args.sweep = True
+        candidates = [PrefillConfig(*map(int, c.split(","))) for c in args.config]
 
     device = common.require_cuda()
     info = common.device_info(device)
@@ -138,7 +144,7 @@ def main() -> None:
         for length in args.lengths:
             p = Problem(length, d, device)
             flops = causal_flops(p.batch, p.heads, length, d)
-            cfg = default_config(d, torch.bfloat16)
+            cfg = default_config(d, torch.bfloat16, length)
             row = {"d": d, "L": length, "batch": p.batch, "heads": p.heads, "config": list(cfg)}
             print(f"d={d} L={length} batch={p.batch} heads={p.heads} config={tuple(cfg)}", flush=True)
             ref = sdpa_fn(p, SDPBackend.FLASH_ATTENTION)()
@@ -159,7 +165,7 @@ def main() -> None:
             rows.append(row)
             if args.sweep:
                 best = None
-                for c in CANDIDATE_CONFIGS:
+                for c in candidates:
                     r = {}
                     try_time("t", p.ours(bs0, c), flops, ref, r, p.ours_as_bhld)
                     if r.get("t"):

@@ -8,7 +8,8 @@ import torch
 from kernel_helpers import assert_close, make_paged_cache
 
 from tinyvllm.kernels import get_ops, reference
-from tinyvllm.kernels.decode_attention import DecodeConfig, decode_attention_fwd, num_splits_for
+from tinyvllm.kernels.decode_attention import (DEFAULT_CONFIG, DecodeConfig, decode_attention_fwd,
+                                               num_splits_for)
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 CONTEXTS = [37, 1, 0, 100, 16, 65]  # a zero-length (padded) row among ordinary ones
@@ -74,6 +75,6 @@ def test_split_heuristic_fills_the_gpu():
     """Batch 1 at 32k on 132 SMs, 8 KV heads: enough splits for several programs per SM, none empty."""
     splits = num_splits_for(1, 8, 32768, 132)
     assert 8 * splits >= 2 * 132
-    tiles = 32768 // 64
+    tiles = 32768 // DEFAULT_CONFIG.block_n
     assert (splits - 1) * -(-tiles // splits) < tiles  # the last split has work
     assert num_splits_for(256, 8, 512, 132) == 1  # a big batch needs no split

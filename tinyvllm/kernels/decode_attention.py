@@ -41,15 +41,17 @@ class DecodeConfig(NamedTuple):
     min_tiles_per_split: int
 
 
-DEFAULT_CONFIG = DecodeConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4,
-                              min_tiles_per_split=2)
+# From the sweep of bench_decode_attention.py on the H200 (docs/perf.md): 64-key tiles (4 pages of 16)
+# with 2 warps and 3 stages, about 4 programs per SM.
+DEFAULT_CONFIG = DecodeConfig(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4,
+                              min_tiles_per_split=1)
 
 # Candidates the GPU benchmark sweeps (`bench_decode_attention.py --sweep`).
 CANDIDATE_CONFIGS: list[DecodeConfig] = [
-    DecodeConfig(n, w, s, p, 2)
-    for n in (32, 64, 128)
+    DecodeConfig(n, w, s, p, 1)
+    for n in (64, 128)
     for w in (2, 4)
-    for s in (2, 3, 4)
+    for s in (2, 3)
     for p in (2, 4, 8)
 ]
 

@@ -40,28 +40,34 @@ class PrefillConfig(NamedTuple):
     num_stages: int
 
 
-# Per head dim, for 16-bit inputs on the H200 (227 KB of shared memory per SM). Shared memory per
-# program ≈ BLOCK_M·D·2 (Q) + num_stages · 2·BLOCK_N·D·2 (K and V stages).
+# Per head dim, for 16-bit inputs on the H200 (227 KB of shared memory per SM), from the sweep of
+# bench_prefill_attention.py (docs/perf.md). Shared memory per program ≈ BLOCK_M·D·2 (Q) +
+# num_stages · 2·BLOCK_N·D·2 (K and V stages): (128, 128, 8 warps, 3 stages) at D = 128 takes 224 KB.
+# Head dim 128 prefers big tiles for long sequences and small ones (more programs) for short ones.
 DEFAULT_CONFIGS: dict[int, PrefillConfig] = {
-    16: PrefillConfig(128, 64, 4, 3),
-    32: PrefillConfig(128, 64, 4, 3),
-    64: PrefillConfig(128, 64, 4, 3),
-    128: PrefillConfig(128, 64, 8, 3),
+    16: PrefillConfig(64, 64, 4, 2),
+    32: PrefillConfig(64, 64, 4, 2),
+    64: PrefillConfig(64, 64, 4, 2),
+    128: PrefillConfig(128, 128, 8, 3),
     256: PrefillConfig(64, 32, 4, 2),
 }
+SHORT_CONFIGS: dict[int, PrefillConfig] = {128: PrefillConfig(64, 64, 4, 2)}  # max_seqlen_q ≤ SHORT_Q
+SHORT_Q = 1024
 
 # Candidates the GPU benchmark sweeps (`bench_prefill_attention.py --sweep`).
 CANDIDATE_CONFIGS: list[PrefillConfig] = [
     PrefillConfig(m, n, w, s)
-    for m, n in ((128, 64), (128, 128), (64, 64))
+    for m, n in ((128, 64), (128, 128), (64, 64), (64, 128))
     for w in (4, 8)
     for s in (2, 3, 4)
 ]
 
 
-def default_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+def default_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int | None = None) -> PrefillConfig:
     cfg = DEFAULT_CONFIGS[head_dim]
-    if dtype == torch.float32:  # 4-byte tiles: halve the rows to stay inside shared memory
+    if max_seqlen_q is not None and max_seqlen_q <= SHORT_Q:
+        cfg = SHORT_CONFIGS.get(head_dim, cfg)
+    if dtype == torch.float32:  # 4-byte tiles: halve them to stay inside shared memory
         cfg = cfg._replace(block_m=max(16, cfg.block_m // 2), block_n=max(16, cfg.block_n // 2),
                            num_stages=min(cfg.num_stages, 2))
     return cfg
@@ -159,7 +165,7 @@ def prefill_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return out, lse
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    cfg = config or default_config(D, q.dtype)
+    cfg = config or default_config(D, q.dtype, max_seqlen_q)
     grid = (cdiv(max_seqlen_q, cfg.block_m), Hq, S)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, lse if lse is not None else out,
