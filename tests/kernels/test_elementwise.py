@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import TOL, assert_close
+from kernel_helpers import assert_close
 
 from tinyvllm.config import RopeScaling
 from tinyvllm.kernels import reference, triton_ops
@@ -113,4 +113,3 @@ def test_empty_inputs(device):
     x = torch.zeros(0, 16, device=device)
     assert triton_ops.rms_norm(x, torch.ones(16, device=device), 1e-5).shape == (0, 16)
     assert triton_ops.silu_and_mul(x).shape == (0, 8)
-    assert TOL[torch.float64] < TOL[torch.float32]

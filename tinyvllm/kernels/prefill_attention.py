@@ -131,7 +131,12 @@ def prefill_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           block_tables: torch.Tensor, scale: float, max_seqlen_q: int | None = None,
                           *, return_lse: bool = False, config: PrefillConfig | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launcher: checks, picks the tile config, launches. Returns (out [Tq, Hq, D], lse [Hq, Tq] | None)."""
+    """Launcher: checks, picks the tile config, launches. Returns (out [Tq, Hq, D], lse [Hq, Tq] | None).
+
+    `max_seqlen_q` sizes the grid, so it must be at least the longest chunk (None: computed, which
+    synchronises with the device). `scale` must be positive (the unmasked tiles take the row max
+    before scaling). Rows past cu_seqlens_q[-1] are left unwritten, as in the reference.
+    """
     check_dim("q", q, 3)
     check_dim("k_cache", k_cache, 4)
     check_float("q", q)
