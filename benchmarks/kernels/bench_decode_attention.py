@@ -1,0 +1,192 @@
+"""The `decode-attention` workload (WORKLOADS.md): one query token per sequence, paged KV cache (block
+16), 32 query / 8 KV heads, head dim 64, bf16, batch {1, 16, 64, 256} × context {512, 2k, 8k, 32k}.
+
+Decode is bound by memory bandwidth, so the figure is GB/s of K/V + Q + O moved, and its fraction of
+the device-to-device copy bandwidth measured in this same run (bytes read + written; a read-only
+kernel can pass 1.0). Ours runs on the paged cache twice: blocks shuffled at random (as a real cache
+ends up) and in order; the baselines get contiguous [B, Hk, L, D] K/V: SDPA flash and cuDNN
+(enable_gqa) and FlexAttention (torch.compile). Ours (in order) is checked against SDPA's output.
+
+    python benchmarks/kernels/bench_decode_attention.py            # the workload (~2 min)
+    python benchmarks/kernels/bench_decode_attention.py --quick    # 4 shapes
+    python benchmarks/kernels/bench_decode_attention.py --sweep    # also try the candidate configs
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import common  # noqa: E402
+from tinyvllm.kernels._launch import num_sms  # noqa: E402
+from tinyvllm.kernels.decode_attention import (CANDIDATE_CONFIGS, DEFAULT_CONFIG,  # noqa: E402
+                                               DecodeConfig, decode_attention_fwd, num_splits_for)
+
+HQ, HK, D, BLOCK = 32, 8, 64, 16
+BATCHES = [1, 16, 64, 256]
+CONTEXTS = [512, 2048, 8192, 32768]
+SWEEP_SHAPES = [(1, 32768), (16, 2048), (16, 32768), (64, 8192), (256, 512), (256, 8192)]
+
+
+class Problem:
+    def __init__(self, batch: int, ctx: int, device: torch.device, seed: int = 0):
+        self.batch, self.ctx = batch, ctx
+        gen = torch.Generator(device=device).manual_seed(batch * 7 + ctx + 1000 * seed)
+        self.q = torch.randn(batch, HQ, D, generator=gen, device=device, dtype=torch.bfloat16)
+        self.k = torch.randn(batch, HK, ctx, D, generator=gen, device=device, dtype=torch.bfloat16)
+        self.v = torch.randn(batch, HK, ctx, D, generator=gen, device=device, dtype=torch.bfloat16)
+        nb = ctx // BLOCK
+
+        def to_cache(x):  # [B, Hk, L, D] → [B·nb, Hk, BLOCK, D], blocks in order
+            return x.view(batch, HK, nb, BLOCK, D).permute(0, 2, 1, 3, 4).reshape(batch * nb, HK, BLOCK, D).contiguous()
+
+        self.k_cache, self.v_cache = to_cache(self.k), to_cache(self.v)
+        self.tables_in_order = torch.arange(batch * nb, device=device, dtype=torch.int32).view(batch, nb)
+        perm = torch.randperm(batch * nb, generator=torch.Generator().manual_seed(ctx)).to(device)
+        self.tables_shuffled = perm.to(torch.int32).view(batch, nb)  # same bytes, random block order
+        self.seq_lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+        self.scale = D ** -0.5
+        self.bytes = 2 * self.k.numel() * 2 + 2 * self.q.numel() * 2  # K + V read, Q read, O written
+
+    def ours(self, tables, config: DecodeConfig | None = None):
+        return lambda: decode_attention_fwd(self.q, self.k_cache, self.v_cache, self.seq_lens, tables,
+                                            self.scale, self.ctx, config=config)
+
+    def sdpa(self, backend):
+        from torch.nn.attention import sdpa_kernel
+        q4 = self.q.unsqueeze(2)  # [B, Hq, 1, D]
+
+        def fn():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q4, self.k, self.v, scale=self.scale, enable_gqa=True)
+        return fn
+
+    def flex(self, compiled_flex):
+        q4 = self.q.unsqueeze(2)
+        return lambda: compiled_flex(q4, self.k, self.v, scale=self.scale, enable_gqa=True)
+
+
+def try_time(name, fn, p: Problem, copy_bw: float, ref, row: dict, graph_fns=None) -> None:
+    """Eager timing (do_bench, L2 flushed) of fn into row[name...]; with graph_fns (the same call
+    over rotated inputs), also CUDA-graph replay timing into row[name + '_graph...']."""
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        if ref is not None:
+            row[f"{name}_err"] = common.rel_err(out.reshape(ref.shape), ref)
+        t = common.bench(fn)
+        row[f"{name}_us"] = t["ms"] * 1e3
+        row[name] = p.bytes / (t["ms"] * 1e-3) / 1e9  # GB/s
+        row[f"{name}_frac"] = row[name] * 1e9 / copy_bw
+        if graph_fns:
+            ms = common.bench_graph(graph_fns)
+            row[f"{name}_graph_us"] = ms * 1e3
+            row[f"{name}_graph_frac"] = p.bytes / (ms * 1e-3) / copy_bw
+    except Exception as e:
+        print(f"  {name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
+    ap.add_argument("--sweep", action="store_true", help="time the candidate configs on a few shapes")
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
+    ap.add_argument("--quick", action="store_true", help="4 shapes")
+    ap.add_argument("--out", default=None, help="directory for the JSON and PNG (default benchmarks/results)")
+    args = ap.parse_args()
+    shapes = [(b, c) for b in args.batches for c in args.contexts]
+    if args.quick:
+        shapes = [(1, 32768), (16, 2048), (64, 8192), (256, 512)]
+
+    device = common.require_cuda()
+    info = common.device_info(device)
+    print(f"{info['gpu']} ({info['sms']} SMs), torch {info['torch']}, triton {info['triton']}", flush=True)
+    from torch.nn.attention import SDPBackend
+
+    compiled_flex = None
+    if not args.no_flex:
+        common.configure_dynamo_for_flex()
+        from torch.nn.attention.flex_attention import flex_attention
+        compiled_flex = torch.compile(flex_attention, dynamic=False)
+    copy_bw = common.copy_bandwidth(device)
+    print(f"copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s", flush=True)
+
+    rows, sweep_rows = [], []
+    free, _ = torch.cuda.mem_get_info()
+    for batch, ctx in shapes:
+        need = 2 * (2 * batch * HK * ctx * D * 2)  # contiguous K/V + the paged copy
+        if need > 0.7 * free:
+            print(f"skip batch={batch} ctx={ctx}: needs {need / 1e9:.0f} GB of {free / 1e9:.0f} GB free")
+            continue
+        p = Problem(batch, ctx, device)
+        # Graph timing rotates over enough input sets to spill the 60 MB L2 several times.
+        rotation = [p] + [Problem(batch, ctx, device, seed=i) for i in range(1, min(64, -(-256_000_000 // p.bytes)))]
+        splits = num_splits_for(batch, HK, ctx, num_sms(device), DEFAULT_CONFIG)
+        row = {"batch": batch, "ctx": ctx, "MB": p.bytes / 1e6, "splits": splits}
+        print(f"batch={batch} ctx={ctx}: {p.bytes / 1e6:.1f} MB, {splits} splits", flush=True)
+        ref = p.sdpa(SDPBackend.FLASH_ATTENTION)().squeeze(2)
+        try_time("ours_shuffled", p.ours(p.tables_shuffled), p, copy_bw, None, row,
+                 [r.ours(r.tables_shuffled) for r in rotation])
+        try_time("ours_in_order", p.ours(p.tables_in_order), p, copy_bw, ref, row)
+        try_time("flash", p.sdpa(SDPBackend.FLASH_ATTENTION), p, copy_bw, None, row,
+                 [r.sdpa(SDPBackend.FLASH_ATTENTION) for r in rotation])
+        try_time("cudnn", p.sdpa(SDPBackend.CUDNN_ATTENTION), p, copy_bw, ref, row,
+                 [r.sdpa(SDPBackend.CUDNN_ATTENTION) for r in rotation])
+        if compiled_flex is not None:
+            try_time("flex", p.flex(compiled_flex), p, copy_bw, ref, row)
+        if row.get("ours_shuffled") and row.get("cudnn"):
+            row["ours/cudnn"] = row["ours_shuffled"] / row["cudnn"]
+        rows.append(row)
+        if args.sweep and (batch, ctx) in SWEEP_SHAPES:
+            best = None
+            for c in CANDIDATE_CONFIGS:
+                r = {}
+                try_time("t", p.ours(p.tables_shuffled, c), p, copy_bw, None, r,
+                         [q.ours(q.tables_shuffled, c) for q in rotation])
+                if r.get("t"):
+                    sweep_rows.append({"batch": batch, "ctx": ctx, "config": list(c), "frac": r["t_frac"],
+                                       "graph_frac": r["t_graph_frac"]})
+                    print(f"  sweep {tuple(c)}: {r['t_frac']:.2f} eager, {r['t_graph_frac']:.2f} graph", flush=True)
+                    if best is None or r["t_graph_frac"] > best[1]:
+                        best = (c, r["t_graph_frac"])
+            if best:
+                print(f"  best config: {tuple(best[0])} at {best[1]:.2f} of copy bandwidth (graph)", flush=True)
+                row["sweep_best"], row["sweep_best_frac"] = list(best[0]), best[1]
+        del p, rotation
+        torch.cuda.empty_cache()
+
+    cols = [("batch", "B", "d"), ("ctx", "ctx", "d"), ("MB", "MB", ".1f"), ("splits", "splits", "d"),
+            ("ours_shuffled_us", "ours us", ".1f"),
+            ("ours_shuffled_frac", "ours shuf", ".2f"), ("ours_in_order_frac", "ours in-order", ".2f"),
+            ("flash_frac", "flash", ".2f"), ("cudnn_frac", "cudnn", ".2f"), ("flex_frac", "flex", ".2f"),
+            ("ours/cudnn", "ours/cudnn", ".2f"),
+            ("ours_shuffled_graph_us", "graph: ours us", ".1f"), ("ours_shuffled_graph_frac", "ours", ".2f"),
+            ("flash_graph_frac", "flash", ".2f"), ("cudnn_graph_frac", "cudnn", ".2f"),
+            ("ours_in_order_err", "err vs sdpa", ".1e")]
+    if args.sweep:
+        cols.append(("sweep_best_frac", "sweep best", ".2f"))
+    common.print_table(f"decode attention, bf16, fraction of copy bandwidth ({copy_bw / 1e12:.2f} TB/s); "
+                       "eager = do_bench with L2 flushed (host launch cost included where the GPU waits "
+                       "for it); graph = CUDA-graph replay over rotated inputs (as the engine runs decode)",
+                       rows, cols)
+    json_path, png_path = common.output_paths(args.out, "decode_attention")
+    common.write_json(json_path, {"workload": "decode-attention", "device": info, "copy_bw": copy_bw,
+                                  "config": list(DEFAULT_CONFIG), "results": rows, "sweep": sweep_rows})
+    names = ["ours_shuffled", "ours_in_order", "flash", "cudnn", "flex"]
+    panels = []
+    for batch in sorted({r["batch"] for r in rows}):
+        rs = [r for r in rows if r["batch"] == batch]
+        panels.append((f"decode, batch {batch}", "context", "fraction of copy bandwidth",
+                       {n: ([r["ctx"] for r in rs], [r.get(f"{n}_frac") for r in rs]) for n in names}))
+    common.plot_lines(png_path, panels)
+
+
+if __name__ == "__main__":
+    main()

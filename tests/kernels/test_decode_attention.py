@@ -1,0 +1,80 @@
+"""Paged split-KV decode vs `reference.decode_attention` (float64): scattered and shared blocks, block
+sizes 1/3/16/32, GQA 1/2/4/8, head dims 16..256, zero-length rows, and split counts from one (no
+merge) to more splits than tiles (empty splits)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_helpers import assert_close, make_paged_cache
+
+from tinyvllm.kernels import get_ops, reference
+from tinyvllm.kernels.decode_attention import (DEFAULT_CONFIG, DecodeConfig, decode_attention_fwd,
+                                               num_splits_for)
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+CONTEXTS = [37, 1, 0, 100, 16, 65]  # a zero-length (padded) row among ordinary ones
+
+CASES = [  # dtype, block_size, Hq, Hk, D, BLOCK_N, num_splits (None: the heuristic)
+    (F32, 1, 4, 4, 16, 16, None),
+    (F32, 3, 8, 4, 32, 16, 1),
+    (F32, 16, 8, 2, 64, 32, 3),
+    (F32, 5, 16, 2, 128, 16, 50),   # more splits than tiles: empty splits
+    (BF16, 1, 32, 4, 64, 32, None),
+    (BF16, 3, 4, 4, 128, 16, 4),
+    (BF16, 16, 8, 2, 16, 16, 2),    # pages hold whole tiles
+    (BF16, 32, 8, 1, 32, 16, None),
+    (F16, 16, 8, 4, 64, 64, 1),
+    (F32, 16, 4, 2, 256, 16, 2),
+]
+
+
+def run_case(dtype, block_size, hq, hk, d, block_n, splits, contexts, device, seed=0, **kw):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    k_cache, v_cache, tables = make_paged_cache(contexts, hk, d, block_size, dtype, device, gen, **kw)
+    wide = torch.randn(len(contexts), hq + 5, d, generator=gen, device=device).to(dtype)
+    q = wide[:, 2:hq + 2]  # strided, as the model's view of the fused qkv output
+    sl = torch.tensor(contexts, dtype=torch.int32, device=device)
+    cfg = DecodeConfig(block_n, 4, 2, 4, 1)
+    out = decode_attention_fwd(q, k_cache, v_cache, sl, tables, d ** -0.5, max(contexts),
+                               config=cfg, num_splits=splits)
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), sl, tables, d ** -0.5)
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype,block_size,hq,hk,d,block_n,splits", CASES,
+                         ids=[f"{str(c[0])[6:]}-bs{c[1]}-g{c[2] // c[3]}-d{c[4]}-n{c[5]}-s{c[6]}" for c in CASES])
+def test_decode_matches_reference(dtype, block_size, hq, hk, d, block_n, splits, device):
+    out, ref = run_case(dtype, block_size, hq, hk, d, block_n, splits, CONTEXTS, device)
+    assert_close(out, ref, dtype)
+    assert torch.all(out[CONTEXTS.index(0)] == 0), "a zero-length row must output zeros"
+
+
+def test_shared_prefix_blocks(device):
+    out, ref = run_case(BF16, 4, 8, 2, 32, 16, None, [40, 33, 21], device, seed=1, share_prefix=5)
+    assert_close(out, ref, BF16)
+
+
+def test_all_rows_empty(device):
+    out, ref = run_case(F32, 16, 4, 2, 32, 16, 3, [0, 0], device)
+    assert torch.all(out == 0)
+
+
+def test_ops_table_without_hint(device):
+    """As the model calls it, with no max_seq_len hint (planned from the block table's width)."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    contexts = [300, 17, 129]
+    k_cache, v_cache, tables = make_paged_cache(contexts, 2, 64, 16, BF16, device, gen)
+    q = torch.randn(3, 8, 64, generator=gen, device=device).to(BF16)
+    sl = torch.tensor(contexts, dtype=torch.int32, device=device)
+    out = get_ops("triton").decode_attention(q, k_cache, v_cache, sl, tables, 0.125)
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), sl, tables, 0.125)
+    assert_close(out, ref, BF16)
+
+
+def test_split_heuristic_fills_the_gpu():
+    """Batch 1 at 32k on 132 SMs, 8 KV heads: enough splits for several programs per SM, none empty."""
+    splits = num_splits_for(1, 8, 32768, 132)
+    assert 8 * splits >= 2 * 132
+    tiles = 32768 // DEFAULT_CONFIG.block_n
+    assert (splits - 1) * -(-tiles // splits) < tiles  # the last split has work
+    assert num_splits_for(256, 8, 512, 132) == 1  # a big batch needs no split

@@ -1,0 +1,140 @@
+"""Every kernel against the reference at real shapes on CUDA: Llama-3.2-1B (32 query / 8 KV heads,
+head dim 64) and head dim 128; prefill up to 8k tokens in mixed chunks; decode batch 1..256 at
+contexts up to 32k; bf16. The reference runs in float32 on the GPU (TF32 off).
+
+Tolerance (bf16, relative ‖out − ref‖/‖ref‖ ≤ 1e-2): bf16 output rounding (2⁻⁹ relative on average)
+plus P rounded to bf16 before P·V, as FlashAttention does, give ~3e-3; 1e-2 leaves margin and still
+catches any indexing error, which shows up as O(1) error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_helpers import assert_close, make_paged_cache, packed_queries
+
+from tinyvllm.config import RopeScaling
+from tinyvllm.kernels import reference, triton_ops
+from tinyvllm.kernels.decode_attention import decode_attention_fwd
+from tinyvllm.kernels.prefill_attention import prefill_attention_fwd
+from tinyvllm.models.rope import cos_sin_table
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CUDA = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def ref_prefill(q, k_cache, v_cache, cu, sl, tables, scale):
+    return reference.prefill_attention(q.float(), k_cache.float(), v_cache.float(), cu, sl, tables, scale)
+
+
+# (q_len, seq_len): a whole 4k prompt, a 2k chunk deep in a 6k context, a one-row chunk, a 1.5k prompt,
+# a chunk at the end of an 8k context (prefix-cache hit): 8192 query rows.
+MIXED = [(4096, 4096), (2048, 6144), (1, 3000), (1500, 1500), (547, 8000)]
+PREFILL_CASES = [  # Hq, Hk, D, block_size, layout
+    (32, 8, 64, 16, MIXED),
+    (32, 8, 128, 16, MIXED),
+    (32, 8, 64, 256, [(8192, 8192)]),
+    (32, 8, 64, 1, [(1000, 3000), (333, 333)]),
+    (32, 8, 128, 5, [(2000, 2500)]),
+]
+
+
+@pytest.mark.parametrize("hq,hk,d,block_size,layout", PREFILL_CASES,
+                         ids=[f"d{c[2]}-bs{c[3]}-{sum(q for q, _ in c[4])}rows" for c in PREFILL_CASES])
+def test_prefill_real_shapes(hq, hk, d, block_size, layout):
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    q_lens, seq_lens = zip(*layout)
+    k_cache, v_cache, tables = make_paged_cache(list(seq_lens), hk, d, block_size, BF16, CUDA, gen)
+    q, cu = packed_queries(list(q_lens), hq, d, BF16, CUDA, gen)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=CUDA)
+    out = triton_ops.prefill_attention(q, k_cache, v_cache, cu, sl, tables, d ** -0.5, max(q_lens))
+    assert_close(out, ref_prefill(q, k_cache, v_cache, cu, sl, tables, d ** -0.5), BF16)
+
+
+DECODE_CASES = [  # batch, contexts (None: all equal to max_ctx), max_ctx
+    (1, None, 32768),
+    (1, None, 517),
+    (16, "random", 8192),
+    (64, None, 2048),
+    (256, "random", 4096),
+    (256, None, 512),
+]
+
+
+@pytest.mark.parametrize("batch,kind,max_ctx", DECODE_CASES, ids=[f"b{c[0]}-{c[1] or 'eq'}-{c[2]}" for c in DECODE_CASES])
+def test_decode_real_shapes(batch, kind, max_ctx):
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    if kind == "random":
+        contexts = torch.randint(1, max_ctx + 1, (batch,), generator=torch.Generator().manual_seed(1)).tolist()
+        contexts[batch // 2] = 0  # a padded row
+    else:
+        contexts = [max_ctx] * batch
+    k_cache, v_cache, tables = make_paged_cache(contexts, 8, 64, 16, BF16, CUDA, gen)
+    q = torch.randn(batch, 32, 64, generator=gen, device=CUDA).to(BF16)
+    sl = torch.tensor(contexts, dtype=torch.int32, device=CUDA)
+    out = triton_ops.decode_attention(q, k_cache, v_cache, sl, tables, 0.125, max(contexts))
+    ref = reference.decode_attention(q.float(), k_cache.float(), v_cache.float(), sl, tables, 0.125)
+    assert_close(out, ref, BF16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+def test_default_configs_compile_and_agree(d, dtype):
+    """The default tile configs of every head dim and dtype fit the GPU's shared memory and agree."""
+    gen = torch.Generator(device=CUDA).manual_seed(d)
+    layout = [(300, 300), (129, 700), (1, 64)]
+    q_lens, seq_lens = zip(*layout)
+    k_cache, v_cache, tables = make_paged_cache(list(seq_lens), 2, d, 16, dtype, CUDA, gen)
+    q, cu = packed_queries(list(q_lens), 8, d, dtype, CUDA, gen)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=CUDA)
+    out, _ = prefill_attention_fwd(q, k_cache, v_cache, cu, sl, tables, d ** -0.5, max(q_lens),
+                                   return_lse=True)
+    ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, sl, tables, d ** -0.5)
+    assert_close(out, ref, dtype)
+    qd = torch.randn(3, 8, d, generator=gen, device=CUDA).to(dtype)
+    out = decode_attention_fwd(qd, k_cache, v_cache, sl, tables, d ** -0.5, max(seq_lens))
+    ref = reference.decode_attention(qd.double(), k_cache.double(), v_cache.double(), sl, tables, d ** -0.5)
+    assert_close(out, ref, dtype)
+
+
+def test_layer_ops_real_shapes():
+    gen = torch.Generator(device=CUDA).manual_seed(2)
+    T, H, F, hq, hk, d = 8192, 2048, 8192, 32, 8, 64
+    x = torch.randn(T, H, generator=gen, device=CUDA).to(BF16)
+    r = torch.randn(T, H, generator=gen, device=CUDA).to(BF16)
+    w = torch.randn(H, generator=gen, device=CUDA).to(BF16)
+    assert_close(triton_ops.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), BF16, factor=0.4)
+    for ours, ref in zip(triton_ops.add_rms_norm(x, r, w, 1e-5), reference.add_rms_norm(x, r, w, 1e-5)):
+        assert_close(ours, ref, BF16, factor=0.4)
+    g = torch.randn(T, 2 * F, generator=gen, device=CUDA).to(BF16)
+    assert_close(triton_ops.silu_and_mul(g), reference.silu_and_mul(g), BF16, factor=0.4)
+
+    scaling = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)
+    cos_sin = cos_sin_table(d, 500000.0, scaling, 131072, device=CUDA)
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=gen, device=CUDA).to(BF16)
+    q = qkv[:, :hq * d].reshape(T, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].reshape(T, hk, d)
+    v = qkv[:, (hq + hk) * d:].reshape(T, hk, d)
+    positions = torch.randint(0, 131072, (T,), generator=gen, device=CUDA)
+    ref_q, ref_k = reference.rope(q.clone(), k.clone(), positions, cos_sin)
+    triton_ops.rope(q, k, positions, cos_sin)
+    assert_close(q, ref_q, BF16, factor=0.4)
+    assert_close(k, ref_k, BF16, factor=0.4)
+
+    num_blocks, bs = 1024, 16
+    slots = torch.randperm(num_blocks * bs, device=CUDA)[:T]
+    slots[::97] = -1
+    caches = [torch.full((num_blocks, hk, bs, d), float("nan"), dtype=BF16, device=CUDA) for _ in range(4)]
+    triton_ops.write_kv_cache(k, v, caches[0], caches[1], slots)
+    reference.write_kv_cache(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0].nan_to_num(), caches[2].nan_to_num())
+    assert torch.equal(caches[1].isnan(), caches[3].isnan())

@@ -1,0 +1,113 @@
+"""The FlashAttention-2 inner loop over K/V tiles gathered from the paged cache, shared by the prefill
+and decode kernels (Dao 2023, "FlashAttention-2", Algorithm 1 lines 8-10; notation of the Triton
+fused-attention tutorial: m_i running max, l_i running sum, acc unnormalised output).
+
+Scores live in the log2 domain: with qk_scale = scale · log2(e), s = qk_scale · q·k and
+exp(scale · q·k − m) = exp2(s − m₂), so one exp2 per score. Per KV tile of BLOCK_N keys:
+    m_new = max(m_i, rowmax(s));  p = exp2(s − m_new);  α = exp2(m_i − m_new)
+    l_i ← α·l_i + rowsum(p);  acc ← α·acc + p·V;  m_i ← m_new
+and the caller divides acc by l_i once at the end (FA2 §3.1.1: rescaling deferred).
+
+Invariant that keeps -inf out of the arithmetic: the first tile a row sees contains at least one key
+it may attend to (key 0 for prefill rows, the split's first key for decode), so m_i is finite after
+it and a later fully-masked row of a tile gives p = exp2(−inf) = 0, α = 1.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot_qk(q, k, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """q [M, D] · kᵀ ([N, D] → [D, N]) in float32."""
+    if UPCAST:  # CPU interpreter only: see _launch.upcast_dot
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    return qk
+
+
+@triton.jit
+def _dot_pv(p, v, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + p [M, N] · v [N, D] in float32."""
+    if UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p, v, acc)
+    return acc
+
+
+@triton.jit
+def _kv_rows(bt_row_ptr, start, offs_n, kv_end, stride_kb, stride_kt,
+             BLOCK_SIZE: tl.constexpr, PAGE_TILE: tl.constexpr, MASKED: tl.constexpr):
+    """int64 offsets of the cache rows holding positions start + offs_n of one sequence (one KV head).
+
+    PAGE_TILE: the tile lies inside one page (BLOCK_SIZE % BLOCK_N == 0 and start % BLOCK_N == 0), so
+    one block-table entry serves it and its rows are contiguous. Otherwise each position looks up
+    its page (the entries of one tile share cache lines, so these loads hit L1).
+    """
+    if PAGE_TILE:
+        blk = tl.load(bt_row_ptr + start // BLOCK_SIZE).to(tl.int64)
+        rows = blk * stride_kb + ((start % BLOCK_SIZE) + offs_n) * stride_kt
+    else:
+        pos = start + offs_n
+        if MASKED:
+            blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos < kv_end, other=0)
+        else:
+            blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE)
+        rows = blk.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
+    return rows
+
+
+@triton.jit
+def _attn_inner(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, lo, hi, kv_end, qk_scale,
+                stride_kb, stride_kt,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                PAGE_TILE: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+                IEEE: tl.constexpr):
+    """Fold keys lo .. hi-1 (lo a multiple of BLOCK_N) into (acc, l_i, m_i).
+
+    q: [M, HEAD_DIM]; q_pos: [M] absolute positions of the rows; k_ptr/v_ptr: the caches offset to
+    this KV head. MASKED tiles mask keys ≥ kv_end and keys after a row's position (causal); unmasked
+    tiles must lie wholly below every row's diagonal and below kv_end.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        rows = _kv_rows(bt_row_ptr, start, offs_n, kv_end, stride_kb, stride_kt,
+                        BLOCK_SIZE, PAGE_TILE, MASKED)
+        kv_ptrs = rows[:, None] + offs_d[None, :]
+        if MASKED:
+            kv_valid = (start + offs_n) < kv_end
+            k = tl.load(k_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + kv_ptrs)
+        qk = _dot_qk(q, k, UPCAST, IEEE)
+        if MASKED:
+            visible = ((start + offs_n)[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_ij[:, None]
+        else:
+            # qk_scale > 0 (checked by the launchers), so max commutes with the scaling: one FMA per score.
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_ij[:, None]
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr + kv_ptrs)
+        acc = acc * alpha[:, None]
+        acc = _dot_pv(p.to(v.dtype), v, acc, UPCAST, IEEE)
+        m_i = m_ij
+    return acc, l_i, m_i

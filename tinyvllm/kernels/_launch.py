@@ -1,0 +1,74 @@
+"""Shared launch helpers for the Triton kernels: argument checks, device facts, small arithmetic.
+
+Nothing here touches a device at import time; device properties are read on first use and cached.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Fallback when no CUDA device is present (the CPU interpreter): the H200's multiprocessor count.
+DEFAULT_NUM_SMS = 132
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of `device` (CUDA), or DEFAULT_NUM_SMS elsewhere (the interpreter)."""
+    if device.type == "cuda":
+        return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return DEFAULT_NUM_SMS
+
+
+def upcast_dot(device: torch.device) -> bool:
+    """Whether kernels must cast bf16 `tl.dot` operands to fp32 first.
+
+    Triton's CPU interpreter (3.9) multiplies bf16 operands of `tl.dot` as their raw uint16 bits;
+    bf16 → fp32 is exact and so is the product of two bf16 values in fp32, so the cast computes
+    the same function the tensor cores do. On CUDA the cast is never made.
+    """
+    return device.type != "cuda"
+
+
+def check_float(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in allowed]}")
+
+
+def check_dim(name: str, t: torch.Tensor, ndim: int) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors must share one device, got {devices}")
+
+
+def check_int(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride()})")

@@ -1,0 +1,207 @@
+"""Paged decode attention, one query token per sequence, split-KV ("Flash-Decoding", Dao, Haziza,
+Massa & Sizov 2023) over the FlashAttention-2 inner loop (Dao 2023, Algorithm 1):
+
+    out[b] = softmax(scale · q_b Kᵀ[0..L_b−1]) V[0..L_b−1],   L_b = seq_lens[b];  L_b = 0 → zeros.
+
+Decode reads every K/V byte once and does ~1 FLOP per byte: it is bound by memory bandwidth, so the
+design is about bytes and about keeping enough loads in flight:
+  * GQA: a program serves all GROUP = Hq/Hk query heads that share a KV head; their q rows form the
+    M side of a `tl.dot` (padded to 16 rows), so each KV page is loaded once per group, not per head.
+  * Split-KV: grid (num_splits, Hk, B). The host picks num_splits from B·Hk and the longest context so
+    that even batch 1 at 32k keeps every SM busy; each sequence's context is cut into num_splits
+    chunks of whole BLOCK_N tiles (chunk sizes are computed per sequence in the kernel, so any
+    seq_lens ≤ the block table's reach is covered whatever hint the host had).
+  * Each split writes its normalised partial output and its logsumexp (log2 units); a second kernel
+    merges splits:  out = Σ_s 2^(lse_s − M) o_s / Σ_s 2^(lse_s − M),  M = max_s lse_s.
+    With one split the first kernel writes the output directly and the merge is skipped.
+  * A tile is BLOCK_N tokens (several pages of 16), its page ids read once per tile from the block
+    table, its K and V rows gathered and software-pipelined (num_stages) so loads stay in flight.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyvllm.kernels._flash import _attn_inner
+from tinyvllm.kernels._launch import (cdiv, check_dim, check_float, check_int, check_same_device,
+                                      is_power_of_2, next_power_of_2, num_sms, upcast_dot)
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 256
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int  # split target: B·Hk·num_splits ≈ programs_per_sm · SMs
+    min_tiles_per_split: int
+
+
+# From the sweep of bench_decode_attention.py on the H200 (docs/perf.md): 64-key tiles (4 pages of 16)
+# with 2 warps and 3 stages, about 4 programs per SM.
+DEFAULT_CONFIG = DecodeConfig(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4,
+                              min_tiles_per_split=1)
+
+# Candidates the GPU benchmark sweeps (`bench_decode_attention.py --sweep`).
+CANDIDATE_CONFIGS: list[DecodeConfig] = [
+    DecodeConfig(n, w, s, p, 1)
+    for n in (64, 128)
+    for w in (2, 4)
+    for s in (2, 3)
+    for p in (2, 4, 8)
+]
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, sms: int,
+                   cfg: DecodeConfig = DEFAULT_CONFIG) -> int:
+    """Splits per (sequence, KV head): enough programs for `programs_per_sm` per SM, but no split
+    shorter than `min_tiles_per_split` tiles, and no empty splits for the longest sequence."""
+    tiles = max(1, cdiv(max_seq_len, cfg.block_n))
+    want = cdiv(cfg.programs_per_sm * sms, max(1, batch * num_kv_heads))
+    splits = max(1, min(want, cdiv(tiles, cfg.min_tiles_per_split), MAX_SPLITS))
+    return cdiv(tiles, cdiv(tiles, splits))
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+                   seq_lens_ptr, block_tables_ptr, qk_scale,
+                   stride_qb, stride_qh, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+                   stride_kb, stride_kh, stride_kt, stride_bt,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_TILE: tl.constexpr,
+                   SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    num_splits = tl.num_programs(0)
+    seq_len = tl.load(seq_lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.maximum(tl.minimum(lo + chunk, seq_len), lo)
+    hi_full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + offs_g
+    g_valid = offs_g < GROUP
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_valid[:, None], other=0.0)
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + (seq_len - 1)
+
+    kv_off = kvh.to(tl.int64) * stride_kh
+    bt_row_ptr = block_tables_ptr + b * stride_bt
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr + kv_off, v_cache_ptr + kv_off,
+                                bt_row_ptr, lo, hi_full, hi, qk_scale, stride_kb, stride_kt,
+                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_TILE, False, UPCAST, IEEE)
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr + kv_off, v_cache_ptr + kv_off,
+                                bt_row_ptr, hi_full, hi, hi, qk_scale, stride_kb, stride_kt,
+                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_TILE, True, UPCAST, IEEE)
+    empty = l_i == 0.0  # no keys in this split (or a zero-length sequence)
+    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    if SPLIT:
+        lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+        p_off = b * stride_pb + heads * stride_ph + split * stride_ps
+        tl.store(part_lse_ptr + p_off, lse, mask=g_valid)
+        # part_o [B, Hq, splits, D] is part_lse [B, Hq, splits] with HEAD_DIM values per entry
+        tl.store(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_valid[:, None])
+    else:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
+
+
+@triton.jit
+def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
+                  stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+                  BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_valid = offs_s < num_splits
+    p_off = b * stride_pb + h * stride_ph + offs_s * stride_ps
+    lse = tl.load(part_lse_ptr + p_off, mask=s_valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits: 2^-inf = 0
+    o = tl.load(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None],
+                other=0.0)
+    num = tl.sum(w[:, None] * o, 0)
+    den = tl.sum(w, 0)
+    out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                         max_seq_len: int | None = None, *, config: DecodeConfig | None = None,
+                         num_splits: int | None = None) -> torch.Tensor:
+    """Launcher: checks, chooses the number of splits, launches the split kernel (and the merge)."""
+    check_dim("q", q, 3)
+    check_dim("k_cache", k_cache, 4)
+    check_float("q", q)
+    check_int("seq_lens", seq_lens)
+    check_int("block_tables", block_tables)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens,
+                      block_tables=block_tables)
+    B, Hq, D = q.shape
+    _, Hk, block_size, Dk = k_cache.shape
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q ({q.dtype}) and the caches ({k_cache.dtype}) must share a dtype")
+    if Dk != D or Hq % Hk:
+        raise ValueError(f"q [B, {Hq}, {D}] does not fit the cache [N, {Hk}, bs, {Dk}]")
+    if not is_power_of_2(D) or not 16 <= D <= 256:
+        raise ValueError(f"head dim must be a power of two in 16..256, got {D}")
+    if seq_lens.shape != (B,) or block_tables.dim() != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"q {tuple(q.shape)}, seq_lens {tuple(seq_lens.shape)} and block_tables "
+                         f"{tuple(block_tables.shape)} disagree on the batch size")
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("q, the caches and block_tables must be contiguous in their last dimension")
+
+    out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    cfg = config or DEFAULT_CONFIG
+    if max_seq_len is None:  # no hint: plan for the longest context the block table can address
+        max_seq_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = num_splits_for(B, Hk, max_seq_len, num_sms(q.device), cfg)
+    group = Hq // Hk
+    common = dict(GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=D,
+                  BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
+                  PAGE_TILE=block_size % cfg.block_n == 0, UPCAST=upcast_dot(q.device),
+                  IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    grid = (num_splits, Hk, B)
+    if num_splits == 1:
+        _decode_kernel[grid](q, k_cache, v_cache, out, out, out, seq_lens, block_tables, scale * LOG2E,
+                             q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *strides,
+                             SPLIT=False, **common)
+        return out
+    part_o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    _decode_kernel[grid](q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
+                         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), *strides,
+                         SPLIT=True, **common)
+    _merge_kernel[(Hq, B)](part_o, part_lse, out, num_splits,
+                           part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+                           out.stride(0), out.stride(1),
+                           BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=D, num_warps=4)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                     max_seq_len: int | None = None) -> torch.Tensor:
+    """The reference's signature (see `reference.decode_attention`): q [B, Hq, D] → out [B, Hq, D]."""
+    return decode_attention_fwd(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len)

@@ -1,0 +1,65 @@
+"""Store each token's K and V into the paged cache.
+
+Token t goes to slot `slot_mapping[t]` = block · block_size + offset, i.e. cache[block, :, offset, :];
+a negative slot (a padded row) writes nothing. k, v: [T, Hk, D] (any strides, e.g. views of the fused
+qkv output); caches: [num_blocks, Hk, block_size, D]. One program per token moves its Hk·D values of
+K and of V (pure data movement: 2·T·Hk·D elements read and written). Offsets are int64: a layer's
+cache can hold more than 2³¹ elements.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyvllm.kernels._launch import (check_dim, check_int, check_same_device, is_power_of_2,
+                                      next_power_of_2)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, Hk,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cb, stride_ch, stride_cs, block_size,
+                     BLOCK_H: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, D)
+        mask = heads[:, None] < Hk
+        block = slot // block_size
+        offset = slot % block_size
+        dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+        k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """cache[slot // bs, :, slot % bs] = k[t] (and v) for every t with slot_mapping[t] >= 0."""
+    for name, t in (("k", k), ("v", v)):
+        check_dim(name, t, 3)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dim(name, t, 4)
+    check_int("slot_mapping", slot_mapping)
+    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    T, Hk, D = k.shape
+    if v.shape != k.shape or slot_mapping.shape != (T,):
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, slot_mapping {tuple(slot_mapping.shape)} disagree")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.shape[1] != Hk or k_cache.shape[3] != D:
+        raise ValueError(f"cache shape {tuple(k_cache.shape)} does not fit k [T, {Hk}, {D}]")
+    if not is_power_of_2(D):
+        raise ValueError(f"head dim must be a power of two, got {D}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if T == 0:
+        return
+    _write_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, Hk,
+                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[2],
+                           BLOCK_H=next_power_of_2(Hk), D=D, num_warps=4)

@@ -1,0 +1,197 @@
+"""FlashAttention-2 varlen causal forward over the paged KV cache (Dao 2023, "FlashAttention-2:
+Faster Attention with Better Parallelism and Work Partitioning", §3.1 algorithm, §3.2 parallelism).
+
+Sequence s owns query rows cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1 (q_len rows) and seq_len = seq_lens[s]
+tokens of context in the cache, this chunk's included; its row i sits at position p = seq_len − q_len + i
+(a chunk of a longer prompt, or a prefix-cache hit) and computes
+    out[i] = softmax(scale · q_i Kᵀ[0..p]) V[0..p]
+with query head h reading KV head h // (Hq / Hk) (GQA: K/V are never copied per query head).
+
+Grid (FA2 §3.2): (⌈max_seqlen_q / BLOCK_M⌉, Hq, S): one program per tile of BLOCK_M query rows of one
+head of one sequence, so a single long sequence still fills the GPU. Tiles run heaviest first (the
+last rows of a causal sequence see the most keys), which shortens the tail. Per program:
+  1. keys 0 .. (the tile's first row position), rounded down to BLOCK_N, are visible to every row:
+     unmasked tiles;
+  2. the tiles on the causal diagonal, up to the tile's last row position: masked tiles;
+  fully masked tiles (beyond the diagonal) are never loaded. Both passes share `_flash._attn_inner`.
+Key tiles are gathered through the block table (`block_tables[s, pos // block_size]`); when a page
+holds whole tiles (block_size % BLOCK_N == 0) one table entry serves a tile.
+Optionally stores the logsumexp  lse[h, row] = log Σ_j exp(scale · q·k_j)  (natural log, float32).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyvllm.kernels._flash import _attn_inner
+from tinyvllm.kernels._launch import (cdiv, check_dim, check_float, check_int, check_same_device,
+                                      is_power_of_2, upcast_dot)
+
+LOG2E = 1.4426950408889634
+
+
+class PrefillConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Per head dim, for 16-bit inputs on the H200 (227 KB of shared memory per SM), from the sweep of
+# bench_prefill_attention.py (docs/perf.md). Shared memory per program ≈ BLOCK_M·D·2 (Q) +
+# num_stages · 2·BLOCK_N·D·2 (K and V stages): (128, 128, 8 warps, 3 stages) at D = 128 takes 224 KB.
+# Head dim 128 prefers big tiles for long sequences and small ones (more programs) for short ones.
+DEFAULT_CONFIGS: dict[int, PrefillConfig] = {
+    16: PrefillConfig(64, 64, 4, 2),
+    32: PrefillConfig(64, 64, 4, 2),
+    64: PrefillConfig(64, 64, 4, 2),
+    128: PrefillConfig(128, 128, 8, 3),
+    256: PrefillConfig(64, 32, 4, 2),
+}
+SHORT_CONFIGS: dict[int, PrefillConfig] = {128: PrefillConfig(64, 64, 4, 2)}  # max_seqlen_q ≤ SHORT_Q
+SHORT_Q = 1024
+
+# Candidates the GPU benchmark sweeps (`bench_prefill_attention.py --sweep`).
+CANDIDATE_CONFIGS: list[PrefillConfig] = [
+    PrefillConfig(m, n, w, s)
+    for m, n in ((128, 64), (128, 128), (64, 64), (64, 128))
+    for w in (4, 8)
+    for s in (2, 3, 4)
+]
+
+
+def default_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int | None = None) -> PrefillConfig:
+    cfg = DEFAULT_CONFIGS[head_dim]
+    if max_seqlen_q is not None and max_seqlen_q <= SHORT_Q:
+        cfg = SHORT_CONFIGS.get(head_dim, cfg)
+    if dtype == torch.float32:  # 4-byte tiles: halve them to stay inside shared memory
+        cfg = cfg._replace(block_m=max(16, cfg.block_m // 2), block_n=max(16, cfg.block_n // 2),
+                           num_stages=min(cfg.num_stages, 2))
+    return cfg
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+                    cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_h,
+                    stride_kb, stride_kh, stride_kt, stride_bt,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_TILE: tl.constexpr,
+                    STORE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) tiles first
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_ptr + s)
+    q_len = tl.load(cu_seqlens_ptr + s + 1) - q_start
+    start_m = m_tile * BLOCK_M
+    if start_m >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + s)
+    ctx = seq_len - q_len  # tokens before this chunk
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_valid = offs_m < q_len
+    q_pos = ctx + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None], other=0.0)
+
+    kv_off = (h // GROUP).to(tl.int64) * stride_kh
+    k_ptr = k_cache_ptr + kv_off
+    v_ptr = v_cache_ptr + kv_off
+    bt_row_ptr = block_tables_ptr + s.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # 1. Off the diagonal: keys 0 .. ctx + start_m are visible to every row of the tile.
+    hi_full = ((ctx + start_m + 1) // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, 0, hi_full,
+                                seq_len, qk_scale, stride_kb, stride_kt, HEAD_DIM, BLOCK_N,
+                                BLOCK_SIZE, PAGE_TILE, False, UPCAST, IEEE)
+    # 2. On the diagonal: up to the last row's position, masked.
+    hi = tl.minimum(ctx + start_m + BLOCK_M, seq_len)
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, hi_full, hi,
+                                seq_len, qk_scale, stride_kb, stride_kt, HEAD_DIM, BLOCK_N,
+                                BLOCK_SIZE, PAGE_TILE, True, UPCAST, IEEE)
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    if STORE_LSE:
+        lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634  # back from log2 to natural log
+        tl.store(lse_ptr + h * stride_lse_h + rows, lse, mask=row_valid)
+
+
+def prefill_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                          block_tables: torch.Tensor, scale: float, max_seqlen_q: int | None = None,
+                          *, return_lse: bool = False, config: PrefillConfig | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launcher: checks, picks the tile config, launches. Returns (out [Tq, Hq, D], lse [Hq, Tq] | None).
+
+    `max_seqlen_q` sizes the grid, so it must be at least the longest chunk (None: computed, which
+    synchronises with the device). `scale` must be positive (the unmasked tiles take the row max
+    before scaling). Rows past cu_seqlens_q[-1] are left unwritten, as in the reference.
+    """
+    check_dim("q", q, 3)
+    check_dim("k_cache", k_cache, 4)
+    check_float("q", q)
+    check_int("cu_seqlens_q", cu_seqlens_q)
+    check_int("seq_lens", seq_lens)
+    check_int("block_tables", block_tables)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
+                      seq_lens=seq_lens, block_tables=block_tables)
+    Tq, Hq, D = q.shape
+    _, Hk, block_size, Dk = k_cache.shape
+    S = seq_lens.shape[0]
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q ({q.dtype}) and the caches ({k_cache.dtype}) must share a dtype")
+    if Dk != D or Hq % Hk:
+        raise ValueError(f"q [T, {Hq}, {D}] does not fit the cache [N, {Hk}, bs, {Dk}]")
+    if not is_power_of_2(D) or not 16 <= D <= 256:
+        raise ValueError(f"head dim must be a power of two in 16..256, got {D}")
+    if cu_seqlens_q.shape != (S + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != S:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, seq_lens {tuple(seq_lens.shape)} and "
+                         f"block_tables {tuple(block_tables.shape)} disagree on the number of sequences")
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("q, the caches and block_tables must be contiguous in their last dimension")
+
+    out = torch.empty((Tq, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device) if return_lse else None
+    if Tq == 0 or S == 0:
+        return out, lse
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    cfg = config or default_config(D, q.dtype, max_seqlen_q)
+    grid = (cdiv(max_seqlen_q, cfg.block_m), Hq, S)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, lse if lse is not None else out,
+        cu_seqlens_q, seq_lens, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
+        PAGE_TILE=block_size % cfg.block_n == 0, STORE_LSE=return_lse,
+        UPCAST=upcast_dot(q.device), IEEE=q.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out, lse
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float, max_seqlen_q: int | None = None) -> torch.Tensor:
+    """The reference's signature (see `reference.prefill_attention`): q [Tq, Hq, D] → out [Tq, Hq, D]."""
+    out, _ = prefill_attention_fwd(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                   max_seqlen_q)
+    return out
+
+
+__all__ = ["prefill_attention", "prefill_attention_fwd", "PrefillConfig", "DEFAULT_CONFIGS",
+           "CANDIDATE_CONFIGS", "default_config"]

@@ -1,0 +1,83 @@
+"""RMSNorm and fused residual-add + RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer
+Normalization", eq. 4), in Hugging Face LlamaRMSNorm's rounding order:
+
+    y = w ⊙ round_x( x / sqrt(mean(x²) + eps) )          (x: [T, H], w: [H])
+    add_rms_norm:  r' = round_x(x + residual);  y = rms_norm(r')
+
+All arithmetic in float32 (float64 for float64 inputs). One program per row: the row is read once,
+reduced in registers and written once, so the kernel moves the fewest bytes (memory-bound).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyvllm.kernels._launch import check_dim, check_float, check_last_dim_contiguous, next_power_of_2
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, H, eps,
+                     stride_x, stride_res, stride_y, stride_res_out,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    acc_ty = tl.float64 if x.dtype == tl.float64 else tl.float32
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(acc_ty) + r.to(acc_ty)).to(x.dtype)  # r' rounded to x's dtype, as the reference
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(acc_ty)
+    mean_sq = tl.sum(xf * xf, axis=0) / H
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    normed = (xf * rstd).to(x.dtype)  # rounded before the weight multiply
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = w.to(acc_ty) * normed.to(acc_ty)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    check_dim("x", x, 2)
+    check_float("x", x, _DTYPES)
+    check_float("weight", weight, _DTYPES)
+    T, H = x.shape
+    if weight.shape != (H,):
+        raise ValueError(f"weight must have shape ({H},), got {tuple(weight.shape)}")
+    check_last_dim_contiguous("x", x)
+    weight = weight.contiguous()
+    # torch's promotion of `weight * y.to(x.dtype)`: bf16 weight with bf16 x → bf16, fp32 weight → fp32.
+    y = torch.empty((T, H), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    res_out = None
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        check_last_dim_contiguous("residual", residual)
+        res_out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return y, res_out
+    block_h = next_power_of_2(H)
+    num_warps = 4 if block_h <= 2048 else 8 if block_h <= 8192 else 16
+    _rms_norm_kernel[(T,)](
+        x, residual if residual is not None else x, weight, y, res_out if res_out is not None else y,
+        H, eps, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        res_out.stride(0) if res_out is not None else 0,
+        HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, num_warps=num_warps)
+    return y, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w ⊙ round(x / sqrt(mean(x²) + eps)); x: [T, H], weight: [H] → [T, H]."""
+    y, _ = _launch(x, None, weight, eps)
+    return y
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """r' = round(x + residual); returns (rms_norm(r'), r'), both new tensors; inputs are not modified."""
+    y, res_out = _launch(x, residual, weight, eps)
+    return y, res_out

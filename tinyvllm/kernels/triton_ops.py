@@ -1,0 +1,16 @@
+"""The Triton ops table: the reference's functions, same names and signatures, as Triton kernels.
+
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (slow; for tests). Importing this module needs
+`triton` but no device.
+"""
+from __future__ import annotations
+
+from tinyvllm.kernels.activation import silu_and_mul
+from tinyvllm.kernels.decode_attention import decode_attention
+from tinyvllm.kernels.kv_cache import write_kv_cache
+from tinyvllm.kernels.prefill_attention import prefill_attention
+from tinyvllm.kernels.rms_norm import add_rms_norm, rms_norm
+from tinyvllm.kernels.rope import rope
+
+__all__ = ["rms_norm", "add_rms_norm", "rope", "write_kv_cache", "prefill_attention",
+           "decode_attention", "silu_and_mul"]
