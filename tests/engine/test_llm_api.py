@@ -128,7 +128,7 @@ def test_logprobs_match_a_float64_softmax(llm, model_dir):
     p = SamplingParams(temperature=0, max_tokens=3, logprobs=0, ignore_eos=True)
     out = llm.generate("Hello there", p, use_tqdm=False)[0]
     ids = out.prompt_token_ids + out.outputs[0].token_ids
-    from tests.models.test_hf_parity import chunked_logits
+    from tests.helpers import chunked_logits
 
     logits = chunked_logits(engine, ids, [len(ids)]).double()
     ref = torch.log_softmax(logits, -1)
@@ -202,3 +202,16 @@ def test_async_scheduling_gives_the_same_outputs(model_dir, blocks):
         if blocks:
             assert m["num_preemptions"] > 0
     assert results[0] == results[1]
+
+
+def test_triton_backend_matches_torch_backend(model_dir):
+    """The engine on our Triton kernels (the interpreter on a CPU) gives the torch reference's greedy
+    tokens, and its fused greedy sampler the same argmax."""
+    prompts = ["The list type", "Once upon a time there was"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model=str(model_dir), device="cpu", max_model_len=64, block_size=4, kernel_backend=backend,
+                  max_num_batched_tokens=8)
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["triton"] == outs["torch"]

@@ -13,6 +13,7 @@ import torch
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
+from tests.helpers import chunked_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,26 +110,6 @@ def test_teacher_forced_logits_match(checkpoint):
     rel = (ours - ref).norm() / ref.norm()
     assert rel < 1e-4, rel
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-
-
-def chunked_logits(engine, prompt: list[int], chunks: list[int]) -> torch.Tensor:
-    """Run the prompt through the runner chunk by chunk (each chunk reads the previous ones' K/V from
-    the paged cache) and return logits for every position."""
-    from tinyvllm.core.outputs import ScheduledSequence, SchedulerOutput
-
-    assert sum(chunks) == len(prompt)
-    runner = engine.runner
-    bs = runner.block_size
-    blocks = list(range(engine.num_blocks - 1, engine.num_blocks - 1 - (len(prompt) + bs - 1) // bs, -1))
-    logits, start = [], 0
-    for n in chunks:
-        seq = ScheduledSequence(request_id="tf", token_ids=prompt[start:start + n], num_computed_tokens=start,
-                                block_ids=blocks, sample=False, is_new=start == 0)
-        inputs = runner.builder.build(SchedulerOutput([seq], n))
-        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches)
-        logits.append(runner.model.compute_logits(hidden))
-        start += n
-    return torch.cat(logits)
 
 
 def test_batch_composition_does_not_change_greedy_output(checkpoint, expected):

@@ -124,33 +124,33 @@ class ModelRunner:
 
     @torch.no_grad()
     def _profile_peak_memory(self, num_tokens: int, max_num_seqs: int, block_size: int) -> int:
-        """Peak memory of a prefill of `num_tokens` tokens plus logits and sampling for
-        `max_num_seqs` rows (graph logits buffers included), with a one-block cache."""
-        self.allocate_kv_cache(1, block_size)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model.embed_tokens(ids)
+        """Peak memory of one prompt of `num_tokens` tokens (the largest step) plus logits and sampling
+        temporaries for `max_num_seqs` rows and the decode graphs' logits buffer. The cache is one
+        block that every page of the block table points at; nothing is written to it."""
         from tinyvllm.models.attention_metadata import AttnMetadata
-        i32 = torch.int32
+
+        self.allocate_kv_cache(1, block_size)
+        dev, i32 = self.device, torch.int32
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        pages = -(-num_tokens // block_size)
         meta = AttnMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            num_decode_tokens=0, decode_seq_lens=torch.zeros(0, dtype=i32, device=self.device),
-            decode_block_tables=torch.zeros(0, 1, dtype=i32, device=self.device), max_decode_seq_len=0,
-            num_prefills=1, prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=i32, device=self.device),
-            prefill_seq_lens=torch.tensor([1], dtype=i32, device=self.device),
-            prefill_block_tables=torch.zeros(1, 1, dtype=i32, device=self.device),
-            max_prefill_q_len=num_tokens, max_prefill_seq_len=1)
-        # Every query attends to one cached token: the cost of attention is not what is measured here.
-        del hidden
-        hidden = self.model(ids, torch.zeros_like(ids), meta, self.kv_caches)
-        rows = max_num_seqs
-        logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            num_decode_tokens=0, decode_seq_lens=torch.zeros(0, dtype=i32, device=dev),
+            decode_block_tables=torch.zeros(0, 1, dtype=i32, device=dev), max_decode_seq_len=0,
+            num_prefills=1, prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=i32, device=dev),
+            prefill_seq_lens=torch.tensor([num_tokens], dtype=i32, device=dev),
+            prefill_block_tables=torch.zeros(1, pages, dtype=i32, device=dev),
+            max_prefill_q_len=num_tokens, max_prefill_seq_len=num_tokens)
+        positions = torch.arange(num_tokens, device=dev) % self.model.max_positions
+        hidden = self.model(ids, positions, meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden[:1].expand(max_num_seqs, -1).contiguous())
         graph_logits = torch.empty_like(logits)  # the decode graphs keep their own logits buffer
         probs = torch.softmax(logits, -1)  # the torch sampler's largest temporaries
         del probs, graph_logits, logits, hidden
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
         self.kv_caches = []
         torch.cuda.empty_cache()
         return peak

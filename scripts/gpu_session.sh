@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# One GPU session (device tool, H200): correctness at real shapes, then the engine benchmarks, with the
+# demo model's training running beside the correctness checks. Every step has its own time limit and a
+# failure never stops the next step. Results, logs and the trained model come back under $OUT as a
+# tarball split into parts of at most 15 MB (the device tool returns at most 8 files of 16 MB).
+#
+#   bash scripts/gpu_session.sh            # everything
+#   SKIP_TRAIN=1 SKIP_SERVE=1 bash scripts/gpu_session.sh
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 TINYVLLM_CACHE=/tmp/tinyvllm-cache TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/gpu-out}
+WORK=/tmp/gpu-session
+RES=$WORK/results
+LOGS=$WORK/logs
+mkdir -p "$OUT" "$RES" "$LOGS"
+T0=$(date +%s)
+BUDGET=${BUDGET:-500}  # seconds for the whole script; later steps are skipped when it runs out
+elapsed() { echo $(( $(date +%s) - T0 )); }
+left() { echo $(( BUDGET - $(elapsed) )); }
+step() {  # step NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local l; l=$(left)
+  if (( l < 20 )); then echo "[$(elapsed)s] SKIP $name (budget)"; return 99; fi
+  (( limit > l )) && limit=$l
+  echo "[$(elapsed)s] >>> $name (limit ${limit}s)"
+  timeout --signal=INT --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "[$(elapsed)s] <<< $name rc=$rc"
+  tail -n 25 "$LOGS/$name.log"
+  return $rc
+}
+cli() { python3 -m tinyvllm.entrypoints.cli "$@"; }
+
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+
+# Server wheels (fastapi, uvicorn, pydantic) travel in .whl when carried.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+
+# 1. The 1B-shape random checkpoint, once (the engine tests and benches share it).
+step checkpoint 120 python3 -c "from tinyvllm.models.checkpoint import resolve_model; print(resolve_model('dummy:llama-3.2-1b'))"
+
+# 2. The demo model trains in the background while the correctness checks run.
+TRAIN_PID=
+if [ -z "${SKIP_TRAIN:-}" ] && [ -f scripts/train_demo_model.py ]; then
+  echo "[$(elapsed)s] >>> train (background)"
+  (env -u OUT timeout 240 python3 scripts/train_demo_model.py ${TRAIN_ARGS:---max-minutes 2.5} \
+     --out "$WORK/demo" > "$LOGS/train.log" 2>&1; echo "train rc=$?" >> "$LOGS/train.log") &
+  TRAIN_PID=$!
+fi
+
+# 3. Correctness at real shapes: kernels against the reference, sampler, engine against transformers.
+step kernel_tests 150 python3 -m pytest -q -n 8 tests/kernels tests/engine/test_sampler_gpu.py -p no:cacheprovider
+step engine_gpu_tests 200 python3 -m pytest -q -s tests/gpu -p no:cacheprovider
+
+if [ -n "$TRAIN_PID" ]; then
+  echo "[$(elapsed)s] waiting for training"; wait "$TRAIN_PID"; tail -n 15 "$LOGS/train.log"
+fi
+
+# 4. Benchmarks, alone on the GPU. If the CUDA-graph/async path fails, retry eagerly and say so.
+bench() {  # bench NAME LIMIT ARGS...
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" cli bench "$@" --out-dir "$RES"
+  case $? in
+    0|99|124|137) ;;  # done, skipped, or out of time: a retry would not finish either
+    *) step "${name}_eager" "$limit" cli bench "$@" --out-dir "$RES" --name "${name}_eager" \
+         --enforce-eager --no-async-scheduling ;;
+  esac
+}
+bench latency 120 latency --baseline hf
+bench throughput 170 throughput --baseline hf --profile --max-model-len 4096
+bench shared_prefix 100 shared-prefix --max-model-len 4096
+if [ -z "${SKIP_SERVE:-}" ] && python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+  step serve 150 bash scripts/gpu_serve_bench.sh "$RES" || true
+fi
+
+# 5. Everything back: one tarball in parts of at most 15 MB.
+echo "[$(elapsed)s] packing"
+cp -r "$LOGS" "$RES/" 2>/dev/null
+[ -d "$WORK/demo" ] && cp -r "$WORK/demo" "$RES/demo"
+tar czf - -C "$WORK" results | split -b 15M -d - "$OUT/session.tgz.part"
+ls -la "$OUT"
+echo "[$(elapsed)s] done"
