@@ -134,7 +134,7 @@ def _describe_validation_error(errors: Any) -> tuple[str, str | None]:
     """(message, param) of pydantic's errors; param is the dotted path of the first bad field."""
     parts, param = [], None
     for err in list(errors)[:3]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = _field_path(err.get("loc", ()))
         if err.get("type") == "json_invalid":
             parts.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
             continue
@@ -142,6 +142,23 @@ def _describe_validation_error(errors: Any) -> tuple[str, str | None]:
         param = param or path or None
         parts.append(f"{path}: {err.get('msg')}" if path else f"body: {err.get('msg')}")
     return "; ".join(parts) or "invalid request", param
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _field_path(loc: Any) -> list[str]:
+    """pydantic's error location without "body" and without the union-member tags it inserts
+    ("str", "list[int]", "TextPart", ...): ("body", "prompt", "list[int]", 2) -> ["prompt"]."""
+    path = []
+    for item in loc:
+        if item == "body" and not path:
+            continue
+        text = str(item)
+        if not isinstance(item, int) and (text in _TYPE_TAGS or "[" in text or text[:1].isupper()):
+            break
+        path.append(text)
+    return path
 
 
 class APIKeyMiddleware:
