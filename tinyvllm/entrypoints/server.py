@@ -183,13 +183,13 @@ def run_server(ns: argparse.Namespace) -> int:
     """Build the engine from the CLI flags, serve until SIGINT/SIGTERM, shut down cleanly; returns 0."""
     import uvicorn
 
-    from tinyvllm.engine.args import engine_args_from_cli
+    from tinyvllm.engine.args import DEFAULT_MODEL, engine_args_from_cli
     from tinyvllm.engine.llm_engine import LLMEngine
 
     engine_args = engine_args_from_cli(ns)
     core = LLMEngine(engine_args, show_progress=True)
     engine = AsyncLLMEngine(core, max_waiting_requests=ns.max_waiting_requests).start()
-    names = ns.served_model_name or [engine_args.model or str(core.model_dir)]
+    names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL]
     app = build_app(engine, ServerArgs(names, api_key=ns.api_key, model_root=str(core.model_dir)))
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout, timeout_keep_alive=ns.keep_alive_timeout)
