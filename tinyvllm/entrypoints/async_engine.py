@@ -60,9 +60,6 @@ class StatsListener(Protocol):
     def on_abort(self, request_ids: Sequence[str]) -> None: ...
 
 
-_FINISHED = object()  # end-of-stream marker on a RequestStream's queue
-
-
 @dataclass(eq=False)
 class RequestStream:
     """One request's outputs, read on the event loop that added it. Iterate for cumulative
@@ -87,9 +84,6 @@ class RequestStream:
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
-            if item is _FINISHED:
-                self.finished = True
-                return
             self.finished = item.finished
             yield item
 

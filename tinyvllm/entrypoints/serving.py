@@ -176,7 +176,11 @@ async def final_outputs(request: Request, streams: list[RequestStream]) -> list[
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
             raise APIError(499, "the client closed the request")
-        return engine_errors_to_api(work)
+        finals = engine_errors_to_api(work)
+        rejected = next((out.error for out in finals if out.error), None)
+        if rejected is not None:  # the engine refused it (checks here should have caught it first)
+            raise APIError(400, rejected)
+        return finals
     finally:
         work.cancel()
         watch.cancel()
