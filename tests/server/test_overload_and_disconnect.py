@@ -66,7 +66,7 @@ def test_streaming_disconnect_aborts_and_frees_every_block(slow_server):
             started = time.monotonic()
         # leaving the block closes the connection mid-stream
     assert _wait_until(lambda: _pool_is_free(slow_server), timeout=5)
-    assert time.monotonic() - started < 2.0  # far sooner than the 2000 tokens would take
+    assert time.monotonic() - started < 3.0  # sooner than the 2000 tokens take; the abort count proves it
     after = slow_server.metric('vllm:request_success_total{finished_reason="abort",model_name="tiny"}')
     assert after == aborted + 1
 
