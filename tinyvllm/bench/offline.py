@@ -175,3 +175,16 @@ def run_shared_prefix(ns: argparse.Namespace) -> dict[str, Any]:
               "speedup_total": off["seconds"] / on["seconds"], "speedup_mean_ttft": off["mean_ttft_s"] / on["mean_ttft_s"]}
     write_json(ns.name or "shared_prefix", result, ns.out_dir)
     return result
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def add_common_cli_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags (vLLM's names) plus the baseline and output options every offline bench shares."""
+    from tinyvllm.engine.args import add_engine_cli_args
+
+    add_engine_cli_args(p)
+    p.set_defaults(model="dummy:llama-3.2-1b", dtype="bfloat16")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="also run Hugging Face transformers' generate on the same weights")
+    p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument("--name", default=None, help="JSON file name (default: the workload's)")

@@ -1,0 +1,97 @@
+"""A live server on loopback: uvicorn in a background thread around a tiny random-weight model.
+
+`make_server(**engine_overrides, max_waiting_requests=..., api_key=...)` builds an engine and an app
+and serves it on a free port; `server` is the shared default one (module tests reuse it).
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import uvicorn  # noqa: E402
+
+from tinyvllm.engine.args import EngineArgs  # noqa: E402
+from tinyvllm.engine.llm_engine import LLMEngine  # noqa: E402
+from tinyvllm.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
+from tinyvllm.entrypoints.server import ServerArgs, build_app  # noqa: E402
+from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint  # noqa: E402
+
+MODEL_NAME = "tiny"
+ENGINE_DEFAULTS = dict(device="cpu", max_model_len=256, num_gpu_blocks_override=512, max_num_batched_tokens=512)
+
+
+@dataclass
+class LiveServer:
+    url: str
+    engine: AsyncLLMEngine
+    uvicorn_server: uvicorn.Server
+    thread: threading.Thread
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30, **kw)
+
+    def metric(self, name: str) -> float:
+        """The value of one unlabelled-or-model-labelled sample from /metrics."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        self.uvicorn_server.should_exit = True
+        self.thread.join(10)
+        self.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-serve")
+    write_dummy_checkpoint(path, make_config("tiny"), seed=7, init_std=0.1, dtype="float32")
+    return path
+
+
+def start_server(engine: AsyncLLMEngine, api_key: str | None = None) -> LiveServer:
+    app = build_app(engine, ServerArgs([MODEL_NAME], api_key=api_key))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    return LiveServer(f"http://127.0.0.1:{port}", engine, server, thread)
+
+
+@pytest.fixture(scope="session")
+def make_server(model_dir) -> Iterator[Callable[..., LiveServer]]:
+    started: list[LiveServer] = []
+
+    def make(max_waiting_requests: int | None = None, api_key: str | None = None, **engine_kw) -> LiveServer:
+        args = EngineArgs(model=str(model_dir), **{**ENGINE_DEFAULTS, **engine_kw})
+        engine = AsyncLLMEngine(LLMEngine(args), max_waiting_requests=max_waiting_requests).start()
+        live = start_server(engine, api_key)
+        started.append(live)
+        return live
+
+    yield make
+    for live in started:
+        live.stop()
+
+
+@pytest.fixture(scope="session")
+def server(make_server) -> LiveServer:
+    return make_server()

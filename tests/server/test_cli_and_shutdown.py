@@ -1,0 +1,82 @@
+"""`tinyvllm serve` as a process: graceful shutdown on SIGTERM/SIGINT (in-flight stream finishes, exit 0);
+the engine and the CLI work without the server extra."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_lets_the_in_flight_stream_finish_then_exits_0(model_dir, sig):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", str(model_dir), "--device", "cpu",
+           "--port", str(port), "--max-model-len", "512", "--num-gpu-blocks-override", "256",
+           "--served-model-name", "tiny", "--shutdown-timeout", "60", "--uvicorn-log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.1)
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(sig)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_engine_and_cli_need_no_server_extra(tmp_path):
+    """With fastapi, uvicorn and prometheus_client unimportable: LLM works, `serve` says what to install."""
+    script = textwrap.dedent("""
+        import sys
+        for name in ("fastapi", "uvicorn", "prometheus_client", "starlette"):
+            sys.modules[name] = None  # import fails
+        from tinyvllm import LLM, SamplingParams
+        from tinyvllm.entrypoints.cli import build_parser, main, _subcommands
+        ns = build_parser(_subcommands()).parse_args(["serve", "dummy:tiny", "--port", "1"])
+        assert ns.model_tag == "dummy:tiny" and ns.port == 1
+        ns = build_parser(_subcommands()).parse_args(["bench", "serve", "--request-rate", "1", "inf"])
+        assert ns.request_rate == [1.0, float("inf")]
+        assert main(["serve", "dummy:tiny"]) == 1
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr
+    assert "pip install 'tinyvllm[server]'" in out.stderr

@@ -1,0 +1,152 @@
+"""Happy paths through the official `openai` client against a live server on loopback."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tinyvllm import LLM
+
+from .conftest import ENGINE_DEFAULTS, MODEL_NAME
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _stream_text(stream) -> tuple[dict[int, str], dict[int, str], object]:
+    """(text per choice, finish_reason per choice, usage) of a streamed completion or chat."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            piece = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + piece
+            if c.finish_reason is not None:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+def test_models_health_version(server, client):
+    (model,) = client.models.list().data
+    assert model.id == MODEL_NAME and model.max_model_len == ENGINE_DEFAULTS["max_model_len"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_completion_streamed_equals_non_streamed(client):
+    kw = dict(model=MODEL_NAME, prompt="The list type", max_tokens=20, temperature=0.9, seed=3,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 20 and full.usage.total_tokens == full.usage.prompt_tokens + 20
+    texts, reasons, usage = _stream_text(client.completions.create(**kw, stream=True,
+                                                                   stream_options={"include_usage": True}))
+    assert texts == {0: full.choices[0].text} and reasons == {0: "length"}
+    assert usage.model_dump() == full.usage.model_dump()
+
+
+def test_chat_streamed_equals_non_streamed(client):
+    kw = dict(model=MODEL_NAME, messages=[{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+              max_completion_tokens=16, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 16
+    texts, reasons, usage = _stream_text(client.chat.completions.create(**kw, stream=True,
+                                                                        stream_options={"include_usage": True}))
+    assert texts == {0: full.choices[0].message.content} and reasons == {0: "length"}
+    assert usage.model_dump() == full.usage.model_dump()
+
+
+def test_n_stop_and_vllm_extras(client):
+    greedy = dict(model=MODEL_NAME, prompt="The", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**greedy).choices[0].text
+    assert len(text) > 6
+    stop = text[4:6]
+    cut = client.completions.create(**greedy, stop=[stop]).choices[0]
+    assert cut.text == text[:text.index(stop)] and cut.finish_reason == "stop"
+    many = client.completions.create(model=MODEL_NAME, prompt="Once", n=3, max_tokens=8, seed=5, temperature=1.0,
+                                     extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1,
+                                                 "ignore_eos": True, "min_tokens": 4})
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    assert many.usage.completion_tokens == 24
+    streamed, _, _ = _stream_text(client.completions.create(
+        model=MODEL_NAME, prompt="Once", n=3, max_tokens=8, seed=5, temperature=1.0, stream=True,
+        extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 4}))
+    assert streamed == {c.index: c.text for c in many.choices}
+
+
+def test_token_id_prompts_batches_and_stop_token_ids(server, client):
+    ids = client.completions.create(model=MODEL_NAME, prompt=[[1, 2, 3], [4, 5]], max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": "hello"}).json()
+    out = client.completions.create(model=MODEL_NAME, prompt=tok["tokens"], max_tokens=6, temperature=0,
+                                    logprobs=0, extra_body={"ignore_eos": True})
+    same = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert out.choices[0].text == same.choices[0].text
+    third = out.choices[0].logprobs.tokens[2]
+    stop_id = httpx.post(server.url + "/tokenize",
+                         json={"prompt": third, "add_special_tokens": False}).json()["tokens"]
+    if len(stop_id) == 1:  # a token that is its own text: stopping on its id ends before three tokens
+        stopped = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=6, temperature=0,
+                                            extra_body={"ignore_eos": True, "stop_token_ids": stop_id})
+        assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= 3
+
+
+def test_logprobs_shapes(client):
+    comp = client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=5, temperature=0, logprobs=3,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) >= 3 and top[tok] == val and val == max(top.values())  # greedy: the top token
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob for c in content)
+
+
+def test_tokenize_detokenize_round_trip(server):
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == ENGINE_DEFAULTS["max_model_len"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids["tokens"][1:]}).json()["prompt"]
+    assert text == "Hello world"
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 3
+
+
+def test_64_concurrent_streams_match_llm_generate(server, model_dir):
+    prompts = [f"Request number {i} says" for i in range(64)]
+    seeds = list(range(100, 164))
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, seed: int) -> tuple[str, str]:
+        stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=1.0,
+                                                 seed=seed, stream=True, extra_body={"ignore_eos": True})
+        text, reason = "", None
+        async for chunk in stream:
+            for c in chunk.choices:
+                text += c.text
+                reason = c.finish_reason or reason
+        return text, reason
+
+    async def run_all() -> list[tuple[str, str]]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p, s) for p, s in zip(prompts, seeds)))
+
+    got = asyncio.run(run_all())
+    llm = LLM(model=str(model_dir), **ENGINE_DEFAULTS)
+    defaults = llm.get_default_sampling_params()  # generation_config.json's top_p, as the server uses
+    want = llm.generate(prompts, [defaults.replace(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True)
+                                  for s in seeds], use_tqdm=False)
+    assert got == [(w.outputs[0].text, "length") for w in want]

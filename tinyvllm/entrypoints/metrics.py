@@ -1,0 +1,118 @@
+"""Prometheus metrics of one server, with vLLM's metric names (so existing dashboards work).
+
+Each app gets its own `CollectorRegistry` (never the global default one), so tests can build several.
+Gauges and engine counters are read from the engine's stats snapshot at scrape time; the latency
+histograms are fed on the engine thread by `LatencyRecorder` (a `StatsListener`).
+
+  vllm:num_requests_running / vllm:num_requests_waiting      gauges
+  vllm:kv_cache_usage_perc                                   gauge, 0..1 (blocks held by requests)
+  tinyvllm:kv_cache_blocks / tinyvllm:kv_cache_free_blocks   gauges (free includes reusable cached blocks)
+  vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total   counters, in tokens
+  vllm:num_preemptions_total                                 counter
+  vllm:prompt_tokens_total / vllm:generation_tokens_total    counters
+  vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds
+  vllm:request_success_total{finished_reason}                counter
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tinyvllm.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters read from `stats()` (the engine's `get_metrics()` snapshot) at scrape time."""
+
+    _GAUGES = (("vllm:num_requests_running", "num_requests_running", "Requests running on the engine."),
+               ("vllm:num_requests_waiting", "num_requests_waiting", "Requests waiting to be scheduled."),
+               ("vllm:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks held (0..1)."),
+               ("tinyvllm:kv_cache_blocks", "num_kv_blocks", "KV-cache blocks in the pool."),
+               ("tinyvllm:kv_cache_free_blocks", "num_free_kv_blocks", "KV-cache blocks free or reusable."))
+    _COUNTERS = (("vllm:prefix_cache_queries", "prefix_cache_queried_tokens", "Prompt tokens looked up."),
+                 ("vllm:prefix_cache_hits", "prefix_cache_hit_tokens", "Prompt tokens found in the cache."),
+                 ("vllm:num_preemptions", "num_preemptions", "Preemptions (recomputations)."),
+                 ("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens prefilled."),
+                 ("vllm:generation_tokens", "generation_tokens", "Tokens generated."))
+
+    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, key, doc in self._GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model], float(stats.get(key, 0)))
+            yield g
+        for name, key, doc in self._COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self._model], float(stats.get(key, 0)))
+            yield c
+
+
+class LatencyRecorder:
+    """Histograms of TTFT, inter-token and end-to-end latency, fed on the engine thread.
+
+    TTFT and end-to-end latency count from the request's arrival at the server; the inter-token
+    latency is observed once per new token of each completion, as the gap since its previous one.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                              registry=registry, buckets=_LATENCY_BUCKETS).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", labels,
+                             registry=registry, buckets=_ITL_BUCKETS).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             registry=registry, buckets=_LATENCY_BUCKETS).labels(model_name)
+        self.success = Counter("vllm:request_success", "Finished requests, by finish reason.",
+                               ["model_name", "finished_reason"], registry=registry)
+        self._model = model_name
+        self._last: dict[tuple[str, int], tuple[float, int]] = {}  # (request, index) -> (time, tokens)
+
+    def on_step(self, outputs: Sequence[RequestOutput], now: float) -> None:
+        for out in outputs:
+            for o in out.outputs:
+                key = (out.request_id, o.index)
+                last = self._last.get(key)
+                num = len(o.token_ids)
+                if last is None and num and out.metrics is not None and o.index == 0:
+                    self.ttft.observe(max(0.0, now - out.metrics.arrival_time))
+                elif last is not None and num > last[1]:
+                    gap = (now - last[0]) / (num - last[1])
+                    for _ in range(num - last[1]):
+                        self.itl.observe(gap)
+                self._last[key] = (now, num)
+            if out.finished:
+                self._finish(out, now)
+
+    def on_abort(self, request_ids: Sequence[str]) -> None:
+        dropped = set(request_ids)
+        for key in [k for k in self._last if k[0] in dropped]:
+            del self._last[key]
+        for _ in request_ids:
+            self.success.labels(self._model, "abort").inc()
+
+    def _finish(self, out: RequestOutput, now: float) -> None:
+        for o in out.outputs:
+            self._last.pop((out.request_id, o.index), None)
+        if out.metrics is not None:
+            self.e2e.observe(max(0.0, now - out.metrics.arrival_time))
+        reason = out.outputs[0].finish_reason if out.outputs else "error"
+        self.success.labels(self._model, reason or "error").inc()
+
+
+def make_registry(stats: Callable[[], dict[str, float]], model_name: str) -> tuple[CollectorRegistry, LatencyRecorder]:
+    """A fresh registry with the engine collector and the latency histograms registered."""
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(stats, model_name))
+    return registry, LatencyRecorder(registry, model_name)

@@ -1,0 +1,119 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), with OpenAI's and vLLM's field names.
+
+Unknown fields are accepted and ignored (as vLLM does), so clients that send newer OpenAI fields
+keep working. Types are checked here; values (ranges, combinations) are checked by
+`SamplingParams` and by `tinyvllm.entrypoints.serving`, before anything reaches the engine.
+Responses are plain dicts built in `serving.py` (the shapes are documented there).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 128  # OpenAI's limit on `n`
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (None: the server's default)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt`: a string, a list of strings, a list of token ids, or a list
+    of lists of token ids (a batch: choice `i * n + j` is completion j of prompt i)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[TextPart | dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions. Messages go through the model's chat template; content parts
+    other than text are rejected."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize: `prompt` (a string), or `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]

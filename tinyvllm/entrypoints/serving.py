@@ -1,0 +1,274 @@
+"""What /v1/completions and /v1/chat/completions share: validating a request into (prompt token ids,
+SamplingParams) before anything reaches the engine, queueing it, reading its outputs (with disconnect
+detection), logprobs and usage in OpenAI's shapes, and the SSE response.
+
+Every check raises `APIError(400, message, param)` naming the offending field, so that bad input never
+reaches the engine thread (whose own ValueError/TypeError would still come back as a 400).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from tinyvllm.entrypoints.async_engine import AsyncLLMEngine, RequestRejected, RequestStream
+from tinyvllm.entrypoints.errors import APIError, error_json
+from tinyvllm.entrypoints.protocol import SamplingFields
+from tinyvllm.outputs import Logprob, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
+
+
+@dataclass
+class ServingContext:
+    """Everything a handler needs: the engine, its tokenizer and limits, and the served names."""
+
+    engine: AsyncLLMEngine
+    served_model_names: list[str]
+
+    def __post_init__(self) -> None:
+        core = self.engine.engine
+        self.tokenizer = core.tokenizer
+        self.vocab_size: int = core.model_config.vocab_size
+        self.max_model_len: int = core.scheduler_config.max_model_len
+        self.default_params: SamplingParams = core.default_sampling_params
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+        return list(ids)
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, param: str, max_tokens_param: str) -> None:
+        """A prompt must leave room for one token; an explicit max_tokens must fit too (vLLM's rule)."""
+        limit = self.max_model_len
+        if num_prompt == 0:
+            raise APIError(400, "the prompt is empty; at least one token is needed", param)
+        if num_prompt >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request "
+                                f"has {num_prompt} input tokens. Please reduce the length of the input.", param)
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise APIError(400, f"'{max_tokens_param}' is too large: {max_tokens}. This model's maximum context "
+                                f"length is {limit} tokens and your request has {num_prompt} input tokens "
+                                f"({max_tokens} > {limit} - {num_prompt}).", max_tokens_param)
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        renames: dict[str, str]) -> SamplingParams:
+        """SamplingParams from the request's fields over the model's defaults; errors name the field
+        as the client spelled it (`renames`: SamplingParams name -> request name)."""
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        if req.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported", "prompt_logprobs")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}",
+                           renames.get("logprobs", "logprobs"))
+        changes = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+        changes.update(n=req.n, max_tokens=max_tokens, logprobs=logprobs)
+        try:
+            return self.default_params.replace(**changes)
+        except (ValueError, TypeError) as e:
+            field = str(e).split(" ", 1)[0]
+            param = renames.get(field, field) if field in SamplingParams.__dataclass_fields__ else None
+            raise APIError(400, str(e), param) from None
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+# ---------------------------------------------------------------------- queueing and reading
+async def add_all(ctx: ServingContext, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                  params: SamplingParams, arrival_time: float) -> list[RequestStream]:
+    """Queue every prompt (ids `request_id-i`), all or none: on a rejection the others are aborted."""
+    streams: list[RequestStream] = []
+    try:
+        for i, (text, ids) in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(await ctx.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids},
+                                                        params, arrival_time))
+    except RequestRejected as e:
+        for s in streams:
+            s.abort()
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        raise APIError(e.status, str(e), e.param, headers) from None
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+    return streams
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream as outputs arrive; errors propagate."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except BaseException as e:  # noqa: BLE001 -- handed to the reader
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def final_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """The finished output of each stream; aborts them all if the client disconnects first."""
+    async def collect() -> list[RequestOutput]:
+        finals: list[Any] = [None] * len(streams)
+        async for i, out in merged(streams):
+            finals[i] = out
+        return finals
+
+    work = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise APIError(499, "the client closed the request")
+        finals = engine_errors_to_api(work)
+        rejected = next((out.error for out in finals if out.error), None)
+        if rejected is not None:  # the engine refused it (checks here should have caught it first)
+            raise APIError(400, rejected)
+        return finals
+    finally:
+        work.cancel()
+        watch.cancel()
+        for s in streams:
+            s.abort()
+
+
+def engine_errors_to_api(task: asyncio.Future) -> Any:
+    try:
+        return task.result()
+    except RequestRejected as e:
+        raise APIError(e.status, str(e), e.param) from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """text/event-stream whose requests are aborted whenever the response ends (a client that
+    disconnects cancels the body iterator, and this `finally` frees the KV blocks at once)."""
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._streams = streams
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.abort()
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    status = e.status if isinstance(e, (RequestRejected, APIError)) else 500
+    return f"data: {error_json(status, str(e))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------- usage and logprobs
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finite(x: float) -> float:
+    """JSON has no infinities: clamp as vLLM does."""
+    return max(x, -9999.0) if not math.isnan(x) else -9999.0
+
+
+def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of one position (the engine's entry also holds the sampled one)."""
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+    return ranked[:k]
+
+
+def chat_logprobs(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob]],
+                  k: int) -> dict[str, list]:
+    """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    def item(tid: int, lp: Logprob) -> dict:
+        text = ctx.token_text(tid)
+        return {"token": text, "logprob": finite(lp.logprob), "bytes": list(text.encode())}
+
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        content.append({**item(tid, entry[tid]), "top_logprobs": [item(t, lp) for t, lp in top_entries(entry, k)]})
+    return {"content": content}
+
+
+def completion_logprobs(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob]],
+                        k: int, offset: int) -> dict[str, list]:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, entry in zip(token_ids, entries):
+        text = ctx.token_text(tid)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(finite(entry[tid].logprob))
+        top = {ctx.token_text(t): finite(lp.logprob) for t, lp in top_entries(entry, k)}
+        top.setdefault(text, finite(entry[tid].logprob))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out

@@ -1,0 +1,152 @@
+"""POST /v1/chat/completions, non-streaming and SSE streaming.
+
+Response (OpenAI's): {id: "chatcmpl-...", object: "chat.completion", created, model, choices: [{index,
+message: {role: "assistant", content}, logprobs, finish_reason, stop_reason}], usage}. Streaming sends,
+per choice, a first chunk with `delta: {role: "assistant", content: ""}`, then `delta: {content}`
+chunks, the last one carrying finish_reason; then the usage chunk (stream_options.include_usage) and
+`data: [DONE]`. Tool definitions reach the chat template; tool calls are not parsed out of the text.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tinyvllm.entrypoints.errors import APIError
+from tinyvllm.entrypoints.protocol import ChatCompletionRequest, ChatMessage
+from tinyvllm.entrypoints.serving import (SSE_DONE, SSEResponse, ServingContext, add_all, chat_logprobs,
+                                          final_outputs, merged, new_id, now_s, sse, sse_error, usage)
+from tinyvllm.outputs import CompletionOutput, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the template wants them: text parts joined into one string (vLLM's "string" format)."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if isinstance(part, dict):
+                    raise APIError(400, f"content part of type {part.get('type')!r} is not supported; "
+                                        f"only text parts are", f"messages.{i}.content")
+                texts.append(part.text)
+            d["content"] = "\n".join(texts)
+        out.append(d)
+    return out
+
+
+def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool,
+                continue_final_message: bool, tools: list | None = None, chat_template: str | None = None,
+                template_kwargs: dict | None = None) -> str:
+    """The prompt text of a conversation. Errors of the template (it rejects the messages) are 400s."""
+    if continue_final_message and add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                       "continue_final_message")
+    named = ctx.tokenizer.chat_template if isinstance(ctx.tokenizer.chat_template, dict) else {}
+    if chat_template is not None and chat_template not in named:
+        raise APIError(400, f"chat_template must name one of the model's templates {sorted(named)}; "
+                            f"templates sent in requests are not run", "chat_template")
+    msgs = message_dicts(messages)
+    try:
+        text = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools,
+                                                 chat_template=chat_template, **(template_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 -- a template can fail in many ways on odd messages
+        logger.info("chat template rejected a request: %s", e)
+        raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
+    if continue_final_message:
+        last = msgs[-1].get("content") or ""
+        cut = text.rfind(last) if last else -1
+        if cut >= 0:
+            text = text[:cut + len(last)]
+    return text
+
+
+def _validate(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
+    ctx.check_model(req.model)
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(400, "response_format other than text is not supported", "response_format")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "only tool_choice none or auto is supported", "tool_choice")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
+    text = render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message, tools=req.tools,
+                       chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs)
+    ids = ctx.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    ctx.check_length(len(ids), max_tokens, "messages", name)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = ctx.sampling_params(req, max_tokens, logprobs, {"max_tokens": name, "logprobs": "top_logprobs"})
+    return text, ids, params
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    prompt, ids, params = _validate(ctx, req)
+    request_id = new_id("chatcmpl")
+    streams = await add_all(ctx, request_id, [(prompt, ids)], params, arrival)
+    if req.stream:
+        return SSEResponse(_events(ctx, req, request_id, prompt, len(ids), streams), streams)
+    (final,) = await final_outputs(request, streams)
+    return JSONResponse(_response(ctx, req, request_id, prompt, final))
+
+
+def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, o: CompletionOutput, start: int) -> dict | None:
+    if not req.logprobs:
+        return None
+    return chat_logprobs(ctx, o.token_ids[start:], (o.logprobs or [])[start:], req.top_logprobs or 0)
+
+
+def _response(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, prompt: str,
+              final: RequestOutput) -> dict:
+    choices = []
+    for o in final.outputs:
+        content = (prompt if req.echo else "") + o.text
+        choices.append({"index": o.index, "message": {"role": "assistant", "content": content},
+                        "logprobs": _logprobs(ctx, req, o, 0), "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason})
+    completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+    return {"id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.model_name,
+            "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens)}
+
+
+async def _events(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, prompt: str,
+                  num_prompt_tokens: int, streams: list) -> AsyncIterator[str]:
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.model_name}
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, o: CompletionOutput | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": o.finish_reason if o else None, "stop_reason": o.stop_reason if o else None}
+        return sse({**head, "choices": [choice], **extra})
+
+    for index in range(req.n):
+        yield chunk(index, {"role": "assistant", "content": prompt if req.echo else ""})
+    sent_text = [0] * req.n
+    sent_tokens = [0] * req.n
+    try:
+        async for _, out in merged(streams):
+            for o in out.outputs:
+                i = o.index
+                delta = o.text[sent_text[i]:]
+                finished = o.finish_reason is not None
+                if not delta and not finished and not (req.logprobs and len(o.token_ids) > sent_tokens[i]):
+                    continue  # no visible text yet (a partial character, a held-back stop prefix)
+                lp = _logprobs(ctx, req, o, sent_tokens[i])
+                sent_text[i], sent_tokens[i] = len(o.text), len(o.token_ids)
+                yield chunk(i, {"content": delta} if delta else {}, lp, o if finished else None)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, sum(sent_tokens))})
+    except Exception as e:  # noqa: BLE001 -- the engine died mid-stream: tell the client in-band
+        yield sse_error(e)
+    yield SSE_DONE

@@ -1,0 +1,131 @@
+"""POST /v1/completions, non-streaming and SSE streaming.
+
+Response (OpenAI's): {id: "cmpl-...", object: "text_completion", created, model, choices: [{index, text,
+logprobs, finish_reason, stop_reason}], usage}. A batch of prompts gives choice `i * n + j` for
+completion j of prompt i. Streaming sends one chunk per new piece of text (same object, `text` being
+the delta), the finish_reason on a choice's last chunk, then, with stream_options.include_usage, a
+chunk with `choices: []` and the usage, and finally `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tinyvllm.entrypoints.errors import APIError
+from tinyvllm.entrypoints.protocol import CompletionRequest
+from tinyvllm.entrypoints.serving import (SSE_DONE, SSEResponse, ServingContext, add_all, completion_logprobs,
+                                          final_outputs, merged, new_id, now_s, sse, sse_error, usage)
+from tinyvllm.outputs import CompletionOutput, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+Prompt = tuple[str | None, list[int]]
+
+
+def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
+    p = req.prompt
+    if isinstance(p, str):
+        items: list = [p]
+    elif not p:
+        raise APIError(400, "prompt must not be an empty list", "prompt")
+    elif isinstance(p[0], int):
+        items = [p]
+    else:
+        items = list(p)
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((item, ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)))
+        else:
+            out.append((None, ctx.check_token_ids(item, "prompt")))
+    return out
+
+
+def _validate(ctx: ServingContext, req: CompletionRequest) -> tuple[list[Prompt], SamplingParams]:
+    ctx.check_model(req.model)
+    if req.suffix is not None:
+        raise APIError(400, "suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported (it must equal n when given)", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported", "echo")
+    prompts = _prompts(ctx, req)
+    explicit = "max_tokens" in req.model_fields_set  # null: as long as the model allows
+    for _, ids in prompts:
+        ctx.check_length(len(ids), req.max_tokens if explicit else None, "prompt", "max_tokens")
+    max_tokens = req.max_tokens if explicit else 16  # OpenAI's default for completions
+    params = ctx.sampling_params(req, max_tokens, req.logprobs, {})
+    return prompts, params
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    prompts, params = _validate(ctx, req)
+    request_id = new_id("cmpl")
+    streams = await add_all(ctx, request_id, prompts, params, arrival)
+    if req.stream:
+        return SSEResponse(_events(ctx, req, request_id, prompts, streams), streams)
+    finals = await final_outputs(request, streams)
+    return JSONResponse(_response(ctx, req, request_id, prompts, finals))
+
+
+def _prompt_text(ctx: ServingContext, prompt: Prompt) -> str:
+    return prompt[0] if prompt[0] is not None else ctx.tokenizer.decode(prompt[1])
+
+
+def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, prompts: list[Prompt],
+              finals: list[RequestOutput]) -> dict:
+    choices = []
+    for i, out in enumerate(finals):
+        for o in out.outputs:
+            text = (_prompt_text(ctx, prompts[i]) if req.echo else "") + o.text
+            lp = (completion_logprobs(ctx, o.token_ids, o.logprobs or [], req.logprobs, 0)
+                  if req.logprobs is not None else None)
+            choices.append(_choice(i * req.n + o.index, text, lp, o))
+    completion_tokens = sum(len(o.token_ids) for out in finals for o in out.outputs)
+    return {"id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.model_name,
+            "choices": choices, "usage": usage(sum(len(p[1]) for p in prompts), completion_tokens)}
+
+
+def _choice(index: int, text: str, logprobs: dict | None, o: CompletionOutput | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": o.finish_reason if o is not None else None,
+            "stop_reason": o.stop_reason if o is not None else None}
+
+
+async def _events(ctx: ServingContext, req: CompletionRequest, request_id: str, prompts: list[Prompt],
+                  streams: list) -> AsyncIterator[str]:
+    head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.model_name}
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    extra = {"usage": None} if include_usage else {}
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    completion_tokens: dict[int, int] = {}
+    try:
+        async for i, out in merged(streams):
+            for o in out.outputs:
+                index = i * req.n + o.index
+                first = index not in sent_text
+                delta = o.text[sent_text.get(index, 0):]
+                new_ids = o.token_ids[sent_tokens.get(index, 0):]
+                wanted = delta or (first and req.echo) or (new_ids and req.logprobs is not None)
+                if not wanted and o.finish_reason is None:
+                    continue  # no visible text yet (a partial character, a held-back stop prefix)
+                lp = None
+                if req.logprobs is not None:
+                    entries = (o.logprobs or [])[sent_tokens.get(index, 0):]
+                    lp = completion_logprobs(ctx, new_ids, entries, req.logprobs, sent_text.get(index, 0))
+                text = (_prompt_text(ctx, prompts[i]) if first and req.echo else "") + delta
+                sent_text[index] = len(o.text)
+                sent_tokens[index] = len(o.token_ids)
+                completion_tokens[index] = len(o.token_ids)
+                finished = o.finish_reason is not None
+                yield sse({**head, "choices": [_choice(index, text, lp, o if finished else None)], **extra})
+        if include_usage:
+            prompt_tokens = sum(len(p[1]) for p in prompts)
+            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens.values()))})
+    except Exception as e:  # noqa: BLE001 -- the engine died mid-stream: tell the client in-band
+        yield sse_error(e)
+    yield SSE_DONE
