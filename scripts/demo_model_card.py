@@ -97,9 +97,14 @@ python scripts/prepare_demo_corpus.py   # once, on Debian 12: apt-get download +
 
 The model's loss is {ratio:.0%} of the unigram entropy (bits per character: {bpc:.3f}).
 
-Greedy continuations (transformers, 48 new tokens):
+Continuations of 48 new tokens by transformers' `generate` from the shipped files, greedy:
 
 {samples}
+
+and sampled with the defaults of `generation_config.json` (temperature {temperature}, top_p {top_p}), as
+`tinyvllm generate` does:
+
+{sampled}
 
 ## Limitations
 
@@ -119,10 +124,10 @@ def corpus_line() -> str:
             f"version `{pkg.group(2)}` (`.deb` sha256 `{sha.group(1) if sha else '?'}`).")
 
 
-def _sample_lines(samples: list[dict]) -> str:
+def _sample_lines(samples: list[dict], key: str) -> str:
     lines = []
     for s in samples:
-        text = " ".join(s["greedy"].split())
+        text = " ".join(s[key].split())
         lines.append(f"- **{s['prompt']}**{' ' if not text.startswith((',', '.')) else ''}{text}")
     return "\n".join(lines)
 
@@ -153,7 +158,7 @@ def render(log: dict, weights_bytes: int) -> str:
         val=val, val_bits=val / math.log(2), val_ppl=math.exp(val), uni=uni, uni_bits=uni / math.log(2),
         uni_ppl=math.exp(uni), ratio=val / uni,
         bpc=val * corpus["val_tokens"] / corpus["val_chars"] / math.log(2),
-        samples=_sample_lines(log["samples"]),
+        samples=_sample_lines(log["samples"], "greedy"), sampled=_sample_lines(log["samples"], "sampled"),
     )
 
 
