@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Train tinyvllm's demo model: a small Llama 3.x on the Python documentation, saved in Hugging Face format.
 
-    python scripts/train_demo_model.py                      # the shipped model (a CUDA GPU, ~2-4 minutes)
-    python scripts/train_demo_model.py --device cpu --max-steps 20 --out /tmp/demo-smoke   # smoke test
+    python scripts/train_demo_model.py     # the shipped model: a CUDA GPU, a few minutes (at most --max-minutes)
+    python scripts/train_demo_model.py --device cpu --out /tmp/demo-smoke --max-steps 20 --epochs 1 \
+        --hidden-size 64 --intermediate-size 128 --layers 2 --heads 4 --head-dim 16 --seq-len 128  # smoke test
 
 Steps: read ``data/demo_corpus/{train,val}.txt.gz`` (``scripts/prepare_demo_corpus.py``); train a byte-level
 BPE (:mod:`tinyvllm.models.dummy_tokenizer`'s layout, Llama 3 special tokens at the top) on the training
@@ -14,14 +15,13 @@ the same seed; the run whose best validation loss is lowest is kept, at its best
 
 Writes into ``--out`` (default ``tinyvllm/models/demo``): config.json, generation_config.json,
 model.safetensors (bf16), tokenizer.json, tokenizer_config.json, special_tokens_map.json, loss.png,
-training_log.json and the model card README.md. When ``$OUT`` is set, also writes there
+training_log.json, the model card README.md and LICENSE (the corpus's PSF License Agreement). When ``$OUT`` is set, also writes there
 ``demo_model.tar`` (all of those files; split into ``demo_model.tar.partNN`` of < 15 MB when larger),
 loss.png and training_log.json.
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import json
 import math
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--dropout", type=float, default=0.1, help="residual dropout (training only)")
     g.add_argument("--evals-per-epoch", type=float, default=2.0)
     g.add_argument("--max-steps", type=int, default=None, help="cap the steps of every run (smoke tests)")
-    g.add_argument("--max-minutes", type=float, default=8.0, help="wall-clock budget for all runs together")
+    g.add_argument("--max-minutes", type=float, default=7.0, help="wall-clock budget for all runs together")
     args = ap.parse_args(argv)
     args.epochs = [float(e) for e in str(args.epochs).split(",")]
     if args.seq_len > args.max_position_embeddings:
