@@ -3,17 +3,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass
 
-DEFAULT_MODEL = "dummy:tiny"  # a tiny random-weight checkpoint, written on first use
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "demo"  # the small trained model shipped in tinyvllm/models/demo
+FALLBACK_MODEL = "dummy:tiny"  # a tiny random-weight checkpoint (written on first use) where demo is absent
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def default_model() -> str:
+    """The model used when none is named: DEFAULT_MODEL, or FALLBACK_MODEL (with a warning) in an
+    installation that lacks the demo model's weights."""
+    from tinyvllm.models.checkpoint import demo_model_available
+
+    if demo_model_available():
+        return DEFAULT_MODEL
+    logger.warning("the demo model's weights are not installed; using %s (random weights: its text is "
+                   "noise)", FALLBACK_MODEL)
+    return FALLBACK_MODEL
 
 
 @dataclass
 class EngineArgs:
     """Everything needed to build an engine. `None` means "derive it" (see each field)."""
 
-    model: str | None = None  # a Hugging Face model directory or "dummy:<preset>"; None: DEFAULT_MODEL
+    model: str | None = None  # a Hugging Face model directory, "demo" or "dummy:<preset>"; None: default_model()
     tokenizer: str | None = None  # directory with tokenizer.json; None: the model's
     dtype: str = "auto"  # auto (the checkpoint's), bfloat16, float16, float32
     device: str = "auto"  # auto (cuda if available), cpu, cuda, cuda:N
@@ -44,7 +60,9 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add one flag per EngineArgs field, spelled as vLLM spells it (--max-num-seqs, ...)."""
     d = EngineArgs()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="model directory or dummy:<preset> (default: %s)" % DEFAULT_MODEL)
+    g.add_argument("--model", default=None,
+                   help="model directory, demo or dummy:<preset> (default: %s, the small model shipped with "
+                        "tinyvllm)" % DEFAULT_MODEL)
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--device", default=d.device)

@@ -23,7 +23,7 @@ from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.outputs import SchedulerOutput
 from tinyvllm.core.request import Request, RequestStatus
 from tinyvllm.core.scheduler import Scheduler
-from tinyvllm.engine.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MODEL, EngineArgs
+from tinyvllm.engine.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs, default_model
 from tinyvllm.engine.model_runner import ModelRunner, StepHandle
 from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
@@ -107,7 +107,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, show_progress: bool = False) -> None:
         self.args = args
-        self.model_dir = resolve_model(args.model or DEFAULT_MODEL)
+        self.model_dir = resolve_model(args.model or default_model())
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(args.tokenizer or self.model_dir)
         self.generation_config = read_generation_config(self.model_dir)

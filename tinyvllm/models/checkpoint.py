@@ -7,7 +7,8 @@ model.safetensors or shards + index, tokenizer files), so that ``transformers``'
 
 * :data:`PRESETS`, :func:`make_config`, :func:`num_parameters`: HF ``config.json`` dicts.
 * :func:`write_dummy_checkpoint`: random weights, generated and streamed tensor by tensor.
-* :func:`resolve_model`: a model directory, or ``"dummy:<preset>"`` written once into a cache.
+* :func:`resolve_model`: a model directory, ``"demo"`` (the small trained model shipped in
+  ``tinyvllm/models/demo``), or ``"dummy:<preset>"`` written once into a cache.
 """
 
 from __future__ import annotations
@@ -311,6 +312,17 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
+DEMO_MODEL = "demo"
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo"
+"""The demo model: a small Llama trained on the Python documentation by ``scripts/train_demo_model.py``,
+package data of tinyvllm (see its README.md, the model card)."""
+
+
+def demo_model_available() -> bool:
+    """Whether this installation has the demo model's files (config.json and weights)."""
+    return (DEMO_MODEL_DIR / "config.json").is_file() and (DEMO_MODEL_DIR / "model.safetensors").is_file()
+
+
 def default_cache_dir() -> Path:
     """Where ``dummy:<preset>`` checkpoints live: ``$TINYVLLM_CACHE/dummy`` if that variable is
     set, else ``~/.cache/tinyvllm/dummy``."""
@@ -322,15 +334,21 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
     """The checkpoint directory for ``model``.
 
     * a directory: returned as is (it must hold config.json);
+    * ``"demo"``: :data:`DEMO_MODEL_DIR`, the trained model shipped with the package;
     * ``"dummy:<preset>"``: ``cache_dir/<preset>`` (default :func:`default_cache_dir`), written
       with :func:`write_dummy_checkpoint` (seed 0) on first use. It is written into a temporary
       sibling directory and renamed into place, so an interrupted write never leaves a partial
       checkpoint, and concurrent writers keep the first complete one.
 
     Raises:
-        ValueError: an unknown preset, a directory without config.json, or anything else (this
-            engine downloads nothing).
+        ValueError: an unknown preset, a directory without config.json, ``"demo"`` in an installation
+            without its weights, or anything else (this engine downloads nothing).
     """
+    if model == DEMO_MODEL:
+        if not demo_model_available():
+            raise ValueError(f"the demo model's files are not in this installation ({DEMO_MODEL_DIR}); "
+                             "train them with scripts/train_demo_model.py, or pass a model directory")
+        return DEMO_MODEL_DIR
     if model.startswith("dummy:"):
         preset = model[len("dummy:"):]
         if preset not in PRESETS:
@@ -345,8 +363,8 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
             raise ValueError(f"{path} has no config.json; pass a Hugging Face model directory")
         return path
     raise ValueError(
-        f"{model!r} is neither a local model directory nor 'dummy:<preset>' ({', '.join(sorted(PRESETS))}); "
-        "nothing is downloaded"
+        f"{model!r} is neither a local model directory, {DEMO_MODEL!r}, nor 'dummy:<preset>' "
+        f"({', '.join(sorted(PRESETS))}); nothing is downloaded"
     )
 
 

@@ -1,4 +1,5 @@
-"""A Llama-3-like tokenizer for dummy checkpoints, trained offline on the Python standard library.
+"""A Llama-3-like tokenizer, trained offline: on the Python standard library (dummy checkpoints) or on a
+given corpus (the demo model, see ``scripts/train_demo_model.py``).
 
 Layout (as Llama 3): ids ``0 .. V-257`` are byte-level BPE tokens, ids ``V-256 .. V-1`` are 256
 special tokens in Llama 3's order (``<|begin_of_text|>``, ``<|end_of_text|>``, ..., ``<|eot_id|>``
@@ -9,7 +10,7 @@ modules (read with :mod:`ast` from the source files, nothing imported): availabl
 machine, deterministic for one Python version, and trained in well under a second. That text
 yields ~13k tokens; the remaining regular ids are filled with letter strings (``"Ġabq"`` =
 ``" abq"``) that encoding never produces, so every id in ``[0, V)`` decodes to text — a random
-model may sample any of them.
+model may sample any of them. With ``corpus=`` the same layout is trained on those texts instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import itertools
 import json
 import string
 import sysconfig
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -113,19 +115,27 @@ def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     ])
 
 
-@lru_cache(maxsize=4)
-def _train_bpe(max_tokens: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Train byte-level BPE with at most ``max_tokens`` tokens (the 256 bytes first)."""
+def train_bpe(texts: Iterable[str], max_tokens: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Train byte-level BPE on ``texts`` with at most ``max_tokens`` tokens (the 256 bytes first).
+
+    Returns (vocab token → id, merges). Deterministic for the same texts in the same order.
+    """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = _pre_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=max_tokens, min_frequency=2, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(training_corpus(), trainer)
+    tok.train_from_iterator(texts, trainer)
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     return model["vocab"], merges
+
+
+@lru_cache(maxsize=4)
+def _train_bpe(max_tokens: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """:func:`train_bpe` on the standard-library docstrings (cached: dummy checkpoints reuse it)."""
+    return train_bpe(training_corpus(), max_tokens)
 
 
 def _filler_tokens(taken: set[str]):
@@ -138,8 +148,12 @@ def _filler_tokens(taken: set[str]):
                     yield token
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """The dummy tokenizer for a model with ``vocab_size`` ids (see the module docstring).
+def build_tokenizer(vocab_size: int, corpus: Sequence[str] | None = None) -> Tokenizer:
+    """The tokenizer for a model with ``vocab_size`` ids (see the module docstring).
+
+    Args:
+        vocab_size: regular BPE tokens + 256 special tokens.
+        corpus: texts to train the BPE on; default the standard-library docstrings.
 
     Raises:
         ValueError: ``vocab_size`` < 512 (256 bytes + 256 special tokens).
@@ -147,7 +161,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 byte tokens + 256 special tokens), got {vocab_size}")
     num_regular = vocab_size - NUM_SPECIAL_TOKENS
-    vocab, merges = _train_bpe(num_regular)
+    vocab, merges = _train_bpe(num_regular) if corpus is None else train_bpe(corpus, num_regular)
     vocab = dict(vocab)
     fillers = _filler_tokens(set(vocab))
     while len(vocab) < num_regular:
@@ -169,13 +183,15 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
-def write_tokenizer_files(out_dir: Path, vocab_size: int, model_max_length: int) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``out_dir``.
+def write_tokenizer_files(out_dir: Path, vocab_size: int, model_max_length: int,
+                          corpus: Sequence[str] | None = None) -> Tokenizer:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``out_dir``;
+    return the tokenizer. ``corpus``: as in :func:`build_tokenizer`.
 
     tokenizer_config.json is Llama 3.x Instruct's (eos ``<|eot_id|>``, ``PreTrainedTokenizerFast``)
     except ``clean_up_tokenization_spaces: false``, so transformers' decode equals ours.
     """
-    tok = build_tokenizer(vocab_size)
+    tok = build_tokenizer(vocab_size, corpus)
     tok.save(str(out_dir / "tokenizer.json"))
     base = vocab_size - NUM_SPECIAL_TOKENS
     added = {
@@ -196,3 +212,4 @@ def write_tokenizer_files(out_dir: Path, vocab_size: int, model_max_length: int)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     special_map = {"bos_token": config["bos_token"], "eos_token": config["eos_token"]}
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n", encoding="utf-8")
+    return tok

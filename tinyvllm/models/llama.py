@@ -114,7 +114,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.max_positions = max_positions
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        # Given its weight, nn.Embedding skips its random init: on the meta device that init would import
+        # torch._dynamo (seconds of start-up on a CPU) for values the loader overwrites anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, dtype)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
