@@ -48,7 +48,7 @@ step checkpoint 120 python3 -c "from tinyvllm.models.checkpoint import resolve_m
 TRAIN_PID=
 if [ -z "${SKIP_TRAIN:-}" ] && [ -f scripts/train_demo_model.py ]; then
   echo "[$(elapsed)s] >>> train (background)"
-  (env -u OUT timeout 240 python3 scripts/train_demo_model.py ${TRAIN_ARGS:---max-minutes 2.5} \
+  (env -u OUT HF_HUB_OFFLINE=1 timeout 240 python3 scripts/train_demo_model.py ${TRAIN_ARGS:---max-minutes 2.6} \
      --out "$WORK/demo" > "$LOGS/train.log" 2>&1; echo "train rc=$?" >> "$LOGS/train.log") &
   TRAIN_PID=$!
 fi
