@@ -15,7 +15,7 @@ RES=$WORK/results
 LOGS=$WORK/logs
 mkdir -p "$OUT" "$RES" "$LOGS"
 T0=$(date +%s)
-BUDGET=${BUDGET:-500}  # seconds for the whole script; later steps are skipped when it runs out
+BUDGET=${BUDGET:-480}  # seconds for the whole script; later steps are skipped when it runs out
 elapsed() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(elapsed) )); }
 step() {  # step NAME LIMIT_SECONDS COMMAND...
@@ -72,7 +72,7 @@ bench() {  # bench NAME LIMIT ARGS...
   esac
 }
 bench latency 120 latency --baseline hf
-bench throughput 170 throughput --baseline hf --profile --max-model-len 4096
+bench throughput 150 throughput --profile --max-model-len 4096
 bench shared_prefix 100 shared-prefix --max-model-len 4096
 if [ -z "${SKIP_SERVE:-}" ] && python3 -c "import fastapi, uvicorn" 2>/dev/null; then
   step serve 150 bash scripts/gpu_serve_bench.sh "$RES" || true
