@@ -2,8 +2,8 @@
 
 bf16 cannot match an fp32 oracle bit for bit, so the bf16 checks are measured against the oracle's own
 bf16 error: transformers in bf16 vs transformers in fp32 sets the scale. Our logits must be no more than
-twice as far from fp32 as transformers-bf16 is (plus 1e-3), and agree on the top-1 token at least as
-often minus 3 points. Greedy continuations are compared as vLLM compares them with HF: identical up to
+twice as far from fp32 as transformers-bf16 is (plus 1e-3), and pick the reference's top-1 token wherever
+the reference is confident beyond that noise. Greedy continuations are compared as vLLM compares them with HF: identical up to
 the first difference, where each side's token must be in the other's top 5.
 Exact equality is asserted in float32 (TF32 off), where batching and preemption must change nothing.
 """
@@ -57,12 +57,23 @@ def test_teacher_forced_logits_bf16(ckpt):
     ours = chunked_logits(llm.llm_engine, p, [100, 1, 150, 49]).float()
     rel_ours = ((ours - ref).norm() / ref.norm()).item()
     rel_hf = ((theirs - ref).norm() / ref.norm()).item()
-    top1_ours = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    top1_hf = (theirs.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"\nbf16 vs fp32 oracle: rel err ours {rel_ours:.4f} hf {rel_hf:.4f}; top-1 ours {top1_ours:.3f} "
-          f"hf {top1_hf:.3f}")
+    # Top-1 agreement is only meaningful where the fp32 reference is confident beyond bf16 noise: where its
+    # top-2 gap exceeds 4x the RMS logit error of transformers-bf16 (a flip there needs a ~3-sigma error
+    # difference). Where the gap is smaller, either choice is within rounding and agreement is a coin toss
+    # (measured on a CPU: 0.91 vs 0.93 overall for two bf16 runs of equal error).
+    top2 = ref.topk(2, -1).values
+    noise = (theirs - ref).pow(2).mean().sqrt()
+    confident = (top2[:, 0] - top2[:, 1]) > 4 * noise
+    agree_ours = (ours.argmax(-1) == ref.argmax(-1))[confident].float().mean().item()
+    agree_hf = (theirs.argmax(-1) == ref.argmax(-1))[confident].float().mean().item()
+    overall_ours = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    overall_hf = (theirs.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"\nbf16 vs fp32 oracle: rel err ours {rel_ours:.4f} hf {rel_hf:.4f}; top-1 on {int(confident.sum())} "
+          f"confident positions ours {agree_ours:.3f} hf {agree_hf:.3f}; overall ours {overall_ours:.3f} "
+          f"hf {overall_hf:.3f}")
     assert rel_ours <= 2 * rel_hf + 1e-3
-    assert top1_ours >= top1_hf - 0.03
+    assert confident.sum() >= 100
+    assert agree_ours >= 0.99
 
 
 def test_greedy_fp32_batched_and_preempted_equals_alone_and_hf(ckpt):

@@ -7,6 +7,12 @@ import torch
 
 from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernel on a CPU
+
+
+def sample(logits, temperature, seeds):
+    return sample_greedy_or_gumbel(logits.to(DEV), temperature.to(DEV), seeds.to(DEV)).cpu()
+
 
 def test_greedy_rows_are_argmax_with_lowest_index_on_ties():
     torch.manual_seed(0)
@@ -15,7 +21,7 @@ def test_greedy_rows_are_argmax_with_lowest_index_on_ties():
     logits[2] = -1e30
     logits[2, 2999] = 0.0  # the last element, in the last partial tile
     temperature = torch.zeros(5)
-    ids = sample_greedy_or_gumbel(logits, temperature, torch.arange(5))
+    ids = sample(logits, temperature, torch.arange(5))
     expected = logits.argmax(-1)
     expected[1] = 17
     assert ids.tolist() == expected.tolist()
@@ -28,7 +34,7 @@ def test_sampling_follows_the_tempered_softmax():
     V, N, T = 8, 2000, 0.7
     z = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -3.0, 0.2, 1.5])
     logits = z.expand(N, V).contiguous()
-    ids = sample_greedy_or_gumbel(logits, torch.full((N,), T), torch.arange(N) * 7919 + 1)
+    ids = sample(logits, torch.full((N,), T), torch.arange(N) * 7919 + 1)
     counts = torch.bincount(ids, minlength=V).double()
     p = torch.softmax(z.double() / T, -1)
     chi2 = ((counts - N * p) ** 2 / (N * p)).sum().item()
@@ -40,11 +46,11 @@ def test_same_seed_same_token_anywhere_in_the_batch():
     logits = torch.randn(6, 1000)
     seeds = torch.tensor([11, 22, 33, 44, 55, 66])
     temperature = torch.ones(6)
-    ids = sample_greedy_or_gumbel(logits, temperature, seeds)
+    ids = sample(logits, temperature, seeds)
     perm = torch.tensor([3, 0, 5, 1, 4, 2])
-    again = sample_greedy_or_gumbel(logits[perm], temperature[perm], seeds[perm])
+    again = sample(logits[perm], temperature[perm], seeds[perm])
     assert again.tolist() == ids[perm].tolist()
-    other = sample_greedy_or_gumbel(logits, temperature, seeds + 1000)
+    other = sample(logits, temperature, seeds + 1000)
     assert other.tolist() != ids.tolist()
 
 
@@ -53,8 +59,8 @@ def test_low_temperature_approaches_greedy_and_masked_tokens_never_win(dtype):
     torch.manual_seed(2)
     logits = torch.randn(16, 700).to(dtype)
     logits[:, 100:200] = float("-inf")
-    ids = sample_greedy_or_gumbel(logits, torch.full((16,), 1e-4), torch.arange(16))
+    ids = sample(logits, torch.full((16,), 1e-4), torch.arange(16))
     assert ids.tolist() == logits.float().argmax(-1).tolist()
-    hot = sample_greedy_or_gumbel(logits, torch.full((16,), 5.0), torch.arange(16))
+    hot = sample(logits, torch.full((16,), 5.0), torch.arange(16))
     assert not ((hot >= 100) & (hot < 200)).any()
     assert math.isfinite(float(hot.sum()))

@@ -92,9 +92,14 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         rows.append(("ours / floor", f"{ours['decode_tokens_per_s'] / floor['decode_tokens_per_s']:.2f}", ""))
     print_table(f"latency: batch 1, {ns.input_len} in, {ns.output_len} out, greedy ({ns.model})", rows,
                 ("", "decode tok/s", "TTFT ms"))
+    profile = None
+    if ns.profile and device.type == "cuda":
+        from tinyvllm.bench.profile import profile_steps
+
+        profile = profile_steps(llm, w, ns.out_dir, png_name="latency_step_breakdown.png")
     result = {"workload": "latency", "model": ns.model, "input_len": ns.input_len, "output_len": ns.output_len,
               "ours": ours, "runs": runs, "hf": hf, "floor": floor, "ceilings": ceil.__dict__ if ceil else None,
-              "engine_args": vars(_engine_args(ns))}
+              "profile": profile, "engine_args": vars(_engine_args(ns))}
     write_json(ns.name or "latency", result, ns.out_dir)
     return result
 
@@ -136,10 +141,10 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     print_table(f"throughput: {len(w.prompts)} requests, {produced} output tokens ({ns.model})", rows,
                 ("", "output tok/s", "seconds"))
     profile = None
-    if ns.profile:
+    if ns.profile and device.type == "cuda":
         from tinyvllm.bench.profile import profile_steps
 
-        profile = profile_steps(llm, w, ns.out_dir)
+        profile = profile_steps(llm, w, ns.out_dir, png_name="throughput_step_breakdown.png")
     result = {"workload": "throughput", "model": ns.model, "ours": ours, "hf": hf, "floor": floor,
               "ceilings": ceil.__dict__ if ceil else None, "profile": profile,
               "engine_args": vars(_engine_args(ns))}
@@ -163,7 +168,8 @@ def run_shared_prefix(ns: argparse.Namespace) -> dict[str, Any]:
             "seconds": elapsed, "mean_ttft_s": statistics.fmean(ttfts), "p50_ttft_s": statistics.median(ttfts),
             "prefix_cache_hit_tokens": m["prefix_cache_hit_tokens"],
             "prefix_cache_queried_tokens": m["prefix_cache_queried_tokens"]}
-        _free(llm)
+        del llm, outs  # free this engine's KV cache before the next one sizes its own
+        _free()
     on, off = results["on"], results["off"]
     rows = [(k, f"{v['seconds']:.2f}", f"{v['mean_ttft_s'] * 1e3:.0f}", f"{v['p50_ttft_s'] * 1e3:.0f}",
              f"{v['prefix_cache_hit_tokens']}/{v['prefix_cache_queried_tokens']}") for k, v in results.items()]

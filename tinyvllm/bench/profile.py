@@ -17,7 +17,7 @@ from tinyvllm.bench.workloads import Workload
 from tinyvllm.sampling_params import SamplingParams
 
 _CATEGORIES = [
-    ("attention", re.compile(r"attention|attn|flash|_fwd", re.I)),
+    ("attention", re.compile(r"attention|attn|flash|_fwd|decode_kernel|prefill_kernel|merge_kernel", re.I)),
     ("GEMM", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|splitk|sm90_", re.I)),
     ("sampling", re.compile(r"sample|argmax|topk|sort", re.I)),
     ("copies", re.compile(r"memcpy|memset", re.I)),
@@ -40,7 +40,7 @@ def _decode_steps(engine, n: int) -> float:
     return (time.perf_counter() - start) / n
 
 
-def profile_steps(llm, w: Workload, out_dir: str | None, steps: int = 30) -> dict[str, Any]:
+def profile_steps(llm, w: Workload, out_dir: str | None, png_name: str, steps: int = 30) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
@@ -71,7 +71,7 @@ def profile_steps(llm, w: Workload, out_dir: str | None, steps: int = 30) -> dic
               "top_kernels": [(e.key, getattr(e, "self_device_time_total", 0) / 1e3 / steps)
                               for e in sorted(prof.key_averages(),
                                               key=lambda e: -getattr(e, "self_device_time_total", 0))[:15]]}
-    _plot(result, Path(out_dir or "benchmarks/results") / "throughput_step_breakdown.png")
+    _plot(result, Path(out_dir or "benchmarks/results") / png_name)
     print(f"decode step at batch {batch}: {wall * 1e3:.2f} ms wall; " +
           ", ".join(f"{k} {v:.2f} ms" for k, v in per_category.items()))
     return result

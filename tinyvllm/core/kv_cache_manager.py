@@ -59,6 +59,8 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens` (plus the
         cached prefix blocks being adopted). Returns False, changing nothing, if the pool is short."""
         table = self.block_tables.setdefault(request.request_id, [])
+        if not cached_blocks and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return True  # the common decode step: the last block still has room
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         num_required = math.ceil((num_computed + num_new_tokens) / self.block_size)
         num_new_blocks = max(0, num_required - len(table) - len(cached_blocks))
@@ -82,12 +84,12 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rid = request.request_id
-        table = self.block_tables.get(rid)
-        if not table:
-            return
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        num_full = min(request.num_computed_tokens, len(request.token_ids)) // self.block_size
         start = self._num_registered.get(rid, 0)
         if num_full <= start:
+            return  # the common case: no block filled up in this step
+        table = self.block_tables.get(rid)
+        if not table:
             return
         self._update_block_hashes(request)
         bs = self.block_size

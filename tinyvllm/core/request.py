@@ -22,16 +22,16 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self._finished  # set below: a plain attribute, since an Enum's hash is Python code
 
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI / vLLM finish reason string, or None while unfinished."""
-        return self.value if self.is_finished else None
+        return self.value if self._finished else None
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+for _status in RequestStatus:
+    _status._finished = _status.name.startswith("FINISHED_")
 
 
 @dataclass(eq=False)

@@ -61,7 +61,7 @@ class DecodeGraphs:
 
     def _run(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_caches)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, dtype=None)
 
     @torch.no_grad()
     def capture(self) -> None:

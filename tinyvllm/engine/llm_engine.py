@@ -337,21 +337,27 @@ class LLMEngine:
             logprobs_by_id = dict(zip(sampled_ids, runner_out.logprobs))
         updated = self.scheduler.update_from_output(sched, runner_out)
         now = time.monotonic()
+        self.num_generation_tokens += len(updated)  # one token each
         changed: dict[str, _Parent] = {}
+        final_only = RequestOutputKind.FINAL_ONLY
         for request, new_ids in updated:
             seq = self._sequences[request.request_id]
-            self.num_generation_tokens += len(new_ids)
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._update_logprobs(seq, logprobs_by_id.get(request.request_id))
-            self._detokenize(seq, new_ids)
-            if request.is_finished:
+            if seq.logprobs is not None:
+                self._update_logprobs(seq, logprobs_by_id.get(request.request_id))
+            finished = request.status.is_finished
+            if seq.detokenizer is not None or finished:
+                self._detokenize(seq, new_ids)
+                finished = request.status.is_finished  # a stop string may have ended it
+            if finished:
                 seq.finished_time = now
-            changed[seq.parent_id] = self._parents[seq.parent_id]
+            if finished or seq.params.output_kind is not final_only:
+                changed[seq.parent_id] = self._parents[seq.parent_id]
         outputs = []
         for parent in changed.values():
             finished = parent.finished
-            if finished or parent.children[0].params.output_kind != RequestOutputKind.FINAL_ONLY:
+            if finished or parent.children[0].params.output_kind is not final_only:
                 outputs.append(self._make_output(parent))
             if finished:
                 del self._parents[parent.request_id]

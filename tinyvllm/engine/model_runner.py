@@ -205,7 +205,7 @@ class ModelRunner:
                                         m.decode_seq_lens, m.decode_block_tables)[:inputs.num_decodes]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self.model.compute_logits(hidden[inputs.logits_indices], dtype=None)
         bufs = self._host_bufs[self._num_launched % 2]
         self._num_launched += 1
         sampled, logprobs = self._sample(logits, inputs, bufs)

@@ -147,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] → [N, V] float32 logits."""
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """[N, H] → [N, V] logits, in `dtype` (None: the model's dtype, which the samplers upcast as they
+        read it, saving a [N, V] float32 copy per step)."""
+        logits = F.linear(hidden, self.lm_head_weight)
+        return logits if dtype is None else logits.to(dtype)
