@@ -215,3 +215,22 @@ def test_triton_backend_matches_torch_backend(model_dir):
                   max_num_batched_tokens=8)
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["triton"] == outs["torch"]
+
+
+def test_prefix_cache_hit_count_is_the_hand_computed_one(model_dir):
+    """block_size 4. A: 14 tokens → after it ran, blocks 0-2 (12 tokens) are cached. B shares A's first
+    10 tokens: 2 full blocks hit (8 tokens). C equals A: 3 blocks would hit, but the last token must be
+    computed, and 14 - 1 = 13 tokens cover 3 full blocks: 12 tokens. D = A + 2: 16 tokens, (16-1)//4 = 3
+    blocks of A's (its 4th block was never full in A): 12 tokens."""
+    llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_model_len=64)
+    p = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    a = list(range(10, 24))
+    hits = []
+    for prompt in (a, a[:10] + [50, 51, 52], list(a), a + [60, 61]):
+        before = llm.get_metrics()["prefix_cache_hit_tokens"]
+        out = llm.generate({"prompt_token_ids": prompt}, p, use_tqdm=False)[0]
+        hits.append(llm.get_metrics()["prefix_cache_hit_tokens"] - before)
+        assert out.num_cached_tokens == hits[-1]
+    assert hits == [0, 8, 12, 12]
+    m = llm.get_metrics()
+    assert m["prefix_cache_queried_tokens"] == 14 + 13 + 14 + 16

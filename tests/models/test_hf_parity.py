@@ -133,3 +133,37 @@ def test_batch_composition_does_not_change_greedy_output(checkpoint, expected):
     assert finished["first"].outputs[0].token_ids == want[3]
     for i in range(len(prompts)):
         assert finished[f"late{i}"].outputs[0].token_ids == want[i]
+
+
+def test_prefix_caching_changes_no_token(checkpoint):
+    """Prompts that share prefixes (a common header, repeats, a prompt that extends another), greedy:
+    caching on equals caching off equals transformers, also with a cache so small that cached blocks are
+    evicted and requests preempted."""
+    path, hf, config = checkpoint
+    rng = random.Random(5)
+    vocab = config["vocab_size"] - 256
+    header = [rng.randrange(vocab) for _ in range(21)]
+    prompts = [header + [rng.randrange(vocab) for _ in range(n)] for n in (3, 11, 19)]
+    prompts += [list(prompts[1]), prompts[2] + [rng.randrange(vocab) for _ in range(6)], header[:9]]
+    want = [hf_greedy(hf, p, 12) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for name, kwargs in {"off": dict(enable_prefix_caching=False),
+                         "on": dict(),
+                         "on_tight": dict(num_gpu_blocks_override=16, max_model_len=64, max_num_batched_tokens=24)
+                         }.items():
+        llm = LLM(model=str(path), device="cpu", dtype="float32", block_size=4, **kwargs)
+        # Two rounds: the second finds the first's blocks in the cache (or evicted, when tight).
+        outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                              params, use_tqdm=False)]
+        outs2 = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                               params, use_tqdm=False)]
+        results[name] = (outs, outs2, llm.get_metrics())
+    for name, (outs, outs2, m) in results.items():
+        assert outs == want and outs2 == want, name
+        assert m["num_free_kv_blocks"] == m["num_kv_blocks"], name
+    assert results["off"][2]["prefix_cache_hit_tokens"] == 0
+    assert results["on"][2]["prefix_cache_hit_tokens"] > 0
+    tight = results["on_tight"][2]
+    assert tight["prefix_cache_hit_tokens"] > 0 and tight["prefix_cache_evicted_blocks"] > 0
+    assert tight["num_preemptions"] > 0
