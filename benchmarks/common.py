@@ -63,20 +63,21 @@ def bench_graph(fns: list, calls: int | None = None, replays: int = 15) -> float
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src))["ms"] * 1e-3
-    del src, dst
+    from tinyvllm.bench.roofline import copy_bandwidth as measure
+
+    rate = measure(device, nbytes)
     torch.cuda.empty_cache()
-    return 2 * nbytes / t
+    return rate
 
 
 def matmul_tflops(device: torch.device, n: int = 8192) -> float:
     """bf16 n³ matrix product rate through torch (random data), TFLOP/s."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    t = bench(lambda: a @ b)["ms"] * 1e-3
-    return 2 * n ** 3 / t / 1e12
+    from tinyvllm.bench.roofline import matmul_rate
+
+    rate = matmul_rate(device, n) / 1e12
+    torch.cuda.empty_cache()
+    return rate
+
 
 
 def device_info(device: torch.device) -> dict:
@@ -161,3 +162,17 @@ def configure_dynamo_for_flex() -> None:
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         cfg.fail_on_recompile_limit_hit = True
     cfg.suppress_errors = False
+
+
+def start(no_flex: bool):
+    """Shared start of the attention benchmarks: the CUDA device, its description (printed), and,
+    unless `no_flex`, FlexAttention compiled with a recompile budget large enough never to fall back."""
+    device = require_cuda()
+    info = device_info(device)
+    print(f"{info['gpu']} ({info['sms']} SMs), torch {info['torch']}, triton {info['triton']}", flush=True)
+    compiled_flex = None
+    if not no_flex:
+        configure_dynamo_for_flex()
+        from torch.nn.attention.flex_attention import flex_attention
+        compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return device, info, compiled_flex

@@ -105,16 +105,9 @@ def main() -> None:
     if args.quick:
         shapes = [(1, 32768), (16, 2048), (64, 8192), (256, 512)]
 
-    device = common.require_cuda()
-    info = common.device_info(device)
-    print(f"{info['gpu']} ({info['sms']} SMs), torch {info['torch']}, triton {info['triton']}", flush=True)
+    device, info, compiled_flex = common.start(args.no_flex)
     from torch.nn.attention import SDPBackend
 
-    compiled_flex = None
-    if not args.no_flex:
-        common.configure_dynamo_for_flex()
-        from torch.nn.attention.flex_attention import flex_attention
-        compiled_flex = torch.compile(flex_attention, dynamic=False)
     copy_bw = common.copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s", flush=True)
 

@@ -125,16 +125,9 @@ def main() -> None:
         args.sweep = True
         candidates = [PrefillConfig(*map(int, c.split(","))) for c in args.config]
 
-    device = common.require_cuda()
-    info = common.device_info(device)
-    print(f"{info['gpu']} ({info['sms']} SMs), torch {info['torch']}, triton {info['triton']}", flush=True)
+    device, info, compiled_flex = common.start(args.no_flex)
     from torch.nn.attention import SDPBackend
 
-    compiled_flex = None
-    if not args.no_flex:
-        common.configure_dynamo_for_flex()
-        from torch.nn.attention.flex_attention import flex_attention
-        compiled_flex = torch.compile(flex_attention, dynamic=False)
     matmul = common.matmul_tflops(device)
     print(f"bf16 matmul 8192³: {matmul:.0f} TFLOP/s", flush=True)
 

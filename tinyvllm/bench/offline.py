@@ -61,6 +61,15 @@ def _ceilings(device: torch.device) -> Ceilings | None:
     return measure_ceilings(device) if device.type == "cuda" else None
 
 
+def _profile(ns: argparse.Namespace, llm: LLM, w: Workload, device: torch.device, png: str) -> dict | None:
+    """With --profile on CUDA: where a decode step's time goes (see tinyvllm.bench.profile)."""
+    if not (ns.profile and device.type == "cuda"):
+        return None
+    from tinyvllm.bench.profile import profile_steps
+
+    return profile_steps(llm, w, ns.out_dir, png_name=png)
+
+
 def _ttft(out: RequestOutput) -> float:
     return out.metrics.first_token_time - out.metrics.arrival_time
 
@@ -100,11 +109,7 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         rows.append(("ours / floor", f"{ours['decode_tokens_per_s'] / floor['decode_tokens_per_s']:.2f}", ""))
     print_table(f"latency: batch 1, {ns.input_len} in, {ns.output_len} out, greedy ({ns.model})", rows,
                 ("", "decode tok/s", "TTFT ms"))
-    profile = None
-    if ns.profile and device.type == "cuda":
-        from tinyvllm.bench.profile import profile_steps
-
-        profile = profile_steps(llm, w, ns.out_dir, png_name="latency_step_breakdown.png")
+    profile = _profile(ns, llm, w, device, "latency_step_breakdown.png")
     result = {"workload": "latency", "model": ns.model, "input_len": ns.input_len, "output_len": ns.output_len,
               "ours": ours, "runs": runs, "hf": hf, "floor": floor, "ceilings": ceil.__dict__ if ceil else None,
               "profile": profile, "engine_args": vars(_engine_args(ns))}
@@ -148,11 +153,7 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         rows.append(("ours / floor", f"{ours['output_tokens_per_s'] / floor['output_tokens_per_s']:.2f}", ""))
     print_table(f"throughput: {len(w.prompts)} requests, {produced} output tokens ({ns.model})", rows,
                 ("", "output tok/s", "seconds"))
-    profile = None
-    if ns.profile and device.type == "cuda":
-        from tinyvllm.bench.profile import profile_steps
-
-        profile = profile_steps(llm, w, ns.out_dir, png_name="throughput_step_breakdown.png")
+    profile = _profile(ns, llm, w, device, "throughput_step_breakdown.png")
     result = {"workload": "throughput", "model": ns.model, "ours": ours, "hf": hf, "floor": floor,
               "ceilings": ceil.__dict__ if ceil else None, "profile": profile,
               "engine_args": vars(_engine_args(ns))}

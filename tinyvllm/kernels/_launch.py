@@ -72,3 +72,31 @@ def check_int(name: str, t: torch.Tensor) -> None:
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride()})")
+
+
+def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                          **index_tensors: torch.Tensor) -> tuple[int, int]:
+    """The checks both attention launchers share: q [rows, Hq, D] against caches [N, Hk, bs, D] of q's
+    dtype, D a power of two in 16..256, Hq a multiple of Hk, a positive scale, integer index tensors on
+    q's device, unit-stride last dimensions. Returns (Hk, block_size)."""
+    check_dim("q", q, 3)
+    check_dim("k_cache", k_cache, 4)
+    check_float("q", q)
+    for name, t in index_tensors.items():
+        check_int(name, t)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, **index_tensors)
+    _, Hq, D = q.shape
+    _, Hk, block_size, Dk = k_cache.shape
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q ({q.dtype}) and the caches ({k_cache.dtype}) must share a dtype")
+    if Dk != D or Hq % Hk:
+        raise ValueError(f"q [rows, {Hq}, {D}] does not fit the cache [N, {Hk}, bs, {Dk}]")
+    if not is_power_of_2(D) or not 16 <= D <= 256:
+        raise ValueError(f"head dim must be a power of two in 16..256, got {D}")
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or index_tensors["block_tables"].stride(-1) != 1:
+        raise ValueError("q, the caches and block_tables must be contiguous in their last dimension")
+    return Hk, block_size

@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels._flash import _attn_inner
-from tinyvllm.kernels._launch import (cdiv, check_dim, check_float, check_int, check_same_device,
-                                      is_power_of_2, next_power_of_2, num_sms, upcast_dot)
+from tinyvllm.kernels._launch import cdiv, check_paged_attention, next_power_of_2, num_sms, upcast_dot
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
@@ -142,30 +141,12 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          max_seq_len: int | None = None, *, config: DecodeConfig | None = None,
                          num_splits: int | None = None) -> torch.Tensor:
     """Launcher: checks, chooses the number of splits, launches the split kernel (and the merge)."""
-    check_dim("q", q, 3)
-    check_dim("k_cache", k_cache, 4)
-    check_float("q", q)
-    check_int("seq_lens", seq_lens)
-    check_int("block_tables", block_tables)
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens,
-                      block_tables=block_tables)
+    Hk, block_size = check_paged_attention(q, k_cache, v_cache, scale, seq_lens=seq_lens,
+                                           block_tables=block_tables)
     B, Hq, D = q.shape
-    _, Hk, block_size, Dk = k_cache.shape
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q ({q.dtype}) and the caches ({k_cache.dtype}) must share a dtype")
-    if Dk != D or Hq % Hk:
-        raise ValueError(f"q [B, {Hq}, {D}] does not fit the cache [N, {Hk}, bs, {Dk}]")
-    if not is_power_of_2(D) or not 16 <= D <= 256:
-        raise ValueError(f"head dim must be a power of two in 16..256, got {D}")
     if seq_lens.shape != (B,) or block_tables.dim() != 2 or block_tables.shape[0] != B:
         raise ValueError(f"q {tuple(q.shape)}, seq_lens {tuple(seq_lens.shape)} and block_tables "
                          f"{tuple(block_tables.shape)} disagree on the batch size")
-    if not scale > 0:
-        raise ValueError(f"scale must be positive, got {scale}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
-        raise ValueError("q, the caches and block_tables must be contiguous in their last dimension")
 
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:

@@ -27,8 +27,7 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels._flash import _attn_inner
-from tinyvllm.kernels._launch import (cdiv, check_dim, check_float, check_int, check_same_device,
-                                      is_power_of_2, upcast_dot)
+from tinyvllm.kernels._launch import cdiv, check_paged_attention, upcast_dot
 
 LOG2E = 1.4426950408889634
 
@@ -137,32 +136,13 @@ def prefill_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     synchronises with the device). `scale` must be positive (the unmasked tiles take the row max
     before scaling). Rows past cu_seqlens_q[-1] are left unwritten, as in the reference.
     """
-    check_dim("q", q, 3)
-    check_dim("k_cache", k_cache, 4)
-    check_float("q", q)
-    check_int("cu_seqlens_q", cu_seqlens_q)
-    check_int("seq_lens", seq_lens)
-    check_int("block_tables", block_tables)
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
-                      seq_lens=seq_lens, block_tables=block_tables)
+    Hk, block_size = check_paged_attention(q, k_cache, v_cache, scale, cu_seqlens_q=cu_seqlens_q,
+                                           seq_lens=seq_lens, block_tables=block_tables)
     Tq, Hq, D = q.shape
-    _, Hk, block_size, Dk = k_cache.shape
     S = seq_lens.shape[0]
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q ({q.dtype}) and the caches ({k_cache.dtype}) must share a dtype")
-    if Dk != D or Hq % Hk:
-        raise ValueError(f"q [T, {Hq}, {D}] does not fit the cache [N, {Hk}, bs, {Dk}]")
-    if not is_power_of_2(D) or not 16 <= D <= 256:
-        raise ValueError(f"head dim must be a power of two in 16..256, got {D}")
     if cu_seqlens_q.shape != (S + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != S:
         raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, seq_lens {tuple(seq_lens.shape)} and "
                          f"block_tables {tuple(block_tables.shape)} disagree on the number of sequences")
-    if not scale > 0:
-        raise ValueError(f"scale must be positive, got {scale}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
-        raise ValueError("q, the caches and block_tables must be contiguous in their last dimension")
 
     out = torch.empty((Tq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device) if return_lse else None
