@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -218,20 +218,3 @@ class SchedulerConfig:
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """ceil(num_tokens / block_size)."""
     return math.ceil(num_tokens / block_size)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything the engine is built from."""
-
-    model_dir: str
-    model: ModelConfig
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    dtype: str  # resolved compute dtype name
-    device: str  # "cpu" or "cuda" or "cuda:N"
-    kernel_backend: str  # "torch" or "triton"
-    load_format: str = "auto"
-    seed: int = 0
-    enforce_eager: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)

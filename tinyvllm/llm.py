@@ -43,6 +43,10 @@ class LLM:
         """Counters and gauges: running/waiting requests, KV usage, preemptions, prefix-cache hits."""
         return self.llm_engine.get_metrics()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block; returns False (and keeps them) while requests are running."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -234,3 +234,6 @@ def test_prefix_cache_hit_count_is_the_hand_computed_one(model_dir):
     assert hits == [0, 8, 12, 12]
     m = llm.get_metrics()
     assert m["prefix_cache_queried_tokens"] == 14 + 13 + 14 + 16
+    assert llm.reset_prefix_cache()
+    out = llm.generate({"prompt_token_ids": a}, p, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0  # forgotten

@@ -79,10 +79,6 @@ class Scheduler:
             done.append(request)
         return done
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -427,6 +427,11 @@ class LLMEngine:
             return 0
         return max((len(s) for s in params.stop), default=1) - 1
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's name). Only possible while no request holds blocks;
+        returns whether it happened."""
+        return self.scheduler.kv_cache.pool.reset_prefix_cache()
+
     # ------------------------------------------------------------------ introspection
     def get_metrics(self) -> dict[str, float]:
         pool = self.scheduler.kv_cache.pool

@@ -183,9 +183,6 @@ class ModelRunner:
             self.graphs.capture()
 
     # ------------------------------------------------------------------ one step
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch(sched).result()
-
     @torch.no_grad()
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """Enqueue one step (inputs, forward, sampling, the copy of the sampled ids) and return."""

@@ -31,11 +31,6 @@ class StepInputs:
     placeholder_rows: torch.Tensor | None  # [K] int64: rows whose input is the previous step's sample...
     placeholder_src: torch.Tensor | None  # [K] int64: ...at this index of that step's sampled ids
     num_decodes: int
-    decode_block_width: int  # columns of the decode block table in use
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.num_decodes == int(self.input_ids.shape[0])
 
 
 class _Staging:
@@ -190,5 +185,5 @@ class StepInputBuilder:
             sample_order=[rank[id(s)] for s in sched.sequences if s.sample],
             placeholder_rows=d64[3 * T + N:3 * T + N + K] if K else None,
             placeholder_src=d64[3 * T + N + K:3 * T + N + 2 * K] if K else None,
-            num_decodes=D, decode_block_width=dwidth,
+            num_decodes=D,
         )
