@@ -30,7 +30,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
   tail -n 25 "$LOGS/$name.log"
   return $rc
 }
-cli() { python3 -m tinyvllm.entrypoints.cli "$@"; }
+CLI="python3 -m tinyvllm.entrypoints.cli"  # a command, not a shell function: `timeout` runs it
 
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
@@ -64,10 +64,10 @@ fi
 # 4. Benchmarks, alone on the GPU. If the CUDA-graph/async path fails, retry eagerly and say so.
 bench() {  # bench NAME LIMIT ARGS...
   local name=$1 limit=$2; shift 2
-  step "$name" "$limit" cli bench "$@" --out-dir "$RES"
+  step "$name" "$limit" $CLI bench "$@" --out-dir "$RES"
   case $? in
     0|99|124|137) ;;  # done, skipped, or out of time: a retry would not finish either
-    *) step "${name}_eager" "$limit" cli bench "$@" --out-dir "$RES" --name "${name}_eager" \
+    *) step "${name}_eager" "$limit" $CLI bench "$@" --out-dir "$RES" --name "${name}_eager" \
          --enforce-eager --no-async-scheduling ;;
   esac
 }

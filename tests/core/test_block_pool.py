@@ -13,6 +13,15 @@ def make_request(rid: str, tokens: list[int]) -> Request:
     return Request(request_id=rid, prompt_token_ids=tokens, max_tokens=16)
 
 
+def computed_and_cached(m: KVCacheManager, rid: str, tokens: list[int]) -> Request:
+    """A request whose whole prompt was allocated, computed and offered to the prefix cache."""
+    r = make_request(rid, tokens)
+    assert m.allocate_slots(r, len(tokens))
+    r.num_computed_tokens = len(tokens)
+    m.cache_full_blocks(r)
+    return r
+
+
 def holders(manager: KVCacheManager) -> dict[int, int]:
     count: dict[int, int] = {}
     for table in manager.block_tables.values():
@@ -80,10 +89,7 @@ def test_prefix_hit_reuses_blocks_and_counts_references():
 def test_partial_block_and_last_token_are_never_taken_from_cache():
     bs = 4
     m = KVCacheManager(BlockPool(10), bs)
-    a = make_request("a", list(range(8)))
-    assert m.allocate_slots(a, 8)
-    a.num_computed_tokens = 8
-    m.cache_full_blocks(a)
+    a = computed_and_cached(m, "a", list(range(8)))
     # Same 8 tokens: both blocks are cached, but the last token must be computed, so only 1 block hits.
     same = make_request("same", list(range(8)))
     assert len(m.find_cached_prefix(same)) == 1
@@ -95,10 +101,7 @@ def test_partial_block_and_last_token_are_never_taken_from_cache():
 def test_cached_blocks_survive_until_free_list_is_empty_then_lru():
     bs = 2
     m = KVCacheManager(BlockPool(4), bs)
-    a = make_request("a", [1, 2, 3, 4])
-    assert m.allocate_slots(a, 4)
-    a.num_computed_tokens = 4
-    m.cache_full_blocks(a)
+    a = computed_and_cached(m, "a", [1, 2, 3, 4])
     a_blocks = list(m.block_table("a"))
     m.free(a)
     assert m.pool.num_free_blocks == 4
@@ -139,10 +142,7 @@ def test_allocation_failure_changes_nothing():
 def test_reviving_an_evictable_hit_counts_against_free_blocks():
     bs = 2
     m = KVCacheManager(BlockPool(3), bs)
-    a = make_request("a", [1, 2, 3, 4])
-    assert m.allocate_slots(a, 4)
-    a.num_computed_tokens = 4
-    m.cache_full_blocks(a)
+    a = computed_and_cached(m, "a", [1, 2, 3, 4])
     m.free(a)  # 3 free: 1 never used + 2 cached
     b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8])  # hits 2 blocks (wants 3 more tokens-worth: 2 blocks)
     hits = m.find_cached_prefix(b)

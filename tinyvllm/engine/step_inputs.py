@@ -85,6 +85,7 @@ class StepInputBuilder:
         a64 = stage.np64
         ids, pos, slots = a64[0:T], a64[T:2 * T], a64[2 * T:3 * T]
         rows = [self.tables.update(s) for s in ordered]
+        drows = np.asarray(rows[:D], dtype=np.int64)
         table = self.tables.table
         ph_rows: list[int] = []
         ph_src: list[int] = []
@@ -92,7 +93,6 @@ class StepInputBuilder:
             dpos = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=D)
             ids[:D] = [s.token_ids[0] for s in decodes]
             pos[:D] = dpos
-            drows = np.asarray(rows[:D])
             slots[:D] = table[drows, dpos // bs].astype(np.int64) * bs + dpos % bs
             for i, s in enumerate(decodes):
                 if s.token_ids[0] == PLACEHOLDER:
@@ -141,7 +141,7 @@ class StepInputBuilder:
         dtab = a32[o:o + D * dwidth].reshape(D, dwidth)
         o += D * dwidth
         if D:
-            dtab[:] = table[np.asarray(rows[:D]), :dwidth]
+            dtab[:] = table[drows, :dwidth]
         pwidth = max(1, max((-(-s.context_len // bs) for s in prefills), default=1))
         ptab = a32[o:o + P * pwidth].reshape(P, pwidth)
         o += P * pwidth
