@@ -217,6 +217,26 @@ def test_triton_backend_matches_torch_backend(model_dir):
     assert outs["triton"] == outs["torch"]
 
 
+def test_prefix_shared_within_one_step(model_dir):
+    """Requests admitted in the same step share a prefix that none of them has computed yet: block_size
+    4, three prompts of 13 tokens whose first 12 agree, all admitted in the first step. The first
+    computes everything; the second and third find its 3 full blocks, offered when it was scheduled
+    (12 hit tokens each), and their greedy continuations equal those of an engine without caching."""
+    shared = list(range(30, 42))
+    prompts = [{"prompt_token_ids": shared + [t]} for t in (5, 6, 7)]
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = {}
+    for caching in (True, False):
+        llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_model_len=64,
+                  enable_prefix_caching=caching)
+        res = llm.generate(prompts, p, use_tqdm=False)
+        outs[caching] = [o.outputs[0].token_ids for o in res]
+        if caching:
+            assert [o.num_cached_tokens for o in res] == [0, 12, 12]
+            assert llm.get_metrics()["prefix_cache_hit_tokens"] == 24
+    assert outs[True] == outs[False]
+
+
 def test_prefix_cache_hit_count_is_the_hand_computed_one(model_dir):
     """block_size 4. A: 14 tokens → after it ran, blocks 0-2 (12 tokens) are cached. B shares A's first
     10 tokens: 2 full blocks hit (8 tokens). C equals A: 3 blocks would hit, but the last token must be

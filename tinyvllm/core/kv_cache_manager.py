@@ -78,13 +78,20 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new_blocks))
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Offer the request's full, computed blocks to the prefix cache. Call after the step that
-        wrote their K/V, never before: a cached block must hold what its hash says."""
+    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Offer the request's full blocks among its first `num_tokens` tokens (default: the computed
+        ones) to the prefix cache.
+
+        A block may be offered as soon as the step that writes its K/V is scheduled: every later reader
+        runs after that write, since steps run in order on one stream and, within a step, each layer
+        writes the K/V of all its rows before any row attends. A block's token ids must be known, so
+        decode inputs still being sampled (PLACEHOLDER) are never offered early.
+        """
         if not self.enable_caching:
             return
         rid = request.request_id
-        num_full = min(request.num_computed_tokens, len(request.token_ids)) // self.block_size
+        upto = request.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = min(upto, len(request.token_ids)) // self.block_size
         start = self._num_registered.get(rid, 0)
         if num_full <= start:
             return  # the common case: no block filled up in this step

@@ -106,13 +106,14 @@ class Request:
         Order as in vLLM: a stop token id or EOS (only once min_tokens are out), then max_tokens, then
         the model's length limit.
         """
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.min_tokens:
+        num_output = len(self.output_token_ids)
+        if (self.stop_token_ids or self.eos_token_ids) and num_output >= self.min_tokens:
+            last = self.output_token_ids[-1]
             if last in self.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
             if last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= self.max_tokens or len(self.token_ids) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -85,34 +85,39 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}  # request id -> tokens this step (insertion order = batch order)
-        new_ids: set[str] = set()
+        # request id -> (request, tokens this step, newly admitted); insertion order = batch order
+        scheduled: dict[str, tuple[Request, int, bool]] = {}
         preempted = 0
+        kv_cache = self.kv_cache
+        running_status = RequestStatus.RUNNING
 
         max_len = self.config.max_model_len
         decoding, prefilling = [], []
-        for r in self.running:
-            todo = r.num_total_tokens - r.num_computed_tokens
-            if todo == 1 and r.has_room_to_grow(max_len):
-                decoding.append(r)
+        for r in self.running:  # the hot loop at large batch: plain attribute reads, no properties
+            pending = r.num_pending_outputs
+            total = len(r.token_ids) + pending
+            todo = total - r.num_computed_tokens
+            if todo == 1:
+                if len(r.output_token_ids) + pending < r.max_tokens and total < max_len:
+                    decoding.append(r)
+                # else: every token it may still produce is already in flight
             elif todo > 1:
                 prefilling.append(r)
-            # else: every token it may still produce is already in flight
         for request in decoding + prefilling:
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue  # preempted earlier in this loop
-            n = min(request.num_total_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(request, n):
+            n = min(len(request.token_ids) + request.num_pending_outputs - request.num_computed_tokens, budget)
+            while not kv_cache.allocate_slots(request, n):
                 victim = self.running[-1]
-                budget += scheduled.pop(victim.request_id, 0)
+                budget += scheduled.pop(victim.request_id, (None, 0, False))[1]
                 self._preempt(victim)
                 preempted += 1
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = n
+                scheduled[request.request_id] = (request, n, False)
                 budget -= n
 
         while (not preempted and self.waiting and budget > 0
@@ -120,27 +125,28 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_outputs:
                 break  # preempted while a step was sampling for it: wait for that token
-            cached = self.kv_cache.find_cached_prefix(request)
-            num_cached_tokens = len(cached) * self.kv_cache.block_size
+            cached = kv_cache.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * kv_cache.block_size
             n = request.num_tokens - num_cached_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.kv_cache.allocate_slots(request, n, cached):
+            if not kv_cache.allocate_slots(request, n, cached):
                 break
             self.waiting.popleft()
-            self.kv_cache.record_prefix_query(request, num_cached_tokens)
-            request.status = RequestStatus.RUNNING
+            kv_cache.record_prefix_query(request, num_cached_tokens)
+            request.status = running_status
             request.num_computed_tokens = num_cached_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached_tokens
             self.running.append(request)
-            scheduled[request.request_id] = n
-            new_ids.add(request.request_id)
+            scheduled[request.request_id] = (request, n, True)
             budget -= n
+            # Offer its prompt blocks now, so that requests admitted later in this same step share
+            # them instead of computing the same prefix again (see KVCacheManager.cache_full_blocks).
+            kv_cache.cache_full_blocks(request, num_cached_tokens + n)
 
-        sequences = [self._scheduled_sequence(self.requests[rid], n, rid in new_ids)
-                     for rid, n in scheduled.items()]
+        sequences = [self._scheduled_sequence(r, n, is_new) for r, n, is_new in scheduled.values()]
         released, self._released = frozenset(self._released), set()
         return SchedulerOutput(sequences=sequences,
                                num_batched_tokens=self.config.max_num_batched_tokens - budget,
@@ -148,26 +154,21 @@ class Scheduler:
 
     def _scheduled_sequence(self, request: Request, n: int, is_new: bool) -> ScheduledSequence:
         start = request.num_computed_tokens
-        request.num_computed_tokens += n
-        token_ids = request.token_ids[start:start + n]
-        if len(token_ids) < n:  # a decode of the token the step in flight is sampling
-            token_ids += [PLACEHOLDER] * (n - len(token_ids))
-        sample = request.num_computed_tokens == request.num_total_tokens
-        output_index = request.num_output_tokens + request.num_pending_outputs
+        request.num_computed_tokens = start + n
+        known = request.token_ids
+        if n == 1:  # a decode: its input is the last known token, or the one still being sampled
+            token_ids = [known[start]] if start < len(known) else [PLACEHOLDER]
+        else:
+            token_ids = known[start:start + n]
+            if len(token_ids) < n:
+                token_ids += [PLACEHOLDER] * (n - len(token_ids))
+        sample = start + n == len(known) + request.num_pending_outputs
+        output_index = len(request.output_token_ids) + request.num_pending_outputs
         if sample:
             request.num_pending_outputs += 1
-        return ScheduledSequence(
-            request_id=request.request_id,
-            token_ids=token_ids,
-            num_computed_tokens=start,
-            block_ids=self.kv_cache.block_table(request.request_id),
-            sample=sample,
-            is_new=is_new,
-            sampling_params=request.sampling_params,
-            prompt_len=request.num_prompt_tokens,
-            all_token_ids=request.token_ids,
-            output_index=output_index,
-        )
+        return ScheduledSequence(request.request_id, token_ids, start,
+                                 self.kv_cache.block_tables.get(request.request_id, ()), sample, is_new,
+                                 request.sampling_params, len(request.prompt_token_ids), known, output_index)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: free everything, go back to the front of the queue."""
@@ -187,20 +188,25 @@ class Scheduler:
         finished ones included (their status says so)."""
         sampled = iter(runner_output.sampled_token_ids)
         updated = []
+        requests = self.requests
+        running_status = RequestStatus.RUNNING
+        cache_full_blocks = self.kv_cache.cache_full_blocks if self.kv_cache.enable_caching else None
+        max_len = self.config.max_model_len
         for seq in output.sequences:
             token = next(sampled) if seq.sample else None
-            request = self.requests.get(seq.request_id)
+            request = requests.get(seq.request_id)
             if request is None:
                 continue  # finished or aborted while the step ran: its token is dropped
-            if request.status == RequestStatus.RUNNING:
-                self.kv_cache.cache_full_blocks(request)
+            if cache_full_blocks is not None and request.status is running_status:
+                cache_full_blocks(request)
             if token is None:
                 continue
             # A request preempted after this step was launched keeps the token: it was sampled from
             # a complete context, and the recomputation will include it.
             request.num_pending_outputs -= 1
-            request.append_output_token(token)
-            status = request.check_stop(self.config.max_model_len)
+            request.output_token_ids.append(token)
+            request.token_ids.append(token)
+            status = request.check_stop(max_len)
             if status is not None:
                 self.finish_requests(request.request_id, status)
             updated.append((request, [token]))

@@ -6,6 +6,7 @@ request that changed. Parallel sampling (`n > 1`) runs n child sequences under o
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import logging
@@ -86,6 +87,7 @@ class _Sequence:
     final_text: str | None = None  # text decoded at finish when there was no incremental detokenizer
     num_sent_tokens: int = 0  # for DELTA outputs
     num_sent_chars: int = 0
+    holdback: int = 0  # characters withheld from unfinished text (see LLMEngine._holdback)
 
 
 @dataclass
@@ -99,7 +101,10 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        return all(c.request.is_finished for c in self.children)
+        children = self.children
+        if len(children) == 1:
+            return children[0].request.status._finished
+        return all(c.request.status._finished for c in children)
 
 
 class LLMEngine:
@@ -155,6 +160,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Everything built so far (model, tokenizer, graphs, tables) lives as long as the engine: move it
+        # out of the garbage collector's generations, whose full passes otherwise rescan it every few
+        # hundred steps (measured: ~0.5 ms per batch-256 step on the development CPU).
+        gc.collect()
+        gc.freeze()
         logger.info("engine ready: %s on %s (%s, %s kernels), %d KV blocks of %d tokens, max_model_len %d",
                     self.model_dir, self.device, self.dtype, backend, num_blocks, args.block_size, max_model_len)
 
@@ -250,7 +260,8 @@ class LLMEngine:
                 stop_token_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time)
             parent.children.append(_Sequence(request, request_id, index, child_params, self._detokenizer(
                 child_params, token_ids), logprobs=[] if params.logprobs is not None else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None))
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+                holdback=self._holdback(child_params)))
         if not self.scheduler.add_request(parent.children[0].request):
             parent.error = parent.children[0].request.error
             for c in parent.children:
@@ -394,30 +405,30 @@ class LLMEngine:
     def _make_output(self, parent: _Parent) -> RequestOutput:
         outs = [self._completion(c) for c in parent.children]
         first = parent.children[0].request
-        metrics = RequestMetrics(arrival_time=parent.arrival_time, first_scheduled_time=first.first_scheduled_time,
-                                 first_token_time=first.first_token_time,
-                                 finished_time=max((c.finished_time or 0.0) for c in parent.children)
-                                 if parent.finished else None)
-        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
-                             prompt_token_ids=parent.prompt_token_ids, outputs=outs, finished=parent.finished,
-                             num_cached_tokens=first.num_cached_tokens, error=parent.error, metrics=metrics)
+        finished = parent.finished
+        metrics = RequestMetrics(parent.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                 max((c.finished_time or 0.0) for c in parent.children) if finished else None)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs, finished,
+                             first.num_cached_tokens, parent.error, metrics)
 
     def _completion(self, c: _Sequence) -> CompletionOutput:
         r = c.request
         text = c.final_text or ""
+        status = r.status
         if c.detokenizer is not None:
             text = c.detokenizer.output_text
-            if not r.is_finished:
-                text = text[:len(text) - self._holdback(c.params)]
+            if c.holdback and not status._finished:
+                text = text[:len(text) - c.holdback]
         token_ids, logprobs = r.output_token_ids, c.logprobs
-        if c.params.output_kind == RequestOutputKind.DELTA:
+        if c.params.output_kind is RequestOutputKind.DELTA:
             text, c.num_sent_chars = text[c.num_sent_chars:], len(text)
             token_ids, start, c.num_sent_tokens = token_ids[c.num_sent_tokens:], c.num_sent_tokens, len(token_ids)
             logprobs = logprobs[start:] if logprobs is not None else None
-        return CompletionOutput(index=c.index, text=text, token_ids=list(token_ids),
-                                cumulative_logprob=c.cumulative_logprob,
-                                logprobs=list(logprobs) if logprobs is not None else None,
-                                finish_reason=r.status.finish_reason, stop_reason=r.stop_reason)
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        return CompletionOutput(c.index, text, token_ids, c.cumulative_logprob, logprobs,
+                                status.finish_reason, r.stop_reason)
 
     @staticmethod
     def _holdback(params: SamplingParams) -> int:

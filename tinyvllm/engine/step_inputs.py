@@ -73,11 +73,12 @@ class StepInputBuilder:
         self._step += 1
         bs = self.block_size
         self.tables.release(sched.released_request_ids)
-        decodes = [s for s in sched.sequences if s.num_new_tokens == 1]
-        prefills = [s for s in sched.sequences if s.num_new_tokens > 1]
-        ordered = decodes + prefills
+        seqs = sched.sequences
+        decodes = [s for s in seqs if len(s.token_ids) == 1]
+        prefills = [s for s in seqs if len(s.token_ids) > 1] if len(decodes) < len(seqs) else []
+        ordered = decodes + prefills if prefills else decodes
         D = len(decodes)
-        num_tokens = sum(s.num_new_tokens for s in ordered)
+        num_tokens = D + sum(len(s.token_ids) for s in prefills)
         T = num_tokens if pad_decodes_to is None else pad_decodes_to
         assert pad_decodes_to is None or (not prefills and pad_decodes_to >= D)
 
@@ -94,12 +95,12 @@ class StepInputBuilder:
             ids[:D] = [s.token_ids[0] for s in decodes]
             pos[:D] = dpos
             slots[:D] = table[drows, dpos // bs].astype(np.int64) * bs + dpos % bs
-            for i, s in enumerate(decodes):
-                if s.token_ids[0] == PLACEHOLDER:
-                    if prev_sample_index is None or s.request_id not in prev_sample_index:
-                        raise RuntimeError(f"request {s.request_id}'s input token is not known yet")
-                    ph_rows.append(i)
-                    ph_src.append(prev_sample_index[s.request_id])
+            for i in np.flatnonzero(ids[:D] == PLACEHOLDER).tolist():
+                rid = decodes[i].request_id
+                if prev_sample_index is None or rid not in prev_sample_index:
+                    raise RuntimeError(f"request {rid}'s input token is not known yet")
+                ph_rows.append(i)
+                ph_src.append(prev_sample_index[rid])
         if T > num_tokens:  # padding rows
             ids[num_tokens:], pos[num_tokens:], slots[num_tokens:] = 0, 0, -1
         row = D
@@ -137,7 +138,7 @@ class StepInputBuilder:
         o += P + 1
         cu[0] = 0
         np.cumsum([s.num_new_tokens for s in prefills], out=cu[1:])
-        dwidth = max(1, max((-(-int(x) // bs) for x in dlens[:D]), default=1))
+        dwidth = max(1, -(-int(dlens[:D].max(initial=0)) // bs))
         dtab = a32[o:o + D * dwidth].reshape(D, dwidth)
         o += D * dwidth
         if D:
@@ -178,11 +179,15 @@ class StepInputBuilder:
             max_prefill_q_len=max((s.num_new_tokens for s in prefills), default=0),
             max_prefill_seq_len=int(plens.max(initial=0)),
         )
-        rank = {id(ordered[i]): j for j, i in enumerate(sampled_rows)}
+        if not prefills and N == D:  # decode-only: rows are in the scheduler's order, all sampled
+            sample_order = list(range(N))
+        else:
+            rank = {id(ordered[i]): j for j, i in enumerate(sampled_rows)}
+            sample_order = [rank[id(s)] for s in seqs if s.sample]
         return StepInputs(
             input_ids=d64[0:T], positions=d64[T:2 * T], meta=meta, logits_indices=d64[3 * T:3 * T + N],
             sampled=[ordered[i] for i in sampled_rows],
-            sample_order=[rank[id(s)] for s in sched.sequences if s.sample],
+            sample_order=sample_order,
             placeholder_rows=d64[3 * T + N:3 * T + N + K] if K else None,
             placeholder_src=d64[3 * T + N + K:3 * T + N + 2 * K] if K else None,
             num_decodes=D,
