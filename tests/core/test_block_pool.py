@@ -89,7 +89,7 @@ def test_prefix_hit_reuses_blocks_and_counts_references():
 def test_partial_block_and_last_token_are_never_taken_from_cache():
     bs = 4
     m = KVCacheManager(BlockPool(10), bs)
-    a = computed_and_cached(m, "a", list(range(8)))
+    computed_and_cached(m, "a", list(range(8)))
     # Same 8 tokens: both blocks are cached, but the last token must be computed, so only 1 block hits.
     same = make_request("same", list(range(8)))
     assert len(m.find_cached_prefix(same)) == 1
