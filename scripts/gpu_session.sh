@@ -5,6 +5,7 @@
 # tarball split into parts of at most 15 MB (the device tool returns at most 8 files of 16 MB).
 #
 #   bash scripts/gpu_session.sh            # everything
+#   STEPS="kernel_tests latency" bash scripts/gpu_session.sh   # only these steps (plus the checkpoint)
 #   SKIP_TRAIN=1 SKIP_SERVE=1 bash scripts/gpu_session.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -18,8 +19,11 @@ T0=$(date +%s)
 BUDGET=${BUDGET:-480}  # seconds for the whole script; later steps are skipped when it runs out
 elapsed() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(elapsed) )); }
+STEPS=${STEPS:-all}
+wanted() { [ "$STEPS" = all ] || [[ " $STEPS " == *" $1 "* ]]; }
 step() {  # step NAME LIMIT_SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
+  if ! wanted "$name" && [ "$name" != checkpoint ]; then return 98; fi
   local l; l=$(left)
   if (( l < 20 )); then echo "[$(elapsed)s] SKIP $name (budget)"; return 99; fi
   (( limit > l )) && limit=$l
@@ -46,7 +50,7 @@ step checkpoint 120 python3 -c "from tinyvllm.models.checkpoint import resolve_m
 
 # 2. The demo model trains in the background while the correctness checks run.
 TRAIN_PID=
-if [ -z "${SKIP_TRAIN:-}" ] && [ -f scripts/train_demo_model.py ]; then
+if [ -z "${SKIP_TRAIN:-}" ] && wanted train && [ -f scripts/train_demo_model.py ]; then
   echo "[$(elapsed)s] >>> train (background)"
   (env -u OUT HF_HUB_OFFLINE=1 timeout 240 python3 scripts/train_demo_model.py ${TRAIN_ARGS:---max-minutes 2.6} \
      --out "$WORK/demo" > "$LOGS/train.log" 2>&1; echo "train rc=$?" >> "$LOGS/train.log") &
@@ -56,6 +60,8 @@ fi
 # 3. Correctness at real shapes: kernels against the reference, sampler, engine against transformers.
 step kernel_tests 150 python3 -m pytest -q -n 8 tests/kernels tests/engine/test_sampler_gpu.py -p no:cacheprovider
 step engine_gpu_tests 200 python3 -m pytest -q -s tests/gpu -p no:cacheprovider
+step gemv_bench 150 python3 benchmarks/kernels/bench_gemv.py --out-dir "$RES"
+step host_step 60 python3 -m benchmarks.bench_host_step --batch 1 64 256 --steps 200 --out-dir "$RES"
 
 if [ -n "$TRAIN_PID" ]; then
   echo "[$(elapsed)s] waiting for training"; wait "$TRAIN_PID"; tail -n 15 "$LOGS/train.log"
@@ -66,15 +72,17 @@ bench() {  # bench NAME LIMIT ARGS...
   local name=$1 limit=$2; shift 2
   step "$name" "$limit" $CLI bench "$@" --out-dir "$RES"
   case $? in
-    0|99|124|137) ;;  # done, skipped, or out of time: a retry would not finish either
+    0|98|99|124|137) ;;  # done, not asked for, skipped, or out of time: a retry would not finish either
     *) step "${name}_eager" "$limit" $CLI bench "$@" --out-dir "$RES" --name "${name}_eager" \
          --enforce-eager --no-async-scheduling ;;
   esac
 }
-bench latency 120 latency --baseline hf
+bench latency 120 latency --baseline hf --profile
+bench latency_unfused 90 latency --no-fused-gemv --name latency_unfused
 bench throughput 150 throughput --profile --max-model-len 4096
+bench throughput_hf 200 throughput --max-model-len 4096 --baseline hf --baseline-requests 32 --name throughput_hf
 bench shared_prefix 100 shared-prefix --max-model-len 4096
-if [ -z "${SKIP_SERVE:-}" ] && python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+if [ -z "${SKIP_SERVE:-}" ] && wanted serve && python3 -c "import fastapi, uvicorn" 2>/dev/null; then
   step serve 150 bash scripts/gpu_serve_bench.sh "$RES" || true
 fi
 
