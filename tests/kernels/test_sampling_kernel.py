@@ -64,3 +64,19 @@ def test_low_temperature_approaches_greedy_and_masked_tokens_never_win(dtype):
     hot = sample(logits, torch.full((16,), 5.0), torch.arange(16))
     assert not ((hot >= 100) & (hot < 200)).any()
     assert math.isfinite(float(hot.sum()))
+
+
+def test_the_split_count_never_changes_the_token():
+    """Rows are cut into chunks searched by separate programs; the noise is keyed by the vocabulary
+    index and ties go to the lowest index across chunks too, so every split count gives the same ids
+    as a single pass (and greedy rows the argmax)."""
+    torch.manual_seed(3)
+    V = 5000  # three 2,048-wide tiles, the last partial
+    logits = torch.randn(4, V)
+    logits[0, 100] = logits[0, 4100] = 40.0  # a greedy tie across chunks: index 100 wins
+    temperature = torch.tensor([0.0, 0.8, 1.0, 0.0])
+    seeds = torch.tensor([5, 6, 7, 8])
+    args = (logits.to(DEV), temperature.to(DEV), seeds.to(DEV))
+    by_split = {s: sample_greedy_or_gumbel(*args, splits=s).cpu().tolist() for s in (1, 2, 3, 7)}
+    assert all(ids == by_split[1] for ids in by_split.values()), by_split
+    assert by_split[1][0] == 100 and by_split[1][3] == logits[3].argmax().item()

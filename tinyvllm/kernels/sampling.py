@@ -16,9 +16,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, out_ptr, V,
-                   BLOCK: tl.constexpr):
+def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, val_ptr, idx_ptr, V, CHUNK,
+                           NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, split): the best (value, index) among indices [split·CHUNK, (split+1)·CHUNK)."""
     row = tl.program_id(0)
+    split = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     seed = tl.load(seed_ptr + row)
     greedy = temperature == 0.0
@@ -26,12 +28,14 @@ def _sample_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, out_ptr, V
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.full([BLOCK], 0, tl.int32)
-    for start in range(0, V, BLOCK):
+    begin = split * CHUNK
+    end = tl.minimum(begin + CHUNK, V)
+    for start in range(begin, end, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        mask = offs < V
+        mask = offs < end
         z = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
         if not greedy:
-            u = tl.rand(seed, offs)
+            u = tl.rand(seed, offs)  # keyed by the vocabulary index: independent of the split
             u = tl.maximum(u, 1e-20)  # rand is in [0, 1): keep log finite
             z = z * inv_t - tl.log(-tl.log(u))
         z = tl.where(mask, z, float("-inf"))
@@ -39,20 +43,56 @@ def _sample_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, out_ptr, V
         best_idx = tl.where(better, offs, best_idx)
         best_val = tl.where(better, z, best_val)
     top = tl.max(best_val, axis=0)
-    # Lowest index among the lanes holding the maximum.
+    # Lowest index among the lanes holding the maximum (an empty split offers −inf at index V).
     idx = tl.min(tl.where(best_val == top, best_idx, V), axis=0)
-    tl.store(out_ptr + row, idx.to(tl.int64))
+    tl.store(val_ptr + row * NUM_SPLITS + split, top)
+    tl.store(idx_ptr + row * NUM_SPLITS + split, idx)
+
+
+@triton.jit
+def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, V, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """Row b: the split holding the largest value; the lowest index among equal values."""
+    row = tl.program_id(0)
+    k = tl.arange(0, SPLITS_P2)
+    mask = k < NUM_SPLITS
+    val = tl.load(val_ptr + row * NUM_SPLITS + k, mask=mask, other=float("-inf"))
+    idx = tl.load(idx_ptr + row * NUM_SPLITS + k, mask=mask, other=V)
+    top = tl.max(val, axis=0)
+    best = tl.min(tl.where(val == top, idx, V), axis=0)
+    best = tl.where(best == V, 0, best)  # a row of −inf logits only: index 0, as an argmax gives
+    tl.store(out_ptr + row, best.to(tl.int64))
+
+
+_BLOCK = 2048
+
+
+def num_splits(batch: int, vocab: int, device: torch.device) -> int:
+    """Splits per row so that batch × splits programs fill the device about four times over (the
+    per-row loop is long: 63 tiles of 2,048 for a 128k vocabulary), at least one tile per split."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(4 * sms, max(batch, 1)), triton.cdiv(vocab, _BLOCK), 64))
 
 
 def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """logits [B, V] (row-contiguous, any float dtype), temperature [B] float32 (0 = greedy), seeds [B]
-    int64 → sampled ids [B] int64. Same (logits, T, seed) → same token, whatever the batch."""
+    int64 → sampled ids [B] int64. Same (logits, T, seed) → same token, whatever the batch or `splits`.
+
+    Each row is cut into `splits` chunks (default: enough programs to fill the device): one kernel finds
+    every chunk's best (value, index), a second picks each row's best chunk."""
     B, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
-        _sample_kernel[(B,)](logits, logits.stride(0), temperature, seeds, out, V, BLOCK=2048, num_warps=8)
+        S = splits or num_splits(B, V, logits.device)
+        chunk = triton.cdiv(triton.cdiv(V, S), _BLOCK) * _BLOCK
+        S = triton.cdiv(V, chunk)
+        vals = torch.empty(B, S, dtype=torch.float32, device=logits.device)
+        idxs = torch.empty(B, S, dtype=torch.int32, device=logits.device)
+        _sample_partial_kernel[(B, S)](logits, logits.stride(0), temperature, seeds, vals, idxs, V, chunk,
+                                       NUM_SPLITS=S, BLOCK=_BLOCK, num_warps=8)
+        _sample_reduce_kernel[(B,)](vals, idxs, out, V, NUM_SPLITS=S, SPLITS_P2=triton.next_power_of_2(S),
+                                    num_warps=1)
     return out
