@@ -89,19 +89,20 @@ def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False) -> G
 
 
 def candidate_configs(M: int, N: int, K: int, sms: int, *, norm: bool = False) -> list[GemvConfig]:
-    """The grid `bench_gemv.py --sweep` times: tiles × warps × stages × split targets (deduplicated)."""
-    out: list[GemvConfig] = []
-    tiles = [(False, n, k) for n in (4, 8, 16) for k in (256, 512, 1024)] if M <= 4 else []
-    tiles += [(True, n, k) for n in (32, 64, 128) for k in (64, 128, 256)]
-    for dot, block_n, block_k in tiles:
+    """The grid `bench_gemv.py --sweep` times (deduplicated, the default among them): tiles × warps ×
+    stages × split targets of 2, 4 and 8 programs per SM; FMA tiles only for M ≤ 4."""
+    fma = [(4, 512), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512)] if M <= 4 else []
+    dot = [(32, 128), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128)]
+    grid = [(False, n, k, w, s) for n, k in fma for w in (4, 8) for s in (1, 2)]
+    grid += [(True, n, k, 4, s) for n, k in dot for s in (2, 3, 4)]
+    out = [default_config(M, N, K, sms, norm=norm)]
+    for use_dot, block_n, block_k, warps, stages in grid:
         block_k = min(block_k, max(16, next_power_of_2(K)))
-        for warps in (4, 8) if not dot else (4,):
-            for stages in (1, 2, 3) if not dot else (2, 3, 4):
-                for pps in (2, 4, 8):
-                    split = choose_split(M, N, K, sms, block_n, block_k, norm, pps)
-                    cfg = GemvConfig(block_n, block_k, split, warps, stages, dot)
-                    if cfg not in out:
-                        out.append(cfg)
+        for pps in (2, 4, 8):
+            split = choose_split(M, N, K, sms, block_n, block_k, norm, pps)
+            cfg = GemvConfig(block_n, block_k, split, warps, stages, use_dot)
+            if cfg not in out:
+                out.append(cfg)
     return out
 
 
@@ -144,10 +145,10 @@ def _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, H
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every batch size on a path
 def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
                  M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_rm, stride_om,
-                 MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
+                 MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -197,18 +198,19 @@ def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
         y = tl.sum(acc, axis=2)
 
     mask = mask_n[:, None] & mask_m[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL)
     else:
-        # Workspace [SPLIT_K, M, N] fp32. Publish this split's partial, then take a ticket: the barrier
+        # Workspace [splits, M, N] fp32. Publish this split's partial, then take a ticket: the barrier
         # orders every thread's stores before the (gpu-scope, acq_rel) atomic of the CTA's one thread.
         ws_tile = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
         tl.store(ws_tile + pid_k.to(tl.int64) * M * N, y, mask=mask)
         tl.debug_barrier()
         ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:  # the last to arrive: sum in split order (deterministic)
+        num_splits = tl.num_programs(1)
+        if ticket == num_splits - 1:  # the last to arrive: sum in split order (deterministic)
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(SPLIT_K):
+            for s in range(num_splits):
                 total += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             _epilogue(total, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL)
             tl.atomic_xchg(tickets_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
@@ -296,7 +298,7 @@ def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.
         x, weight, norm_weight if norm else x, residual if residual is not None else out, out, ws, tickets,
         M, N, K, k_per_split, eps, x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
-        MODE=mode, HAS_RESIDUAL=residual is not None, SPLIT_K=split, BLOCK_M=block_m,
+        MODE=mode, HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, EVEN_K=split * k_per_split == K,
         UPCAST=upcast_dot(x.device), IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
