@@ -16,9 +16,10 @@ ops' roundings: fusing changes only the order of the fp32 sums.
 Decode is bound by the bytes of W (each weight is read once and used M times), so the design is about
 keeping enough weight bytes in flight on every SM:
   * A program computes a BLOCK_N × M tile of the output from BLOCK_N whole weight rows, streaming
-    them in [BLOCK_N, BLOCK_K] tiles. M ≤ 2: fp32 FMAs into a [BLOCK_N, (M,) BLOCK_K] accumulator,
-    summed over K once at the end. M ≥ 3: `tl.dot(W_tile, aᵀ)` with a padded to 16 rows (the tensor
-    cores do the FMAs; W is the wide operand, so Hopper can use wgmma from shared memory).
+    them in [BLOCK_N, BLOCK_K] tiles. FMA path (default at M = 1): fp32 FMAs into a
+    [BLOCK_N, (M,) BLOCK_K] accumulator, summed over K once at the end. Dot path (default at M ≥ 2):
+    `tl.dot(W_tile, aᵀ)` with a padded to 16 rows (the tensor cores do the FMAs; W is the 64-row
+    operand, so Hopper runs wgmma with W streamed into shared memory by cp.async).
   * Split-K (grid (N / BLOCK_N, SPLIT_K)) when N alone gives too few programs (N = 2048 rows against
     132 SMs): each split writes its fp32 partial tile to a workspace and takes a ticket from a
     per-tile arrival counter (an acq_rel atomic after a CTA barrier, the semaphore pattern of CUTLASS's
@@ -44,7 +45,7 @@ from tinyvllm.kernels._launch import (cdiv, check_dim, check_float, check_last_d
                                       is_power_of_2, next_power_of_2, num_sms, upcast_dot)
 
 MAX_ROWS = 16  # rows of x per call: decode batches; beyond this a GEMM is the right kernel
-FMA_MAX_ROWS = 2  # up to this M, FMAs in registers; above, tl.dot with M padded to 16
+FMA_MAX_ROWS = 1  # up to this M, FMAs in registers by default; above, tl.dot with M padded to 16
 
 _PLAIN, _NORM, _SILU = 0, 1, 2
 
@@ -76,10 +77,13 @@ def choose_split(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, n
 def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False) -> GemvConfig:
     """The launch config for x [M, K] and W [N, K] on a device with `sms` multiprocessors.
 
-    Not yet tuned on the GPU (docs/perf.md); the reasoning: a memory-bound program wants ≥ 16 KB of
-    weight loads in flight per SM. M ≤ 2: [8, 512] bf16 tiles (8 KB per iteration) at 4 warps use
-    ~32 accumulator registers per thread, so several programs share an SM. M ≥ 3: [64, 128] tiles
-    (16 KB) into tl.dot, 3 stages in shared memory. Split-K by `choose_split`."""
+    Not yet tuned on the GPU (docs/perf.md); the reasoning, checked against the sm_90 code Triton
+    emits (compiled without a GPU): a memory-bound program wants ≥ 16 KB of weight loads in flight
+    per SM. M = 1: [8, 512] bf16 tiles (8 KB per iteration, 16-byte loads) at 4 warps take ~80
+    registers per thread, so ~6 programs share an SM. M ≥ 2: [64, 128] tiles (16 KB) into wgmma
+    (64 × 16 × 16), 3 stages of cp.async in ~60 KB of shared memory, ~3 programs per SM (the FMA path
+    at M = 2 needs 120 registers and reshuffles x through shared memory each tile). Split-K by
+    `choose_split`."""
     if M <= FMA_MAX_ROWS:
         block_n, block_k, warps, stages, dot = 8, min(512, max(16, next_power_of_2(K))), 4, 2, False
     else:
@@ -119,19 +123,20 @@ def _row_rstd(x_rows, mask_m, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constex
 
 
 @triton.jit
-def _load_a(x_rows, nw_ptr, k, mask, mask_k, rstd, K, MODE: tl.constexpr):
-    """The transformed input tile a[m, k], [BLOCK_M, BLOCK_K] in x's dtype (roundings as unfused)."""
+def _load_a(x_rows, nw_ptr, cols, mask, nw_mask, rstd, K, MODE: tl.constexpr):
+    """The transformed input tile a = f(x[rows, cols]) in x's dtype, with the unfused ops' roundings;
+    rstd: [rows] (RMSNorm only). The norm weight is loaded at `cols`, in the tile's own layout."""
     if MODE == 2:  # silu(g) ⊙ u, as activation.py
-        g = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-        u = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0)
+        g = tl.load(x_rows + cols, mask=mask, other=0.0)
+        u = tl.load(x_rows + K + cols, mask=mask, other=0.0)
         gf, uf = g.to(tl.float32), u.to(tl.float32)
         a = (gf / (1.0 + tl.exp(-gf)) * uf).to(g.dtype)
     else:
-        a = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+        a = tl.load(x_rows + cols, mask=mask, other=0.0)
         if MODE == 1:  # w ⊙ round(x · rstd), as rms_norm.py
-            nw = tl.load(nw_ptr + k, mask=mask_k, other=0.0)
+            nw = tl.load(nw_ptr + cols, mask=nw_mask, other=0.0)
             normed = (a.to(tl.float32) * rstd[:, None]).to(a.dtype)
-            a = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(a.dtype)
+            a = (nw.to(tl.float32) * normed.to(tl.float32)).to(a.dtype)
     return a
 
 
@@ -177,8 +182,17 @@ def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
             mask_k = tl.full([BLOCK_K], 1, tl.int1)
         else:
             mask_k = k < K
-        a = _load_a(x_rows, nw_ptr, k, mask_m[:, None] & mask_k[None, :], mask_k, rstd, K, MODE)
         w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if BLOCK_M == 1 and not USE_DOT and MODE != 2:
+            # x's one row loaded as a [BLOCK_N, BLOCK_K] tile (every row the same addresses, L1 hits):
+            # the same shape as W's tile gets the same register layout, so no shared-memory shuffle.
+            # (Not for SwiGLU: each thread would compute its columns' sigmoids once per row it holds.)
+            cols = k[None, :] + offs_n[:, None] * 0
+            full = mask_k[None, :] & (offs_n[:, None] >= 0)
+            a = _load_a(x_ptr, nw_ptr, cols, full, full, rstd, K, MODE)
+        else:
+            a = _load_a(x_rows, nw_ptr, k[None, :], mask_m[:, None] & mask_k[None, :], mask_k[None, :], rstd,
+                        K, MODE)
         if USE_DOT:
             if UPCAST:  # CPU interpreter only: see _launch.upcast_dot
                 acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
