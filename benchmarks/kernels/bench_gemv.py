@@ -16,6 +16,8 @@ at a 1k context, LM head): the fused small-batch path against the unfused one, b
     python benchmarks/kernels/bench_gemv.py              # all shapes, M ∈ {1, 2, 4, 8, 16}, model check
     python benchmarks/kernels/bench_gemv.py --quick      # 1B shapes, M ∈ {1, 16}
     python benchmarks/kernels/bench_gemv.py --sweep      # also sweep configs (plain kernel, 1B shapes)
+    python benchmarks/kernels/bench_gemv.py --quick --no-model --sweep --sweep-fused --sweep-m 1
+                                                         # sweep the fused variants the model runs at M = 1
 """
 from __future__ import annotations
 
@@ -67,15 +69,18 @@ class Problem:
         from tinyvllm.kernels.gemv import fused_gemv_fwd
         return [lambda w=w: fused_gemv_fwd(self.x, w, config=config) for w in self.weights]
 
+    def fused_kwargs(self) -> tuple[torch.Tensor, dict]:
+        kw = {"norm": dict(norm_weight=self.norm_w, eps=EPS), "residual": dict(residual=self.res),
+              "silu_residual": dict(silu_mul=True, residual=self.res)}[self.variant]
+        return (self.h if self.variant == "silu_residual" else self.x), kw
+
     def cublas(self):
         return [lambda w=w: F.linear(self.x, w) for w in self.weights]
 
-    def fused(self):
+    def fused(self, config=None):
         from tinyvllm.kernels.gemv import fused_gemv_fwd
-        kw = {"norm": dict(norm_weight=self.norm_w, eps=EPS), "residual": dict(residual=self.res),
-              "silu_residual": dict(silu_mul=True, residual=self.res)}[self.variant]
-        x = self.h if self.variant == "silu_residual" else self.x
-        return [lambda w=w: fused_gemv_fwd(x, w, **kw) for w in self.weights]
+        x, kw = self.fused_kwargs()
+        return [lambda w=w: fused_gemv_fwd(x, w, config=config, **kw) for w in self.weights]
 
     def unfused(self):
         from tinyvllm.kernels import triton_ops as ops
@@ -134,26 +139,29 @@ def run_shape(model: str, proj: str, N: int, K: int, variant: str | None, M: int
     return row
 
 
-def sweep_shape(proj: str, N: int, K: int, M: int, device, copy_bw: float) -> list[dict]:
+def sweep_shape(proj: str, N: int, K: int, M: int, variant: str | None, device, copy_bw: float) -> list[dict]:
+    """Time every candidate config on one shape: the plain kernel, or with `variant` its fused one."""
     from tinyvllm.kernels._launch import num_sms
     from tinyvllm.kernels.gemv import candidate_configs, default_config
 
     sms = num_sms(device)
-    p = Problem(N, K, M, None, device)
-    default = default_config(M, N, K, sms)
+    norm = variant == "norm"
+    p = Problem(N, K, M, variant, device)
+    default = default_config(M, N, K, sms, norm=norm)
     rows, best = [], None
-    for cfg in candidate_configs(M, N, K, sms):
+    for cfg in candidate_configs(M, N, K, sms, norm=norm):
         r = {}
-        time_into(r, "t", p.ours(cfg), p, copy_bw)
+        time_into(r, "t", p.fused(cfg) if variant else p.ours(cfg), p, copy_bw)
         if r.get("t_us"):
-            rows.append({"proj": proj, "N": N, "K": K, "M": M, "config": list(cfg), "us": r["t_us"],
-                         "frac": r["t_frac"], "default": cfg == default})
+            rows.append({"proj": proj, "N": N, "K": K, "M": M, "variant": variant or "plain", "config": list(cfg),
+                         "us": r["t_us"], "frac": r["t_frac"], "default": cfg == default})
             if best is None or r["t_us"] < best[1]:
                 best = (cfg, r["t_us"], r["t_frac"])
     d = next((r for r in rows if r["default"]), None)
     if best:
-        print(f"  sweep {proj} M={M}: best {tuple(best[0])} {best[1]:.1f} us ({best[2]:.2f} of copy); default "
-              + (f"{d['us']:.1f} us ({d['frac']:.2f})" if d else "not in the grid"), flush=True)
+        print(f"  sweep {proj} {variant or 'plain'} M={M}: best {tuple(best[0])} {best[1]:.1f} us "
+              f"({best[2]:.2f} of copy); default " + (f"{d['us']:.1f} us ({d['frac']:.2f})" if d else "failed"),
+              flush=True)
     del p
     torch.cuda.empty_cache()
     return rows
@@ -272,6 +280,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1B shapes, M ∈ {1, 16}")
     ap.add_argument("--sweep", action="store_true", help="time the candidate configs (plain kernel, 1B shapes)")
     ap.add_argument("--sweep-m", type=int, nargs="+", default=[1, 16], help="values of M for --sweep")
+    ap.add_argument("--sweep-proj", nargs="+", default=["qkv", "o", "gate_up", "down", "lm_head"],
+                    choices=["qkv", "o", "gate_up", "down", "lm_head"], help="1B projections for --sweep")
+    ap.add_argument("--sweep-fused", action="store_true",
+                    help="sweep each projection's fused variant (as the model calls it) instead of the plain kernel")
     ap.add_argument("--no-model", action="store_true", help="skip the whole-model decode check")
     ap.add_argument("--model-batches", type=int, nargs="+", default=[1], help="decode batches of the model check")
     ap.add_argument("--model-ctx", type=int, default=1024, help="context length of the model check")
@@ -293,10 +305,10 @@ def main() -> None:
             for model, proj, N, K, variant in SHAPES if model in args.models for M in args.batches]
     sweep_rows = []
     if args.sweep:
-        for model, proj, N, K, _ in SHAPES:
-            if model == "1b":
+        for model, proj, N, K, variant in SHAPES:
+            if model == "1b" and proj in args.sweep_proj:
                 for M in args.sweep_m:
-                    sweep_rows += sweep_shape(proj, N, K, M, device, copy_bw)
+                    sweep_rows += sweep_shape(proj, N, K, M, variant if args.sweep_fused else None, device, copy_bw)
     model_rows = [] if args.no_model else model_check(device, args.model_batches, args.model_ctx, copy_bw)
     torch.cuda.empty_cache()
 

@@ -10,6 +10,7 @@ the real launches of test_gpu_shapes.py cover the same ground.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -57,9 +58,8 @@ def k_loop(ptx: str) -> str:
 def summarise() -> dict:
     """{path/variant: facts about its PTX}, or {"skip": reason}."""
     try:
-        import triton.backends.nvidia  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
+        for module in ("triton.backends.nvidia", "triton.backends.compiler", "triton.compiler"):
+            importlib.import_module(module)
     except ImportError as e:
         return {"skip": f"no CUDA backend or AOT API in this Triton: {e}"}
     out = {}

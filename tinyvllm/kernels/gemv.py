@@ -17,10 +17,12 @@ Decode is bound by the bytes of W (each weight is read once and used M times), s
 keeping enough weight bytes in flight on every SM:
   * A program computes a BLOCK_N × M tile of the output from BLOCK_N whole weight rows, streaming
     them in [BLOCK_N, BLOCK_K] tiles. FMA path (default at M = 1): fp32 FMAs into a
-    [BLOCK_N, (M,) BLOCK_K] accumulator, summed over K once at the end. Dot path (default at M ≥ 2):
+    [BLOCK_N, (M,) BLOCK_K] accumulator, summed over K once at the end; at M = 1 x is loaded as a
+    [BLOCK_N, BLOCK_K] tile of identical rows so that it lands in W's register layout (L1 serves the
+    repeats) instead of being reshuffled through shared memory every tile. Dot path (default at M ≥ 2):
     `tl.dot(W_tile, aᵀ)` with a padded to 16 rows (the tensor cores do the FMAs; W is the 64-row
     operand, so Hopper runs wgmma with W streamed into shared memory by cp.async).
-  * Split-K (grid (N / BLOCK_N, SPLIT_K)) when N alone gives too few programs (N = 2048 rows against
+  * Split-K (grid (N / BLOCK_N, splits)) when N alone gives too few programs (N = 2048 rows against
     132 SMs): each split writes its fp32 partial tile to a workspace and takes a ticket from a
     per-tile arrival counter (an acq_rel atomic after a CTA barrier, the semaphore pattern of CUTLASS's
     serial split-K); the program that arrives last sums the partials in split order, so the result is
@@ -35,6 +37,7 @@ count); `fused_gemv_fwd(..., config=GemvConfig(...))` overrides it (`bench_gemv.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -74,6 +77,7 @@ def choose_split(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, n
     return split
 
 
+@functools.lru_cache(maxsize=4096)  # host cost per launch: a dict lookup
 def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False) -> GemvConfig:
     """The launch config for x [M, K] and W [N, K] on a device with `sms` multiprocessors.
 
