@@ -138,3 +138,62 @@ def test_layer_ops_real_shapes():
     reference.write_kv_cache(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0].nan_to_num(), caches[2].nan_to_num())
     assert torch.equal(caches[1].isnan(), caches[3].isnan())
+
+
+# fused_gemv at the projections of Llama-3.2-1B and Llama-3.1-8B, each with the fusion the model uses
+# there: (N, K, variant). bf16 against the reference in float32 (TF32 off): the output rounding and the
+# rounded input transform (bf16 normed values / SwiGLU products, which the float32 reference keeps
+# exact) give ~3e-3; 1e-2 as above.
+GEMV_SHAPES = [(3072, 2048, "norm"), (2048, 2048, "residual"), (16384, 2048, "norm"), (2048, 8192, "silu_residual"),
+               (128256, 2048, "plain"), (6144, 4096, "norm"), (4096, 4096, "residual"),
+               (28672, 4096, "norm"), (4096, 14336, "silu_residual")]
+
+
+def gemv_inputs(M, N, K, variant, gen):
+    silu = variant.startswith("silu")
+    x = torch.randn(M, 2 * K if silu else K, generator=gen, device=CUDA).to(BF16)
+    w = (torch.randn(N, K, generator=gen, device=CUDA) / K ** 0.5).to(BF16)
+    kw = {"silu_mul": True} if silu else {}
+    if variant == "norm":
+        kw = {"norm_weight": (1 + 0.1 * torch.randn(K, generator=gen, device=CUDA)).to(BF16), "eps": 1e-5}
+    if variant.endswith("residual"):
+        kw["residual"] = torch.randn(M, N, generator=gen, device=CUDA).to(BF16)
+    return x, w, kw
+
+
+@pytest.mark.parametrize("M", [1, 2, 4, 16])
+@pytest.mark.parametrize("n,k,variant", GEMV_SHAPES, ids=[f"{s[0]}x{s[1]}-{s[2]}" for s in GEMV_SHAPES])
+def test_gemv_real_shapes(n, k, variant, M):
+    gen = torch.Generator(device=CUDA).manual_seed(n + k + M)
+    x, w, kw = gemv_inputs(M, n, k, variant, gen)
+    out = triton_ops.fused_gemv(x, w, **kw)
+    ref = reference.fused_gemv(x.float(), w.float(), **{a: v.float() if torch.is_tensor(v) else v
+                                                         for a, v in kw.items()})
+    assert_close(out, ref, BF16)
+    assert torch.equal(out, triton_ops.fused_gemv(x, w, **kw)), "split-K must be deterministic"
+
+
+def test_gemv_every_batch_size_and_cuda_graph():
+    """M = 1..16 on the split-K shape (down_proj, SwiGLU + residual), then the same calls captured in
+    one CUDA graph and replayed three times: the split-K counters reset themselves, so every replay
+    gives the eager bits."""
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    calls = []
+    for M in range(1, 17):
+        x, w, kw = gemv_inputs(M, 2048, 8192, "silu_residual", gen)
+        ref = reference.fused_gemv(x.float(), w.float(), silu_mul=True, residual=kw["residual"].float())
+        eager = triton_ops.fused_gemv(x, w, **kw)
+        assert_close(eager, ref, BF16)
+        calls.append((x, w, kw, eager))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            outs = [triton_ops.fused_gemv(x, w, **kw) for x, w, kw, _ in calls]
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, (_, _, _, eager) in zip(outs, calls):
+            assert torch.equal(out, eager)

@@ -22,6 +22,7 @@ class Ops:
     prefill_attention: Callable
     decode_attention: Callable
     silu_and_mul: Callable
+    fused_gemv: Callable | None = None  # small-M matrix product with fused norm / SwiGLU / residual add
 
 
 def get_ops(backend: str) -> Ops:
@@ -34,7 +35,8 @@ def get_ops(backend: str) -> Ops:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {list(BACKENDS)}")
     return Ops(name=backend, rms_norm=m.rms_norm, add_rms_norm=m.add_rms_norm, rope=m.rope,
                write_kv_cache=m.write_kv_cache, prefill_attention=m.prefill_attention,
-               decode_attention=m.decode_attention, silu_and_mul=m.silu_and_mul)
+               decode_attention=m.decode_attention, silu_and_mul=m.silu_and_mul,
+               fused_gemv=m.fused_gemv)
 
 
 def default_backend(device_type: str) -> str:

@@ -134,3 +134,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     xf = x.to(_acc_dtype(x))
     g, u = xf[..., :f], xf[..., f:]
     return (g * torch.sigmoid(g) * u).to(x.dtype)
+
+
+def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+               eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """A matrix product of a few rows (decode) with the ops around it fused in; "round" is to x's dtype.
+
+        a = x                               plain;                         x: [M, K]
+        a = rms_norm(x, norm_weight, eps)   with norm_weight [K];          x: [M, K]
+        a = silu_and_mul(x)                 with silu_mul=True;            x: [M, 2K] = [gate | up]
+        y = round(a Wᵀ)                     W: [N, K] (nn.Linear layout), products accumulated in float32
+        out = y, or round(y + residual)     with residual [M, N], added in float32 (add_rms_norm's r')
+
+    The roundings are those of the unfused ops, so fusing changes only the order of the float32 sums:
+    `fused_gemv(x, W, norm_weight=w)` is `F.linear(rms_norm(x, w), W)`, and the two residual-stream
+    updates of a layer are `fused_gemv(attn, Wo, residual=r)` and
+    `fused_gemv(h, Wd, silu_mul=True, residual=r)`. x, weight, norm_weight and residual share a dtype.
+    The Triton kernel serves M ≤ 16 rows (kernels/gemv.py); this reference takes any M.
+    """
+    if norm_weight is not None and silu_mul:
+        raise ValueError("choose one input transform: norm_weight or silu_mul, not both")
+    a = rms_norm(x, norm_weight, eps) if norm_weight is not None else silu_and_mul(x) if silu_mul else x
+    y = torch.nn.functional.linear(a, weight)  # torch's product in x's dtype: float32 accumulation
+    if residual is None:
+        return y
+    return (y.to(_acc_dtype(y)) + residual.to(_acc_dtype(y))).to(y.dtype)

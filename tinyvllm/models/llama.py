@@ -8,6 +8,17 @@ and logits = RMSNorm(r) Wlm (Wlm = Wemb when embeddings are tied).
 
 Q, K and V share one matrix product (`qkv_proj`, rows [q | k | v]) and so do gate and up
 (`gate_up_proj`, rows [gate | up]); the loader fills them from Hugging Face's separate tensors.
+
+Small batches (T ≤ FUSED_MAX_TOKENS rows: the decode steps that CUDA graphs capture) take a fused path
+when the ops table has `fused_gemv` and the model allows it (`fuse_small_batches`): each matrix
+product is one matrix-vector kernel that reads its weights once, with the neighbouring ops folded in,
+    qkv = fused_gemv(r, Wqkv, norm_weight=w_in)          RMSNorm in the prologue
+    r   = fused_gemv(attn, Wo, residual=r)               residual add in the epilogue
+    h   = fused_gemv(r, Wgu, norm_weight=w_post)
+    r   = fused_gemv(h, Wd, silu_mul=True, residual=r)   SwiGLU in the prologue
+so r is always the complete residual stream (the first layer's is the embeddings); the final RMSNorm
+stays a kernel of its own and the LM head of ≤ FUSED_MAX_TOKENS rows is a plain fused_gemv. The
+roundings are those of the unfused path; only the order of the float32 sums inside the products differs.
 """
 from __future__ import annotations
 
@@ -21,6 +32,7 @@ from tinyvllm.models.attention_metadata import AttnMetadata
 from tinyvllm.models.rope import cos_sin_table
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, Hk, block_size, D]
+FUSED_MAX_TOKENS = 16  # batches up to this many token rows take the fused matrix-vector path
 
 
 class LlamaAttention(nn.Module):
@@ -37,9 +49,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 meta: AttnMetadata, kv_cache: KVCache) -> torch.Tensor:
-        # x: [T, H]
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        # x: [T, H] → [T, H]
+        return self.o_proj(self.attend(self.qkv_proj(x), positions, cos_sin, meta, kv_cache))
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+               meta: AttnMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """qkv [T, q_size + 2·kv_size] → RoPE, K/V into the cache, attention → [T, q_size]."""
+        T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
@@ -57,7 +73,7 @@ class LlamaAttention(nn.Module):
             out[D:] = self.ops.prefill_attention(q[D:], k_cache, v_cache, meta.prefill_cu_seqlens_q,
                                                  meta.prefill_seq_lens, meta.prefill_block_tables,
                                                  self.scale, meta.max_prefill_q_len)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return out.reshape(T, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -102,17 +118,34 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def forward_fused(self, r: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                      meta: AttnMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """The small-batch path (module docstring): residual stream r [T, H] → the next layer's."""
+        gemv = self.self_attn.ops.fused_gemv
+        attn, mlp = self.self_attn, self.mlp
+        ln_in, ln_post = self.input_layernorm, self.post_attention_layernorm
+        qkv = gemv(r, attn.qkv_proj.weight, norm_weight=ln_in.weight, eps=ln_in.eps)
+        o = attn.attend(qkv, positions, cos_sin, meta, kv_cache)
+        r = gemv(o, attn.o_proj.weight, residual=r)
+        h = gemv(r, mlp.gate_up_proj.weight, norm_weight=ln_post.weight, eps=ln_post.eps)
+        return gemv(h, mlp.down_proj.weight, silu_mul=True, residual=r)
+
 
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids, positions, meta, kv_caches) → final hidden states; compute_logits → logits.
 
     Parameters are created in `dtype` on the current default device (the loader builds it on the meta
     device and materialises it with `to_empty`); `init_rope_table` must run once on the real device.
+    `fuse_small_batches` allows the fused path for batches of ≤ FUSED_MAX_TOKENS rows (module docstring);
+    it can be flipped on an existing model (before capturing CUDA graphs).
     """
 
-    def __init__(self, config: ModelConfig, ops: Ops, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, max_positions: int, dtype: torch.dtype,
+                 fuse_small_batches: bool = True) -> None:
         super().__init__()
         self.config = config
+        self.ops = ops
+        self.fuse_small_batches = fuse_small_batches
         self.max_positions = max_positions
         # Given its weight, nn.Embedding skips its random init: on the meta device that init would import
         # torch._dynamo (seconds of start-up on a CPU) for values the loader overwrites anyway.
@@ -137,10 +170,18 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def uses_fused_path(self, num_rows: int) -> bool:
+        """Whether a batch of `num_rows` token rows (or hidden rows, for the logits) is fused."""
+        return self.fuse_small_batches and self.ops.fused_gemv is not None and 0 < num_rows <= FUSED_MAX_TOKENS
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         # input_ids, positions: [T] → hidden: [T, H]
         x = self.embed_tokens(input_ids)
+        if self.uses_fused_path(x.shape[0]):
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x = layer.forward_fused(x, positions, self.cos_sin, meta, kv_cache)
+            return self.norm(x)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.cos_sin, meta, kv_cache)
@@ -150,5 +191,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """[N, H] → [N, V] logits, in `dtype` (None: the model's dtype, which the samplers upcast as they
         read it, saving a [N, V] float32 copy per step)."""
-        logits = F.linear(hidden, self.lm_head_weight)
+        if self.uses_fused_path(hidden.shape[0]):
+            logits = self.ops.fused_gemv(hidden, self.lm_head_weight)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight)
         return logits if dtype is None else logits.to(dtype)

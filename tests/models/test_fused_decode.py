@@ -1,0 +1,135 @@
+"""The fused small-batch forward (fused_gemv with RMSNorm / SwiGLU / residual folded in, T ≤ 16 rows)
+against the unfused forward of the same model, on a decode batch and on a mixed decode + prefill-chunk
+batch, with both ops tables.
+
+The torch table's fused_gemv is literally the unfused op sequence (reference.fused_gemv), so there the
+two paths must agree bit for bit. The Triton table (the CPU interpreter without CUDA) sums its products
+in another order than torch's matmul: float32 agrees to ~1e-6 (1e-5 bound). In bfloat16 every product
+output is rounded to 8 bits and the rounding differences grow through the layers: on this random model
+a bf16 run differs from the float32 run of the same weights by 0.8e-2 (torch) to 1.5–2e-2 (the
+interpreter, which truncates fp32 → bf16 where torch rounds to nearest), and fused from unfused by
+1.2–1.3e-2. The bound, 4e-2, leaves 3× margin and still catches bookkeeping errors: a skipped norm
+weight gives 0.27, a lost residual 1.1, a wrong eps 0.6. The exact rounding order is checked
+elementwise in tests/kernels/test_gemv.py.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tinyvllm.config import ModelConfig
+from tinyvllm.kernels import get_ops
+from tinyvllm.models.attention_metadata import AttnMetadata
+from tinyvllm.models.checkpoint import make_config
+from tinyvllm.models.llama import FUSED_MAX_TOKENS, LlamaForCausalLM
+
+BLOCK = 4
+
+
+def backends() -> list[str]:
+    usable = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    return ["torch", "triton"] if usable else ["torch"]
+
+
+def device_for(backend: str) -> torch.device:
+    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
+def build(backend: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    config = ModelConfig.from_dict(make_config("tiny", num_hidden_layers=2))
+    with torch.device(device):
+        model = LlamaForCausalLM(config, get_ops(backend), 64, dtype)
+    model.init_rope_table()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # not 1, so a skipped norm weight shows
+                values = 1 + 0.2 * torch.randn(p.shape, generator=gen)
+            else:
+                values = 0.1 * torch.randn(p.shape, generator=gen)
+            p.copy_(values.to(dtype))
+    return model.eval()
+
+
+def batch(kind: str, device: torch.device):
+    """(input_ids, positions, meta) of a decode batch of 3 sequences, or 1 decode row + a 6-row chunk.
+    The cache holds earlier context for every sequence (random K/V written by the caller)."""
+    i32, i64 = torch.int32, torch.int64
+    if kind == "decode":
+        seq_lens = [7, 13, 1]  # context incl. the new token
+        tables = torch.tensor([[0, 1, 2, 9], [3, 4, 5, 6], [7, 9, 9, 9]], dtype=i32)
+        positions = [n - 1 for n in seq_lens]
+        slots = [int(tables[b, p // BLOCK]) * BLOCK + p % BLOCK for b, p in enumerate(positions)]
+        meta = AttnMetadata(
+            slot_mapping=torch.tensor(slots, dtype=i64), num_decode_tokens=3,
+            decode_seq_lens=torch.tensor(seq_lens, dtype=i32), decode_block_tables=tables,
+            max_decode_seq_len=max(seq_lens), num_prefills=0, prefill_cu_seqlens_q=torch.zeros(1, dtype=i32),
+            prefill_seq_lens=torch.zeros(0, dtype=i32), prefill_block_tables=tables[:0],
+            max_prefill_q_len=0, max_prefill_seq_len=0)
+    else:
+        dec_tables = torch.tensor([[0, 1, 2]], dtype=i32)
+        pre_tables = torch.tensor([[3, 4, 5]], dtype=i32)
+        positions = [9] + list(range(3, 9))  # the chunk: tokens 3..8 of a sequence with 9 tokens
+        slots = [int(dec_tables[0, 9 // BLOCK]) * BLOCK + 9 % BLOCK]
+        slots += [int(pre_tables[0, p // BLOCK]) * BLOCK + p % BLOCK for p in positions[1:]]
+        meta = AttnMetadata(
+            slot_mapping=torch.tensor(slots, dtype=i64), num_decode_tokens=1,
+            decode_seq_lens=torch.tensor([10], dtype=i32), decode_block_tables=dec_tables,
+            max_decode_seq_len=10, num_prefills=1, prefill_cu_seqlens_q=torch.tensor([0, 6], dtype=i32),
+            prefill_seq_lens=torch.tensor([9], dtype=i32), prefill_block_tables=pre_tables,
+            max_prefill_q_len=6, max_prefill_seq_len=9)
+    for name in ("slot_mapping", "decode_seq_lens", "decode_block_tables", "prefill_cu_seqlens_q",
+                 "prefill_seq_lens", "prefill_block_tables"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    T = len(positions)
+    ids = torch.randint(0, 512, (T,), generator=torch.Generator().manual_seed(T)).to(device)
+    return ids, torch.tensor(positions, dtype=i64, device=device), meta
+
+
+def caches(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> list:
+    c = model.config
+    gen = torch.Generator().manual_seed(1)
+    shape = (10, c.num_key_value_heads, BLOCK, c.head_dim)
+    return [tuple(torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+            for _ in range(c.num_hidden_layers)]
+
+
+def run(model, fused: bool, ids, positions, meta, kv):
+    model.fuse_small_batches = fused
+    kv = [(k.clone(), v.clone()) for k, v in kv]
+    with torch.no_grad():
+        hidden = model(ids, positions, meta, kv)
+        logits = model.compute_logits(hidden, dtype=None)
+    return hidden, logits, kv
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("backend", backends())
+def test_fused_small_batch_equals_unfused(backend, dtype, kind):
+    device = device_for(backend)
+    model = build(backend, dtype, device)
+    ids, positions, meta = batch(kind, device)
+    assert model.uses_fused_path(len(ids))
+    kv = caches(model, dtype, device)
+    h0, l0, kv0 = run(model, False, ids, positions, meta, kv)
+    h1, l1, kv1 = run(model, True, ids, positions, meta, kv)
+    assert h1.dtype == h0.dtype == dtype and l1.dtype == l0.dtype
+    if backend == "torch":  # the reference fused_gemv is the unfused op sequence: same bits
+        assert torch.equal(h0, h1) and torch.equal(l0, l1)
+        assert all(torch.equal(a, b) for x, y in zip(kv0, kv1) for a, b in zip(x, y))
+        return
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    for ours, ref in ((h1, h0), (l1, l0), *[(x[i], y[i]) for x, y in zip(kv1, kv0) for i in (0, 1)]):
+        err = ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+def test_fused_path_only_for_small_batches():
+    model = build("torch", torch.float32, torch.device("cpu"))
+    assert model.uses_fused_path(1) and model.uses_fused_path(FUSED_MAX_TOKENS)
+    assert not model.uses_fused_path(FUSED_MAX_TOKENS + 1) and not model.uses_fused_path(0)
+    model.fuse_small_batches = False
+    assert not model.uses_fused_path(1)

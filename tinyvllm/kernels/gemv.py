@@ -1,0 +1,330 @@
+"""Matrix-vector products for decode batches (M ≤ 16 rows), with the small ops around them fused in:
+
+    out = round(a Wᵀ)                       a: [M, K], W: [N, K] (nn.Linear layout), fp32 accumulation
+    out = round(round(a Wᵀ) + residual)      with `residual` [M, N] (added in fp32, as add_rms_norm does)
+
+where the input transform a is one of
+    a = x                                     plain
+    a = round(w_n ⊙ round(x · rstd)),         `norm_weight` w_n: RMSNorm (rms_norm.py's roundings),
+        rstd = 1 / sqrt(mean(x²) + eps)           rstd over the whole row of x, in fp32
+    a = round(silu(g) ⊙ u),  x = [g | u]      `silu_mul`: SwiGLU's gate (activation.py), x: [M, 2K]
+
+"round" is to x's dtype. So `fused_gemv(x, W, norm_weight=w)` computes rms_norm(x, w) @ Wᵀ and
+`fused_gemv(h, W, silu_mul=True, residual=r)` computes add(silu_and_mul(h) @ Wᵀ, r) with the unfused
+ops' roundings: fusing changes only the order of the fp32 sums.
+
+Decode is bound by the bytes of W (each weight is read once and used M times), so the design is about
+keeping enough weight bytes in flight on every SM:
+  * A program computes a BLOCK_N × M tile of the output from BLOCK_N whole weight rows, streaming
+    them in [BLOCK_N, BLOCK_K] tiles. FMA path (default at M = 1): fp32 FMAs into a
+    [BLOCK_N, (M,) BLOCK_K] accumulator, summed over K once at the end; at M = 1 x is loaded as a
+    [BLOCK_N, BLOCK_K] tile of identical rows so that it lands in W's register layout (L1 serves the
+    repeats) instead of being reshuffled through shared memory every tile. Dot path (default at M ≥ 2):
+    `tl.dot(W_tile, aᵀ)` with a padded to 16 rows (the tensor cores do the FMAs; W is the 64-row
+    operand, so Hopper runs wgmma with W streamed into shared memory by cp.async).
+  * Split-K (grid (N / BLOCK_N, splits)) when N alone gives too few programs (N = 2048 rows against
+    132 SMs): each split writes its fp32 partial tile to a workspace and takes a ticket from a
+    per-tile arrival counter (an acq_rel atomic after a CTA barrier, the semaphore pattern of CUTLASS's
+    serial split-K); the program that arrives last sums the partials in split order, so the result is
+    deterministic, runs the epilogue and resets the counter for the next launch. One launch, no
+    memset, no host sync: safe to capture in a CUDA graph.
+  * RMSNorm needs the whole row's statistics before the first product, so each program first reads
+    x's rows once for Σx² (x is M·K·2 bytes, from L2); the split heuristic bounds these re-reads by
+    the weight bytes.
+
+Tile sizes, warps, stages and the split come from `default_config` (a heuristic on M, N, K and the SM
+count); `fused_gemv_fwd(..., config=GemvConfig(...))` overrides it (`bench_gemv.py --sweep`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyvllm.kernels._launch import (cdiv, check_dim, check_float, check_last_dim_contiguous, check_same_device,
+                                      is_power_of_2, next_power_of_2, num_sms, upcast_dot)
+
+MAX_ROWS = 16  # rows of x per call: decode batches; beyond this a GEMM is the right kernel
+FMA_MAX_ROWS = 1  # up to this M, FMAs in registers by default; above, tl.dot with M padded to 16
+
+_PLAIN, _NORM, _SILU = 0, 1, 2
+
+
+class GemvConfig(NamedTuple):
+    block_n: int  # weight rows (outputs) per program
+    block_k: int  # reduction tile
+    split_k: int  # programs along K per output tile (1: no workspace, no counters)
+    num_warps: int
+    num_stages: int
+    use_dot: bool  # tl.dot with M padded to 16 instead of FMAs (needs block_n ≥ 16, block_k ≥ 16)
+
+
+def choose_split(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, norm: bool,
+                 programs_per_sm: int = 4) -> int:
+    """Smallest power-of-two split giving ≥ programs_per_sm · sms programs, with every split at least
+    two K tiles long and, for the RMSNorm prologue (each program reads x's M·K values once more),
+    no more programs than N / M, so those re-reads stay below the weight bytes."""
+    n_blocks = cdiv(N, block_n)
+    max_split = max(1, K // (2 * block_k))
+    if norm:
+        max_split = min(max_split, max(1, N // (M * n_blocks)))
+    split = 1
+    while n_blocks * split < programs_per_sm * sms and split * 2 <= max_split:
+        split *= 2
+    return split
+
+
+@functools.lru_cache(maxsize=4096)  # host cost per launch: a dict lookup
+def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False) -> GemvConfig:
+    """The launch config for x [M, K] and W [N, K] on a device with `sms` multiprocessors.
+
+    Not yet tuned on the GPU (docs/perf.md); the reasoning, checked against the sm_90 code Triton
+    emits (compiled without a GPU): a memory-bound program wants ≥ 16 KB of weight loads in flight
+    per SM. M = 1: [8, 512] bf16 tiles (8 KB per iteration, 16-byte loads) at 4 warps take ~80
+    registers per thread, so ~6 programs share an SM. M ≥ 2: [64, 128] tiles (16 KB) into wgmma
+    (64 × 16 × 16), 3 stages of cp.async in ~60 KB of shared memory, ~3 programs per SM (the FMA path
+    at M = 2 needs 120 registers and reshuffles x through shared memory each tile). Split-K by
+    `choose_split`."""
+    if M <= FMA_MAX_ROWS:
+        block_n, block_k, warps, stages, dot = 8, min(512, max(16, next_power_of_2(K))), 4, 2, False
+    else:
+        block_n, block_k, warps, stages, dot = 64, min(128, max(16, next_power_of_2(K))), 4, 3, True
+    split = choose_split(M, N, K, sms, block_n, block_k, norm)
+    return GemvConfig(block_n, block_k, split, warps, stages, dot)
+
+
+def candidate_configs(M: int, N: int, K: int, sms: int, *, norm: bool = False) -> list[GemvConfig]:
+    """The grid `bench_gemv.py --sweep` times (deduplicated, the default among them): tiles × warps ×
+    stages × split targets of 2, 4 and 8 programs per SM; FMA tiles only for M ≤ 4."""
+    fma = [(4, 512), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512)] if M <= 4 else []
+    dot = [(32, 128), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128)]
+    grid = [(False, n, k, w, s) for n, k in fma for w in (4, 8) for s in (1, 2)]
+    grid += [(True, n, k, 4, s) for n, k in dot for s in (2, 3, 4)]
+    out = [default_config(M, N, K, sms, norm=norm)]
+    for use_dot, block_n, block_k, warps, stages in grid:
+        block_k = min(block_k, max(16, next_power_of_2(K)))
+        for pps in (2, 4, 8):
+            split = choose_split(M, N, K, sms, block_n, block_k, norm, pps)
+            cfg = GemvConfig(block_n, block_k, split, warps, stages, use_dot)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+@triton.jit
+def _row_rstd(x_rows, mask_m, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x²) + eps) of each of the BLOCK_M rows, in fp32 (rms_norm.py's expression)."""
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k[None, :] < K), other=0.0)
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def _load_a(x_rows, nw_ptr, cols, mask, nw_mask, rstd, K, MODE: tl.constexpr):
+    """The transformed input tile a = f(x[rows, cols]) in x's dtype, with the unfused ops' roundings;
+    rstd: [rows] (RMSNorm only). The norm weight is loaded at `cols`, in the tile's own layout."""
+    if MODE == 2:  # silu(g) ⊙ u, as activation.py
+        g = tl.load(x_rows + cols, mask=mask, other=0.0)
+        u = tl.load(x_rows + K + cols, mask=mask, other=0.0)
+        gf, uf = g.to(tl.float32), u.to(tl.float32)
+        a = (gf / (1.0 + tl.exp(-gf)) * uf).to(g.dtype)
+    else:
+        a = tl.load(x_rows + cols, mask=mask, other=0.0)
+        if MODE == 1:  # w ⊙ round(x · rstd), as rms_norm.py
+            nw = tl.load(nw_ptr + cols, mask=nw_mask, other=0.0)
+            normed = (a.to(tl.float32) * rstd[:, None]).to(a.dtype)
+            a = (nw.to(tl.float32) * normed.to(tl.float32)).to(a.dtype)
+    return a
+
+
+@triton.jit
+def _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL: tl.constexpr):
+    """y: the fp32 tile [BLOCK_N, BLOCK_M] → out[m, n] = round(y), or round(round(y) + residual)."""
+    out = y.to(out_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
+        out = (out.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], out, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every batch size on a path
+def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
+                 M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_rm, stride_om,
+                 MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if MODE == 1:
+        rstd = _row_rstd(x_rows, mask_m, K, eps, BLOCK_M, BLOCK_K)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    elif BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+
+    k_start = pid_k * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k = k_start + k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:  # every tile lies inside [0, K): an all-true mask, which the compiler folds away
+            mask_k = tl.full([BLOCK_K], 1, tl.int1)
+        else:
+            mask_k = k < K
+        w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if BLOCK_M == 1 and not USE_DOT and MODE != 2:
+            # x's one row loaded as a [BLOCK_N, BLOCK_K] tile (every row the same addresses, L1 hits):
+            # the same shape as W's tile gets the same register layout, so no shared-memory shuffle.
+            # (Not for SwiGLU: each thread would compute its columns' sigmoids once per row it holds.)
+            cols = k[None, :] + offs_n[:, None] * 0
+            full = mask_k[None, :] & (offs_n[:, None] >= 0)
+            a = _load_a(x_ptr, nw_ptr, cols, full, full, rstd, K, MODE)
+        else:
+            a = _load_a(x_rows, nw_ptr, k[None, :], mask_m[:, None] & mask_k[None, :], mask_k[None, :], rstd,
+                        K, MODE)
+        if USE_DOT:
+            if UPCAST:  # CPU interpreter only: see _launch.upcast_dot
+                acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(w, tl.trans(a), input_precision="ieee")
+            else:
+                acc += tl.dot(w, tl.trans(a))
+        elif BLOCK_M == 1:
+            acc += w.to(tl.float32) * a.to(tl.float32)
+        else:
+            acc += w.to(tl.float32)[:, None, :] * a.to(tl.float32)[None, :, :]
+    if USE_DOT:
+        y = acc
+    elif BLOCK_M == 1:
+        y = tl.sum(acc, axis=1)[:, None]
+    else:
+        y = tl.sum(acc, axis=2)
+
+    mask = mask_n[:, None] & mask_m[None, :]
+    if not SPLIT:
+        _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL)
+    else:
+        # Workspace [splits, M, N] fp32. Publish this split's partial, then take a ticket: the barrier
+        # orders every thread's stores before the (gpu-scope, acq_rel) atomic of the CTA's one thread.
+        ws_tile = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tl.store(ws_tile + pid_k.to(tl.int64) * M * N, y, mask=mask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        num_splits = tl.num_programs(1)
+        if ticket == num_splits - 1:  # the last to arrive: sum in split order (deterministic)
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(num_splits):
+                total += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(total, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL)
+            tl.atomic_xchg(tickets_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+# Split-K arrival counters, one int32 per output tile, per device. Zero between launches: the last
+# program of each tile resets its own. Allocated on first use (the model's warm-up, before any graph
+# capture); a buffer that has to grow is kept alive, since captured graphs may point at it. Launches
+# on two streams of one device at once would share counters: the engine runs one stream.
+_TICKETS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_TICKETS = 1 << 16
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    bufs = _TICKETS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, _MIN_TICKETS), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, silu_mul: bool,
+           residual: torch.Tensor | None) -> tuple[int, int, int]:
+    """Validate the arguments; returns (M, N, K)."""
+    check_dim("x", x, 2)
+    check_dim("weight", weight, 2)
+    check_float("x", x)
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight ({weight.dtype}) and x ({x.dtype}) must share a dtype")
+    M, K_in = x.shape
+    N, K = weight.shape
+    if M > MAX_ROWS:
+        raise ValueError(f"fused_gemv serves at most {MAX_ROWS} rows (decode batches), got {M}")
+    if norm_weight is not None and silu_mul:
+        raise ValueError("choose one input transform: norm_weight or silu_mul, not both")
+    if K_in != (2 * K if silu_mul else K):
+        want = f"2·{K} (gate | up)" if silu_mul else str(K)
+        raise ValueError(f"x has {K_in} columns; weight {tuple(weight.shape)} needs {want}")
+    tensors = {"x": x, "weight": weight}
+    if norm_weight is not None:
+        if norm_weight.shape != (K,) or norm_weight.dtype != x.dtype:
+            raise ValueError(f"norm_weight must be [{K}] in {x.dtype}, got {tuple(norm_weight.shape)} "
+                             f"{norm_weight.dtype}")
+        tensors["norm_weight"] = norm_weight
+    if residual is not None:
+        if residual.shape != (M, N) or residual.dtype != x.dtype:
+            raise ValueError(f"residual must be [{M}, {N}] in {x.dtype}, got {tuple(residual.shape)} "
+                             f"{residual.dtype}")
+        check_last_dim_contiguous("residual", residual)
+        tensors["residual"] = residual
+    check_same_device(**tensors)
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+    return M, N, K
+
+
+def _check_config(cfg: GemvConfig) -> None:
+    if not (is_power_of_2(cfg.block_n) and is_power_of_2(cfg.block_k) and cfg.split_k >= 1):
+        raise ValueError(f"block_n and block_k must be powers of two and split_k ≥ 1: {cfg}")
+    if cfg.use_dot and (cfg.block_n < 16 or cfg.block_k < 16):
+        raise ValueError(f"tl.dot needs block_n ≥ 16 and block_k ≥ 16: {cfg}")
+
+
+def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                   eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
+                   config: GemvConfig | None = None) -> torch.Tensor:
+    """Launcher: checks, picks the config (or takes `config`), launches one kernel. → out [M, N]."""
+    M, N, K = _check(x, weight, norm_weight, silu_mul, residual)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    norm = norm_weight is not None
+    cfg = config or default_config(M, N, K, num_sms(x.device), norm=norm)
+    _check_config(cfg)
+    block_m = 16 if cfg.use_dot else next_power_of_2(M)
+    k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = cdiv(K, k_per_split) if K else 1
+    n_blocks = cdiv(N, cfg.block_n)
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        tickets = _tickets(x.device, n_blocks)
+    else:
+        ws = tickets = out
+    mode = _NORM if norm else _SILU if silu_mul else _PLAIN
+    _gemv_kernel[(n_blocks, split)](
+        x, weight, norm_weight if norm else x, residual if residual is not None else out, out, ws, tickets,
+        M, N, K, k_per_split, eps, x.stride(0), weight.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0),
+        MODE=mode, HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, EVEN_K=split * k_per_split == K,
+        UPCAST=upcast_dot(x.device), IEEE=x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+               eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference's signature (see `reference.fused_gemv`): x [M ≤ 16, K or 2K], W [N, K] → [M, N]."""
+    return fused_gemv_fwd(x, weight, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
+
