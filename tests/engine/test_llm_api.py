@@ -210,11 +210,12 @@ def test_triton_backend_matches_torch_backend(model_dir):
     prompts = ["The list type", "Once upon a time there was"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = {}
-    for backend in ("torch", "triton"):
+    for backend, fused in (("torch", True), ("triton", True), ("triton", False)):
+        # max_num_batched_tokens 8: every step is small enough for the fused matrix-vector path
         llm = LLM(model=str(model_dir), device="cpu", max_model_len=64, block_size=4, kernel_backend=backend,
-                  max_num_batched_tokens=8)
-        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert outs["triton"] == outs["torch"]
+                  max_num_batched_tokens=8, fused_gemv=fused)
+        outs[backend, fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["triton", True] == outs["torch", True] == outs["triton", False]
 
 
 def test_prefix_shared_within_one_step(model_dir):

@@ -47,6 +47,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool | None = None  # overlap host work with the device; None: on for CUDA
+    fused_gemv: bool = True  # batches of <= 16 tokens: fused matrix-vector kernels (kernels/gemv.py)
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
@@ -81,6 +82,9 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 before reading step N's tokens (default: on for CUDA)")
+    g.add_argument("--fused-gemv", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode batches of up to 16 tokens through the fused matrix-vector kernels, with "
+                        "the norms, SwiGLU and residual adds folded in (default: on)")
 
 
 def engine_args_from_cli(ns: argparse.Namespace) -> EngineArgs:

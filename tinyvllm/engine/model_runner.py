@@ -72,7 +72,7 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, *, model_dir: str, device: torch.device,
                  dtype: torch.dtype, kernel_backend: str, load_format: str = "auto", seed: int = 0,
-                 eos_token_ids: Sequence[int] = (), show_progress: bool = False) -> None:
+                 eos_token_ids: Sequence[int] = (), show_progress: bool = False, fused_gemv: bool = True) -> None:
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -81,7 +81,8 @@ class ModelRunner:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model = build_model(model_config, self.ops, model_dir=model_dir, device=device, dtype=dtype,
                                  max_positions=model_config.max_position_embeddings,
-                                 load_format=load_format, seed=seed, show_progress=show_progress)
+                                 load_format=load_format, seed=seed, show_progress=show_progress,
+                                 fuse_small_batches=fused_gemv)
         self.sampler = Sampler()
         self.batch_generator = torch.Generator(device=device).manual_seed(seed)
         self._rng = random.Random(seed)  # seeds of unseeded requests for the fused sampler
