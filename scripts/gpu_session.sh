@@ -60,7 +60,8 @@ fi
 # 3. Correctness at real shapes: kernels against the reference, sampler, engine against transformers.
 step kernel_tests 150 python3 -m pytest -q -n 8 tests/kernels tests/engine/test_sampler_gpu.py -p no:cacheprovider
 step engine_gpu_tests 200 python3 -m pytest -q -s tests/gpu -p no:cacheprovider
-step gemv_bench 150 python3 benchmarks/kernels/bench_gemv.py --out-dir "$RES"
+step gemv_bench 150 python3 benchmarks/kernels/bench_gemv.py --models 1b --out "$RES"
+step gemv_sweep 200 python3 benchmarks/kernels/bench_gemv.py --no-model --sweep --sweep-m 1 4 --out "$RES"
 step host_step 60 python3 -m benchmarks.bench_host_step --batch 1 64 256 --steps 200 --out-dir "$RES"
 
 if [ -n "$TRAIN_PID" ]; then
@@ -78,7 +79,7 @@ bench() {  # bench NAME LIMIT ARGS...
   esac
 }
 bench latency 120 latency --baseline hf --profile
-bench latency_unfused 90 latency --no-fused-gemv --name latency_unfused
+bench latency_fused 90 latency --fused-gemv --name latency_fused
 bench throughput 150 throughput --profile --max-model-len 4096
 bench throughput_hf 200 throughput --max-model-len 4096 --baseline hf --baseline-requests 32 --name throughput_hf
 bench shared_prefix 100 shared-prefix --max-model-len 4096

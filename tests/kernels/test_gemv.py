@@ -97,12 +97,16 @@ def test_roundings_equal_unfused_ops(name, cfg, dtype, device):
     r = torch.randn(M, K, generator=gen, device=device).to(dtype)
     eye = torch.eye(K, device=device, dtype=dtype)
     xs = x[:, :K]
-    exact_ref = dtype != torch.bfloat16 or device.type == "cuda"
+    # Not bit-exact against the torch reference: bf16 on the CPU (the interpreter truncates where torch
+    # rounds), and RMSNorm in float32 on CUDA (torch's rsqrt and Triton's 1/sqrt are an ulp apart; seen
+    # on the H200). Against the Triton ops, always bit-exact.
+    exact_ref = not ((dtype == torch.bfloat16 and device.type == "cpu")
+                     or (dtype == torch.float32 and device.type == "cuda"))
     cases = [
         (fused_gemv_fwd(xs, eye, norm_weight=nw, eps=1e-5, config=cfg), triton_ops.rms_norm(xs, nw, 1e-5),
          reference.rms_norm(xs, nw, 1e-5), exact_ref),
         (fused_gemv_fwd(xs, eye, residual=r, config=cfg), triton_ops.add_rms_norm(xs, r, nw, 1e-5)[1],
-         reference.add_rms_norm(xs, r, nw, 1e-5)[1], exact_ref),
+         reference.add_rms_norm(xs, r, nw, 1e-5)[1], not (dtype == torch.bfloat16 and device.type == "cpu")),
         (fused_gemv_fwd(x, eye, silu_mul=True, config=cfg), triton_ops.silu_and_mul(x),
          reference.silu_and_mul(x), False),
     ]

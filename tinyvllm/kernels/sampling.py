@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["CHUNK", "NUM_SPLITS"])  # one compile whatever the batch
 def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, val_ptr, idx_ptr, V, CHUNK,
-                           NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                           NUM_SPLITS, BLOCK: tl.constexpr):
     """Program (row, split): the best (value, index) among indices [split·CHUNK, (split+1)·CHUNK)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -49,11 +49,11 @@ def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, va
     tl.store(idx_ptr + row * NUM_SPLITS + split, idx)
 
 
-@triton.jit
-def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, V, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
+def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, V, NUM_SPLITS, MAX_SPLITS: tl.constexpr):
     """Row b: the split holding the largest value; the lowest index among equal values."""
     row = tl.program_id(0)
-    k = tl.arange(0, SPLITS_P2)
+    k = tl.arange(0, MAX_SPLITS)
     mask = k < NUM_SPLITS
     val = tl.load(val_ptr + row * NUM_SPLITS + k, mask=mask, other=float("-inf"))
     idx = tl.load(idx_ptr + row * NUM_SPLITS + k, mask=mask, other=V)
@@ -64,13 +64,14 @@ def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, V, NUM_SPLITS: tl.constexpr
 
 
 _BLOCK = 2048
+_MAX_SPLITS = 64  # a power of two; the split count is a runtime value below it, so one compile serves all
 
 
 def num_splits(batch: int, vocab: int, device: torch.device) -> int:
     """Splits per row so that batch × splits programs fill the device about four times over (the
     per-row loop is long: 63 tiles of 2,048 for a 128k vocabulary), at least one tile per split."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(4 * sms, max(batch, 1)), triton.cdiv(vocab, _BLOCK), 64))
+    return max(1, min(triton.cdiv(4 * sms, max(batch, 1)), triton.cdiv(vocab, _BLOCK), _MAX_SPLITS))
 
 
 def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
@@ -86,13 +87,12 @@ def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, see
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
-        S = splits or num_splits(B, V, logits.device)
+        S = min(splits or num_splits(B, V, logits.device), _MAX_SPLITS)
         chunk = triton.cdiv(triton.cdiv(V, S), _BLOCK) * _BLOCK
         S = triton.cdiv(V, chunk)
         vals = torch.empty(B, S, dtype=torch.float32, device=logits.device)
         idxs = torch.empty(B, S, dtype=torch.int32, device=logits.device)
-        _sample_partial_kernel[(B, S)](logits, logits.stride(0), temperature, seeds, vals, idxs, V, chunk,
-                                       NUM_SPLITS=S, BLOCK=_BLOCK, num_warps=8)
-        _sample_reduce_kernel[(B,)](vals, idxs, out, V, NUM_SPLITS=S, SPLITS_P2=triton.next_power_of_2(S),
-                                    num_warps=1)
+        _sample_partial_kernel[(B, S)](logits, logits.stride(0), temperature, seeds, vals, idxs, V, chunk, S,
+                                       BLOCK=_BLOCK, num_warps=8)
+        _sample_reduce_kernel[(B,)](vals, idxs, out, V, S, MAX_SPLITS=_MAX_SPLITS, num_warps=1)
     return out
