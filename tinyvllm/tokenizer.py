@@ -210,6 +210,8 @@ class IncrementalDetokenizer:
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
         self._tokenizer = tokenizer
+        backend = getattr(tokenizer, "_backend", None)  # the `tokenizers` object: skip a wrapper per call
+        self._decode_ids = backend.decode if backend is not None else tokenizer.decode
         self._skip_special_tokens = skip_special_tokens
         self._stop = stop
         self._include_stop = include_stop_str_in_output
@@ -260,9 +262,12 @@ class IncrementalDetokenizer:
             raise RuntimeError("add_tokens() after the request finished (stop string matched or finish() called)")
         if not new_token_ids:
             return None
-        self._ids.extend(new_token_ids)
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        new_text = self._decode(self._prefix_offset, len(self._ids))
+        ids = self._ids
+        ids.extend(new_token_ids)
+        skip = self._skip_special_tokens
+        start, read = self._prefix_offset, self._read_offset
+        prefix_text = self._decode_ids(ids[start:read], skip_special_tokens=skip) if start < read else ""
+        new_text = self._decode_ids(ids[start:], skip_special_tokens=skip)
         old_visible_len = self._visible_len
         if new_text.endswith(_REPLACEMENT_CHAR):
             self._pending = new_text[len(prefix_text) :]
@@ -275,6 +280,8 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
             self._pending = ""
             self._visible_len = len(self._committed)
+        if not self._stop:
+            return None
         return self._check_stop(self.output_text, old_visible_len)
 
     def finish(self) -> str | None:
@@ -307,7 +314,7 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
+        return self._decode_ids(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
 
     def _check_stop(self, text: str, old_len: int) -> str | None:
         """Find the first stop string completed in ``text`` after position ``old_len``; cut there."""
