@@ -57,6 +57,26 @@ def _warm_up(llm: LLM, w: Workload | None = None) -> None:
         llm.generate(_prompts(head, vocab), _params(head), use_tqdm=False)
 
 
+def triton_compiles() -> int:
+    """Kernel variants Triton has compiled in this process so far, over tinyvllm's kernels (0 where this
+    Triton version hides its cache). A timed run must not compile: the benches report the difference."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import tinyvllm.kernels as package
+
+    count = 0
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for obj in vars(module).values():
+            if isinstance(obj, triton.runtime.jit.JITFunction):
+                for cache in getattr(obj, "device_caches", {}).values():
+                    count += len(cache[0]) if isinstance(cache, tuple) and isinstance(cache[0], dict) else 0
+    return count
+
+
 def _ceilings(device: torch.device) -> Ceilings | None:
     return measure_ceilings(device) if device.type == "cuda" else None
 
@@ -133,14 +153,16 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         _free(model)
     llm = LLM(**vars(_engine_args(ns)))
     _warm_up(llm, w)
+    compiled = triton_compiles()
     start = time.perf_counter()
     outs = llm.generate(_prompts(w, llm.llm_engine.model_config.vocab_size), _params(w), use_tqdm=True)
     elapsed = time.perf_counter() - start
+    compiled = triton_compiles() - compiled
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == w.num_output_tokens, (produced, w.num_output_tokens)
     ours = {"seconds": elapsed, "output_tokens": produced, "output_tokens_per_s": produced / elapsed,
             "total_tokens_per_s": (produced + sum(map(len, w.prompts))) / elapsed,
-            "num_preemptions": llm.get_metrics()["num_preemptions"]}
+            "num_preemptions": llm.get_metrics()["num_preemptions"], "triton_compiles_in_timed_run": compiled}
     costs = ModelCosts.of(llm.llm_engine.model_config)
     floor = throughput_floor(costs, [len(p) for p in w.prompts], w.max_tokens, ceil) if ceil else None
     rows = [("tinyvllm", f"{ours['output_tokens_per_s']:.0f}", f"{elapsed:.2f}")]
@@ -153,6 +175,8 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         rows.append(("ours / floor", f"{ours['output_tokens_per_s'] / floor['output_tokens_per_s']:.2f}", ""))
     print_table(f"throughput: {len(w.prompts)} requests, {produced} output tokens ({ns.model})", rows,
                 ("", "output tok/s", "seconds"))
+    if compiled:
+        print(f"warning: Triton compiled {compiled} kernel variants inside the timed run")
     profile = _profile(ns, llm, w, device, "throughput_step_breakdown.png")
     result = {"workload": "throughput", "model": ns.model, "ours": ours, "hf": hf, "floor": floor,
               "ceilings": ceil.__dict__ if ceil else None, "profile": profile,
@@ -168,24 +192,29 @@ def run_shared_prefix(ns: argparse.Namespace) -> dict[str, Any]:
     for caching in (False, True):
         llm = LLM(**vars(_engine_args(ns, enable_prefix_caching=caching)))
         _warm_up(llm, shared_prefix_workload(16, seed=1))  # other tokens: nothing of the timed run is cached
+        compiled, before = triton_compiles(), llm.get_metrics()
         start = time.perf_counter()
         outs = llm.generate(_prompts(w, llm.llm_engine.model_config.vocab_size), _params(w), use_tqdm=False)
         elapsed = time.perf_counter() - start
+        compiled = triton_compiles() - compiled
         ttfts = [_ttft(o) for o in outs]
         m = llm.get_metrics()
         results["on" if caching else "off"] = {
             "seconds": elapsed, "mean_ttft_s": statistics.fmean(ttfts), "p50_ttft_s": statistics.median(ttfts),
-            "prefix_cache_hit_tokens": m["prefix_cache_hit_tokens"],
-            "prefix_cache_queried_tokens": m["prefix_cache_queried_tokens"]}
+            "prefix_cache_hit_tokens": m["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
+            "prefix_cache_queried_tokens": m["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"],
+            "triton_compiles_in_timed_run": compiled}
         del llm, outs  # free this engine's KV cache before the next one sizes its own
         _free()
     on, off = results["on"], results["off"]
     rows = [(k, f"{v['seconds']:.2f}", f"{v['mean_ttft_s'] * 1e3:.0f}", f"{v['p50_ttft_s'] * 1e3:.0f}",
-             f"{v['prefix_cache_hit_tokens']}/{v['prefix_cache_queried_tokens']}") for k, v in results.items()]
+             f"{v['prefix_cache_hit_tokens']}/{v['prefix_cache_queried_tokens']}",
+             str(v["triton_compiles_in_timed_run"])) for k, v in results.items()]
     rows.append(("off / on", f"{off['seconds'] / on['seconds']:.1f}x", f"{off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x",
-                 f"{off['p50_ttft_s'] / on['p50_ttft_s']:.1f}x", ""))
+                 f"{off['p50_ttft_s'] / on['p50_ttft_s']:.1f}x", "", ""))
     print_table(f"shared-prefix: {len(w.prompts)} requests, 1024-token shared prefix + 64, 128 out ({ns.model})",
-                rows, ("prefix caching", "seconds", "mean TTFT ms", "p50 TTFT ms", "hit/queried tokens"))
+                rows, ("prefix caching", "seconds", "mean TTFT ms", "p50 TTFT ms", "hit/queried tokens",
+                       "Triton compiles (timed)"))
     result = {"workload": "shared-prefix", "model": ns.model, **results,
               "speedup_total": off["seconds"] / on["seconds"], "speedup_mean_ttft": off["mean_ttft_s"] / on["mean_ttft_s"]}
     write_json(ns.name or "shared_prefix", result, ns.out_dir)

@@ -65,7 +65,9 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, sms: int,
     return cdiv(tiles, cdiv(tiles, splits))
 
 
-@triton.jit
+# Values that vary from step to step (split count, block-table width) are not specialised on: each new
+# value class (1, a multiple of 16, other) would otherwise compile another kernel mid-run.
+@triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_bt"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                    seq_lens_ptr, block_tables_ptr, qk_scale,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
@@ -115,7 +117,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ls
                  o.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph"])
 def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
                   BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -177,7 +179,7 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _merge_kernel[(Hq, B)](part_o, part_lse, out, num_splits,
                            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
                            out.stride(0), out.stride(1),
-                           BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=D, num_warps=4)
+                           BLOCK_S=max(16, next_power_of_2(num_splits)), HEAD_DIM=D, num_warps=4)
     return out
 
 

@@ -72,7 +72,7 @@ def default_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int | None =
     return cfg
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lse_h", "stride_bt"])  # they vary per step: see decode_attention
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
                     cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_h,
