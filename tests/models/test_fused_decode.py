@@ -42,6 +42,7 @@ def build(backend: str, dtype: torch.dtype, device: torch.device) -> LlamaForCau
     with torch.device(device):
         model = LlamaForCausalLM(config, get_ops(backend), 64, dtype)
     model.init_rope_table()
+    model.fused_max_tokens = 16  # every row count the kernels serve, not only the engine's default of 1
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -129,6 +130,7 @@ def test_fused_small_batch_equals_unfused(backend, dtype, kind):
 
 def test_fused_path_only_for_small_batches():
     model = build("torch", torch.float32, torch.device("cpu"))
+    model.fused_max_tokens = FUSED_MAX_TOKENS
     assert model.uses_fused_path(1) and model.uses_fused_path(FUSED_MAX_TOKENS)
     assert not model.uses_fused_path(FUSED_MAX_TOKENS + 1) and not model.uses_fused_path(0)
     model.fuse_small_batches = False

@@ -9,16 +9,18 @@ and logits = RMSNorm(r) Wlm (Wlm = Wemb when embeddings are tied).
 Q, K and V share one matrix product (`qkv_proj`, rows [q | k | v]) and so do gate and up
 (`gate_up_proj`, rows [gate | up]); the loader fills them from Hugging Face's separate tensors.
 
-Small batches (T ≤ FUSED_MAX_TOKENS rows: the decode steps that CUDA graphs capture) take a fused path
-when the ops table has `fused_gemv` and the model allows it (`fuse_small_batches`): each matrix
-product is one matrix-vector kernel that reads its weights once, with the neighbouring ops folded in,
-    qkv = fused_gemv(r, Wqkv, norm_weight=w_in)          RMSNorm in the prologue
+Batch-1 decode steps (T ≤ `fused_max_tokens` rows, default 1) take a fused path when the ops table has
+`fused_gemv` and the model allows it (`fuse_small_batches`): the matrix-vector products are our own
+kernels wherever they beat cuBLAS on the H200 (docs/perf.md), with the neighbouring ops folded in,
+    h   = RMSNorm(r);  qkv = fused_gemv(h, Wqkv)
     r   = fused_gemv(attn, Wo, residual=r)               residual add in the epilogue
-    h   = fused_gemv(r, Wgu, norm_weight=w_post)
-    r   = fused_gemv(h, Wd, silu_mul=True, residual=r)   SwiGLU in the prologue
-so r is always the complete residual stream (the first layer's is the embeddings); the final RMSNorm
-stays a kernel of its own and the LM head of ≤ FUSED_MAX_TOKENS rows is a plain fused_gemv. The
-roundings are those of the unfused path; only the order of the float32 sums inside the products differs.
+    h   = RMSNorm(r);  gu = h Wguᵀ (cuBLAS)
+    r   = fused_gemv(gu, Wd, silu_mul=True, residual=r)  SwiGLU in the prologue, residual add in the epilogue
+so r is always the complete residual stream (the first layer's is the embeddings); the RMSNorms stay
+kernels of their own (folding them into the products' prologue re-reads r in every program: measured
+slower), and the LM head of such a batch is a plain fused_gemv. The roundings are those of the unfused
+path; only the order of the float32 sums inside the products differs. The kernels serve up to 16 rows,
+but at 2–16 rows cuBLAS was faster on the H200, hence the default of 1.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from tinyvllm.models.attention_metadata import AttnMetadata
 from tinyvllm.models.rope import cos_sin_table
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, Hk, block_size, D]
-FUSED_MAX_TOKENS = 16  # batches up to this many token rows take the fused matrix-vector path
+FUSED_MAX_TOKENS = 1  # default: batches up to this many token rows take the fused matrix-vector path
 
 
 class LlamaAttention(nn.Module):
@@ -124,11 +126,11 @@ class LlamaDecoderLayer(nn.Module):
         gemv = self.self_attn.ops.fused_gemv
         attn, mlp = self.self_attn, self.mlp
         ln_in, ln_post = self.input_layernorm, self.post_attention_layernorm
-        qkv = gemv(r, attn.qkv_proj.weight, norm_weight=ln_in.weight, eps=ln_in.eps)
+        qkv = gemv(ln_in(r)[0], attn.qkv_proj.weight)
         o = attn.attend(qkv, positions, cos_sin, meta, kv_cache)
         r = gemv(o, attn.o_proj.weight, residual=r)
-        h = gemv(r, mlp.gate_up_proj.weight, norm_weight=ln_post.weight, eps=ln_post.eps)
-        return gemv(h, mlp.down_proj.weight, silu_mul=True, residual=r)
+        gate_up = F.linear(ln_post(r)[0], mlp.gate_up_proj.weight)
+        return gemv(gate_up, mlp.down_proj.weight, silu_mul=True, residual=r)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -136,8 +138,8 @@ class LlamaForCausalLM(nn.Module):
 
     Parameters are created in `dtype` on the current default device (the loader builds it on the meta
     device and materialises it with `to_empty`); `init_rope_table` must run once on the real device.
-    `fuse_small_batches` allows the fused path for batches of ≤ FUSED_MAX_TOKENS rows (module docstring);
-    it can be flipped on an existing model (before capturing CUDA graphs).
+    `fuse_small_batches` allows the fused path for batches of ≤ `fused_max_tokens` rows (module
+    docstring); both can be changed on an existing model (before capturing CUDA graphs).
     """
 
     def __init__(self, config: ModelConfig, ops: Ops, max_positions: int, dtype: torch.dtype,
@@ -146,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.ops = ops
         self.fuse_small_batches = fuse_small_batches
+        self.fused_max_tokens = FUSED_MAX_TOKENS
         self.max_positions = max_positions
         # Given its weight, nn.Embedding skips its random init: on the meta device that init would import
         # torch._dynamo (seconds of start-up on a CPU) for values the loader overwrites anyway.
@@ -172,7 +175,8 @@ class LlamaForCausalLM(nn.Module):
 
     def uses_fused_path(self, num_rows: int) -> bool:
         """Whether a batch of `num_rows` token rows (or hidden rows, for the logits) is fused."""
-        return self.fuse_small_batches and self.ops.fused_gemv is not None and 0 < num_rows <= FUSED_MAX_TOKENS
+        return (self.fuse_small_batches and self.ops.fused_gemv is not None
+                and 0 < num_rows <= self.fused_max_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
