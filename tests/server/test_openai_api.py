@@ -150,3 +150,19 @@ def test_64_concurrent_streams_match_llm_generate(server, model_dir):
     want = llm.generate(prompts, [defaults.replace(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True)
                                   for s in seeds], use_tqdm=False)
     assert got == [(w.outputs[0].text, "length") for w in want]
+
+
+def test_metrics_count_a_streamed_request(server, client):
+    """TTFT, ITL and e2e histograms and the token counters, computed from the per-step deltas and stats."""
+    names = ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+             "vllm:e2e_request_latency_seconds_count", "vllm:generation_tokens_total", "vllm:prompt_tokens_total")
+
+    def counts() -> list[float]:
+        return [server.metric(n) if n in httpx.get(server.url + "/metrics").text else 0.0 for n in names]
+
+    before = counts()
+    stream = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=5, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert [c.choices[0].finish_reason for c in stream][-1] == "length"
+    after = counts()
+    assert [a - b for a, b in zip(after, before)] == [1, 4, 1, 5, 3]

@@ -16,7 +16,7 @@ Messages (core -> API side), one per loop iteration that changed something:
         replies: [(request_id, status, message, prompt_token_ids)], one per "add": status None
                  (queued) or the HTTP status of the rejection (400 bad input, 503 queue full) with
                  its message; prompt_token_ids only when the prompt was given as text
-        deltas:  [Delta], one per request that changed in the step (see Delta)
+        deltas:  [Delta], one per request that changed in the step
         stats:   LLMEngine.get_metrics() after the step (gauges and counters for /metrics)
         now:     time.monotonic() when the step's outputs were ready (the clock is system-wide on
                  Linux, so arrival times taken in the API process compare with it)
@@ -24,9 +24,10 @@ Messages (core -> API side), one per loop iteration that changed something:
 The engine process adds ("ready", EngineInfo fields, stats) once built, ("failed", message) when it
 could not be built, and ("dead", message) when the loop raised.
 
-A Delta (`tinyvllm.entrypoints.deltas`) carries only what the step added (the engine's DELTA output
-kind): the new text, token ids and logprobs of each completion; never the prompt nor earlier tokens. Replies go out before the
-step runs, so a rejection reaches the caller without waiting for a (possibly long) step.
+A Delta (`tinyvllm.entrypoints.deltas`, a plain tuple on the wire) carries only what the step added
+(the engine's DELTA output kind): the new text, token ids and logprobs of each completion; never the
+prompt nor earlier tokens. Replies go out before the step runs, so a rejection reaches the caller
+without waiting for a (possibly long) step.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tinyvllm.entrypoints.deltas import encode_outputs
-
 
 Recv = Callable[[bool], "list[tuple] | None"]  # block? -> commands ([] when none; None when the sender is gone)
 Emit = Callable[[tuple], None]

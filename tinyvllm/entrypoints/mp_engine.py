@@ -198,6 +198,7 @@ class MPAsyncLLMEngine(EngineClient):
         except BaseException as e:  # noqa: BLE001 -- a bug in dispatching: fail loudly, not silently
             logger.exception("the engine reader thread failed")
             error = e
+            self._kill()  # nobody reads its outputs any more
         if error is None:
             if self._stopping:
                 error = RuntimeError("the engine was shut down")

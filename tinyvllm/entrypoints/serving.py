@@ -3,7 +3,7 @@ SamplingParams) before anything reaches the engine, queueing it, reading its out
 detection), logprobs and usage in OpenAI's shapes, and the SSE response.
 
 Every check raises `APIError(400, message, param)` naming the offending field, so that bad input never
-reaches the engine thread (whose own ValueError/TypeError would still come back as a 400).
+reaches the engine (whose own ValueError/TypeError would still come back as a 400).
 """
 from __future__ import annotations
 
