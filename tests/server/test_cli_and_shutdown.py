@@ -79,9 +79,6 @@ def test_signal_lets_the_in_flight_stream_finish_then_exits_0(model_dir, sig, mo
     try:
         engines = _children(proc.pid)
         assert len(engines) == (1 if mode == "process" else 0), engines
-        if mode == "process":  # torch (and CUDA) live in the engine process only
-            assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
-            assert "libtorch" in Path(f"/proc/{engines[0]}/maps").read_text()
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 300, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as resp:
             lines = resp.iter_lines()
