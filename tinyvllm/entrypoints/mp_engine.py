@@ -2,7 +2,8 @@
 
 The API process keeps the asyncio app (this module and the app import no torch, and nothing there
 initialises CUDA); the engine process builds the LLMEngine from the EngineArgs (CUDA is initialised
-there only: the process is spawned, not forked) and runs `EngineCore.run`. Two one-way pipes connect them (multiprocessing.connection, pickled messages):
+there only: the process is spawned, not forked) and runs `EngineCore.run`. Two one-way pipes connect
+them (multiprocessing.connection, pickled messages):
 
     API process                                        engine process
     event loop --commands--> sender thread  ==pipe==>  EngineCore: apply commands, step,
