@@ -1,7 +1,9 @@
 """A live server on loopback: uvicorn in a background thread around a tiny random-weight model.
 
-`make_server(**engine_overrides, max_waiting_requests=..., api_key=...)` builds an engine and an app
-and serves it on a free port; `server` is the shared default one (module tests reuse it).
+`make_server(mode, **engine_overrides, max_waiting_requests=..., api_key=..., engine_factory=...)`
+starts an engine (mode "process": MPAsyncLLMEngine, the default of `tinyvllm serve`, its engine in a
+spawned process; "thread": AsyncLLMEngine around an LLMEngine built here) and an app, and serves it on
+a free port. `server` is the shared default one, in both modes (module tests reuse it).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import uvicorn  # noqa: E402
 
 from tinyvllm.engine.args import EngineArgs  # noqa: E402
 from tinyvllm.engine.llm_engine import LLMEngine  # noqa: E402
-from tinyvllm.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
+from tinyvllm.entrypoints.async_engine import AsyncLLMEngine, EngineClient  # noqa: E402
+from tinyvllm.entrypoints.mp_engine import MPAsyncLLMEngine  # noqa: E402
 from tinyvllm.entrypoints.server import ServerArgs, build_app  # noqa: E402
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint  # noqa: E402
 
@@ -32,7 +35,7 @@ ENGINE_DEFAULTS = dict(device="cpu", max_model_len=256, num_gpu_blocks_override=
 @dataclass
 class LiveServer:
     url: str
-    engine: AsyncLLMEngine
+    engine: EngineClient
     uvicorn_server: uvicorn.Server
     thread: threading.Thread
 
@@ -60,7 +63,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def start_server(engine: AsyncLLMEngine, api_key: str | None = None) -> LiveServer:
+def start_server(engine: EngineClient, api_key: str | None = None) -> LiveServer:
     app = build_app(engine, ServerArgs([MODEL_NAME], api_key=api_key))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -80,9 +83,15 @@ def start_server(engine: AsyncLLMEngine, api_key: str | None = None) -> LiveServ
 def make_server(model_dir) -> Iterator[Callable[..., LiveServer]]:
     started: list[LiveServer] = []
 
-    def make(max_waiting_requests: int | None = None, api_key: str | None = None, **engine_kw) -> LiveServer:
+    def make(mode: str = "process", max_waiting_requests: int | None = None, api_key: str | None = None,
+             engine_factory=None, **engine_kw) -> LiveServer:
         args = EngineArgs(model=str(model_dir), **{**ENGINE_DEFAULTS, **engine_kw})
-        engine = AsyncLLMEngine(LLMEngine(args), max_waiting_requests=max_waiting_requests).start()
+        if mode == "thread":
+            core = engine_factory(args) if engine_factory is not None else LLMEngine(args)
+            engine: EngineClient = AsyncLLMEngine(core, max_waiting_requests=max_waiting_requests).start()
+        else:
+            engine = MPAsyncLLMEngine(args, max_waiting_requests=max_waiting_requests,
+                                      engine_factory=engine_factory).start(timeout=120)
         live = start_server(engine, api_key)
         started.append(live)
         return live
@@ -92,6 +101,6 @@ def make_server(model_dir) -> Iterator[Callable[..., LiveServer]]:
         live.stop()
 
 
-@pytest.fixture(scope="session")
-def server(make_server) -> LiveServer:
-    return make_server()
+@pytest.fixture(scope="session", params=["process", "thread"])
+def server(make_server, request) -> LiveServer:
+    return make_server(request.param)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from tinyvllm.entrypoints.bench_serve import throughput_workload
 from tinyvllm.entrypoints.cli import main
 
@@ -29,7 +31,13 @@ def test_short_run_against_the_live_server(server, tmp_path, capsys):
     for run in report["runs"]:
         assert run["completed"] == 6 and run["failed"] == 0 and run["output_tokens"] == want
         assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"] and run["tpot_ms"]["mean"] > 0
-    assert "TTFT p99" in capsys.readouterr().out
+    finite, infinite = report["runs"]
+    assert 0 < finite["last_arrival_s"] < finite["duration_s"]
+    assert finite["arrival_bound_output_throughput"] == pytest.approx(want / finite["last_arrival_s"])
+    assert finite["arrival_bound_output_throughput"] >= finite["output_throughput"]
+    assert infinite["last_arrival_s"] == 0 and infinite["arrival_bound_output_throughput"] is None
+    out = capsys.readouterr().out
+    assert "TTFT p99" in out and "bound tok/s" in out
 
 
 def test_failures_are_counted(server, tmp_path):

@@ -150,3 +150,41 @@ def test_64_concurrent_streams_match_llm_generate(server, model_dir):
     want = llm.generate(prompts, [defaults.replace(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True)
                                   for s in seeds], use_tqdm=False)
     assert got == [(w.outputs[0].text, "length") for w in want]
+
+
+def test_metrics_count_a_streamed_request(server, client):
+    """TTFT, ITL and e2e histograms and the token counters, computed from the per-step deltas and stats."""
+    names = ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+             "vllm:e2e_request_latency_seconds_count", "vllm:generation_tokens_total", "vllm:prompt_tokens_total")
+
+    def counts() -> list[float]:
+        return [server.metric(n) if n in httpx.get(server.url + "/metrics").text else 0.0 for n in names]
+
+    before = counts()
+    stream = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=5, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert [c.choices[0].finish_reason for c in stream][-1] == "length"
+    after = counts()
+    assert [a - b for a, b in zip(after, before)] == [1, 4, 1, 5, 3]
+
+
+def test_choices_that_finish_at_different_steps_stream_one_finish_each(client, model_dir):
+    """n=2 where a stop token ends choice 0 early: each choice's finish_reason is sent once, and the
+    streamed texts equal the non-streamed ones."""
+    llm = LLM(model=str(model_dir), **ENGINE_DEFAULTS)
+    params = llm.get_default_sampling_params().replace(n=2, max_tokens=12, temperature=1.0, seed=21, ignore_eos=True)
+    first, second = llm.generate([[3, 4, 5]], params, use_tqdm=False)[0].outputs
+    stop = next(t for t in first.token_ids[2:8] if t not in second.token_ids and t not in first.token_ids[:2])
+    kw = dict(model=MODEL_NAME, prompt=[3, 4, 5], n=2, max_tokens=12, temperature=1.0, seed=21,
+              extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    full = client.completions.create(**kw)
+    assert {c.index: c.finish_reason for c in full.choices} == {0: "stop", 1: "length"}
+    finishes: list[tuple[int, str]] = []
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finishes.append((c.index, c.finish_reason))
+    assert sorted(finishes) == [(0, "stop"), (1, "length")]
+    assert texts == {c.index: c.text for c in full.choices}

@@ -2,12 +2,18 @@
 and every KV block returns to the pool (seen through /metrics); a dead engine is a 503 everywhere."""
 from __future__ import annotations
 
+import functools
+import json
+import os
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from .conftest import MODEL_NAME
+from .faults import failing_engine
 
 LONG = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 1.0,
         "ignore_eos": True, "stream": True}
@@ -77,22 +83,39 @@ def test_non_streaming_disconnect_aborts_too(slow_server):
     assert _wait_until(lambda: _pool_is_free(slow_server), timeout=5)
 
 
-def test_dead_engine_is_a_503_and_fails_in_flight_requests(make_server):
-    live = make_server(max_model_len=2048)
-    core = live.engine.engine
-    real_step = core.step
-    calls = {"n": 0}
-
-    def failing_step():
-        calls["n"] += 1
-        if calls["n"] > 5:
-            raise RuntimeError("injected device failure")
-        return real_step()
-
-    core.step = failing_step
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_dead_engine_is_a_503_and_fails_in_flight_requests(make_server, mode):
+    live = make_server(mode, engine_factory=functools.partial(failing_engine, after_steps=5), max_model_len=2048)
     with live.client() as c, c.stream("POST", "/v1/completions", json=LONG) as resp:
         events = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert "injected device failure" in events[-2] and events[-1] == "data: [DONE]"
     assert httpx.get(live.url + "/health").status_code == 503
     resp = httpx.post(live.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x"})
     assert resp.status_code == 503 and "injected device failure" in resp.json()["error"]["message"]
+    assert live.engine.is_dead
+
+
+def test_killed_engine_process_is_a_503_and_fails_in_flight_requests(make_server):
+    """SIGKILL the engine process mid-stream: the stream ends with an in-band error and [DONE], a
+    non-streaming request in flight gets a 503, /health turns 503 and so does every later request."""
+    live = make_server(max_model_len=2048)
+    pid = live.engine.pid
+
+    def non_streaming() -> httpx.Response:
+        return httpx.post(live.url + "/v1/completions", json={**LONG, "stream": False}, timeout=30)
+
+    with ThreadPoolExecutor(1) as pool, live.client() as c, c.stream("POST", "/v1/completions", json=LONG) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        pending = pool.submit(non_streaming)
+        assert _wait_until(lambda: live.metric("vllm:num_requests_running") + live.metric("vllm:num_requests_waiting") == 2)
+        os.kill(pid, signal.SIGKILL)
+        events = [first] + [line for line in lines if line.startswith("data: ")]
+        other = pending.result()
+    assert events[-1] == "data: [DONE]" and "died unexpectedly" in events[-2] and "SIGKILL" in events[-2]
+    assert json.loads(events[-2][6:])["error"]["code"] == 503
+    assert other.status_code == 503 and "died unexpectedly" in other.json()["error"]["message"]
+    assert httpx.get(live.url + "/health").status_code == 503
+    later = httpx.post(live.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x"})
+    assert later.status_code == 503 and later.json()["error"]["code"] == 503
+    assert live.engine.is_dead and not live.engine.is_running

@@ -1,21 +1,27 @@
-"""AsyncLLMEngine: the synchronous LLMEngine driven by one dedicated thread, for asyncio callers.
+"""The engine for asyncio callers: request streams over an EngineCore run elsewhere.
 
-The engine thread is the only one that ever touches the LLMEngine. It loops: apply the commands
-that arrived (add, abort, stop), run one `step()` if any request is unfinished, hand the outputs to
-their callers; when there is nothing to do it blocks on the command queue.
+Two clients share the caller side (`EngineClient`) and differ in where the EngineCore loop runs:
+
+- `AsyncLLMEngine(engine)`: on a thread of this process, around an already-built LLMEngine (tests
+  inject fake or failing engines this way; `tinyvllm serve --engine-in-thread`).
+- `MPAsyncLLMEngine(engine_args)` (`tinyvllm.entrypoints.mp_engine`, the default of `tinyvllm serve`):
+  in a process of its own, so that the engine's Python (scheduling, detokenizing) and the server's
+  (HTTP, JSON, SSE) do not share one GIL.
 
 Callers, on any event loop (several loops may share one engine):
 
     stream = await engine.add_request(request_id, prompt, params)  # raises RequestRejected
-    async for output in stream:                                    # cumulative RequestOutputs
+    async for output in stream:                                    # RequestOutputs, see RequestStream
         ...
     stream.abort()                                                 # at any time; idempotent
 
-`add_request` returns once the engine thread has queued the request, so a rejection (a malformed
-prompt or sampling value, a full waiting queue, a dead engine) reaches the caller before it commits
-to a response. Outputs are delivered through `loop.call_soon_threadsafe`, one call per step and
-loop. An exception in the engine loop marks the engine dead (`is_dead`): every in-flight stream
-raises EngineDeadError and so does every later `add_request`.
+`add_request` returns once the core has queued the request, so a rejection (a malformed prompt or
+sampling value, a full waiting queue, a dead engine) reaches the caller before it commits to a
+response. The core sends Deltas (`tinyvllm.entrypoints.deltas`) after each step; the thread that
+receives them (the engine thread, or the reader thread of the process client) hands each loop its
+streams' Deltas with one `loop.call_soon_threadsafe` per step. If the core dies (an exception, a
+crashed process), the engine is dead (`is_dead`): every in-flight stream raises EngineDeadError and
+so does every later `add_request`.
 """
 from __future__ import annotations
 
@@ -25,11 +31,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tinyvllm.entrypoints.deltas import Delta, OutputAccumulator
+from tinyvllm.entrypoints.engine_core import EngineCore
 from tinyvllm.outputs import RequestOutput
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,74 +60,121 @@ class EngineDeadError(RequestRejected):
     status = 503
 
 
-class StatsListener(Protocol):
-    """Called on the engine thread: after each step with its outputs, and with the ids it aborted."""
+@dataclass
+class EngineInfo:
+    """What the API side needs to know of the engine to validate requests and describe the model."""
 
-    def on_step(self, outputs: Sequence[RequestOutput], now: float) -> None: ...
+    tokenizer: Any  # tinyvllm.tokenizer.Tokenizer
+    vocab_size: int
+    max_model_len: int
+    default_sampling_params: SamplingParams  # SamplingParams() over generation_config.json
+    model_dir: str
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineInfo:
+        return cls(engine.tokenizer, engine.model_config.vocab_size, engine.scheduler_config.max_model_len,
+                   engine.default_sampling_params, str(engine.model_dir))
+
+
+class StatsListener(Protocol):
+    """Called on the thread that receives the core's messages (never on an event loop): after each
+    step with its (stream, Delta) pairs and the step's time, and with the ids of aborted requests."""
+
+    def on_step(self, items: Sequence[tuple[RequestStream, Delta]], now: float) -> None: ...
 
     def on_abort(self, request_ids: Sequence[str]) -> None: ...
 
 
-@dataclass(eq=False)
 class RequestStream:
-    """One request's outputs, read on the event loop that added it. Iterate for cumulative
-    RequestOutputs (when the reader falls behind, intermediate ones are skipped: each output
-    contains the ones before it); iteration ends after the finished output."""
+    """One request's outputs, read on the event loop that added it; iteration ends after the
+    finished output. What each output holds follows the request's `output_kind`:
 
-    request_id: str
-    _engine: AsyncLLMEngine
-    _loop: asyncio.AbstractEventLoop
-    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    _accepted: asyncio.Future | None = None
-    finished: bool = False
+    - DELTA: everything since the previous output. When the reader falls behind, the Deltas that
+      piled up are merged into one output (texts and token ids concatenated).
+    - CUMULATIVE: everything so far (the stream accumulates the Deltas).
+    - FINAL_ONLY: one output, the finished one.
+    """
+
+    def __init__(self, request_id: str, client: EngineClient, loop: asyncio.AbstractEventLoop,
+                 output_kind: RequestOutputKind, prompt: str | None, prompt_token_ids: list[int],
+                 arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.arrival_time = arrival_time
+        self.finished = False
+        self._client = client
+        self._loop = loop
+        self._accepted: asyncio.Future = loop.create_future()
+        self._pending: list[Any] = []  # Deltas, or the error that ends the stream
+        self._waiter: asyncio.Future | None = None
+        self._cumulative = output_kind == RequestOutputKind.CUMULATIVE
+        self._total: OutputAccumulator | None = None  # everything so far, for CUMULATIVE
+
+    def _accumulator(self) -> OutputAccumulator:
+        return OutputAccumulator(self.request_id, self.prompt, self.prompt_token_ids, self.arrival_time)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
-            item = await self._queue.get()
-            while not self._queue.empty() and isinstance(item, RequestOutput):
-                item = self._queue.get_nowait()  # coalesce: outputs are cumulative
-            if isinstance(item, BaseException):
+            if not self._pending:
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            items, self._pending = self._pending, []
+            error = None
+            for k, item in enumerate(items):
+                if isinstance(item, BaseException):
+                    error, items = item, items[:k]
+                    break
+            if items:
+                if self._cumulative:
+                    self._total = acc = self._total or self._accumulator()
+                else:
+                    acc = self._accumulator()
+                acc.extend(items)
+                self.finished = acc.finished
+                yield acc.output()
+            if error is not None and not self.finished:
                 self.finished = True
-                raise item
-            self.finished = item.finished
-            yield item
+                raise error
 
     def abort(self) -> None:
         """Abort the request unless it has finished; its KV blocks return to the pool after the
         current step. Safe to call from any thread, any number of times."""
         if not self.finished:
             self.finished = True
-            self._engine._send(("abort", self.request_id))
+            self._client._abort(self)
 
-    # ---- called on the stream's loop by the engine thread (through call_soon_threadsafe)
+    # ---- called on the stream's loop (through call_soon_threadsafe)
     def _put(self, item: Any) -> None:
-        self._queue.put_nowait(item)
+        self._pending.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
-class AsyncLLMEngine:
-    """Owns an LLMEngine and the thread that steps it. See the module docstring.
+class EngineClient:
+    """The caller side shared by both clients (see the module docstring). Subclasses provide
+    `_send(command)` (to the core, in order), `start()`, `shutdown()`, `is_running` and `info`, and
+    feed the core's messages to `_handle` and its death to `_die`."""
 
-    Args:
-        engine: a built LLMEngine; nothing else may call it once `start()` has run.
-        max_waiting_requests: reject (QueueFullError) a request while this many requests wait to
-            be scheduled; None: no limit.
-    """
+    info: EngineInfo
 
-    def __init__(self, engine: Any, max_waiting_requests: int | None = None) -> None:
+    def __init__(self, max_waiting_requests: int | None = None) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1 (or None), got {max_waiting_requests}")
-        self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self._listeners: tuple[StatsListener, ...] = ()
         self.dead_error: BaseException | None = None
-        self.stats: dict[str, float] = dict(engine.get_metrics())  # snapshot, replaced after each step
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._lock = threading.Lock()  # orders "is it dead? then send" against "die, then drain"
-        self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
+        self.stats: dict[str, float] = {}  # the core's get_metrics() snapshot, replaced after each step
+        self._listeners: tuple[StatsListener, ...] = ()
+        self._streams: dict[str, RequestStream] = {}  # queued by the core, unfinished
+        self._adding: dict[str, RequestStream] = {}  # sent to the core, not answered yet
+        self._lock = threading.Lock()  # guards the two maps and orders "alive? then send" against death
 
     # ------------------------------------------------------------------ caller side
     @property
@@ -128,30 +183,50 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        raise NotImplementedError
+
+    def start(self) -> EngineClient:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the core (what is in flight fails with EngineDeadError) and wait for it."""
+        raise NotImplementedError
 
     def add_stats_listener(self, listener: StatsListener) -> None:
-        """Have `listener` called on the engine thread after every step and abort (the metrics)."""
-        self._listeners = (*self._listeners, listener)  # a new tuple: the engine thread never sees it change
-
-    def start(self) -> AsyncLLMEngine:
-        self._thread.start()
-        return self
+        """Have `listener` called after every step and abort (the metrics)."""
+        self._listeners = (*self._listeners, listener)  # a new tuple: readers never see it change
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           arrival_time: float | None = None) -> RequestStream:
-        """Queue a request; returns its stream once the engine thread has accepted it.
+        """Queue a request; returns its stream once the core has accepted it.
 
         Raises:
             RequestRejected: the engine's ValueError/TypeError for this request (status 400).
             QueueFullError: `max_waiting_requests` requests are already waiting (status 503).
-            EngineDeadError: the engine loop has died or was shut down (status 503).
+            EngineDeadError: the core has died or was shut down (status 503).
         """
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        request_id = str(request_id)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self, loop, _accepted=loop.create_future())
+        kind = params.output_kind
+        if kind == RequestOutputKind.CUMULATIVE:
+            params = params.replace(output_kind=RequestOutputKind.DELTA)  # the stream accumulates
+        text, ids = _prompt_parts(prompt)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._send(("add", stream, prompt, params, arrival_time))
-        await stream._accepted
+        stream = RequestStream(request_id, self, loop, kind, text, ids, arrival_time)
+        with self._lock:
+            if self.dead_error is not None:
+                raise self._dead()
+            if request_id in self._streams or request_id in self._adding:
+                raise RequestRejected(f"request id {request_id!r} is already in use")
+            self._adding[request_id] = stream
+            self._send(("add", request_id, prompt, params, arrival_time))
+        try:
+            await stream._accepted
+        except asyncio.CancelledError:
+            stream.abort()
+            raise
         return stream
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
@@ -164,106 +239,164 @@ class AsyncLLMEngine:
         finally:
             stream.abort()
 
-    def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Abort everything in flight, stop the thread and wait for it. Later adds are rejected."""
-        if self._thread.is_alive():
-            self._send(("stop",))
-            self._thread.join(timeout)
-
     def _send(self, command: tuple) -> None:
+        raise NotImplementedError
+
+    def _abort(self, stream: RequestStream) -> None:
+        rid = stream.request_id
         with self._lock:
-            if self.dead_error is None:
-                self._commands.put(command)
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+                counted = True
+            elif self._adding.get(rid) is stream:
+                counted = False  # counted when the core's reply comes
+            else:
                 return
-        if command[0] == "add":
-            _deliver_to(command[1], self._dead())
+            if self.dead_error is None:
+                self._send(("abort", rid))
+        if counted:
+            for listener in self._listeners:
+                listener.on_abort([rid])
 
     def _dead(self) -> EngineDeadError:
         return EngineDeadError(f"the engine is not running ({self.dead_error})")
 
-    # ------------------------------------------------------------------ engine thread
+    # ------------------------------------------------------------------ the core's messages
+    def _handle(self, message: tuple) -> None:
+        """One message of the core (see engine_core); on the engine thread or the reader thread."""
+        if message[0] != "out":
+            raise ValueError(f"unexpected message from the engine core: {message[0]!r}")
+        _, replies, deltas, stats, now = message
+        self.stats = stats
+        if replies:
+            self._on_replies(replies)
+        if deltas:
+            self._on_deltas(deltas, now)
+
+    def _on_replies(self, replies: Sequence[tuple]) -> None:
+        answers: list[tuple[RequestStream, BaseException | None]] = []
+        aborted = []
+        with self._lock:
+            for rid, status, message, prompt_ids in replies:
+                stream = self._adding.pop(rid, None)
+                if stream is None:
+                    continue
+                if status is not None:
+                    error = QueueFullError(message) if status == 503 else RequestRejected(message)
+                    answers.append((stream, error))
+                    continue
+                if prompt_ids is not None:
+                    stream.prompt_token_ids = prompt_ids
+                if stream.finished:  # aborted while being added; the abort follows the add
+                    aborted.append(rid)
+                    continue
+                self._streams[rid] = stream
+                answers.append((stream, None))
+        if aborted:
+            for listener in self._listeners:
+                listener.on_abort(aborted)
+        for loop, items in _by_loop(answers).items():
+            _call_soon(loop, _resolve_all, items)
+
+    def _on_deltas(self, deltas: Sequence[Delta], now: float) -> None:
+        items = []
+        with self._lock:
+            streams = self._streams
+            for d in deltas:  # Delta-shaped tuples: (request_id, finished, ...)
+                stream = streams.get(d[0])
+                if stream is None:
+                    continue  # aborted meanwhile
+                if d[1]:
+                    del streams[d[0]]
+                items.append((stream, d))
+        for listener in self._listeners:
+            listener.on_step(items, now)
+        for loop, group in _by_loop(items).items():
+            _call_soon(loop, _deliver_all, group)
+
+    def _die(self, error: BaseException) -> None:
+        """Mark the engine dead and fail every stream in flight (idempotent)."""
+        with self._lock:
+            if self.dead_error is not None:
+                return
+            self.dead_error = error
+            streams = [*self._streams.values(), *self._adding.values()]
+            self._streams, self._adding = {}, {}
+        dead = self._dead()
+        for loop, items in _by_loop([(s, dead) for s in streams]).items():
+            _call_soon(loop, _fail_all, items)
+
+
+class AsyncLLMEngine(EngineClient):
+    """The EngineCore loop on a thread of this process, around a built LLMEngine.
+
+    Args:
+        engine: a built LLMEngine; nothing else may call it once `start()` has run.
+        max_waiting_requests: reject (QueueFullError) a request while this many requests wait to
+            be scheduled; None: no limit.
+    """
+
+    def __init__(self, engine: Any, max_waiting_requests: int | None = None) -> None:
+        super().__init__(max_waiting_requests)
+        self.engine = engine
+        self.info = EngineInfo.of(engine)
+        self._core = EngineCore(engine, max_waiting_requests)
+        self.stats = self._core.stats()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> AsyncLLMEngine:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+
+    def _recv(self, block: bool) -> list[tuple]:
+        try:
+            commands = [self._commands.get() if block else self._commands.get_nowait()]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
     def _run(self) -> None:
         try:
-            while True:
-                idle = not self.engine.has_unfinished_requests()
-                if not self._apply_commands(block=idle):
-                    break
-                if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self._publish(outputs)
-                self.stats = dict(self.engine.get_metrics())
+            self._core.run(self._recv, self._handle)
             self._die(RuntimeError("the engine was shut down"))
         except BaseException as e:  # noqa: BLE001 -- any failure ends the loop; callers must hear of it
             logger.exception("engine loop died")
             self._die(e)
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one when `block`); False once told to stop."""
-        try:
-            command = self._commands.get() if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if command[0] == "stop":
-                return False
-            if command[0] == "add":
-                self._add(*command[1:])
-            else:
-                self._abort(command[1])
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
 
-    def _add(self, stream: RequestStream, prompt: Any, params: SamplingParams, arrival_time: float) -> None:
-        waiting = len(self.engine.scheduler.waiting)
-        if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-            _accept(stream, QueueFullError(f"the server is overloaded: {waiting} requests are waiting "
-                                           f"(--max-waiting-requests {self.max_waiting_requests}); retry later"))
-            return
-        try:
-            self.engine.add_request(stream.request_id, prompt, params, arrival_time=arrival_time)
-        except (ValueError, TypeError) as e:
-            _accept(stream, RequestRejected(str(e)))
-            return
-        self._streams[stream.request_id] = stream
-        _accept(stream, None)
+def _prompt_parts(prompt: Any) -> tuple[str | None, list[int]]:
+    """(text, token ids) as far as the caller gave them (the core reports ids it had to compute)."""
+    if isinstance(prompt, dict):
+        return prompt.get("prompt"), prompt.get("prompt_token_ids") or []
+    if isinstance(prompt, str):
+        return prompt, []
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    return None, []
 
-    def _abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
-            self.engine.abort_request(request_id)
-            for listener in self._listeners:
-                listener.on_abort([request_id])
 
-    def _publish(self, outputs: Sequence[RequestOutput]) -> None:
-        now = time.monotonic()
-        for listener in self._listeners:
-            listener.on_step(outputs, now)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted meanwhile
-            if out.finished:
-                del self._streams[out.request_id]
-            by_loop.setdefault(stream._loop, []).append((stream, out))
-        for loop, items in by_loop.items():
-            _call_soon(loop, _deliver_all, items)
-
-    def _die(self, error: BaseException) -> None:
-        with self._lock:
-            self.dead_error = error
-        dead = self._dead()
-        while True:  # adds that raced with our death
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if command[0] == "add":
-                _deliver_to(command[1], dead)
-        streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            _deliver_to(stream, dead)
+def _by_loop(items: Sequence[tuple[RequestStream, Any]]) -> dict[asyncio.AbstractEventLoop, list]:
+    groups: dict[asyncio.AbstractEventLoop, list] = {}
+    for item in items:
+        groups.setdefault(item[0]._loop, []).append(item)
+    return groups
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
@@ -273,26 +406,24 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
         pass  # the caller's loop is closed: nobody is listening any more
 
 
-def _accept(stream: RequestStream, error: BaseException | None) -> None:
-    def resolve() -> None:
+def _resolve_all(items: list[tuple[RequestStream, BaseException | None]]) -> None:
+    for stream, error in items:
         if not stream._accepted.done():
             if error is None:
                 stream._accepted.set_result(None)
             else:
                 stream._accepted.set_exception(error)
-    _call_soon(stream._loop, resolve)
 
 
-def _deliver_to(stream: RequestStream, error: BaseException) -> None:
-    """Fail a stream: its pending add_request raises, or its reader does."""
-    def fail() -> None:
-        if stream._accepted is not None and not stream._accepted.done():
+def _fail_all(items: list[tuple[RequestStream, BaseException]]) -> None:
+    """Fail streams: a pending add_request raises, or the reader does."""
+    for stream, error in items:
+        if not stream._accepted.done():
             stream._accepted.set_exception(error)
         else:
             stream._put(error)
-    _call_soon(stream._loop, fail)
 
 
-def _deliver_all(items: list[tuple[RequestStream, Any]]) -> None:
-    for stream, item in items:
-        stream._put(item)
+def _deliver_all(items: list[tuple[RequestStream, Delta]]) -> None:
+    for stream, delta in items:
+        stream._put(delta)

@@ -4,8 +4,10 @@ server (tinyvllm serve or vllm serve).
 Requests are the `throughput` set (random.seed(0); prompts of randint(0, 10000) token ids, randint(100,
 1024) long; then max_tokens randint(100, 1024); temperature 0.6, ignore_eos), sent as token-id prompts
 to /v1/completions with stream=True, arriving as a Poisson process at each --request-rate (inf: all at
-once), after one warm-up request. Per rate it reports TTFT, TPOT, ITL and end-to-end latency (mean, p50,
-p90, p99, in ms), request and token throughput, and failures; prints a table and writes JSON.
+once, as vLLM's bench does), after one warm-up request. Per rate it reports TTFT, TPOT, ITL and end-to-end
+latency (mean, p50, p90, p99, in ms), request and token throughput, failures, and for a finite rate the
+time of the last arrival and output tokens / that time (an upper bound on the output throughput such a
+run can measure); prints a table and writes JSON.
 Needs only httpx (no torch, no openai client).
 """
 from __future__ import annotations
@@ -116,8 +118,9 @@ async def send_one(client: Any, url: str, body: dict, prompt_len: int) -> Reques
 
 
 async def run_rate(client: Any, url: str, model: str, workload: list[tuple[list[int], int]], rate: float,
-                   ns: argparse.Namespace) -> tuple[list[RequestResult], float]:
-    """All requests, arriving as a Poisson process at `rate`; returns the results and the wall time."""
+                   ns: argparse.Namespace) -> tuple[list[RequestResult], float, float]:
+    """All requests, arriving as a Poisson process at `rate` (inf: all at t = 0); returns the results,
+    the wall time and the time of the last arrival."""
     arrivals = random.Random(ns.seed)
     limit = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else None
 
@@ -129,12 +132,14 @@ async def run_rate(client: Any, url: str, model: str, workload: list[tuple[list[
 
     tasks = []
     start = time.perf_counter()
+    last_arrival = 0.0
     for i, (prompt, max_tokens) in enumerate(workload):
         if i and math.isfinite(rate):
             await asyncio.sleep(arrivals.expovariate(rate))
+            last_arrival = time.perf_counter() - start
         tasks.append(asyncio.create_task(limited(_body(model, prompt, max_tokens, ns), len(prompt))))
     results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    return list(results), time.perf_counter() - start, last_arrival
 
 
 def _body(model: str, prompt: list[int], max_tokens: int, ns: argparse.Namespace) -> dict:
@@ -153,30 +158,39 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(xs), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
 
-def summarize(results: list[RequestResult], duration: float, rate: float) -> dict[str, Any]:
+def summarize(results: list[RequestResult], duration: float, rate: float, last_arrival: float = 0.0) -> dict[str, Any]:
+    """The run's figures. At a finite rate the run lasts at least until the last request arrives, so
+    output tokens / last_arrival_s bounds the measurable output throughput from above
+    (`arrival_bound_output_throughput`; None at rate inf): a figure near it says the arrivals, not the
+    server, set the pace."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     errors = sorted({r.error for r in results if not r.ok})[:5]
+    bound = out_tokens / last_arrival if math.isfinite(rate) and last_arrival > 0 else None
     return {"request_rate": rate if math.isfinite(rate) else "inf", "duration_s": duration,
             "completed": len(ok), "failed": len(results) - len(ok), "errors": errors,
             "input_tokens": in_tokens, "output_tokens": out_tokens,
             "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+            "last_arrival_s": last_arrival, "arrival_bound_output_throughput": bound,
             "total_token_throughput": (in_tokens + out_tokens) / duration,
             "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpot),
             "itl_ms": _stats([g for r in ok for g in r.itl]), "e2el_ms": _stats([r.latency for r in ok])}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'rate':>6} {'ok':>5} {'fail':>5} {'time s':>8} {'req/s':>7} {'out tok/s':>10} "
+    head = (f"{'rate':>6} {'ok':>5} {'fail':>5} {'time s':>8} {'last arr s':>10} {'req/s':>7} {'out tok/s':>10} "
+            f"{'bound tok/s':>11} "
             + " ".join(f"{m + ' ' + q:>11}" for m in ("TTFT", "TPOT", "ITL") for q in ("mean", "p50", "p90", "p99")))
     print(head)
     for r in rows:
         cells = [f"{r[m][q]:11.1f}" for m in ("ttft_ms", "tpot_ms", "itl_ms") for q in ("mean", "p50", "p90", "p99")]
+        bound = r["arrival_bound_output_throughput"]
         print(f"{str(r['request_rate']):>6} {r['completed']:>5} {r['failed']:>5} {r['duration_s']:8.1f} "
-              f"{r['request_throughput']:7.2f} {r['output_throughput']:10.1f} " + " ".join(cells))
-    print("(latencies in ms)")
+              f"{r['last_arrival_s']:10.2f} {r['request_throughput']:7.2f} {r['output_throughput']:10.1f} "
+              f"{'-' if bound is None else f'{bound:.1f}':>11} " + " ".join(cells))
+    print("(latencies in ms; bound tok/s: output tokens / last arrival, the most a run at that rate can show)")
 
 
 async def _main(ns: argparse.Namespace) -> dict[str, Any]:
@@ -195,8 +209,8 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
         runs = []
         for rate in ns.request_rate:
-            results, duration = await run_rate(client, ns.endpoint, model, workload, rate, ns)
-            row = summarize(results, duration, rate)
+            results, duration, last_arrival = await run_rate(client, ns.endpoint, model, workload, rate, ns)
+            row = summarize(results, duration, rate, last_arrival)
             if ns.save_detailed:
                 row["requests"] = [asdict(r) for r in results]
             runs.append(row)

@@ -1,8 +1,9 @@
 """Prometheus metrics of one server, with vLLM's metric names (so existing dashboards work).
 
 Each app gets its own `CollectorRegistry` (never the global default one), so tests can build several.
-Gauges and engine counters are read from the engine's stats snapshot at scrape time; the latency
-histograms are fed on the engine thread by `LatencyRecorder` (a `StatsListener`).
+Gauges and engine counters are read at scrape time from the stats snapshot that the engine core sends
+after each step; the latency histograms are fed from the step's Deltas by `LatencyRecorder` (a
+`StatsListener`, called on the thread that receives the core's messages, in the API process).
 
   vllm:num_requests_running / vllm:num_requests_waiting      gauges
   vllm:kv_cache_usage_perc                                   gauge, 0..1 (blocks held by requests)
@@ -16,12 +17,13 @@ histograms are fed on the engine thread by `LatencyRecorder` (a `StatsListener`)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tinyvllm.outputs import RequestOutput
+from tinyvllm.entrypoints.deltas import Delta
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -60,7 +62,7 @@ class EngineStatsCollector(Collector):
 
 
 class LatencyRecorder:
-    """Histograms of TTFT, inter-token and end-to-end latency, fed on the engine thread.
+    """Histograms of TTFT, inter-token and end-to-end latency, fed with each step's Deltas.
 
     TTFT and end-to-end latency count from the request's arrival at the server; the inter-token
     latency is observed once per new token of each completion, as the gap since its previous one.
@@ -77,23 +79,28 @@ class LatencyRecorder:
         self.success = Counter("vllm:request_success", "Finished requests, by finish reason.",
                                ["model_name", "finished_reason"], registry=registry)
         self._model = model_name
-        self._last: dict[tuple[str, int], tuple[float, int]] = {}  # (request, index) -> (time, tokens)
+        self._last: dict[tuple[str, int], float] = {}  # (request, index) -> time of its latest token
 
-    def on_step(self, outputs: Sequence[RequestOutput], now: float) -> None:
-        for out in outputs:
-            for o in out.outputs:
-                key = (out.request_id, o.index)
-                last = self._last.get(key)
-                num = len(o.token_ids)
-                if last is None and num and out.metrics is not None and o.index == 0:
-                    self.ttft.observe(max(0.0, now - out.metrics.arrival_time))
-                elif last is not None and num > last[1]:
-                    gap = (now - last[0]) / (num - last[1])
-                    for _ in range(num - last[1]):
+    def on_step(self, items: Sequence[tuple[Any, Delta]], now: float) -> None:
+        """One step's (stream, Delta) pairs; a stream's `arrival_time` is its request's arrival."""
+        last_seen = self._last
+        for stream, (rid, finished, completions, _, _) in items:
+            for index, _, token_ids, *_ in completions:
+                num = len(token_ids)
+                if not num:
+                    continue
+                key = (rid, index)
+                last = last_seen.get(key)
+                if last is None:
+                    if index == 0:
+                        self.ttft.observe(max(0.0, now - stream.arrival_time))
+                else:
+                    gap = (now - last) / num
+                    for _ in range(num):
                         self.itl.observe(gap)
-                self._last[key] = (now, num)
-            if out.finished:
-                self._finish(out, now)
+                last_seen[key] = now
+            if finished:
+                self._finish(stream, rid, completions, now)
 
     def on_abort(self, request_ids: Sequence[str]) -> None:
         dropped = set(request_ids)
@@ -102,12 +109,11 @@ class LatencyRecorder:
         for _ in request_ids:
             self.success.labels(self._model, "abort").inc()
 
-    def _finish(self, out: RequestOutput, now: float) -> None:
-        for o in out.outputs:
-            self._last.pop((out.request_id, o.index), None)
-        if out.metrics is not None:
-            self.e2e.observe(max(0.0, now - out.metrics.arrival_time))
-        reason = out.outputs[0].finish_reason if out.outputs else "error"
+    def _finish(self, stream: Any, request_id: str, completions: Sequence[tuple], now: float) -> None:
+        for c in completions:
+            self._last.pop((request_id, c[0]), None)
+        self.e2e.observe(max(0.0, now - stream.arrival_time))
+        reason = completions[0][5] if completions else "error"  # CompletionDelta.finish_reason
         self.success.labels(self._model, reason or "error").inc()
 
 

@@ -24,6 +24,9 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-alive-timeout", type=int, default=5)
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--engine-in-thread", action="store_true",
+                   help="run the engine on a thread of the server process instead of in a process of its "
+                        "own (the engine's and the server's Python then share one GIL)")
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

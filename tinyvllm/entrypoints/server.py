@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server (FastAPI), a drop-in for `vllm serve`. Needs the [server] extra.
 
-`build_app(engine, args)` makes the app around a started AsyncLLMEngine (tests run it on uvicorn in a
-thread); `run_server(ns)` builds the engine from the CLI flags and serves until SIGINT/SIGTERM:
-uvicorn stops accepting, in-flight requests get `--shutdown-timeout` seconds to finish (then they are
-cancelled, which aborts them), the engine thread stops, and the process exits 0.
+`build_app(engine, args)` makes the app around a started engine client (tests run it on uvicorn in a
+thread); `run_server(ns)` starts the engine process (`MPAsyncLLMEngine`; with `--engine-in-thread`, an
+engine thread in this process instead) and serves until SIGINT/SIGTERM: uvicorn stops accepting,
+in-flight requests get `--shutdown-timeout` seconds to finish (then they are cancelled, which aborts
+them), the engine stops, and the process exits 0.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 once the
 engine has died), GET /metrics (Prometheus), POST /tokenize, POST /detokenize, GET /version.
@@ -16,6 +17,7 @@ import argparse
 import logging
 import secrets
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyvllm
-from tinyvllm.entrypoints.async_engine import AsyncLLMEngine
+from tinyvllm.entrypoints.async_engine import AsyncLLMEngine, EngineClient
 from tinyvllm.entrypoints.errors import APIError, error_body
 from tinyvllm.entrypoints.metrics import make_registry
 from tinyvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -49,7 +51,7 @@ class ServerArgs:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def build_app(engine: AsyncLLMEngine, args: ServerArgs) -> FastAPI:
+def build_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
     """The app for a started engine; the caller owns the engine (starts and shuts it down)."""
     app = FastAPI(title="tinyvllm", version=tinyvllm.__version__)
     ctx = ServingContext(engine, list(args.served_model_names))
@@ -180,17 +182,29 @@ class APIKeyMiddleware:
 
 # ---------------------------------------------------------------------- `tinyvllm serve`
 def run_server(ns: argparse.Namespace) -> int:
-    """Build the engine from the CLI flags, serve until SIGINT/SIGTERM, shut down cleanly; returns 0."""
+    """Start the engine from the CLI flags, serve until SIGINT/SIGTERM, shut down cleanly; returns 0
+    (1 when the engine could not be built)."""
     import uvicorn
 
     from tinyvllm.engine.args import DEFAULT_MODEL, engine_args_from_cli
-    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.entrypoints.mp_engine import EngineStartError, MPAsyncLLMEngine
 
     engine_args = engine_args_from_cli(ns)
-    core = LLMEngine(engine_args, show_progress=True)
-    engine = AsyncLLMEngine(core, max_waiting_requests=ns.max_waiting_requests).start()
+    engine: EngineClient
+    if ns.engine_in_thread:
+        from tinyvllm.engine.llm_engine import LLMEngine
+
+        core = LLMEngine(engine_args, show_progress=True)
+        engine = AsyncLLMEngine(core, max_waiting_requests=ns.max_waiting_requests).start()
+    else:
+        try:
+            engine = MPAsyncLLMEngine(engine_args, max_waiting_requests=ns.max_waiting_requests,
+                                      show_progress=True).start()
+        except EngineStartError as e:
+            print(f"tinyvllm serve: the engine could not start: {e}", file=sys.stderr)
+            return 1
     names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL]
-    app = build_app(engine, ServerArgs(names, api_key=ns.api_key, model_root=str(core.model_dir)))
+    app = build_app(engine, ServerArgs(names, api_key=ns.api_key, model_root=engine.info.model_dir))
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             timeout_graceful_shutdown=ns.shutdown_timeout, timeout_keep_alive=ns.keep_alive_timeout)
     try:

@@ -3,7 +3,7 @@ SamplingParams) before anything reaches the engine, queueing it, reading its out
 detection), logprobs and usage in OpenAI's shapes, and the SSE response.
 
 Every check raises `APIError(400, message, param)` naming the offending field, so that bad input never
-reaches the engine thread (whose own ValueError/TypeError would still come back as a 400).
+reaches the engine (whose own ValueError/TypeError would still come back as a 400).
 """
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from tinyvllm.entrypoints.async_engine import AsyncLLMEngine, RequestRejected, RequestStream
+from tinyvllm.entrypoints.async_engine import EngineClient, RequestRejected, RequestStream
+from tinyvllm.entrypoints.deltas import OutputAccumulator
 from tinyvllm.entrypoints.errors import APIError, error_json
 from tinyvllm.entrypoints.protocol import SamplingFields
 from tinyvllm.outputs import Logprob, RequestOutput
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -36,15 +37,15 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 class ServingContext:
     """Everything a handler needs: the engine, its tokenizer and limits, and the served names."""
 
-    engine: AsyncLLMEngine
+    engine: EngineClient
     served_model_names: list[str]
 
     def __post_init__(self) -> None:
-        core = self.engine.engine
-        self.tokenizer = core.tokenizer
-        self.vocab_size: int = core.model_config.vocab_size
-        self.max_model_len: int = core.scheduler_config.max_model_len
-        self.default_params: SamplingParams = core.default_sampling_params
+        info = self.engine.info
+        self.tokenizer = info.tokenizer
+        self.vocab_size: int = info.vocab_size
+        self.max_model_len: int = info.max_model_len
+        self.default_params: SamplingParams = info.default_sampling_params
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
 
     @property
@@ -77,7 +78,8 @@ class ServingContext:
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         renames: dict[str, str]) -> SamplingParams:
         """SamplingParams from the request's fields over the model's defaults; errors name the field
-        as the client spelled it (`renames`: SamplingParams name -> request name)."""
+        as the client spelled it (`renames`: SamplingParams name -> request name). The engine sends
+        DELTA outputs: each carries only what a step added."""
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
         if req.logit_bias:
@@ -88,7 +90,7 @@ class ServingContext:
             raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}",
                            renames.get("logprobs", "logprobs"))
         changes = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
-        changes.update(n=req.n, max_tokens=max_tokens, logprobs=logprobs)
+        changes.update(n=req.n, max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA)
         try:
             return self.default_params.replace(**changes)
         except (ValueError, TypeError) as e:
@@ -131,7 +133,7 @@ async def add_all(ctx: ServingContext, request_id: str, prompts: list[tuple[str 
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from every stream as outputs arrive; errors propagate."""
+    """(prompt index, delta output) from every stream as outputs arrive; errors propagate."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
@@ -163,12 +165,13 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 async def final_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
-    """The finished output of each stream; aborts them all if the client disconnects first."""
+    """The finished output of each stream (its deltas accumulated); aborts them all if the client
+    disconnects first."""
     async def collect() -> list[RequestOutput]:
-        finals: list[Any] = [None] * len(streams)
+        totals = [OutputAccumulator(s.request_id, s.prompt, s.prompt_token_ids) for s in streams]
         async for i, out in merged(streams):
-            finals[i] = out
-        return finals
+            totals[i].add(out)
+        return [t.output() for t in totals]
 
     work = asyncio.ensure_future(collect())
     watch = asyncio.ensure_future(_wait_for_disconnect(request))

@@ -3,7 +3,8 @@
 Response (OpenAI's): {id: "chatcmpl-...", object: "chat.completion", created, model, choices: [{index,
 message: {role: "assistant", content}, logprobs, finish_reason, stop_reason}], usage}. Streaming sends,
 per choice, a first chunk with `delta: {role: "assistant", content: ""}`, then `delta: {content}`
-chunks, the last one carrying finish_reason; then the usage chunk (stream_options.include_usage) and
+chunks (one per new piece of text; a client that reads slowly gets fewer, larger pieces), the last
+one carrying finish_reason; then the usage chunk (stream_options.include_usage) and
 `data: [DONE]`. Tool definitions reach the chat template; tool calls are not parsed out of the text.
 """
 from __future__ import annotations
@@ -100,10 +101,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return JSONResponse(_response(ctx, req, request_id, prompt, final))
 
 
-def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, o: CompletionOutput, start: int) -> dict | None:
+def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, o: CompletionOutput) -> dict | None:
     if not req.logprobs:
         return None
-    return chat_logprobs(ctx, o.token_ids[start:], (o.logprobs or [])[start:], req.top_logprobs or 0)
+    return chat_logprobs(ctx, o.token_ids, o.logprobs or [], req.top_logprobs or 0)
 
 
 def _response(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, prompt: str,
@@ -112,7 +113,7 @@ def _response(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, 
     for o in final.outputs:
         content = (prompt if req.echo else "") + o.text
         choices.append({"index": o.index, "message": {"role": "assistant", "content": content},
-                        "logprobs": _logprobs(ctx, req, o, 0), "finish_reason": o.finish_reason,
+                        "logprobs": _logprobs(ctx, req, o), "finish_reason": o.finish_reason,
                         "stop_reason": o.stop_reason})
     completion_tokens = sum(len(o.token_ids) for o in final.outputs)
     return {"id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.model_name,
@@ -132,21 +133,22 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
 
     for index in range(req.n):
         yield chunk(index, {"role": "assistant", "content": prompt if req.echo else ""})
-    sent_text = [0] * req.n
-    sent_tokens = [0] * req.n
+    completion_tokens = [0] * req.n
+    done = [False] * req.n
     try:
-        async for _, out in merged(streams):
+        async for _, out in merged(streams):  # deltas: what arrived since the previous event
             for o in out.outputs:
                 i = o.index
-                delta = o.text[sent_text[i]:]
-                finished = o.finish_reason is not None
-                if not delta and not finished and not (req.logprobs and len(o.token_ids) > sent_tokens[i]):
+                if done[i]:
+                    continue  # a finished choice of a request whose other choices still run
+                completion_tokens[i] += len(o.token_ids)
+                finished = done[i] = o.finish_reason is not None
+                if not o.text and not finished and not (req.logprobs and o.token_ids):
                     continue  # no visible text yet (a partial character, a held-back stop prefix)
-                lp = _logprobs(ctx, req, o, sent_tokens[i])
-                sent_text[i], sent_tokens[i] = len(o.text), len(o.token_ids)
-                yield chunk(i, {"content": delta} if delta else {}, lp, o if finished else None)
+                lp = _logprobs(ctx, req, o)
+                yield chunk(i, {"content": o.text} if o.text else {}, lp, o if finished else None)
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, sum(sent_tokens))})
+            yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, sum(completion_tokens))})
     except Exception as e:  # noqa: BLE001 -- the engine died mid-stream: tell the client in-band
         yield sse_error(e)
     yield SSE_DONE

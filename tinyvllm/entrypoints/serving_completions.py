@@ -3,7 +3,7 @@
 Response (OpenAI's): {id: "cmpl-...", object: "text_completion", created, model, choices: [{index, text,
 logprobs, finish_reason, stop_reason}], usage}. A batch of prompts gives choice `i * n + j` for
 completion j of prompt i. Streaming sends one chunk per new piece of text (same object, `text` being
-the delta), the finish_reason on a choice's last chunk, then, with stream_options.include_usage, a
+the delta; a client that reads slowly gets fewer, larger pieces), the finish_reason on a choice's last chunk, then, with stream_options.include_usage, a
 chunk with `choices: []` and the usage, and finally `data: [DONE]`.
 """
 from __future__ import annotations
@@ -100,28 +100,29 @@ async def _events(ctx: ServingContext, req: CompletionRequest, request_id: str, 
     head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.model_name}
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     extra = {"usage": None} if include_usage else {}
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
+    sent_chars: dict[int, int] = {}  # per choice: text sent so far (the logprobs' text_offset)
     completion_tokens: dict[int, int] = {}
+    done: set[int] = set()
     try:
-        async for i, out in merged(streams):
+        async for i, out in merged(streams):  # deltas: what arrived since the previous event
             for o in out.outputs:
                 index = i * req.n + o.index
-                first = index not in sent_text
-                delta = o.text[sent_text.get(index, 0):]
-                new_ids = o.token_ids[sent_tokens.get(index, 0):]
-                wanted = delta or (first and req.echo) or (new_ids and req.logprobs is not None)
-                if not wanted and o.finish_reason is None:
+                if index in done:
+                    continue  # a finished choice of a request whose other choices still run
+                first = index not in sent_chars
+                finished = o.finish_reason is not None
+                wanted = o.text or (first and req.echo) or (o.token_ids and req.logprobs is not None)
+                completion_tokens[index] = completion_tokens.get(index, 0) + len(o.token_ids)
+                if not wanted and not finished:
                     continue  # no visible text yet (a partial character, a held-back stop prefix)
+                offset = sent_chars.get(index, 0)
                 lp = None
                 if req.logprobs is not None:
-                    entries = (o.logprobs or [])[sent_tokens.get(index, 0):]
-                    lp = completion_logprobs(ctx, new_ids, entries, req.logprobs, sent_text.get(index, 0))
-                text = (_prompt_text(ctx, prompts[i]) if first and req.echo else "") + delta
-                sent_text[index] = len(o.text)
-                sent_tokens[index] = len(o.token_ids)
-                completion_tokens[index] = len(o.token_ids)
-                finished = o.finish_reason is not None
+                    lp = completion_logprobs(ctx, o.token_ids, o.logprobs or [], req.logprobs, offset)
+                text = (_prompt_text(ctx, prompts[i]) if first and req.echo else "") + o.text
+                sent_chars[index] = offset + len(o.text)
+                if finished:
+                    done.add(index)
                 yield sse({**head, "choices": [_choice(index, text, lp, o if finished else None)], **extra})
         if include_usage:
             prompt_tokens = sum(len(p[1]) for p in prompts)

@@ -1,0 +1,292 @@
+"""MPAsyncLLMEngine: the EngineCore loop in a process of its own (vLLM v1's design).
+
+The API process keeps the asyncio app (this module and the app import no torch, and nothing there
+initialises CUDA); the engine process builds the LLMEngine from the EngineArgs (CUDA is initialised
+there only: the process is spawned, not forked) and runs `EngineCore.run`. Two one-way pipes connect
+them (multiprocessing.connection, pickled messages):
+
+    API process                                        engine process
+    event loop --commands--> sender thread  ==pipe==>  EngineCore: apply commands, step,
+    event loop <--call_soon_threadsafe-- reader thread  <==pipe==  send one "out" message per step
+
+The sender thread batches the commands queued since its last write into one message, so the event
+loop never blocks on a pipe; the reader thread unpickles each message and dispatches its Deltas to
+the streams (`EngineClient._handle`). Messages are listed in `tinyvllm.entrypoints.engine_core`.
+
+Failures: an exception in the engine loop is sent as ("dead", message) before the process exits
+with status 1; a process that vanishes (killed, crashed) closes its pipe. Either way the reader thread
+marks the engine dead. The engine process ignores SIGINT (a Ctrl-C in the terminal reaches the whole
+process group; the API process drains in-flight requests, then stops the engine) and exits when its
+command pipe closes, so it never outlives the API process.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tinyvllm.entrypoints.async_engine import EngineClient, EngineInfo
+from tinyvllm.entrypoints.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[Any], Any]  # EngineArgs -> LLMEngine, run in the engine process; must pickle
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not build the engine (the message says why)."""
+
+
+class MPAsyncLLMEngine(EngineClient):
+    """An EngineClient whose core runs in a spawned process. See the module docstring.
+
+    Args:
+        engine_args: tinyvllm.engine.args.EngineArgs for the engine process.
+        max_waiting_requests: reject (QueueFullError) while this many requests wait; None: no limit.
+        engine_factory: builds the engine in the engine process (default: LLMEngine(engine_args));
+            a picklable callable, for tests that need a fake or failing engine.
+        show_progress: show the model-loading progress bar.
+    """
+
+    def __init__(self, engine_args: Any, max_waiting_requests: int | None = None,
+                 engine_factory: EngineFactory | None = None, show_progress: bool = False) -> None:
+        super().__init__(max_waiting_requests)
+        self.engine_args = engine_args
+        self._factory = engine_factory
+        self._show_progress = show_progress
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._to_core: Connection | None = None
+        self._from_core: Connection | None = None
+        self._stopping = False
+        # One thread at a time may wait for the process: two concurrent waitpid() calls on one pid
+        # let the loser see ECHILD, and multiprocessing then reports a reaped process as alive.
+        self._wait_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="tinyvllm-engine-reader", daemon=True)
+        self._sender = threading.Thread(target=self._write, name="tinyvllm-engine-sender", daemon=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def is_running(self) -> bool:
+        with self._wait_lock:
+            return self._proc is not None and self._proc.is_alive()
+
+    def start(self, timeout: float | None = None) -> MPAsyncLLMEngine:
+        """Spawn the engine process and wait until its engine is built (`timeout` seconds at most).
+
+        Raises:
+            EngineStartError: the engine could not be built, or the process died while building it.
+        """
+        ctx = multiprocessing.get_context("spawn")
+        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+        out_recv, out_send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=run_engine_process, name="tinyvllm-engine-core", daemon=True,
+                                 args=(self.engine_args, self.max_waiting_requests, self._factory,
+                                       self._show_progress, logging.getLogger().level, cmd_recv, out_send))
+        _grow_pipe(out_recv)
+        self._proc.start()
+        cmd_recv.close()  # the child's ends: closing ours lets each side see the other's death as EOF
+        out_send.close()
+        self._to_core, self._from_core = cmd_send, out_recv
+        try:
+            info = self._wait_until_ready(timeout)
+            from tinyvllm.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_pretrained(info["tokenizer"])
+        except BaseException:
+            self._kill()
+            raise
+        self.info = EngineInfo(tokenizer, info["vocab_size"], info["max_model_len"],
+                               info["default_sampling_params"], info["model_dir"])
+        self._reader.start()
+        self._sender.start()
+        return self
+
+    def _wait_until_ready(self, timeout: float | None) -> dict:
+        assert self._from_core is not None and self._proc is not None
+        try:
+            if not self._from_core.poll(timeout):
+                raise EngineStartError(f"the engine process did not start within {timeout} s")
+            message = self._from_core.recv()
+        except (EOFError, OSError):
+            raise EngineStartError(f"the engine process died while starting ({_exit(self._wait(5))})") from None
+        if message[0] == "failed":
+            raise EngineStartError(message[1])
+        _, info, self.stats = message
+        return info
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the engine process (what is in flight fails with EngineDeadError), wait for it and for
+        the reader; kill it if it does not stop within `timeout` seconds."""
+        if self._proc is None:
+            return
+        self._stopping = True
+        self._commands.put(("stop",))
+        if self._wait(timeout) is None:
+            logger.warning("the engine process did not stop within %s s; killing it", timeout)
+            self._kill()
+        if self._reader.is_alive():
+            self._reader.join(timeout)
+        self._die(RuntimeError("the engine was shut down"))
+        if self._sender.is_alive():
+            self._sender.join(timeout)
+        for conn in (self._to_core, self._from_core):
+            if conn is not None:
+                conn.close()
+
+    def _wait(self, timeout: float | None) -> int | None:
+        """Wait up to `timeout` seconds for the engine process to exit; its exit code, None if it runs."""
+        assert self._proc is not None
+        with self._wait_lock:
+            self._proc.join(timeout)
+            return self._proc.exitcode
+
+    def _kill(self) -> None:
+        if self._proc is not None and self.is_running:
+            self._proc.kill()
+            self._wait(10)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+
+    # ------------------------------------------------------------------ the two threads
+    def _write(self) -> None:
+        """Sender thread: one pipe message per batch of queued commands, until "stop"."""
+        assert self._to_core is not None
+        while True:
+            batch = [self._commands.get()]
+            while True:
+                try:
+                    batch.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._to_core.send(batch)
+            except (OSError, ValueError):  # the engine process is gone: the reader reports it
+                return
+            except BaseException as e:  # noqa: BLE001 -- e.g. a prompt that does not pickle: fail loudly
+                logger.exception("could not send commands to the engine process")
+                self._die(e)
+                self._kill()
+                return
+            if any(c[0] == "stop" for c in batch):
+                return
+
+    def _read(self) -> None:
+        """Reader thread: dispatch the engine process's messages until it stops or dies."""
+        assert self._from_core is not None and self._proc is not None
+        error: BaseException | None = None
+        conn = self._from_core
+        try:
+            while True:
+                message = conn.recv()
+                if message[0] == "dead":
+                    error = RuntimeError(message[1])
+                    break
+                self._handle(message)
+        except (EOFError, OSError):
+            pass
+        except BaseException as e:  # noqa: BLE001 -- a bug in dispatching: fail loudly, not silently
+            logger.exception("the engine reader thread failed")
+            error = e
+            self._kill()  # nobody reads its outputs any more
+        if error is None:
+            if self._stopping:
+                error = RuntimeError("the engine was shut down")
+            else:
+                error = RuntimeError(f"the engine process died unexpectedly ({_exit(self._wait(5))})")
+        if not self._stopping:
+            logger.error("engine dead: %s", error)
+        self._die(error)
+
+
+def _grow_pipe(conn: Connection, size: int = 1 << 20) -> None:
+    """Let the output pipe buffer ~1 MiB (Linux; default 64 KiB, a few steps at batch 256), so that
+    the engine process does not wait on a reader that is late by a step or two."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, size)
+    except (ImportError, AttributeError, OSError):
+        pass  # not Linux, or above /proc/sys/fs/pipe-max-size: keep the default
+
+
+def _exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+# ---------------------------------------------------------------------- the engine process
+def _build_engine(engine_args: Any, show_progress: bool = False) -> Any:
+    from tinyvllm.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_args, show_progress=show_progress)
+
+
+def _leave_a_core_to_the_server() -> None:
+    """torch's CPU thread pool defaults to one thread per core, and its idle threads spin: with the
+    API process wanting a core too, steps on a small machine slowed down up to 30x (2 cores, CPU
+    device). Unless OMP_NUM_THREADS says otherwise, use one thread fewer than the cores we may use."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
+
+
+def run_engine_process(engine_args: Any, max_waiting_requests: int | None, factory: EngineFactory | None,
+                       show_progress: bool, log_level: int, commands: Connection, out: Connection) -> None:
+    """Main of the engine process: build the engine, report ("ready", info, stats), run the loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when the engine stops
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        _leave_a_core_to_the_server()
+        engine = factory(engine_args) if factory is not None else _build_engine(engine_args, show_progress)
+    except BaseException as e:  # noqa: BLE001 -- reported to the API process, which exits with it
+        logger.exception("could not build the engine")
+        out.send(("failed", f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    info = EngineInfo.of(engine)
+    out.send(("ready", {"tokenizer": str(getattr(engine_args, "tokenizer", None) or info.model_dir),
+                        "vocab_size": info.vocab_size, "max_model_len": info.max_model_len,
+                        "default_sampling_params": info.default_sampling_params, "model_dir": info.model_dir},
+              dict(engine.get_metrics())))
+    core = EngineCore(engine, max_waiting_requests)
+
+    def recv(block: bool) -> list[tuple] | None:
+        try:
+            if not block and not commands.poll():
+                return []
+            batch = commands.recv()
+            while commands.poll():
+                batch += commands.recv()
+            return batch
+        except (EOFError, OSError):
+            return None  # the API process is gone
+
+    try:
+        core.run(recv, out.send)
+    except BaseException as e:  # noqa: BLE001 -- the API process marks the engine dead with this message
+        logger.exception("engine loop died")
+        try:
+            out.send(("dead", f"{type(e).__name__}: {e}"))
+        except (OSError, ValueError):
+            pass
+        sys.exit(1)
