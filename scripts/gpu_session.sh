@@ -78,7 +78,7 @@ bench() {  # bench NAME LIMIT ARGS...
   esac
 }
 bench latency 120 latency --baseline hf --profile
-bench latency_fused 90 latency --fused-gemv --name latency_fused
+bench latency_unfused 90 latency --no-fused-gemv --name latency_unfused
 bench throughput 200 throughput --profile --max-model-len 4096 --baseline hf --baseline-requests 16
 bench shared_prefix 100 shared-prefix --max-model-len 4096
 if [ -z "${SKIP_SERVE:-}" ] && wanted serve && python3 -c "import fastapi, uvicorn" 2>/dev/null; then

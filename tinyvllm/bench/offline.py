@@ -57,8 +57,8 @@ def _warm_up(llm: LLM, w: Workload | None = None) -> None:
         llm.generate(_prompts(head, vocab), _params(head), use_tqdm=False)
 
 
-def triton_compiles() -> int:
-    """Kernel variants Triton has compiled in this process so far, over tinyvllm's kernels (0 where this
+def triton_compiles() -> dict[str, int]:
+    """Kernel variants Triton has compiled in this process so far, per tinyvllm kernel (empty where this
     Triton version hides its cache). A timed run must not compile: the benches report the difference."""
     import importlib
     import pkgutil
@@ -67,14 +67,21 @@ def triton_compiles() -> int:
 
     import tinyvllm.kernels as package
 
-    count = 0
+    counts: dict[str, int] = {}
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"{package.__name__}.{info.name}")
-        for obj in vars(module).values():
+        for name, obj in vars(module).items():
             if isinstance(obj, triton.runtime.jit.JITFunction):
-                for cache in getattr(obj, "device_caches", {}).values():
-                    count += len(cache[0]) if isinstance(cache, tuple) and isinstance(cache[0], dict) else 0
-    return count
+                n = sum(len(c[0]) for c in getattr(obj, "device_caches", {}).values()
+                        if isinstance(c, tuple) and isinstance(c[0], dict))
+                if n:
+                    counts[f"{info.name}.{name}"] = n
+    return counts
+
+
+def compiled_since(before: dict[str, int]) -> dict[str, int]:
+    """Per kernel, the variants compiled since `before` (a triton_compiles() snapshot)."""
+    return {k: n - before.get(k, 0) for k, n in triton_compiles().items() if n > before.get(k, 0)}
 
 
 def _ceilings(device: torch.device) -> Ceilings | None:
@@ -157,7 +164,7 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     outs = llm.generate(_prompts(w, llm.llm_engine.model_config.vocab_size), _params(w), use_tqdm=True)
     elapsed = time.perf_counter() - start
-    compiled = triton_compiles() - compiled
+    compiled = compiled_since(compiled)
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == w.num_output_tokens, (produced, w.num_output_tokens)
     ours = {"seconds": elapsed, "output_tokens": produced, "output_tokens_per_s": produced / elapsed,
@@ -176,7 +183,7 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     print_table(f"throughput: {len(w.prompts)} requests, {produced} output tokens ({ns.model})", rows,
                 ("", "output tok/s", "seconds"))
     if compiled:
-        print(f"warning: Triton compiled {compiled} kernel variants inside the timed run")
+        print(f"warning: Triton compiled kernel variants inside the timed run: {compiled}")
     profile = _profile(ns, llm, w, device, "throughput_step_breakdown.png")
     result = {"workload": "throughput", "model": ns.model, "ours": ours, "hf": hf, "floor": floor,
               "ceilings": ceil.__dict__ if ceil else None, "profile": profile,
@@ -196,7 +203,7 @@ def run_shared_prefix(ns: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         outs = llm.generate(_prompts(w, llm.llm_engine.model_config.vocab_size), _params(w), use_tqdm=False)
         elapsed = time.perf_counter() - start
-        compiled = triton_compiles() - compiled
+        compiled = compiled_since(compiled)
         ttfts = [_ttft(o) for o in outs]
         m = llm.get_metrics()
         results["on" if caching else "off"] = {
@@ -209,7 +216,7 @@ def run_shared_prefix(ns: argparse.Namespace) -> dict[str, Any]:
     on, off = results["on"], results["off"]
     rows = [(k, f"{v['seconds']:.2f}", f"{v['mean_ttft_s'] * 1e3:.0f}", f"{v['p50_ttft_s'] * 1e3:.0f}",
              f"{v['prefix_cache_hit_tokens']}/{v['prefix_cache_queried_tokens']}",
-             str(v["triton_compiles_in_timed_run"])) for k, v in results.items()]
+             str(sum(v["triton_compiles_in_timed_run"].values()))) for k, v in results.items()]
     rows.append(("off / on", f"{off['seconds'] / on['seconds']:.1f}x", f"{off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x",
                  f"{off['p50_ttft_s'] / on['p50_ttft_s']:.1f}x", "", ""))
     print_table(f"shared-prefix: {len(w.prompts)} requests, 1024-token shared prefix + 64, 128 out ({ns.model})",

@@ -47,8 +47,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool | None = None  # overlap host work with the device; None: on for CUDA
-    fused_gemv: bool = False  # batches of <= 16 tokens: fused matrix-vector kernels (kernels/gemv.py); off
-    # by default until tuned: measured slower than cuBLAS at batch 1 on the H200 (docs/perf.md)
+    fused_gemv: bool = True  # batch-1 decode through our matrix-vector kernels with the residual adds and
+    # SwiGLU folded in (models/llama.py; measured 897 vs 845 tok/s on the H200, docs/perf.md)
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
@@ -84,8 +84,8 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 before reading step N's tokens (default: on for CUDA)")
     g.add_argument("--fused-gemv", action=argparse.BooleanOptionalAction, default=d.fused_gemv,
-                   help="decode batches of up to 16 tokens through the fused matrix-vector kernels, with "
-                        "the norms, SwiGLU and residual adds folded in (default: off, see docs/perf.md)")
+                   help="batch-1 decode steps through our matrix-vector kernels, with SwiGLU and the "
+                        "residual adds folded in (default: on; see docs/perf.md)")
 
 
 def engine_args_from_cli(ns: argparse.Namespace) -> EngineArgs:

@@ -72,7 +72,7 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, *, model_dir: str, device: torch.device,
                  dtype: torch.dtype, kernel_backend: str, load_format: str = "auto", seed: int = 0,
-                 eos_token_ids: Sequence[int] = (), show_progress: bool = False, fused_gemv: bool = False) -> None:
+                 eos_token_ids: Sequence[int] = (), show_progress: bool = False, fused_gemv: bool = True) -> None:
         self.model_config = model_config
         self.device = device
         self.dtype = dtype

@@ -33,6 +33,16 @@ class StepInputs:
     num_decodes: int
 
 
+def _round2(n: int) -> int:
+    """n int64 elements, rounded up to whole 16-byte units."""
+    return (n + 1) & ~1
+
+
+def _round4(n: int) -> int:
+    """n int32 elements, rounded up to whole 16-byte units."""
+    return (n + 3) & ~3
+
+
 class _Staging:
     """One set of host staging buffers and their device twins."""
 
@@ -55,8 +65,8 @@ class StepInputBuilder:
         self.device = device
         self.tables = BlockTableRows(max(2 * max_num_seqs, 8), max_blocks_per_seq)
         max_tokens = max(max_num_batched_tokens, max_num_seqs)
-        n64 = 4 * max_tokens + 2 * max_num_seqs
-        n32 = 3 * (max_num_seqs + 1) + max_num_seqs * max_blocks_per_seq
+        n64 = 4 * max_tokens + 2 * max_num_seqs + 16  # + alignment padding of the 6 regions
+        n32 = 3 * (max_num_seqs + 1) + max_num_seqs * max_blocks_per_seq + 32
         self._staging = [_Staging(n64, n32, device) for _ in range(2)]
         self._step = 0
 
@@ -84,7 +94,11 @@ class StepInputBuilder:
 
         # ---- int64 region: ids [T] | positions [T] | slots [T] | logits rows [N]
         a64 = stage.np64
-        ids, pos, slots = a64[0:T], a64[T:2 * T], a64[2 * T:3 * T]
+        # Every region starts on a 16-byte boundary: Triton specialises pointer arguments on that
+        # alignment, so a region that were aligned in one step and not in the next would compile a
+        # second variant of every kernel reading it (in the middle of a run).
+        T2 = _round2(T)
+        ids, pos, slots = a64[0:T], a64[T2:T2 + T], a64[2 * T2:2 * T2 + T]
         rows = [self.tables.update(s) for s in ordered]
         drows = np.asarray(rows[:D], dtype=np.int64)
         table = self.tables.table
@@ -115,11 +129,14 @@ class StepInputBuilder:
             last_rows.append(row - 1)
         sampled_rows = [i for i, s in enumerate(ordered) if s.sample]
         N = len(sampled_rows)
-        a64[3 * T:3 * T + N] = [last_rows[i] for i in sampled_rows]
+        o_rows = 3 * T2
+        a64[o_rows:o_rows + N] = [last_rows[i] for i in sampled_rows]
         K = len(ph_rows)
-        a64[3 * T + N:3 * T + N + K] = ph_rows
-        a64[3 * T + N + K:3 * T + N + 2 * K] = ph_src
-        n64 = 3 * T + N + 2 * K
+        o_ph_rows = o_rows + _round2(N)
+        o_ph_src = o_ph_rows + _round2(K)
+        a64[o_ph_rows:o_ph_rows + K] = ph_rows
+        a64[o_ph_src:o_ph_src + K] = ph_src
+        n64 = o_ph_src + K
 
         # ---- int32 region: decode lens [Dp] | prefill lens [P] | cu [P+1] | decode table | prefill table
         a32 = stage.np32
@@ -127,20 +144,20 @@ class StepInputBuilder:
         P = len(prefills)
         o = 0
         dlens = a32[o:o + Dp]
-        o += Dp
+        o += _round4(Dp)
         if D:
             dlens[:D] = pos[:D] + 1
         dlens[D:] = 0
         plens = a32[o:o + P]
-        o += P
+        o += _round4(P)
         plens[:] = [s.context_len for s in prefills]
         cu = a32[o:o + P + 1]
-        o += P + 1
+        o += _round4(P + 1)
         cu[0] = 0
         np.cumsum([s.num_new_tokens for s in prefills], out=cu[1:])
         dwidth = max(1, -(-int(dlens[:D].max(initial=0)) // bs))
         dtab = a32[o:o + D * dwidth].reshape(D, dwidth)
-        o += D * dwidth
+        o += _round4(D * dwidth)
         if D:
             dtab[:] = table[drows, :dwidth]
         pwidth = max(1, max((-(-s.context_len // bs) for s in prefills), default=1))
@@ -160,14 +177,14 @@ class StepInputBuilder:
         def take32(n: int) -> torch.Tensor:
             nonlocal o
             t = d32[o:o + n]
-            o += n
+            o += _round4(n)
             return t
 
         d_dlens, d_plens, d_cu = take32(Dp), take32(P), take32(P + 1)
         d_dtab = take32(D * dwidth).view(D, dwidth)
         d_ptab = take32(P * pwidth).view(P, pwidth)
         meta = AttnMetadata(
-            slot_mapping=d64[2 * T:3 * T],
+            slot_mapping=d64[2 * T2:2 * T2 + T],
             num_decode_tokens=Dp,
             decode_seq_lens=d_dlens,
             decode_block_tables=d_dtab,
@@ -185,10 +202,10 @@ class StepInputBuilder:
             rank = {id(ordered[i]): j for j, i in enumerate(sampled_rows)}
             sample_order = [rank[id(s)] for s in seqs if s.sample]
         return StepInputs(
-            input_ids=d64[0:T], positions=d64[T:2 * T], meta=meta, logits_indices=d64[3 * T:3 * T + N],
+            input_ids=d64[0:T], positions=d64[T2:T2 + T], meta=meta, logits_indices=d64[o_rows:o_rows + N],
             sampled=[ordered[i] for i in sampled_rows],
             sample_order=sample_order,
-            placeholder_rows=d64[3 * T + N:3 * T + N + K] if K else None,
-            placeholder_src=d64[3 * T + N + K:3 * T + N + 2 * K] if K else None,
+            placeholder_rows=d64[o_ph_rows:o_ph_rows + K] if K else None,
+            placeholder_src=d64[o_ph_src:o_ph_src + K] if K else None,
             num_decodes=D,
         )

@@ -121,19 +121,28 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ls
 def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
                   BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out = Σ_s 2^(lse_s − m) o_s / Σ_s 2^(lse_s − m), m the running max; splits read BLOCK_S at a
+    time (one compiled kernel for every split count)."""
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_valid = offs_s < num_splits
-    p_off = b * stride_pb + h * stride_ph + offs_s * stride_ps
-    lse = tl.load(part_lse_ptr + p_off, mask=s_valid, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits: 2^-inf = 0
-    o = tl.load(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None],
-                other=0.0)
-    num = tl.sum(w[:, None] * o, 0)
-    den = tl.sum(w, 0)
+    m = tl.full([1], float("-inf"), tl.float32)
+    num = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_valid = offs_s < num_splits
+        p_off = b * stride_pb + h * stride_ph + offs_s * stride_ps
+        lse = tl.load(part_lse_ptr + p_off, mask=s_valid, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: 2^-inf = 0 below
+        alpha = tl.math.exp2(m - safe)
+        w = tl.math.exp2(lse - safe)
+        o = tl.load(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None],
+                    other=0.0)
+        num = num * alpha + tl.sum(w[:, None] * o, 0)
+        den = den * alpha + tl.sum(w, 0)
+        m = m_new
     out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
@@ -179,7 +188,7 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _merge_kernel[(Hq, B)](part_o, part_lse, out, num_splits,
                            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
                            out.stride(0), out.stride(1),
-                           BLOCK_S=max(16, next_power_of_2(num_splits)), HEAD_DIM=D, num_warps=4)
+                           BLOCK_S=16, HEAD_DIM=D, num_warps=4)
     return out
 
 
