@@ -101,10 +101,7 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        children = self.children
-        if len(children) == 1:
-            return children[0].request.status._finished
-        return all(c.request.status._finished for c in children)
+        return all(c.request.status.is_finished for c in self.children)
 
 
 class LLMEngine:

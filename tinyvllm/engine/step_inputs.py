@@ -142,57 +142,43 @@ class StepInputBuilder:
         a32 = stage.np32
         Dp = D if pad_decodes_to is None else pad_decodes_to
         P = len(prefills)
-        o = 0
-        dlens = a32[o:o + Dp]
-        o += _round4(Dp)
+        o_dlens = 0
+        o_plens = o_dlens + _round4(Dp)
+        o_cu = o_plens + _round4(P)
+        o_dtab = o_cu + _round4(P + 1)
+        dlens = a32[o_dlens:o_dlens + Dp]
         if D:
             dlens[:D] = pos[:D] + 1
         dlens[D:] = 0
-        plens = a32[o:o + P]
-        o += _round4(P)
+        plens = a32[o_plens:o_plens + P]
         plens[:] = [s.context_len for s in prefills]
-        cu = a32[o:o + P + 1]
-        o += _round4(P + 1)
+        cu = a32[o_cu:o_cu + P + 1]
         cu[0] = 0
         np.cumsum([s.num_new_tokens for s in prefills], out=cu[1:])
         dwidth = max(1, -(-int(dlens[:D].max(initial=0)) // bs))
-        dtab = a32[o:o + D * dwidth].reshape(D, dwidth)
-        o += _round4(D * dwidth)
+        o_ptab = o_dtab + _round4(D * dwidth)
         if D:
-            dtab[:] = table[drows, :dwidth]
+            a32[o_dtab:o_dtab + D * dwidth].reshape(D, dwidth)[:] = table[drows, :dwidth]
         pwidth = max(1, max((-(-s.context_len // bs) for s in prefills), default=1))
-        ptab = a32[o:o + P * pwidth].reshape(P, pwidth)
-        o += P * pwidth
         if P:
-            ptab[:] = table[np.asarray(rows[D:]), :pwidth]
-        n32 = o
+            a32[o_ptab:o_ptab + P * pwidth].reshape(P, pwidth)[:] = table[np.asarray(rows[D:]), :pwidth]
+        n32 = o_ptab + P * pwidth
 
         # ---- to the device: two copies
         if stage.dev64 is not stage.host64:
             stage.dev64[:n64].copy_(stage.host64[:n64], non_blocking=True)
             stage.dev32[:n32].copy_(stage.host32[:n32], non_blocking=True)
         d64, d32 = stage.dev64, stage.dev32
-        o = 0
-
-        def take32(n: int) -> torch.Tensor:
-            nonlocal o
-            t = d32[o:o + n]
-            o += _round4(n)
-            return t
-
-        d_dlens, d_plens, d_cu = take32(Dp), take32(P), take32(P + 1)
-        d_dtab = take32(D * dwidth).view(D, dwidth)
-        d_ptab = take32(P * pwidth).view(P, pwidth)
         meta = AttnMetadata(
             slot_mapping=d64[2 * T2:2 * T2 + T],
             num_decode_tokens=Dp,
-            decode_seq_lens=d_dlens,
-            decode_block_tables=d_dtab,
+            decode_seq_lens=d32[o_dlens:o_dlens + Dp],
+            decode_block_tables=d32[o_dtab:o_dtab + D * dwidth].view(D, dwidth),
             max_decode_seq_len=int(dlens.max(initial=0)),
             num_prefills=P,
-            prefill_cu_seqlens_q=d_cu,
-            prefill_seq_lens=d_plens,
-            prefill_block_tables=d_ptab,
+            prefill_cu_seqlens_q=d32[o_cu:o_cu + P + 1],
+            prefill_seq_lens=d32[o_plens:o_plens + P],
+            prefill_block_tables=d32[o_ptab:o_ptab + P * pwidth].view(P, pwidth),
             max_prefill_q_len=max((s.num_new_tokens for s in prefills), default=0),
             max_prefill_seq_len=int(plens.max(initial=0)),
         )

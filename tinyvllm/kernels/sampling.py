@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyvllm.kernels._launch import num_sms
+
 
 @triton.jit(do_not_specialize=["CHUNK", "NUM_SPLITS"])  # one compile whatever the batch
 def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, val_ptr, idx_ptr, V, CHUNK,
@@ -70,8 +72,7 @@ _MAX_SPLITS = 64  # a power of two; the split count is a runtime value below it,
 def num_splits(batch: int, vocab: int, device: torch.device) -> int:
     """Splits per row so that batch × splits programs fill the device about four times over (the
     per-row loop is long: 63 tiles of 2,048 for a 128k vocabulary), at least one tile per split."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(4 * sms, max(batch, 1)), triton.cdiv(vocab, _BLOCK), _MAX_SPLITS))
+    return max(1, min(triton.cdiv(4 * num_sms(device), max(batch, 1)), triton.cdiv(vocab, _BLOCK), _MAX_SPLITS))
 
 
 def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
