@@ -17,6 +17,7 @@ from tinyvllm.bench.report import print_table, write_json
 from tinyvllm.bench.roofline import Ceilings, ModelCosts, latency_floor, measure_ceilings, throughput_floor
 from tinyvllm.bench.workloads import Workload, latency_workload, shared_prefix_workload, throughput_workload
 from tinyvllm.engine.args import EngineArgs, engine_args_from_cli
+from tinyvllm.engine.step_timing import format_summary, summarize
 from tinyvllm.llm import LLM
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import RequestOutput
@@ -97,6 +98,23 @@ def _profile(ns: argparse.Namespace, llm: LLM, w: Workload, device: torch.device
     return profile_steps(llm, w, ns.out_dir, png_name=png)
 
 
+def _timed_generate(llm: LLM, prompts: list[dict], params: Any, use_tqdm: bool = False
+                    ) -> tuple[list[RequestOutput], float, dict[str, int], dict[str, Any]]:
+    """llm.generate timed: (outputs, seconds, Triton kernels compiled meanwhile, where the engine
+    steps' time went: tinyvllm.engine.step_timing.summarize)."""
+    timer = llm.llm_engine.step_timer
+    timer.reset(keep_log=True)
+    compiled = triton_compiles()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - start
+    compiled = compiled_since(compiled)
+    steps = summarize(timer.log)
+    timer.reset(keep_log=False)
+    print(format_summary(steps))
+    return outs, elapsed, compiled, steps
+
+
 def _ttft(out: RequestOutput) -> float:
     return out.metrics.first_token_time - out.metrics.arrival_time
 
@@ -119,7 +137,8 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     runs = []
     for _ in range(ns.iters):
-        out = llm.generate(_prompts(w, llm.llm_engine.model_config.vocab_size), params, use_tqdm=False)[0]
+        outs, _, _, steps = _timed_generate(llm, _prompts(w, llm.llm_engine.model_config.vocab_size), params)
+        out = outs[0]
         m = out.metrics
         n = len(out.outputs[0].token_ids)
         runs.append({"ttft_s": _ttft(out), "decode_tokens_per_s": (n - 1) / (m.finished_time - m.first_token_time),
@@ -138,7 +157,7 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
                 ("", "decode tok/s", "TTFT ms"))
     profile = _profile(ns, llm, w, device, "latency_step_breakdown.png")
     result = {"workload": "latency", "model": ns.model, "input_len": ns.input_len, "output_len": ns.output_len,
-              "ours": ours, "runs": runs, "hf": hf, "floor": floor, "ceilings": ceil.__dict__ if ceil else None,
+              "ours": ours, "runs": runs, "steps_last_run": steps, "hf": hf, "floor": floor, "ceilings": ceil.__dict__ if ceil else None,
               "profile": profile, "engine_args": vars(_engine_args(ns))}
     write_json(ns.name or "latency", result, ns.out_dir)
     return result
@@ -160,16 +179,14 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         _free(model)
     llm = LLM(**vars(_engine_args(ns)))
     _warm_up(llm, w)
-    compiled = triton_compiles()
-    start = time.perf_counter()
-    outs = llm.generate(_prompts(w, llm.llm_engine.model_config.vocab_size), _params(w), use_tqdm=True)
-    elapsed = time.perf_counter() - start
-    compiled = compiled_since(compiled)
+    outs, elapsed, compiled, steps = _timed_generate(
+        llm, _prompts(w, llm.llm_engine.model_config.vocab_size), _params(w), use_tqdm=True)
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == w.num_output_tokens, (produced, w.num_output_tokens)
     ours = {"seconds": elapsed, "output_tokens": produced, "output_tokens_per_s": produced / elapsed,
             "total_tokens_per_s": (produced + sum(map(len, w.prompts))) / elapsed,
-            "num_preemptions": llm.get_metrics()["num_preemptions"], "triton_compiles_in_timed_run": compiled}
+            "num_preemptions": llm.get_metrics()["num_preemptions"], "triton_compiles_in_timed_run": compiled,
+            "steps": steps}
     costs = ModelCosts.of(llm.llm_engine.model_config)
     floor = throughput_floor(costs, [len(p) for p in w.prompts], w.max_tokens, ceil) if ceil else None
     rows = [("tinyvllm", f"{ours['output_tokens_per_s']:.0f}", f"{elapsed:.2f}")]
@@ -199,18 +216,16 @@ def run_shared_prefix(ns: argparse.Namespace) -> dict[str, Any]:
     for caching in (False, True):
         llm = LLM(**vars(_engine_args(ns, enable_prefix_caching=caching)))
         _warm_up(llm, shared_prefix_workload(16, seed=1))  # other tokens: nothing of the timed run is cached
-        compiled, before = triton_compiles(), llm.get_metrics()
-        start = time.perf_counter()
-        outs = llm.generate(_prompts(w, llm.llm_engine.model_config.vocab_size), _params(w), use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        compiled = compiled_since(compiled)
+        before = llm.get_metrics()
+        outs, elapsed, compiled, steps = _timed_generate(
+            llm, _prompts(w, llm.llm_engine.model_config.vocab_size), _params(w))
         ttfts = [_ttft(o) for o in outs]
         m = llm.get_metrics()
         results["on" if caching else "off"] = {
             "seconds": elapsed, "mean_ttft_s": statistics.fmean(ttfts), "p50_ttft_s": statistics.median(ttfts),
             "prefix_cache_hit_tokens": m["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
             "prefix_cache_queried_tokens": m["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"],
-            "triton_compiles_in_timed_run": compiled}
+            "triton_compiles_in_timed_run": compiled, "steps": steps}
         del llm, outs  # free this engine's KV cache before the next one sizes its own
         _free()
     on, off = results["on"], results["off"]

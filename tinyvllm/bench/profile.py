@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tinyvllm.bench.workloads import Workload
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 _CATEGORIES = [
     ("attention", re.compile(r"attention|attn|flash|_fwd|decode_kernel|prefill_kernel|merge_kernel", re.I)),
@@ -45,7 +45,8 @@ def profile_steps(llm, w: Workload, out_dir: str | None, png_name: str, steps: i
 
     engine = llm.llm_engine
     ids = [engine.add_request(None, {"prompt_token_ids": p},
-                              SamplingParams(temperature=w.temperature, max_tokens=10_000, ignore_eos=True))
+                              SamplingParams(temperature=w.temperature, max_tokens=10_000, ignore_eos=True,
+                                             output_kind=RequestOutputKind.FINAL_ONLY))  # as LLM.generate
            for p in w.prompts]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()

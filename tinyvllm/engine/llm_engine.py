@@ -26,6 +26,7 @@ from tinyvllm.core.request import Request, RequestStatus
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs, default_model
 from tinyvllm.engine.model_runner import ModelRunner, StepHandle
+from tinyvllm.engine.step_timing import StepRecord, StepTimer
 from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -148,6 +149,8 @@ class LLMEngine:
         self.async_scheduling = (self.device.type == "cuda" if args.async_scheduling is None
                                  else args.async_scheduling)
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self.step_timer = StepTimer()  # set keep_log to see where each step's time went
+        self._wait_s = 0.0  # time blocked on the device inside the current step's _process calls
         self._num_history_requests = 0
         pool = BlockPool(num_blocks, enable_caching=args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, KVCacheManager(pool, args.block_size))
@@ -310,22 +313,32 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a batch, then process the previous one (async scheduling) or this one.
         Returns the outputs of every request that changed."""
+        clock = time.perf_counter
+        t0 = clock()
+        self._wait_s = 0.0
         outputs, self._pending = self._pending, []
         overlap = self.async_scheduling and self._num_history_requests == 0
         if not overlap and self._in_flight is not None:
             outputs += self._process(*self._in_flight)
             self._in_flight = None
+        t1 = clock()
         sched = self.scheduler.schedule()
+        t2 = clock()
         launched = None
         if not sched.is_empty:
             self._note_scheduled(sched)
             launched = (sched, self.runner.launch(sched))
+        t3 = clock()
         if self._in_flight is not None:
             outputs += self._process(*self._in_flight)
         self._in_flight = launched
         if not overlap and self._in_flight is not None:
             outputs += self._process(*self._in_flight)
             self._in_flight = None
+        if self.step_timer.keep_log:
+            t4 = clock()
+            self.step_timer.record(StepRecord(sched.num_batched_tokens, len(sched.sequences), t2 - t1, t3 - t2,
+                                              (t1 - t0) + (t4 - t3) - self._wait_s, self._wait_s))
         return outputs
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
@@ -339,7 +352,9 @@ class LLMEngine:
 
     def _process(self, sched: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:
         """Read a launched step's tokens and turn them into outputs."""
+        t0 = time.perf_counter()
         runner_out = handle.result()
+        self._wait_s += time.perf_counter() - t0
         logprobs_by_id = {}
         if runner_out.logprobs is not None:
             sampled_ids = [s.request_id for s in sched.sequences if s.sample]

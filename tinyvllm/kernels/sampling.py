@@ -13,14 +13,47 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from tinyvllm.kernels._launch import num_sms
 
 
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    """log2(x); on the GPU the SFU's lg2.approx (relative error ~2^-22, ample for sampling noise),
+    accurate log2 under the interpreter, which has no libdevice."""
+    if FAST:
+        return libdevice.fast_log2f(x)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _best_of_quarter(row_ptr, q_start, end, noise, inv_t, greedy, best_val, best_idx,
+                     QUARTER: tl.constexpr, FAST_LOG: tl.constexpr):
+    """Fold indices [q_start, q_start + QUARTER) into the running per-lane best (strict >: a lane
+    keeps its earliest index on ties, and quarters arrive in index order)."""
+    offs = q_start + tl.arange(0, QUARTER)
+    mask = offs < end
+    z = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    if not greedy:
+        u = tl.maximum(noise, 1e-20)  # rand is in [0, 1): keep the logarithms finite
+        # Gumbel noise −ln(−ln u) = −ln 2 · log2(−log2 u) − ln(ln 2); the constant never moves an argmax.
+        z = z * inv_t - 0.6931471805599453 * _log2(-_log2(u, FAST_LOG), FAST_LOG)
+    z = tl.where(mask, z, float("-inf"))
+    better = z > best_val
+    return tl.where(better, z, best_val), tl.where(better, offs, best_idx)
+
+
 @triton.jit(do_not_specialize=["CHUNK", "NUM_SPLITS"])  # one compile whatever the batch
 def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, val_ptr, idx_ptr, V, CHUNK,
-                           NUM_SPLITS, BLOCK: tl.constexpr):
-    """Program (row, split): the best (value, index) among indices [split·CHUNK, (split+1)·CHUNK)."""
+                           NUM_SPLITS, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+    """Program (row, split): the best (value, index) among indices [split·CHUNK, (split+1)·CHUNK).
+
+    A tile of BLOCK indices takes its noise from one Philox call per lane: `rand4x` keyed by
+    (seed, tile start / 4 + lane) gives four uniforms, one for each quarter of the tile. Tiles start
+    at multiples of BLOCK whatever the split count, so every index always gets the same noise."""
+    QUARTER: tl.constexpr = BLOCK // 4
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
@@ -28,22 +61,26 @@ def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, va
     greedy = temperature == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    best_val = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK], 0, tl.int32)
+    best_val = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_idx = tl.full([QUARTER], 0, tl.int32)
     begin = split * CHUNK
     end = tl.minimum(begin + CHUNK, V)
     for start in range(begin, end, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < end
-        z = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        if not greedy:
-            u = tl.rand(seed, offs)  # keyed by the vocabulary index: independent of the split
-            u = tl.maximum(u, 1e-20)  # rand is in [0, 1): keep log finite
-            z = z * inv_t - tl.log(-tl.log(u))
-        z = tl.where(mask, z, float("-inf"))
-        better = z > best_val  # strict: the earliest index keeps a tie within a lane
-        best_idx = tl.where(better, offs, best_idx)
-        best_val = tl.where(better, z, best_val)
+        if greedy:
+            n0 = tl.zeros([QUARTER], tl.float32)
+            n1 = n0
+            n2 = n0
+            n3 = n0
+        else:
+            n0, n1, n2, n3 = tl.rand4x(seed, start // 4 + tl.arange(0, QUARTER))
+        best_val, best_idx = _best_of_quarter(row_ptr, start, end, n0, inv_t, greedy, best_val, best_idx,
+                                              QUARTER, FAST_LOG)
+        best_val, best_idx = _best_of_quarter(row_ptr, start + QUARTER, end, n1, inv_t, greedy, best_val,
+                                              best_idx, QUARTER, FAST_LOG)
+        best_val, best_idx = _best_of_quarter(row_ptr, start + 2 * QUARTER, end, n2, inv_t, greedy, best_val,
+                                              best_idx, QUARTER, FAST_LOG)
+        best_val, best_idx = _best_of_quarter(row_ptr, start + 3 * QUARTER, end, n3, inv_t, greedy, best_val,
+                                              best_idx, QUARTER, FAST_LOG)
     top = tl.max(best_val, axis=0)
     # Lowest index among the lanes holding the maximum (an empty split offers −inf at index V).
     idx = tl.min(tl.where(best_val == top, best_idx, V), axis=0)
@@ -66,6 +103,7 @@ def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, V, NUM_SPLITS, MAX_SPLITS: 
 
 
 _BLOCK = 2048
+
 _MAX_SPLITS = 64  # a power of two; the split count is a runtime value below it, so one compile serves all
 
 
@@ -94,6 +132,6 @@ def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, see
         vals = torch.empty(B, S, dtype=torch.float32, device=logits.device)
         idxs = torch.empty(B, S, dtype=torch.int32, device=logits.device)
         _sample_partial_kernel[(B, S)](logits, logits.stride(0), temperature, seeds, vals, idxs, V, chunk, S,
-                                       BLOCK=_BLOCK, num_warps=8)
+                                       BLOCK=_BLOCK, FAST_LOG=logits.is_cuda, num_warps=8)
         _sample_reduce_kernel[(B,)](vals, idxs, out, V, S, MAX_SPLITS=_MAX_SPLITS, num_warps=1)
     return out
