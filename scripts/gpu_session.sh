@@ -83,7 +83,7 @@ bench() {  # bench NAME LIMIT ARGS...
 bench latency 120 latency --baseline hf --profile
 bench latency_unfused 90 latency --no-fused-gemv --name latency_unfused
 bench throughput 200 throughput --profile --max-model-len 4096 --baseline hf --baseline-requests 16
-bench shared_prefix 100 shared-prefix --max-model-len 4096
+bench shared_prefix 150 shared-prefix --max-model-len 4096 --profile
 if [ -z "${SKIP_SERVE:-}" ] && wanted serve && python3 -c "import fastapi, uvicorn" 2>/dev/null; then
   step serve 200 bash scripts/gpu_serve_bench.sh "$RES" || true
 fi

@@ -128,7 +128,7 @@ def test_hash_collision_is_a_miss():
     assert pool.lookup(h, None, [1, 2]) == b
     # Same hash key but different tokens (as a collision would give): never a hit.
     assert pool.lookup(h, None, [1, 3]) is None
-    assert pool.lookup(h, b"x" * 16, [1, 2]) is None
+    assert pool.lookup(h, 12345, [1, 2]) is None
 
 
 def test_allocation_failure_changes_nothing():

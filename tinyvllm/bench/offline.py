@@ -226,6 +226,9 @@ def run_shared_prefix(ns: argparse.Namespace) -> dict[str, Any]:
             "prefix_cache_hit_tokens": m["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
             "prefix_cache_queried_tokens": m["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"],
             "triton_compiles_in_timed_run": compiled, "steps": steps}
+        if caching:
+            device = torch.device("cuda" if torch.cuda.is_available() and ns.device != "cpu" else "cpu")
+            results["on"]["profile"] = _profile(ns, llm, w, device, "shared_prefix_step_breakdown.png")
         del llm, outs  # free this engine's KV cache before the next one sizes its own
         _free()
     on, off = results["on"], results["off"]

@@ -11,6 +11,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
     add_common_cli_args(p)
     p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--profile", action="store_true",
+                   help="also break a decode step (prefix caching on) down by kernel class")
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -18,7 +18,8 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.block_tables: dict[str, list[int]] = {}
-        self._num_registered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
+        # request id -> how many of its leading blocks were offered to the prefix cache already
+        self.num_registered_blocks: dict[str, int] = {}
 
     @property
     def enable_caching(self) -> bool:
@@ -73,7 +74,7 @@ class KVCacheManager:
         if cached_blocks:
             self.pool.touch(cached_blocks)
             table.extend(cached_blocks)
-            self._num_registered[request.request_id] = len(table)
+            self.num_registered_blocks[request.request_id] = len(table)
         if num_new_blocks:
             table.extend(self.pool.allocate(num_new_blocks))
         return True
@@ -92,7 +93,7 @@ class KVCacheManager:
         rid = request.request_id
         upto = request.num_computed_tokens if num_tokens is None else num_tokens
         num_full = min(upto, len(request.token_ids)) // self.block_size
-        start = self._num_registered.get(rid, 0)
+        start = self.num_registered_blocks.get(rid, 0)
         if num_full <= start:
             return  # the common case: no block filled up in this step
         table = self.block_tables.get(rid)
@@ -104,12 +105,12 @@ class KVCacheManager:
             parent = request.block_hashes[i - 1] if i else None
             self.pool.cache_block(table[i], request.block_hashes[i], parent,
                                   request.token_ids[i * bs:(i + 1) * bs])
-        self._num_registered[rid] = num_full
+        self.num_registered_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (see BlockPool.free)."""
         table = self.block_tables.pop(request.request_id, [])
-        self._num_registered.pop(request.request_id, None)
+        self.num_registered_blocks.pop(request.request_id, None)
         self.pool.free(reversed(table))
 
     def _update_block_hashes(self, request: Request) -> None:

@@ -62,7 +62,7 @@ class Request:
     error: str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)
 

@@ -9,15 +9,16 @@ the previous step's sampled ids.
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tinyvllm.config import CacheConfig, ModelConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from tinyvllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tinyvllm.engine.fused_sampling import FusedSamplingPlan, step_seed
 from tinyvllm.engine.sampler import LogprobsTensors, Sampler
 from tinyvllm.engine.sampling_tensors import SamplingRow, SamplingTensors
 from tinyvllm.engine.step_inputs import StepInputBuilder, StepInputs
@@ -26,22 +27,6 @@ from tinyvllm.models.llama import KVCache
 from tinyvllm.models.loader import build_model
 
 logger = logging.getLogger(__name__)
-
-_SEED_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, step) pairs over the seed space
-
-
-def step_seed(seed: int, output_index: int) -> int:
-    """The random seed for a seeded request's output token `output_index`: a function of the two only,
-    so a request samples the same tokens whatever shares its batch and however often it is preempted."""
-    return (seed * _SEED_MIX + output_index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
-
-
-def _is_plain(params) -> bool:
-    """Sampling the fused kernel handles: greedy or temperature only, no penalties, no logprobs."""
-    return (params.logprobs is None and params.presence_penalty == 0 and params.frequency_penalty == 0
-            and params.repetition_penalty == 1 and (params.is_greedy or (
-                params.top_p == 1 and params.top_k == 0 and params.min_p == 0)))
-
 
 @dataclass
 class StepHandle:
@@ -85,7 +70,8 @@ class ModelRunner:
                                  fuse_small_batches=fused_gemv)
         self.sampler = Sampler()
         self.batch_generator = torch.Generator(device=device).manual_seed(seed)
-        self._rng = random.Random(seed)  # seeds of unseeded requests for the fused sampler
+        self._rng = np.random.default_rng(seed)  # seeds of unseeded requests for the fused sampler
+        self._plan: FusedSamplingPlan | None = None  # the last sampled batch's rows (see fused_sampling)
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.builder: StepInputBuilder | None = None
@@ -188,7 +174,7 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """Enqueue one step (inputs, forward, sampling, the copy of the sampled ids) and return."""
         assert self.builder is not None, "initialize() first"
-        decode_only = all(s.num_new_tokens == 1 for s in sched.sequences)
+        decode_only = sched.num_batched_tokens == len(sched.sequences)  # one token each
         bucket = self.graphs.bucket(len(sched.sequences)) if self.graphs and decode_only else None
         inputs = self.builder.build(sched, pad_decodes_to=bucket, prev_sample_index=self._prev_index)
         if inputs.placeholder_rows is not None:
@@ -206,9 +192,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices], dtype=None)
         bufs = self._host_bufs[self._num_launched % 2]
         self._num_launched += 1
-        sampled, logprobs = self._sample(logits, inputs, bufs)
+        plan = self._row_plan(sched, inputs.sampled, bufs)
+        sampled, logprobs = self._sample(logits, inputs, plan, bufs)
         self._prev_sampled = sampled
-        self._prev_index = {s.request_id: i for i, s in enumerate(inputs.sampled)}
+        self._prev_index = plan.index
         event = None
         if self.device.type == "cuda":
             host = bufs["ids"][:sampled.shape[0]]
@@ -217,36 +204,32 @@ class ModelRunner:
             event.record()
         else:
             host = sampled
-        num_logprobs = [s.sampling_params.logprobs for s in inputs.sampled]
+        num_logprobs = [s.sampling_params.logprobs for s in inputs.sampled] if logprobs is not None else []
         return StepHandle(host, event, inputs.sample_order, logprobs, num_logprobs)
 
-    def _sample(self, logits: torch.Tensor, inputs: StepInputs,
+    def _row_plan(self, sched: SchedulerOutput, seqs: list[ScheduledSequence],
+                  bufs: dict[str, torch.Tensor]) -> FusedSamplingPlan:
+        """The previous step's plan when the sampled rows are the same requests in the same order and
+        none left the running set since (a request id may be reused only after its request left)."""
+        rids = [s.request_id for s in seqs]
+        plan = self._plan
+        if plan is None or sched.released_request_ids or plan.request_ids != rids:
+            plan = self._plan = FusedSamplingPlan.build(seqs, rids, self.device, bufs["temps"])
+        return plan
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs, plan: FusedSamplingPlan,
                 bufs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, LogprobsTensors | None]:
         seqs = inputs.sampled
-        if self.kernel_backend == "triton" and all(_is_plain(s.sampling_params) and not self._banned(s)
-                                                   for s in seqs):
-            return self._sample_fused(logits, seqs, bufs), None
+        if self.kernel_backend == "triton" and plan.usable(seqs):
+            from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
+
+            plan.seeds(seqs, self._rng, bufs["seeds"].numpy())
+            seeds = bufs["seeds"][:len(seqs)].to(self.device, non_blocking=True)
+            return sample_greedy_or_gumbel(logits, plan.temperatures, seeds), None
         rows = [self._sampling_row(s) for s in seqs]
         tensors = SamplingTensors.from_rows(rows, self.model_config.vocab_size, self.device)
         out = self.sampler(logits, tensors, self.batch_generator)
         return out.sampled_token_ids, out.logprobs
-
-    def _sample_fused(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
-                      bufs: dict[str, torch.Tensor]) -> torch.Tensor:
-        from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
-
-        n = len(seqs)
-        temps, seeds = bufs["temps"].numpy(), bufs["seeds"].numpy()
-        for i, s in enumerate(seqs):
-            p = s.sampling_params
-            if p.is_greedy:
-                temps[i], seeds[i] = 0.0, 0
-            else:
-                temps[i] = p.temperature
-                seeds[i] = step_seed(p.seed, s.output_index) if p.seed is not None else self._rng.getrandbits(63)
-        t = bufs["temps"][:n].to(self.device, non_blocking=True)
-        sd = bufs["seeds"][:n].to(self.device, non_blocking=True)
-        return sample_greedy_or_gumbel(logits, t, sd)
 
     def _banned(self, seq: ScheduledSequence) -> bool:
         return seq.output_index < seq.sampling_params.min_tokens

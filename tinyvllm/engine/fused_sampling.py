@@ -1,0 +1,84 @@
+"""Per-row inputs of the fused greedy/Gumbel sampler, rebuilt only when the batch's rows change.
+
+The fused kernel (`tinyvllm.kernels.sampling`) needs a temperature (0 = greedy) and a seed per row.
+A request's temperature and seeding never change, and in steady decoding the batch keeps the same
+requests in the same order for many steps, so the per-row constants live in a `FusedSamplingPlan`
+keyed by the ordered request ids: when a step's rows equal the previous step's, the plan (and its
+device copy of the temperatures) is reused and only the seeds are drawn, vectorised. At batch 256
+this replaces a per-row Python loop that cost ~0.5 ms of host time per step on the H200 machine.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tinyvllm.core.outputs import ScheduledSequence
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, step) pairs over the seed space
+
+
+def step_seed(seed: int, output_index: int) -> int:
+    """The random seed for a seeded request's output token `output_index`: a function of the two only,
+    so a request samples the same tokens whatever shares its batch and however often it is preempted."""
+    return (seed * _SEED_MIX + output_index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+def is_plain(params) -> bool:
+    """Sampling the fused kernel handles: greedy or temperature only, no penalties, no logprobs."""
+    return (params.logprobs is None and params.presence_penalty == 0 and params.frequency_penalty == 0
+            and params.repetition_penalty == 1 and (params.is_greedy or (
+                params.top_p == 1 and params.top_k == 0 and params.min_p == 0)))
+
+
+@dataclass
+class FusedSamplingPlan:
+    """The fused sampler's constants for one ordered list of rows.
+
+    Attributes:
+        request_ids: the rows' request ids, in batch order (the plan's key).
+        plain: every row's parameters are ones the fused kernel handles (`is_plain`).
+        temperatures: [N] float32 on the device; 0 for greedy rows.
+        seeded: (row, request seed) of the rows whose request carries a seed.
+        min_tokens: (row, min_tokens) of the rows whose request bans EOS and stop ids for a while; the
+            fused kernel cannot ban tokens, so a step where one of them is still short goes to the
+            full sampler.
+        index: request id -> row (the next step gathers its placeholder inputs through it).
+    """
+
+    request_ids: list[str]
+    plain: bool
+    temperatures: torch.Tensor
+    seeded: list[tuple[int, int]]
+    min_tokens: list[tuple[int, int]]
+    index: dict[str, int]
+
+    @classmethod
+    def build(cls, seqs: Sequence[ScheduledSequence], request_ids: list[str], device: torch.device,
+              staging: torch.Tensor) -> FusedSamplingPlan:
+        """`staging`: a host float32 buffer of at least len(seqs) elements (pinned on CUDA) to copy the
+        temperatures from; it must not be rewritten before the copy has run (the caller alternates)."""
+        params = [s.sampling_params for s in seqs]
+        plain = all(is_plain(p) for p in params)
+        n = len(seqs)
+        temps = staging[:n]
+        temps.numpy()[:] = [0.0 if p.is_greedy else p.temperature for p in params]
+        return cls(request_ids=request_ids, plain=plain,
+                   temperatures=temps.to(device, non_blocking=True, copy=True),
+                   seeded=[(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.is_greedy],
+                   min_tokens=[(i, p.min_tokens) for i, p in enumerate(params) if p.min_tokens],
+                   index={rid: i for i, rid in enumerate(request_ids)})
+
+    def usable(self, seqs: Sequence[ScheduledSequence]) -> bool:
+        """Whether the fused kernel can sample this step: plain rows, none still under min_tokens."""
+        return self.plain and all(seqs[i].output_index >= m for i, m in self.min_tokens)
+
+    def seeds(self, seqs: Sequence[ScheduledSequence], rng: np.random.Generator, out: np.ndarray) -> None:
+        """Write this step's per-row seeds into `out[:N]`: fresh random ones for unseeded rows, and
+        `step_seed(seed, output index)` for seeded ones (so their draws do not depend on the batch)."""
+        n = len(self.request_ids)
+        out[:n] = rng.integers(0, 1 << 63, size=n, dtype=np.int64)
+        for i, seed in self.seeded:
+            out[i] = step_seed(seed, seqs[i].output_index)
