@@ -295,6 +295,20 @@ class LLMEngine:
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             self._forget(parent)
 
+    def abort_child(self, request_id: str, index: int) -> None:
+        """Abort completion `index` of a request (the caller ended it, e.g. on a stop string it matched
+        itself); its blocks return to the pool at once and it reports finish_reason "abort" from then
+        on. A request left with no running completion is dropped as `abort_request` drops it. Unknown
+        ids and finished completions are ignored."""
+        parent = self._parents.get(request_id)
+        if parent is None or not 0 <= index < len(parent.children):
+            return
+        child = parent.children[index]
+        if self.scheduler.finish_requests(child.request.request_id, RequestStatus.FINISHED_ABORTED):
+            child.finished_time = time.monotonic()
+        if parent.finished:
+            self.abort_request(request_id)
+
     def _forget(self, parent: _Parent) -> None:
         for c in parent.children:
             if self._sequences.pop(c.request.request_id, None) is not None:
