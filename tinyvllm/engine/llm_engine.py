@@ -3,6 +3,11 @@
 One `step()` schedules a batch, runs it, appends the sampled tokens, applies the stopping rules (token
 ids in the scheduler, stop strings here, after detokenizing) and returns a `RequestOutput` for every
 request that changed. Parallel sampling (`n > 1`) runs n child sequences under one request id.
+
+The offline `LLM` has the engine detokenize; `tinyvllm serve` sends it requests with detokenize off and
+no stop strings, detokenizes their token ids in the API process and aborts a request (`abort_request`)
+or one child of it (`abort_child`) when a stop string matches there
+(`tinyvllm.entrypoints.output_processor`, which keeps `_detokenize` and `_completion`'s semantics).
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ Two clients share the caller side (`EngineClient`) and differ in where the Engin
 - `AsyncLLMEngine(engine)`: on a thread of this process, around an already-built LLMEngine (tests
   inject fake or failing engines this way; `tinyvllm serve --engine-in-thread`).
 - `MPAsyncLLMEngine(engine_args)` (`tinyvllm.entrypoints.mp_engine`, the default of `tinyvllm serve`):
-  in a process of its own, so that the engine's Python (scheduling, detokenizing) and the server's
-  (HTTP, JSON, SSE) do not share one GIL.
+  in a process of its own, so that the engine's Python (scheduling, step inputs, token ids) and the
+  server's (detokenizing, HTTP, JSON, SSE) do not share one GIL.
 
 Callers, on any event loop (several loops may share one engine):
 
