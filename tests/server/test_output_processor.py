@@ -238,7 +238,7 @@ def test_a_stop_string_frees_the_requests_blocks(server, engine):
         time.sleep(0.02)
     assert server.metric("tinyvllm:kv_cache_free_blocks") == total
     assert server.metric("vllm:num_requests_running") == 0
-    assert server.metric("vllm:generation_tokens_total") - before < used + 20  # not the 200 of max_tokens
+    assert server.metric("vllm:generation_tokens_total") - before < 150  # not the 200 of max_tokens
 
 
 def test_the_api_side_imports_no_torch():

@@ -53,12 +53,6 @@ def core_params(params: SamplingParams) -> SamplingParams:
     return params.replace(detokenize=False, stop=[], include_stop_str_in_output=False, output_kind=kind)
 
 
-def needs_processing(params: SamplingParams) -> bool:
-    """Whether the caller's `params` want text (and so a RequestProcessor); without detokenize there
-    are no stop strings either, and the core's Deltas are final as they are."""
-    return params.detokenize
-
-
 class _CompletionText:
     """Text state of one completion; see the module docstring."""
 
@@ -115,7 +109,8 @@ class RequestProcessor:
     Args:
         tokenizer: tinyvllm.tokenizer.Tokenizer (anything with `decode(ids, skip_special_tokens)`).
         params: the caller's SamplingParams (the core runs `core_params(params)`); detokenize must be
-            true (see `needs_processing`).
+            true (without it there are no stop strings either, and the core's Deltas are final as
+            they are).
     """
 
     def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
