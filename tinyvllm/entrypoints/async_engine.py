@@ -319,6 +319,7 @@ class EngineClient:
             processed.append((stream, d, commands))
         items = []
         with self._lock:
+            streams = self._streams  # again: _die may have replaced it meanwhile
             alive = self.dead_error is None
             for stream, d, commands in processed:
                 rid = d[0]
