@@ -3,6 +3,11 @@
 One `step()` schedules a batch, runs it, appends the sampled tokens, applies the stopping rules (token
 ids in the scheduler, stop strings here, after detokenizing) and returns a `RequestOutput` for every
 request that changed. Parallel sampling (`n > 1`) runs n child sequences under one request id.
+
+The offline `LLM` has the engine detokenize; `tinyvllm serve` sends it requests with detokenize off and
+no stop strings, detokenizes their token ids in the API process and aborts a request (`abort_request`)
+or one child of it (`abort_child`) when a stop string matches there
+(`tinyvllm.entrypoints.output_processor`, which keeps `_detokenize` and `_completion`'s semantics).
 """
 from __future__ import annotations
 
@@ -297,6 +302,20 @@ class LLMEngine:
             child_ids = [c.request.request_id for c in parent.children]
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             self._forget(parent)
+
+    def abort_child(self, request_id: str, index: int) -> None:
+        """Abort completion `index` of a request (the caller ended it, e.g. on a stop string it matched
+        itself); its blocks return to the pool at once and it reports finish_reason "abort" from then
+        on. A request left with no running completion is dropped as `abort_request` drops it. Unknown
+        ids and finished completions are ignored."""
+        parent = self._parents.get(request_id)
+        if parent is None or not 0 <= index < len(parent.children):
+            return
+        child = parent.children[index]
+        if self.scheduler.finish_requests(child.request.request_id, RequestStatus.FINISHED_ABORTED):
+            child.finished_time = time.monotonic()
+        if parent.finished:
+            self.abort_request(request_id)
 
     def _forget(self, parent: _Parent) -> None:
         for c in parent.children:

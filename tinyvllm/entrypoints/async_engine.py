@@ -5,8 +5,8 @@ Two clients share the caller side (`EngineClient`) and differ in where the Engin
 - `AsyncLLMEngine(engine)`: on a thread of this process, around an already-built LLMEngine (tests
   inject fake or failing engines this way; `tinyvllm serve --engine-in-thread`).
 - `MPAsyncLLMEngine(engine_args)` (`tinyvllm.entrypoints.mp_engine`, the default of `tinyvllm serve`):
-  in a process of its own, so that the engine's Python (scheduling, detokenizing) and the server's
-  (HTTP, JSON, SSE) do not share one GIL.
+  in a process of its own, so that the engine's Python (scheduling, step inputs, token ids) and the
+  server's (detokenizing, HTTP, JSON, SSE) do not share one GIL.
 
 Callers, on any event loop (several loops may share one engine):
 
@@ -17,9 +17,12 @@ Callers, on any event loop (several loops may share one engine):
 
 `add_request` returns once the core has queued the request, so a rejection (a malformed prompt or
 sampling value, a full waiting queue, a dead engine) reaches the caller before it commits to a
-response. The core sends Deltas (`tinyvllm.entrypoints.deltas`) after each step; the thread that
-receives them (the engine thread, or the reader thread of the process client) hands each loop its
-streams' Deltas with one `loop.call_soon_threadsafe` per step. If the core dies (an exception, a
+response. The core runs requests token ids only (`output_processor.core_params`) and sends Deltas
+(`tinyvllm.entrypoints.deltas`) after each step; the thread that receives them (the engine thread,
+or the reader thread of the process client) detokenizes them and matches stop strings (one
+`output_processor.RequestProcessor` per request that wants text; a matched stop string aborts the
+request, or that completion of it, in the core), then hands each loop its streams' Deltas with one
+`loop.call_soon_threadsafe` per step. If the core dies (an exception, a
 crashed process), the engine is dead (`is_dead`): every in-flight stream raises EngineDeadError and
 so does every later `add_request`.
 """
@@ -36,6 +39,7 @@ from typing import Any, Protocol
 
 from tinyvllm.entrypoints.deltas import Delta, OutputAccumulator
 from tinyvllm.entrypoints.engine_core import EngineCore
+from tinyvllm.entrypoints.output_processor import RequestProcessor, core_params
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -92,12 +96,12 @@ class RequestStream:
     - DELTA: everything since the previous output. When the reader falls behind, the Deltas that
       piled up are merged into one output (texts and token ids concatenated).
     - CUMULATIVE: everything so far (the stream accumulates the Deltas).
-    - FINAL_ONLY: one output, the finished one.
+    - FINAL_ONLY: one output, the finished one (the stream accumulates the Deltas, if several).
     """
 
     def __init__(self, request_id: str, client: EngineClient, loop: asyncio.AbstractEventLoop,
                  output_kind: RequestOutputKind, prompt: str | None, prompt_token_ids: list[int],
-                 arrival_time: float) -> None:
+                 arrival_time: float, processor: RequestProcessor | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -108,8 +112,10 @@ class RequestStream:
         self._accepted: asyncio.Future = loop.create_future()
         self._pending: list[Any] = []  # Deltas, or the error that ends the stream
         self._waiter: asyncio.Future | None = None
-        self._cumulative = output_kind == RequestOutputKind.CUMULATIVE
-        self._total: OutputAccumulator | None = None  # everything so far, for CUMULATIVE
+        self._final_only = output_kind == RequestOutputKind.FINAL_ONLY
+        self._accumulate = self._final_only or output_kind == RequestOutputKind.CUMULATIVE
+        self._total: OutputAccumulator | None = None  # everything so far, for CUMULATIVE and FINAL_ONLY
+        self._processor = processor  # the core's token ids -> text (used by the receiving thread only)
 
     def _accumulator(self) -> OutputAccumulator:
         return OutputAccumulator(self.request_id, self.prompt, self.prompt_token_ids, self.arrival_time)
@@ -132,13 +138,14 @@ class RequestStream:
                     error, items = item, items[:k]
                     break
             if items:
-                if self._cumulative:
+                if self._accumulate:
                     self._total = acc = self._total or self._accumulator()
                 else:
                     acc = self._accumulator()
                 acc.extend(items)
                 self.finished = acc.finished
-                yield acc.output()
+                if self.finished or not self._final_only:
+                    yield acc.output()
             if error is not None and not self.finished:
                 self.finished = True
                 raise error
@@ -210,11 +217,11 @@ class EngineClient:
         request_id = str(request_id)
         loop = asyncio.get_running_loop()
         kind = params.output_kind
-        if kind == RequestOutputKind.CUMULATIVE:
-            params = params.replace(output_kind=RequestOutputKind.DELTA)  # the stream accumulates
+        processor = RequestProcessor(self.info.tokenizer, params) if params.detokenize else None
+        params = core_params(params)  # token ids only, DELTA (or FINAL_ONLY): the stream accumulates
         text, ids = _prompt_parts(prompt)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        stream = RequestStream(request_id, self, loop, kind, text, ids, arrival_time)
+        stream = RequestStream(request_id, self, loop, kind, text, ids, arrival_time, processor)
         with self._lock:
             if self.dead_error is not None:
                 raise self._dead()
@@ -299,16 +306,31 @@ class EngineClient:
             _call_soon(loop, _resolve_all, items)
 
     def _on_deltas(self, deltas: Sequence[Delta], now: float) -> None:
-        items = []
         with self._lock:
             streams = self._streams
-            for d in deltas:  # Delta-shaped tuples: (request_id, finished, ...)
-                stream = streams.get(d[0])
-                if stream is None:
-                    continue  # aborted meanwhile
+            found = [(stream, d) for d in deltas  # Delta-shaped tuples: (request_id, finished, ...)
+                     if (stream := streams.get(d[0])) is not None]  # else aborted meanwhile
+        processed = []
+        for stream, d in found:  # outside the lock: detokenizing a step takes a while
+            processor = stream._processor
+            commands: Sequence[tuple] = ()
+            if processor is not None:
+                d, commands = processor.process(d, stream.prompt_token_ids)
+            processed.append((stream, d, commands))
+        items = []
+        with self._lock:
+            streams = self._streams  # again: _die may have replaced it meanwhile
+            alive = self.dead_error is None
+            for stream, d, commands in processed:
+                rid = d[0]
+                if streams.get(rid) is not stream:
+                    continue  # aborted while we detokenized: the abort is sent and counted already
                 if d[1]:
-                    del streams[d[0]]
+                    del streams[rid]
                 items.append((stream, d))
+                if alive:
+                    for command in commands:  # a stop string matched: stop the request in the core
+                        self._send(command)
         for listener in self._listeners:
             listener.on_step(items, now)
         for loop, group in _by_loop(items).items():

@@ -8,7 +8,13 @@ Commands (API side -> core), sent in lists, applied in order before each step:
 
     ("add", request_id, prompt, params, arrival_time)   params: SamplingParams (DELTA or FINAL_ONLY)
     ("abort", request_id)
+    ("abort", request_id, index)   completion `index` alone (n > 1); the request goes when none is left
     ("stop",)
+
+The API side sends requests that want text with `output_processor.core_params`: detokenize off, no
+stop strings. The core then produces token ids only (its scheduler still applies EOS, stop token ids,
+max_tokens and min_tokens); the API side detokenizes them, matches stop strings and aborts the
+request (or one completion of it) here when one matches (`tinyvllm.entrypoints.output_processor`).
 
 Messages (core -> API side), one per loop iteration that changed something:
 
@@ -25,8 +31,10 @@ The engine process adds ("ready", EngineInfo fields, stats) once built, ("failed
 could not be built, and ("dead", message) when the loop raised.
 
 A Delta (`tinyvllm.entrypoints.deltas`, a plain tuple on the wire) carries only what the step added
-(the engine's DELTA output kind): the new text, token ids and logprobs of each completion; never the
-prompt nor earlier tokens. Replies go out before the step runs, so a rejection reaches the caller
+(the engine's DELTA output kind): the new token ids and logprobs of each completion, and its text when
+the request asked the core to detokenize (API-side requests do not); never the prompt nor earlier
+tokens. After an abort, Deltas the core had already sent for the request may still arrive: the API
+side drops them. Replies go out before the step runs, so a rejection reaches the caller
 without waiting for a (possibly long) step.
 """
 from __future__ import annotations
@@ -82,7 +90,10 @@ class EngineCore:
             if kind == "add":
                 replies.append(self._add(*command[1:]))
             elif kind == "abort":
-                self.engine.abort_request(command[1])
+                if len(command) > 2:
+                    self.engine.abort_child(command[1], command[2])
+                else:
+                    self.engine.abort_request(command[1])
             elif kind == "stop":
                 return replies, True
             else:

@@ -10,8 +10,9 @@ them (multiprocessing.connection, pickled messages):
     event loop <--call_soon_threadsafe-- reader thread  <==pipe==  send one "out" message per step
 
 The sender thread batches the commands queued since its last write into one message, so the event
-loop never blocks on a pipe; the reader thread unpickles each message and dispatches its Deltas to
-the streams (`EngineClient._handle`). Messages are listed in `tinyvllm.entrypoints.engine_core`.
+loop never blocks on a pipe; the reader thread unpickles each message, detokenizes its Deltas (the
+core sends token ids; stop strings are matched here too, and a match sends the core an abort) and
+dispatches them to the streams (`EngineClient._handle`), while the core runs its next step. Messages are listed in `tinyvllm.entrypoints.engine_core`.
 
 Failures: an exception in the engine loop is sent as ("dead", message) before the process exits
 with status 1; a process that vanishes (killed, crashed) closes its pipe. Either way the reader thread

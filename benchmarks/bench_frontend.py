@@ -1,0 +1,129 @@
+"""Host cost of streamed outputs, split between the engine core and the API side, on this CPU.
+
+`tinyvllm serve` streams DELTA outputs. Before, the engine core detokenized them (and matched stop
+strings) itself; now it runs server requests token ids only (`output_processor.core_params`) and the
+API process detokenizes. This measures, for one batch-`B` decode step with the model runner stubbed
+out as in bench_host_step.py (step-input packing kept, random sampled ids):
+
+(a) the engine core's host ms per step: `engine.step()` + `encode_outputs` + pickling the "out"
+    message (what the core process does per step), for the server's params as they reached the core
+    before (DELTA, detokenize) and as they do now (core_params: DELTA, token ids only);
+    (and, as the floor, FINAL_ONLY token ids: no per-step outputs at all);
+(b) the API side's ms per step for the token-id Deltas: `RequestProcessor.process` of every request
+    (detokenize, stop strings) and the per-stream merge (`OutputAccumulator`, as RequestStream does).
+
+    python -m benchmarks.bench_frontend --batch 256 --steps 200 [--stop STR ...]
+"""
+from __future__ import annotations
+
+import argparse
+import pickle
+import random
+import time
+
+import torch
+
+from tinyvllm.engine.args import EngineArgs
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.entrypoints.deltas import OutputAccumulator, encode_outputs
+from tinyvllm.entrypoints.output_processor import RequestProcessor, core_params
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
+
+from benchmarks.bench_host_step import stub_runner
+from benchmarks.common import output_paths, write_json
+
+
+def _engine(batch: int, params: SamplingParams, seed: int = 0) -> tuple[LLMEngine, dict[str, list[int]]]:
+    """A CPU engine with the runner stubbed and `batch` requests past their prefill."""
+    args = EngineArgs(model="dummy:tiny", device="cpu", kernel_backend="torch", max_num_seqs=batch,
+                      max_num_batched_tokens=max(8192, batch), kv_cache_memory_bytes=1 << 30,
+                      async_scheduling=True)
+    engine = LLMEngine(args)
+    vocab = engine.model_config.vocab_size
+    stub_runner(engine, vocab)
+    rng = random.Random(seed)
+    prompts = {}
+    for i in range(batch):
+        prompts[str(i)] = [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]
+        engine.add_request(str(i), prompts[str(i)], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
+            or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    return engine, prompts
+
+
+def core_step_ms(batch: int, steps: int, params: SamplingParams) -> tuple[float, float, list[list[tuple]]]:
+    """(ms of engine.step() alone, ms of step + encode + pickle, the Deltas of every timed step)."""
+    engine, _ = _engine(batch, params)
+    step_s = total_s = 0.0
+    all_deltas = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        t1 = time.perf_counter()
+        deltas = encode_outputs(outputs)
+        pickle.dumps(("out", [], deltas, dict(engine.get_metrics()), time.monotonic()), protocol=pickle.HIGHEST_PROTOCOL)
+        t2 = time.perf_counter()
+        step_s += t1 - t0
+        total_s += t2 - t0
+        all_deltas.append(deltas)
+    return step_s / steps * 1e3, total_s / steps * 1e3, all_deltas
+
+
+def api_side_ms(batch: int, params: SamplingParams, steps_deltas: list[list[tuple]]) -> tuple[float, float]:
+    """(ms per step of RequestProcessor.process over the step's Deltas, ms per step of the merge),
+    for the token-id Deltas a core running core_params(params) sent."""
+    engine, prompts = _engine(batch, params)  # for its tokenizer and the same prompts
+    processors = {rid: RequestProcessor(engine.tokenizer, params) for rid in prompts}
+    process_s = merge_s = 0.0
+    for deltas in steps_deltas:
+        t0 = time.perf_counter()
+        processed = [processors[d[0]].process(d, prompts[d[0]])[0] for d in deltas]
+        t1 = time.perf_counter()
+        for d in processed:  # one DELTA RequestStream output per request and step
+            OutputAccumulator(d[0], None, prompts[d[0]], 0.0).extend([d]).output()
+        t2 = time.perf_counter()
+        process_s += t1 - t0
+        merge_s += t2 - t1
+    n = len(steps_deltas)
+    return process_s / n * 1e3, merge_s / n * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[256])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--stop", nargs="*", default=[], help="stop strings of every request (none by default)")
+    p.add_argument("--out-dir", default="benchmarks/results")
+    ns = p.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for batch in ns.batch:
+        server = SamplingParams(temperature=0.6, max_tokens=ns.steps + 100, ignore_eos=True, stop=ns.stop,
+                                output_kind=RequestOutputKind.DELTA)  # what serving.py asks for
+        before_step, before_core, _ = core_step_ms(batch, ns.steps, server)
+        after_step, after_core, deltas = core_step_ms(batch, ns.steps, core_params(server))
+        process, merge = api_side_ms(batch, server, deltas)
+        final_step, final_core, _ = core_step_ms(batch, ns.steps, core_params(server).replace(
+            output_kind=RequestOutputKind.FINAL_ONLY))  # the floor: no per-step outputs at all
+        rows.append({"batch": batch, "steps": ns.steps, "stop": ns.stop,
+                     "core_step_ms_before": before_step, "core_ms_before": before_core,
+                     "core_step_ms_after": after_step, "core_ms_after": after_core,
+                     "core_step_ms_final_only": final_step, "core_ms_final_only": final_core,
+                     "api_process_ms": process, "api_merge_ms": merge, "api_ms": process + merge})
+    print(f"{'batch':>5} | {'core before (DELTA+detok)':>25} | {'core after (token ids)':>22} | "
+          f"{'API detok+stop':>14} | {'API merge':>9} | {'API total':>9} | {'core FINAL_ONLY':>15}")
+    for r in rows:
+        print(f"{r['batch']:5d} | {r['core_step_ms_before']:8.3f} step {r['core_ms_before']:7.3f} all | "
+              f"{r['core_step_ms_after']:6.3f} step {r['core_ms_after']:6.3f} all | "
+              f"{r['api_process_ms']:14.3f} | {r['api_merge_ms']:9.3f} | {r['api_ms']:9.3f} | "
+              f"{r['core_ms_final_only']:11.3f} all")
+    print("ms per decode step; 'all' = engine.step() + encode_outputs + pickling the message")
+    json_path, _ = output_paths(ns.out_dir, "frontend")
+    write_json(json_path, {"rows": rows, "model": "dummy:tiny", "device": "cpu (runner stubbed)"})
+
+
+if __name__ == "__main__":
+    main()
