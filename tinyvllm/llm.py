@@ -7,7 +7,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from tinyvllm.engine.args import EngineArgs
-from tinyvllm.engine.llm_engine import LLMEngine, PromptType
+from tinyvllm.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -62,7 +62,7 @@ class LLM:
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         tokenized = [self.llm_engine.tokenize_prompt(p) for p in prompts]  # validate all first
-        return self._run([{"prompt": t, "prompt_token_ids": ids} for t, ids in tokenized], params, use_tqdm)
+        return self._run(tokenized, params, use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -91,7 +91,7 @@ class LLM:
                 raise TypeError(f"sampling_params must be SamplingParams, not {type(p).__name__}")
         return params
 
-    def _run(self, prompts: list[dict], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         params = [p.replace(output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]

@@ -150,3 +150,44 @@ def test_reviving_an_evictable_hit_counts_against_free_blocks():
     # Needs ceil(8/2)=4 blocks: 2 revived + 2 new, but only 1 non-hit block is free.
     assert not m.allocate_slots(b, 4, hits)
     m.pool.check_invariants(holders(m))
+
+
+def test_lookup_reuses_the_previous_lookups_shared_blocks_and_agrees_with_a_full_walk():
+    """Admissions sharing a prefix take the shared blocks from the previous lookup (no per-block walk);
+    the result, hashes included, must equal what a manager without that shortcut finds, for prompts
+    that share all, part of, or none of the previous one's blocks."""
+    bs = 2
+    m = KVCacheManager(BlockPool(32), bs)
+    base = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    computed_and_cached(m, "a", base)
+    for rid, tokens in (("b", base[:8] + [40]), ("c", base[:8] + [41, 42]), ("d", base[:5] + [50, 51, 52]),
+                        ("e", [1, 2, 3, 4, 5, 6, 7, 8]), ("f", [9, 9, 9]), ("g", base[:8] + [43])):
+        r = make_request(rid, tokens)
+        hits = m.find_cached_prefix(r)
+        fresh = make_request(rid, tokens)
+        m._last_lookup = None  # the full walk, for reference
+        assert m.find_cached_prefix(fresh) == hits, rid
+        assert r.block_hashes == fresh.block_hashes
+        m.find_cached_prefix(make_request("again", tokens))  # leave this prompt as the previous lookup
+    a_blocks = m.block_table("a")
+    assert m.find_cached_prefix(make_request("h", base[:8] + [44])) == a_blocks[:4]
+    assert m.find_cached_prefix(make_request("i", base[:7])) == a_blocks[:3]  # num_tokens - 1 caps it
+
+
+def test_lookup_shortcut_is_dropped_after_an_eviction():
+    """Once a cached block is evicted (and reused for other tokens), the previous lookup's block ids
+    are stale: a request with the same prefix must not get them."""
+    bs = 2
+    m = KVCacheManager(BlockPool(3), bs)
+    a = computed_and_cached(m, "a", [1, 2, 3, 4, 5])
+    b = make_request("b", [1, 2, 3, 4, 6])
+    assert m.find_cached_prefix(b) == m.block_table("a")[:2]
+    m.free(a)
+    # Three new blocks: the pool has none never used, so a's cached blocks are evicted and reused.
+    c = make_request("c", [7, 7, 8, 8, 9, 9])
+    assert m.allocate_slots(c, 6)
+    c.num_computed_tokens = 6
+    m.cache_full_blocks(c)
+    assert m.pool.stats.evicted_blocks >= 2
+    assert m.find_cached_prefix(make_request("d", [1, 2, 3, 4, 6])) == []
+    m.pool.check_invariants(holders(m))

@@ -35,7 +35,7 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: int | None = None
     parent_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None  # kept to verify hits
+    token_ids: list[int] | None = None  # kept to verify hits
 
 
 @dataclass
@@ -60,6 +60,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently used
         self._cached: dict[int, int] = {}
         self.stats = PrefixCacheStats()
+        self.epoch = 0  # bumped whenever a cached block loses its contents (eviction, reset)
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,6 +74,10 @@ class BlockPool:
 
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable
+
+    def count_evictable(self, block_ids: Iterable[int]) -> int:
+        """How many of these blocks wait in the LRU (cached, unreferenced)."""
+        return sum(map(self._evictable.__contains__, block_ids))
 
     def allocate(self, n: int) -> list[int]:
         """n fresh blocks with ref_cnt 1; takes never-used blocks first, then evicts LRU cached ones."""
@@ -121,7 +126,7 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self._cached:
             return
-        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, list(token_ids)
         self._cached[block_hash] = block_id
 
     def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> int | None:
@@ -130,7 +135,8 @@ class BlockPool:
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        if block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
+        if block.parent_hash != parent_hash or block.token_ids != (
+                token_ids if isinstance(token_ids, list) else list(token_ids)):
             return None  # a hash collision: treat as a miss
         return block_id
 
@@ -139,6 +145,7 @@ class BlockPool:
             del self._cached[block.block_hash]
             block.block_hash = block.parent_hash = block.token_ids = None
             self.stats.evicted_blocks += 1
+            self.epoch += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only possible when no block is in use. Returns success."""
