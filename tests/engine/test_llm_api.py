@@ -279,3 +279,29 @@ def test_fused_sampler_seeded_rows_ignore_batch_changes(model_dir):
     assert len(alone) == 7 and mixed[1].outputs[0].token_ids == alone
     assert len(mixed[0].outputs[0].token_ids) == 2
     assert len(mixed[3].outputs[0].token_ids) == 5
+
+
+def test_cascade_attention_in_the_engine_equals_the_torch_backend(model_dir):
+    """Decode steps whose rows share a cached prefix use cascade attention (thresholds lowered so the
+    tiny model qualifies): greedy tokens equal the torch reference backend's, and cascade did run."""
+    shared = [(7 * i) % 500 + 3 for i in range(70)]  # 4 full blocks of 16 shared, then per-prompt tails
+    prompts = [{"prompt_token_ids": shared + [11 + j, 40 + j]} for j in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs, used = {}, []
+    for backend in ("torch", "triton"):
+        llm = LLM(model=str(model_dir), device="cpu", max_model_len=128, kernel_backend=backend,
+                  max_num_batched_tokens=512)
+        builder = llm.llm_engine.runner.builder
+        if backend == "triton":
+            assert builder.cascade is not None
+            builder.cascade = (2, 64, 64)
+            build = builder.build
+
+            def recording_build(*args, **kwargs):
+                inputs = build(*args, **kwargs)
+                used.append(None if inputs.decode_prefix_len is None else int(inputs.decode_prefix_len))
+                return inputs
+            builder.build = recording_build
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["triton"] == outs["torch"]
+    assert 64 in used, used

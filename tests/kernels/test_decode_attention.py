@@ -78,3 +78,33 @@ def test_split_heuristic_fills_the_gpu():
     tiles = 32768 // DEFAULT_CONFIG.block_n
     assert (splits - 1) * -(-tiles // splits) < tiles  # the last split has work
     assert num_splits_for(256, 8, 512, 132) == 1  # a big batch needs no split
+
+
+CASCADE_CASES = [  # dtype, block_size, Hq, Hk, D, shared blocks, prefix_len, num_splits, contexts
+    (F32, 16, 8, 2, 64, 4, 64, None, [130, 70, 65, 200, 97]),
+    (BF16, 16, 8, 2, 64, 4, 64, 3, [130, 70, 65, 200, 97]),
+    (F32, 8, 6, 2, 32, 17, 128, 2, [140, 137, 300]),           # group 3: padded to 4 rows per sequence
+    (BF16, 16, 32, 8, 64, 8, 64, None, [129, 200, 140] * 7),   # 21 sequences: two chunks of 16
+    (F32, 16, 8, 2, 64, 4, 0, None, [130, 70, 65]),            # nothing shared
+]
+
+
+@pytest.mark.parametrize("dtype,block_size,hq,hk,d,shared,prefix_len,splits,contexts", CASCADE_CASES,
+                         ids=[f"{str(c[0])[6:]}-bs{c[1]}-g{c[2] // c[3]}-P{c[6]}-s{c[7]}" for c in CASCADE_CASES])
+def test_cascade_matches_reference(dtype, block_size, hq, hk, d, shared, prefix_len, splits, contexts, device):
+    """Cascade attention (the shared prefix attended once per chunk of sequences, the rest per sequence,
+    merged by logsumexp) equals the float64 reference, with a padded zero-length row appended (as a CUDA
+    graph's padding is) that must output zeros."""
+    gen = torch.Generator(device=device).manual_seed(4)
+    k_cache, v_cache, tables = make_paged_cache(contexts, hk, d, block_size, dtype, device, gen,
+                                                share_prefix=shared)
+    tables = torch.cat([tables, tables[:1]])  # the padded row: any table, length 0
+    lens = torch.tensor(contexts + [0], dtype=torch.int32, device=device)
+    q = torch.randn(len(contexts) + 1, hq, d, generator=gen, device=device).to(dtype)
+    cfg = DecodeConfig(64, 4, 2, 4, 1)
+    p = torch.tensor([prefix_len], dtype=torch.int32, device=device)
+    out = decode_attention_fwd(q, k_cache, v_cache, lens, tables, d ** -0.5, max(contexts), config=cfg,
+                               num_splits=splits, prefix_len=p)
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), lens, tables, d ** -0.5)
+    assert_close(out, ref, dtype)
+    assert torch.all(out[-1] == 0)

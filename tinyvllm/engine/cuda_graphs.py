@@ -28,8 +28,13 @@ def graph_batch_sizes(max_num_seqs: int, limit: int = 256) -> list[int]:
 
 
 class DecodeGraphs:
+    """Args: `cascade_batch_sizes`: buckets that also get a cascade-attention graph (decode rows that
+    share a prefix attend it once per chunk of rows; the prefix length is a static device buffer, so one
+    graph serves any length)."""
+
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], *, batch_sizes: list[int],
-                 max_blocks_per_seq: int, max_seq_len: int, device: torch.device) -> None:
+                 max_blocks_per_seq: int, max_seq_len: int, device: torch.device,
+                 cascade_batch_sizes: list[int] = ()) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.batch_sizes = sorted(batch_sizes)
@@ -41,9 +46,12 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.prefix_len = torch.zeros(1, dtype=torch.int32, device=device)
+        self.cascade_batch_sizes = sorted(b for b in cascade_batch_sizes if b in self.batch_sizes)
         self.logits = torch.empty(0)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        # (batch size, cascade) -> graph, and its logits buffer
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
 
     def bucket(self, batch_size: int) -> int | None:
         for b in self.batch_sizes:
@@ -51,16 +59,17 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _meta(self, bs: int) -> AttnMetadata:
+    def _meta(self, bs: int, cascade: bool) -> AttnMetadata:
         empty = self.seq_lens[:0]
         return AttnMetadata(
             slot_mapping=self.slot_mapping[:bs], num_decode_tokens=bs, decode_seq_lens=self.seq_lens[:bs],
             decode_block_tables=self.block_tables[:bs], max_decode_seq_len=self.max_seq_len,
             num_prefills=0, prefill_cu_seqlens_q=self.seq_lens[:1], prefill_seq_lens=empty,
-            prefill_block_tables=self.block_tables[:0], max_prefill_q_len=0, max_prefill_seq_len=0)
+            prefill_block_tables=self.block_tables[:0], max_prefill_q_len=0, max_prefill_seq_len=0,
+            decode_prefix_len=self.prefix_len if cascade else None)
 
-    def _run(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.kv_caches)
+    def _run(self, bs: int, cascade: bool) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs, cascade), self.kv_caches)
         return self.model.compute_logits(hidden, dtype=None)
 
     @torch.no_grad()
@@ -71,26 +80,33 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for bs in reversed(self.batch_sizes):
-                self._run(bs)  # warm-up: compiles kernels, sizes workspaces
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._outputs[bs] = self._run(bs)
-                self.graphs[bs] = graph
+                for cascade in (False, True) if bs in self.cascade_batch_sizes else (False,):
+                    self._run(bs, cascade)  # warm-up: compiles kernels, sizes workspaces
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._outputs[bs, cascade] = self._run(bs, cascade)
+                    self.graphs[bs, cascade] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.warning("captured CUDA graphs for decode batch sizes %s in %.1f s (enforce_eager=True turns "
-                       "this off)", self.batch_sizes, time.perf_counter() - start)
+        logger.warning("captured CUDA graphs for decode batch sizes %s (with cascade attention too: %s) in "
+                       "%.1f s (enforce_eager=True turns this off)", self.batch_sizes, self.cascade_batch_sizes,
+                       time.perf_counter() - start)
 
     def replay(self, bs: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-               seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+               seq_lens: torch.Tensor, block_tables: torch.Tensor, prefix_len: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """Copy one padded decode step (`bs` rows of ids/positions/slots/lengths, and the block table of
         its real rows) into the static buffers, replay, and return logits [bs, V] (a static buffer:
-        valid until the next replay)."""
+        valid until the next replay). `prefix_len` (device int32 [1], or None): replay the cascade
+        graph with that shared prefix (see kernels.decode_attention); `bs` must then be a cascade size."""
         self.input_ids[:bs].copy_(input_ids, non_blocking=True)
         self.positions[:bs].copy_(positions, non_blocking=True)
         self.slot_mapping[:bs].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:bs].copy_(seq_lens, non_blocking=True)
         rows, width = block_tables.shape
         self.block_tables[:rows, :width].copy_(block_tables, non_blocking=True)
-        self.graphs[bs].replay()
-        return self._outputs[bs]
+        cascade = prefix_len is not None
+        if cascade:
+            self.prefix_len.copy_(prefix_len, non_blocking=True)
+        self.graphs[bs, cascade].replay()
+        return self._outputs[bs, cascade]

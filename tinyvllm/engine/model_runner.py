@@ -23,10 +23,17 @@ from tinyvllm.engine.sampler import LogprobsTensors, Sampler
 from tinyvllm.engine.sampling_tensors import SamplingRow, SamplingTensors
 from tinyvllm.engine.step_inputs import StepInputBuilder, StepInputs
 from tinyvllm.kernels import get_ops
+from tinyvllm.models.attention_metadata import CASCADE_ALIGN
 from tinyvllm.models.llama import KVCache
 from tinyvllm.models.loader import build_model
 
 logger = logging.getLogger(__name__)
+
+# Cascade attention (kernels.decode_attention) for decode-only steps of at least this many rows whose
+# rows share at least this many leading keys in the same blocks: below that, the second kernel and the
+# merge cost more than the shared keys' repeated reads.
+CASCADE_MIN_BATCH = 32
+CASCADE_MIN_PREFIX = 256
 
 @dataclass
 class StepHandle:
@@ -155,18 +162,22 @@ class ModelRunner:
         """Allocate the cache and the input staging; capture the decode graphs (CUDA only)."""
         self.allocate_kv_cache(num_blocks, block_size)
         max_blocks = -(-max_model_len // block_size)
+        cascade = (CASCADE_MIN_BATCH, CASCADE_MIN_PREFIX, CASCADE_ALIGN) if self.kernel_backend == "triton" else None
         self.builder = StepInputBuilder(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                                         max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
-                                        device=self.device)
+                                        device=self.device, cascade=cascade)
         pin = self.device.type == "cuda"
         self._host_bufs = [{"ids": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
                             "temps": torch.zeros(max_num_seqs, dtype=torch.float32, pin_memory=pin),
                             "seeds": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin)}
                            for _ in range(2)]
         if cuda_graphs and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes=graph_batch_sizes(max_num_seqs),
+            sizes = graph_batch_sizes(max_num_seqs)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes=sizes,
                                        max_blocks_per_seq=max_blocks, max_seq_len=max_model_len,
-                                       device=self.device)
+                                       device=self.device,
+                                       cascade_batch_sizes=[b for b in sizes if b >= CASCADE_MIN_BATCH]
+                                       if cascade else [])
             self.graphs.capture()
 
     # ------------------------------------------------------------------ one step
@@ -186,7 +197,8 @@ class ModelRunner:
         if bucket is not None:
             m = inputs.meta
             logits = self.graphs.replay(bucket, inputs.input_ids, inputs.positions, m.slot_mapping,
-                                        m.decode_seq_lens, m.decode_block_tables)[:inputs.num_decodes]
+                                        m.decode_seq_lens, m.decode_block_tables,
+                                        m.decode_prefix_len)[:inputs.num_decodes]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[inputs.logits_indices], dtype=None)

@@ -31,6 +31,23 @@ class StepInputs:
     placeholder_rows: torch.Tensor | None  # [K] int64: rows whose input is the previous step's sample...
     placeholder_src: torch.Tensor | None  # [K] int64: ...at this index of that step's sampled ids
     num_decodes: int
+    decode_prefix_len: torch.Tensor | None = None  # [1] int32 on the device: cascade attention (see below)
+
+
+def shared_prefix_len(table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, block_size: int,
+                      align: int) -> int:
+    """The cascade prefix of a decode batch: the most leading keys that every row keeps in the same
+    cache blocks, short of each row's last key (its own new token), rounded down to `align` keys.
+
+    table: the block-table rows; rows: each decode row's index into it; seq_lens: their context lengths.
+    """
+    max_blocks = (int(seq_lens.min()) - 1) // block_size
+    if max_blocks <= 0:
+        return 0
+    head = table[rows, :max_blocks]
+    same = (head == head[0]).all(axis=0)
+    k = max_blocks if same.all() else int(np.argmin(same))
+    return k * block_size // align * align
 
 
 def _round2(n: int) -> int:
@@ -59,14 +76,19 @@ class _Staging:
 
 
 class StepInputBuilder:
+    """Args: `cascade`: (minimum decode rows, minimum shared keys, alignment) at which a decode-only
+    step's shared prefix is handed to cascade attention (`StepInputs.decode_prefix_len`); None: never."""
+
     def __init__(self, *, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_blocks_per_seq: int, device: torch.device) -> None:
+                 max_blocks_per_seq: int, device: torch.device,
+                 cascade: tuple[int, int, int] | None = None) -> None:
         self.block_size = block_size
         self.device = device
+        self.cascade = cascade
         self.tables = BlockTableRows(max(2 * max_num_seqs, 8), max_blocks_per_seq)
         max_tokens = max(max_num_batched_tokens, max_num_seqs)
         n64 = 4 * max_tokens + 2 * max_num_seqs + 16  # + alignment padding of the 6 regions
-        n32 = 3 * (max_num_seqs + 1) + max_num_seqs * max_blocks_per_seq + 32
+        n32 = 3 * (max_num_seqs + 1) + max_num_seqs * max_blocks_per_seq + 36
         self._staging = [_Staging(n64, n32, device) for _ in range(2)]
         self._step = 0
 
@@ -163,6 +185,15 @@ class StepInputBuilder:
         if P:
             a32[o_ptab:o_ptab + P * pwidth].reshape(P, pwidth)[:] = table[np.asarray(rows[D:]), :pwidth]
         n32 = o_ptab + P * pwidth
+        prefix_len = 0
+        if self.cascade is not None and not prefills and D >= self.cascade[0]:
+            prefix_len = shared_prefix_len(table, drows, dlens[:D], bs, self.cascade[2])
+            if prefix_len < self.cascade[1]:
+                prefix_len = 0
+        o_prefix = _round4(n32)
+        if prefix_len:
+            a32[o_prefix] = prefix_len
+            n32 = o_prefix + 1
 
         # ---- to the device: two copies
         if stage.dev64 is not stage.host64:
@@ -181,6 +212,7 @@ class StepInputBuilder:
             prefill_block_tables=d32[o_ptab:o_ptab + P * pwidth].view(P, pwidth),
             max_prefill_q_len=max((s.num_new_tokens for s in prefills), default=0),
             max_prefill_seq_len=int(plens.max(initial=0)),
+            decode_prefix_len=d32[o_prefix:o_prefix + 1] if prefix_len else None,
         )
         if not prefills and N == D:  # decode-only: rows are in the scheduler's order, all sampled
             sample_order = list(range(N))
@@ -194,4 +226,5 @@ class StepInputBuilder:
             placeholder_rows=d64[o_ph_rows:o_ph_rows + K] if K else None,
             placeholder_src=d64[o_ph_src:o_ph_src + K] if K else None,
             num_decodes=D,
+            decode_prefix_len=d32[o_prefix:o_prefix + 1] if prefix_len else None,
         )

@@ -27,9 +27,11 @@ import triton.language as tl
 
 from tinyvllm.kernels._flash import _attn_inner
 from tinyvllm.kernels._launch import cdiv, check_paged_attention, next_power_of_2, num_sms, upcast_dot
+from tinyvllm.models.attention_metadata import CASCADE_ALIGN  # the tile of both kernels
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
+CASCADE_ROWS = 64  # query rows per program of the prefix kernel (sequences × padded group)
 
 
 class DecodeConfig(NamedTuple):
@@ -69,19 +71,24 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, sms: int,
 # value class (1, a multiple of 16, other) would otherwise compile another kernel mid-run.
 @triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_bt"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                   seq_lens_ptr, block_tables_ptr, qk_scale,
+                   seq_lens_ptr, block_tables_ptr, prefix_len_ptr, qk_scale,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
                    stride_kb, stride_kh, stride_kt, stride_bt,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_TILE: tl.constexpr,
-                   SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                   SPLIT: tl.constexpr, CASCADE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Program (split, KV head, sequence): keys [start + split·chunk, ...) of the sequence, where start
+    is 0, or with CASCADE the shared prefix's length (`_prefix_kernel` covers the keys before it)."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     num_splits = tl.num_programs(0)
     seq_len = tl.load(seq_lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    start = 0
+    if CASCADE:
+        start = tl.minimum(tl.load(prefix_len_ptr), seq_len)
+    chunk = tl.cdiv(tl.cdiv(seq_len - start, num_splits), BLOCK_N) * BLOCK_N
+    lo = start + split * chunk
     hi = tl.maximum(tl.minimum(lo + chunk, seq_len), lo)
     hi_full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
 
@@ -117,6 +124,52 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ls
                  o.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
 
 
+@triton.jit(do_not_specialize=["B", "slot", "stride_pb", "stride_ph", "stride_bt"])
+def _prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_o_ptr, part_lse_ptr, seq_lens_ptr, block_tables_ptr,
+                   prefix_len_ptr, qk_scale, B, slot,
+                   stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_kb, stride_kh, stride_kt,
+                   stride_bt,
+                   GROUP: tl.constexpr, G_PAD: tl.constexpr, SEQS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_TILE: tl.constexpr,
+                   UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Cascade attention's shared part: program (KV head, chunk of SEQS sequences) attends the
+    SEQS·GROUP query rows of its chunk to keys [0, prefix_len), which every sequence of the batch holds
+    in the same cache blocks (those of row 0 of the block table). A prefix of P keys is thus read once
+    per chunk instead of once per sequence, and its scores are a [SEQS·G_PAD, BLOCK_N] matrix product
+    (G_PAD: GROUP rounded up to a power of two). Writes each row's normalised partial output and
+    logsumexp (log2) into split `slot` for the merge; rows of empty sequences (seq_len 0: graph
+    padding) write an empty split."""
+    kvh = tl.program_id(0)
+    chunk = tl.program_id(1)
+    M: tl.constexpr = SEQS * G_PAD
+    offs_m = tl.arange(0, M)
+    seq = chunk * SEQS + offs_m // G_PAD
+    g = offs_m % G_PAD
+    heads = kvh * GROUP + g
+    valid = (seq < B) & (g < GROUP)
+    seq_len = tl.load(seq_lens_ptr + seq, mask=valid, other=0)
+    live = seq_len > 0
+    offs_d = tl.arange(0, HEAD_DIM)
+    seq64 = seq.to(tl.int64)
+    q = tl.load(q_ptr + seq64[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=live[:, None], other=0.0)
+    prefix_len = tl.load(prefix_len_ptr)
+    kv_off = kvh.to(tl.int64) * stride_kh
+    m_i = tl.full([M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([M], dtype=tl.float32)
+    acc = tl.zeros([M, HEAD_DIM], dtype=tl.float32)
+    q_pos = tl.full([M], 0, tl.int32) + prefix_len  # every row sees the whole prefix
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr + kv_off, v_cache_ptr + kv_off,
+                                block_tables_ptr, 0, prefix_len, prefix_len, qk_scale, stride_kb, stride_kt,
+                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_TILE, False, UPCAST, IEEE)
+    empty = (l_i == 0.0) | (seq_len <= 0)
+    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+    p_off = seq64 * stride_pb + heads * stride_ph + slot * stride_ps
+    tl.store(part_lse_ptr + p_off, lse, mask=valid)
+    tl.store(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], o, mask=valid[:, None])
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph"])
 def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
                   stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
@@ -150,8 +203,16 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
 def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                          max_seq_len: int | None = None, *, config: DecodeConfig | None = None,
-                         num_splits: int | None = None) -> torch.Tensor:
-    """Launcher: checks, chooses the number of splits, launches the split kernel (and the merge)."""
+                         num_splits: int | None = None, prefix_len: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher: checks, chooses the number of splits, launches the split kernel (and the merge).
+
+    `prefix_len` (cascade attention): a device int32 tensor of one element, P, meaning that the first
+    P keys of every sequence with seq_len > 0 sit in the same cache blocks (block table row 0's), that
+    P is a multiple of the tile size (`CASCADE_ALIGN`) and that every such sequence has seq_len > P.
+    The shared keys are then attended once per chunk of sequences (`_prefix_kernel`) and the rest per
+    sequence, merged by logsumexp; P = 0 is allowed (nothing is shared). Read on the device, so a
+    CUDA graph captured with it serves any P.
+    """
     Hk, block_size = check_paged_attention(q, k_cache, v_cache, scale, seq_lens=seq_lens,
                                            block_tables=block_tables)
     B, Hq, D = q.shape
@@ -163,6 +224,8 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if B == 0:
         return out
     cfg = config or DEFAULT_CONFIG
+    if prefix_len is not None and cfg.block_n != CASCADE_ALIGN:
+        raise ValueError(f"cascade attention needs {CASCADE_ALIGN}-key tiles, the config has {cfg.block_n}")
     if max_seq_len is None:  # no hint: plan for the longest context the block table can address
         max_seq_len = block_tables.shape[1] * block_size
     if num_splits is None:
@@ -174,19 +237,30 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                   IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     grid = (num_splits, Hk, B)
-    if num_splits == 1:
-        _decode_kernel[grid](q, k_cache, v_cache, out, out, out, seq_lens, block_tables, scale * LOG2E,
+    cascade = prefix_len is not None
+    if num_splits == 1 and not cascade:
+        _decode_kernel[grid](q, k_cache, v_cache, out, out, out, seq_lens, block_tables, seq_lens, scale * LOG2E,
                              q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *strides,
-                             SPLIT=False, **common)
+                             SPLIT=False, CASCADE=False, **common)
         return out
-    part_o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    slots = num_splits + cascade  # the prefix's partial result goes into the last slot
+    part_o = torch.empty((B, Hq, slots, D), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, Hq, slots), dtype=torch.float32, device=q.device)
+    part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
     _decode_kernel[grid](q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
-                         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), *strides,
-                         SPLIT=True, **common)
-    _merge_kernel[(Hq, B)](part_o, part_lse, out, num_splits,
-                           part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+                         prefix_len if cascade else seq_lens, scale * LOG2E,
+                         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *part_strides, *strides,
+                         SPLIT=True, CASCADE=cascade, **common)
+    if cascade:
+        g_pad = next_power_of_2(group)
+        seqs = max(1, CASCADE_ROWS // g_pad)
+        _prefix_kernel[(Hk, cdiv(B, seqs))](
+            q, k_cache, v_cache, part_o, part_lse, seq_lens, block_tables, prefix_len, scale * LOG2E, B,
+            num_splits, q.stride(0), q.stride(1), *part_strides, *strides,
+            GROUP=group, G_PAD=g_pad, SEQS=seqs, HEAD_DIM=D, BLOCK_N=CASCADE_ALIGN, BLOCK_SIZE=block_size,
+            PAGE_TILE=block_size % CASCADE_ALIGN == 0, UPCAST=upcast_dot(q.device),
+            IEEE=q.dtype == torch.float32, num_warps=4, num_stages=3)
+    _merge_kernel[(Hq, B)](part_o, part_lse, out, slots, *part_strides,
                            out.stride(0), out.stride(1),
                            BLOCK_S=16, HEAD_DIM=D, num_warps=4)
     return out
@@ -194,6 +268,7 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                     max_seq_len: int | None = None) -> torch.Tensor:
+                     max_seq_len: int | None = None, prefix_len: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's signature (see `reference.decode_attention`): q [B, Hq, D] → out [B, Hq, D]."""
-    return decode_attention_fwd(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len)
+    return decode_attention_fwd(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len,
+                                prefix_len=prefix_len)

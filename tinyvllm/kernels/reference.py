@@ -112,12 +112,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                     max_seq_len: int | None = None) -> torch.Tensor:
+                     max_seq_len: int | None = None, prefix_len: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence, at the last position of its context:
         out[b] = softmax(scale · q_b Kᵀ[0..L_b−1]) V[0..L_b−1],  L_b = seq_lens[b].
     A row with seq_lens[b] == 0 (a padded row) outputs zeros.
     q: [B, Hq, D]; seq_lens: [B] int32; block_tables: [B, max_blocks] int32. `max_seq_len` is a launch
-    hint for kernels; ignored here."""
+    hint for kernels, `prefix_len` a promise that the first keys sit in shared blocks (cascade
+    attention, see decode_attention.decode_attention_fwd); both ignored here: the result is the same."""
     out = torch.zeros_like(q)
     for b, length in enumerate(seq_lens.tolist()):
         if length == 0:

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 import torch
 
 
+CASCADE_ALIGN = 64  # a cascade prefix (AttnMetadata.decode_prefix_len) is a multiple of this many keys
+
+
 @dataclass
 class AttnMetadata:
     """The batch is T token rows: first `num_decode_tokens` decode rows (one query token per sequence),
@@ -25,6 +28,10 @@ class AttnMetadata:
     prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
     max_prefill_q_len: int
     max_prefill_seq_len: int
+    # Cascade attention for the decode rows: a device int32 [1] holding P, the number of leading keys
+    # every decode row keeps in the same blocks, a multiple of CASCADE_ALIGN and less than every
+    # nonzero decode_seq_lens (see kernels.decode_attention); None: not used.
+    decode_prefix_len: torch.Tensor | None = None
 
     @property
     def num_prefill_tokens(self) -> int:

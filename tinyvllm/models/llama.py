@@ -70,7 +70,7 @@ class LlamaAttention(nn.Module):
         if D:
             out[:D] = self.ops.decode_attention(q[:D], k_cache, v_cache, meta.decode_seq_lens,
                                                 meta.decode_block_tables, self.scale,
-                                                meta.max_decode_seq_len)
+                                                meta.max_decode_seq_len, meta.decode_prefix_len)
         if D < T:
             out[D:] = self.ops.prefill_attention(q[D:], k_cache, v_cache, meta.prefill_cu_seqlens_q,
                                                  meta.prefill_seq_lens, meta.prefill_block_tables,
