@@ -122,3 +122,38 @@ def test_greedy_bf16_close_to_transformers(ckpt):
                 break
             agreed += 1
     print(f"\nbf16 greedy: {agreed} of {32 * len(ps)} tokens identical before the first divergence")
+
+
+def test_cascade_attention_fp32_equals_plain_decode(ckpt):
+    """40 prompts share a 512-token prefix (cached once, then shared blocks): decode steps replay the
+    cascade CUDA graphs. In float32 their greedy tokens equal those of the same engine with cascade
+    attention off, and equal the first prompts generated alone."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = random.Random(5)
+    shared = [rng.randrange(1, 120000) for _ in range(512)]
+    ps = [shared + [rng.randrange(1, 120000) for _ in range(rng.randint(1, 30))] for _ in range(40)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results, used = {}, []
+    for cascade in (True, False):
+        llm = engine(ckpt, "float32", kv=8 << 30)
+        builder = llm.llm_engine.runner.builder
+        if cascade:
+            build = builder.build
+
+            def recording_build(*args, **kwargs):
+                inputs = build(*args, **kwargs)
+                used.append(None if inputs.decode_prefix_len is None else int(inputs.decode_prefix_len))
+                return inputs
+            builder.build = recording_build
+        else:
+            builder.cascade = None
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], greedy, use_tqdm=False)
+        results[cascade] = [o.outputs[0].token_ids for o in outs]
+        if not cascade:
+            alone = [llm.generate({"prompt_token_ids": p}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+                     for p in ps[:3]]
+        del llm
+        torch.cuda.empty_cache()
+    assert 512 in used, used
+    assert results[True] == results[False]
+    assert results[False][:3] == alone
