@@ -62,6 +62,7 @@ step kernel_tests 150 python3 -m pytest -q -n 8 tests/kernels tests/engine/test_
 step sampling_tests 120 python3 -m pytest -q tests/kernels/test_sampling_kernel.py tests/engine/test_sampler_gpu.py \
   tests/engine/test_step_timing.py -p no:cacheprovider
 step sampling_bench 90 python3 benchmarks/kernels/bench_sampling.py --out "$RES"
+step cascade_bench 90 python3 benchmarks/kernels/bench_cascade.py --out "$RES"
 step gemv_bench 150 python3 benchmarks/kernels/bench_gemv.py --models 1b --out "$RES"
 step gemv_sweep 170 python3 benchmarks/kernels/bench_gemv.py --no-model --sweep --sweep-m 1 --out "$RES"
 step host_step 60 python3 -m benchmarks.bench_host_step --batch 1 64 256 --steps 200 --out-dir "$RES"
