@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
 import time
 import warnings
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinyvllm import LLM, SamplingParams
-from tinyvllm.bench.workloads import shared_prefix_workload, throughput_workload
-from tinyvllm.engine.step_timing import format_summary, summarize
+import torch  # noqa: E402
+
+from tinyvllm import LLM, SamplingParams  # noqa: E402
+from tinyvllm.bench.workloads import shared_prefix_workload, throughput_workload  # noqa: E402
+from tinyvllm.engine.step_timing import format_summary, summarize  # noqa: E402
 
 
 def main() -> None:

@@ -125,13 +125,13 @@ def test_greedy_bf16_close_to_transformers(ckpt):
 
 
 def test_cascade_attention_fp32_equals_plain_decode(ckpt):
-    """40 prompts share a 512-token prefix (cached once, then shared blocks): decode steps replay the
+    """100 prompts (cascade needs 96 decode rows) share a 512-token prefix (cached once, then shared blocks): decode steps replay the
     cascade CUDA graphs. In float32 their greedy tokens equal those of the same engine with cascade
     attention off, and equal the first prompts generated alone."""
     torch.backends.cuda.matmul.allow_tf32 = False
     rng = random.Random(5)
     shared = [rng.randrange(1, 120000) for _ in range(512)]
-    ps = [shared + [rng.randrange(1, 120000) for _ in range(rng.randint(1, 30))] for _ in range(40)]
+    ps = [shared + [rng.randrange(1, 120000) for _ in range(rng.randint(1, 30))] for _ in range(100)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results, used = {}, []
     for cascade in (True, False):
