@@ -40,3 +40,28 @@ def test_merge_deltas_matches_the_accumulator():
         got = [(c[0], c[1], list(c[2]), c[3], c[4], c[5], c[6]) for c in merged[2]]
         assert got == [(o.index, o.text, o.token_ids, o.logprobs, o.cumulative_logprob, o.finish_reason,
                         o.stop_reason) for o in want.outputs]
+
+
+def test_merge_deltas_one_completion():
+    lp = {1: Logprob(-0.1, 1)}
+    deltas = [("r", False, [(0, "a", [4], None, None, None, None)], None, 3),
+              ("r", False, [(0, "b", [5, 6], [lp, lp], -0.5, None, None)], None, None),
+              ("r", True, [(0, "", [7], [lp], -0.9, "stop", 7)], "oops", None)]
+    assert merge_deltas(deltas) == ("r", True, [(0, "ab", [4, 5, 6, 7], [lp, lp, lp], -0.9, "stop", 7)], "oops", 3)
+
+
+def test_observe_many_equals_repeated_observe():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from tinyvllm.entrypoints.metrics import observe_many
+
+    registry = CollectorRegistry()
+    a = Histogram("a", "a", buckets=[0.01, 0.1, 1.0], registry=registry)
+    b = Histogram("b", "b", buckets=[0.01, 0.1, 1.0], registry=registry)
+    for value, count in [(0.005, 3), (0.05, 1), (0.5, 4), (5.0, 2)]:
+        observe_many(a, value, count)
+        for _ in range(count):
+            b.observe(value)
+    samples = {m.name: [(s.name[1:], s.labels, s.value) for s in m.samples] for m in registry.collect()}
+    assert [(n, lab, round(v, 9)) for n, lab, v in samples["a"] if n != "_created"] == \
+        [(n, lab, round(v, 9)) for n, lab, v in samples["b"] if n != "_created"]

@@ -435,6 +435,10 @@ def merge_deltas(deltas: Sequence[tuple]) -> tuple:
         if len(completions) > 1 and any(a[0] > b[0] for a, b in zip(completions, completions[1:])):
             delta = (delta[0], delta[1], sorted(completions, key=_index), delta[3], delta[4])
         return delta
+    if all(len(d[2]) == 1 for d in deltas) and len({d[2][0][0] for d in deltas}) == 1:  # n = 1
+        error = next((d[3] for d in reversed(deltas) if d[3] is not None), None)
+        cached = next((d[4] for d in reversed(deltas) if d[4] is not None), None)
+        return (deltas[-1][0], deltas[-1][1], [_merge_completion([d[2][0] for d in deltas])], error, cached)
     by_index: dict[int, list[tuple]] = {}
     error = cached = None
     for d in deltas:
@@ -512,5 +516,9 @@ def _fail_all(items: list[tuple[RequestStream, BaseException]]) -> None:
 
 
 def _deliver_all(items: list[tuple[RequestStream, Delta]]) -> None:
+    """RequestStream._put of each (stream, Delta), inlined: this runs for every token of a step."""
     for stream, delta in items:
-        stream._put(delta)
+        stream._pending.append(delta)
+        waiter = stream._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
