@@ -125,18 +125,7 @@ class RequestStream:
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
-            if not self._pending:
-                self._waiter = self._loop.create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
-            items, self._pending = self._pending, []
-            error = None
-            for k, item in enumerate(items):
-                if isinstance(item, BaseException):
-                    error, items = item, items[:k]
-                    break
+            items, error = await self._take()
             if items:
                 if self._accumulate:
                     self._total = acc = self._total or self._accumulator()
@@ -149,6 +138,38 @@ class RequestStream:
             if error is not None and not self.finished:
                 self.finished = True
                 raise error
+
+    async def deltas(self) -> AsyncIterator[tuple]:
+        """The DELTA stream as Delta-shaped tuples (request_id, finished, completions, error,
+        num_cached_tokens), without building RequestOutputs (the SSE path): the Deltas that piled up
+        since the previous one merged into one (`merge_deltas`), completions in index order. Ends
+        after the finished one; raises the error that ends the stream. For DELTA requests only."""
+        if self._accumulate:
+            raise ValueError("deltas() is for DELTA requests; iterate the stream for the others")
+        while not self.finished:
+            items, error = await self._take()
+            if items:
+                delta = merge_deltas(items)
+                self.finished = delta[1]
+                yield delta
+            if error is not None and not self.finished:
+                self.finished = True
+                raise error
+
+    async def _take(self) -> tuple[list[Any], BaseException | None]:
+        """Wait until something is queued; then (every Delta queued before the error, if any; the
+        error that ends the stream, or None). One wake-up takes all that piled up."""
+        if not self._pending:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._pending = self._pending, []
+        for k, item in enumerate(items):
+            if isinstance(item, BaseException):
+                return items[:k], item
+        return items, None
 
     def abort(self) -> None:
         """Abort the request unless it has finished; its KV blocks return to the pool after the
@@ -403,6 +424,54 @@ class AsyncLLMEngine(EngineClient):
             self._die(e)
 
 
+def merge_deltas(deltas: Sequence[tuple]) -> tuple:
+    """Consecutive Delta-shaped tuples of one request as one: each completion's texts, token ids and
+    logprobs concatenated, its latest cumulative logprob, finish_reason and stop_reason kept (as
+    OutputAccumulator merges them); finished from the last Delta, error and num_cached_tokens the
+    latest given. Completions in index order."""
+    if len(deltas) == 1:
+        delta = deltas[0]
+        completions = delta[2]
+        if len(completions) > 1 and any(a[0] > b[0] for a, b in zip(completions, completions[1:])):
+            delta = (delta[0], delta[1], sorted(completions, key=_index), delta[3], delta[4])
+        return delta
+    if all(len(d[2]) == 1 for d in deltas) and len({d[2][0][0] for d in deltas}) == 1:  # n = 1
+        error = next((d[3] for d in reversed(deltas) if d[3] is not None), None)
+        cached = next((d[4] for d in reversed(deltas) if d[4] is not None), None)
+        return (deltas[-1][0], deltas[-1][1], [_merge_completion([d[2][0] for d in deltas])], error, cached)
+    by_index: dict[int, list[tuple]] = {}
+    error = cached = None
+    for d in deltas:
+        for c in d[2]:
+            by_index.setdefault(c[0], []).append(c)
+        if d[3] is not None:
+            error = d[3]
+        if d[4] is not None:
+            cached = d[4]
+    last = deltas[-1]
+    return (last[0], last[1], [_merge_completion(by_index[i]) for i in sorted(by_index)], error, cached)
+
+
+def _index(completion: tuple) -> int:
+    return completion[0]
+
+
+def _merge_completion(parts: list[tuple]) -> tuple:
+    """CompletionDelta-shaped tuples of one completion, in order, as one."""
+    if len(parts) == 1:
+        return parts[0]
+    token_ids: list[int] = []
+    logprobs: list | None = None
+    for part in parts:
+        token_ids += part[2]
+        if part[3] is not None:
+            if logprobs is None:
+                logprobs = []
+            logprobs += part[3]
+    last = parts[-1]
+    return (last[0], "".join(p[1] for p in parts), token_ids, logprobs, last[4], last[5], last[6])
+
+
 def _prompt_parts(prompt: Any) -> tuple[str | None, list[int]]:
     """(text, token ids) as far as the caller gave them (the core reports ids it had to compute)."""
     if isinstance(prompt, dict):
@@ -447,5 +516,9 @@ def _fail_all(items: list[tuple[RequestStream, BaseException]]) -> None:
 
 
 def _deliver_all(items: list[tuple[RequestStream, Delta]]) -> None:
+    """RequestStream._put of each (stream, Delta), inlined: this runs for every token of a step."""
     for stream, delta in items:
-        stream._put(delta)
+        stream._pending.append(delta)
+        waiter = stream._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)

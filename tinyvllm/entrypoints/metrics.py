@@ -84,6 +84,7 @@ class LatencyRecorder:
     def on_step(self, items: Sequence[tuple[Any, Delta]], now: float) -> None:
         """One step's (stream, Delta) pairs; a stream's `arrival_time` is its request's arrival."""
         last_seen = self._last
+        gaps: dict[float, int] = {}  # inter-token gap -> tokens (a step's gaps are mostly one value)
         for stream, (rid, finished, completions, _, _) in items:
             for index, _, token_ids, *_ in completions:
                 num = len(token_ids)
@@ -96,11 +97,12 @@ class LatencyRecorder:
                         self.ttft.observe(max(0.0, now - stream.arrival_time))
                 else:
                     gap = (now - last) / num
-                    for _ in range(num):
-                        self.itl.observe(gap)
+                    gaps[gap] = gaps.get(gap, 0) + num
                 last_seen[key] = now
             if finished:
                 self._finish(stream, rid, completions, now)
+        for gap, count in gaps.items():
+            observe_many(self.itl, gap, count)
 
     def on_abort(self, request_ids: Sequence[str]) -> None:
         dropped = set(request_ids)
@@ -115,6 +117,24 @@ class LatencyRecorder:
         self.e2e.observe(max(0.0, now - stream.arrival_time))
         reason = completions[0][5] if completions else "error"  # CompletionDelta.finish_reason
         self.success.labels(self._model, reason or "error").inc()
+
+
+def observe_many(histogram: Any, amount: float, count: int) -> None:
+    """`count` observations of `amount` into a prometheus_client Histogram (child) in one update of
+    its sum and bucket (its `_sum`, `_upper_bounds`, `_buckets`); `count` observe() calls where those
+    internals are missing."""
+    total = getattr(histogram, "_sum", None)
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    if count == 1 or total is None or bounds is None or buckets is None:
+        for _ in range(count):
+            histogram.observe(amount)
+        return
+    total.inc(amount * count)
+    for bucket, bound in zip(buckets, bounds):
+        if amount <= bound:
+            bucket.inc(count)
+            return
 
 
 def make_registry(stats: Callable[[], dict[str, float]], model_name: str) -> tuple[CollectorRegistry, LatencyRecorder]:

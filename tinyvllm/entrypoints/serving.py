@@ -132,18 +132,19 @@ async def add_all(ctx: ServingContext, request_id: str, prompts: list[tuple[str 
     return streams
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, delta output) from every stream as outputs arrive; errors propagate."""
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, tuple]]:
+    """(prompt index, Delta-shaped tuple: what arrived since the previous one, see
+    RequestStream.deltas) from every stream as Deltas arrive; errors propagate."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
+        async for delta in streams[0].deltas():
+            yield 0, delta
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
-            async for out in stream:
-                queue.put_nowait((i, out))
+            async for delta in stream.deltas():
+                queue.put_nowait((i, delta))
             queue.put_nowait((i, None))
         except BaseException as e:  # noqa: BLE001 -- handed to the reader
             queue.put_nowait((i, e))
@@ -229,6 +230,46 @@ def sse_error(e: BaseException) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+_encode_str = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) uses for a str (C)
+
+
+def to_json(value: Any) -> str:
+    """`value` as `sse` encodes it (compact, non-ASCII kept); None and strings take a shortcut."""
+    if value is None:
+        return "null"
+    if value.__class__ is str:
+        return _encode_str(value)
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+class ChunkFormat:
+    """The SSE chunks of one streamed response, `data: {**head, "choices": [choice], "usage": null}`
+    ("usage" with include_usage only), with the head and tail encoded once: `chunk(choice_json)` is
+    byte-identical to `sse({**head, "choices": [choice], ...})`."""
+
+    def __init__(self, head: dict, include_usage: bool) -> None:
+        encoded = json.dumps(head, separators=(",", ":"), ensure_ascii=False)
+        self.prefix = f'data: {encoded[:-1]},"choices":['
+        self.suffix = ']' + (',"usage":null' if include_usage else "") + "}\n\n"
+
+    def chunk(self, choice_json: str) -> str:
+        return self.prefix + choice_json + self.suffix
+
+
+def completion_choice_json(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                           stop_reason: int | str | None) -> str:
+    """A streamed /v1/completions choice: {index, text, logprobs, finish_reason, stop_reason}."""
+    return (f'{{"index":{index},"text":{_encode_str(text)},"logprobs":{to_json(logprobs)},'
+            f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}')
+
+
+def chat_choice_json(index: int, content: str, logprobs: dict | None, finish_reason: str | None,
+                     stop_reason: int | str | None) -> str:
+    """A streamed chat choice: {index, delta: {content} ({} when content is empty), logprobs,
+    finish_reason, stop_reason}."""
+    delta = f'{{"content":{_encode_str(content)}}}' if content else "{}"
+    return (f'{{"index":{index},"delta":{delta},"logprobs":{to_json(logprobs)},'
+            f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}')
 
 
 # ---------------------------------------------------------------------- usage and logprobs

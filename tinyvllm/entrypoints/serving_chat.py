@@ -19,8 +19,9 @@ from starlette.responses import JSONResponse, Response
 
 from tinyvllm.entrypoints.errors import APIError
 from tinyvllm.entrypoints.protocol import ChatCompletionRequest, ChatMessage
-from tinyvllm.entrypoints.serving import (SSE_DONE, SSEResponse, ServingContext, add_all, chat_logprobs,
-                                          final_outputs, merged, new_id, now_s, sse, sse_error, usage)
+from tinyvllm.entrypoints.serving import (SSE_DONE, ChunkFormat, SSEResponse, ServingContext, add_all,
+                                          chat_choice_json, chat_logprobs, final_outputs, merged, new_id, now_s,
+                                          sse, sse_error, usage)
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
@@ -125,28 +126,26 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
     head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.model_name}
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     extra = {"usage": None} if include_usage else {}
-
-    def chunk(index: int, delta: dict, logprobs: dict | None = None, o: CompletionOutput | None = None) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                  "finish_reason": o.finish_reason if o else None, "stop_reason": o.stop_reason if o else None}
-        return sse({**head, "choices": [choice], **extra})
-
-    for index in range(req.n):
-        yield chunk(index, {"role": "assistant", "content": prompt if req.echo else ""})
+    fmt = ChunkFormat(head, include_usage)
+    first = {"role": "assistant", "content": prompt if req.echo else ""}
+    yield "".join(sse({**head, "choices": [{"index": index, "delta": first, "logprobs": None, "finish_reason": None,
+                                            "stop_reason": None}], **extra}) for index in range(req.n))
     completion_tokens = [0] * req.n
     done = [False] * req.n
     try:
-        async for _, out in merged(streams):  # deltas: what arrived since the previous event
-            for o in out.outputs:
-                i = o.index
+        async for _, delta in merged(streams):  # what arrived since the previous event, merged
+            chunks = []
+            for i, text, token_ids, logprobs, _, finish_reason, stop_reason in delta[2]:
                 if done[i]:
                     continue  # a finished choice of a request whose other choices still run
-                completion_tokens[i] += len(o.token_ids)
-                finished = done[i] = o.finish_reason is not None
-                if not o.text and not finished and not (req.logprobs and o.token_ids):
+                completion_tokens[i] += len(token_ids)
+                finished = done[i] = finish_reason is not None
+                if not text and not finished and not (req.logprobs and token_ids):
                     continue  # no visible text yet (a partial character, a held-back stop prefix)
-                lp = _logprobs(ctx, req, o)
-                yield chunk(i, {"content": o.text} if o.text else {}, lp, o if finished else None)
+                lp = chat_logprobs(ctx, token_ids, logprobs or [], req.top_logprobs or 0) if req.logprobs else None
+                chunks.append(fmt.chunk(chat_choice_json(i, text, lp, finish_reason, stop_reason if finished else None)))
+            if chunks:
+                yield chunks[0] if len(chunks) == 1 else "".join(chunks)
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, sum(completion_tokens))})
     except Exception as e:  # noqa: BLE001 -- the engine died mid-stream: tell the client in-band

@@ -16,8 +16,9 @@ from starlette.responses import JSONResponse, Response
 
 from tinyvllm.entrypoints.errors import APIError
 from tinyvllm.entrypoints.protocol import CompletionRequest
-from tinyvllm.entrypoints.serving import (SSE_DONE, SSEResponse, ServingContext, add_all, completion_logprobs,
-                                          final_outputs, merged, new_id, now_s, sse, sse_error, usage)
+from tinyvllm.entrypoints.serving import (SSE_DONE, ChunkFormat, SSEResponse, ServingContext, add_all,
+                                          completion_choice_json, completion_logprobs, final_outputs, merged,
+                                          new_id, now_s, sse, sse_error, usage)
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
@@ -99,31 +100,36 @@ async def _events(ctx: ServingContext, req: CompletionRequest, request_id: str, 
                   streams: list) -> AsyncIterator[str]:
     head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.model_name}
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    extra = {"usage": None} if include_usage else {}
+    fmt = ChunkFormat(head, include_usage)
     sent_chars: dict[int, int] = {}  # per choice: text sent so far (the logprobs' text_offset)
     completion_tokens: dict[int, int] = {}
     done: set[int] = set()
     try:
-        async for i, out in merged(streams):  # deltas: what arrived since the previous event
-            for o in out.outputs:
-                index = i * req.n + o.index
+        async for i, delta in merged(streams):  # what arrived since the previous event, merged
+            chunks = []
+            for c_index, text, token_ids, logprobs, _, finish_reason, stop_reason in delta[2]:
+                index = i * req.n + c_index
                 if index in done:
                     continue  # a finished choice of a request whose other choices still run
                 first = index not in sent_chars
-                finished = o.finish_reason is not None
-                wanted = o.text or (first and req.echo) or (o.token_ids and req.logprobs is not None)
-                completion_tokens[index] = completion_tokens.get(index, 0) + len(o.token_ids)
+                finished = finish_reason is not None
+                wanted = text or (first and req.echo) or (token_ids and req.logprobs is not None)
+                completion_tokens[index] = completion_tokens.get(index, 0) + len(token_ids)
                 if not wanted and not finished:
                     continue  # no visible text yet (a partial character, a held-back stop prefix)
                 offset = sent_chars.get(index, 0)
                 lp = None
                 if req.logprobs is not None:
-                    lp = completion_logprobs(ctx, o.token_ids, o.logprobs or [], req.logprobs, offset)
-                text = (_prompt_text(ctx, prompts[i]) if first and req.echo else "") + o.text
-                sent_chars[index] = offset + len(o.text)
+                    lp = completion_logprobs(ctx, token_ids, logprobs or [], req.logprobs, offset)
+                sent_chars[index] = offset + len(text)
+                if first and req.echo:
+                    text = _prompt_text(ctx, prompts[i]) + text
                 if finished:
                     done.add(index)
-                yield sse({**head, "choices": [_choice(index, text, lp, o if finished else None)], **extra})
+                chunks.append(fmt.chunk(completion_choice_json(index, text, lp, finish_reason,
+                                                               stop_reason if finished else None)))
+            if chunks:
+                yield chunks[0] if len(chunks) == 1 else "".join(chunks)
         if include_usage:
             prompt_tokens = sum(len(p[1]) for p in prompts)
             yield sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens.values()))})
