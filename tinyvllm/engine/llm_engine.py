@@ -391,12 +391,24 @@ class LLMEngine:
         updated, logprobs_by_id = self._read_step(sched, handle)
         now = time.monotonic()
         changed: dict[str, _Parent] = {}
+        final_only = RequestOutputKind.FINAL_ONLY
         for request, new_ids in updated:
             seq = self._sequences[request.request_id]
-            if self._update_child(seq, new_ids, logprobs_by_id, now):
+            # _update_child inlined (a call per request costs ~4% of a batch-256 final-only step);
+            # test_step_deltas checks that the two agree.
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if seq.logprobs is not None:
+                self._update_logprobs(seq, logprobs_by_id.get(request.request_id))
+            finished = request.status.is_finished
+            if seq.detokenizer is not None or finished:
+                self._detokenize(seq, new_ids)
+                finished = request.status.is_finished  # a stop string may have ended it
+            if finished:
+                seq.finished_time = now
+            if finished or seq.params.output_kind is not final_only:
                 changed[seq.parent_id] = self._parents[seq.parent_id]
         outputs = []
-        final_only = RequestOutputKind.FINAL_ONLY
         for parent in changed.values():
             finished = parent.finished
             if finished or parent.children[0].params.output_kind is not final_only:
