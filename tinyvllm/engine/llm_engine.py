@@ -8,6 +8,8 @@ The offline `LLM` has the engine detokenize; `tinyvllm serve` sends it requests 
 no stop strings, detokenizes their token ids in the API process and aborts a request (`abort_request`)
 or one child of it (`abort_child`) when a stop string matches there
 (`tinyvllm.entrypoints.output_processor`, which keeps `_detokenize` and `_completion`'s semantics).
+Its engine core steps with `step_deltas()`: the same step, its outputs as wire Delta tuples, built
+directly (no RequestOutput) for such token-id requests.
 """
 from __future__ import annotations
 
