@@ -5,21 +5,24 @@ from typing import Any
 
 
 def failing_engine(args: Any, after_steps: int = 5) -> Any:
-    """An LLMEngine whose step() raises RuntimeError("injected device failure") after `after_steps` steps."""
+    """An LLMEngine whose step() and step_deltas() raise RuntimeError("injected device failure") after
+    `after_steps` steps (of both together)."""
     from tinyvllm.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(args)
-    real_step = engine.step
     calls = 0
 
-    def step():
-        nonlocal calls
-        calls += 1
-        if calls > after_steps:
-            raise RuntimeError("injected device failure")
-        return real_step()
+    def failing(real_step: Any) -> Any:
+        def step():
+            nonlocal calls
+            calls += 1
+            if calls > after_steps:
+                raise RuntimeError("injected device failure")
+            return real_step()
+        return step
 
-    engine.step = step
+    engine.step = failing(engine.step)
+    engine.step_deltas = failing(engine.step_deltas)
     return engine
 
 

@@ -8,6 +8,8 @@ The offline `LLM` has the engine detokenize; `tinyvllm serve` sends it requests 
 no stop strings, detokenizes their token ids in the API process and aborts a request (`abort_request`)
 or one child of it (`abort_child`) when a stop string matches there
 (`tinyvllm.entrypoints.output_processor`, which keeps `_detokenize` and `_completion`'s semantics).
+Its engine core steps with `step_deltas()`: the same step, its outputs as wire Delta tuples, built
+directly (no RequestOutput) for such token-id requests.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -32,6 +34,7 @@ from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs, default_model
 from tinyvllm.engine.model_runner import ModelRunner, StepHandle
 from tinyvllm.engine.step_timing import StepRecord, StepTimer
+from tinyvllm.entrypoints.deltas import encode_outputs
 from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -70,6 +73,12 @@ def _needs_history(params: SamplingParams) -> bool:
     return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
 
 
+def _wants_token_deltas(params: SamplingParams) -> bool:
+    """Whether a request's outputs are DELTA token ids without text (LLMEngine._completion_delta
+    builds them): detokenize off (so no stop strings either) and the DELTA output kind."""
+    return params.output_kind is RequestOutputKind.DELTA and not params.detokenize
+
+
 def read_generation_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "generation_config.json"
     if not path.is_file():
@@ -102,6 +111,12 @@ class _Sequence:
     num_sent_tokens: int = 0  # for DELTA outputs
     num_sent_chars: int = 0
     holdback: int = 0  # characters withheld from unfinished text (see LLMEngine._holdback)
+    # The only child of a request whose outputs are token-id Deltas (step_deltas builds them inline).
+    lone_token_deltas: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lone_token_deltas = (_wants_token_deltas(self.params)
+                                  and self.request.request_id == self.parent_id)
 
 
 @dataclass
@@ -343,13 +358,29 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a batch, then process the previous one (async scheduling) or this one.
         Returns the outputs of every request that changed."""
+        outputs, self._pending = self._pending, []
+        return self._step(self._process, outputs)
+
+    def step_deltas(self) -> list[tuple]:
+        """The same step as `step()`, its outputs as wire Deltas: returns exactly what
+        `encode_outputs(self.step())` would (same order, same tuples) for requests of any kind.
+
+        Requests that need no text from the engine (DELTA output kind, detokenize off: what
+        `tinyvllm serve` sends its core) get their Delta tuple built directly from the engine's
+        state, without a RequestOutput; the others (engine-side text, FINAL_ONLY, CUMULATIVE) go
+        through `_make_output` and `encode_outputs` as in `step()`. RequestMetrics are not built;
+        the requests' timestamps are still recorded."""
+        pending, self._pending = self._pending, []
+        return self._step(self._process_deltas, encode_outputs(pending))
+
+    def _step(self, process: Callable[[SchedulerOutput, StepHandle], list], outputs: list) -> list:
+        """One step (see `step`); `process` turns a launched step into outputs, appended to `outputs`."""
         clock = time.perf_counter
         t0 = clock()
         self._wait_s = 0.0
-        outputs, self._pending = self._pending, []
         overlap = self.async_scheduling and self._num_history_requests == 0
         if not overlap and self._in_flight is not None:
-            outputs += self._process(*self._in_flight)
+            outputs += process(*self._in_flight)
             self._in_flight = None
         t1 = clock()
         sched = self.scheduler.schedule()
@@ -360,10 +391,10 @@ class LLMEngine:
             launched = (sched, self.runner.launch(sched))
         t3 = clock()
         if self._in_flight is not None:
-            outputs += self._process(*self._in_flight)
+            outputs += process(*self._in_flight)
         self._in_flight = launched
         if not overlap and self._in_flight is not None:
-            outputs += self._process(*self._in_flight)
+            outputs += process(*self._in_flight)
             self._in_flight = None
         if self.step_timer.keep_log:
             t4 = clock()
@@ -382,20 +413,14 @@ class LLMEngine:
 
     def _process(self, sched: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:
         """Read a launched step's tokens and turn them into outputs."""
-        t0 = time.perf_counter()
-        runner_out = handle.result()
-        self._wait_s += time.perf_counter() - t0
-        logprobs_by_id = {}
-        if runner_out.logprobs is not None:
-            sampled_ids = [s.request_id for s in sched.sequences if s.sample]
-            logprobs_by_id = dict(zip(sampled_ids, runner_out.logprobs))
-        updated = self.scheduler.update_from_output(sched, runner_out)
+        updated, logprobs_by_id = self._read_step(sched, handle)
         now = time.monotonic()
-        self.num_generation_tokens += len(updated)  # one token each
         changed: dict[str, _Parent] = {}
         final_only = RequestOutputKind.FINAL_ONLY
         for request, new_ids in updated:
             seq = self._sequences[request.request_id]
+            # _update_child inlined (a call per request costs ~4% of a batch-256 final-only step);
+            # test_step_deltas checks that the two agree.
             if request.first_token_time is None:
                 request.first_token_time = now
             if seq.logprobs is not None:
@@ -414,9 +439,115 @@ class LLMEngine:
             if finished or parent.children[0].params.output_kind is not final_only:
                 outputs.append(self._make_output(parent))
             if finished:
-                del self._parents[parent.request_id]
-                self._forget(parent)
+                self._drop(parent)
         return outputs
+
+    def _process_deltas(self, sched: SchedulerOutput, handle: StepHandle) -> list[tuple]:
+        """`encode_outputs(self._process(sched, handle))`, with the Deltas of token-id DELTA requests
+        (`_wants_token_deltas`) of one completion built inline, those of other requests once all of
+        their completions are updated (placeholders keep `_process`'s order: a request's output goes
+        where its first changed completion came)."""
+        updated, logprobs_by_id = self._read_step(sched, handle)
+        now = time.monotonic()
+        sequences = self._sequences
+        outputs: list[tuple | None] = []
+        places: dict[str, int] = {}  # parent id -> its placeholder in outputs
+        for request, new_ids in updated:
+            rid = request.request_id
+            seq = sequences[rid]
+            if seq.lone_token_deltas:  # n == 1, token ids, DELTA
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                logprobs = seq.logprobs
+                if logprobs is not None:
+                    self._update_logprobs(seq, logprobs_by_id.get(rid))
+                status = request.status
+                finished = status._finished
+                # _completion_delta inlined (a call per request costs ~3% of the step). Error None: a
+                # request that runs was not rejected (rejections never reach _parents).
+                token_ids, start = request.output_token_ids, seq.num_sent_tokens
+                seq.num_sent_tokens = len(token_ids)
+                outputs.append((rid, finished, [(0, "", token_ids[start:],
+                                                 logprobs[start:] if logprobs is not None else None,
+                                                 seq.cumulative_logprob, status.value if finished else None,
+                                                 request.stop_reason)], None, request.num_cached_tokens))
+                if finished:
+                    seq.finished_time = now
+                    self._drop(self._parents[rid])
+            elif self._update_child(seq, new_ids, logprobs_by_id, now) and seq.parent_id not in places:
+                places[seq.parent_id] = len(outputs)
+                outputs.append(None)
+        if not places:
+            return outputs
+        for parent_id, place in places.items():
+            outputs[place] = self._parent_delta(self._parents[parent_id])
+        return [o for o in outputs if o is not None]
+
+    def _read_step(self, sched: SchedulerOutput,
+                   handle: StepHandle) -> tuple[list[tuple[Request, list[int]]], dict[str, Any]]:
+        """Wait for a launched step, hand its tokens to the scheduler (stop rules applied) and count
+        them: (the scheduler's (request, new token ids) per request that got a token, the sampled
+        logprobs entry by request id when the step computed logprobs)."""
+        t0 = time.perf_counter()
+        runner_out = handle.result()
+        self._wait_s += time.perf_counter() - t0
+        logprobs_by_id = {}
+        if runner_out.logprobs is not None:
+            sampled_ids = [s.request_id for s in sched.sequences if s.sample]
+            logprobs_by_id = dict(zip(sampled_ids, runner_out.logprobs))
+        updated = self.scheduler.update_from_output(sched, runner_out)
+        self.num_generation_tokens += len(updated)  # one token each
+        return updated, logprobs_by_id
+
+    def _update_child(self, seq: _Sequence, new_ids: list[int], logprobs_by_id: dict[str, Any],
+                      now: float) -> bool:
+        """Record a child's new tokens: first-token time, logprobs, text (which may end it on a stop
+        string), finish time. Returns whether its request has an output this step (DELTA and
+        CUMULATIVE requests: every step; FINAL_ONLY: when a child finished)."""
+        request = seq.request
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if seq.logprobs is not None:
+            self._update_logprobs(seq, logprobs_by_id.get(request.request_id))
+        finished = request.status.is_finished
+        if seq.detokenizer is not None or finished:
+            self._detokenize(seq, new_ids)
+            finished = request.status.is_finished  # a stop string may have ended it
+        if finished:
+            seq.finished_time = now
+        return finished or seq.params.output_kind is not RequestOutputKind.FINAL_ONLY
+
+    def _parent_delta(self, parent: _Parent) -> tuple | None:
+        """The Delta tuple of a request one of whose children changed this step (None for an
+        unfinished FINAL_ONLY request), as `encode_outputs` of `_make_output` would give it; drops
+        the request when it finished."""
+        finished = parent.finished
+        params = parent.children[0].params
+        delta = None
+        if _wants_token_deltas(params):
+            delta = (parent.request_id, finished, [self._completion_delta(c) for c in parent.children],
+                     parent.error, parent.children[0].request.num_cached_tokens)
+        elif finished or params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            delta = encode_outputs([self._make_output(parent)])[0]
+        if finished:
+            self._drop(parent)
+        return delta
+
+    @staticmethod
+    def _completion_delta(c: _Sequence) -> tuple:
+        """A `_wants_token_deltas` child's CompletionDelta tuple since its last one (what
+        `_completion` returns for it, as a tuple; text is always "")."""
+        r = c.request
+        token_ids, start = r.output_token_ids, c.num_sent_tokens
+        c.num_sent_tokens = len(token_ids)
+        logprobs = c.logprobs
+        return (c.index, "", token_ids[start:], logprobs[start:] if logprobs is not None else None,
+                c.cumulative_logprob, r.status.finish_reason, r.stop_reason)
+
+    def _drop(self, parent: _Parent) -> None:
+        """Forget a finished request."""
+        del self._parents[parent.request_id]
+        self._forget(parent)
 
     def _detokenize(self, seq: _Sequence, new_ids: list[int]) -> None:
         request = seq.request

@@ -22,7 +22,8 @@ Messages (core -> API side), one per loop iteration that changed something:
         replies: [(request_id, status, message, prompt_token_ids)], one per "add": status None
                  (queued) or the HTTP status of the rejection (400 bad input, 503 queue full) with
                  its message; prompt_token_ids only when the prompt was given as text
-        deltas:  [Delta], one per request that changed in the step
+        deltas:  [Delta], one per request that changed in the step (`LLMEngine.step_deltas()`:
+                 built without RequestOutputs for token-id requests)
         stats:   LLMEngine.get_metrics() after the step (gauges and counters for /metrics)
         now:     time.monotonic() when the step's outputs were ready (the clock is system-wide on
                  Linux, so arrival times taken in the API process compare with it)
@@ -42,8 +43,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from tinyvllm.entrypoints.deltas import encode_outputs
 
 Recv = Callable[[bool], "list[tuple] | None"]  # block? -> commands ([] when none; None when the sender is gone)
 Emit = Callable[[tuple], None]
@@ -80,7 +79,7 @@ class EngineCore:
             if replies or (commands and not busy):  # aborts that emptied the engine: fresh stats
                 emit(("out", replies, [], self.stats(), time.monotonic()))
             if busy:
-                deltas = encode_outputs(engine.step())
+                deltas = engine.step_deltas()
                 emit(("out", [], deltas, self.stats(), time.monotonic()))
 
     def _apply(self, commands: Sequence[tuple]) -> tuple[list[tuple], bool]:
