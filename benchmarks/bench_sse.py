@@ -82,8 +82,8 @@ class _Config:
 
 
 class FakeEngine:
-    """The LLMEngine surface EngineCore and EngineInfo use; `step()` gives every running request one
-    random regular token (finish_reason "length" at its max_tokens)."""
+    """The LLMEngine surface EngineCore and EngineInfo use; `step()` (and `step_deltas()`) gives every
+    running request one random regular token (finish_reason "length" at its max_tokens)."""
 
     def __init__(self, args: FakeArgs) -> None:
         from tinyvllm.sampling_params import SamplingParams
@@ -134,6 +134,12 @@ class FakeEngine:
                 del self._requests[r.request_id]
         self._k = k
         return outputs
+
+    def step_deltas(self) -> list[tuple]:
+        """`step()`'s outputs as wire Deltas, as LLMEngine.step_deltas returns them (EngineCore's path)."""
+        from tinyvllm.entrypoints.deltas import encode_outputs
+
+        return encode_outputs(self.step())
 
 
 def fake_engine(args: FakeArgs) -> FakeEngine:
