@@ -263,22 +263,27 @@ def test_prefix_cache_hit_count_is_the_hand_computed_one(model_dir):
 def test_fused_sampler_seeded_rows_ignore_batch_changes(model_dir):
     """The fused sampler keeps per-row constants while the batch's rows stay the same and rebuilds them
     when they change: a seeded request's tokens must not depend on that. Request A (seeded, T=0.8) alone
-    equals A beside a greedy request that finishes after 2 tokens (the rows change mid-run) and two
-    unseeded ones, one of which finishes later. (A row that needs the full sampler, under min_tokens
-    or with top-p, sends the whole step there, whose draws differ: not tested here.)"""
+    equals A beside a greedy request that finishes after 2 tokens (the rows change mid-run), an unseeded
+    one, one under min_tokens and one with top-p and logprobs: those two take the full sampler (the
+    latter for every step, the former until its min_tokens), which must not move A to it."""
     llm = LLM(model=str(model_dir), device="cpu", max_model_len=64, block_size=4, kernel_backend="triton",
               max_num_batched_tokens=64)
     a = ({"prompt_token_ids": [3, 14, 15, 92, 65]}, SamplingParams(temperature=0.8, seed=5, max_tokens=7,
                                                                      ignore_eos=True))
     others = [({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)),
               ({"prompt_token_ids": [7, 7]}, SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)),
-              ({"prompt_token_ids": [9, 8, 7, 6]}, SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True))]
+              ({"prompt_token_ids": [9, 8, 7, 6]}, SamplingParams(temperature=0.8, max_tokens=5, min_tokens=3)),
+              ({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0.9, top_p=0.8, max_tokens=6, logprobs=2,
+                                                            ignore_eos=True))]
     alone = llm.generate([a[0]], [a[1]], use_tqdm=False)[0].outputs[0].token_ids
     mixed = llm.generate([o[0] for o in others[:1]] + [a[0]] + [o[0] for o in others[1:]],
                          [o[1] for o in others[:1]] + [a[1]] + [o[1] for o in others[1:]], use_tqdm=False)
     assert len(alone) == 7 and mixed[1].outputs[0].token_ids == alone
     assert len(mixed[0].outputs[0].token_ids) == 2
-    assert len(mixed[3].outputs[0].token_ids) == 5
+    assert len(mixed[3].outputs[0].token_ids) >= 3
+    top_p = mixed[4].outputs[0]
+    assert len(top_p.token_ids) == 6 and len(top_p.logprobs) == 6
+    assert all(t in lp and len(lp) >= 2 for t, lp in zip(top_p.token_ids, top_p.logprobs))
 
 
 def test_cascade_attention_in_the_engine_equals_the_torch_backend(model_dir):

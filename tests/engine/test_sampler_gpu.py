@@ -93,3 +93,26 @@ def test_top_p_frequencies_on_cuda():
     expected = probs[:3] / probs[:3].sum() * n
     chi2 = float(((counts[:3] - expected) ** 2 / expected).sum())
     assert chi2 < 13.816  # chi-square 0.999 quantile, 2 degrees of freedom
+
+
+def test_engine_seeded_request_ignores_its_batch_on_cuda(tmp_path):
+    """On CUDA (fused kernel + full sampler split by row): a seeded temperature-only request draws the
+    same tokens alone and beside requests that need the full sampler (top-p with logprobs, min_tokens)
+    or finish early."""
+    from tinyvllm import LLM
+    from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
+
+    write_dummy_checkpoint(tmp_path, make_config("tiny"), seed=3, init_std=0.1, dtype="float32")
+    llm = LLM(model=str(tmp_path), device="cuda", max_model_len=128, dtype="float32")
+    a = ({"prompt_token_ids": [3, 14, 15, 92, 65]}, SamplingParams(temperature=0.8, seed=5, max_tokens=12,
+                                                                     ignore_eos=True))
+    others = [({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)),
+              ({"prompt_token_ids": [9, 8, 7]}, SamplingParams(temperature=0.8, max_tokens=8, min_tokens=4)),
+              ({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0.9, top_p=0.8, max_tokens=12,
+                                                            logprobs=2, ignore_eos=True))]
+    alone = llm.generate([a[0]], [a[1]], use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate([a[0]] + [o[0] for o in others], [a[1]] + [o[1] for o in others], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+    lp = mixed[3].outputs[0]
+    assert len(lp.logprobs) == len(lp.token_ids) == 12
+    assert all(t in entry for t, entry in zip(lp.token_ids, lp.logprobs))

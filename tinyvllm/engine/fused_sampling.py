@@ -40,6 +40,7 @@ class FusedSamplingPlan:
     Attributes:
         request_ids: the rows' request ids, in batch order (the plan's key).
         plain: every row's parameters are ones the fused kernel handles (`is_plain`).
+        plain_rows: the rows whose parameters are (all rows when `plain`).
         temperatures: [N] float32 on the device; 0 for greedy rows.
         seeded: (row, request seed) of the rows whose request carries a seed.
         min_tokens: (row, min_tokens) of the rows whose request bans EOS and stop ids for a while; the
@@ -50,6 +51,7 @@ class FusedSamplingPlan:
 
     request_ids: list[str]
     plain: bool
+    plain_rows: list[int]
     temperatures: torch.Tensor
     seeded: list[tuple[int, int]]
     min_tokens: list[tuple[int, int]]
@@ -61,19 +63,24 @@ class FusedSamplingPlan:
         """`staging`: a host float32 buffer of at least len(seqs) elements (pinned on CUDA) to copy the
         temperatures from; it must not be rewritten before the copy has run (the caller alternates)."""
         params = [s.sampling_params for s in seqs]
-        plain = all(is_plain(p) for p in params)
+        plain_rows = [i for i, p in enumerate(params) if is_plain(p)]
+        plain = len(plain_rows) == len(params)
         n = len(seqs)
         temps = staging[:n]
         temps.numpy()[:] = [0.0 if p.is_greedy else p.temperature for p in params]
-        return cls(request_ids=request_ids, plain=plain,
+        return cls(request_ids=request_ids, plain=plain, plain_rows=plain_rows,
                    temperatures=temps.to(device, non_blocking=True, copy=True),
                    seeded=[(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.is_greedy],
                    min_tokens=[(i, p.min_tokens) for i, p in enumerate(params) if p.min_tokens],
                    index={rid: i for i, rid in enumerate(request_ids)})
 
-    def usable(self, seqs: Sequence[ScheduledSequence]) -> bool:
-        """Whether the fused kernel can sample this step: plain rows, none still under min_tokens."""
-        return self.plain and all(seqs[i].output_index >= m for i, m in self.min_tokens)
+    def fused_rows(self, seqs: Sequence[ScheduledSequence]) -> list[int]:
+        """The rows the fused kernel samples this step: plain ones not still under min_tokens (the
+        kernel cannot ban tokens). In row order."""
+        banned = {i for i, m in self.min_tokens if seqs[i].output_index < m}
+        if not banned:
+            return self.plain_rows
+        return [i for i in self.plain_rows if i not in banned]
 
     def seeds(self, seqs: Sequence[ScheduledSequence], rng: np.random.Generator, out: np.ndarray) -> None:
         """Write this step's per-row seeds into `out[:N]`: fresh random ones for unseeded rows, and

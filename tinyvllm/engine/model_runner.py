@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 CASCADE_MIN_BATCH = 96
 CASCADE_MIN_PREFIX = 256
 
+
 @dataclass
 class StepHandle:
     """A launched step. `result()` blocks until its sampled ids are on the host."""
@@ -44,7 +45,8 @@ class StepHandle:
     event: torch.cuda.Event | None
     sample_order: list[int]
     logprobs: LogprobsTensors | None
-    num_logprobs: list[int | None]
+    num_logprobs: list[int | None]  # per row of `logprobs`
+    logprob_rows: list[int] | None = None  # the sampled rows that `logprobs` covers (None: all)
 
     def result(self) -> ModelRunnerOutput:
         if self.sampled_host is None:
@@ -58,6 +60,11 @@ class StepHandle:
             per_row = [None if r is None else
                        [(tok, lp, r[2] if k == 0 else k) for k, (tok, lp) in enumerate(zip(r[0], r[1]))]
                        for r in rows]
+            if self.logprob_rows is not None:
+                covered = per_row
+                per_row = [None] * len(ids)
+                for i, entry in zip(self.logprob_rows, covered):
+                    per_row[i] = entry
             logprobs = [per_row[j] for j in self.sample_order]
         return ModelRunnerOutput(sampled_token_ids=[ids[j] for j in self.sample_order], logprobs=logprobs)
 
@@ -170,7 +177,8 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._host_bufs = [{"ids": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
                             "temps": torch.zeros(max_num_seqs, dtype=torch.float32, pin_memory=pin),
-                            "seeds": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin)}
+                            "seeds": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
+                            "rows": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin)}
                            for _ in range(2)]
         if cuda_graphs and self.device.type == "cuda":
             sizes = graph_batch_sizes(max_num_seqs)
@@ -206,7 +214,7 @@ class ModelRunner:
         bufs = self._host_bufs[self._num_launched % 2]
         self._num_launched += 1
         plan = self._row_plan(sched, inputs.sampled, bufs)
-        sampled, logprobs = self._sample(logits, inputs, plan, bufs)
+        sampled, logprobs, logprob_rows = self._sample(logits, inputs, plan, bufs)
         self._prev_sampled = sampled
         self._prev_index = plan.index
         event = None
@@ -217,8 +225,11 @@ class ModelRunner:
             event.record()
         else:
             host = sampled
-        num_logprobs = [s.sampling_params.logprobs for s in inputs.sampled] if logprobs is not None else []
-        return StepHandle(host, event, inputs.sample_order, logprobs, num_logprobs)
+        num_logprobs = []
+        if logprobs is not None:
+            covered = inputs.sampled if logprob_rows is None else [inputs.sampled[i] for i in logprob_rows]
+            num_logprobs = [s.sampling_params.logprobs for s in covered]
+        return StepHandle(host, event, inputs.sample_order, logprobs, num_logprobs, logprob_rows)
 
     def _row_plan(self, sched: SchedulerOutput, seqs: list[ScheduledSequence],
                   bufs: dict[str, torch.Tensor]) -> FusedSamplingPlan:
@@ -231,18 +242,43 @@ class ModelRunner:
         return plan
 
     def _sample(self, logits: torch.Tensor, inputs: StepInputs, plan: FusedSamplingPlan,
-                bufs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, LogprobsTensors | None]:
-        seqs = inputs.sampled
-        if self.kernel_backend == "triton" and plan.usable(seqs):
-            from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
+                bufs: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, LogprobsTensors | None, list[int] | None]:
+        """Sampled ids [N], logprobs, and the rows the logprobs cover (None: all).
 
-            plan.seeds(seqs, self._rng, bufs["seeds"].numpy())
-            seeds = bufs["seeds"][:len(seqs)].to(self.device, non_blocking=True)
-            return sample_greedy_or_gumbel(logits, plan.temperatures, seeds), None
+        Each row goes to the sampler its own parameters call for, whatever shares its batch: the fused
+        kernel for plain rows (greedy or temperature only, no token still banned by min_tokens), the
+        full sampler for the rest. A seeded request therefore draws the same tokens alone or in any
+        batch (the two samplers draw differently from the same seed)."""
+        seqs = inputs.sampled
+        n = len(seqs)
+        fused = plan.fused_rows(seqs) if self.kernel_backend == "triton" else []
+        if not fused:
+            out = self._sample_full(logits, seqs)
+            return out.sampled_token_ids, out.logprobs, None
+        from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
+
+        plan.seeds(seqs, self._rng, bufs["seeds"].numpy())
+        seeds = bufs["seeds"][:n].to(self.device, non_blocking=True)
+        if len(fused) == n:
+            return sample_greedy_or_gumbel(logits, plan.temperatures, seeds), None, None
+        fused_set = set(fused)
+        other = [i for i in range(n) if i not in fused_set]
+        rows = bufs["rows"]
+        rows.numpy()[:n] = fused + other
+        rows_dev = rows[:n].to(self.device, non_blocking=True)
+        f_idx, o_idx = rows_dev[:len(fused)], rows_dev[len(fused):]
+        sampled = torch.empty(n, dtype=torch.int64, device=logits.device)
+        sampled[f_idx] = sample_greedy_or_gumbel(logits[f_idx], plan.temperatures[f_idx], seeds[f_idx])
+        out = self._sample_full(logits[o_idx], [seqs[i] for i in other])
+        sampled[o_idx] = out.sampled_token_ids
+        return sampled, out.logprobs, other
+
+    def _sample_full(self, logits: torch.Tensor, seqs: list[ScheduledSequence]):
+        """The full sampler (penalties, top-k/p, min-p, logprobs, min_tokens bans) over these rows."""
         rows = [self._sampling_row(s) for s in seqs]
         tensors = SamplingTensors.from_rows(rows, self.model_config.vocab_size, self.device)
-        out = self.sampler(logits, tensors, self.batch_generator)
-        return out.sampled_token_ids, out.logprobs
+        return self.sampler(logits, tensors, self.batch_generator)
 
     def _banned(self, seq: ScheduledSequence) -> bool:
         return seq.output_index < seq.sampling_params.min_tokens
