@@ -41,3 +41,21 @@ def test_regions_are_16_byte_aligned_and_values_hand_computed():
             if n_dec > 1:
                 assert inputs.placeholder_rows.tolist() == [1] and inputs.placeholder_src.tolist() == [6]
             builder.release([s.request_id for s in sched.sequences])
+
+
+def test_shared_prefix_len_hand_computed():
+    """The cascade prefix: leading block columns equal in every row, short of each row's last key,
+    rounded down to the alignment."""
+    import numpy as np
+
+    from tinyvllm.engine.step_inputs import shared_prefix_len
+
+    table = np.array([[5, 6, 7, 8, 9], [5, 6, 7, 1, 2], [5, 6, 7, 8, 3], [0, 0, 0, 0, 0]], dtype=np.int32)
+    rows = np.array([0, 1, 2])
+    # blocks of 4 keys; rows share 3 blocks (12 keys); the shortest row has 13 keys, so 3 blocks are usable.
+    assert shared_prefix_len(table, rows, np.array([20, 13, 17]), 4, 4) == 12
+    assert shared_prefix_len(table, rows, np.array([20, 13, 17]), 4, 8) == 8    # rounded down to 8
+    assert shared_prefix_len(table, rows, np.array([20, 12, 17]), 4, 4) == 8    # 12 keys: its last is own
+    assert shared_prefix_len(table, np.array([0, 2]), np.array([20, 20]), 4, 4) == 16
+    assert shared_prefix_len(table, np.array([0, 3]), np.array([20, 20]), 4, 4) == 0
+    assert shared_prefix_len(table, rows, np.array([1, 20, 20]), 4, 4) == 0
