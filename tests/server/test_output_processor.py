@@ -265,3 +265,41 @@ def test_a_final_only_stream_with_stop_strings_yields_one_output(model_dir, engi
     finally:
         client.shutdown()
     assert out.finished and out.outputs == want.outputs and out.outputs[0].stop_reason == stop
+
+
+@pytest.mark.parametrize("params", [SEEDED, SEEDED.replace(n=2, seed=4, logprobs=2),
+                                    SEEDED.replace(skip_special_tokens=False)], ids=["n1", "n2-logprobs", "special"])
+def test_merged_core_deltas_process_like_one_at_a_time(engine, params):
+    """The API side's reader merges a request's Deltas of several steps (coalesced messages) before
+    detokenizing when it has no stop strings: the result must equal processing them one at a time.
+    Merged in runs of 1, 2, 3, ... steps."""
+    from tinyvllm.entrypoints.async_engine import merge_deltas as merge_wire
+
+    engine.add_request("core", "Once upon a time", core_params(params))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += encode_outputs(engine.step())
+    prompt_ids = engine.tokenizer.encode("Once upon a time")
+    one = RequestProcessor(engine.tokenizer, params)
+    singles = [one.process(d, prompt_ids)[0] for d in deltas]
+    runs, i, k = [], 0, 1
+    while i < len(deltas):
+        runs.append(deltas[i:i + k])
+        i, k = i + k, k + 1
+    merged_processor = RequestProcessor(engine.tokenizer, params)
+    merged = [merged_processor.process(merge_wire(run), prompt_ids)[0] for run in runs]
+    assert merge_wire(singles) == merge_wire(merged)
+    assert merged[-1][1] and singles[-1][1]
+
+
+def test_coalesce_joins_consecutive_out_messages_in_order():
+    from tinyvllm.entrypoints.engine_core import coalesce
+
+    m1 = ("out", [("a", None, None, None)], [("x", False, [])], {"s": 1}, 1.0)
+    m2 = ("out", [], [("x", False, []), ("y", True, [])], {"s": 2}, 2.0)
+    m3 = ("out", [("b", 400, "bad", None)], [], {"s": 3}, 3.0)
+    dead = ("dead", "boom")
+    assert coalesce([m1]) == [m1]
+    assert coalesce([m1, m2, m3]) == [("out", [("a", None, None, None), ("b", 400, "bad", None)],
+                                       [("x", False, []), ("x", False, []), ("y", True, [])], {"s": 3}, 3.0)]
+    assert coalesce([m1, dead, m2]) == [m1, dead, m2]
