@@ -3,7 +3,8 @@ server (tinyvllm serve or vllm serve).
 
 Requests are the `throughput` set (random.seed(0); prompts of randint(0, 10000) token ids, randint(100,
 1024) long; then max_tokens randint(100, 1024); temperature 0.6, ignore_eos), sent as token-id prompts
-to /v1/completions with stream=True, arriving as a Poisson process at each --request-rate (inf: all at
+to /v1/completions with stream=True (temperature 0.6 and top_p 1.0 sent explicitly, so that a server's
+generation-config defaults do not change the sampling), arriving as a Poisson process at each --request-rate (inf: all at
 once, as vLLM's bench does), after one warm-up request. Per rate it reports TTFT, TPOT, ITL and end-to-end
 latency (mean, p50, p90, p99, in ms), request and token throughput, failures, and for a finite rate the
 time of the last arrival and output tokens / that time (an upper bound on the output throughput such a
@@ -49,6 +50,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=_range, default=(100, 1024), metavar="MIN:MAX")
     p.add_argument("--max-token-id", type=int, default=10000, help="prompt ids are randint(0, this)")
     p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sent with every request (default 1.0: the throughput set samples at temperature 0.6 "
+                        "without top-p, as the offline bench does; without it a server applies the model's "
+                        "generation_config.json defaults, top_p 0.9 for Llama 3.x Instruct)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
@@ -146,7 +151,7 @@ async def run_rate(client: Any, url: str, model: str, workload: list[tuple[list[
 
 def _body(model: str, prompt: list[int], max_tokens: int, ns: argparse.Namespace) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": ns.temperature,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "top_p": ns.top_p, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -223,7 +228,8 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
     return {"workload": "serving", "base_url": ns.base_url, "model": model, "server_models": models["data"],
             "server_version": version,
             "num_prompts": ns.num_prompts, "seed": ns.seed, "input_len": ns.input_len, "output_len": ns.output_len,
-            "max_token_id": ns.max_token_id, "temperature": ns.temperature, "max_concurrency": ns.max_concurrency,
+            "max_token_id": ns.max_token_id, "temperature": ns.temperature, "top_p": ns.top_p,
+            "max_concurrency": ns.max_concurrency,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": runs}
 
 
