@@ -332,17 +332,12 @@ class EngineClient:
             found = [(stream, d) for d in deltas  # Delta-shaped tuples: (request_id, finished, ...)
                      if (stream := streams.get(d[0])) is not None]  # else aborted meanwhile
         processed = []
-        for stream, group in _by_request(found):  # outside the lock: detokenizing a step takes a while
+        for stream, d in found:  # outside the lock: detokenizing a step takes a while
             processor = stream._processor
-            if len(group) > 1 and (processor is None or not processor.params.stop):
-                # Several steps' Deltas (coalesced messages) and no stop string that could end the
-                # request between them: one merged Delta, detokenized in one call.
-                group = [merge_deltas(group)]
-            for d in group:
-                commands: Sequence[tuple] = ()
-                if processor is not None:
-                    d, commands = processor.process(d, stream.prompt_token_ids)
-                processed.append((stream, d, commands))
+            commands: Sequence[tuple] = ()
+            if processor is not None:
+                d, commands = processor.process(d, stream.prompt_token_ids)
+            processed.append((stream, d, commands))
         items = []
         with self._lock:
             streams = self._streams  # again: _die may have replaced it meanwhile
@@ -427,18 +422,6 @@ class AsyncLLMEngine(EngineClient):
         except BaseException as e:  # noqa: BLE001 -- any failure ends the loop; callers must hear of it
             logger.exception("engine loop died")
             self._die(e)
-
-
-def _by_request(found: list[tuple[RequestStream, tuple]]) -> list[tuple[RequestStream, list[tuple]]]:
-    """(stream, Delta) pairs grouped by request, in first-seen order, each group in step order."""
-    groups: dict[str, tuple[RequestStream, list[tuple]]] = {}
-    for stream, d in found:
-        entry = groups.get(d[0])
-        if entry is None:
-            groups[d[0]] = (stream, [d])
-        else:
-            entry[1].append(d)
-    return list(groups.values())
 
 
 def merge_deltas(deltas: Sequence[tuple]) -> tuple:

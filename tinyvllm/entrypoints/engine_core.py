@@ -16,8 +16,7 @@ stop strings. The core then produces token ids only (its scheduler still applies
 max_tokens and min_tokens); the API side detokenizes them, matches stop strings and aborts the
 request (or one completion of it) here when one matches (`tinyvllm.entrypoints.output_processor`).
 
-Messages (core -> API side), one per loop iteration that changed something (`coalesce` joins consecutive
-ones where they pile up, so one message may carry several steps' Deltas of a request, in order):
+Messages (core -> API side), one per loop iteration that changed something:
 
     ("out", replies, deltas, stats, now)
         replies: [(request_id, status, message, prompt_token_ids)], one per "add": status None
@@ -115,31 +114,3 @@ class EngineCore:
         except (ValueError, TypeError) as e:
             return request_id, 400, str(e), None
         return request_id, None, None, ids
-
-
-def coalesce(messages: Sequence[tuple]) -> list[tuple]:
-    """Messages (core -> API side) as fewer: each run of consecutive "out" messages becomes one whose
-    replies and deltas are the run's, in order, with the last stats and time; others stay as they are.
-    A request may then have several Deltas in one message, in step order. Used where messages pile up
-    (the API side reads slower than the core steps), so that both ends pay per batch of steps."""
-    out: list[tuple] = []
-    run: list[tuple] = []
-    for message in messages:
-        if message[0] == "out":
-            run.append(message)
-            continue
-        if run:
-            out.append(_merge_out(run))
-            run = []
-        out.append(message)
-    if run:
-        out.append(_merge_out(run))
-    return out
-
-
-def _merge_out(run: list[tuple]) -> tuple:
-    if len(run) == 1:
-        return run[0]
-    replies = [r for m in run for r in m[1]]
-    deltas = [d for m in run for d in m[2]]
-    return ("out", replies, deltas, run[-1][3], run[-1][4])

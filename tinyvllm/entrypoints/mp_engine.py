@@ -34,11 +34,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tinyvllm.entrypoints.async_engine import EngineClient, EngineInfo
-from tinyvllm.entrypoints.engine_core import EngineCore, coalesce
+from tinyvllm.entrypoints.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
-_MAX_READ_BATCH = 64  # messages the reader thread takes at once
 EngineFactory = Callable[[Any], Any]  # EngineArgs -> LLMEngine, run in the engine process; must pickle
 
 
@@ -190,18 +189,12 @@ class MPAsyncLLMEngine(EngineClient):
         error: BaseException | None = None
         conn = self._from_core
         try:
-            while error is None:
-                # Everything that piled up is handled at once (coalesce): a request's Deltas of several
-                # steps are then detokenized and delivered together, so the reader keeps pace with the
-                # core when a step's worth of per-request work costs more than a step.
-                batch = [conn.recv()]
-                while len(batch) < _MAX_READ_BATCH and conn.poll():
-                    batch.append(conn.recv())
-                for message in coalesce(batch):
-                    if message[0] == "dead":
-                        error = RuntimeError(message[1])
-                        break
-                    self._handle(message)
+            while True:
+                message = conn.recv()
+                if message[0] == "dead":
+                    error = RuntimeError(message[1])
+                    break
+                self._handle(message)
         except (EOFError, OSError):
             pass
         except BaseException as e:  # noqa: BLE001 -- a bug in dispatching: fail loudly, not silently
