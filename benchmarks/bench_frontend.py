@@ -21,40 +21,16 @@ from __future__ import annotations
 import argparse
 import gc
 import pickle
-import random
 import time
 
 import torch
 
-from tinyvllm.engine.args import EngineArgs
-from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.entrypoints.deltas import OutputAccumulator, encode_outputs
 from tinyvllm.entrypoints.output_processor import RequestProcessor, core_params
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
-from benchmarks.bench_host_step import stub_runner
+from benchmarks.bench_host_step import stubbed_engine
 from benchmarks.common import output_paths, write_json
-
-
-def _engine(batch: int, params: SamplingParams, seed: int = 0) -> tuple[LLMEngine, dict[str, list[int]]]:
-    """A CPU engine with the runner stubbed and `batch` requests past their prefill."""
-    args = EngineArgs(model="dummy:tiny", device="cpu", kernel_backend="torch", max_num_seqs=batch,
-                      max_num_batched_tokens=max(8192, batch), kv_cache_memory_bytes=1 << 30,
-                      async_scheduling=True)
-    engine = LLMEngine(args)
-    vocab = engine.model_config.vocab_size
-    stub_runner(engine, vocab)
-    rng = random.Random(seed)
-    prompts = {}
-    for i in range(batch):
-        prompts[str(i)] = [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]
-        engine.add_request(str(i), prompts[str(i)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
-            or engine.scheduler.waiting:
-        engine.step()
-    for _ in range(5):
-        engine.step()
-    return engine, prompts
 
 
 def _release_all() -> None:
@@ -69,7 +45,7 @@ def core_step_ms(batch: int, steps: int, params: SamplingParams,
                  fast: bool = False) -> tuple[float, float, list[list[tuple]]]:
     """(ms of the step alone, ms of step + Deltas + pickle, the Deltas of every timed step). The step
     is `engine.step()` then `encode_outputs`, or with `fast` `engine.step_deltas()` (Deltas included)."""
-    engine, _ = _engine(batch, params)
+    engine, _ = stubbed_engine(batch, params)
     step_s = total_s = 0.0
     all_deltas = []
     for _ in range(steps):
@@ -103,7 +79,7 @@ def best_core_runs(batch: int, steps: int, repeat: int,
 def api_side_ms(batch: int, params: SamplingParams, steps_deltas: list[list[tuple]]) -> tuple[float, float]:
     """(ms per step of RequestProcessor.process over the step's Deltas, ms per step of the merge),
     for the token-id Deltas a core running core_params(params) sent."""
-    engine, prompts = _engine(batch, params)  # for its tokenizer and the same prompts
+    engine, prompts = stubbed_engine(batch, params)  # for its tokenizer and the same prompts
     processors = {rid: RequestProcessor(engine.tokenizer, params) for rid in prompts}
     del engine
     _release_all()

@@ -45,21 +45,31 @@ def stub_runner(engine: LLMEngine, vocab: int) -> None:
     runner.launch = launch
 
 
-def run(batch: int, steps: int, output_kind: RequestOutputKind, profile: bool) -> dict:
+def stubbed_engine(batch: int, params: SamplingParams, seed: int = 0) -> tuple[LLMEngine, dict[str, list[int]]]:
+    """A CPU engine (tiny dummy model) with the runner stubbed and `batch` requests of 100-1,024 random
+    prompt tokens past their prefill and 5 decode steps; returns it and the prompts by request id."""
     args = EngineArgs(model="dummy:tiny", device="cpu", kernel_backend="torch", max_num_seqs=batch,
                       max_num_batched_tokens=max(8192, batch), kv_cache_memory_bytes=1 << 30,
                       async_scheduling=True)
     engine = LLMEngine(args)
     vocab = engine.model_config.vocab_size
     stub_runner(engine, vocab)
-    params = SamplingParams(temperature=0.6, max_tokens=steps + 100, ignore_eos=True, output_kind=output_kind)
+    rng = random.Random(seed)
+    prompts = {}
     for i in range(batch):
-        engine.add_request(str(i), [random.randrange(vocab) for _ in range(random.randint(100, 1024))], params)
+        prompts[str(i)] = [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]
+        engine.add_request(str(i), prompts[str(i)], params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
             or engine.scheduler.waiting:
         engine.step()
     for _ in range(5):
         engine.step()
+    return engine, prompts
+
+
+def run(batch: int, steps: int, output_kind: RequestOutputKind, profile: bool) -> dict:
+    params = SamplingParams(temperature=0.6, max_tokens=steps + 100, ignore_eos=True, output_kind=output_kind)
+    engine, _ = stubbed_engine(batch, params)
     prof = cProfile.Profile() if profile else None
     start = time.perf_counter()
     if prof:

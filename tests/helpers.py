@@ -23,3 +23,18 @@ def chunked_logits(engine, prompt: list[int], chunks: list[int]) -> torch.Tensor
         logits.append(runner.model.compute_logits(hidden))
         start += n
     return torch.cat(logits)
+
+
+def record_cascade_prefixes(builder) -> list[int | None]:
+    """Wrap a StepInputBuilder's `build` so that every step appends its cascade prefix length (None
+    when the step uses no cascade attention) to the returned list."""
+    used: list[int | None] = []
+    build = builder.build
+
+    def recording_build(*args, **kwargs):
+        inputs = build(*args, **kwargs)
+        prefix = inputs.meta.decode_prefix_len
+        used.append(None if prefix is None else int(prefix))
+        return inputs
+    builder.build = recording_build
+    return used

@@ -292,7 +292,9 @@ def test_cascade_attention_in_the_engine_equals_the_torch_backend(model_dir):
     shared = [(7 * i) % 500 + 3 for i in range(70)]  # 4 full blocks of 16 shared, then per-prompt tails
     prompts = [{"prompt_token_ids": shared + [11 + j, 40 + j]} for j in range(4)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    outs, used = {}, []
+    from tests.helpers import record_cascade_prefixes
+
+    outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(model=str(model_dir), device="cpu", max_model_len=128, kernel_backend=backend,
                   max_num_batched_tokens=512)
@@ -300,13 +302,7 @@ def test_cascade_attention_in_the_engine_equals_the_torch_backend(model_dir):
         if backend == "triton":
             assert builder.cascade is not None
             builder.cascade = (2, 64, 64)
-            build = builder.build
-
-            def recording_build(*args, **kwargs):
-                inputs = build(*args, **kwargs)
-                used.append(None if inputs.decode_prefix_len is None else int(inputs.decode_prefix_len))
-                return inputs
-            builder.build = recording_build
+            used = record_cascade_prefixes(builder)
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["triton"] == outs["torch"]
     assert 64 in used, used

@@ -133,18 +133,14 @@ def test_cascade_attention_fp32_equals_plain_decode(ckpt):
     shared = [rng.randrange(1, 120000) for _ in range(512)]
     ps = [shared + [rng.randrange(1, 120000) for _ in range(rng.randint(1, 30))] for _ in range(100)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    results, used = {}, []
+    from tests.helpers import record_cascade_prefixes
+
+    results = {}
     for cascade in (True, False):
         llm = engine(ckpt, "float32", kv=8 << 30)
         builder = llm.llm_engine.runner.builder
         if cascade:
-            build = builder.build
-
-            def recording_build(*args, **kwargs):
-                inputs = build(*args, **kwargs)
-                used.append(None if inputs.decode_prefix_len is None else int(inputs.decode_prefix_len))
-                return inputs
-            builder.build = recording_build
+            used = record_cascade_prefixes(builder)
         else:
             builder.cascade = None
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], greedy, use_tqdm=False)

@@ -72,9 +72,6 @@ class BlockPool:
         """Fraction of blocks held by running requests."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def is_evictable(self, block_id: int) -> bool:
-        return block_id in self._evictable
-
     def count_evictable(self, block_ids: Iterable[int]) -> int:
         """How many of these blocks wait in the LRU (cached, unreferenced)."""
         return sum(map(self._evictable.__contains__, block_ids))

@@ -39,8 +39,7 @@ class FusedSamplingPlan:
 
     Attributes:
         request_ids: the rows' request ids, in batch order (the plan's key).
-        plain: every row's parameters are ones the fused kernel handles (`is_plain`).
-        plain_rows: the rows whose parameters are (all rows when `plain`).
+        plain_rows: the rows whose parameters the fused kernel handles (`is_plain`).
         temperatures: [N] float32 on the device; 0 for greedy rows.
         seeded: (row, request seed) of the rows whose request carries a seed.
         min_tokens: (row, min_tokens) of the rows whose request bans EOS and stop ids for a while; the
@@ -50,7 +49,6 @@ class FusedSamplingPlan:
     """
 
     request_ids: list[str]
-    plain: bool
     plain_rows: list[int]
     temperatures: torch.Tensor
     seeded: list[tuple[int, int]]
@@ -64,11 +62,10 @@ class FusedSamplingPlan:
         temperatures from; it must not be rewritten before the copy has run (the caller alternates)."""
         params = [s.sampling_params for s in seqs]
         plain_rows = [i for i, p in enumerate(params) if is_plain(p)]
-        plain = len(plain_rows) == len(params)
         n = len(seqs)
         temps = staging[:n]
         temps.numpy()[:] = [0.0 if p.is_greedy else p.temperature for p in params]
-        return cls(request_ids=request_ids, plain=plain, plain_rows=plain_rows,
+        return cls(request_ids=request_ids, plain_rows=plain_rows,
                    temperatures=temps.to(device, non_blocking=True, copy=True),
                    seeded=[(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.is_greedy],
                    min_tokens=[(i, p.min_tokens) for i, p in enumerate(params) if p.min_tokens],

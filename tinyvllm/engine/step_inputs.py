@@ -31,7 +31,6 @@ class StepInputs:
     placeholder_rows: torch.Tensor | None  # [K] int64: rows whose input is the previous step's sample...
     placeholder_src: torch.Tensor | None  # [K] int64: ...at this index of that step's sampled ids
     num_decodes: int
-    decode_prefix_len: torch.Tensor | None = None  # [1] int32 on the device: cascade attention (see below)
 
 
 def shared_prefix_len(table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, block_size: int,
@@ -77,7 +76,7 @@ class _Staging:
 
 class StepInputBuilder:
     """Args: `cascade`: (minimum decode rows, minimum shared keys, alignment) at which a decode-only
-    step's shared prefix is handed to cascade attention (`StepInputs.decode_prefix_len`); None: never."""
+    step's shared prefix is handed to cascade attention (`AttnMetadata.decode_prefix_len`); None: never."""
 
     def __init__(self, *, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                  max_blocks_per_seq: int, device: torch.device,
@@ -226,5 +225,4 @@ class StepInputBuilder:
             placeholder_rows=d64[o_ph_rows:o_ph_rows + K] if K else None,
             placeholder_src=d64[o_ph_src:o_ph_src + K] if K else None,
             num_decodes=D,
-            decode_prefix_len=d32[o_prefix:o_prefix + 1] if prefix_len else None,
         )
