@@ -65,6 +65,8 @@ step sampling_bench 90 python3 benchmarks/kernels/bench_sampling.py --out "$RES"
 step cascade_bench 90 python3 benchmarks/kernels/bench_cascade.py --out "$RES"
 step gemv_bench 150 python3 benchmarks/kernels/bench_gemv.py --models 1b --out "$RES"
 step gemv_sweep 170 python3 benchmarks/kernels/bench_gemv.py --no-model --sweep --sweep-m 1 --out "$RES"
+step megakernel_tests 180 python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py tests/models/test_decode_megakernel.py \
+  -p no:cacheprovider && step megakernel_bench 240 python3 benchmarks/kernels/bench_megakernel.py --out "$RES"
 step host_step 60 python3 -m benchmarks.bench_host_step --batch 1 64 256 --steps 200 --out-dir "$RES"
 
 if [ -n "$TRAIN_PID" ]; then
@@ -82,7 +84,8 @@ bench() {  # bench NAME LIMIT ARGS...
   esac
 }
 bench latency 120 latency --baseline hf --profile
-bench latency_unfused 90 latency --no-fused-gemv --name latency_unfused
+bench latency_no_megakernel 90 latency --no-decode-megakernel --name latency_no_megakernel
+bench latency_unfused 90 latency --no-fused-gemv --no-decode-megakernel --name latency_unfused
 bench throughput 200 throughput --profile --max-model-len 4096 --baseline hf --baseline-requests 16
 bench shared_prefix 150 shared-prefix --max-model-len 4096 --profile
 if [ -z "${SKIP_SERVE:-}" ] && wanted serve && python3 -c "import fastapi, uvicorn" 2>/dev/null; then

@@ -37,10 +37,10 @@ def device_for(backend: str) -> torch.device:
     return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
 
 
-def build(backend: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def build(backend: str, dtype: torch.dtype, device: torch.device, max_positions: int = 64) -> LlamaForCausalLM:
     config = ModelConfig.from_dict(make_config("tiny", num_hidden_layers=2))
     with torch.device(device):
-        model = LlamaForCausalLM(config, get_ops(backend), 64, dtype)
+        model = LlamaForCausalLM(config, get_ops(backend), max_positions, dtype)
     model.init_rope_table()
     model.fused_max_tokens = 16  # every row count the kernels serve, not only the engine's default of 1
     gen = torch.Generator().manual_seed(0)

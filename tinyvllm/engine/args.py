@@ -49,6 +49,8 @@ class EngineArgs:
     async_scheduling: bool | None = None  # overlap host work with the device; None: on for CUDA
     fused_gemv: bool = True  # batch-1 decode through our matrix-vector kernels with the residual adds and
     # SwiGLU folded in (models/llama.py; measured 897 vs 845 tok/s on the H200, docs/perf.md)
+    decode_megakernel: bool = True  # on CUDA, a decode step of one sequence runs every layer in one kernel
+    # launch (kernels/decode_megakernel.py); models it cannot serve fall back to the layer loop
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
@@ -86,6 +88,9 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fused-gemv", action=argparse.BooleanOptionalAction, default=d.fused_gemv,
                    help="batch-1 decode steps through our matrix-vector kernels, with SwiGLU and the "
                         "residual adds folded in (default: on; see docs/perf.md)")
+    g.add_argument("--decode-megakernel", action=argparse.BooleanOptionalAction, default=d.decode_megakernel,
+                   help="on CUDA, run a decode step of one sequence through all layers in one kernel launch "
+                        "(default: on; see docs/perf.md)")
 
 
 def engine_args_from_cli(ns: argparse.Namespace) -> EngineArgs:

@@ -72,7 +72,8 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, *, model_dir: str, device: torch.device,
                  dtype: torch.dtype, kernel_backend: str, load_format: str = "auto", seed: int = 0,
-                 eos_token_ids: Sequence[int] = (), show_progress: bool = False, fused_gemv: bool = True) -> None:
+                 eos_token_ids: Sequence[int] = (), show_progress: bool = False, fused_gemv: bool = True,
+                 decode_megakernel: bool = True) -> None:
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -83,6 +84,8 @@ class ModelRunner:
                                  max_positions=model_config.max_position_embeddings,
                                  load_format=load_format, seed=seed, show_progress=show_progress,
                                  fuse_small_batches=fused_gemv)
+        if decode_megakernel and device.type == "cuda":
+            self._enable_megakernel()
         self.sampler = Sampler()
         self.batch_generator = torch.Generator(device=device).manual_seed(seed)
         self._rng = np.random.default_rng(seed)  # seeds of unseeded requests for the fused sampler
@@ -99,6 +102,18 @@ class ModelRunner:
         self._num_launched = 0
 
     # ------------------------------------------------------------------ KV cache and set-up
+    def _enable_megakernel(self) -> None:
+        """One-launch decode of a single sequence (models/llama_megakernel.py), where the model allows it.
+        Runs before the memory profile, so the weights' restacking leaves no freed copies behind."""
+        from tinyvllm.models.llama_megakernel import megakernel_unsupported
+
+        reason = megakernel_unsupported(self.model, block_size=16)  # the block size is checked per launch
+        if reason is not None:
+            logger.info("decode megakernel off: %s", reason)
+            return
+        self.model.enable_decode_megakernel()
+        torch.cuda.empty_cache()
+
     def bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()

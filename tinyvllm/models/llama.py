@@ -162,6 +162,14 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.register_buffer("cos_sin", torch.empty(max_positions, config.head_dim), persistent=False)
+        self.decode_megakernel = None  # set by enable_decode_megakernel
+
+    def enable_decode_megakernel(self, config=None) -> None:
+        """Run decode steps of one sequence as one kernel launch (models/llama_megakernel.py); restacks
+        the layer weights, so call it after loading them (and before capturing CUDA graphs)."""
+        from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel
+
+        self.decode_megakernel = LlamaDecodeMegakernel(self) if config is None else LlamaDecodeMegakernel(self, config)
 
     def init_rope_table(self) -> None:
         """Fill the float32 [max_positions, D] cos/sin table on the model's device."""
@@ -181,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         # input_ids, positions: [T] → hidden: [T, H]
+        if self.decode_megakernel is not None and input_ids.shape[0] == 1 and meta.num_decode_tokens == 1:
+            return self.decode_megakernel(input_ids, positions, meta, kv_caches)
         x = self.embed_tokens(input_ids)
         if self.uses_fused_path(x.shape[0]):
             for layer, kv_cache in zip(self.layers, kv_caches):

@@ -1,0 +1,158 @@
+"""Batch-1 decode step: the one-launch megakernel against the layer-by-layer fused path, 1B shape.
+
+    python benchmarks/kernels/bench_megakernel.py [--contexts 128 640 2048] [--out DIR]
+
+A random-weight `llama-3.2-1b` model (bf16) on the GPU, one sequence whose context is each of
+`--contexts` keys. Timed as CUDA-graph replays of a whole step (decoder layers + final norm + LM head,
+no sampling), as the engine's batch-1 graph runs it:
+  * `layered`: the fused small-batch path (models/llama.py: ~9 kernels per layer);
+  * `mk <tile>/<warps>/<prefetch>`: the megakernel (kernels/decode_megakernel.py) under each config.
+The layers alone (without the LM head) are timed too. Floor: the weight bytes read per step (layers,
+LM head) at the copy bandwidth measured at the start. Correctness: each megakernel's hidden state and
+logits against the layered path's (relative error), in bf16 and (`--fp32`, default on) in float32.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from common import (bench_graph, copy_bandwidth, device_info, output_paths, print_table,  # noqa: E402
+                    rel_err, require_cuda, write_json)
+from tinyvllm.config import ModelConfig  # noqa: E402
+from tinyvllm.kernels import get_ops  # noqa: E402
+from tinyvllm.kernels.decode_megakernel import MegakernelConfig  # noqa: E402
+from tinyvllm.models.attention_metadata import AttnMetadata  # noqa: E402
+from tinyvllm.models.checkpoint import make_config  # noqa: E402
+from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel  # noqa: E402
+from tinyvllm.models.loader import build_model  # noqa: E402
+
+BLOCK = 16
+VARIANTS = [MegakernelConfig(16384, 16, True), MegakernelConfig(16384, 16, False), MegakernelConfig(32768, 16, True),
+            MegakernelConfig(8192, 16, True), MegakernelConfig(16384, 8, True)]
+
+
+def name_of(cfg: MegakernelConfig) -> str:
+    return f"mk {cfg.tile}/{cfg.num_warps}w/{'prefetch' if cfg.prefetch else 'no-prefetch'}"
+
+
+def setup(dev: torch.device, dtype: torch.dtype, max_ctx: int):
+    config = ModelConfig.from_dict(make_config("llama-3.2-1b"))
+    model = build_model(config, get_ops("triton"), model_dir="", device=dev, dtype=dtype,
+                        max_positions=max_ctx + 16, load_format="dummy", seed=0)
+    c = config
+    num_blocks = max_ctx // BLOCK + 2
+    gen = torch.Generator(device=dev).manual_seed(1)
+    kv = torch.randn((c.num_hidden_layers, 2, num_blocks, c.num_key_value_heads, BLOCK, c.head_dim),
+                     generator=gen, device=dev, dtype=torch.float32).to(dtype)
+    return model, kv
+
+
+def step_inputs(dev: torch.device, ctx: int, num_blocks: int):
+    pages = -(-ctx // BLOCK)
+    table = torch.randperm(num_blocks, device=dev)[:pages].to(torch.int32)
+    pos = ctx - 1
+    slot = int(table[pos // BLOCK]) * BLOCK + pos % BLOCK
+    i32 = torch.int32
+    meta = AttnMetadata(
+        slot_mapping=torch.tensor([slot], device=dev), num_decode_tokens=1,
+        decode_seq_lens=torch.tensor([ctx], dtype=i32, device=dev), decode_block_tables=table[None, :],
+        max_decode_seq_len=ctx, num_prefills=0, prefill_cu_seqlens_q=torch.zeros(1, dtype=i32, device=dev),
+        prefill_seq_lens=torch.zeros(0, dtype=i32, device=dev), prefill_block_tables=table[None, :0],
+        max_prefill_q_len=0, max_prefill_seq_len=0)
+    return torch.tensor([17], device=dev), torch.tensor([pos], device=dev), meta
+
+
+def run(model, mk, ids, pos, meta, kv, logits: bool = True):
+    model.decode_megakernel = mk
+    views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+    hidden = model(ids, pos, meta, views)
+    return (hidden, model.compute_logits(hidden, dtype=None)) if logits else (hidden, None)
+
+
+@torch.no_grad()
+def check(model, kv: torch.Tensor, base: LlamaDecodeMegakernel, contexts: list[int],
+          variants: list[MegakernelConfig]) -> list[dict]:
+    dev, dtype = kv.device, kv.dtype
+    rows = []
+    for ctx in contexts:
+        ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
+        kv_ref = kv.clone()
+        slot = int(meta.slot_mapping[0])
+        at = (slice(None), slice(None), slot // BLOCK, slice(None), slot % BLOCK)
+        h_ref, l_ref = run(model, None, ids, pos, meta, kv_ref)
+        for cfg in variants:
+            kv_mk = kv.clone()
+            h, lg = run(model, base.variant(cfg), ids, pos, meta, kv_mk)
+            rows.append({"dtype": str(dtype).replace("torch.", ""), "context": ctx, "variant": name_of(cfg),
+                         "hidden_rel_err": rel_err(h, h_ref), "logits_rel_err": rel_err(lg, l_ref),
+                         "kv_rel_err": rel_err(kv_mk[at], kv_ref[at]),
+                         "argmax_equal": bool((lg.argmax(-1) == l_ref.argmax(-1)).all())})
+            kv_mk[at] = kv_ref[at]
+            rows[-1]["rest_of_cache_equal"] = bool(torch.equal(kv_mk, kv_ref))
+    return rows
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 640, 2048])
+    ap.add_argument("--fp32", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out", default=None)
+    ns = ap.parse_args()
+    dev = require_cuda()
+    info = device_info(dev)
+    copy = copy_bandwidth(dev)
+    print(f"{info}\ncopy bandwidth {copy / 1e12:.2f} TB/s")
+
+    checks = []
+    if ns.fp32:
+        model, kv = setup(dev, torch.float32, max(ns.contexts))
+        checks += check(model, kv, LlamaDecodeMegakernel(model), ns.contexts, VARIANTS[:2])
+        del model, kv
+        torch.cuda.empty_cache()
+    model, kv = setup(dev, torch.bfloat16, max(ns.contexts))
+    base = LlamaDecodeMegakernel(model)
+    checks += check(model, kv, base, ns.contexts, VARIANTS)
+    print_table("correctness against the layered path", checks,
+                [("dtype", "dtype", ""), ("context", "ctx", "d"), ("variant", "variant", ""),
+                 ("hidden_rel_err", "hidden err", ".2e"), ("logits_rel_err", "logits err", ".2e"),
+                 ("kv_rel_err", "new K/V err", ".2e"), ("argmax_equal", "argmax =", ""),
+                 ("rest_of_cache_equal", "rest of cache =", "")])
+    layer_bytes = sum(t.numel() * t.element_size() for t in
+                      (base.weights.qkv, base.weights.o, base.weights.gate_up, base.weights.down))
+    head_bytes = model.lm_head_weight.numel() * model.lm_head_weight.element_size()
+    rows = []
+    for ctx in ns.contexts:
+        ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
+        kv_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * ctx * 64 * 2
+        floor_layers = (layer_bytes + kv_bytes) / copy * 1e6
+        floor_step = floor_layers + head_bytes / copy * 1e6
+        for name, mk in [("layered", None)] + [(name_of(c), base.variant(c)) for c in VARIANTS]:
+            step_us = bench_graph([lambda mk=mk: run(model, mk, ids, pos, meta, kv)], calls=32, replays=9) * 1e3
+            layers_us = bench_graph([lambda mk=mk: run(model, mk, ids, pos, meta, kv, logits=False)],
+                                    calls=32, replays=9) * 1e3
+            rows.append({"context": ctx, "path": name, "step_us": step_us, "layers_us": layers_us,
+                         "tok_per_s": 1e6 / step_us, "floor_step_us": floor_step,
+                         "of_floor": floor_step / step_us, "layers_of_floor": floor_layers / layers_us})
+            print(rows[-1], flush=True)
+    for r in rows:
+        lay = next(x for x in rows if x["context"] == r["context"] and x["path"] == "layered")
+        r["speedup"] = lay["step_us"] / r["step_us"]
+    print_table(f"batch-1 decode step, llama-3.2-1b shape, bf16 ({info.get('name', '')})", rows,
+                [("context", "ctx", "d"), ("path", "path", ""), ("step_us", "step µs", ".1f"),
+                 ("layers_us", "layers µs", ".1f"), ("tok_per_s", "tok/s", ".0f"), ("speedup", "× layered", ".2f"),
+                 ("floor_step_us", "floor µs", ".1f"), ("of_floor", "of floor", ".2f"),
+                 ("layers_of_floor", "layers of floor", ".2f")])
+    json_path, _ = output_paths(ns.out, "megakernel")
+    write_json(json_path, {"device": info, "copy_bandwidth": copy, "checks": checks, "timings": rows})
+    print(f"wrote {json_path}")
+
+
+if __name__ == "__main__":
+    main()

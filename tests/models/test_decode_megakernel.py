@@ -1,0 +1,118 @@
+"""The one-launch batch-1 decode (kernels/decode_megakernel.py) against the torch reference forward of
+the same weights: hidden state, logits and the K/V it writes into the paged cache.
+
+On the CPU the interpreter runs the kernel with one program (the barriers then pass at once), so every
+unit of every phase runs in that program; the unit sizes (`tile`) and the number of context splits
+are varied so that the double-buffered unit loops, the multi-tile attention loop and the split merge
+all run. On a GPU the same tests run one program per SM (more programs than most phases have units);
+tests/gpu/test_megakernel_gpu.py checks the real shape.
+
+Tolerances as in test_fused_decode.py (float32: order of the sums only; bfloat16: 8-bit roundings of
+every product output, 4e-2 with 3× margin, against 0.27–1.1 for a skipped norm or residual).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyvllm.kernels.decode_megakernel import MegakernelConfig, Workspace, max_programs
+from tinyvllm.models.attention_metadata import AttnMetadata
+from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel
+from tests.models.test_fused_decode import backends, build, device_for
+
+BLOCK = 4
+NUM_BLOCKS = 80
+
+
+def kv_buffer(model, dtype: torch.dtype) -> torch.Tensor:
+    c = model.config
+    shape = (c.num_hidden_layers, 2, NUM_BLOCKS, c.num_key_value_heads, BLOCK, c.head_dim)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+
+
+def step(seq_len: int, slot_valid: bool = True, device: torch.device = torch.device("cpu")):
+    """A decode step of one sequence whose context (incl. the new token) is seq_len tokens, its pages
+    a shuffled set of the cache's blocks."""
+    pages = -(-seq_len // BLOCK)
+    table = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seq_len))[:pages].to(torch.int32)
+    pos = seq_len - 1
+    slot = int(table[pos // BLOCK]) * BLOCK + pos % BLOCK if slot_valid else -1
+    meta = AttnMetadata(
+        slot_mapping=torch.tensor([slot]), num_decode_tokens=1, decode_seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        decode_block_tables=table[None, :], max_decode_seq_len=seq_len, num_prefills=0,
+        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32), prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
+        prefill_block_tables=table[None, :0], max_prefill_q_len=0, max_prefill_seq_len=0)
+    for name in ("slot_mapping", "decode_seq_lens", "decode_block_tables", "prefill_cu_seqlens_q",
+                 "prefill_seq_lens", "prefill_block_tables"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    return torch.tensor([seq_len * 7 % 512], device=device), torch.tensor([pos], device=device), meta
+
+
+def views(buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(buffer[i, 0], buffer[i, 1]) for i in range(buffer.shape[0])]
+
+
+def forward(model, ids, positions, meta, buffer):
+    with torch.no_grad():
+        hidden = model(ids, positions, meta, views(buffer))
+        return hidden, model.compute_logits(hidden, dtype=torch.float32)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("seq_len,splits,tile", [(1, 1, 16384), (13, 1, 256), (300, 3, 256), (150, 2, 16384)])
+def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile):
+    device = device_for("triton")
+    ref = build("torch", dtype, device, max_positions=512)
+    model = build("triton", dtype, device, max_positions=512)
+    model.enable_decode_megakernel(MegakernelConfig(tile=tile))
+    mk = model.decode_megakernel
+    mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
+    assert model.layers[1].mlp.down_proj.weight.data_ptr() == mk.weights.down[1].data_ptr()  # views, no copy
+
+    ids, positions, meta = step(seq_len, device=device)
+    buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)
+    h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
+    h, logits = forward(model, ids, positions, meta, buf)
+    assert h.shape == h_ref.shape and h.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
+    # The cache: the new token's K/V in every layer, nothing else touched.
+    slot = int(meta.slot_mapping[0])
+    blk, off = slot // BLOCK, slot % BLOCK
+    for layer in range(ref.config.num_hidden_layers):
+        for kv in (0, 1):
+            assert rel(buf[layer, kv, blk, :, off], buf_ref[layer, kv, blk, :, off]) <= tol
+    buf[:, :, blk, :, off] = buf_ref[:, :, blk, :, off]
+    assert torch.equal(buf, buf_ref)
+
+
+@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_megakernel_padded_slot_writes_nothing_and_relaunches():
+    """Slot −1 writes no K/V; a second launch on the same workspace (counters reset by the kernel)
+    gives the same result."""
+    device = device_for("triton")
+    model = build("triton", torch.float32, device)
+    model.enable_decode_megakernel()
+    ids, positions, meta = step(9, slot_valid=False, device=device)
+    buf = kv_buffer(model, torch.float32).to(device)
+    before = buf.clone()
+    h1, _ = forward(model, ids, positions, meta, buf)
+    assert torch.equal(buf, before)
+    assert int(model.decode_megakernel.workspace.barrier.abs().sum()) == 0
+    assert int(model.decode_megakernel.workspace.tickets.abs().sum()) == 0
+    h2, _ = forward(model, ids, positions, meta, buf)
+    assert torch.equal(h1, h2)
+
+
+def test_megakernel_needs_one_kv_buffer():
+    model = build("triton", torch.float32, torch.device("cpu"))
+    model.enable_decode_megakernel()
+    ids, positions, meta = step(5)
+    separate = [(k.clone(), v.clone()) for k, v in views(kv_buffer(model, torch.float32))]
+    with pytest.raises(ValueError, match="one buffer"):
+        model.decode_megakernel(ids, positions, meta, separate)

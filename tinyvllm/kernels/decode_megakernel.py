@@ -1,0 +1,469 @@
+"""A whole batch-1 decode token through every decoder layer in one launch (a persistent "megakernel").
+
+Per layer l, with r the residual stream (the embedding row before layer 0), the same maths and
+roundings as the fused small-batch path of models/llama.py:
+    A  h = RMSNorm(r; w1[l]);  qkv = round(Wqkv[l] h);  q, k ← RoPE(q, k, pos);  cache[l][slot] ← k, v
+    B  o = softmax(scale · q Kᵀ) V over the sequence's cached keys (split-KV, merged by logsumexp)
+    C  r = round(round(Wo[l] o) + r)
+    D  h = RMSNorm(r; w2[l]);  g, u = round(Wg[l] h), round(Wu[l] h);  a = round(silu(g) ⊙ u)
+    E  r = round(round(Wd[l] a) + r)
+and finally out = RMSNorm(r; w_final). The LM head and sampling stay kernels of their own.
+
+Why one launch: a batch-1 token reads every weight once (2.47 GB for Llama 3.2 1B, 0.58 ms at the
+H200's 4.25 TB/s), but as ~150 separate kernels each product pays ~2–3 µs of launch, ramp and tail
+beyond its bytes and every small op (norm, RoPE, attention merge) pays a launch of its own: the
+one-kernel-per-op step measured 1.15 ms (docs/perf.md). Here P = one program per multiprocessor runs
+all phases, separated by grid-wide barriers, and each program issues the load of its first weight
+tile of the next phase *before* waiting at the barrier, so HBM keeps streaming while programs
+synchronise (the weights never depend on the barrier; only the activations do).
+
+Layout of the work. A phase is a list of "units" of about TILE weight elements each, dealt to the
+programs round-robin (unit u goes to program u mod P); a unit's tile is loaded whole (every weight
+of it in flight at once) and the next unit's tile is loaded before the current one is reduced
+(double buffering). The activation vector of a phase (≤ 16 KB) is loaded once per program.
+  A: a unit is RQ rows of a head's first half and their RoPE partners in its second half, so RoPE
+     is applied in registers; q goes to a scratch vector, k and v straight into the paged cache.
+  B: a unit is (KV head, split of the context); each writes (m, l, acc) of its keys for the GQA
+     group's query heads; the last split to arrive at a per-head ticket merges them (the split-K
+     semaphore of gemv.py) and writes the head group's output.
+  C, E: RO / RD output rows with the residual add.  D: RG gate rows and the matching up rows.
+
+Barriers: a monotone arrival counter; the b-th barrier waits until it reads b·P (a CTA barrier
+first orders the CTA's stores before thread 0's gpu-scope release; the acquire and a second CTA
+barrier order the loads after). Data written inside the launch is read with `.cg` loads (L2; an
+SM's L1 is not coherent with other SMs' stores). At exit the last program to leave resets the
+counter for the next launch: no memset, no host sync, capturable in a CUDA graph.
+
+Every program must be resident at once (a waiting program spins): the grid is at most one program per
+multiprocessor × the occupancy the compiled kernel allows (`max_programs`), and nothing else runs
+on the device concurrently (the engine uses one stream). On the CPU interpreter programs run one
+after another, so the grid is one program there; that one program then does every unit itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyvllm.kernels._launch import check_int, next_power_of_2, num_sms
+
+
+class MegakernelConfig(NamedTuple):
+    tile: int = 16384  # weight elements per unit (a power of two)
+    num_warps: int = 16
+    prefetch: bool = True  # load each phase's first weight tile before the barrier in front of it
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions the kernel is specialised on."""
+
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+def unsupported_reason(shape: ModelShape, dtype: torch.dtype, block_size: int) -> str | None:
+    """Why the kernel cannot serve this model, or None. It needs power-of-two head dims ≥ 4, a group
+    of query heads per KV head that is a power of two, and activation vectors small enough for
+    registers (hidden ≤ 8192, intermediate ≤ 32768)."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {dtype}"
+    d, g = shape.head_dim, shape.num_heads // max(1, shape.num_kv_heads)
+    if d < 4 or d & (d - 1) or shape.num_heads % shape.num_kv_heads or g & (g - 1):
+        return f"head_dim {d} / query heads per KV head {g} (need powers of two)"
+    if shape.hidden > 8192 or shape.intermediate > 32768 or shape.num_heads * d > 8192:
+        return "hidden or intermediate size too large for one program's registers"
+    if block_size & (block_size - 1):
+        return f"KV block size {block_size} (need a power of two)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- barrier
+@triton.jit
+def _grid_barrier(count_ptr, target):
+    """Wait until `target` programs have arrived in total (the b-th barrier of a launch: b · P)."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _normed(r_ptr, w_ptr, H, eps, BH: tl.constexpr):
+    """RMSNorm of the residual vector in rms_norm.py's roundings, as fp32 [BH] (zeros beyond H)."""
+    cols = tl.arange(0, BH)
+    mask = cols < H
+    x = tl.load(r_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    normed = (xf * rstd).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
+
+
+# ---------------------------------------------------------------------------------------------- tiles
+# (Unit validity is compared as a tensor, `rows * 0 + u < n_units`: the CPU interpreter (3.9) rejects a
+# mask combined from a scalar comparison.)
+@triton.jit
+def _qkv_tile(w_ptr, layer, u, n_units, H: tl.constexpr, NQKV: tl.constexpr, D: tl.constexpr,
+              RQ: tl.constexpr, BH: tl.constexpr):
+    """Unit u of phase A: rows head·D + j0 + [0, RQ) and their partners + D/2, as [RQ, 2, BH]."""
+    UPH: tl.constexpr = D // 2 // RQ
+    head = u // UPH
+    j0 = (u % UPH) * RQ
+    jj = tl.arange(0, RQ)[:, None, None]
+    hh = tl.arange(0, 2)[None, :, None]
+    cols = tl.arange(0, BH)[None, None, :]
+    rows = head * D + j0 + hh * (D // 2) + jj
+    base = w_ptr + tl.cast(layer, tl.int64) * (NQKV * H)
+    return tl.load(base + rows * H + cols, mask=(cols < H) & (jj * 0 + u < n_units), other=0.0)
+
+
+@triton.jit
+def _rows_tile(w_ptr, layer, u, n_units, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    """Unit u of phases C and E: output rows u·R + [0, R) of W [N, K], as [R, BK]."""
+    rows = u * R + tl.arange(0, R)[:, None]
+    cols = tl.arange(0, BK)[None, :]
+    base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
+    return tl.load(base + rows * K + cols, mask=(cols < K) & (rows < N) & (rows * 0 + u < n_units), other=0.0)
+
+
+@triton.jit
+def _gate_up_tile(w_ptr, layer, u, n_units, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr,
+                  BH: tl.constexpr):
+    """Unit u of phase D: gate rows u·RG + [0, RG) and the matching up rows (+ F), as [RG, 2, BH]."""
+    gate_rows = u * RG + tl.arange(0, RG)[:, None, None]
+    rows = gate_rows + tl.arange(0, 2)[None, :, None] * F
+    cols = tl.arange(0, BH)[None, None, :]
+    base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
+    return tl.load(base + rows * H + cols, mask=(cols < H) & (gate_rows < F) & (gate_rows * 0 + u < n_units), other=0.0)
+
+
+# ---------------------------------------------------------------------------------------------- phases
+@triton.jit
+def _qkv_phase(w, layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+               stride_blk, stride_head, eps,
+               H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+               RQ: tl.constexpr, BH: tl.constexpr):
+    NQKV: tl.constexpr = (HQ + 2 * HK) * D
+    HALF: tl.constexpr = D // 2
+    n_units = (HQ + 2 * HK) * (HALF // RQ)
+    a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+    jj = tl.arange(0, RQ)
+    hh = tl.arange(0, 2)
+    in_head = hh[None, :] * HALF + jj[:, None]  # [RQ, 2]: offset of each output within its head
+    sign = tl.where(hh[None, :] == 0, -1.0, 1.0)
+    other_half = (hh[None, :, None] != hh[None, None, :]).to(tl.float32)  # [1, 2, 2]
+    blk = slot // BS
+    kv_off = blk * stride_blk + (slot % BS) * D
+    for u in range(pid, n_units, P):
+        w_next = _qkv_tile(wqkv_ptr, layer, u + P, n_units, H, NQKV, D, RQ, BH)
+        y = tl.sum(w.to(tl.float32) * a, axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
+        head = u // (HALF // RQ)
+        j0 = (u % (HALF // RQ)) * RQ
+        c = tl.load(cos_sin_ptr + pos * D + j0 + jj)[:, None]
+        s = tl.load(cos_sin_ptr + pos * D + HALF + j0 + jj)[:, None]
+        partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
+        roped = (y * c + sign * partner * s).to(q_ptr.dtype.element_ty)
+        offs = j0 + in_head
+        if head < HQ:
+            tl.store(q_ptr + head * D + offs, roped)
+        elif head < HQ + HK:
+            if slot >= 0:
+                tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
+        else:
+            if slot >= 0:
+                tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + offs,
+                         y.to(q_ptr.dtype.element_ty))
+        w = w_next
+
+
+@triton.jit
+def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
+                     attn_ptr, stride_blk, stride_head, scale,
+                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                     KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    G: tl.constexpr = HQ // HK
+    PW: tl.constexpr = D + 2  # a partial: acc [D], m, l
+    g = tl.arange(0, G)
+    d = tl.arange(0, D)
+    kk = tl.arange(0, KEYS)
+    n_pages = tl.cdiv(seq_len, BS)
+    keys_per_split = tl.cdiv(n_pages, num_splits) * BS
+    for u in range(pid, HK * num_splits, P):
+        kvh = u // num_splits
+        split = u % num_splits
+        q = tl.load(q_ptr + (kvh * G + g)[:, None] * D + d[None, :], cache_modifier=".cg").to(tl.float32)
+        q = q * scale
+        m = tl.full([G], float("-inf"), tl.float32)
+        l = tl.zeros([G], tl.float32)
+        acc = tl.zeros([G, D], tl.float32)
+        lo = split * keys_per_split
+        hi = tl.minimum(lo + keys_per_split, seq_len)
+        for k0 in range(lo, hi, KEYS):
+            keys = k0 + kk
+            valid = keys < hi
+            page = tl.load(bt_ptr + keys // BS, mask=valid, other=0).to(tl.int64)
+            offs = (page * stride_blk + kvh * stride_head + (keys % BS) * D)[:, None] + d[None, :]
+            kt = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+            vt = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+            sc = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [G, KEYS]
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
+            m = m_new
+        part = part_ptr + (u * G + g) * PW  # [G] row starts of this unit's partials
+        tl.store(part[:, None] + d[None, :], acc)
+        tl.store(part + D, m)
+        tl.store(part + D + 1, l)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_splits - 1:  # the last split of this KV head merges them all, in split order
+            sp = tl.arange(0, MAX_SPLITS)
+            have = sp < num_splits
+            rows = part_ptr + ((kvh * num_splits + sp)[:, None] * G + g[None, :]) * PW  # [S, G]
+            ms = tl.load(rows + D, mask=have[:, None], other=float("-inf"), cache_modifier=".cg")
+            ls = tl.load(rows + D + 1, mask=have[:, None], other=0.0, cache_modifier=".cg")
+            accs = tl.load(rows[:, :, None] + d[None, None, :], mask=have[:, None, None], other=0.0,
+                           cache_modifier=".cg")
+            mx = tl.max(ms, axis=0)  # finite: the sequence has at least one key
+            wgt = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - mx[None, :]))
+            num = tl.sum(wgt[:, :, None] * accs, axis=0)
+            den = tl.sum(wgt * ls, axis=0)
+            out = tl.where(den[:, None] > 0, num / den[:, None], 0.0)
+            tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
+            tl.atomic_xchg(tickets_ptr + kvh, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _residual_phase(w, layer, pid, P, x_ptr, w_ptr, r_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
+                    BK: tl.constexpr):
+    """r[rows] = round(round(W x)[rows] + r[rows]) over the units of W [N, K] (phases C and E)."""
+    n_units = tl.cdiv(N, R)
+    cols = tl.arange(0, BK)
+    a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+    rr = tl.arange(0, R)
+    for u in range(pid, n_units, P):
+        w_next = _rows_tile(w_ptr, layer, u + P, n_units, N, K, R, BK)
+        y = tl.sum(w.to(tl.float32) * a, axis=1).to(r_ptr.dtype.element_ty)
+        rows = u * R + rr
+        res = tl.load(r_ptr + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
+        tl.store(r_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(r_ptr.dtype.element_ty), mask=rows < N)
+        w = w_next
+
+
+@triton.jit
+def _gate_up_phase(w, layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps,
+                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr):
+    n_units = tl.cdiv(F, RG)
+    a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
+    hh = tl.arange(0, 2)[None, :]
+    rg = tl.arange(0, RG)
+    for u in range(pid, n_units, P):
+        w_next = _gate_up_tile(wgu_ptr, layer, u + P, n_units, H, F, RG, BH)
+        y = tl.sum(w.to(tl.float32) * a, axis=2).to(act_ptr.dtype.element_ty).to(tl.float32)  # [RG, 2]
+        gate = tl.sum(tl.where(hh == 0, y, 0.0), axis=1)
+        up = tl.sum(tl.where(hh == 1, y, 0.0), axis=1)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        rows = u * RG + rg
+        tl.store(act_ptr + rows, act.to(act_ptr.dtype.element_ty), mask=rows < F)
+        w = w_next
+
+
+# ---------------------------------------------------------------------------------------------- kernel
+@triton.jit(do_not_specialize=["num_layers", "num_splits", "layer_stride", "v_offset"])
+def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
+                       emb_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, n1_ptr, n2_ptr, nf_ptr, cos_sin_ptr,
+                       kv_ptr, layer_stride, v_offset, stride_blk, stride_head,
+                       r_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, tickets_ptr, bar_ptr, out_ptr,
+                       num_layers, num_splits, eps, scale,
+                       H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
+                       BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
+                       RD: tl.constexpr, KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, PREFETCH: tl.constexpr):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    BH: tl.constexpr = triton.next_power_of_2(H)
+    BF: tl.constexpr = triton.next_power_of_2(F)
+    QD: tl.constexpr = HQ * D
+    BQ: tl.constexpr = triton.next_power_of_2(QD)
+    NQKV: tl.constexpr = (HQ + 2 * HK) * D
+    n_qkv = (HQ + 2 * HK) * (D // 2 // RQ)
+    n_o = tl.cdiv(H, RO)
+    n_gu = tl.cdiv(F, RG)
+    n_d = tl.cdiv(H, RD)
+
+    tok = tl.load(ids_ptr).to(tl.int64)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    seq_len = tl.load(seq_len_ptr)
+    # r ← the token's embedding row, one slice per program
+    cols = tl.arange(0, BH)
+    if pid == 0:
+        e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
+        tl.store(r_ptr + cols, e, mask=cols < H)
+    if PREFETCH:
+        w_qkv = _qkv_tile(wqkv_ptr, pid * 0, pid, n_qkv, H, NQKV, D, RQ, BH)  # layer 0 (as a tensor)
+    _grid_barrier(bar_ptr, P)
+    for layer in range(num_layers):
+        arrived = (1 + 5 * layer) * P  # arrivals before this layer: the embedding's barrier, 5 per layer
+        k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
+        v_ptr = k_ptr + v_offset
+        if not PREFETCH:
+            w_qkv = _qkv_tile(wqkv_ptr, layer, pid, n_qkv, H, NQKV, D, RQ, BH)
+        _qkv_phase(w_qkv, layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+                   stride_blk, stride_head, eps, H, HQ, HK, D, BS, RQ, BH)
+        if PREFETCH:
+            w_o = _rows_tile(wo_ptr, layer, pid, n_o, H, QD, RO, BQ)
+        _grid_barrier(bar_ptr, arrived + 1 * P)
+        _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
+                         attn_ptr, stride_blk, stride_head, scale, HQ, HK, D, BS, KEYS, MAX_SPLITS)
+        _grid_barrier(bar_ptr, arrived + 2 * P)
+        if not PREFETCH:
+            w_o = _rows_tile(wo_ptr, layer, pid, n_o, H, QD, RO, BQ)
+        _residual_phase(w_o, layer, pid, P, attn_ptr, wo_ptr, r_ptr, H, QD, RO, BQ)
+        if PREFETCH:
+            w_gu = _gate_up_tile(wgu_ptr, layer, pid, n_gu, H, F, RG, BH)
+        _grid_barrier(bar_ptr, arrived + 3 * P)
+        if not PREFETCH:
+            w_gu = _gate_up_tile(wgu_ptr, layer, pid, n_gu, H, F, RG, BH)
+        _gate_up_phase(w_gu, layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, RG, BH)
+        if PREFETCH:
+            w_d = _rows_tile(wd_ptr, layer, pid, n_d, H, F, RD, BF)
+        _grid_barrier(bar_ptr, arrived + 4 * P)
+        if not PREFETCH:
+            w_d = _rows_tile(wd_ptr, layer, pid, n_d, H, F, RD, BF)
+        _residual_phase(w_d, layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, RD, BF)
+        if PREFETCH:  # the next layer's first tile (masked off after the last layer)
+            w_qkv = _qkv_tile(wqkv_ptr, layer + 1, tl.where(layer + 1 < num_layers, pid, n_qkv), n_qkv,
+                              H, NQKV, D, RQ, BH)
+        _grid_barrier(bar_ptr, arrived + 5 * P)
+    if pid == 0:
+        out = _normed(r_ptr, nf_ptr, H, eps, BH)
+        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
+    # Leave: the last program out resets the barrier counter (every program has passed every barrier).
+    tl.debug_barrier()
+    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == P - 1:
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+def _pow2_at_most(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
+class Workspace:
+    """Scratch of one launch configuration: the residual, q, attention output, SwiGLU output vectors,
+    the split partials, the per-KV-head tickets and the barrier counters (zero between launches).
+    Allocated once; captured graphs point at it. The context of each KV head is cut into `num_splits`
+    parts (default: as many as fill the programs)."""
+
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device, programs: int,
+                 num_splits: int | None = None) -> None:
+        s = shape
+        self.programs = programs
+        self.num_splits = num_splits or max(1, programs // s.num_kv_heads)
+        group = s.num_heads // s.num_kv_heads
+        z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
+        self.r, self.q, self.attn, self.act = z(s.hidden), z(s.num_heads * s.head_dim), \
+            z(s.num_heads * s.head_dim), z(s.intermediate)
+        self.partials = z(s.num_kv_heads * self.num_splits * group * (s.head_dim + 2), torch.float32)
+        self.tickets = z(s.num_kv_heads, torch.int32)
+        self.barrier = z(2, torch.int32)
+
+
+@dataclass(frozen=True)
+class StackedWeights:
+    """Every layer's weights of one kind in one tensor, [L, ...] (the layers' parameters are views)."""
+
+    embed: torch.Tensor  # [V, H]
+    qkv: torch.Tensor  # [L, (Hq + 2·Hk)·D, H], rows [q | k | v]
+    o: torch.Tensor  # [L, H, Hq·D]
+    gate_up: torch.Tensor  # [L, 2F, H], rows [gate | up]
+    down: torch.Tensor  # [L, H, F]
+    norm1: torch.Tensor  # [L, H]
+    norm2: torch.Tensor  # [L, H]
+    norm_final: torch.Tensor  # [H]
+
+
+def keys_per_tile(shape: ModelShape) -> int:
+    """Keys per attention tile: [group, keys, D] products of at most 16K elements, at most 64 keys."""
+    group = shape.num_heads // shape.num_kv_heads
+    return max(1, min(64, _pow2_at_most(max(1, 16384 // (group * shape.head_dim)))))
+
+
+def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
+    """(RQ, RO, RG, RD): rows per unit of phases A (per half-head), C, D (gate rows) and E, each a
+    power of two giving ~`tile` weight elements per unit."""
+    bh = next_power_of_2(shape.hidden)
+    rq = max(1, min(shape.head_dim // 2, _pow2_at_most(max(1, tile // (2 * bh)))))
+    ro = max(1, _pow2_at_most(max(1, tile // next_power_of_2(shape.num_heads * shape.head_dim))))
+    rg = max(1, _pow2_at_most(max(1, tile // (2 * bh))))
+    rd = max(1, _pow2_at_most(max(1, tile // next_power_of_2(shape.intermediate))))
+    return rq, ro, rg, rd
+
+
+def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                          seq_lens: torch.Tensor, block_table: torch.Tensor, weights: StackedWeights,
+                          cos_sin: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                          shape: ModelShape, eps: float, scale: float, workspace: Workspace,
+                          config: MegakernelConfig = MegakernelConfig()) -> torch.Tensor:
+    """One decode token of one sequence through every layer → the final-normed hidden state [1, H].
+
+    input_ids, positions, slot_mapping: [1] (int64); seq_lens: [1] int32, the context including the new
+    token (≥ 1); block_table: [≥ cdiv(seq_len, block_size)] int32. kv_caches: per layer (k, v), each
+    [num_blocks, Hk, block_size, D], all carved from one buffer at a fixed layer stride (as the model
+    runner allocates them); the new token's K/V are written at slot_mapping[0] (−1: nowhere).
+    """
+    k0, v0 = kv_caches[0]
+    _, hk, block_size, d = k0.shape
+    if (hk, d) != (shape.num_kv_heads, shape.head_dim) or k0.stride(-1) != 1 or k0.stride(-2) != d:
+        raise ValueError(f"KV cache {tuple(k0.shape)} does not fit the model shape {shape}")
+    elem = k0.element_size()
+    layer_stride = (kv_caches[1][0].data_ptr() - k0.data_ptr()) // elem if len(kv_caches) > 1 else 0
+    v_offset = (v0.data_ptr() - k0.data_ptr()) // elem
+    for i, (k, v) in enumerate(kv_caches):
+        if k.data_ptr() != k0.data_ptr() + i * layer_stride * elem or v.data_ptr() != k.data_ptr() + v_offset * elem:
+            raise ValueError("the layers' KV caches must be views of one buffer at a fixed stride")
+    for name, t in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slot_mapping),
+                    ("seq_lens", seq_lens), ("block_table", block_table)):
+        check_int(name, t)
+    if block_size & (block_size - 1):
+        raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
+    rq, ro, rg, rd = unit_rows(shape, config.tile)
+    out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
+    ws = workspace
+    _decode_megakernel[(ws.programs,)](
+        input_ids, positions, slot_mapping, seq_lens, block_table,
+        weights.embed, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm1, weights.norm2,
+        weights.norm_final, cos_sin, k0, layer_stride, v_offset, k0.stride(0), k0.stride(1),
+        ws.r, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out,
+        weights.qkv.shape[0], ws.num_splits, eps, scale,
+        H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
+        BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=keys_per_tile(shape),
+        MAX_SPLITS=next_power_of_2(ws.num_splits), PREFETCH=config.prefetch, num_warps=config.num_warps,
+        num_stages=1)  # the unit loops double-buffer by hand
+    return out
+
+
+def max_programs(device: torch.device) -> int:
+    """The grid: one program per multiprocessor on CUDA (one always fits, so all are resident at once;
+    the kernel takes ~all registers of an SM at 16 warps, so two would not), one program on the CPU
+    interpreter (which runs programs one after another)."""
+    return num_sms(device) if device.type == "cuda" else 1

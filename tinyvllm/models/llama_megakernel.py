@@ -1,0 +1,80 @@
+"""The batch-1 decode forward of a `LlamaForCausalLM` as one kernel launch (kernels/decode_megakernel.py).
+
+`LlamaDecodeMegakernel(model)` restacks the layers' weights into one [L, ...] tensor per kind (the
+layers' parameters become views of it, so no second copy stays), allocates the kernel's workspace, and
+is then called in place of the layer loop for a decode step of one sequence:
+
+    hidden = megakernel(input_ids, positions, meta, kv_caches)    # [1, H], final norm applied
+
+The result equals the fused small-batch path of models/llama.py up to the order of the float32 sums.
+"""
+from __future__ import annotations
+
+import torch
+
+from tinyvllm.kernels.decode_megakernel import (MegakernelConfig, ModelShape, StackedWeights, Workspace,
+                                                decode_megakernel_fwd, max_programs, unsupported_reason)
+from tinyvllm.models.attention_metadata import AttnMetadata
+
+
+def model_shape(model) -> ModelShape:
+    c = model.config
+    return ModelShape(hidden=c.hidden_size, intermediate=c.intermediate_size, num_heads=c.num_attention_heads,
+                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+
+
+def megakernel_unsupported(model, block_size: int) -> str | None:
+    """Why the megakernel cannot run this model (None: it can)."""
+    if model.ops.name != "triton":
+        return f"the {model.ops.name!r} kernel backend"
+    return unsupported_reason(model_shape(model), model.embed_tokens.weight.dtype, block_size)
+
+
+def _stack(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One [L, ...] tensor holding `params`, which become views of it (one layer's copy in flight)."""
+    first = params[0]
+    stacked = torch.empty((len(params), *first.shape), dtype=first.dtype, device=first.device)
+    for i, p in enumerate(params):
+        stacked[i].copy_(p.data)
+        p.data = stacked[i]
+    return stacked
+
+
+class LlamaDecodeMegakernel:
+    def __init__(self, model, config: MegakernelConfig = MegakernelConfig()) -> None:
+        layers = model.layers
+        attn = [layer.self_attn for layer in layers]
+        mlp = [layer.mlp for layer in layers]
+        with torch.no_grad():
+            self.weights = StackedWeights(
+                embed=model.embed_tokens.weight,
+                qkv=_stack([a.qkv_proj.weight for a in attn]),
+                o=_stack([a.o_proj.weight for a in attn]),
+                gate_up=_stack([m.gate_up_proj.weight for m in mlp]),
+                down=_stack([m.down_proj.weight for m in mlp]),
+                norm1=_stack([layer.input_layernorm.weight for layer in layers]),
+                norm2=_stack([layer.post_attention_layernorm.weight for layer in layers]),
+                norm_final=model.norm.weight)
+        self.model = model
+        self.shape = model_shape(model)
+        self.eps = model.config.rms_norm_eps
+        self.scale = self.shape.head_dim ** -0.5
+        self.config = config
+        device = self.weights.qkv.device
+        self.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device))
+
+    def variant(self, config: MegakernelConfig) -> "LlamaDecodeMegakernel":
+        """The same stacked weights under another launch configuration (benchmarks), own workspace."""
+        other = object.__new__(LlamaDecodeMegakernel)
+        other.__dict__.update(self.__dict__)
+        other.config = config
+        other.workspace = Workspace(self.shape, self.weights.qkv.dtype, self.weights.qkv.device,
+                                    self.workspace.programs)
+        return other
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """A decode step of one sequence (meta.num_decode_tokens == 1) → final hidden state [1, H]."""
+        return decode_megakernel_fwd(input_ids, positions, meta.slot_mapping, meta.decode_seq_lens,
+                                     meta.decode_block_tables[0], self.weights, self.model.cos_sin, kv_caches,
+                                     self.shape, self.eps, self.scale, self.workspace, self.config)
