@@ -17,7 +17,6 @@ import torch
 
 from tinyvllm.kernels.decode_megakernel import MegakernelConfig, Workspace, max_programs
 from tinyvllm.models.attention_metadata import AttnMetadata
-from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel
 from tests.models.test_fused_decode import backends, build, device_for
 
 BLOCK = 4
