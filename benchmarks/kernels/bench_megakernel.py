@@ -33,12 +33,36 @@ from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel  # noqa: E402
 from tinyvllm.models.loader import build_model  # noqa: E402
 
 BLOCK = 16
-VARIANTS = [MegakernelConfig(16384, 16, True), MegakernelConfig(16384, 16, False), MegakernelConfig(32768, 16, True),
-            MegakernelConfig(8192, 16, True), MegakernelConfig(16384, 8, True)]
+VARIANTS = [MegakernelConfig(16384, 8, 2), MegakernelConfig(16384, 8, 0), MegakernelConfig(16384, 8, 4),
+            MegakernelConfig(8192, 8, 4), MegakernelConfig(32768, 8, 2)]
+PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
 
 
 def name_of(cfg: MegakernelConfig) -> str:
-    return f"mk {cfg.tile}/{cfg.num_warps}w/{'prefetch' if cfg.prefetch else 'no-prefetch'}"
+    return f"mk {cfg.tile}/{cfg.num_warps}w/L2+{cfg.l2_ahead}"
+
+
+def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:
+    """Mean ns per phase (program 0's view: its work plus the wait at the barrier that ends the phase),
+    averaged over layers and `reps` launches, from the kernel's global-timer trace."""
+    from tinyvllm.kernels.decode_megakernel import decode_megakernel_fwd
+
+    views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+    L = kv.shape[0]
+    sums = torch.zeros(3 + 5 * L, dtype=torch.float64)
+    for _ in range(reps):
+        decode_megakernel_fwd(ids, pos, meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables[0],
+                              mk.weights, model.cos_sin, views, mk.shape, mk.eps, mk.scale, mk.workspace,
+                              mk.config, trace=True)
+        t = mk.workspace.trace.double().cpu()
+        sums += t - t[0]
+    t = sums / reps
+    per_layer = torch.stack([t[2 + 5 * i: 7 + 5 * i] - t[1 + 5 * i: 6 + 5 * i] for i in range(L)])
+    out = {"start_to_first_barrier_us": float(t[1] - t[0]) / 1e3,
+           "last_barrier_to_end_us": float(t[-1] - t[-2]) / 1e3, "total_us": float(t[-1]) / 1e3}
+    for name, v in zip(PHASES, per_layer.mean(0).tolist()):
+        out[name + " us"] = v / 1e3
+    return out
 
 
 def setup(dev: torch.device, dtype: torch.dtype, max_ctx: int):
@@ -144,13 +168,25 @@ def main() -> None:
     for r in rows:
         lay = next(x for x in rows if x["context"] == r["context"] and x["path"] == "layered")
         r["speedup"] = lay["step_us"] / r["step_us"]
+    traces = []
+    for ctx in ns.contexts:
+        ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
+        for cfg in VARIANTS[:2]:
+            traces.append({"context": ctx, "variant": name_of(cfg),
+                           **phase_trace(model, base.variant(cfg), ids, pos, meta, kv)})
+    print_table("per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)", traces,
+                [("context", "ctx", "d"), ("variant", "variant", "")]
+                + [(p + " us", p.split()[0], ".2f") for p in PHASES]
+                + [("start_to_first_barrier_us", "start", ".2f"), ("last_barrier_to_end_us", "end", ".2f"),
+                   ("total_us", "total", ".1f")])
     print_table(f"batch-1 decode step, llama-3.2-1b shape, bf16 ({info.get('name', '')})", rows,
                 [("context", "ctx", "d"), ("path", "path", ""), ("step_us", "step µs", ".1f"),
                  ("layers_us", "layers µs", ".1f"), ("tok_per_s", "tok/s", ".0f"), ("speedup", "× layered", ".2f"),
                  ("floor_step_us", "floor µs", ".1f"), ("of_floor", "of floor", ".2f"),
                  ("layers_of_floor", "layers of floor", ".2f")])
     json_path, _ = output_paths(ns.out, "megakernel")
-    write_json(json_path, {"device": info, "copy_bandwidth": copy, "checks": checks, "timings": rows})
+    write_json(json_path, {"device": info, "copy_bandwidth": copy, "checks": checks, "timings": rows,
+                           "phase_traces": traces})
     print(f"wrote {json_path}")
 
 

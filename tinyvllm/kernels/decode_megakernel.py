@@ -13,14 +13,16 @@ Why one launch: a batch-1 token reads every weight once (2.47 GB for Llama 3.2 1
 H200's 4.25 TB/s), but as ~150 separate kernels each product pays ~2–3 µs of launch, ramp and tail
 beyond its bytes and every small op (norm, RoPE, attention merge) pays a launch of its own: the
 one-kernel-per-op step measured 1.15 ms (docs/perf.md). Here P = one program per multiprocessor runs
-all phases, separated by grid-wide barriers, and each program issues the load of its first weight
-tile of the next phase *before* waiting at the barrier, so HBM keeps streaming while programs
-synchronise (the weights never depend on the barrier; only the activations do).
+all phases, separated by grid-wide barriers. HBM must keep streaming through those barriers and through
+the phases that read no weights: every program asks L2 (`prefetch.global.L2`, no registers held) for its
+weight tiles `l2_ahead` units ahead, for its first tiles of the next phase before it waits at a barrier,
+and, before attention, for its keys and for the o-projection tiles (the weights never depend on a
+barrier; only the activations do).
 
 Layout of the work. A phase is a list of "units" of about TILE weight elements each, dealt to the
 programs round-robin (unit u goes to program u mod P); a unit's tile is loaded whole (every weight
-of it in flight at once) and the next unit's tile is loaded before the current one is reduced
-(double buffering). The activation vector of a phase (≤ 16 KB) is loaded once per program.
+of it in flight at once) and the next unit's tile (and its epilogue's inputs) is loaded before the
+current one is reduced (double buffering). The activation vector of a phase is loaded once per program.
   A: a unit is RQ rows of a head's first half and their RoPE partners in its second half, so RoPE
      is applied in registers; q goes to a scratch vector, k and v straight into the paged cache.
   B: a unit is (KV head, split of the context); each writes (m, l, acc) of its keys for the GQA
@@ -34,9 +36,9 @@ barrier order the loads after). Data written inside the launch is read with `.cg
 SM's L1 is not coherent with other SMs' stores). At exit the last program to leave resets the
 counter for the next launch: no memset, no host sync, capturable in a CUDA graph.
 
-Every program must be resident at once (a waiting program spins): the grid is at most one program per
-multiprocessor × the occupancy the compiled kernel allows (`max_programs`), and nothing else runs
-on the device concurrently (the engine uses one stream). On the CPU interpreter programs run one
+Every program must be resident at once (a waiting program spins): the grid is one program per
+multiprocessor (`max_programs`; one always fits), and nothing else runs on the device concurrently
+(the engine uses one stream). On the CPU interpreter programs run one
 after another, so the grid is one program there; that one program then does every unit itself.
 """
 from __future__ import annotations
@@ -53,8 +55,8 @@ from tinyvllm.kernels._launch import check_int, next_power_of_2, num_sms
 
 class MegakernelConfig(NamedTuple):
     tile: int = 16384  # weight elements per unit (a power of two)
-    num_warps: int = 16
-    prefetch: bool = True  # load each phase's first weight tile before the barrier in front of it
+    num_warps: int = 8
+    l2_ahead: int = 2  # CUDA: ask L2 for the tile this many units ahead of the one loaded (0: off)
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def unsupported_reason(shape: ModelShape, dtype: torch.dtype, block_size: int) -
     return None
 
 
-# ---------------------------------------------------------------------------------------------- barrier
+# ---------------------------------------------------------------------------------------------- barrier, timer, L2
 @triton.jit
 def _grid_barrier(count_ptr, target):
     """Wait until `target` programs have arrived in total (the b-th barrier of a launch: b · P)."""
@@ -101,8 +103,29 @@ def _grid_barrier(count_ptr, target):
 
 
 @triton.jit
+def _now(x):
+    """The GPU's global nanosecond timer (phase trace only; CUDA only)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines holding `ptrs`: no register is held and nothing waits (CUDA only)."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_span(ptr, N_ELEMS: tl.constexpr):
+    """Prefetch N_ELEMS contiguous elements starting at `ptr` into L2."""
+    PER_LINE: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+    LINES: tl.constexpr = triton.next_power_of_2((N_ELEMS + PER_LINE - 1) // PER_LINE)
+    _prefetch_l2(ptr + tl.minimum(tl.arange(0, LINES) * PER_LINE, N_ELEMS - 1))
+
+
+@triton.jit
 def _normed(r_ptr, w_ptr, H, eps, BH: tl.constexpr):
-    """RMSNorm of the residual vector in rms_norm.py's roundings, as fp32 [BH] (zeros beyond H)."""
+    """RMSNorm of the residual vector in rms_norm.py's roundings, [BH] in r's dtype (zeros beyond H)."""
     cols = tl.arange(0, BH)
     mask = cols < H
     x = tl.load(r_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
@@ -110,10 +133,11 @@ def _normed(r_ptr, w_ptr, H, eps, BH: tl.constexpr):
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     normed = (xf * rstd).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------- tiles
+# ---------------------------------------------------------------------------------------------- units
+# A unit's weight tile is loaded whole into registers; `_prefetch_*` ask L2 for a later unit's tile.
 # (Unit validity is compared as a tensor, `rows * 0 + u < n_units`: the CPU interpreter (3.9) rejects a
 # mask combined from a scalar comparison.)
 @triton.jit
@@ -132,12 +156,29 @@ def _qkv_tile(w_ptr, layer, u, n_units, H: tl.constexpr, NQKV: tl.constexpr, D: 
 
 
 @triton.jit
+def _prefetch_qkv(w_ptr, layer, u, n_units, H: tl.constexpr, NQKV: tl.constexpr, D: tl.constexpr,
+                  RQ: tl.constexpr):
+    u = tl.minimum(u, n_units - 1)
+    head = u // (D // 2 // RQ)
+    j0 = (u % (D // 2 // RQ)) * RQ
+    base = w_ptr + tl.cast(layer, tl.int64) * (NQKV * H) + (head * D + j0) * H
+    _prefetch_span(base, RQ * H)
+    _prefetch_span(base + (D // 2) * H, RQ * H)
+
+
+@triton.jit
 def _rows_tile(w_ptr, layer, u, n_units, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
     """Unit u of phases C and E: output rows u·R + [0, R) of W [N, K], as [R, BK]."""
     rows = u * R + tl.arange(0, R)[:, None]
     cols = tl.arange(0, BK)[None, :]
     base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
     return tl.load(base + rows * K + cols, mask=(cols < K) & (rows < N) & (rows * 0 + u < n_units), other=0.0)
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, layer, u, n_units, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr):
+    u = tl.minimum(u, n_units - 1)  # N is a multiple of R (unit_rows), so the span stays inside W
+    _prefetch_span(w_ptr + tl.cast(layer, tl.int64) * (N * K) + u * (R * K), R * K)
 
 
 @triton.jit
@@ -148,36 +189,70 @@ def _gate_up_tile(w_ptr, layer, u, n_units, H: tl.constexpr, F: tl.constexpr, RG
     rows = gate_rows + tl.arange(0, 2)[None, :, None] * F
     cols = tl.arange(0, BH)[None, None, :]
     base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
-    return tl.load(base + rows * H + cols, mask=(cols < H) & (gate_rows < F) & (gate_rows * 0 + u < n_units), other=0.0)
+    return tl.load(base + rows * H + cols, mask=(cols < H) & (gate_rows < F) & (gate_rows * 0 + u < n_units),
+                   other=0.0)
+
+
+@triton.jit
+def _prefetch_gate_up(w_ptr, layer, u, n_units, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr):
+    u = tl.minimum(u, n_units - 1)
+    base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H) + u * (RG * H)
+    _prefetch_span(base, RG * H)
+    _prefetch_span(base + F * H, RG * H)
+
+
+@triton.jit
+def _prefetch_kv(pid, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, stride_blk, stride_head,
+                 HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr):
+    """The first KEYS keys' K and V rows of this program's attention unit (phase B), if it has one."""
+    if pid < HK * num_splits:
+        PER_LINE: tl.constexpr = 1024 // k_ptr.dtype.element_ty.primitive_bitwidth
+        LPK: tl.constexpr = triton.next_power_of_2((D + PER_LINE - 1) // PER_LINE)  # lines per key row
+        kvh = pid // num_splits
+        keys_per_split = tl.cdiv(tl.cdiv(seq_len, BS), num_splits) * BS
+        lo = (pid % num_splits) * keys_per_split
+        last = tl.maximum(tl.minimum(lo + keys_per_split, seq_len) - 1, 0)
+        keys = tl.minimum(lo + tl.arange(0, KEYS), last)
+        page = tl.load(bt_ptr + keys // BS).to(tl.int64)
+        offs = (page * stride_blk + kvh * stride_head + (keys % BS) * D)[:, None] \
+            + tl.minimum(tl.arange(0, LPK) * PER_LINE, D - 1)[None, :]
+        _prefetch_l2(k_ptr + offs)
+        _prefetch_l2(v_ptr + offs)
 
 
 # ---------------------------------------------------------------------------------------------- phases
 @triton.jit
-def _qkv_phase(w, layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                stride_blk, stride_head, eps,
                H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-               RQ: tl.constexpr, BH: tl.constexpr):
+               RQ: tl.constexpr, BH: tl.constexpr, AHEAD: tl.constexpr):
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
-    n_units = (HQ + 2 * HK) * (HALF // RQ)
-    a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+    UPH: tl.constexpr = HALF // RQ
+    n_units = (HQ + 2 * HK) * UPH
     jj = tl.arange(0, RQ)
     hh = tl.arange(0, 2)
     in_head = hh[None, :] * HALF + jj[:, None]  # [RQ, 2]: offset of each output within its head
     sign = tl.where(hh[None, :] == 0, -1.0, 1.0)
     other_half = (hh[None, :, None] != hh[None, None, :]).to(tl.float32)  # [1, 2, 2]
-    blk = slot // BS
-    kv_off = blk * stride_blk + (slot % BS) * D
+    kv_off = (slot // BS) * stride_blk + (slot % BS) * D
+    cs_row = cos_sin_ptr + pos * D
+    w = _qkv_tile(wqkv_ptr, layer, pid, n_units, H, NQKV, D, RQ, BH)
+    c = tl.load(cs_row + (pid % UPH) * RQ + jj)
+    s = tl.load(cs_row + HALF + (pid % UPH) * RQ + jj)
+    a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in range(pid, n_units, P):
+        if AHEAD > 0:
+            _prefetch_qkv(wqkv_ptr, layer, u + AHEAD * P, n_units, H, NQKV, D, RQ)
+        # the next unit's tile and RoPE factors, in flight while this one is reduced
         w_next = _qkv_tile(wqkv_ptr, layer, u + P, n_units, H, NQKV, D, RQ, BH)
-        y = tl.sum(w.to(tl.float32) * a, axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
-        head = u // (HALF // RQ)
-        j0 = (u % (HALF // RQ)) * RQ
-        c = tl.load(cos_sin_ptr + pos * D + j0 + jj)[:, None]
-        s = tl.load(cos_sin_ptr + pos * D + HALF + j0 + jj)[:, None]
+        c_next = tl.load(cs_row + ((u + P) % UPH) * RQ + jj)
+        s_next = tl.load(cs_row + HALF + ((u + P) % UPH) * RQ + jj)
+        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
         partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
-        roped = (y * c + sign * partner * s).to(q_ptr.dtype.element_ty)
-        offs = j0 + in_head
+        roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
+        head = u // UPH
+        offs = (u % UPH) * RQ + in_head
         if head < HQ:
             tl.store(q_ptr + head * D + offs, roped)
         elif head < HQ + HK:
@@ -185,9 +260,10 @@ def _qkv_phase(w, layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot
                 tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
         else:
             if slot >= 0:
-                tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + offs,
-                         y.to(q_ptr.dtype.element_ty))
+                tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + offs, y.to(q_ptr.dtype.element_ty))
         w = w_next
+        c = c_next
+        s = s_next
 
 
 @triton.jit
@@ -200,8 +276,7 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
     g = tl.arange(0, G)
     d = tl.arange(0, D)
     kk = tl.arange(0, KEYS)
-    n_pages = tl.cdiv(seq_len, BS)
-    keys_per_split = tl.cdiv(n_pages, num_splits) * BS
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len, BS), num_splits) * BS
     for u in range(pid, HK * num_splits, P):
         kvh = u // num_splits
         split = u % num_splits
@@ -251,37 +326,45 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
 
 
 @triton.jit
-def _residual_phase(w, layer, pid, P, x_ptr, w_ptr, r_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-                    BK: tl.constexpr):
+def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
+                    BK: tl.constexpr, AHEAD: tl.constexpr):
     """r[rows] = round(round(W x)[rows] + r[rows]) over the units of W [N, K] (phases C and E)."""
-    n_units = tl.cdiv(N, R)
-    cols = tl.arange(0, BK)
-    a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+    n_units = N // R
     rr = tl.arange(0, R)
+    w = _rows_tile(w_ptr, layer, pid, n_units, N, K, R, BK)
+    res = tl.load(r_ptr + pid * R + rr, mask=pid * R + rr < N, other=0.0, cache_modifier=".cg")
+    cols = tl.arange(0, BK)
+    a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
     for u in range(pid, n_units, P):
+        if AHEAD > 0:
+            _prefetch_rows(w_ptr, layer, u + AHEAD * P, n_units, N, K, R)
+        rows_next = (u + P) * R + rr
         w_next = _rows_tile(w_ptr, layer, u + P, n_units, N, K, R, BK)
-        y = tl.sum(w.to(tl.float32) * a, axis=1).to(r_ptr.dtype.element_ty)
+        res_next = tl.load(r_ptr + rows_next, mask=rows_next < N, other=0.0, cache_modifier=".cg")
+        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(r_ptr.dtype.element_ty)
         rows = u * R + rr
-        res = tl.load(r_ptr + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
         tl.store(r_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(r_ptr.dtype.element_ty), mask=rows < N)
         w = w_next
+        res = res_next
 
 
 @triton.jit
-def _gate_up_phase(w, layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps,
-                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr):
-    n_units = tl.cdiv(F, RG)
-    a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
+def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps,
+                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, AHEAD: tl.constexpr):
+    n_units = F // RG
     hh = tl.arange(0, 2)[None, :]
     rg = tl.arange(0, RG)
+    w = _gate_up_tile(wgu_ptr, layer, pid, n_units, H, F, RG, BH)
+    a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in range(pid, n_units, P):
+        if AHEAD > 0:
+            _prefetch_gate_up(wgu_ptr, layer, u + AHEAD * P, n_units, H, F, RG)
         w_next = _gate_up_tile(wgu_ptr, layer, u + P, n_units, H, F, RG, BH)
-        y = tl.sum(w.to(tl.float32) * a, axis=2).to(act_ptr.dtype.element_ty).to(tl.float32)  # [RG, 2]
+        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(act_ptr.dtype.element_ty).to(tl.float32)  # [RG, 2]
         gate = tl.sum(tl.where(hh == 0, y, 0.0), axis=1)
         up = tl.sum(tl.where(hh == 1, y, 0.0), axis=1)
         act = gate / (1.0 + tl.exp(-gate)) * up
-        rows = u * RG + rg
-        tl.store(act_ptr + rows, act.to(act_ptr.dtype.element_ty), mask=rows < F)
+        tl.store(act_ptr + u * RG + rg, act.to(act_ptr.dtype.element_ty))
         w = w_next
 
 
@@ -290,11 +373,12 @@ def _gate_up_phase(w, layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps,
 def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        emb_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, n1_ptr, n2_ptr, nf_ptr, cos_sin_ptr,
                        kv_ptr, layer_stride, v_offset, stride_blk, stride_head,
-                       r_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, tickets_ptr, bar_ptr, out_ptr,
+                       r_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, tickets_ptr, bar_ptr, out_ptr, trace_ptr,
                        num_layers, num_splits, eps, scale,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
-                       RD: tl.constexpr, KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, PREFETCH: tl.constexpr):
+                       RD: tl.constexpr, KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, AHEAD: tl.constexpr,
+                       TRACE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -303,55 +387,69 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     BQ: tl.constexpr = triton.next_power_of_2(QD)
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     n_qkv = (HQ + 2 * HK) * (D // 2 // RQ)
-    n_o = tl.cdiv(H, RO)
-    n_gu = tl.cdiv(F, RG)
-    n_d = tl.cdiv(H, RD)
 
+    if TRACE:
+        if pid == 0:
+            tl.store(trace_ptr, _now(pid))
     tok = tl.load(ids_ptr).to(tl.int64)
     pos = tl.load(pos_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
     seq_len = tl.load(seq_len_ptr)
-    # r ← the token's embedding row, one slice per program
     cols = tl.arange(0, BH)
-    if pid == 0:
+    if pid == 0:  # r ← the token's embedding row
         e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
         tl.store(r_ptr + cols, e, mask=cols < H)
-    if PREFETCH:
-        w_qkv = _qkv_tile(wqkv_ptr, pid * 0, pid, n_qkv, H, NQKV, D, RQ, BH)  # layer 0 (as a tensor)
+    if AHEAD > 0:  # layer 0's tiles of this program
+        for u in range(pid, n_qkv, P):
+            _prefetch_qkv(wqkv_ptr, pid * 0, u, n_qkv, H, NQKV, D, RQ)
     _grid_barrier(bar_ptr, P)
+    if TRACE:
+        if pid == 0:
+            tl.store(trace_ptr + 1, _now(pid))
     for layer in range(num_layers):
         arrived = (1 + 5 * layer) * P  # arrivals before this layer: the embedding's barrier, 5 per layer
         k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
         v_ptr = k_ptr + v_offset
-        if not PREFETCH:
-            w_qkv = _qkv_tile(wqkv_ptr, layer, pid, n_qkv, H, NQKV, D, RQ, BH)
-        _qkv_phase(w_qkv, layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
-                   stride_blk, stride_head, eps, H, HQ, HK, D, BS, RQ, BH)
-        if PREFETCH:
-            w_o = _rows_tile(wo_ptr, layer, pid, n_o, H, QD, RO, BQ)
+        _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+                   stride_blk, stride_head, eps, H, HQ, HK, D, BS, RQ, BH, AHEAD)
+        if AHEAD > 0:  # HBM is idle during attention: fetch its keys, then o's and gate_up's first tiles
+            _prefetch_kv(pid, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, stride_blk, stride_head, HK, D, BS, KEYS)
+            for u in range(pid, H // RO, P):
+                _prefetch_rows(wo_ptr, layer, u, H // RO, H, QD, RO)
+            for i in range(AHEAD):
+                _prefetch_gate_up(wgu_ptr, layer, pid + i * P, F // RG, H, F, RG)
         _grid_barrier(bar_ptr, arrived + 1 * P)
+        if TRACE:
+            if pid == 0:
+                tl.store(trace_ptr + 2 + 5 * layer, _now(pid))
         _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale, HQ, HK, D, BS, KEYS, MAX_SPLITS)
         _grid_barrier(bar_ptr, arrived + 2 * P)
-        if not PREFETCH:
-            w_o = _rows_tile(wo_ptr, layer, pid, n_o, H, QD, RO, BQ)
-        _residual_phase(w_o, layer, pid, P, attn_ptr, wo_ptr, r_ptr, H, QD, RO, BQ)
-        if PREFETCH:
-            w_gu = _gate_up_tile(wgu_ptr, layer, pid, n_gu, H, F, RG, BH)
+        if TRACE:
+            if pid == 0:
+                tl.store(trace_ptr + 3 + 5 * layer, _now(pid))
+        _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, H, QD, RO, BQ, AHEAD)
         _grid_barrier(bar_ptr, arrived + 3 * P)
-        if not PREFETCH:
-            w_gu = _gate_up_tile(wgu_ptr, layer, pid, n_gu, H, F, RG, BH)
-        _gate_up_phase(w_gu, layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, RG, BH)
-        if PREFETCH:
-            w_d = _rows_tile(wd_ptr, layer, pid, n_d, H, F, RD, BF)
+        if TRACE:
+            if pid == 0:
+                tl.store(trace_ptr + 4 + 5 * layer, _now(pid))
+        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, RG, BH, AHEAD)
+        if AHEAD > 0:
+            for i in range(AHEAD):
+                _prefetch_rows(wd_ptr, layer, pid + i * P, H // RD, H, F, RD)
         _grid_barrier(bar_ptr, arrived + 4 * P)
-        if not PREFETCH:
-            w_d = _rows_tile(wd_ptr, layer, pid, n_d, H, F, RD, BF)
-        _residual_phase(w_d, layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, RD, BF)
-        if PREFETCH:  # the next layer's first tile (masked off after the last layer)
-            w_qkv = _qkv_tile(wqkv_ptr, layer + 1, tl.where(layer + 1 < num_layers, pid, n_qkv), n_qkv,
-                              H, NQKV, D, RQ, BH)
+        if TRACE:
+            if pid == 0:
+                tl.store(trace_ptr + 5 + 5 * layer, _now(pid))
+        _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, RD, BF, AHEAD)
+        if AHEAD > 0:
+            if layer + 1 < num_layers:
+                for u in range(pid, n_qkv, P):
+                    _prefetch_qkv(wqkv_ptr, layer + 1, u, n_qkv, H, NQKV, D, RQ)
         _grid_barrier(bar_ptr, arrived + 5 * P)
+        if TRACE:
+            if pid == 0:
+                tl.store(trace_ptr + 6 + 5 * layer, _now(pid))
     if pid == 0:
         out = _normed(r_ptr, nf_ptr, H, eps, BH)
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
@@ -361,6 +459,8 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     if left == P - 1:
         tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
+        if TRACE:
+            tl.store(trace_ptr + 2 + 5 * num_layers, _now(pid))
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -386,6 +486,7 @@ class Workspace:
         self.partials = z(s.num_kv_heads * self.num_splits * group * (s.head_dim + 2), torch.float32)
         self.tickets = z(s.num_kv_heads, torch.int32)
         self.barrier = z(2, torch.int32)
+        self.trace = torch.zeros(1, dtype=torch.int64, device=device)  # replaced by `trace_phases`
 
 
 @dataclass(frozen=True)
@@ -403,19 +504,25 @@ class StackedWeights:
 
 
 def keys_per_tile(shape: ModelShape) -> int:
-    """Keys per attention tile: [group, keys, D] products of at most 16K elements, at most 64 keys."""
+    """Keys per attention tile: [group, keys, D] products of at most 8K elements (registers), ≤ 64 keys."""
     group = shape.num_heads // shape.num_kv_heads
-    return max(1, min(64, _pow2_at_most(max(1, 16384 // (group * shape.head_dim)))))
+    return max(1, min(64, _pow2_at_most(max(1, 8192 // (group * shape.head_dim)))))
 
 
 def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
     """(RQ, RO, RG, RD): rows per unit of phases A (per half-head), C, D (gate rows) and E, each a
     power of two giving ~`tile` weight elements per unit."""
     bh = next_power_of_2(shape.hidden)
-    rq = max(1, min(shape.head_dim // 2, _pow2_at_most(max(1, tile // (2 * bh)))))
-    ro = max(1, _pow2_at_most(max(1, tile // next_power_of_2(shape.num_heads * shape.head_dim))))
-    rg = max(1, _pow2_at_most(max(1, tile // (2 * bh))))
-    rd = max(1, _pow2_at_most(max(1, tile // next_power_of_2(shape.intermediate))))
+    def dividing(r: int, n: int) -> int:  # the largest power of two ≤ r that divides n
+        r = max(1, _pow2_at_most(max(1, r)))
+        while n % r:
+            r //= 2
+        return r
+
+    rq = dividing(min(shape.head_dim // 2, tile // (2 * bh)), shape.head_dim // 2)
+    ro = dividing(tile // next_power_of_2(shape.num_heads * shape.head_dim), shape.hidden)
+    rg = dividing(tile // (2 * bh), shape.intermediate)
+    rd = dividing(tile // next_power_of_2(shape.intermediate), shape.hidden)
     return rq, ro, rg, rd
 
 
@@ -423,13 +530,15 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
                           seq_lens: torch.Tensor, block_table: torch.Tensor, weights: StackedWeights,
                           cos_sin: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                           shape: ModelShape, eps: float, scale: float, workspace: Workspace,
-                          config: MegakernelConfig = MegakernelConfig()) -> torch.Tensor:
+                          config: MegakernelConfig = MegakernelConfig(), trace: bool = False) -> torch.Tensor:
     """One decode token of one sequence through every layer → the final-normed hidden state [1, H].
 
     input_ids, positions, slot_mapping: [1] (int64); seq_lens: [1] int32, the context including the new
     token (≥ 1); block_table: [≥ cdiv(seq_len, block_size)] int32. kv_caches: per layer (k, v), each
     [num_blocks, Hk, block_size, D], all carved from one buffer at a fixed layer stride (as the model
     runner allocates them); the new token's K/V are written at slot_mapping[0] (−1: nowhere).
+    `trace` (CUDA): program 0 writes the global timer after every barrier into workspace.trace
+    ([3 + 5·L] int64 ns: start, after the embedding, 5 per layer after phases A–E, end).
     """
     k0, v0 = kv_caches[0]
     _, hk, block_size, d = k0.shape
@@ -449,15 +558,20 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     rq, ro, rg, rd = unit_rows(shape, config.tile)
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
+    cuda = input_ids.device.type == "cuda"
+    num_layers = weights.qkv.shape[0]
+    if trace and ws.trace.numel() != 3 + 5 * num_layers:
+        ws.trace = torch.zeros(3 + 5 * num_layers, dtype=torch.int64, device=input_ids.device)
     _decode_megakernel[(ws.programs,)](
         input_ids, positions, slot_mapping, seq_lens, block_table,
         weights.embed, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm1, weights.norm2,
         weights.norm_final, cos_sin, k0, layer_stride, v_offset, k0.stride(0), k0.stride(1),
-        ws.r, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out,
-        weights.qkv.shape[0], ws.num_splits, eps, scale,
+        ws.r, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace,
+        num_layers, ws.num_splits, eps, scale,
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
         BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=keys_per_tile(shape),
-        MAX_SPLITS=next_power_of_2(ws.num_splits), PREFETCH=config.prefetch, num_warps=config.num_warps,
+        MAX_SPLITS=next_power_of_2(ws.num_splits), AHEAD=config.l2_ahead if cuda else 0, TRACE=trace and cuda,
+        num_warps=config.num_warps,
         num_stages=1)  # the unit loops double-buffer by hand
     return out
 
