@@ -63,7 +63,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_len,splits,tile", [(1, 1, 16384), (13, 1, 256), (300, 3, 256), (150, 2, 16384)])
+@pytest.mark.parametrize("seq_len,splits,tile", [(1, 1, 16384), (13, 1, 256), (300, 3, 256), (150, 2, 16384), (300, 11, 256)])
 def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512)

@@ -54,9 +54,10 @@ from tinyvllm.kernels._launch import check_int, next_power_of_2, num_sms
 
 
 class MegakernelConfig(NamedTuple):
-    tile: int = 16384  # weight elements per unit (a power of two)
+    tile: int = 8192  # weight elements per unit (a power of two)
     num_warps: int = 8
-    l2_ahead: int = 2  # CUDA: ask L2 for the tile this many units ahead of the one loaded (0: off)
+    l2_ahead: int = 0  # CUDA: ask L2 for the tile this many units ahead of the one loaded (0: off)
+    programs_per_sm: int = 2  # CUDA: registers are capped (maxnreg) so that this many fit on an SM
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,7 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
 def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
                      attn_ptr, stride_blk, stride_head, scale,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                     KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr):
+                     KEYS: tl.constexpr, MERGE: tl.constexpr):
     G: tl.constexpr = HQ // HK
     PW: tl.constexpr = D + 2  # a partial: acc [D], m, l
     g = tl.arange(0, G)
@@ -309,17 +310,23 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
         tl.debug_barrier()
         ticket = tl.atomic_add(tickets_ptr + kvh, 1, sem="acq_rel", scope="gpu")
         if ticket == num_splits - 1:  # the last split of this KV head merges them all, in split order
-            sp = tl.arange(0, MAX_SPLITS)
-            have = sp < num_splits
-            rows = part_ptr + ((kvh * num_splits + sp)[:, None] * G + g[None, :]) * PW  # [S, G]
-            ms = tl.load(rows + D, mask=have[:, None], other=float("-inf"), cache_modifier=".cg")
-            ls = tl.load(rows + D + 1, mask=have[:, None], other=0.0, cache_modifier=".cg")
-            accs = tl.load(rows[:, :, None] + d[None, None, :], mask=have[:, None, None], other=0.0,
-                           cache_modifier=".cg")
-            mx = tl.max(ms, axis=0)  # finite: the sequence has at least one key
-            wgt = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - mx[None, :]))
-            num = tl.sum(wgt[:, :, None] * accs, axis=0)
-            den = tl.sum(wgt * ls, axis=0)
+            mx = tl.full([G], float("-inf"), tl.float32)
+            den = tl.zeros([G], tl.float32)
+            num = tl.zeros([G, D], tl.float32)
+            for s0 in range(0, num_splits, MERGE):
+                sp = s0 + tl.arange(0, MERGE)
+                have = sp < num_splits
+                rows = part_ptr + ((kvh * num_splits + sp)[:, None] * G + g[None, :]) * PW  # [MERGE, G]
+                ms = tl.load(rows + D, mask=have[:, None], other=float("-inf"), cache_modifier=".cg")
+                ls = tl.load(rows + D + 1, mask=have[:, None], other=0.0, cache_modifier=".cg")
+                accs = tl.load(rows[:, :, None] + d[None, None, :], mask=have[:, None, None], other=0.0,
+                               cache_modifier=".cg")
+                mx_new = tl.maximum(mx, tl.max(ms, axis=0))  # finite once a split with keys is seen
+                alpha = tl.where(mx == float("-inf"), 0.0, tl.exp(mx - mx_new))
+                wgt = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - mx_new[None, :]))
+                num = num * alpha[:, None] + tl.sum(wgt[:, :, None] * accs, axis=0)
+                den = den * alpha + tl.sum(wgt * ls, axis=0)
+                mx = mx_new
             out = tl.where(den[:, None] > 0, num / den[:, None], 0.0)
             tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
             tl.atomic_xchg(tickets_ptr + kvh, 0, sem="relaxed", scope="gpu")
@@ -377,7 +384,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        num_layers, num_splits, eps, scale,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
-                       RD: tl.constexpr, KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, AHEAD: tl.constexpr,
+                       RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, AHEAD: tl.constexpr,
                        TRACE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -423,7 +430,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
             if pid == 0:
                 tl.store(trace_ptr + 2 + 5 * layer, _now(pid))
         _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
-                         attn_ptr, stride_blk, stride_head, scale, HQ, HK, D, BS, KEYS, MAX_SPLITS)
+                         attn_ptr, stride_blk, stride_head, scale, HQ, HK, D, BS, KEYS, MERGE)
         _grid_barrier(bar_ptr, arrived + 2 * P)
         if TRACE:
             if pid == 0:
@@ -468,6 +475,9 @@ def _pow2_at_most(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
 
 
+MAX_SPLITS = 64  # context splits per KV head in the attention phase
+
+
 class Workspace:
     """Scratch of one launch configuration: the residual, q, attention output, SwiGLU output vectors,
     the split partials, the per-KV-head tickets and the barrier counters (zero between launches).
@@ -478,7 +488,7 @@ class Workspace:
                  num_splits: int | None = None) -> None:
         s = shape
         self.programs = programs
-        self.num_splits = num_splits or max(1, programs // s.num_kv_heads)
+        self.num_splits = num_splits or max(1, min(MAX_SPLITS, programs // s.num_kv_heads))
         group = s.num_heads // s.num_kv_heads
         z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
         self.r, self.q, self.attn, self.act = z(s.hidden), z(s.num_heads * s.head_dim), \
@@ -486,7 +496,8 @@ class Workspace:
         self.partials = z(s.num_kv_heads * self.num_splits * group * (s.head_dim + 2), torch.float32)
         self.tickets = z(s.num_kv_heads, torch.int32)
         self.barrier = z(2, torch.int32)
-        self.trace = torch.zeros(1, dtype=torch.int64, device=device)  # replaced by `trace_phases`
+        self.trace = torch.zeros(1, dtype=torch.int64, device=device)  # grown by a traced launch
+        self.resident_checked = False
 
 
 @dataclass(frozen=True)
@@ -562,22 +573,46 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     num_layers = weights.qkv.shape[0]
     if trace and ws.trace.numel() != 3 + 5 * num_layers:
         ws.trace = torch.zeros(3 + 5 * num_layers, dtype=torch.int64, device=input_ids.device)
-    _decode_megakernel[(ws.programs,)](
+    args = (
         input_ids, positions, slot_mapping, seq_lens, block_table,
         weights.embed, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm1, weights.norm2,
         weights.norm_final, cos_sin, k0, layer_stride, v_offset, k0.stride(0), k0.stride(1),
         ws.r, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace,
-        num_layers, ws.num_splits, eps, scale,
+        num_layers, ws.num_splits, eps, scale)
+    kwargs = dict(
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
         BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=keys_per_tile(shape),
-        MAX_SPLITS=next_power_of_2(ws.num_splits), AHEAD=config.l2_ahead if cuda else 0, TRACE=trace and cuda,
-        num_warps=config.num_warps,
+        MERGE=min(8, next_power_of_2(ws.num_splits)), AHEAD=config.l2_ahead if cuda else 0, TRACE=trace and cuda,
+        num_warps=config.num_warps, **({"maxnreg": max_registers(config)} if cuda else {}),
         num_stages=1)  # the unit loops double-buffer by hand
+    if cuda and not ws.resident_checked:  # before the first launch: a grid too large would hang
+        compiled = _decode_megakernel.warmup(*args, grid=(ws.programs,), **kwargs)
+        compiled._init_handles()  # loads the module: fills n_regs
+        check_resident(compiled, config._replace(programs_per_sm=-(-ws.programs // num_sms(input_ids.device))))
+        ws.resident_checked = True
+    _decode_megakernel[(ws.programs,)](*args, **kwargs)
     return out
 
 
-def max_programs(device: torch.device) -> int:
-    """The grid: one program per multiprocessor on CUDA (one always fits, so all are resident at once;
-    the kernel takes ~all registers of an SM at 16 warps, so two would not), one program on the CPU
-    interpreter (which runs programs one after another)."""
-    return num_sms(device) if device.type == "cuda" else 1
+def max_programs(device: torch.device, config: MegakernelConfig = MegakernelConfig()) -> int:
+    """The grid: `programs_per_sm` per multiprocessor on CUDA (the launch caps registers at
+    `max_registers` so that they fit, and `check_resident` verifies the compiled kernel), one program on
+    the CPU interpreter (which runs programs one after another)."""
+    return num_sms(device) * config.programs_per_sm if device.type == "cuda" else 1
+
+
+def max_registers(config: MegakernelConfig) -> int:
+    """Registers per thread that let `programs_per_sm` programs share an SM's 64K (ptxas's maxnreg)."""
+    return min(255, 65536 // (config.programs_per_sm * config.num_warps * 32) // 8 * 8)
+
+
+def check_resident(compiled, config: MegakernelConfig) -> None:
+    """Raise unless `programs_per_sm` copies of the compiled kernel fit on one SM at once (a grid barrier
+    with a program left waiting for a free SM would never open)."""
+    threads = config.num_warps * 32
+    regs = -(-compiled.n_regs * 32 // 256) * 256 * config.num_warps  # allocated per warp in units of 256
+    shared = compiled.metadata.shared
+    fits = min(65536 // max(1, regs), 2048 // threads, (228 << 10) // max(1, shared + 1024))
+    if fits < config.programs_per_sm:
+        raise RuntimeError(f"decode megakernel: {config.programs_per_sm} programs per SM do not fit "
+                           f"({compiled.n_regs} registers × {threads} threads, {shared} B shared): {fits} do")

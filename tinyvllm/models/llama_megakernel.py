@@ -61,15 +61,15 @@ class LlamaDecodeMegakernel:
         self.scale = self.shape.head_dim ** -0.5
         self.config = config
         device = self.weights.qkv.device
-        self.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device))
+        self.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device, config))
 
     def variant(self, config: MegakernelConfig) -> "LlamaDecodeMegakernel":
         """The same stacked weights under another launch configuration (benchmarks), own workspace."""
         other = object.__new__(LlamaDecodeMegakernel)
         other.__dict__.update(self.__dict__)
         other.config = config
-        other.workspace = Workspace(self.shape, self.weights.qkv.dtype, self.weights.qkv.device,
-                                    self.workspace.programs)
+        device = self.weights.qkv.device
+        other.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device, config))
         return other
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
