@@ -475,7 +475,7 @@ def _pow2_at_most(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
 
 
-MAX_SPLITS = 64  # context splits per KV head in the attention phase
+MAX_SPLITS = 16  # context splits per KV head in the attention phase (33 at 2 programs per SM: slower on the H200)
 
 
 class Workspace:
