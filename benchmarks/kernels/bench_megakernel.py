@@ -33,8 +33,7 @@ from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel  # noqa: E402
 from tinyvllm.models.loader import build_model  # noqa: E402
 
 BLOCK = 16
-VARIANTS = [MegakernelConfig(8192, 8, 0, 2), MegakernelConfig(16384, 8, 0, 1), MegakernelConfig(8192, 8, 0, 1),
-            MegakernelConfig(8192, 8, 1, 2)]
+VARIANTS = [MegakernelConfig(16384, 8, 0, 1), MegakernelConfig(8192, 8, 0, 2), MegakernelConfig(8192, 8, 0, 1)]
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
 
 

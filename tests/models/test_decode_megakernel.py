@@ -112,6 +112,7 @@ def test_megakernel_needs_one_kv_buffer():
     model = build("triton", torch.float32, torch.device("cpu"))
     model.enable_decode_megakernel()
     ids, positions, meta = step(5)
-    separate = [(k.clone(), v.clone()) for k, v in views(kv_buffer(model, torch.float32))]
+    buf = kv_buffer(model, torch.float32)
+    swapped = [(buf[0, 0], buf[0, 1]), (buf[1, 1], buf[1, 0])]  # layer 1's V before its K: no fixed offset
     with pytest.raises(ValueError, match="one buffer"):
-        model.decode_megakernel(ids, positions, meta, separate)
+        model.decode_megakernel(ids, positions, meta, swapped)

@@ -50,14 +50,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import check_int, next_power_of_2, num_sms
+from tinyvllm.kernels._flash import _attn_inner
+from tinyvllm.kernels._launch import check_int, next_power_of_2, num_sms, upcast_dot
 
 
 class MegakernelConfig(NamedTuple):
-    tile: int = 8192  # weight elements per unit (a power of two)
+    tile: int = 16384  # weight elements per unit (a power of two)
     num_warps: int = 8
     l2_ahead: int = 0  # CUDA: ask L2 for the tile this many units ahead of the one loaded (0: off)
-    programs_per_sm: int = 2  # CUDA: registers are capped (maxnreg) so that this many fit on an SM
+    programs_per_sm: int = 1  # CUDA: above 1, registers are capped (maxnreg) so that this many fit on an SM
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ def _prefetch_kv(pid, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, stride_blk, str
         PER_LINE: tl.constexpr = 1024 // k_ptr.dtype.element_ty.primitive_bitwidth
         LPK: tl.constexpr = triton.next_power_of_2((D + PER_LINE - 1) // PER_LINE)  # lines per key row
         kvh = pid // num_splits
-        keys_per_split = tl.cdiv(tl.cdiv(seq_len, BS), num_splits) * BS
+        keys_per_split = tl.cdiv(tl.cdiv(seq_len, KEYS), num_splits) * KEYS  # as _attention_phase
         lo = (pid % num_splits) * keys_per_split
         last = tl.maximum(tl.minimum(lo + keys_per_split, seq_len) - 1, 0)
         keys = tl.minimum(lo + tl.arange(0, KEYS), last)
@@ -269,44 +270,37 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
 
 @triton.jit
 def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
-                     attn_ptr, stride_blk, stride_head, scale,
+                     attn_ptr, stride_blk, stride_head, qk_scale,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                     KEYS: tl.constexpr, MERGE: tl.constexpr):
+                     KEYS: tl.constexpr, MERGE: tl.constexpr, BG: tl.constexpr, UPCAST: tl.constexpr,
+                     IEEE: tl.constexpr):
+    """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
+    FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain)."""
     G: tl.constexpr = HQ // HK
     PW: tl.constexpr = D + 2  # a partial: acc [D], m, l
     g = tl.arange(0, G)
+    rows_g = tl.arange(0, BG)
     d = tl.arange(0, D)
-    kk = tl.arange(0, KEYS)
-    keys_per_split = tl.cdiv(tl.cdiv(seq_len, BS), num_splits) * BS
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len, KEYS), num_splits) * KEYS  # whole tiles: lo % KEYS == 0
     for u in range(pid, HK * num_splits, P):
         kvh = u // num_splits
         split = u % num_splits
-        q = tl.load(q_ptr + (kvh * G + g)[:, None] * D + d[None, :], cache_modifier=".cg").to(tl.float32)
-        q = q * scale
-        m = tl.full([G], float("-inf"), tl.float32)
-        l = tl.zeros([G], tl.float32)
-        acc = tl.zeros([G, D], tl.float32)
+        q = tl.load(q_ptr + (kvh * G + rows_g)[:, None] * D + d[None, :], mask=(rows_g < G)[:, None], other=0.0,
+                    cache_modifier=".cg")
+        q_pos = tl.full([BG], 0, tl.int32) + seq_len  # the new token sees every key
+        m = tl.full([BG], float("-inf"), tl.float32)
+        l = tl.zeros([BG], tl.float32)
+        acc = tl.zeros([BG, D], tl.float32)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, seq_len)
-        for k0 in range(lo, hi, KEYS):
-            keys = k0 + kk
-            valid = keys < hi
-            page = tl.load(bt_ptr + keys // BS, mask=valid, other=0).to(tl.int64)
-            offs = (page * stride_blk + kvh * stride_head + (keys % BS) * D)[:, None] + d[None, :]
-            kt = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-            vt = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-            sc = tl.sum(q[:, None, :] * kt[None, :, :], axis=2)  # [G, KEYS]
-            sc = tl.where(valid[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, axis=1))
-            p = tl.exp(sc - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
-            m = m_new
-        part = part_ptr + (u * G + g) * PW  # [G] row starts of this unit's partials
-        tl.store(part[:, None] + d[None, :], acc)
-        tl.store(part + D, m)
-        tl.store(part + D + 1, l)
+        acc, l, m = _attn_inner(acc, l, m, q, q_pos, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head, bt_ptr,
+                                lo, hi, hi, qk_scale, stride_blk, D, D, KEYS, BS, False, True, UPCAST, IEEE)
+        m = tl.where(l > 0, m, float("-inf"))  # an empty split
+        real = rows_g < G  # the padding rows are not stored
+        part = part_ptr + (u * G + rows_g) * PW  # [BG] row starts of this unit's partials
+        tl.store(part[:, None] + d[None, :], acc, mask=real[:, None])
+        tl.store(part + D, m, mask=real)
+        tl.store(part + D + 1, l, mask=real)
         tl.debug_barrier()
         ticket = tl.atomic_add(tickets_ptr + kvh, 1, sem="acq_rel", scope="gpu")
         if ticket == num_splits - 1:  # the last split of this KV head merges them all, in split order
@@ -322,8 +316,8 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
                 accs = tl.load(rows[:, :, None] + d[None, None, :], mask=have[:, None, None], other=0.0,
                                cache_modifier=".cg")
                 mx_new = tl.maximum(mx, tl.max(ms, axis=0))  # finite once a split with keys is seen
-                alpha = tl.where(mx == float("-inf"), 0.0, tl.exp(mx - mx_new))
-                wgt = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - mx_new[None, :]))
+                alpha = tl.where(mx == float("-inf"), 0.0, tl.math.exp2(mx - mx_new))
+                wgt = tl.where(ms == float("-inf"), 0.0, tl.math.exp2(ms - mx_new[None, :]))
                 num = num * alpha[:, None] + tl.sum(wgt[:, :, None] * accs, axis=0)
                 den = den * alpha + tl.sum(wgt * ls, axis=0)
                 mx = mx_new
@@ -384,8 +378,8 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        num_layers, num_splits, eps, scale,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
-                       RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, AHEAD: tl.constexpr,
-                       TRACE: tl.constexpr):
+                       RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, BG: tl.constexpr,
+                       AHEAD: tl.constexpr, TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -430,7 +424,8 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
             if pid == 0:
                 tl.store(trace_ptr + 2 + 5 * layer, _now(pid))
         _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
-                         attn_ptr, stride_blk, stride_head, scale, HQ, HK, D, BS, KEYS, MERGE)
+                         attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, HQ, HK, D, BS, KEYS, MERGE,
+                         BG, UPCAST, IEEE)
         _grid_barrier(bar_ptr, arrived + 2 * P)
         if TRACE:
             if pid == 0:
@@ -515,9 +510,8 @@ class StackedWeights:
 
 
 def keys_per_tile(shape: ModelShape) -> int:
-    """Keys per attention tile: [group, keys, D] products of at most 8K elements (registers), ≤ 64 keys."""
-    group = shape.num_heads // shape.num_kv_heads
-    return max(1, min(64, _pow2_at_most(max(1, 8192 // (group * shape.head_dim)))))
+    """Keys per attention tile (tl.dot's N): 64, as the decode kernel's default."""
+    return 64
 
 
 def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
@@ -582,8 +576,9 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     kwargs = dict(
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
         BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=keys_per_tile(shape),
-        MERGE=min(8, next_power_of_2(ws.num_splits)), AHEAD=config.l2_ahead if cuda else 0, TRACE=trace and cuda,
-        num_warps=config.num_warps, **({"maxnreg": max_registers(config)} if cuda else {}),
+        MERGE=min(8, next_power_of_2(ws.num_splits)), BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
+        UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, AHEAD=config.l2_ahead if cuda else 0, TRACE=trace and cuda,
+        num_warps=config.num_warps, **({"maxnreg": max_registers(config)} if cuda and config.programs_per_sm > 1 else {}),
         num_stages=1)  # the unit loops double-buffer by hand
     if cuda and not ws.resident_checked:  # before the first launch: a grid too large would hang
         compiled = _decode_megakernel.warmup(*args, grid=(ws.programs,), **kwargs)
@@ -604,6 +599,7 @@ def max_programs(device: torch.device, config: MegakernelConfig = MegakernelConf
 def max_registers(config: MegakernelConfig) -> int:
     """Registers per thread that let `programs_per_sm` programs share an SM's 64K (ptxas's maxnreg)."""
     return min(255, 65536 // (config.programs_per_sm * config.num_warps * 32) // 8 * 8)
+
 
 
 def check_resident(compiled, config: MegakernelConfig) -> None:
