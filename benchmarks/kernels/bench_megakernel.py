@@ -33,12 +33,12 @@ from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel  # noqa: E402
 from tinyvllm.models.loader import build_model  # noqa: E402
 
 BLOCK = 16
-VARIANTS = [MegakernelConfig(16384, 8, 0, 1), MegakernelConfig(8192, 8, 0, 2), MegakernelConfig(8192, 8, 0, 1)]
+VARIANTS = [MegakernelConfig(16384, 8, 1), MegakernelConfig(8192, 8, 2), MegakernelConfig(8192, 8, 1)]
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
 
 
 def name_of(cfg: MegakernelConfig) -> str:
-    return f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/L2+{cfg.l2_ahead}"
+    return f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM"
 
 
 def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:
@@ -170,7 +170,7 @@ def main() -> None:
     traces = []
     for ctx in ns.contexts:
         ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
-        for cfg in VARIANTS[:3]:
+        for cfg in VARIANTS:
             traces.append({"context": ctx, "variant": name_of(cfg),
                            **phase_trace(model, base.variant(cfg), ids, pos, meta, kv)})
     print_table("per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)", traces,

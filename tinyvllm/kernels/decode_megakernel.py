@@ -12,12 +12,13 @@ and finally out = RMSNorm(r; w_final). The LM head and sampling stay kernels of 
 Why one launch: a batch-1 token reads every weight once (2.47 GB for Llama 3.2 1B, 0.58 ms at the
 H200's 4.25 TB/s), but as ~150 separate kernels each product pays ~2–3 µs of launch, ramp and tail
 beyond its bytes and every small op (norm, RoPE, attention merge) pays a launch of its own: the
-one-kernel-per-op step measured 1.15 ms (docs/perf.md). Here P = one program per multiprocessor runs
-all phases, separated by grid-wide barriers. HBM must keep streaming through those barriers and through
-the phases that read no weights: every program asks L2 (`prefetch.global.L2`, no registers held) for its
-weight tiles `l2_ahead` units ahead, for its first tiles of the next phase before it waits at a barrier,
-and, before attention, for its keys and for the o-projection tiles (the weights never depend on a
-barrier; only the activations do).
+one-kernel-per-op step measured 1.15 ms (docs/perf.md). Here one program per multiprocessor runs all
+phases, separated by grid-wide barriers: no launches, no host gaps, and the small ops (norms, RoPE, the
+K/V write, the attention merge, SwiGLU, residual adds) folded into the phases around them. Measured on
+the H200 (docs/perf.md, v5): on par with the layer-by-layer path in CUDA-graph replays, because the
+weight-streaming phases reach only ~2.4–2.8 TB/s (one program per SM keeps one or two 32 KB tiles in
+flight; the layer-by-layer kernels overlap several programs per SM) and attention plus barriers cost
+~15 µs per layer. Asking L2 to prefetch tiles ahead (`prefetch.global.L2`) was slower at every distance.
 
 Layout of the work. A phase is a list of "units" of about TILE weight elements each, dealt to the
 programs round-robin (unit u goes to program u mod P); a unit's tile is loaded whole (every weight
@@ -57,7 +58,6 @@ from tinyvllm.kernels._launch import check_int, next_power_of_2, num_sms, upcast
 class MegakernelConfig(NamedTuple):
     tile: int = 16384  # weight elements per unit (a power of two)
     num_warps: int = 8
-    l2_ahead: int = 0  # CUDA: ask L2 for the tile this many units ahead of the one loaded (0: off)
     programs_per_sm: int = 1  # CUDA: above 1, registers are capped (maxnreg) so that this many fit on an SM
 
 
@@ -92,7 +92,7 @@ def unsupported_reason(shape: ModelShape, dtype: torch.dtype, block_size: int) -
     return None
 
 
-# ---------------------------------------------------------------------------------------------- barrier, timer, L2
+# ---------------------------------------------------------------------------------------------- barrier, timer
 @triton.jit
 def _grid_barrier(count_ptr, target):
     """Wait until `target` programs have arrived in total (the b-th barrier of a launch: b · P)."""
@@ -111,21 +111,6 @@ def _now(x):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines holding `ptrs`: no register is held and nothing waits (CUDA only)."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_span(ptr, N_ELEMS: tl.constexpr):
-    """Prefetch N_ELEMS contiguous elements starting at `ptr` into L2."""
-    PER_LINE: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
-    LINES: tl.constexpr = triton.next_power_of_2((N_ELEMS + PER_LINE - 1) // PER_LINE)
-    _prefetch_l2(ptr + tl.minimum(tl.arange(0, LINES) * PER_LINE, N_ELEMS - 1))
-
-
-@triton.jit
 def _normed(r_ptr, w_ptr, H, eps, BH: tl.constexpr):
     """RMSNorm of the residual vector in rms_norm.py's roundings, [BH] in r's dtype (zeros beyond H)."""
     cols = tl.arange(0, BH)
@@ -139,7 +124,7 @@ def _normed(r_ptr, w_ptr, H, eps, BH: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------- units
-# A unit's weight tile is loaded whole into registers; `_prefetch_*` ask L2 for a later unit's tile.
+# A unit's weight tile is loaded whole into registers.
 # (Unit validity is compared as a tensor, `rows * 0 + u < n_units`: the CPU interpreter (3.9) rejects a
 # mask combined from a scalar comparison.)
 @triton.jit
@@ -158,29 +143,12 @@ def _qkv_tile(w_ptr, layer, u, n_units, H: tl.constexpr, NQKV: tl.constexpr, D: 
 
 
 @triton.jit
-def _prefetch_qkv(w_ptr, layer, u, n_units, H: tl.constexpr, NQKV: tl.constexpr, D: tl.constexpr,
-                  RQ: tl.constexpr):
-    u = tl.minimum(u, n_units - 1)
-    head = u // (D // 2 // RQ)
-    j0 = (u % (D // 2 // RQ)) * RQ
-    base = w_ptr + tl.cast(layer, tl.int64) * (NQKV * H) + (head * D + j0) * H
-    _prefetch_span(base, RQ * H)
-    _prefetch_span(base + (D // 2) * H, RQ * H)
-
-
-@triton.jit
 def _rows_tile(w_ptr, layer, u, n_units, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
     """Unit u of phases C and E: output rows u·R + [0, R) of W [N, K], as [R, BK]."""
     rows = u * R + tl.arange(0, R)[:, None]
     cols = tl.arange(0, BK)[None, :]
     base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
     return tl.load(base + rows * K + cols, mask=(cols < K) & (rows < N) & (rows * 0 + u < n_units), other=0.0)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, layer, u, n_units, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr):
-    u = tl.minimum(u, n_units - 1)  # N is a multiple of R (unit_rows), so the span stays inside W
-    _prefetch_span(w_ptr + tl.cast(layer, tl.int64) * (N * K) + u * (R * K), R * K)
 
 
 @triton.jit
@@ -195,39 +163,12 @@ def _gate_up_tile(w_ptr, layer, u, n_units, H: tl.constexpr, F: tl.constexpr, RG
                    other=0.0)
 
 
-@triton.jit
-def _prefetch_gate_up(w_ptr, layer, u, n_units, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr):
-    u = tl.minimum(u, n_units - 1)
-    base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H) + u * (RG * H)
-    _prefetch_span(base, RG * H)
-    _prefetch_span(base + F * H, RG * H)
-
-
-@triton.jit
-def _prefetch_kv(pid, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, stride_blk, stride_head,
-                 HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr):
-    """The first KEYS keys' K and V rows of this program's attention unit (phase B), if it has one."""
-    if pid < HK * num_splits:
-        PER_LINE: tl.constexpr = 1024 // k_ptr.dtype.element_ty.primitive_bitwidth
-        LPK: tl.constexpr = triton.next_power_of_2((D + PER_LINE - 1) // PER_LINE)  # lines per key row
-        kvh = pid // num_splits
-        keys_per_split = tl.cdiv(tl.cdiv(seq_len, KEYS), num_splits) * KEYS  # as _attention_phase
-        lo = (pid % num_splits) * keys_per_split
-        last = tl.maximum(tl.minimum(lo + keys_per_split, seq_len) - 1, 0)
-        keys = tl.minimum(lo + tl.arange(0, KEYS), last)
-        page = tl.load(bt_ptr + keys // BS).to(tl.int64)
-        offs = (page * stride_blk + kvh * stride_head + (keys % BS) * D)[:, None] \
-            + tl.minimum(tl.arange(0, LPK) * PER_LINE, D - 1)[None, :]
-        _prefetch_l2(k_ptr + offs)
-        _prefetch_l2(v_ptr + offs)
-
-
 # ---------------------------------------------------------------------------------------------- phases
 @triton.jit
 def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                stride_blk, stride_head, eps,
                H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-               RQ: tl.constexpr, BH: tl.constexpr, AHEAD: tl.constexpr):
+               RQ: tl.constexpr, BH: tl.constexpr):
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
@@ -244,8 +185,6 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
     s = tl.load(cs_row + HALF + (pid % UPH) * RQ + jj)
     a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in range(pid, n_units, P):
-        if AHEAD > 0:
-            _prefetch_qkv(wqkv_ptr, layer, u + AHEAD * P, n_units, H, NQKV, D, RQ)
         # the next unit's tile and RoPE factors, in flight while this one is reduced
         w_next = _qkv_tile(wqkv_ptr, layer, u + P, n_units, H, NQKV, D, RQ, BH)
         c_next = tl.load(cs_row + ((u + P) % UPH) * RQ + jj)
@@ -328,7 +267,7 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
 
 @triton.jit
 def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-                    BK: tl.constexpr, AHEAD: tl.constexpr):
+                    BK: tl.constexpr):
     """r[rows] = round(round(W x)[rows] + r[rows]) over the units of W [N, K] (phases C and E)."""
     n_units = N // R
     rr = tl.arange(0, R)
@@ -337,8 +276,6 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, N: tl.constexpr, K: tl.c
     cols = tl.arange(0, BK)
     a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
     for u in range(pid, n_units, P):
-        if AHEAD > 0:
-            _prefetch_rows(w_ptr, layer, u + AHEAD * P, n_units, N, K, R)
         rows_next = (u + P) * R + rr
         w_next = _rows_tile(w_ptr, layer, u + P, n_units, N, K, R, BK)
         res_next = tl.load(r_ptr + rows_next, mask=rows_next < N, other=0.0, cache_modifier=".cg")
@@ -351,15 +288,13 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, N: tl.constexpr, K: tl.c
 
 @triton.jit
 def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps,
-                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, AHEAD: tl.constexpr):
+                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr):
     n_units = F // RG
     hh = tl.arange(0, 2)[None, :]
     rg = tl.arange(0, RG)
     w = _gate_up_tile(wgu_ptr, layer, pid, n_units, H, F, RG, BH)
     a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in range(pid, n_units, P):
-        if AHEAD > 0:
-            _prefetch_gate_up(wgu_ptr, layer, u + AHEAD * P, n_units, H, F, RG)
         w_next = _gate_up_tile(wgu_ptr, layer, u + P, n_units, H, F, RG, BH)
         y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(act_ptr.dtype.element_ty).to(tl.float32)  # [RG, 2]
         gate = tl.sum(tl.where(hh == 0, y, 0.0), axis=1)
@@ -379,15 +314,13 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
                        RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, BG: tl.constexpr,
-                       AHEAD: tl.constexpr, TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                       TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
     BF: tl.constexpr = triton.next_power_of_2(F)
     QD: tl.constexpr = HQ * D
     BQ: tl.constexpr = triton.next_power_of_2(QD)
-    NQKV: tl.constexpr = (HQ + 2 * HK) * D
-    n_qkv = (HQ + 2 * HK) * (D // 2 // RQ)
 
     if TRACE:
         if pid == 0:
@@ -400,9 +333,6 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     if pid == 0:  # r ← the token's embedding row
         e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
         tl.store(r_ptr + cols, e, mask=cols < H)
-    if AHEAD > 0:  # layer 0's tiles of this program
-        for u in range(pid, n_qkv, P):
-            _prefetch_qkv(wqkv_ptr, pid * 0, u, n_qkv, H, NQKV, D, RQ)
     _grid_barrier(bar_ptr, P)
     if TRACE:
         if pid == 0:
@@ -412,13 +342,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
         v_ptr = k_ptr + v_offset
         _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
-                   stride_blk, stride_head, eps, H, HQ, HK, D, BS, RQ, BH, AHEAD)
-        if AHEAD > 0:  # HBM is idle during attention: fetch its keys, then o's and gate_up's first tiles
-            _prefetch_kv(pid, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, stride_blk, stride_head, HK, D, BS, KEYS)
-            for u in range(pid, H // RO, P):
-                _prefetch_rows(wo_ptr, layer, u, H // RO, H, QD, RO)
-            for i in range(AHEAD):
-                _prefetch_gate_up(wgu_ptr, layer, pid + i * P, F // RG, H, F, RG)
+                   stride_blk, stride_head, eps, H, HQ, HK, D, BS, RQ, BH)
         _grid_barrier(bar_ptr, arrived + 1 * P)
         if TRACE:
             if pid == 0:
@@ -430,24 +354,17 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         if TRACE:
             if pid == 0:
                 tl.store(trace_ptr + 3 + 5 * layer, _now(pid))
-        _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, H, QD, RO, BQ, AHEAD)
+        _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, H, QD, RO, BQ)
         _grid_barrier(bar_ptr, arrived + 3 * P)
         if TRACE:
             if pid == 0:
                 tl.store(trace_ptr + 4 + 5 * layer, _now(pid))
-        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, RG, BH, AHEAD)
-        if AHEAD > 0:
-            for i in range(AHEAD):
-                _prefetch_rows(wd_ptr, layer, pid + i * P, H // RD, H, F, RD)
+        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, RG, BH)
         _grid_barrier(bar_ptr, arrived + 4 * P)
         if TRACE:
             if pid == 0:
                 tl.store(trace_ptr + 5 + 5 * layer, _now(pid))
-        _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, RD, BF, AHEAD)
-        if AHEAD > 0:
-            if layer + 1 < num_layers:
-                for u in range(pid, n_qkv, P):
-                    _prefetch_qkv(wqkv_ptr, layer + 1, u, n_qkv, H, NQKV, D, RQ)
+        _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, RD, BF)
         _grid_barrier(bar_ptr, arrived + 5 * P)
         if TRACE:
             if pid == 0:
@@ -577,10 +494,10 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
         BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=keys_per_tile(shape),
         MERGE=min(8, next_power_of_2(ws.num_splits)), BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
-        UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, AHEAD=config.l2_ahead if cuda else 0, TRACE=trace and cuda,
+        UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
         num_warps=config.num_warps, **({"maxnreg": max_registers(config)} if cuda and config.programs_per_sm > 1 else {}),
         num_stages=1)  # the unit loops double-buffer by hand
-    if cuda and not ws.resident_checked:  # before the first launch: a grid too large would hang
+    if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
         compiled = _decode_megakernel.warmup(*args, grid=(ws.programs,), **kwargs)
         compiled._init_handles()  # loads the module: fills n_regs
         check_resident(compiled, config._replace(programs_per_sm=-(-ws.programs // num_sms(input_ids.device))))
