@@ -33,17 +33,12 @@ from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel  # noqa: E402
 from tinyvllm.models.loader import build_model  # noqa: E402
 
 BLOCK = 16
-VARIANTS = [MegakernelConfig(16384, 8, 1),
-            MegakernelConfig(16384, 8, 1, dot_phases=True, dot_k=256, dot_k_down=512, dot_stages=3),
-            MegakernelConfig(16384, 8, 1, dot_phases=True, dot_k=256, dot_k_down=512, dot_stages=4),
-            MegakernelConfig(16384, 8, 1, dot_phases=True, dot_k=256, dot_k_down=1024, dot_stages=3),
-            MegakernelConfig(8192, 8, 2)]
+VARIANTS = [MegakernelConfig(16384, 8, 1), MegakernelConfig(8192, 8, 2), MegakernelConfig(8192, 8, 1)]
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
 
 
 def name_of(cfg: MegakernelConfig) -> str:
-    dot = f"/dot {cfg.dot_k}+{cfg.dot_k_down}x{cfg.dot_stages}" if cfg.dot_phases else ""
-    return f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM{dot}"
+    return f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM"
 
 
 def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:
@@ -131,7 +126,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 640, 2048])
     ap.add_argument("--fp32", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--variants", type=int, default=len(VARIANTS), help="time the first N variants")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
     dev = require_cuda()
@@ -147,7 +141,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     model, kv = setup(dev, torch.bfloat16, max(ns.contexts))
     base = LlamaDecodeMegakernel(model)
-    checks += check(model, kv, base, ns.contexts, VARIANTS[:ns.variants])
+    checks += check(model, kv, base, ns.contexts, VARIANTS)
     print_table("correctness against the layered path", checks,
                 [("dtype", "dtype", ""), ("context", "ctx", "d"), ("variant", "variant", ""),
                  ("hidden_rel_err", "hidden err", ".2e"), ("logits_rel_err", "logits err", ".2e"),
@@ -162,7 +156,7 @@ def main() -> None:
         kv_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * ctx * 64 * 2
         floor_layers = (layer_bytes + kv_bytes) / copy * 1e6
         floor_step = floor_layers + head_bytes / copy * 1e6
-        for name, mk in [("layered", None)] + [(name_of(c), base.variant(c)) for c in VARIANTS[:ns.variants]]:
+        for name, mk in [("layered", None)] + [(name_of(c), base.variant(c)) for c in VARIANTS]:
             step_us = bench_graph([lambda mk=mk: run(model, mk, ids, pos, meta, kv)], calls=32, replays=9) * 1e3
             layers_us = bench_graph([lambda mk=mk: run(model, mk, ids, pos, meta, kv, logits=False)],
                                     calls=32, replays=9) * 1e3
@@ -176,7 +170,7 @@ def main() -> None:
     traces = []
     for ctx in ns.contexts:
         ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
-        for cfg in VARIANTS[:ns.variants]:
+        for cfg in VARIANTS:
             traces.append({"context": ctx, "variant": name_of(cfg),
                            **phase_trace(model, base.variant(cfg), ids, pos, meta, kv)})
     print_table("per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)", traces,

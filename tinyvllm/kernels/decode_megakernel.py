@@ -59,10 +59,6 @@ class MegakernelConfig(NamedTuple):
     tile: int = 16384  # weight elements per unit (a power of two)
     num_warps: int = 8
     programs_per_sm: int = 1  # CUDA: above 1, registers are capped (maxnreg) so that this many fit on an SM
-    dot_phases: bool = False  # phases D and E as pipelined tensor-core products (see _rows_dot)
-    dot_k: int = 256  # their K tile (phase D: 32 rows per tile)
-    dot_k_down: int = 512  # phase E's K tile (16 rows per tile)
-    dot_stages: int = 3  # their software-pipeline depth
 
 
 @dataclass(frozen=True)
@@ -308,85 +304,6 @@ def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps,
         w = w_next
 
 
-# ---------------------------------------------------------------------------------------------- dot phases
-# Phases D and E as tensor-core products (`dot_phases`): a unit is 16 output rows (gate_up: 16 gate + 16
-# up rows) over the whole K, streamed in [rows, DK] tiles by a loop whose loads feed `tl.dot`, so
-# Triton's software pipeliner keeps `num_stages` tiles in flight through shared memory (cp.async) instead
-# of the one register tile of the phases above. The activation chunk is the dot's [DK, 16] operand,
-# every column the same, so each output column is the product and their mean (a sum of 16 equal fp32
-# values, exact) is it too.
-@triton.jit
-def _rstd(r_ptr, H, eps, BH: tl.constexpr):
-    cols = tl.arange(0, BH)
-    x = tl.load(r_ptr + cols, mask=cols < H, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-
-
-@triton.jit
-def _dot_tile(acc, w, x, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """acc [N, 16] + w [N, DK] · [x | x | … | x] ([DK] broadcast to 16 equal columns)."""
-    a = tl.broadcast_to(x[None, :], [16, x.shape[0]])
-    if UPCAST:  # CPU interpreter only: see _launch.upcast_dot
-        return acc + tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-    if IEEE:
-        return acc + tl.dot(w, tl.trans(a), input_precision="ieee")
-    return acc + tl.dot(w, tl.trans(a))
-
-
-@triton.jit
-def _gate_up_dot_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H: tl.constexpr, F: tl.constexpr,
-                       BH: tl.constexpr, DK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Phase D as tensor-core products: unit u is gate rows 16u + [0, 16) and their up rows, stacked as
-    one [32, DK] tile per K step. One flat loop over this program's (unit, K step) tiles, so the
-    pipeline never drains between units; the epilogue runs on a unit's last K step."""
-    KT: tl.constexpr = H // DK
-    rstd = _rstd(r_ptr, H, eps, BH)
-    i = tl.arange(0, 32)
-    in_unit = i % 16 + (i // 16) * F  # rows 0–15: gate, 16–31: up
-    offs = tl.arange(0, DK)
-    hh = tl.arange(0, 2)[:, None]
-    base = wgu_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
-    nw_ptr = n2_ptr + layer * H
-    acc = tl.zeros([32, 16], tl.float32)
-    for t in range(0, tl.cdiv(F // 16 - pid, P) * KT):
-        u = pid + (t // KT) * P
-        k0 = (t % KT) * DK
-        w = tl.load(base + (u * 16 + in_unit)[:, None] * H + (k0 + offs)[None, :])
-        x = tl.load(r_ptr + k0 + offs, cache_modifier=".cg")
-        nw = tl.load(nw_ptr + k0 + offs)
-        x = (nw.to(tl.float32) * (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
-        acc = _dot_tile(tl.where(k0 == 0, 0.0, acc), w, x, UPCAST, IEEE)
-        if k0 == H - DK:
-            y = tl.sum(acc, axis=1) * 0.0625  # the mean of 16 equal columns
-            y2 = tl.reshape(y.to(act_ptr.dtype.element_ty).to(tl.float32), [2, 16])
-            gate = tl.sum(tl.where(hh == 0, y2, 0.0), axis=0)
-            up = tl.sum(tl.where(hh == 1, y2, 0.0), axis=0)
-            act = gate / (1.0 + tl.exp(-gate)) * up
-            tl.store(act_ptr + u * 16 + tl.arange(0, 16), act.to(act_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _residual_dot_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, N: tl.constexpr, K: tl.constexpr, DK: tl.constexpr,
-                        UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Phase E as tensor-core products: r[rows] = round(round(W x)[rows] + r[rows]), 16 rows per unit,
-    one flat loop over this program's (unit, K step) tiles as in phase D."""
-    KT: tl.constexpr = K // DK
-    offs = tl.arange(0, DK)
-    rr = tl.arange(0, 16)
-    base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
-    acc = tl.zeros([16, 16], tl.float32)
-    for t in range(0, tl.cdiv(N // 16 - pid, P) * KT):
-        u = pid + (t // KT) * P
-        k0 = (t % KT) * DK
-        w = tl.load(base + (u * 16 + rr)[:, None] * K + (k0 + offs)[None, :])
-        x = tl.load(x_ptr + k0 + offs, cache_modifier=".cg")
-        acc = _dot_tile(tl.where(k0 == 0, 0.0, acc), w, x, UPCAST, IEEE)
-        if k0 == K - DK:
-            y = (tl.sum(acc, axis=1) * 0.0625).to(r_ptr.dtype.element_ty).to(tl.float32)
-            res = tl.load(r_ptr + u * 16 + rr, cache_modifier=".cg")
-            tl.store(r_ptr + u * 16 + rr, (y + res.to(tl.float32)).to(r_ptr.dtype.element_ty))
-
-
 # ---------------------------------------------------------------------------------------------- kernel
 @triton.jit(do_not_specialize=["num_layers", "num_splits", "layer_stride", "v_offset"])
 def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
@@ -397,8 +314,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
                        RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, BG: tl.constexpr,
-                       TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
-                       DK: tl.constexpr, DKE: tl.constexpr):
+                       TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -443,18 +359,12 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         if TRACE:
             if pid == 0:
                 tl.store(trace_ptr + 4 + 5 * layer, _now(pid))
-        if DOT:
-            _gate_up_dot_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, BH, DK, UPCAST, IEEE)
-        else:
-            _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, RG, BH)
+        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, RG, BH)
         _grid_barrier(bar_ptr, arrived + 4 * P)
         if TRACE:
             if pid == 0:
                 tl.store(trace_ptr + 5 + 5 * layer, _now(pid))
-        if DOT:
-            _residual_dot_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, DKE, UPCAST, IEEE)
-        else:
-            _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, RD, BF)
+        _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, RD, BF)
         _grid_barrier(bar_ptr, arrived + 5 * P)
         if TRACE:
             if pid == 0:
@@ -586,10 +496,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MERGE=min(8, next_power_of_2(ws.num_splits)), BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
         UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
         num_warps=config.num_warps, **({"maxnreg": max_registers(config)} if cuda and config.programs_per_sm > 1 else {}),
-        DOT=(config.dot_phases and shape.hidden % config.dot_k == 0 and shape.intermediate % config.dot_k_down == 0
-             and shape.hidden % 16 == 0 and shape.intermediate % 16 == 0),
-        DK=config.dot_k, DKE=config.dot_k_down,
-        num_stages=config.dot_stages if config.dot_phases else 1)  # the register phases double-buffer by hand
+        num_stages=1)  # the unit loops double-buffer by hand
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
         compiled = _decode_megakernel.warmup(*args, grid=(ws.programs,), **kwargs)
         compiled._init_handles()  # loads the module: fills n_regs
