@@ -69,7 +69,8 @@ def test_megakernel_equals_layered_path_at_1b_shape(dtype):
     model, kv = setup(dtype)
     model.enable_decode_megakernel()
     mk = model.decode_megakernel
-    assert mk.workspace.programs == mk.config.programs_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert mk.workspace.programs == mk.config.programs_per_sm * sms
     tol = 1e-5 if dtype == torch.float32 else 4e-2
     for ctx in (1, 333, 1500):
         ids, pos, meta, slot = step(ctx, kv.shape[2])

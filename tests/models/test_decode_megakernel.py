@@ -37,7 +37,8 @@ def step(seq_len: int, slot_valid: bool = True, device: torch.device = torch.dev
     pos = seq_len - 1
     slot = int(table[pos // BLOCK]) * BLOCK + pos % BLOCK if slot_valid else -1
     meta = AttnMetadata(
-        slot_mapping=torch.tensor([slot]), num_decode_tokens=1, decode_seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        slot_mapping=torch.tensor([slot]), num_decode_tokens=1,
+        decode_seq_lens=torch.tensor([seq_len], dtype=torch.int32),
         decode_block_tables=table[None, :], max_decode_seq_len=seq_len, num_prefills=0,
         prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32), prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
         prefill_block_tables=table[None, :0], max_prefill_q_len=0, max_prefill_seq_len=0)
@@ -63,7 +64,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_len,splits,tile", [(1, 1, 16384), (13, 1, 256), (300, 3, 256), (150, 2, 16384), (300, 11, 256)])
+@pytest.mark.parametrize("seq_len,splits,tile",
+                         [(1, 1, 16384), (13, 1, 256), (300, 3, 256), (150, 2, 16384), (300, 11, 256)])
 def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512)

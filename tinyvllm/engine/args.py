@@ -49,8 +49,8 @@ class EngineArgs:
     async_scheduling: bool | None = None  # overlap host work with the device; None: on for CUDA
     fused_gemv: bool = True  # batch-1 decode through our matrix-vector kernels with the residual adds and
     # SwiGLU folded in (models/llama.py; measured 897 vs 845 tok/s on the H200, docs/perf.md)
-    decode_megakernel: bool = True  # on CUDA, a decode step of one sequence runs every layer in one kernel
-    # launch (kernels/decode_megakernel.py); models it cannot serve fall back to the layer loop
+    decode_megakernel: bool | None = None  # on CUDA, a decode step of one sequence runs every layer in one
+    # kernel launch (kernels/decode_megakernel.py); None: where it was measured faster (hidden ≤ 2048)
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
@@ -90,7 +90,7 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
                         "residual adds folded in (default: on; see docs/perf.md)")
     g.add_argument("--decode-megakernel", action=argparse.BooleanOptionalAction, default=d.decode_megakernel,
                    help="on CUDA, run a decode step of one sequence through all layers in one kernel launch "
-                        "(default: on; see docs/perf.md)")
+                        "(default: on for hidden sizes up to 2048, where it was measured faster; docs/perf.md)")
 
 
 def engine_args_from_cli(ns: argparse.Namespace) -> EngineArgs:

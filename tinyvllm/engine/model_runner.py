@@ -35,6 +35,18 @@ logger = logging.getLogger(__name__)
 # 0.74x at batch 32, 1.04x at 64, 1.19x at 128, 1.45x at 256; benchmarks/kernels/bench_cascade.py).
 CASCADE_MIN_BATCH = 96
 CASCADE_MIN_PREFIX = 256
+# The decode megakernel is on by default only up to the size it was measured faster at (Llama 3.2 1B,
+# hidden 2048: 937 against 881 tok/s on the H200, docs/perf.md v5). Larger models keep the layer loop
+# unless asked: their products stream closer to the bandwidth than the megakernel's phases (2.4–2.8 TB/s).
+MEGAKERNEL_MAX_HIDDEN = 2048
+
+
+def wants_megakernel(requested: bool | None, device_type: str, hidden_size: int) -> bool:
+    """Whether to try the decode megakernel: only on CUDA; `requested` None means up to
+    MEGAKERNEL_MAX_HIDDEN (the model may still be one it cannot serve: see megakernel_unsupported)."""
+    if device_type != "cuda" or requested is False:
+        return False
+    return requested is True or hidden_size <= MEGAKERNEL_MAX_HIDDEN
 
 
 @dataclass
@@ -73,7 +85,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, *, model_dir: str, device: torch.device,
                  dtype: torch.dtype, kernel_backend: str, load_format: str = "auto", seed: int = 0,
                  eos_token_ids: Sequence[int] = (), show_progress: bool = False, fused_gemv: bool = True,
-                 decode_megakernel: bool = True) -> None:
+                 decode_megakernel: bool | None = None) -> None:
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -84,7 +96,7 @@ class ModelRunner:
                                  max_positions=model_config.max_position_embeddings,
                                  load_format=load_format, seed=seed, show_progress=show_progress,
                                  fuse_small_batches=fused_gemv)
-        if decode_megakernel and device.type == "cuda":
+        if wants_megakernel(decode_megakernel, device.type, model_config.hidden_size):
             self._enable_megakernel()
         self.sampler = Sampler()
         self.batch_generator = torch.Generator(device=device).manual_seed(seed)

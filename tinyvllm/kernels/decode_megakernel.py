@@ -17,8 +17,8 @@ phases, separated by grid-wide barriers: no launches, no host gaps, and the smal
 K/V write, the attention merge, SwiGLU, residual adds) folded into the phases around them. Measured on
 the H200 (docs/perf.md, v5): on par with the layer-by-layer path in CUDA-graph replays, because the
 weight-streaming phases reach only ~2.4–2.8 TB/s (one program per SM keeps one or two 32 KB tiles in
-flight; the layer-by-layer kernels overlap several programs per SM) and attention plus barriers cost
-~15 µs per layer. Asking L2 to prefetch tiles ahead (`prefetch.global.L2`) was slower at every distance.
+flight; the layer-by-layer kernels overlap several programs per SM) and attention costs ~9 µs per layer.
+Asking L2 to prefetch tiles ahead, and tensor-core phases pipelined through shared memory, were slower.
 
 Layout of the work. A phase is a list of "units" of about TILE weight elements each, dealt to the
 programs round-robin (unit u goes to program u mod P); a unit's tile is loaded whole (every weight
@@ -26,21 +26,25 @@ of it in flight at once) and the next unit's tile (and its epilogue's inputs) is
 current one is reduced (double buffering). The activation vector of a phase is loaded once per program.
   A: a unit is RQ rows of a head's first half and their RoPE partners in its second half, so RoPE
      is applied in registers; q goes to a scratch vector, k and v straight into the paged cache.
-  B: a unit is (KV head, split of the context); each writes (m, l, acc) of its keys for the GQA
-     group's query heads; the last split to arrive at a per-head ticket merges them (the split-K
-     semaphore of gemv.py) and writes the head group's output.
+  B: a unit is (KV head, split of the context) through the FlashAttention-2 inner loop of the other
+     attention kernels (_flash.py: tl.dot over 64-key tiles, log2-domain scores), the GQA group's
+     query heads padded to 16 rows; each writes (m, l, acc) of its keys; the last split to arrive at
+     a per-head ticket merges them (the split-K semaphore of gemv.py) and writes the group's output.
   C, E: RO / RD output rows with the residual add.  D: RG gate rows and the matching up rows.
 
 Barriers: a monotone arrival counter; the b-th barrier waits until it reads b·P (a CTA barrier
 first orders the CTA's stores before thread 0's gpu-scope release; the acquire and a second CTA
 barrier order the loads after). Data written inside the launch is read with `.cg` loads (L2; an
-SM's L1 is not coherent with other SMs' stores). At exit the last program to leave resets the
-counter for the next launch: no memset, no host sync, capturable in a CUDA graph.
+SM's L1 is not coherent with other SMs' stores), except the KV cache in phase B: no SM reads a layer's
+cache lines before that layer's phase B, and L1 holds nothing from earlier launches. At exit the last
+program to leave resets the counter for the next launch: no memset, no host sync, capturable in a CUDA
+graph.
 
 Every program must be resident at once (a waiting program spins): the grid is one program per
-multiprocessor (`max_programs`; one always fits), and nothing else runs on the device concurrently
-(the engine uses one stream). On the CPU interpreter programs run one
-after another, so the grid is one program there; that one program then does every unit itself.
+multiprocessor (`max_programs`; one always fits; `programs_per_sm` > 1 caps registers with maxnreg and
+checks the compiled kernel's occupancy before the first launch), and nothing else runs on the device
+concurrently (the engine uses one stream). On the CPU interpreter programs run one after another, so
+the grid is one program there; that one program then does every unit itself.
 """
 from __future__ import annotations
 
@@ -70,10 +74,6 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-
-    @property
-    def qkv_rows(self) -> int:
-        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
 
 def unsupported_reason(shape: ModelShape, dtype: torch.dtype, block_size: int) -> str | None:
@@ -493,10 +493,12 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     kwargs = dict(
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
         BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=keys_per_tile(shape),
-        MERGE=min(8, next_power_of_2(ws.num_splits)), BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
+        MERGE=min(8, next_power_of_2(ws.num_splits)),
+        BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
         UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
-        num_warps=config.num_warps, **({"maxnreg": max_registers(config)} if cuda and config.programs_per_sm > 1 else {}),
-        num_stages=1)  # the unit loops double-buffer by hand
+        num_warps=config.num_warps, num_stages=1)  # the unit loops double-buffer by hand
+    if cuda and config.programs_per_sm > 1:
+        kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
         compiled = _decode_megakernel.warmup(*args, grid=(ws.programs,), **kwargs)
         compiled._init_handles()  # loads the module: fills n_regs

@@ -22,9 +22,9 @@ slower), and the LM head of such a batch is a plain fused_gemv. The roundings ar
 path; only the order of the float32 sums inside the products differs. The kernels serve up to 16 rows,
 but at 2–16 rows cuBLAS was faster on the H200, hence the default of 1.
 
-With `enable_decode_megakernel()` (the engine's default on CUDA), a decode step of one sequence runs all
-layers and the final norm in one kernel launch instead (models/llama_megakernel.py), with the same maths
-and roundings as the fused path.
+With `enable_decode_megakernel()` (the engine's default on CUDA up to hidden size 2048), a decode step of
+one sequence runs all layers and the final norm in one kernel launch instead (models/llama_megakernel.py),
+with the same maths and roundings as the fused path.
 """
 from __future__ import annotations
 
