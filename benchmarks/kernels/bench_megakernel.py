@@ -44,15 +44,11 @@ def name_of(cfg: MegakernelConfig) -> str:
 def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:
     """Mean ns per phase (program 0's view: its work plus the wait at the barrier that ends the phase),
     averaged over layers and `reps` launches, from the kernel's global-timer trace."""
-    from tinyvllm.kernels.decode_megakernel import decode_megakernel_fwd
-
     views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
     L = kv.shape[0]
     sums = torch.zeros(3 + 5 * L, dtype=torch.float64)
     for _ in range(reps):
-        decode_megakernel_fwd(ids, pos, meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables[0],
-                              mk.weights, model.cos_sin, views, mk.shape, mk.eps, mk.scale, mk.workspace,
-                              mk.config, trace=True)
+        mk(ids, pos, meta, views, trace=True)
         t = mk.workspace.trace.double().cpu()
         sums += t - t[0]
     t = sums / reps

@@ -119,7 +119,7 @@ class ModelRunner:
         Runs before the memory profile, so the weights' restacking leaves no freed copies behind."""
         from tinyvllm.models.llama_megakernel import megakernel_unsupported
 
-        reason = megakernel_unsupported(self.model, block_size=16)  # the block size is checked per launch
+        reason = megakernel_unsupported(self.model)
         if reason is not None:
             logger.info("decode megakernel off: %s", reason)
             return

@@ -76,10 +76,11 @@ class ModelShape:
     head_dim: int
 
 
-def unsupported_reason(shape: ModelShape, dtype: torch.dtype, block_size: int) -> str | None:
+def unsupported_reason(shape: ModelShape, dtype: torch.dtype) -> str | None:
     """Why the kernel cannot serve this model, or None. It needs power-of-two head dims ≥ 4, a group
     of query heads per KV head that is a power of two, and activation vectors small enough for
-    registers (hidden ≤ 8192, intermediate ≤ 32768)."""
+    registers (hidden ≤ 8192, intermediate ≤ 32768). (The KV block size, a power of two, is checked
+    at launch.)"""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {dtype}"
     d, g = shape.head_dim, shape.num_heads // max(1, shape.num_kv_heads)
@@ -87,8 +88,6 @@ def unsupported_reason(shape: ModelShape, dtype: torch.dtype, block_size: int) -
         return f"head_dim {d} / query heads per KV head {g} (need powers of two)"
     if shape.hidden > 8192 or shape.intermediate > 32768 or shape.num_heads * d > 8192:
         return "hidden or intermediate size too large for one program's registers"
-    if block_size & (block_size - 1):
-        return f"KV block size {block_size} (need a power of two)"
     return None
 
 
@@ -108,6 +107,16 @@ def _grid_barrier(count_ptr, target):
 def _now(x):
     """The GPU's global nanosecond timer (phase trace only; CUDA only)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr):
+    """The launch's b-th grid barrier (b · P arrivals); when tracing, program 0 then writes the timer
+    into trace[b]."""
+    _grid_barrier(bar_ptr, b * P)
+    if TRACE:
+        if pid == 0:
+            tl.store(trace_ptr + b, _now(pid))
 
 
 @triton.jit
@@ -333,42 +342,24 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     if pid == 0:  # r ← the token's embedding row
         e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
         tl.store(r_ptr + cols, e, mask=cols < H)
-    _grid_barrier(bar_ptr, P)
-    if TRACE:
-        if pid == 0:
-            tl.store(trace_ptr + 1, _now(pid))
+    _end_phase(bar_ptr, 1, P, trace_ptr, pid, TRACE)
     for layer in range(num_layers):
-        arrived = (1 + 5 * layer) * P  # arrivals before this layer: the embedding's barrier, 5 per layer
+        b = 1 + 5 * layer  # barriers before this layer: the embedding's, then 5 per layer
         k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
         v_ptr = k_ptr + v_offset
         _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                    stride_blk, stride_head, eps, H, HQ, HK, D, BS, RQ, BH)
-        _grid_barrier(bar_ptr, arrived + 1 * P)
-        if TRACE:
-            if pid == 0:
-                tl.store(trace_ptr + 2 + 5 * layer, _now(pid))
+        _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE)
         _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, HQ, HK, D, BS, KEYS, MERGE,
                          BG, UPCAST, IEEE)
-        _grid_barrier(bar_ptr, arrived + 2 * P)
-        if TRACE:
-            if pid == 0:
-                tl.store(trace_ptr + 3 + 5 * layer, _now(pid))
+        _end_phase(bar_ptr, b + 2, P, trace_ptr, pid, TRACE)
         _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, H, QD, RO, BQ)
-        _grid_barrier(bar_ptr, arrived + 3 * P)
-        if TRACE:
-            if pid == 0:
-                tl.store(trace_ptr + 4 + 5 * layer, _now(pid))
+        _end_phase(bar_ptr, b + 3, P, trace_ptr, pid, TRACE)
         _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, RG, BH)
-        _grid_barrier(bar_ptr, arrived + 4 * P)
-        if TRACE:
-            if pid == 0:
-                tl.store(trace_ptr + 5 + 5 * layer, _now(pid))
+        _end_phase(bar_ptr, b + 4, P, trace_ptr, pid, TRACE)
         _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, RD, BF)
-        _grid_barrier(bar_ptr, arrived + 5 * P)
-        if TRACE:
-            if pid == 0:
-                tl.store(trace_ptr + 6 + 5 * layer, _now(pid))
+        _end_phase(bar_ptr, b + 5, P, trace_ptr, pid, TRACE)
     if pid == 0:
         out = _normed(r_ptr, nf_ptr, H, eps, BH)
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
@@ -387,6 +378,7 @@ def _pow2_at_most(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
 
 
+ATTN_KEYS = 64  # keys per attention tile (tl.dot's N), as the decode kernel's default
 MAX_SPLITS = 16  # context splits per KV head in the attention phase (33 at 2 programs per SM: slower on the H200)
 
 
@@ -424,11 +416,6 @@ class StackedWeights:
     norm1: torch.Tensor  # [L, H]
     norm2: torch.Tensor  # [L, H]
     norm_final: torch.Tensor  # [H]
-
-
-def keys_per_tile(shape: ModelShape) -> int:
-    """Keys per attention tile (tl.dot's N): 64, as the decode kernel's default."""
-    return 64
 
 
 def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
@@ -492,7 +479,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         num_layers, ws.num_splits, eps, scale)
     kwargs = dict(
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
-        BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=keys_per_tile(shape),
+        BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=ATTN_KEYS,
         MERGE=min(8, next_power_of_2(ws.num_splits)),
         BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
         UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,

@@ -10,6 +10,8 @@ The result equals the fused small-batch path of models/llama.py up to the order 
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from tinyvllm.kernels.decode_megakernel import (MegakernelConfig, ModelShape, StackedWeights, Workspace,
@@ -23,11 +25,11 @@ def model_shape(model) -> ModelShape:
                       num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
 
 
-def megakernel_unsupported(model, block_size: int) -> str | None:
+def megakernel_unsupported(model) -> str | None:
     """Why the megakernel cannot run this model (None: it can)."""
     if model.ops.name != "triton":
         return f"the {model.ops.name!r} kernel backend"
-    return unsupported_reason(model_shape(model), model.embed_tokens.weight.dtype, block_size)
+    return unsupported_reason(model_shape(model), model.embed_tokens.weight.dtype)
 
 
 def _stack(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -65,16 +67,16 @@ class LlamaDecodeMegakernel:
 
     def variant(self, config: MegakernelConfig) -> "LlamaDecodeMegakernel":
         """The same stacked weights under another launch configuration (benchmarks), own workspace."""
-        other = object.__new__(LlamaDecodeMegakernel)
-        other.__dict__.update(self.__dict__)
+        other = copy.copy(self)
         other.config = config
         device = self.weights.qkv.device
         other.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device, config))
         return other
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """A decode step of one sequence (meta.num_decode_tokens == 1) → final hidden state [1, H]."""
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], trace: bool = False) -> torch.Tensor:
+        """A decode step of one sequence (meta.num_decode_tokens == 1) → final hidden state [1, H].
+        `trace`: record the phase timer in workspace.trace (see decode_megakernel_fwd)."""
         return decode_megakernel_fwd(input_ids, positions, meta.slot_mapping, meta.decode_seq_lens,
                                      meta.decode_block_tables[0], self.weights, self.model.cos_sin, kv_caches,
-                                     self.shape, self.eps, self.scale, self.workspace, self.config)
+                                     self.shape, self.eps, self.scale, self.workspace, self.config, trace)
