@@ -6,7 +6,7 @@ A random-weight `llama-3.2-1b` model (bf16) on the GPU, one sequence whose conte
 `--contexts` keys. Timed as CUDA-graph replays of a whole step (decoder layers + final norm + LM head,
 no sampling), as the engine's batch-1 graph runs it:
   * `layered`: the fused small-batch path (models/llama.py: ~9 kernels per layer);
-  * `mk <tile>/<warps>/<prefetch>`: the megakernel (kernels/decode_megakernel.py) under each config.
+  * `mk <tile>/<warps>w/<programs per SM>perSM/<stages>st/<pf|nopf>`: the megakernel per config.
 The layers alone (without the LM head) are timed too. Floor: the weight bytes read per step (layers,
 LM head) at the copy bandwidth measured at the start. Correctness: each megakernel's hidden state and
 logits against the layered path's (relative error), in bf16 and (`--fp32`, default on) in float32.
@@ -33,12 +33,13 @@ from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel  # noqa: E402
 from tinyvllm.models.loader import build_model  # noqa: E402
 
 BLOCK = 16
-VARIANTS = [MegakernelConfig(16384, 8, 1), MegakernelConfig(8192, 8, 2), MegakernelConfig(8192, 8, 1)]
+VARIANTS = [MegakernelConfig(), MegakernelConfig(16384, 8, 1, 4, False), MegakernelConfig(16384, 8, 1, 0, False)]
+# the default; without the prefetch across barriers; v5.4 (no pipeline, no prefetch)
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
 
 
 def name_of(cfg: MegakernelConfig) -> str:
-    return f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM"
+    return f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
 
 
 def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:

@@ -116,3 +116,32 @@ def test_engine_seeded_request_ignores_its_batch_on_cuda(tmp_path):
     lp = mixed[3].outputs[0]
     assert len(lp.logprobs) == len(lp.token_ids) == 12
     assert all(t in entry for t, entry in zip(lp.token_ids, lp.logprobs))
+
+
+def test_engine_sampler_in_decode_graph_equals_eager_on_cuda(tmp_path):
+    """The fused sampler captured in the decode CUDA graphs (static temperatures and seeds copied in per
+    step) draws what its eager launch draws: seeded temperature and greedy requests, alone and in a
+    padded batch beside a full-sampler request, give the same tokens with enforce_eager on and off."""
+    from tinyvllm import LLM
+    from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
+
+    write_dummy_checkpoint(tmp_path, make_config("tiny"), seed=4, init_std=0.1, dtype="float32")
+    reqs = [({"prompt_token_ids": [3, 14, 15, 92, 65]}, SamplingParams(temperature=0.8, seed=5, max_tokens=16,
+                                                                         ignore_eos=True)),
+            ({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
+            ({"prompt_token_ids": [9, 8, 7]}, SamplingParams(temperature=1.3, seed=11, max_tokens=9,
+                                                               ignore_eos=True)),
+            ({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0, max_tokens=16, logprobs=2,
+                                                            ignore_eos=True))]
+    got = {}
+    for eager in (True, False):
+        llm = LLM(model=str(tmp_path), device="cuda", max_model_len=128, dtype="float32", enforce_eager=eager,
+                  kv_cache_memory_bytes=1 << 28)
+        runner = llm.llm_engine.runner
+        assert (runner.graphs is None) == eager and (eager or runner.graphs.sample_in_graph)
+        alone = llm.generate([reqs[0][0]], [reqs[0][1]], use_tqdm=False)[0].outputs[0].token_ids
+        batch = llm.generate([r[0] for r in reqs], [r[1] for r in reqs], use_tqdm=False)
+        got[eager] = (alone, [o.outputs[0].token_ids for o in batch])
+        del llm
+    assert got[False] == got[True]
+    assert got[True][1][0] == got[True][0]  # the seeded row ignores its batch

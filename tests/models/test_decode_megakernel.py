@@ -64,13 +64,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_len,splits,tile",
-                         [(1, 1, 16384), (13, 1, 256), (300, 3, 256), (150, 2, 16384), (300, 11, 256)])
-def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile):
+@pytest.mark.parametrize("seq_len,splits,tile,stages,prefetch",
+                         [(1, 1, 16384, 4, True), (13, 1, 256, 4, True), (300, 3, 256, 4, True),
+                          (150, 2, 16384, 4, True), (300, 11, 256, 4, True),
+                          (13, 1, 256, 0, False), (150, 2, 16384, 3, False)])
+def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, prefetch):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512)
     model = build("triton", dtype, device, max_positions=512)
-    model.enable_decode_megakernel(MegakernelConfig(tile=tile))
+    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, prefetch=prefetch))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == mk.weights.down[1].data_ptr()  # views, no copy

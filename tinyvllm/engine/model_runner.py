@@ -21,7 +21,7 @@ from tinyvllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tinyvllm.engine.fused_sampling import FusedSamplingPlan, step_seed
 from tinyvllm.engine.sampler import LogprobsTensors, Sampler
 from tinyvllm.engine.sampling_tensors import SamplingRow, SamplingTensors
-from tinyvllm.engine.step_inputs import StepInputBuilder, StepInputs
+from tinyvllm.engine.step_inputs import StepInputBuilder
 from tinyvllm.kernels import get_ops
 from tinyvllm.models.attention_metadata import CASCADE_ALIGN
 from tinyvllm.models.llama import KVCache
@@ -213,7 +213,7 @@ class ModelRunner:
                                        max_blocks_per_seq=max_blocks, max_seq_len=max_model_len,
                                        device=self.device,
                                        cascade_batch_sizes=[b for b in sizes if b >= CASCADE_MIN_BATCH]
-                                       if cascade else [])
+                                       if cascade else [], sample_in_graph=self.kernel_backend == "triton")
             self.graphs.capture()
 
     # ------------------------------------------------------------------ one step
@@ -230,18 +230,29 @@ class ModelRunner:
             self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
             self._prev_sampled, self._prev_index = None, {}
             return StepHandle(None, None, [], None, [])
+        bufs = self._host_bufs[self._num_launched % 2]
+        self._num_launched += 1
+        seqs = inputs.sampled
+        plan = self._row_plan(sched, seqs, bufs)
+        fused = plan.fused_rows(seqs) if self.kernel_backend == "triton" else []
+        seeds = None
+        if fused:
+            seeds = bufs["seeds"][:len(seqs)]
+            plan.seeds(seqs, self._rng, seeds.numpy())
+        presampled = None
         if bucket is not None:
             m = inputs.meta
-            logits = self.graphs.replay(bucket, inputs.input_ids, inputs.positions, m.slot_mapping,
-                                        m.decode_seq_lens, m.decode_block_tables,
-                                        m.decode_prefix_len)[:inputs.num_decodes]
+            in_graph = bool(fused) and self.graphs.sample_in_graph
+            logits, presampled = self.graphs.replay(
+                bucket, inputs.input_ids, inputs.positions, m.slot_mapping, m.decode_seq_lens,
+                m.decode_block_tables, m.decode_prefix_len, temperatures=plan.temperatures if in_graph else None,
+                seeds=seeds if in_graph else None)
+            logits = logits[:inputs.num_decodes]
+            presampled = presampled[:len(seqs)] if in_graph else None
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[inputs.logits_indices], dtype=None)
-        bufs = self._host_bufs[self._num_launched % 2]
-        self._num_launched += 1
-        plan = self._row_plan(sched, inputs.sampled, bufs)
-        sampled, logprobs, logprob_rows = self._sample(logits, inputs, plan, bufs)
+        sampled, logprobs, logprob_rows = self._sample(logits, seqs, plan, fused, seeds, presampled, bufs)
         self._prev_sampled = sampled
         self._prev_index = plan.index
         event = None
@@ -268,27 +279,28 @@ class ModelRunner:
             plan = self._plan = FusedSamplingPlan.build(seqs, rids, self.device, bufs["temps"])
         return plan
 
-    def _sample(self, logits: torch.Tensor, inputs: StepInputs, plan: FusedSamplingPlan,
-                bufs: dict[str, torch.Tensor]
-                ) -> tuple[torch.Tensor, LogprobsTensors | None, list[int] | None]:
+    def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSequence], plan: FusedSamplingPlan,
+                fused: list[int], seeds: torch.Tensor | None, presampled: torch.Tensor | None,
+                bufs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, LogprobsTensors | None, list[int] | None]:
         """Sampled ids [N], logprobs, and the rows the logprobs cover (None: all).
 
         Each row goes to the sampler its own parameters call for, whatever shares its batch: the fused
-        kernel for plain rows (greedy or temperature only, no token still banned by min_tokens), the
-        full sampler for the rest. A seeded request therefore draws the same tokens alone or in any
-        batch (the two samplers draw differently from the same seed)."""
-        seqs = inputs.sampled
+        kernel for the `fused` rows (greedy or temperature only, no token still banned by min_tokens;
+        `seeds`: their host seeds, drawn by the caller), the full sampler for the rest. A seeded request
+        therefore draws the same tokens alone or in any batch (the two samplers draw differently from
+        the same seed). `presampled`: the fused kernel's ids for every row, already computed inside the
+        decode graph (the kernel samples each row on its own, so they equal a separate launch's)."""
         n = len(seqs)
-        fused = plan.fused_rows(seqs) if self.kernel_backend == "triton" else []
         if not fused:
             out = self._sample_full(logits, seqs)
             return out.sampled_token_ids, out.logprobs, None
-        from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
+        if presampled is None:
+            from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
-        plan.seeds(seqs, self._rng, bufs["seeds"].numpy())
-        seeds = bufs["seeds"][:n].to(self.device, non_blocking=True)
+            presampled = sample_greedy_or_gumbel(logits, plan.temperatures,
+                                                 seeds.to(self.device, non_blocking=True))
         if len(fused) == n:
-            return sample_greedy_or_gumbel(logits, plan.temperatures, seeds), None, None
+            return presampled, None, None
         fused_set = set(fused)
         other = [i for i in range(n) if i not in fused_set]
         rows = bufs["rows"]
@@ -296,7 +308,7 @@ class ModelRunner:
         rows_dev = rows[:n].to(self.device, non_blocking=True)
         f_idx, o_idx = rows_dev[:len(fused)], rows_dev[len(fused):]
         sampled = torch.empty(n, dtype=torch.int64, device=logits.device)
-        sampled[f_idx] = sample_greedy_or_gumbel(logits[f_idx], plan.temperatures[f_idx], seeds[f_idx])
+        sampled[f_idx] = presampled[f_idx]
         out = self._sample_full(logits[o_idx], [seqs[i] for i in other])
         sampled[o_idx] = out.sampled_token_ids
         return sampled, out.logprobs, other

@@ -63,6 +63,8 @@ class MegakernelConfig(NamedTuple):
     tile: int = 16384  # weight elements per unit (a power of two)
     num_warps: int = 8
     programs_per_sm: int = 1  # CUDA: above 1, registers are capped (maxnreg) so that this many fit on an SM
+    stages: int = 4  # > 0: phase D's weight tiles software-pipelined through this many shared-memory buffers
+    prefetch: bool = True  # phases A, C, E: the first weight tile loaded before the barrier in front of them
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,17 @@ def unsupported_reason(shape: ModelShape, dtype: torch.dtype) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- barrier, timer
 @triton.jit
-def _grid_barrier(count_ptr, target):
-    """Wait until `target` programs have arrived in total (the b-th barrier of a launch: b · P)."""
+def _arrive(count_ptr):
+    """This program's arrival at a grid barrier (a CTA barrier, then thread 0's gpu-scope release: the
+    CTA's earlier stores are visible to whoever acquires the count). Loads issued before it delay it
+    (the release waits for them), so prefetches go between `_arrive` and `_wait`."""
     tl.debug_barrier()
     tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(count_ptr, target):
+    """Wait until `target` programs have arrived in total (the b-th barrier of a launch: b · P)."""
     seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
@@ -111,9 +120,9 @@ def _now(x):
 
 @triton.jit
 def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr):
-    """The launch's b-th grid barrier (b · P arrivals); when tracing, program 0 then writes the timer
-    into trace[b]."""
-    _grid_barrier(bar_ptr, b * P)
+    """The wait of the launch's b-th grid barrier (b · P arrivals); when tracing, program 0 then writes
+    the timer into trace[b]."""
+    _wait(bar_ptr, b * P)
     if TRACE:
         if pid == 0:
             tl.store(trace_ptr + b, _now(pid))
@@ -174,10 +183,11 @@ def _gate_up_tile(w_ptr, layer, u, n_units, H: tl.constexpr, F: tl.constexpr, RG
 
 # ---------------------------------------------------------------------------------------------- phases
 @triton.jit
-def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+def _qkv_phase(w, layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                stride_blk, stride_head, eps,
                H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                RQ: tl.constexpr, BH: tl.constexpr):
+    """Phase A; `w` is this program's first unit tile (`_qkv_tile(.., pid, ..)`), loaded by the caller."""
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
@@ -189,7 +199,6 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
     other_half = (hh[None, :, None] != hh[None, None, :]).to(tl.float32)  # [1, 2, 2]
     kv_off = (slot // BS) * stride_blk + (slot % BS) * D
     cs_row = cos_sin_ptr + pos * D
-    w = _qkv_tile(wqkv_ptr, layer, pid, n_units, H, NQKV, D, RQ, BH)
     c = tl.load(cs_row + (pid % UPH) * RQ + jj)
     s = tl.load(cs_row + HALF + (pid % UPH) * RQ + jj)
     a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
@@ -198,22 +207,31 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
         w_next = _qkv_tile(wqkv_ptr, layer, u + P, n_units, H, NQKV, D, RQ, BH)
         c_next = tl.load(cs_row + ((u + P) % UPH) * RQ + jj)
         s_next = tl.load(cs_row + HALF + ((u + P) % UPH) * RQ + jj)
-        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
-        partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
-        roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
-        head = u // UPH
-        offs = (u % UPH) * RQ + in_head
-        if head < HQ:
-            tl.store(q_ptr + head * D + offs, roped)
-        elif head < HQ + HK:
-            if slot >= 0:
-                tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
-        else:
-            if slot >= 0:
-                tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + offs, y.to(q_ptr.dtype.element_ty))
+        _qkv_unit(w, a, c, s, u, sign, other_half, in_head, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
+                  HQ, HK, D, RQ)
         w = w_next
         c = c_next
         s = s_next
+
+
+@triton.jit
+def _qkv_unit(w, a, c, s, u, sign, other_half, in_head, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
+              HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr):
+    """Reduce unit u's tile against the normed activation, RoPE q and k, store q / k / v."""
+    UPH: tl.constexpr = D // 2 // RQ
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
+    partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
+    roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
+    head = u // UPH
+    offs = (u % UPH) * RQ + in_head
+    if head < HQ:
+        tl.store(q_ptr + head * D + offs, roped)
+    elif head < HQ + HK:
+        if slot >= 0:
+            tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
+    else:
+        if slot >= 0:
+            tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + offs, y.to(q_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -275,42 +293,57 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
 
 
 @triton.jit
-def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
+def _residual_phase(w, layer, pid, P, x_ptr, w_ptr, r_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
                     BK: tl.constexpr):
-    """r[rows] = round(round(W x)[rows] + r[rows]) over the units of W [N, K] (phases C and E)."""
+    """r[rows] = round(round(W x)[rows] + r[rows]) over the units of W [N, K] (phases C and E); `w` is
+    this program's first unit tile (`_rows_tile(.., pid, ..)`), loaded by the caller."""
     n_units = N // R
     rr = tl.arange(0, R)
-    w = _rows_tile(w_ptr, layer, pid, n_units, N, K, R, BK)
-    res = tl.load(r_ptr + pid * R + rr, mask=pid * R + rr < N, other=0.0, cache_modifier=".cg")
     cols = tl.arange(0, BK)
+    res = tl.load(r_ptr + pid * R + rr, mask=pid * R + rr < N, other=0.0, cache_modifier=".cg")
     a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
     for u in range(pid, n_units, P):
         rows_next = (u + P) * R + rr
         w_next = _rows_tile(w_ptr, layer, u + P, n_units, N, K, R, BK)
         res_next = tl.load(r_ptr + rows_next, mask=rows_next < N, other=0.0, cache_modifier=".cg")
-        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(r_ptr.dtype.element_ty)
-        rows = u * R + rr
-        tl.store(r_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(r_ptr.dtype.element_ty), mask=rows < N)
+        _residual_unit(w, a, res, u, r_ptr, N, R)
         w = w_next
         res = res_next
 
 
 @triton.jit
+def _residual_unit(w, a, res, u, r_ptr, N: tl.constexpr, R: tl.constexpr):
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(r_ptr.dtype.element_ty)
+    rows = u * R + tl.arange(0, R)
+    tl.store(r_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(r_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
 def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps,
-                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr):
+                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr):
     n_units = F // RG
+    if STAGES > 0:
+        a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
+        for u in tl.range(pid, n_units, P, num_stages=STAGES):
+            w = _gate_up_tile(wgu_ptr, layer, u, n_units, H, F, RG, BH)
+            _gate_up_unit(w, a, u, act_ptr, RG)
+    else:
+        w = _gate_up_tile(wgu_ptr, layer, pid, n_units, H, F, RG, BH)
+        a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
+        for u in range(pid, n_units, P):
+            w_next = _gate_up_tile(wgu_ptr, layer, u + P, n_units, H, F, RG, BH)
+            _gate_up_unit(w, a, u, act_ptr, RG)
+            w = w_next
+
+
+@triton.jit
+def _gate_up_unit(w, a, u, act_ptr, RG: tl.constexpr):
     hh = tl.arange(0, 2)[None, :]
-    rg = tl.arange(0, RG)
-    w = _gate_up_tile(wgu_ptr, layer, pid, n_units, H, F, RG, BH)
-    a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
-    for u in range(pid, n_units, P):
-        w_next = _gate_up_tile(wgu_ptr, layer, u + P, n_units, H, F, RG, BH)
-        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(act_ptr.dtype.element_ty).to(tl.float32)  # [RG, 2]
-        gate = tl.sum(tl.where(hh == 0, y, 0.0), axis=1)
-        up = tl.sum(tl.where(hh == 1, y, 0.0), axis=1)
-        act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(act_ptr + u * RG + rg, act.to(act_ptr.dtype.element_ty))
-        w = w_next
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(act_ptr.dtype.element_ty).to(tl.float32)  # [RG, 2]
+    gate = tl.sum(tl.where(hh == 0, y, 0.0), axis=1)
+    up = tl.sum(tl.where(hh == 1, y, 0.0), axis=1)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + u * RG + tl.arange(0, RG), act.to(act_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -323,7 +356,8 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
                        RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, BG: tl.constexpr,
-                       TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                       TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
+                       PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -342,23 +376,46 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     if pid == 0:  # r ← the token's embedding row
         e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
         tl.store(r_ptr + cols, e, mask=cols < H)
+    # A phase's first weight tile does not depend on the barrier before it: with PREFETCH it is loaded
+    # between this program's arrival and its wait (in flight while the others arrive), else after.
+    NQKV: tl.constexpr = (HQ + 2 * HK) * D
+    n_qkv = NQKV // 2 // RQ
+    _arrive(bar_ptr)
+    w_a = _qkv_tile(wqkv_ptr, 0, pid, n_qkv, H, NQKV, D, RQ, BH)
     _end_phase(bar_ptr, 1, P, trace_ptr, pid, TRACE)
     for layer in range(num_layers):
         b = 1 + 5 * layer  # barriers before this layer: the embedding's, then 5 per layer
         k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
         v_ptr = k_ptr + v_offset
-        _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+        if not PREFETCH:
+            w_a = _qkv_tile(wqkv_ptr, layer, pid, n_qkv, H, NQKV, D, RQ, BH)
+        _qkv_phase(w_a, layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                    stride_blk, stride_head, eps, H, HQ, HK, D, BS, RQ, BH)
+        _arrive(bar_ptr)
         _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE)
         _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, HQ, HK, D, BS, KEYS, MERGE,
                          BG, UPCAST, IEEE)
+        _arrive(bar_ptr)
+        if PREFETCH:
+            w_c = _rows_tile(wo_ptr, layer, pid, H // RO, H, QD, RO, BQ)
         _end_phase(bar_ptr, b + 2, P, trace_ptr, pid, TRACE)
-        _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, H, QD, RO, BQ)
+        if not PREFETCH:
+            w_c = _rows_tile(wo_ptr, layer, pid, H // RO, H, QD, RO, BQ)
+        _residual_phase(w_c, layer, pid, P, attn_ptr, wo_ptr, r_ptr, H, QD, RO, BQ)
+        _arrive(bar_ptr)
         _end_phase(bar_ptr, b + 3, P, trace_ptr, pid, TRACE)
-        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, RG, BH)
+        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, RG, BH, STAGES)
+        _arrive(bar_ptr)
+        if PREFETCH:
+            w_e = _rows_tile(wd_ptr, layer, pid, H // RD, H, F, RD, BF)
         _end_phase(bar_ptr, b + 4, P, trace_ptr, pid, TRACE)
-        _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, RD, BF)
+        if not PREFETCH:
+            w_e = _rows_tile(wd_ptr, layer, pid, H // RD, H, F, RD, BF)
+        _residual_phase(w_e, layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, RD, BF)
+        _arrive(bar_ptr)
+        if PREFETCH:  # the next layer's (the last layer re-reads its own: harmless, unused)
+            w_a = _qkv_tile(wqkv_ptr, tl.minimum(layer + 1, num_layers - 1), pid, n_qkv, H, NQKV, D, RQ, BH)
         _end_phase(bar_ptr, b + 5, P, trace_ptr, pid, TRACE)
     if pid == 0:
         out = _normed(r_ptr, nf_ptr, H, eps, BH)
@@ -435,6 +492,18 @@ def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
     return rq, ro, rg, rd
 
 
+PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take (of the SM's 227 KB)
+
+
+def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
+    """Weight elements per unit: config.tile, halved until the pipeline's stages − 1 buffers in flight
+    (`stages` > 0) fit in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
+    tile = config.tile
+    while config.stages > 1 and tile > 256 and tile * elem_bytes * (config.stages - 1) > PIPELINE_BYTES:
+        tile //= 2
+    return tile
+
+
 def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                           seq_lens: torch.Tensor, block_table: torch.Tensor, weights: StackedWeights,
                           cos_sin: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -464,7 +533,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         check_int(name, t)
     if block_size & (block_size - 1):
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
-    rq, ro, rg, rd = unit_rows(shape, config.tile)
+    rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
     cuda = input_ids.device.type == "cuda"
@@ -483,7 +552,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MERGE=min(8, next_power_of_2(ws.num_splits)),
         BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
         UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
-        num_warps=config.num_warps, num_stages=1)  # the unit loops double-buffer by hand
+        STAGES=config.stages, PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
