@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyvllm.kernels.decode_megakernel import MegakernelConfig, Workspace, max_programs
+from tinyvllm.kernels.decode_megakernel import PIPELINE_BYTES, MegakernelConfig, Workspace, max_programs, unit_tile
 from tinyvllm.models.attention_metadata import AttnMetadata
 from tests.models.test_fused_decode import backends, build, device_for
 
@@ -120,3 +120,12 @@ def test_megakernel_needs_one_kv_buffer():
     swapped = [(buf[0, 0], buf[0, 1]), (buf[1, 1], buf[1, 0])]  # layer 1's V before its K: no fixed offset
     with pytest.raises(ValueError, match="one buffer"):
         model.decode_megakernel(ids, positions, meta, swapped)
+
+
+def test_unit_tile_fits_the_pipeline_in_shared_memory():
+    """Phase D's pipeline keeps stages − 1 tiles in shared memory: the tile halves until they fit."""
+    assert PIPELINE_BYTES == 160 << 10
+    assert unit_tile(MegakernelConfig(tile=16384, stages=4), 2) == 16384  # 3 × 32 KB = 96 KB
+    assert unit_tile(MegakernelConfig(tile=16384, stages=4), 4) == 8192  # 3 × 64 KB = 192 KB > 160 KB
+    assert unit_tile(MegakernelConfig(tile=16384, stages=8), 2) == 8192  # 7 × 32 KB = 224 KB > 160 KB
+    assert unit_tile(MegakernelConfig(tile=16384, stages=0), 4) == 16384  # no pipeline: registers only

@@ -15,15 +15,21 @@ beyond its bytes and every small op (norm, RoPE, attention merge) pays a launch 
 one-kernel-per-op step measured 1.15 ms (docs/perf.md). Here one program per multiprocessor runs all
 phases, separated by grid-wide barriers: no launches, no host gaps, and the small ops (norms, RoPE, the
 K/V write, the attention merge, SwiGLU, residual adds) folded into the phases around them. Measured on
-the H200 (docs/perf.md, v5): on par with the layer-by-layer path in CUDA-graph replays, because the
-weight-streaming phases reach only ~2.4–2.8 TB/s (one program per SM keeps one or two 32 KB tiles in
-flight; the layer-by-layer kernels overlap several programs per SM) and attention costs ~9 µs per layer.
-Asking L2 to prefetch tiles ahead, and tensor-core phases pipelined through shared memory, were slower.
+the H200 (docs/perf.md, v5 and v6): 1.07× the layer-by-layer path in CUDA-graph replays (0.86 ms of
+layers at 640 keys), short of the bandwidth floor because each of the 80 phases pays ~1.5–3 µs of ramp,
+tail and barrier beyond its bytes and attention costs ~10 µs per layer. Asking L2 to prefetch tiles
+ahead, and tensor-core phases pipelined through shared memory, were slower or no faster.
 
 Layout of the work. A phase is a list of "units" of about TILE weight elements each, dealt to the
-programs round-robin (unit u goes to program u mod P); a unit's tile is loaded whole (every weight
-of it in flight at once) and the next unit's tile (and its epilogue's inputs) is loaded before the
-current one is reduced (double buffering). The activation vector of a phase is loaded once per program.
+programs round-robin (unit u goes to program u mod P). In phases A, C and E a unit's tile is loaded
+whole into registers (every weight of it in flight at once) and the next unit's tile (and its
+epilogue's inputs) is loaded before the current one is reduced (double buffering); a program's first
+tile is loaded between its arrival at the barrier before the phase and its wait there, so the weights
+stream while the last programs finish the previous phase. Phase D, the largest (2·F·H weights), is a
+loop software-pipelined by Triton (`stages` − 1 tiles in flight through shared memory, cp.async):
+measured 19.6 µs per layer against 28 with register double buffering (`benchmarks/kernels/
+bench_stream.py` isolates the streaming schemes). The activation vector of a phase is loaded once per
+program.
   A: a unit is RQ rows of a head's first half and their RoPE partners in its second half, so RoPE
      is applied in registers; q goes to a scratch vector, k and v straight into the paged cache.
   B: a unit is (KV head, split of the context) through the FlashAttention-2 inner loop of the other
@@ -34,7 +40,8 @@ current one is reduced (double buffering). The activation vector of a phase is l
 
 Barriers: a monotone arrival counter; the b-th barrier waits until it reads b·P (a CTA barrier
 first orders the CTA's stores before thread 0's gpu-scope release; the acquire and a second CTA
-barrier order the loads after). Data written inside the launch is read with `.cg` loads (L2; an
+barrier order the loads after). Arrival and wait are separate calls: a release waits for the loads
+issued before it, so the next phase's prefetch goes after the arrival. Data written inside the launch is read with `.cg` loads (L2; an
 SM's L1 is not coherent with other SMs' stores), except the KV cache in phase B: no SM reads a layer's
 cache lines before that layer's phase B, and L1 holds nothing from earlier launches. At exit the last
 program to leave resets the counter for the next launch: no memset, no host sync, capturable in a CUDA
@@ -63,8 +70,8 @@ class MegakernelConfig(NamedTuple):
     tile: int = 16384  # weight elements per unit (a power of two)
     num_warps: int = 8
     programs_per_sm: int = 1  # CUDA: above 1, registers are capped (maxnreg) so that this many fit on an SM
-    stages: int = 4  # > 0: phase D's weight tiles software-pipelined through this many shared-memory buffers
-    prefetch: bool = True  # phases A, C, E: the first weight tile loaded before the barrier in front of them
+    stages: int = 4  # > 0: phase D software-pipelined over this many shared-memory stages; 0: double-buffered
+    prefetch: bool = True  # phases A, C, E: the first weight tile loaded between barrier arrival and wait
 
 
 @dataclass(frozen=True)
