@@ -33,13 +33,14 @@ from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel  # noqa: E402
 from tinyvllm.models.loader import build_model  # noqa: E402
 
 BLOCK = 16
-VARIANTS = [MegakernelConfig(), MegakernelConfig(16384, 8, 1, 4, False), MegakernelConfig(16384, 8, 1, 0, False)]
-# the default; without the prefetch across barriers; v5.4 (no pipeline, no prefetch)
+VARIANTS = [MegakernelConfig(), MegakernelConfig(preload_kv=False), MegakernelConfig(16384, 8, 1, 0, False, False)]
+# the default; without the K/V preload (v6.3); v5.4 (no pipeline, no prefetch, no preload)
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
 
 
 def name_of(cfg: MegakernelConfig) -> str:
-    return f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
+    return (f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
+            + ("/kv" if cfg.preload_kv else ""))
 
 
 def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:

@@ -64,15 +64,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_len,splits,tile,stages,prefetch",
-                         [(1, 1, 16384, 4, True), (13, 1, 256, 4, True), (300, 3, 256, 4, True),
-                          (150, 2, 16384, 4, True), (300, 11, 256, 4, True),
-                          (13, 1, 256, 0, False), (150, 2, 16384, 3, False)])
-def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, prefetch):
+@pytest.mark.parametrize("seq_len,splits,tile,stages,prefetch,preload",
+                         [(1, 1, 16384, 4, True, True), (13, 1, 256, 4, True, True), (300, 3, 256, 4, True, True),
+                          (150, 2, 16384, 4, True, True), (300, 11, 256, 4, True, True), (64, 1, 256, 4, True, True),
+                          (65, 2, 256, 4, True, True), (13, 1, 256, 0, False, False), (150, 2, 16384, 3, False, False)])
+def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, prefetch, preload):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512)
     model = build("triton", dtype, device, max_positions=512)
-    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, prefetch=prefetch))
+    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, prefetch=prefetch,
+                                                    preload_kv=preload))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == mk.weights.down[1].data_ptr()  # views, no copy

@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._flash import _attn_inner
+from tinyvllm.kernels._flash import _attn_inner, _dot_pv, _dot_qk
 from tinyvllm.kernels._launch import check_int, next_power_of_2, num_sms, upcast_dot
 
 
@@ -72,6 +72,7 @@ class MegakernelConfig(NamedTuple):
     programs_per_sm: int = 1  # CUDA: above 1, registers are capped (maxnreg) so that this many fit on an SM
     stages: int = 4  # > 0: phase D software-pipelined over this many shared-memory stages; 0: double-buffered
     prefetch: bool = True  # phases A, C, E: the first weight tile loaded between barrier arrival and wait
+    preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
 
 
 @dataclass(frozen=True)
@@ -242,13 +243,55 @@ def _qkv_unit(w, a, c, s, u, sign, other_half, in_head, slot, kv_off, q_ptr, k_p
 
 
 @triton.jit
+def _preload_kv(pid, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, stride_blk, stride_head,
+                HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr):
+    """The first key tile of this program's first attention unit (unit `pid`), every key but the
+    newest: those were written by earlier steps, so they load while phase A's barrier is still closing.
+    Returns (K [KEYS, D], V [KEYS, D], the tile's cache-row offsets [KEYS]). The newest key's row is left
+    out (masked: its cache line is not touched, a D-element row being whole 128-byte lines at D·size ≥
+    128) and read after the barrier by `_attn_first_tile`."""
+    kvh = pid // num_splits
+    split = pid % num_splits
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len, KEYS), num_splits) * KEYS
+    keys = split * keys_per_split + tl.arange(0, KEYS)
+    mine = keys * 0 + pid < HK * num_splits
+    blk = tl.load(bt_ptr + keys // BS, mask=(keys < seq_len) & mine, other=0).to(tl.int64)
+    rows = blk * stride_blk + (keys % BS) * D
+    ptrs = kvh * stride_head + rows[:, None] + tl.arange(0, D)[None, :]
+    old = ((keys < seq_len - 1) & mine)[:, None]
+    return tl.load(k_ptr + ptrs, mask=old, other=0.0), tl.load(v_ptr + ptrs, mask=old, other=0.0), rows
+
+
+@triton.jit
+def _attn_first_tile(acc, l_i, m_i, q, q_pos, kp, vp, rows, k_head_ptr, v_head_ptr, lo, seq_len, qk_scale,
+                     D: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """`_attn_inner`'s masked step over keys lo .. lo+KEYS−1 from a preloaded tile (`_preload_kv`), its
+    newest key's row read now, from L2 (it was written in phase A, possibly by another SM)."""
+    keys = lo + tl.arange(0, KEYS)
+    newest = (keys == seq_len - 1)[:, None]
+    ptrs = rows[:, None] + tl.arange(0, D)[None, :]
+    k = tl.where(newest, tl.load(k_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), kp)
+    v = tl.where(newest, tl.load(v_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), vp)
+    qk = _dot_qk(q, k, UPCAST, IEEE)
+    visible = (keys[None, :] <= q_pos[:, None]) & (keys < seq_len)[None, :]
+    qk = tl.where(visible, qk * qk_scale, float("-inf"))
+    m_ij = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot_pv(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, IEEE)
+    return acc, l_i, m_ij
+
+
+@triton.jit
 def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
-                     attn_ptr, stride_blk, stride_head, qk_scale,
+                     attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      KEYS: tl.constexpr, MERGE: tl.constexpr, BG: tl.constexpr, UPCAST: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     IEEE: tl.constexpr, PRELOAD: tl.constexpr):
     """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
-    FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain)."""
+    FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
+    PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`."""
     G: tl.constexpr = HQ // HK
     PW: tl.constexpr = D + 2  # a partial: acc [D], m, l
     g = tl.arange(0, G)
@@ -266,8 +309,16 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
         acc = tl.zeros([BG, D], tl.float32)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, seq_len)
+        start = lo
+        if PRELOAD:
+            if u == pid:
+                if lo < hi:
+                    acc, l, m = _attn_first_tile(acc, l, m, q, q_pos, kp, vp, rows_pre, k_ptr + kvh * stride_head,
+                                                 v_ptr + kvh * stride_head, lo, seq_len, qk_scale, D, KEYS, UPCAST,
+                                                 IEEE)
+                start = lo + KEYS
         acc, l, m = _attn_inner(acc, l, m, q, q_pos, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head, bt_ptr,
-                                lo, hi, hi, qk_scale, stride_blk, D, D, KEYS, BS, False, True, UPCAST, IEEE)
+                                start, hi, hi, qk_scale, stride_blk, D, D, KEYS, BS, False, True, UPCAST, IEEE)
         m = tl.where(l > 0, m, float("-inf"))  # an empty split
         real = rows_g < G  # the padding rows are not stored
         part = part_ptr + (u * G + rows_g) * PW  # [BG] row starts of this unit's partials
@@ -364,7 +415,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
                        RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, BG: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                       PREFETCH: tl.constexpr):
+                       PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -399,10 +450,15 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         _qkv_phase(w_a, layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                    stride_blk, stride_head, eps, H, HQ, HK, D, BS, RQ, BH)
         _arrive(bar_ptr)
+        if PRELOAD:
+            kp, vp, rows_pre = _preload_kv(pid, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, stride_blk, stride_head,
+                                           HK, D, BS, KEYS)
+        else:
+            kp, vp, rows_pre = 0, 0, 0
         _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE)
         _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
-                         attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, HQ, HK, D, BS, KEYS, MERGE,
-                         BG, UPCAST, IEEE)
+                         attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
+                         HQ, HK, D, BS, KEYS, MERGE, BG, UPCAST, IEEE, PRELOAD)
         _arrive(bar_ptr)
         if PREFETCH:
             w_c = _rows_tile(wo_ptr, layer, pid, H // RO, H, QD, RO, BQ)
@@ -559,7 +615,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MERGE=min(8, next_power_of_2(ws.num_splits)),
         BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
         UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
-        STAGES=config.stages, PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=1)
+        STAGES=config.stages, PREFETCH=config.prefetch,
+        PRELOAD=config.preload_kv, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
