@@ -36,6 +36,8 @@ program.
      attention kernels (_flash.py: tl.dot over 64-key tiles, log2-domain scores), the GQA group's
      query heads padded to 16 rows; each writes (m, l, acc) of its keys; the last split to arrive at
      a per-head ticket merges them (the split-K semaphore of gemv.py) and writes the group's output.
+     A program's first unit takes its first key tile preloaded between phase A's arrival and wait
+     (every key but the newest, which phase A is writing; that row is read from L2 afterwards).
   C, E: RO / RD output rows with the residual add.  D: RG gate rows and the matching up rows.
 
 Barriers: a monotone arrival counter; the b-th barrier waits until it reads b·P (a CTA barrier
