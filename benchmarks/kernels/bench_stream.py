@@ -23,14 +23,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
-import torch
-import triton
-import triton.language as tl
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tinyvllm.kernels.decode_megakernel import _arrive, _wait
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tinyvllm.kernels.decode_megakernel import _arrive, _wait  # noqa: E402
 
 SHAPES = {  # name: (N, K) of the Llama 3.2 1B decode products
     "qkv": (3072, 2048),
