@@ -74,7 +74,8 @@ def _stream_reg2(w_ptr, x_ptr, y_ptr, bar_ptr, base, L, N: tl.constexpr, K: tl.c
 
 @triton.jit(do_not_specialize=["base"])
 def _stream_kloop(w_ptr, x_ptr, y_ptr, bar_ptr, base, L, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-                  BK: tl.constexpr, STAGES: tl.constexpr, BARRIER: tl.constexpr):
+                  BK: tl.constexpr, STAGES: tl.constexpr, BARRIER: tl.constexpr, TMA: tl.constexpr):
+    """The `kloop` variant; with TMA, the tiles come through a tensor descriptor (the `tma` variant)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     KSTEPS: tl.constexpr = K // BK
@@ -82,38 +83,18 @@ def _stream_kloop(w_ptr, x_ptr, y_ptr, bar_ptr, base, L, N: tl.constexpr, K: tl.
     my_units = tl.cdiv(n_units - pid, P)
     rr = tl.arange(0, R)
     cc = tl.arange(0, BK)
+    if TMA:
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[L * N, K], strides=[K, 1], block_shape=[R, BK])
     for layer in range(L):
         base_w = w_ptr + tl.cast(layer, tl.int64) * (N * K)
         acc = tl.zeros([R, BK], tl.float32)
         for i in tl.range(0, my_units * KSTEPS, num_stages=STAGES):
             u = pid + (i // KSTEPS) * P
             k0 = (i % KSTEPS) * BK
-            w = tl.load(base_w + (u * R + rr)[:, None] * K + k0 + cc[None, :])
-            x = tl.load(x_ptr + k0 + cc)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            if i % KSTEPS == KSTEPS - 1:
-                tl.store(y_ptr + layer * N + u * R + rr, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
-                acc = tl.zeros([R, BK], tl.float32)
-        _layer_end(bar_ptr, base, layer, P, BARRIER)
-
-
-@triton.jit(do_not_specialize=["base"])
-def _stream_tma(w_ptr, x_ptr, y_ptr, bar_ptr, base, L, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-                BK: tl.constexpr, STAGES: tl.constexpr, BARRIER: tl.constexpr):
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    KSTEPS: tl.constexpr = K // BK
-    n_units = N // R
-    my_units = tl.cdiv(n_units - pid, P)
-    rr = tl.arange(0, R)
-    cc = tl.arange(0, BK)
-    desc = tl.make_tensor_descriptor(w_ptr, shape=[L * N, K], strides=[K, 1], block_shape=[R, BK])
-    for layer in range(L):
-        acc = tl.zeros([R, BK], tl.float32)
-        for i in tl.range(0, my_units * KSTEPS, num_stages=STAGES):
-            u = pid + (i // KSTEPS) * P
-            k0 = (i % KSTEPS) * BK
-            w = desc.load([layer * N + u * R, k0])
+            if TMA:
+                w = desc.load([layer * N + u * R, k0])
+            else:
+                w = tl.load(base_w + (u * R + rr)[:, None] * K + k0 + cc[None, :])
             x = tl.load(x_ptr + k0 + cc)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             if i % KSTEPS == KSTEPS - 1:
@@ -205,17 +186,16 @@ def main() -> None:
         bar = torch.zeros(2, device=dev, dtype=torch.int32)
         runs = [(c, True) for c in configs(name, n, k)] + [(c, False) for c in configs(name, n, k) if c[0] == "reg2"]
         for (variant, r, bk, stages, warps), barrier in runs:
-            kern = {"reg2": _stream_reg2, "kloop": _stream_kloop, "tma": _stream_tma}[variant]
             launches = [0]
 
             def run():
                 base = launches[0] * L * sms
                 launches[0] += 1
                 if variant == "reg2":
-                    kern[(sms,)](w, x, y, bar, base, L, N=n, K=k, R=r, BARRIER=barrier, num_warps=warps)
+                    _stream_reg2[(sms,)](w, x, y, bar, base, L, N=n, K=k, R=r, BARRIER=barrier, num_warps=warps)
                 else:
-                    kern[(sms,)](w, x, y, bar, base, L, N=n, K=k, R=r, BK=bk, STAGES=stages, BARRIER=barrier,
-                                 num_warps=warps)
+                    _stream_kloop[(sms,)](w, x, y, bar, base, L, N=n, K=k, R=r, BK=bk, STAGES=stages, BARRIER=barrier,
+                                          TMA=variant == "tma", num_warps=warps)
             try:
                 bar.zero_()
                 t0 = time.time()

@@ -217,31 +217,29 @@ def _qkv_phase(w, layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot
         w_next = _qkv_tile(wqkv_ptr, layer, u + P, n_units, H, NQKV, D, RQ, BH)
         c_next = tl.load(cs_row + ((u + P) % UPH) * RQ + jj)
         s_next = tl.load(cs_row + HALF + ((u + P) % UPH) * RQ + jj)
-        _qkv_unit(w, a, c, s, u, sign, other_half, in_head, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
-                  HQ, HK, D, RQ)
+        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
+        partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
+        roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
+        head = u // UPH
+        offs = (u % UPH) * RQ + in_head
+        if head < HQ:
+            tl.store(q_ptr + head * D + offs, roped)
+        elif head < HQ + HK:
+            if slot >= 0:
+                tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
+        else:
+            if slot >= 0:
+                tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + offs, y.to(q_ptr.dtype.element_ty))
         w = w_next
         c = c_next
         s = s_next
 
 
 @triton.jit
-def _qkv_unit(w, a, c, s, u, sign, other_half, in_head, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
-              HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr):
-    """Reduce unit u's tile against the normed activation, RoPE q and k, store q / k / v."""
-    UPH: tl.constexpr = D // 2 // RQ
-    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
-    partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
-    roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
-    head = u // UPH
-    offs = (u % UPH) * RQ + in_head
-    if head < HQ:
-        tl.store(q_ptr + head * D + offs, roped)
-    elif head < HQ + HK:
-        if slot >= 0:
-            tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
-    else:
-        if slot >= 0:
-            tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + offs, y.to(q_ptr.dtype.element_ty))
+def _keys_per_split(seq_len, num_splits, KEYS: tl.constexpr):
+    """Keys of the context per attention split: whole KEYS tiles (each split starts at a multiple of
+    KEYS), enough for num_splits of them to cover seq_len."""
+    return tl.cdiv(tl.cdiv(seq_len, KEYS), num_splits) * KEYS
 
 
 @triton.jit
@@ -254,8 +252,7 @@ def _preload_kv(pid, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, stride_blk, stri
     128) and read after the barrier by `_attn_first_tile`."""
     kvh = pid // num_splits
     split = pid % num_splits
-    keys_per_split = tl.cdiv(tl.cdiv(seq_len, KEYS), num_splits) * KEYS
-    keys = split * keys_per_split + tl.arange(0, KEYS)
+    keys = split * _keys_per_split(seq_len, num_splits, KEYS) + tl.arange(0, KEYS)
     mine = keys * 0 + pid < HK * num_splits
     blk = tl.load(bt_ptr + keys // BS, mask=(keys < seq_len) & mine, other=0).to(tl.int64)
     rows = blk * stride_blk + (keys % BS) * D
@@ -299,7 +296,7 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
     g = tl.arange(0, G)
     rows_g = tl.arange(0, BG)
     d = tl.arange(0, D)
-    keys_per_split = tl.cdiv(tl.cdiv(seq_len, KEYS), num_splits) * KEYS  # whole tiles: lo % KEYS == 0
+    keys_per_split = _keys_per_split(seq_len, num_splits, KEYS)
     for u in range(pid, HK * num_splits, P):
         kvh = u // num_splits
         split = u % num_splits
@@ -366,16 +363,11 @@ def _residual_phase(w, layer, pid, P, x_ptr, w_ptr, r_ptr, N: tl.constexpr, K: t
         rows_next = (u + P) * R + rr
         w_next = _rows_tile(w_ptr, layer, u + P, n_units, N, K, R, BK)
         res_next = tl.load(r_ptr + rows_next, mask=rows_next < N, other=0.0, cache_modifier=".cg")
-        _residual_unit(w, a, res, u, r_ptr, N, R)
+        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(r_ptr.dtype.element_ty)
+        rows = u * R + rr
+        tl.store(r_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(r_ptr.dtype.element_ty), mask=rows < N)
         w = w_next
         res = res_next
-
-
-@triton.jit
-def _residual_unit(w, a, res, u, r_ptr, N: tl.constexpr, R: tl.constexpr):
-    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(r_ptr.dtype.element_ty)
-    rows = u * R + tl.arange(0, R)
-    tl.store(r_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(r_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
