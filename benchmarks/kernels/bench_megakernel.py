@@ -33,32 +33,45 @@ from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel  # noqa: E402
 from tinyvllm.models.loader import build_model  # noqa: E402
 
 BLOCK = 16
-VARIANTS = [MegakernelConfig(), MegakernelConfig(preload_kv=False), MegakernelConfig(16384, 8, 1, 0, False, False)]
-# the default; without the K/V preload (v6.3); v5.4 (no pipeline, no prefetch, no preload)
+C = MegakernelConfig
+VARIANTS = [(C(), None), (C(merge_width=16), None), (C(stages=4, ace_stages=0), None)]
+# (config, context splits per KV head; None: the default): the default (v7: every weight phase pipelined,
+# its first tiles issued before the barrier's wait); the attention merge 16 partials wide; v6.5's
+# register-double-buffered phases A, C, E.
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
+B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its unit, ticket, merge, the wait after
 
 
-def name_of(cfg: MegakernelConfig) -> str:
+def name_of(cfg: MegakernelConfig, splits: int | None = None) -> str:
     return (f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
-            + ("/kv" if cfg.preload_kv else ""))
+            + f"/ace{cfg.ace_stages}" + ("/kv" if cfg.preload_kv else "") + f"/m{cfg.merge_width}"
+            + (f"/{splits}sp" if splits else ""))
 
 
 def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:
     """Mean ns per phase (program 0's view: its work plus the wait at the barrier that ends the phase),
-    averaged over layers and `reps` launches, from the kernel's global-timer trace."""
+    averaged over layers and `reps` launches, from the kernel's global-timer trace; phase B also split
+    at program 0's points inside it (its unit computed, its ticket taken, its merge done)."""
     views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
     L = kv.shape[0]
-    sums = torch.zeros(3 + 5 * L, dtype=torch.float64)
+    sums = torch.zeros(3 + 8 * L, dtype=torch.float64)
     for _ in range(reps):
         mk(ids, pos, meta, views, trace=True)
         t = mk.workspace.trace.double().cpu()
         sums += t - t[0]
     t = sums / reps
+    b_points = t[3 + 5 * L:].reshape(L, 3)
+    t = t[:3 + 5 * L]
     per_layer = torch.stack([t[2 + 5 * i: 7 + 5 * i] - t[1 + 5 * i: 6 + 5 * i] for i in range(L)])
+    b_start, b_end = t[2: 2 + 5 * L: 5], t[3: 3 + 5 * L: 5]  # barrier exits before and after phase B
+    b_parts = torch.stack([b_points[:, 0] - b_start, b_points[:, 1] - b_points[:, 0],
+                           b_points[:, 2] - b_points[:, 1], b_end - b_points[:, 2]], 1).mean(0) / 1e3
     out = {"start_to_first_barrier_us": float(t[1] - t[0]) / 1e3,
            "last_barrier_to_end_us": float(t[-1] - t[-2]) / 1e3, "total_us": float(t[-1]) / 1e3}
     for name, v in zip(PHASES, per_layer.mean(0).tolist()):
         out[name + " us"] = v / 1e3
+    for name, v in zip(B_PARTS, b_parts.tolist()):
+        out["B " + name + " us"] = v
     return out
 
 
@@ -98,7 +111,7 @@ def run(model, mk, ids, pos, meta, kv, logits: bool = True):
 
 @torch.no_grad()
 def check(model, kv: torch.Tensor, base: LlamaDecodeMegakernel, contexts: list[int],
-          variants: list[MegakernelConfig]) -> list[dict]:
+          variants: list[tuple[MegakernelConfig, int | None]]) -> list[dict]:
     dev, dtype = kv.device, kv.dtype
     rows = []
     for ctx in contexts:
@@ -107,10 +120,10 @@ def check(model, kv: torch.Tensor, base: LlamaDecodeMegakernel, contexts: list[i
         slot = int(meta.slot_mapping[0])
         at = (slice(None), slice(None), slot // BLOCK, slice(None), slot % BLOCK)
         h_ref, l_ref = run(model, None, ids, pos, meta, kv_ref)
-        for cfg in variants:
+        for cfg, splits in variants:
             kv_mk = kv.clone()
-            h, lg = run(model, base.variant(cfg), ids, pos, meta, kv_mk)
-            rows.append({"dtype": str(dtype).replace("torch.", ""), "context": ctx, "variant": name_of(cfg),
+            h, lg = run(model, base.variant(cfg, splits), ids, pos, meta, kv_mk)
+            rows.append({"dtype": str(dtype).replace("torch.", ""), "context": ctx, "variant": name_of(cfg, splits),
                          "hidden_rel_err": rel_err(h, h_ref), "logits_rel_err": rel_err(lg, l_ref),
                          "kv_rel_err": rel_err(kv_mk[at], kv_ref[at]),
                          "argmax_equal": bool((lg.argmax(-1) == l_ref.argmax(-1)).all())})
@@ -154,7 +167,7 @@ def main() -> None:
         kv_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * ctx * 64 * 2
         floor_layers = (layer_bytes + kv_bytes) / copy * 1e6
         floor_step = floor_layers + head_bytes / copy * 1e6
-        for name, mk in [("layered", None)] + [(name_of(c), base.variant(c)) for c in VARIANTS]:
+        for name, mk in [("layered", None)] + [(name_of(c, sp), base.variant(c, sp)) for c, sp in VARIANTS]:
             step_us = bench_graph([lambda mk=mk: run(model, mk, ids, pos, meta, kv)], calls=32, replays=9) * 1e3
             layers_us = bench_graph([lambda mk=mk: run(model, mk, ids, pos, meta, kv, logits=False)],
                                     calls=32, replays=9) * 1e3
@@ -168,12 +181,13 @@ def main() -> None:
     traces = []
     for ctx in ns.contexts:
         ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
-        for cfg in VARIANTS:
-            traces.append({"context": ctx, "variant": name_of(cfg),
-                           **phase_trace(model, base.variant(cfg), ids, pos, meta, kv)})
+        for cfg, splits in VARIANTS:
+            traces.append({"context": ctx, "variant": name_of(cfg, splits),
+                           **phase_trace(model, base.variant(cfg, splits), ids, pos, meta, kv)})
     print_table("per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)", traces,
                 [("context", "ctx", "d"), ("variant", "variant", "")]
                 + [(p + " us", p.split()[0], ".2f") for p in PHASES]
+                + [("B " + p + " us", "B " + p, ".2f") for p in B_PARTS]
                 + [("start_to_first_barrier_us", "start", ".2f"), ("last_barrier_to_end_us", "end", ".2f"),
                    ("total_us", "total", ".1f")])
     print_table(f"batch-1 decode step, llama-3.2-1b shape, bf16 ({info.get('name', '')})", rows,

@@ -64,16 +64,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_len,splits,tile,stages,prefetch,preload",
-                         [(1, 1, 16384, 4, True, True), (13, 1, 256, 4, True, True), (300, 3, 256, 4, True, True),
-                          (150, 2, 16384, 4, True, True), (300, 11, 256, 4, True, True), (64, 1, 256, 4, True, True),
-                          (65, 2, 256, 4, True, True), (13, 1, 256, 0, False, False), (150, 2, 16384, 3, False, False)])
-def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, prefetch, preload):
+@pytest.mark.parametrize("seq_len,splits,tile,stages,ace_stages,prefetch,preload,merge",
+                         [(1, 1, 16384, 3, 3, True, True, 16), (13, 1, 256, 3, 3, True, True, 16),
+                          (300, 3, 256, 4, 2, True, True, 16), (150, 2, 16384, 3, 3, True, True, 16),
+                          (300, 11, 256, 3, 3, True, True, 4), (300, 11, 256, 3, 3, True, True, 16),
+                          (64, 1, 256, 3, 3, True, True, 16), (65, 2, 256, 3, 3, True, True, 16),
+                          (13, 1, 256, 0, 0, False, False, 16), (150, 2, 16384, 3, 3, False, False, 16),
+                          (300, 3, 256, 4, 0, True, True, 16), (13, 1, 256, 0, 0, True, False, 16)])
+def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, ace_stages, prefetch, preload,
+                                             merge):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512)
     model = build("triton", dtype, device, max_positions=512)
-    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, prefetch=prefetch,
-                                                    preload_kv=preload))
+    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=ace_stages,
+                                                    prefetch=prefetch, preload_kv=preload, merge_width=merge))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == mk.weights.down[1].data_ptr()  # views, no copy
@@ -129,4 +133,5 @@ def test_unit_tile_fits_the_pipeline_in_shared_memory():
     assert unit_tile(MegakernelConfig(tile=16384, stages=4), 2) == 16384  # 3 × 32 KB = 96 KB
     assert unit_tile(MegakernelConfig(tile=16384, stages=4), 4) == 8192  # 3 × 64 KB = 192 KB > 160 KB
     assert unit_tile(MegakernelConfig(tile=16384, stages=8), 2) == 8192  # 7 × 32 KB = 224 KB > 160 KB
-    assert unit_tile(MegakernelConfig(tile=16384, stages=0), 4) == 16384  # no pipeline: registers only
+    assert unit_tile(MegakernelConfig(tile=16384, stages=3, ace_stages=8), 2) == 8192  # the deeper counts
+    assert unit_tile(MegakernelConfig(tile=16384, stages=0, ace_stages=0), 4) == 16384  # registers only

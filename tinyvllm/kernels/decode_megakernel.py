@@ -72,9 +72,11 @@ class MegakernelConfig(NamedTuple):
     tile: int = 16384  # weight elements per unit (a power of two)
     num_warps: int = 8
     programs_per_sm: int = 1  # CUDA: above 1, registers are capped (maxnreg) so that this many fit on an SM
-    stages: int = 4  # > 0: phase D software-pipelined over this many shared-memory stages; 0: double-buffered
-    prefetch: bool = True  # phases A, C, E: the first weight tile loaded between barrier arrival and wait
+    stages: int = 3  # > 0: phase D software-pipelined over this many shared-memory stages; 0: double-buffered
+    prefetch: bool = True  # weight phases: the first tile(s) issued between the barrier's arrival and wait
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
+    ace_stages: int = 3  # the same for phases A, C and E
+    merge_width: int = 4  # attention partials merged per step of the merge loop (a power of two)
 
 
 @dataclass(frozen=True)
@@ -123,16 +125,31 @@ def _wait(count_ptr, target):
 
 
 @triton.jit
+def _wait_asm(count_ptr, target):
+    """`_wait` as one asm statement, thread 0 spinning in a PTX loop on a gpu-scope acquire load, then a
+    CTA barrier (`bar.sync 0`) inside the asm: Triton does not software-pipeline a loop that holds a
+    nested loop or a `tl.debug_barrier`, and a pipelined weight loop holds its barrier's wait (CUDA only)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.ne.u32 p, t, 0; @p bra $$done_${:uid}; "
+        "$$spin_${:uid}: ld.acquire.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra $$spin_${:uid}; "
+        "$$done_${:uid}: bar.sync 0; }",
+        "=r,l,r", [count_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _now(x):
     """The GPU's global nanosecond timer (phase trace only; CUDA only)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
-def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr):
-    """The wait of the launch's b-th grid barrier (b · P arrivals); when tracing, program 0 then writes
-    the timer into trace[b]."""
-    _wait(bar_ptr, b * P)
+def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.constexpr):
+    """The wait of the launch's b-th grid barrier (b · P arrivals), with `_wait_asm` if ASM (CUDA); when
+    tracing, program 0 then writes the timer into trace[b]."""
+    if ASM:
+        _wait_asm(bar_ptr, b * P)
+    else:
+        _wait(bar_ptr, b * P)
     if TRACE:
         if pid == 0:
             tl.store(trace_ptr + b, _now(pid))
@@ -193,46 +210,83 @@ def _gate_up_tile(w_ptr, layer, u, n_units, H: tl.constexpr, F: tl.constexpr, RG
 
 # ---------------------------------------------------------------------------------------------- phases
 @triton.jit
-def _qkv_phase(w, layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
-               stride_blk, stride_head, eps,
-               H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-               RQ: tl.constexpr, BH: tl.constexpr):
-    """Phase A; `w` is this program's first unit tile (`_qkv_tile(.., pid, ..)`), loaded by the caller."""
-    NQKV: tl.constexpr = (HQ + 2 * HK) * D
+def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
+              HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr):
+    """Unit u of phase A from its tile w [RQ, 2, BH] (`_qkv_tile`), the normed input a [1, 1, BH] and
+    the RoPE factors c, s [RQ] of its rows: y = round(W a); q and k rotated, (y₁, y₂) → (y₁c − y₂s,
+    y₂c + y₁s); q to the scratch vector, k and v into the cache row kv_off (slot −1: nowhere)."""
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
-    n_units = (HQ + 2 * HK) * UPH
     jj = tl.arange(0, RQ)
     hh = tl.arange(0, 2)
     in_head = hh[None, :] * HALF + jj[:, None]  # [RQ, 2]: offset of each output within its head
     sign = tl.where(hh[None, :] == 0, -1.0, 1.0)
     other_half = (hh[None, :, None] != hh[None, None, :]).to(tl.float32)  # [1, 2, 2]
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
+    partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
+    roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
+    head = u // UPH
+    offs = (u % UPH) * RQ + in_head
+    if head < HQ:
+        tl.store(q_ptr + head * D + offs, roped)
+    elif head < HQ + HK:
+        if slot >= 0:
+            tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
+    else:
+        if slot >= 0:
+            tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + offs, y.to(q_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+               stride_blk, stride_head, eps, bar_ptr, b, trace_ptr,
+               H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+               RQ: tl.constexpr, BH: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr,
+               TRACE: tl.constexpr, ASM: tl.constexpr):
+    """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH)."""
+    NQKV: tl.constexpr = (HQ + 2 * HK) * D
+    HALF: tl.constexpr = D // 2
+    UPH: tl.constexpr = HALF // RQ
+    n_units = (HQ + 2 * HK) * UPH
+    jj = tl.arange(0, RQ)
     kv_off = (slot // BS) * stride_blk + (slot % BS) * D
     cs_row = cos_sin_ptr + pos * D
-    c = tl.load(cs_row + (pid % UPH) * RQ + jj)
-    s = tl.load(cs_row + HALF + (pid % UPH) * RQ + jj)
-    a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
-    for u in range(pid, n_units, P):
-        # the next unit's tile and RoPE factors, in flight while this one is reduced
-        w_next = _qkv_tile(wqkv_ptr, layer, u + P, n_units, H, NQKV, D, RQ, BH)
-        c_next = tl.load(cs_row + ((u + P) % UPH) * RQ + jj)
-        s_next = tl.load(cs_row + HALF + ((u + P) % UPH) * RQ + jj)
-        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
-        partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
-        roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
-        head = u // UPH
-        offs = (u % UPH) * RQ + in_head
-        if head < HQ:
-            tl.store(q_ptr + head * D + offs, roped)
-        elif head < HQ + HK:
-            if slot >= 0:
-                tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
+    if PIPE > 0:
+        a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
+        if not PREFETCH:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+            a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+        for u in tl.range(pid, n_units, P, num_stages=PIPE):
+            w = _qkv_tile(wqkv_ptr, layer, u, n_units, H, NQKV, D, RQ, BH)
+            c = tl.load(cs_row + (u % UPH) * RQ + jj)
+            s = tl.load(cs_row + HALF + (u % UPH) * RQ + jj)
+            if PREFETCH:
+                if u == pid:  # the pipeline's first tiles are in flight
+                    _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+                    a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+            _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
+        if PREFETCH:
+            if pid >= n_units:
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+    else:
+        if PREFETCH:
+            w = _qkv_tile(wqkv_ptr, layer, pid, n_units, H, NQKV, D, RQ, BH)
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         else:
-            if slot >= 0:
-                tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + offs, y.to(q_ptr.dtype.element_ty))
-        w = w_next
-        c = c_next
-        s = s_next
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+            w = _qkv_tile(wqkv_ptr, layer, pid, n_units, H, NQKV, D, RQ, BH)
+        c = tl.load(cs_row + (pid % UPH) * RQ + jj)
+        s = tl.load(cs_row + HALF + (pid % UPH) * RQ + jj)
+        a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+        for u in range(pid, n_units, P):
+            # the next unit's tile and RoPE factors, in flight while this one is reduced
+            w_next = _qkv_tile(wqkv_ptr, layer, u + P, n_units, H, NQKV, D, RQ, BH)
+            c_next = tl.load(cs_row + ((u + P) % UPH) * RQ + jj)
+            s_next = tl.load(cs_row + HALF + ((u + P) % UPH) * RQ + jj)
+            _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
+            w = w_next
+            c = c_next
+            s = s_next
 
 
 @triton.jit
@@ -243,22 +297,31 @@ def _keys_per_split(seq_len, num_splits, KEYS: tl.constexpr):
 
 
 @triton.jit
-def _preload_kv(pid, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, stride_blk, stride_head,
-                HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KEYS: tl.constexpr):
-    """The first key tile of this program's first attention unit (unit `pid`), every key but the
-    newest: those were written by earlier steps, so they load while phase A's barrier is still closing.
-    Returns (K [KEYS, D], V [KEYS, D], the tile's cache-row offsets [KEYS]). The newest key's row is left
-    out (masked: its cache line is not touched, a D-element row being whole 128-byte lines at D·size ≥
-    128) and read after the barrier by `_attn_first_tile`."""
-    kvh = pid // num_splits
+def _first_tile_rows(pid, bt_ptr, seq_len, num_splits, stride_blk, HK: tl.constexpr, D: tl.constexpr,
+                     BS: tl.constexpr, KEYS: tl.constexpr):
+    """Cache-row offsets [KEYS] (within a layer's K or V, head 0) of the first key tile of this program's
+    first attention unit (unit `pid`): the same pages in every layer, so read from the block table once
+    per launch."""
     split = pid % num_splits
     keys = split * _keys_per_split(seq_len, num_splits, KEYS) + tl.arange(0, KEYS)
     mine = keys * 0 + pid < HK * num_splits
     blk = tl.load(bt_ptr + keys // BS, mask=(keys < seq_len) & mine, other=0).to(tl.int64)
-    rows = blk * stride_blk + (keys % BS) * D
+    return blk * stride_blk + (keys % BS) * D
+
+
+@triton.jit
+def _preload_kv(pid, k_ptr, v_ptr, rows, seq_len, num_splits, stride_head,
+                HK: tl.constexpr, D: tl.constexpr, KEYS: tl.constexpr):
+    """The first key tile of this program's first attention unit (unit `pid`; `rows` from
+    `_first_tile_rows`), every key but the newest: those were written by earlier steps, so they load
+    while phase A's barrier is still closing. Returns (K [KEYS, D], V [KEYS, D]). The newest key's row is
+    left out (masked: its cache line is not touched, a D-element row being whole 128-byte lines at
+    D·size ≥ 128) and read after the barrier by `_attn_first_tile`."""
+    kvh = pid // num_splits
+    keys = (pid % num_splits) * _keys_per_split(seq_len, num_splits, KEYS) + tl.arange(0, KEYS)
     ptrs = kvh * stride_head + rows[:, None] + tl.arange(0, D)[None, :]
-    old = ((keys < seq_len - 1) & mine)[:, None]
-    return tl.load(k_ptr + ptrs, mask=old, other=0.0), tl.load(v_ptr + ptrs, mask=old, other=0.0), rows
+    old = ((keys < seq_len - 1) & (keys * 0 + pid < HK * num_splits))[:, None]
+    return tl.load(k_ptr + ptrs, mask=old, other=0.0), tl.load(v_ptr + ptrs, mask=old, other=0.0)
 
 
 @triton.jit
@@ -284,10 +347,10 @@ def _attn_first_tile(acc, l_i, m_i, q, q_pos, kp, vp, rows, k_head_ptr, v_head_p
 
 @triton.jit
 def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
-                     attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre,
+                     attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      KEYS: tl.constexpr, MERGE: tl.constexpr, BG: tl.constexpr, UPCAST: tl.constexpr,
-                     IEEE: tl.constexpr, PRELOAD: tl.constexpr):
+                     IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr):
     """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
     FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
     PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`."""
@@ -318,6 +381,10 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
                 start = lo + KEYS
         acc, l, m = _attn_inner(acc, l, m, q, q_pos, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head, bt_ptr,
                                 start, hi, hi, qk_scale, stride_blk, D, D, KEYS, BS, False, True, UPCAST, IEEE)
+        if TRACE:
+            if pid == 0:
+                if u == pid:
+                    tl.store(trace_ptr + tb, _now(pid))
         m = tl.where(l > 0, m, float("-inf"))  # an empty split
         real = rows_g < G  # the padding rows are not stored
         part = part_ptr + (u * G + rows_g) * PW  # [BG] row starts of this unit's partials
@@ -326,6 +393,10 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
         tl.store(part + D + 1, l, mask=real)
         tl.debug_barrier()
         ticket = tl.atomic_add(tickets_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+        if TRACE:
+            if pid == 0:
+                if u == pid:
+                    tl.store(trace_ptr + tb + 1, _now(ticket))
         if ticket == num_splits - 1:  # the last split of this KV head merges them all, in split order
             mx = tl.full([G], float("-inf"), tl.float32)
             den = tl.zeros([G], tl.float32)
@@ -347,40 +418,99 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
             out = tl.where(den[:, None] > 0, num / den[:, None], 0.0)
             tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
             tl.atomic_xchg(tickets_ptr + kvh, 0, sem="relaxed", scope="gpu")
+        if TRACE:
+            if pid == 0:
+                if u == pid:
+                    tl.store(trace_ptr + tb + 2, _now(pid))
 
 
 @triton.jit
-def _residual_phase(w, layer, pid, P, x_ptr, w_ptr, r_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-                    BK: tl.constexpr):
-    """r[rows] = round(round(W x)[rows] + r[rows]) over the units of W [N, K] (phases C and E); `w` is
-    this program's first unit tile (`_rows_tile(.., pid, ..)`), loaded by the caller."""
+def _residual_unit(w, a, res, u, r_ptr, N: tl.constexpr, R: tl.constexpr):
+    """Unit u of phases C and E: r[rows] = round(round(W x)[rows] + res) for its tile w [R, BK] (rows
+    u·R + [0, R)), x as a [1, BK] and the rows' residual res [R]."""
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(r_ptr.dtype.element_ty)
+    rows = u * R + tl.arange(0, R)
+    tl.store(r_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(r_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
+                    N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
+                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
+    """r ← round(round(W x) + r) over the units of W [N, K] (phases C and E), starting with the wait of
+    barrier b. Pipelined (PIPE > 0), the residual rows of all of this program's units (at most MAXU) are
+    read once after the wait, not by the loop: the pipeline's loads are issued ahead of the wait and
+    may be cached in L1, which does not see other SMs' stores to r."""
     n_units = N // R
     rr = tl.arange(0, R)
     cols = tl.arange(0, BK)
-    res = tl.load(r_ptr + pid * R + rr, mask=pid * R + rr < N, other=0.0, cache_modifier=".cg")
-    a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
-    for u in range(pid, n_units, P):
-        rows_next = (u + P) * R + rr
-        w_next = _rows_tile(w_ptr, layer, u + P, n_units, N, K, R, BK)
-        res_next = tl.load(r_ptr + rows_next, mask=rows_next < N, other=0.0, cache_modifier=".cg")
-        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(r_ptr.dtype.element_ty)
-        rows = u * R + rr
-        tl.store(r_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(r_ptr.dtype.element_ty), mask=rows < N)
-        w = w_next
-        res = res_next
+    if PIPE > 0:
+        it = tl.arange(0, MAXU)
+        my_rows = (pid + it * P)[:, None] * R + rr[None, :]  # [MAXU, R]: row i holds this program's i-th unit
+        a = tl.zeros([1, BK], x_ptr.dtype.element_ty)
+        res_all = tl.zeros([MAXU, R], r_ptr.dtype.element_ty)
+        if not PREFETCH:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+            a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
+            res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
+        for u in tl.range(pid, n_units, P, num_stages=PIPE):
+            w = _rows_tile(w_ptr, layer, u, n_units, N, K, R, BK)
+            if PREFETCH:
+                if u == pid:  # the pipeline's first tiles are in flight
+                    _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+                    a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
+                    res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
+            res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
+            _residual_unit(w, a, res, u, r_ptr, N, R)
+        if PREFETCH:
+            if pid >= n_units:
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+    else:
+        if PREFETCH:
+            w = _rows_tile(w_ptr, layer, pid, n_units, N, K, R, BK)
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+        else:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+            w = _rows_tile(w_ptr, layer, pid, n_units, N, K, R, BK)
+        res = tl.load(r_ptr + pid * R + rr, mask=pid * R + rr < N, other=0.0, cache_modifier=".cg")
+        a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
+        for u in range(pid, n_units, P):
+            rows_next = (u + P) * R + rr
+            w_next = _rows_tile(w_ptr, layer, u + P, n_units, N, K, R, BK)
+            res_next = tl.load(r_ptr + rows_next, mask=rows_next < N, other=0.0, cache_modifier=".cg")
+            _residual_unit(w, a, res, u, r_ptr, N, R)
+            w = w_next
+            res = res_next
 
 
 @triton.jit
-def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps,
-                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr):
+def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
+                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
+                   PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
+    """Phase D, starting with the wait of barrier b."""
     n_units = F // RG
     if STAGES > 0:
-        a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
+        a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
+        if not PREFETCH:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+            a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
         for u in tl.range(pid, n_units, P, num_stages=STAGES):
             w = _gate_up_tile(wgu_ptr, layer, u, n_units, H, F, RG, BH)
+            if PREFETCH:
+                if u == pid:  # the pipeline's first tiles are in flight
+                    _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+                    a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
             _gate_up_unit(w, a, u, act_ptr, RG)
+        if PREFETCH:
+            if pid >= n_units:
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
     else:
-        w = _gate_up_tile(wgu_ptr, layer, pid, n_units, H, F, RG, BH)
+        if PREFETCH:
+            w = _gate_up_tile(wgu_ptr, layer, pid, n_units, H, F, RG, BH)
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+        else:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+            w = _gate_up_tile(wgu_ptr, layer, pid, n_units, H, F, RG, BH)
         a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
         for u in range(pid, n_units, P):
             w_next = _gate_up_tile(wgu_ptr, layer, u + P, n_units, H, F, RG, BH)
@@ -390,6 +520,7 @@ def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps,
 
 @triton.jit
 def _gate_up_unit(w, a, u, act_ptr, RG: tl.constexpr):
+    """Unit u of phase D: act[rows] = round(silu(g) ⊙ u) with g, u = round(W a) of its tile [RG, 2, BH]."""
     hh = tl.arange(0, 2)[None, :]
     y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(act_ptr.dtype.element_ty).to(tl.float32)  # [RG, 2]
     gate = tl.sum(tl.where(hh == 0, y, 0.0), axis=1)
@@ -408,8 +539,9 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
                        RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, BG: tl.constexpr,
+                       MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                       PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
+                       PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -424,56 +556,48 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     pos = tl.load(pos_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
     seq_len = tl.load(seq_len_ptr)
+    # context splits per KV head: at most num_splits, each a whole number of KEYS tiles, none empty
+    tiles = tl.cdiv(seq_len, KEYS)
+    splits = tl.cdiv(tiles, tl.cdiv(tiles, num_splits))
     cols = tl.arange(0, BH)
     if pid == 0:  # r ← the token's embedding row
         e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
         tl.store(r_ptr + cols, e, mask=cols < H)
-    # A phase's first weight tile does not depend on the barrier before it: with PREFETCH it is loaded
-    # between this program's arrival and its wait (in flight while the others arrive), else after.
-    NQKV: tl.constexpr = (HQ + 2 * HK) * D
-    n_qkv = NQKV // 2 // RQ
+    if PRELOAD:
+        rows_pre = _first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, HK, D, BS, KEYS)
+    else:
+        rows_pre = 0
     _arrive(bar_ptr)
-    w_a = _qkv_tile(wqkv_ptr, 0, pid, n_qkv, H, NQKV, D, RQ, BH)
-    _end_phase(bar_ptr, 1, P, trace_ptr, pid, TRACE)
+    # Each weight phase starts with the wait of the barrier before it: with PREFETCH, after issuing its
+    # first weight tiles (they do not depend on the barrier), so they stream while the others arrive.
     for layer in range(num_layers):
         b = 1 + 5 * layer  # barriers before this layer: the embedding's, then 5 per layer
         k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
         v_ptr = k_ptr + v_offset
-        if not PREFETCH:
-            w_a = _qkv_tile(wqkv_ptr, layer, pid, n_qkv, H, NQKV, D, RQ, BH)
-        _qkv_phase(w_a, layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
-                   stride_blk, stride_head, eps, H, HQ, HK, D, BS, RQ, BH)
+        _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+                   stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, PIPE, PREFETCH,
+                   TRACE, ASM)
         _arrive(bar_ptr)
         if PRELOAD:
-            kp, vp, rows_pre = _preload_kv(pid, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, stride_blk, stride_head,
-                                           HK, D, BS, KEYS)
+            kp, vp = _preload_kv(pid, k_ptr, v_ptr, rows_pre, seq_len, splits, stride_head, HK, D, KEYS)
         else:
-            kp, vp, rows_pre = 0, 0, 0
-        _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE)
-        _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
+            kp, vp = 0, 0
+        _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
+        _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
-                         HQ, HK, D, BS, KEYS, MERGE, BG, UPCAST, IEEE, PRELOAD)
+                         trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, MERGE, BG, UPCAST, IEEE,
+                         PRELOAD, TRACE)
         _arrive(bar_ptr)
-        if PREFETCH:
-            w_c = _rows_tile(wo_ptr, layer, pid, H // RO, H, QD, RO, BQ)
-        _end_phase(bar_ptr, b + 2, P, trace_ptr, pid, TRACE)
-        if not PREFETCH:
-            w_c = _rows_tile(wo_ptr, layer, pid, H // RO, H, QD, RO, BQ)
-        _residual_phase(w_c, layer, pid, P, attn_ptr, wo_ptr, r_ptr, H, QD, RO, BQ)
+        _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
-        _end_phase(bar_ptr, b + 3, P, trace_ptr, pid, TRACE)
-        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, H, F, RG, BH, STAGES)
+        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
-        if PREFETCH:
-            w_e = _rows_tile(wd_ptr, layer, pid, H // RD, H, F, RD, BF)
-        _end_phase(bar_ptr, b + 4, P, trace_ptr, pid, TRACE)
-        if not PREFETCH:
-            w_e = _rows_tile(wd_ptr, layer, pid, H // RD, H, F, RD, BF)
-        _residual_phase(w_e, layer, pid, P, act_ptr, wd_ptr, r_ptr, H, F, RD, BF)
+        _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
-        if PREFETCH:  # the next layer's (the last layer re-reads its own: harmless, unused)
-            w_a = _qkv_tile(wqkv_ptr, tl.minimum(layer + 1, num_layers - 1), pid, n_qkv, H, NQKV, D, RQ, BH)
-        _end_phase(bar_ptr, b + 5, P, trace_ptr, pid, TRACE)
+    _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
         out = _normed(r_ptr, nf_ptr, H, eps, BH)
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
@@ -555,8 +679,8 @@ PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take 
 def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
     """Weight elements per unit: config.tile, halved until the pipeline's stages − 1 buffers in flight
     (`stages` > 0) fit in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
-    tile = config.tile
-    while config.stages > 1 and tile > 256 and tile * elem_bytes * (config.stages - 1) > PIPELINE_BYTES:
+    tile, stages = config.tile, max(config.stages, config.ace_stages)
+    while stages > 1 and tile > 256 and tile * elem_bytes * (stages - 1) > PIPELINE_BYTES:
         tile //= 2
     return tile
 
@@ -573,7 +697,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     [num_blocks, Hk, block_size, D], all carved from one buffer at a fixed layer stride (as the model
     runner allocates them); the new token's K/V are written at slot_mapping[0] (−1: nowhere).
     `trace` (CUDA): program 0 writes the global timer after every barrier into workspace.trace
-    ([3 + 5·L] int64 ns: start, after the embedding, 5 per layer after phases A–E, end).
+    ([3 + 8·L] int64 ns: start, after the embedding, 5 per layer after phases A–E, end; then 3 per layer
+    inside phase B: program 0's unit computed, its ticket taken, its merge (if it was last) done).
     """
     k0, v0 = kv_caches[0]
     _, hk, block_size, d = k0.shape
@@ -595,8 +720,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     ws = workspace
     cuda = input_ids.device.type == "cuda"
     num_layers = weights.qkv.shape[0]
-    if trace and ws.trace.numel() != 3 + 5 * num_layers:
-        ws.trace = torch.zeros(3 + 5 * num_layers, dtype=torch.int64, device=input_ids.device)
+    if trace and ws.trace.numel() != 3 + 8 * num_layers:
+        ws.trace = torch.zeros(3 + 8 * num_layers, dtype=torch.int64, device=input_ids.device)
     args = (
         input_ids, positions, slot_mapping, seq_lens, block_table,
         weights.embed, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm1, weights.norm2,
@@ -606,10 +731,12 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     kwargs = dict(
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
         BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=ATTN_KEYS,
-        MERGE=min(8, next_power_of_2(ws.num_splits)),
+        MERGE=min(config.merge_width, next_power_of_2(ws.num_splits)),
         BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
         UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
-        STAGES=config.stages, PREFETCH=config.prefetch,
+        MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
+        MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
+        STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
         PRELOAD=config.preload_kv, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)

@@ -65,12 +65,14 @@ class LlamaDecodeMegakernel:
         device = self.weights.qkv.device
         self.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device, config))
 
-    def variant(self, config: MegakernelConfig) -> "LlamaDecodeMegakernel":
-        """The same stacked weights under another launch configuration (benchmarks), own workspace."""
+    def variant(self, config: MegakernelConfig, num_splits: int | None = None) -> "LlamaDecodeMegakernel":
+        """The same stacked weights under another launch configuration (benchmarks), own workspace
+        (`num_splits` context splits per KV head; None: the default)."""
         other = copy.copy(self)
         other.config = config
         device = self.weights.qkv.device
-        other.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device, config))
+        other.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device, config),
+                                    num_splits)
         return other
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
