@@ -76,7 +76,7 @@ class MegakernelConfig(NamedTuple):
     prefetch: bool = True  # weight phases: the first tile(s) issued between the barrier's arrival and wait
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
     ace_stages: int = 3  # the same for phases A, C and E
-    merge_width: int = 4  # attention partials merged per step of the merge loop (a power of two)
+    merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
 
 
 @dataclass(frozen=True)
@@ -346,11 +346,39 @@ def _attn_first_tile(acc, l_i, m_i, q, q_pos, kp, vp, rows, k_head_ptr, v_head_p
 
 
 @triton.jit
+def _merge_partials(part_ptr, kvh, num_splits, G: tl.constexpr, D: tl.constexpr, MERGE: tl.constexpr):
+    """The attention output [G, D] of KV head kvh's query heads from its num_splits partials (acc [D],
+    m, l per query head; m in the log2 domain): Σₛ 2^(mₛ−M) accₛ / Σₛ 2^(mₛ−M) lₛ with M the running
+    maximum, MERGE splits per step, in split order; 0 where no split had keys."""
+    PW: tl.constexpr = D + 2
+    g = tl.arange(0, G)
+    d = tl.arange(0, D)
+    mx = tl.full([G], float("-inf"), tl.float32)
+    den = tl.zeros([G], tl.float32)
+    num = tl.zeros([G, D], tl.float32)
+    for s0 in range(0, num_splits, MERGE):
+        sp = s0 + tl.arange(0, MERGE)
+        have = sp < num_splits
+        rows = part_ptr + ((kvh * num_splits + sp)[:, None] * G + g[None, :]) * PW  # [MERGE, G]
+        ms = tl.load(rows + D, mask=have[:, None], other=float("-inf"), cache_modifier=".cg")
+        ls = tl.load(rows + D + 1, mask=have[:, None], other=0.0, cache_modifier=".cg")
+        accs = tl.load(rows[:, :, None] + d[None, None, :], mask=have[:, None, None], other=0.0,
+                       cache_modifier=".cg")
+        mx_new = tl.maximum(mx, tl.max(ms, axis=0))  # finite once a split with keys is seen
+        alpha = tl.where(mx == float("-inf"), 0.0, tl.math.exp2(mx - mx_new))
+        wgt = tl.where(ms == float("-inf"), 0.0, tl.math.exp2(ms - mx_new[None, :]))
+        num = num * alpha[:, None] + tl.sum(wgt[:, :, None] * accs, axis=0)
+        den = den * alpha + tl.sum(wgt * ls, axis=0)
+        mx = mx_new
+    return tl.where(den[:, None] > 0, num / den[:, None], 0.0)
+
+
+@triton.jit
 def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
                      attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                     KEYS: tl.constexpr, MERGE: tl.constexpr, BG: tl.constexpr, UPCAST: tl.constexpr,
-                     IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr):
+                     KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr, BG: tl.constexpr,
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr):
     """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
     FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
     PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`."""
@@ -398,24 +426,10 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
                 if u == pid:
                     tl.store(trace_ptr + tb + 1, _now(ticket))
         if ticket == num_splits - 1:  # the last split of this KV head merges them all, in split order
-            mx = tl.full([G], float("-inf"), tl.float32)
-            den = tl.zeros([G], tl.float32)
-            num = tl.zeros([G, D], tl.float32)
-            for s0 in range(0, num_splits, MERGE):
-                sp = s0 + tl.arange(0, MERGE)
-                have = sp < num_splits
-                rows = part_ptr + ((kvh * num_splits + sp)[:, None] * G + g[None, :]) * PW  # [MERGE, G]
-                ms = tl.load(rows + D, mask=have[:, None], other=float("-inf"), cache_modifier=".cg")
-                ls = tl.load(rows + D + 1, mask=have[:, None], other=0.0, cache_modifier=".cg")
-                accs = tl.load(rows[:, :, None] + d[None, None, :], mask=have[:, None, None], other=0.0,
-                               cache_modifier=".cg")
-                mx_new = tl.maximum(mx, tl.max(ms, axis=0))  # finite once a split with keys is seen
-                alpha = tl.where(mx == float("-inf"), 0.0, tl.math.exp2(mx - mx_new))
-                wgt = tl.where(ms == float("-inf"), 0.0, tl.math.exp2(ms - mx_new[None, :]))
-                num = num * alpha[:, None] + tl.sum(wgt[:, :, None] * accs, axis=0)
-                den = den * alpha + tl.sum(wgt * ls, axis=0)
-                mx = mx_new
-            out = tl.where(den[:, None] > 0, num / den[:, None], 0.0)
+            if num_splits <= MERGE_SMALL:  # one narrow step (a wide one reduces mostly padding)
+                out = _merge_partials(part_ptr, kvh, num_splits, G, D, MERGE_SMALL)
+            else:
+                out = _merge_partials(part_ptr, kvh, num_splits, G, D, MERGE)
             tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
             tl.atomic_xchg(tickets_ptr + kvh, 0, sem="relaxed", scope="gpu")
         if TRACE:
@@ -538,8 +552,8 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        num_layers, num_splits, eps, scale,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
-                       RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, BG: tl.constexpr,
-                       MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
+                       RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr,
+                       BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
@@ -585,8 +599,8 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
         _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
-                         trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, MERGE, BG, UPCAST, IEEE,
-                         PRELOAD, TRACE)
+                         trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, MERGE, MERGE_SMALL, BG,
+                         UPCAST, IEEE, PRELOAD, TRACE)
         _arrive(bar_ptr)
         _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
                         PIPE, PREFETCH, TRACE, ASM)
@@ -731,7 +745,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     kwargs = dict(
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
         BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=ATTN_KEYS,
-        MERGE=min(config.merge_width, next_power_of_2(ws.num_splits)),
+        MERGE=min(config.merge_width, next_power_of_2(ws.num_splits)), MERGE_SMALL=min(4, config.merge_width),
         BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
         UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
