@@ -3,8 +3,8 @@ the same weights: hidden state, logits and the K/V it writes into the paged cach
 
 On the CPU the interpreter runs the kernel with one program (the barriers then pass at once), so every
 unit of every phase runs in that program; the unit sizes (`tile`) and the number of context splits
-are varied so that the double-buffered unit loops, the multi-tile attention loop and the split merge
-all run. On a GPU the same tests run one program per SM (more programs than most phases have units);
+are varied so that the pipelined and the register-double-buffered unit loops, the multi-tile attention
+loop and the split merge (narrow, wide, several steps) all run. On a GPU the same tests run one program per SM (more programs than most phases have units);
 tests/gpu/test_megakernel_gpu.py checks the real shape.
 
 Tolerances as in test_fused_decode.py (float32: order of the sums only; bfloat16: 8-bit roundings of

@@ -15,21 +15,21 @@ beyond its bytes and every small op (norm, RoPE, attention merge) pays a launch 
 one-kernel-per-op step measured 1.15 ms (docs/perf.md). Here one program per multiprocessor runs all
 phases, separated by grid-wide barriers: no launches, no host gaps, and the small ops (norms, RoPE, the
 K/V write, the attention merge, SwiGLU, residual adds) folded into the phases around them. Measured on
-the H200 (docs/perf.md, v5 and v6): 1.07× the layer-by-layer path in CUDA-graph replays (0.86 ms of
-layers at 640 keys), short of the bandwidth floor because each of the 80 phases pays ~1.5–3 µs of ramp,
-tail and barrier beyond its bytes and attention costs ~10 µs per layer. Asking L2 to prefetch tiles
-ahead, and tensor-core phases pipelined through shared memory, were slower or no faster.
+the H200 (docs/perf.md, v5–v7): 1.23× the layer-by-layer path in CUDA-graph replays (0.74 ms of layers
+at 640 keys), short of the bandwidth floor because each of the 80 phases pays ~1.5–3 µs of ramp, tail
+and barrier beyond its bytes and attention costs ~9 µs per layer (its split merge and the barrier
+behind it). Asking L2 to prefetch tiles ahead, and tensor-core phases, were slower or no faster.
 
 Layout of the work. A phase is a list of "units" of about TILE weight elements each, dealt to the
-programs round-robin (unit u goes to program u mod P). In phases A, C and E a unit's tile is loaded
-whole into registers (every weight of it in flight at once) and the next unit's tile (and its
-epilogue's inputs) is loaded before the current one is reduced (double buffering); a program's first
-tile is loaded between its arrival at the barrier before the phase and its wait there, so the weights
-stream while the last programs finish the previous phase. Phase D, the largest (2·F·H weights), is a
-loop software-pipelined by Triton (`stages` − 1 tiles in flight through shared memory, cp.async):
-measured 19.6 µs per layer against 28 with register double buffering (`benchmarks/kernels/
-bench_stream.py` isolates the streaming schemes). The activation vector of a phase is loaded once per
-program.
+programs round-robin (unit u goes to program u mod P). Each weight phase (A, C, D, E) is a loop
+software-pipelined by Triton (`stages` − 1 tiles in flight through shared memory, cp.async), and it
+starts with the wait of the barrier before it: inside the loop's first iteration, so that the
+pipeline's prologue, the program's first tiles, is issued before the wait and streams while the last
+programs finish the previous phase (with `prefetch`; the activation vector, which does depend on the
+barrier, is loaded after it, once per program). Triton pipelines no loop that holds a nested loop or a
+CTA barrier, so the wait is one asm statement (`_wait_asm`). `stages`/`ace_stages` = 0 gives the
+earlier scheme: a unit's tile loaded whole into registers and double-buffered, the first one between
+arrival and wait. (`benchmarks/kernels/bench_stream.py` isolates the streaming schemes.)
   A: a unit is RQ rows of a head's first half and their RoPE partners in its second half, so RoPE
      is applied in registers; q goes to a scratch vector, k and v straight into the paged cache.
   B: a unit is (KV head, split of the context) through the FlashAttention-2 inner loop of the other
@@ -37,15 +37,18 @@ program.
      query heads padded to 16 rows; each writes (m, l, acc) of its keys; the last split to arrive at
      a per-head ticket merges them (the split-K semaphore of gemv.py) and writes the group's output.
      A program's first unit takes its first key tile preloaded between phase A's arrival and wait
-     (every key but the newest, which phase A is writing; that row is read from L2 afterwards).
+     (every key but the newest, which phase A is writing; that row is read from L2 afterwards; the
+     tile's block-table entries are read once per launch). A head's context is cut into at most
+     `num_splits` splits of whole 64-key tiles, none empty.
   C, E: RO / RD output rows with the residual add.  D: RG gate rows and the matching up rows.
 
 Barriers: a monotone arrival counter; the b-th barrier waits until it reads b·P (a CTA barrier
-first orders the CTA's stores before thread 0's gpu-scope release; the acquire and a second CTA
+first orders the CTA's stores before thread 0's gpu-scope release; thread 0's acquire and a second CTA
 barrier order the loads after). Arrival and wait are separate calls: a release waits for the loads
-issued before it, so the next phase's prefetch goes after the arrival. Data written inside the launch is read with `.cg` loads (L2; an
-SM's L1 is not coherent with other SMs' stores), except the KV cache in phase B: no SM reads a layer's
-cache lines before that layer's phase B, and L1 holds nothing from earlier launches. At exit the last
+issued before it, so the next phase's prefetch goes after the arrival. Data written inside the launch
+is read with `.cg` loads (L2; an SM's L1 is not coherent with other SMs' stores), never by a pipeline
+(its copies may allocate in L1), except the KV cache in phase B: no SM reads a layer's cache lines
+before that layer's phase B, and L1 holds nothing from earlier launches. At exit the last
 program to leave resets the counter for the next launch: no memset, no host sync, capturable in a CUDA
 graph.
 
