@@ -34,10 +34,10 @@ from tinyvllm.models.loader import build_model  # noqa: E402
 
 BLOCK = 16
 C = MegakernelConfig
-VARIANTS = [(C(), None), (C(merge_width=4), None), (C(stages=4, ace_stages=0), None)]
+VARIANTS = [(C(), None), (C(merge_width=4), None), (C(prefetch=False), None)]
 # (config, context splits per KV head; None: the default): the default (v7: every weight phase pipelined,
 # its first tiles issued before the barrier's wait); the attention merge 4 partials wide at every split
-# count; v6.5's register-double-buffered phases A, C, E.
+# count; the pipelines started after the wait.
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
 B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its unit, ticket, merge, the wait after
 

@@ -3,8 +3,8 @@ the same weights: hidden state, logits and the K/V it writes into the paged cach
 
 On the CPU the interpreter runs the kernel with one program (the barriers then pass at once), so every
 unit of every phase runs in that program; the unit sizes (`tile`) and the number of context splits
-are varied so that the pipelined and the register-double-buffered unit loops, the multi-tile attention
-loop and the split merge (narrow, wide, several steps) all run. On a GPU the same tests run one program per SM (more programs than most phases have units);
+are varied so that the pipelined unit loops (with and without the first tiles ahead of the wait), the
+multi-tile attention loop and the split merge (narrow, wide, several steps) all run. On a GPU the same tests run one program per SM (more programs than most phases have units);
 tests/gpu/test_megakernel_gpu.py checks the real shape.
 
 Tolerances as in test_fused_decode.py (float32: order of the sums only; bfloat16: 8-bit roundings of
@@ -69,8 +69,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
                           (300, 3, 256, 4, 2, True, True, 16), (150, 2, 16384, 3, 3, True, True, 16),
                           (300, 11, 256, 3, 3, True, True, 4), (300, 11, 256, 3, 3, True, True, 16),
                           (64, 1, 256, 3, 3, True, True, 16), (65, 2, 256, 3, 3, True, True, 16),
-                          (13, 1, 256, 0, 0, False, False, 16), (150, 2, 16384, 3, 3, False, False, 16),
-                          (300, 3, 256, 4, 0, True, True, 16), (13, 1, 256, 0, 0, True, False, 16)])
+                          (13, 1, 256, 1, 1, False, False, 16), (150, 2, 16384, 3, 3, False, False, 16),
+                          (300, 3, 256, 1, 1, True, True, 16)])
 def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, ace_stages, prefetch, preload,
                                              merge):
     device = device_for("triton")
@@ -134,4 +134,12 @@ def test_unit_tile_fits_the_pipeline_in_shared_memory():
     assert unit_tile(MegakernelConfig(tile=16384, stages=4), 4) == 8192  # 3 × 64 KB = 192 KB > 160 KB
     assert unit_tile(MegakernelConfig(tile=16384, stages=8), 2) == 8192  # 7 × 32 KB = 224 KB > 160 KB
     assert unit_tile(MegakernelConfig(tile=16384, stages=3, ace_stages=8), 2) == 8192  # the deeper counts
-    assert unit_tile(MegakernelConfig(tile=16384, stages=0, ace_stages=0), 4) == 16384  # registers only
+    assert unit_tile(MegakernelConfig(tile=16384, stages=1, ace_stages=1), 4) == 16384  # no pipeline
+
+
+def test_megakernel_rejects_a_config_without_a_pipeline_stage():
+    model = build("triton", torch.float32, torch.device("cpu"))
+    model.enable_decode_megakernel(MegakernelConfig(stages=0))
+    ids, positions, meta = step(5)
+    with pytest.raises(ValueError, match="stages"):
+        model.decode_megakernel(ids, positions, meta, views(kv_buffer(model, torch.float32)))

@@ -27,9 +27,9 @@ starts with the wait of the barrier before it: inside the loop's first iteration
 pipeline's prologue, the program's first tiles, is issued before the wait and streams while the last
 programs finish the previous phase (with `prefetch`; the activation vector, which does depend on the
 barrier, is loaded after it, once per program). Triton pipelines no loop that holds a nested loop or a
-CTA barrier, so the wait is one asm statement (`_wait_asm`). `stages`/`ace_stages` = 0 gives the
-earlier scheme: a unit's tile loaded whole into registers and double-buffered, the first one between
-arrival and wait. (`benchmarks/kernels/bench_stream.py` isolates the streaming schemes.)
+CTA barrier, so the wait is one asm statement (`_wait_asm`). The earlier scheme, a unit's tile loaded
+whole into registers and double-buffered (the first one between arrival and wait), was 13 % slower
+(docs/perf.md, v7; `benchmarks/kernels/bench_stream.py` isolates the streaming schemes).
   A: a unit is RQ rows of a head's first half and their RoPE partners in its second half, so RoPE
      is applied in registers; q goes to a scratch vector, k and v straight into the paged cache.
   B: a unit is (KV head, split of the context) through the FlashAttention-2 inner loop of the other
@@ -75,8 +75,8 @@ class MegakernelConfig(NamedTuple):
     tile: int = 16384  # weight elements per unit (a power of two)
     num_warps: int = 8
     programs_per_sm: int = 1  # CUDA: above 1, registers are capped (maxnreg) so that this many fit on an SM
-    stages: int = 3  # > 0: phase D software-pipelined over this many shared-memory stages; 0: double-buffered
-    prefetch: bool = True  # weight phases: the first tile(s) issued between the barrier's arrival and wait
+    stages: int = 3  # phase D's software pipeline: this many shared-memory stages (1: none)
+    prefetch: bool = True  # weight phases: the pipeline's first tiles issued before the barrier's wait
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
     ace_stages: int = 3  # the same for phases A, C and E
     merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
@@ -172,7 +172,7 @@ def _normed(r_ptr, w_ptr, H, eps, BH: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------- units
-# A unit's weight tile is loaded whole into registers.
+# A unit's weight tile, a load that Triton's pipeliner turns into cp.async copies into shared memory.
 # (Unit validity is compared as a tensor, `rows * 0 + u < n_units`: the CPU interpreter (3.9) rejects a
 # mask combined from a scalar comparison.)
 @triton.jit
@@ -254,42 +254,22 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
     jj = tl.arange(0, RQ)
     kv_off = (slot // BS) * stride_blk + (slot % BS) * D
     cs_row = cos_sin_ptr + pos * D
-    if PIPE > 0:
-        a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
-        if not PREFETCH:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-            a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
-        for u in tl.range(pid, n_units, P, num_stages=PIPE):
-            w = _qkv_tile(wqkv_ptr, layer, u, n_units, H, NQKV, D, RQ, BH)
-            c = tl.load(cs_row + (u % UPH) * RQ + jj)
-            s = tl.load(cs_row + HALF + (u % UPH) * RQ + jj)
-            if PREFETCH:
-                if u == pid:  # the pipeline's first tiles are in flight
-                    _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                    a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
-            _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
-        if PREFETCH:
-            if pid >= n_units:
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-    else:
-        if PREFETCH:
-            w = _qkv_tile(wqkv_ptr, layer, pid, n_units, H, NQKV, D, RQ, BH)
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        else:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-            w = _qkv_tile(wqkv_ptr, layer, pid, n_units, H, NQKV, D, RQ, BH)
-        c = tl.load(cs_row + (pid % UPH) * RQ + jj)
-        s = tl.load(cs_row + HALF + (pid % UPH) * RQ + jj)
+    a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
+    if not PREFETCH:
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
-        for u in range(pid, n_units, P):
-            # the next unit's tile and RoPE factors, in flight while this one is reduced
-            w_next = _qkv_tile(wqkv_ptr, layer, u + P, n_units, H, NQKV, D, RQ, BH)
-            c_next = tl.load(cs_row + ((u + P) % UPH) * RQ + jj)
-            s_next = tl.load(cs_row + HALF + ((u + P) % UPH) * RQ + jj)
-            _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
-            w = w_next
-            c = c_next
-            s = s_next
+    for u in tl.range(pid, n_units, P, num_stages=PIPE):
+        w = _qkv_tile(wqkv_ptr, layer, u, n_units, H, NQKV, D, RQ, BH)
+        c = tl.load(cs_row + (u % UPH) * RQ + jj)
+        s = tl.load(cs_row + HALF + (u % UPH) * RQ + jj)
+        if PREFETCH:
+            if u == pid:  # the pipeline's first tiles are in flight
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+                a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+        _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
+    if PREFETCH:
+        if pid >= n_units:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
@@ -455,49 +435,32 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
                     PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
     """r ← round(round(W x) + r) over the units of W [N, K] (phases C and E), starting with the wait of
-    barrier b. Pipelined (PIPE > 0), the residual rows of all of this program's units (at most MAXU) are
-    read once after the wait, not by the loop: the pipeline's loads are issued ahead of the wait and
-    may be cached in L1, which does not see other SMs' stores to r."""
+    barrier b. The residual rows of all of this program's units (at most MAXU) are read once after the
+    wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be cached in L1,
+    which does not see other SMs' stores to r."""
     n_units = N // R
     rr = tl.arange(0, R)
     cols = tl.arange(0, BK)
-    if PIPE > 0:
-        it = tl.arange(0, MAXU)
-        my_rows = (pid + it * P)[:, None] * R + rr[None, :]  # [MAXU, R]: row i holds this program's i-th unit
-        a = tl.zeros([1, BK], x_ptr.dtype.element_ty)
-        res_all = tl.zeros([MAXU, R], r_ptr.dtype.element_ty)
-        if not PREFETCH:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-            a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
-            res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
-        for u in tl.range(pid, n_units, P, num_stages=PIPE):
-            w = _rows_tile(w_ptr, layer, u, n_units, N, K, R, BK)
-            if PREFETCH:
-                if u == pid:  # the pipeline's first tiles are in flight
-                    _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                    a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
-                    res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
-            res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
-            _residual_unit(w, a, res, u, r_ptr, N, R)
-        if PREFETCH:
-            if pid >= n_units:
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-    else:
-        if PREFETCH:
-            w = _rows_tile(w_ptr, layer, pid, n_units, N, K, R, BK)
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        else:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-            w = _rows_tile(w_ptr, layer, pid, n_units, N, K, R, BK)
-        res = tl.load(r_ptr + pid * R + rr, mask=pid * R + rr < N, other=0.0, cache_modifier=".cg")
+    it = tl.arange(0, MAXU)
+    my_rows = (pid + it * P)[:, None] * R + rr[None, :]  # [MAXU, R]: row i holds this program's i-th unit
+    a = tl.zeros([1, BK], x_ptr.dtype.element_ty)
+    res_all = tl.zeros([MAXU, R], r_ptr.dtype.element_ty)
+    if not PREFETCH:
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
-        for u in range(pid, n_units, P):
-            rows_next = (u + P) * R + rr
-            w_next = _rows_tile(w_ptr, layer, u + P, n_units, N, K, R, BK)
-            res_next = tl.load(r_ptr + rows_next, mask=rows_next < N, other=0.0, cache_modifier=".cg")
-            _residual_unit(w, a, res, u, r_ptr, N, R)
-            w = w_next
-            res = res_next
+        res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
+    for u in tl.range(pid, n_units, P, num_stages=PIPE):
+        w = _rows_tile(w_ptr, layer, u, n_units, N, K, R, BK)
+        if PREFETCH:
+            if u == pid:  # the pipeline's first tiles are in flight
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+                a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
+                res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
+        res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
+        _residual_unit(w, a, res, u, r_ptr, N, R)
+    if PREFETCH:
+        if pid >= n_units:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
@@ -506,33 +469,20 @@ def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr,
                    PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
     """Phase D, starting with the wait of barrier b."""
     n_units = F // RG
-    if STAGES > 0:
-        a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
-        if not PREFETCH:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-            a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
-        for u in tl.range(pid, n_units, P, num_stages=STAGES):
-            w = _gate_up_tile(wgu_ptr, layer, u, n_units, H, F, RG, BH)
-            if PREFETCH:
-                if u == pid:  # the pipeline's first tiles are in flight
-                    _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                    a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
-            _gate_up_unit(w, a, u, act_ptr, RG)
-        if PREFETCH:
-            if pid >= n_units:
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-    else:
-        if PREFETCH:
-            w = _gate_up_tile(wgu_ptr, layer, pid, n_units, H, F, RG, BH)
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        else:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-            w = _gate_up_tile(wgu_ptr, layer, pid, n_units, H, F, RG, BH)
+    a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
+    if not PREFETCH:
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
-        for u in range(pid, n_units, P):
-            w_next = _gate_up_tile(wgu_ptr, layer, u + P, n_units, H, F, RG, BH)
-            _gate_up_unit(w, a, u, act_ptr, RG)
-            w = w_next
+    for u in tl.range(pid, n_units, P, num_stages=STAGES):
+        w = _gate_up_tile(wgu_ptr, layer, u, n_units, H, F, RG, BH)
+        if PREFETCH:
+            if u == pid:  # the pipeline's first tiles are in flight
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+                a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
+        _gate_up_unit(w, a, u, act_ptr, RG)
+    if PREFETCH:
+        if pid >= n_units:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
@@ -694,8 +644,8 @@ PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take 
 
 
 def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
-    """Weight elements per unit: config.tile, halved until the pipeline's stages − 1 buffers in flight
-    (`stages` > 0) fit in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
+    """Weight elements per unit: config.tile, halved until the deepest pipeline's stages − 1 buffers in
+    flight fit in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
     tile, stages = config.tile, max(config.stages, config.ace_stages)
     while stages > 1 and tile > 256 and tile * elem_bytes * (stages - 1) > PIPELINE_BYTES:
         tile //= 2
@@ -732,6 +682,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         check_int(name, t)
     if block_size & (block_size - 1):
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
+    if config.stages < 1 or config.ace_stages < 1 or config.merge_width & (config.merge_width - 1):
+        raise ValueError(f"megakernel config {config}: stages ≥ 1 and a power-of-two merge width needed")
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
