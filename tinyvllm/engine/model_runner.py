@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 CASCADE_MIN_BATCH = 96
 CASCADE_MIN_PREFIX = 256
 # The decode megakernel is on by default only up to the size it was measured faster at (Llama 3.2 1B,
-# hidden 2048: 937 against 881 tok/s on the H200, docs/perf.md v5). Larger models keep the layer loop
-# unless asked: their products stream closer to the bandwidth than the megakernel's phases (2.4–2.8 TB/s).
+# hidden 2048: 1,120 against 886 tok/s on the H200, docs/perf.md v7). Larger models keep the layer loop
+# unless asked: it has not been measured at their shapes.
 MEGAKERNEL_MAX_HIDDEN = 2048
 
 

@@ -173,10 +173,10 @@ def _normed(r_ptr, w_ptr, H, eps, BH: tl.constexpr):
 
 # ---------------------------------------------------------------------------------------------- units
 # A unit's weight tile, a load that Triton's pipeliner turns into cp.async copies into shared memory.
-# (Unit validity is compared as a tensor, `rows * 0 + u < n_units`: the CPU interpreter (3.9) rejects a
-# mask combined from a scalar comparison.)
+# Only the padding columns are masked: every caller loops over valid units (u < n_units), and the rows
+# per unit divide the matrix's rows (`unit_rows`).
 @triton.jit
-def _qkv_tile(w_ptr, layer, u, n_units, H: tl.constexpr, NQKV: tl.constexpr, D: tl.constexpr,
+def _qkv_tile(w_ptr, layer, u, H: tl.constexpr, NQKV: tl.constexpr, D: tl.constexpr,
               RQ: tl.constexpr, BH: tl.constexpr):
     """Unit u of phase A: rows head·D + j0 + [0, RQ) and their partners + D/2, as [RQ, 2, BH]."""
     UPH: tl.constexpr = D // 2 // RQ
@@ -187,28 +187,27 @@ def _qkv_tile(w_ptr, layer, u, n_units, H: tl.constexpr, NQKV: tl.constexpr, D: 
     cols = tl.arange(0, BH)[None, None, :]
     rows = head * D + j0 + hh * (D // 2) + jj
     base = w_ptr + tl.cast(layer, tl.int64) * (NQKV * H)
-    return tl.load(base + rows * H + cols, mask=(cols < H) & (jj * 0 + u < n_units), other=0.0)
+    return tl.load(base + rows * H + cols, mask=cols < H, other=0.0)
 
 
 @triton.jit
-def _rows_tile(w_ptr, layer, u, n_units, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+def _rows_tile(w_ptr, layer, u, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
     """Unit u of phases C and E: output rows u·R + [0, R) of W [N, K], as [R, BK]."""
     rows = u * R + tl.arange(0, R)[:, None]
     cols = tl.arange(0, BK)[None, :]
     base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
-    return tl.load(base + rows * K + cols, mask=(cols < K) & (rows < N) & (rows * 0 + u < n_units), other=0.0)
+    return tl.load(base + rows * K + cols, mask=cols < K, other=0.0)
 
 
 @triton.jit
-def _gate_up_tile(w_ptr, layer, u, n_units, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr,
+def _gate_up_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr,
                   BH: tl.constexpr):
     """Unit u of phase D: gate rows u·RG + [0, RG) and the matching up rows (+ F), as [RG, 2, BH]."""
     gate_rows = u * RG + tl.arange(0, RG)[:, None, None]
     rows = gate_rows + tl.arange(0, 2)[None, :, None] * F
     cols = tl.arange(0, BH)[None, None, :]
     base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
-    return tl.load(base + rows * H + cols, mask=(cols < H) & (gate_rows < F) & (gate_rows * 0 + u < n_units),
-                   other=0.0)
+    return tl.load(base + rows * H + cols, mask=cols < H, other=0.0)
 
 
 # ---------------------------------------------------------------------------------------------- phases
@@ -259,7 +258,7 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
-        w = _qkv_tile(wqkv_ptr, layer, u, n_units, H, NQKV, D, RQ, BH)
+        w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
         c = tl.load(cs_row + (u % UPH) * RQ + jj)
         s = tl.load(cs_row + HALF + (u % UPH) * RQ + jj)
         if PREFETCH:
@@ -450,7 +449,7 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
         a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
         res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
-        w = _rows_tile(w_ptr, layer, u, n_units, N, K, R, BK)
+        w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
@@ -474,7 +473,7 @@ def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr,
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=STAGES):
-        w = _gate_up_tile(wgu_ptr, layer, u, n_units, H, F, RG, BH)
+        w = _gate_up_tile(wgu_ptr, layer, u, H, F, RG, BH)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)

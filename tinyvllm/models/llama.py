@@ -171,9 +171,10 @@ class LlamaForCausalLM(nn.Module):
     def enable_decode_megakernel(self, config=None) -> None:
         """Run decode steps of one sequence as one kernel launch (models/llama_megakernel.py); restacks
         the layer weights, so call it after loading them (and before capturing CUDA graphs)."""
+        from tinyvllm.kernels.decode_megakernel import MegakernelConfig
         from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel
 
-        self.decode_megakernel = LlamaDecodeMegakernel(self) if config is None else LlamaDecodeMegakernel(self, config)
+        self.decode_megakernel = LlamaDecodeMegakernel(self, config or MegakernelConfig())
 
     def init_rope_table(self) -> None:
         """Fill the float32 [max_positions, D] cos/sin table on the model's device."""
