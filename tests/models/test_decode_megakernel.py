@@ -112,10 +112,27 @@ def test_megakernel_padded_slot_writes_nothing_and_relaunches():
     h1, _ = forward(model, ids, positions, meta, buf)
     assert torch.equal(buf, before)
     ws = model.decode_megakernel.workspace
-    assert ws.counters.tolist() == [1, 0] and int(ws.tickets.abs().sum()) == 0
+    assert ws.counters.tolist() == [1, 0, 0] and int(ws.tickets.abs().sum()) == 0
     h2, _ = forward(model, ids, positions, meta, buf)
     assert torch.equal(h1, h2)
-    assert ws.counters.tolist() == [2, 0]
+    assert ws.counters.tolist() == [2, 0, 0]
+
+
+@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_megakernel_row_without_context_equals_reference():
+    """A CUDA graph's warm-up and padded rows launch with context 0 and slot −1: the kernel must still
+    write every vector a later phase waits for (on a GPU a missing one would hang it), attending to
+    nothing, as the reference does."""
+    device = device_for("triton")
+    ref = build("torch", torch.float32, device, max_positions=512)
+    model = build("triton", torch.float32, device, max_positions=512)
+    model.enable_decode_megakernel()
+    ids, positions, meta = step(1, slot_valid=False, device=device)
+    meta.decode_seq_lens.zero_()
+    buf = kv_buffer(ref, torch.float32).to(device)
+    h_ref, l_ref = forward(ref, ids, positions, meta, buf.clone())
+    h, logits = forward(model, ids, positions, meta, buf)
+    assert rel(h, h_ref) <= 1e-5 and rel(logits, l_ref) <= 1e-5
 
 
 def test_megakernel_needs_one_kv_buffer():

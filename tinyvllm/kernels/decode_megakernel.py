@@ -137,6 +137,33 @@ MAX_PACK = 16
 
 
 @triton.jit
+def _arrive(count_ptr):
+    """This program's arrival after a phase: a CTA barrier (every warp has issued its stores), then a
+    relaxed increment, no fence: the count only tells readers when to look; the flags tell them what
+    they see is new."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _gate(count_ptr, target, ASM: tl.constexpr):
+    """Wait until `target` arrivals have been counted (b · P before the b-th phase's input): one thread
+    polls one word, where a flagged read by every thread of every program would flood the lines it
+    polls. CUDA: one asm statement (thread 0's spin, then `bar.sync 0`), so that the pipelined weight
+    loops that hold it still pipeline (Triton pipelines no loop with a nested loop or a CTA barrier)."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.ne.u32 p, t, 0; @p bra $$done_${:uid}; "
+            "$$spin_${:uid}: ld.relaxed.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra $$spin_${:uid}; "
+            "$$done_${:uid}: bar.sync 0; }",
+            "=r,l,r", [count_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        seen = tl.atomic_add(count_ptr, 0, sem="relaxed", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(count_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _flag(epoch, phase):
     """The flag of phase instance `phase` (1 + its index in the launch, < 2048) of launch `epoch`
     (counted modulo 2²⁰ by the kernel): never 0, the value of a fresh buffer, and never a flag of the
@@ -341,7 +368,7 @@ def _qkv_unit(w, a, c, s, u, slot, kv_off, qkv_ll, k_ptr, v_ptr, stride_head, fl
 
 @triton.jit
 def _qkv_phase(layer, pid, P, r_ll, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, qkv_ll, k_ptr, v_ptr,
-               stride_blk, stride_head, eps, epoch, trace_ptr,
+               stride_blk, stride_head, eps, epoch, bar_ptr, b, trace_ptr,
                H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                RQ: tl.constexpr, BH: tl.constexpr, VPW: tl.constexpr, PACK_H: tl.constexpr, PIPE: tl.constexpr,
                PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
@@ -359,6 +386,7 @@ def _qkv_phase(layer, pid, P, r_ll, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, qk
     cs_row = cos_sin_ptr + pos * D
     a = tl.zeros([1, 1, BH], DT)
     if not PREFETCH:
+        _gate(bar_ptr, b * P, ASM)
         a = _normed_residual(r_ll, r_flag, n1_ptr + layer * H, H, eps, BH, DT, VPW, PACK_H, ASM)[None, None, :]
         _mark(trace_ptr, 1 + 5 * layer, pid, TRACE)
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
@@ -367,6 +395,7 @@ def _qkv_phase(layer, pid, P, r_ll, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, qk
         s = tl.load(cs_row + HALF + (u % UPH) * RQ + jj)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
+                _gate(bar_ptr, b * P, ASM)
                 a = _normed_residual(r_ll, r_flag, n1_ptr + layer * H, H, eps, BH, DT, VPW, PACK_H,
                                      ASM)[None, None, :]
                 _mark(trace_ptr, 1 + 5 * layer, pid, TRACE)
@@ -443,7 +472,6 @@ def _merge_partials(part_ptr, kvh, num_splits, G: tl.constexpr, D: tl.constexpr,
     m, l per query head; m in the log2 domain): Σₛ 2^(mₛ−M) accₛ / Σₛ 2^(mₛ−M) lₛ with M the running
     maximum, MERGE splits per step, in split order; 0 where no split had keys."""
     PW: tl.constexpr = D + 2
-    g = tl.arange(0, G)
     d = tl.arange(0, D)
     mx = tl.full([G], float("-inf"), tl.float32)
     den = tl.zeros([G], tl.float32)
@@ -467,7 +495,7 @@ def _merge_partials(part_ptr, kvh, num_splits, G: tl.constexpr, D: tl.constexpr,
 
 @triton.jit
 def _attention_phase(pid, P, layer, qkv_ll, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
-                     attn_ll, stride_blk, stride_head, qk_scale, kp, vp, epoch, trace_ptr, tb,
+                     attn_ll, stride_blk, stride_head, qk_scale, kp, vp, epoch, bar_ptr, b, trace_ptr, tb,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr, BG: tl.constexpr,
                      VPW: tl.constexpr, PACK_B: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -484,7 +512,6 @@ def _attention_phase(pid, P, layer, qkv_ll, k_ptr, v_ptr, bt_ptr, seq_len, num_s
     DT: tl.constexpr = k_ptr.dtype.element_ty
     in_flag = _flag(epoch, 2 + 5 * layer)
     out_flag = _flag(epoch, 3 + 5 * layer)
-    g = tl.arange(0, G)
     rows_g = tl.arange(0, BG)
     d = tl.arange(0, D)
     keys_per_split = _keys_per_split(seq_len, num_splits, KEYS)
@@ -494,6 +521,8 @@ def _attention_phase(pid, P, layer, qkv_ll, k_ptr, v_ptr, bt_ptr, seq_len, num_s
         head = tl.where(rows_g < G, kvh * G + rows_g,
                         tl.where(rows_g == G, HQ + kvh, tl.where(rows_g == G + 1, HQ + HK + kvh, kvh * G)))
         words = tl.reshape(head[:, None] * WD + tl.arange(0, WD)[None, :], [BG * WD])
+        if u == pid:
+            _gate(bar_ptr, b * P, ASM)
         x = tl.reshape(_ll_values(_ll_read(qkv_ll + words, in_flag, PACK_B, ASM), DT, VPW), [BG, D])
         if TRACE:
             if pid == 0:
@@ -518,7 +547,7 @@ def _attention_phase(pid, P, layer, qkv_ll, k_ptr, v_ptr, bt_ptr, seq_len, num_s
         acc, l, m = _attn_inner(acc, l, m, q, q_pos, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head, bt_ptr,
                                 start, tl.minimum(hi, old_end), old_end, qk_scale, stride_blk, D, D, KEYS, BS, False,
                                 True, UPCAST, IEEE)
-        if hi == seq_len:  # the last split also takes the new token's key
+        if (hi == seq_len) & (seq_len > 0):  # the last split also takes the new token's key
             acc, l, m = _attn_newest(acc, l, m, q, k_new, v_new, qk_scale)
         if TRACE:
             if pid == 0:
@@ -557,7 +586,7 @@ def _residual_unit(w, a, res, u, r_ll, flag, R: tl.constexpr, VPW: tl.constexpr,
 
 
 @triton.jit
-def _residual_phase(layer, pid, P, x_ll, x_flag, w_ptr, r_ll, r_flag, out_flag, trace_ptr, tm,
+def _residual_phase(layer, pid, P, x_ll, x_flag, w_ptr, r_ll, r_flag, out_flag, bar_ptr, b, trace_ptr, tm,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
                     VPW: tl.constexpr, PACK_X: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr,
                     TRACE: tl.constexpr, ASM: tl.constexpr):
@@ -572,6 +601,7 @@ def _residual_phase(layer, pid, P, x_ll, x_flag, w_ptr, r_ll, r_flag, out_flag, 
     a = tl.zeros([1, BK], DT)
     res_all = tl.zeros([MAXU, R], DT)
     if not PREFETCH:
+        _gate(bar_ptr, b * P, ASM)
         res_all = _ll_rows(r_ll, mine * R, mine < n_units, r_flag, R, DT, VPW, ASM)
         a = _ll_vector(x_ll, x_flag, K, BK, DT, VPW, PACK_X, ASM)[None, :]
         _mark(trace_ptr, tm, pid, TRACE)
@@ -579,6 +609,7 @@ def _residual_phase(layer, pid, P, x_ll, x_flag, w_ptr, r_ll, r_flag, out_flag, 
         w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
+                _gate(bar_ptr, b * P, ASM)
                 res_all = _ll_rows(r_ll, mine * R, mine < n_units, r_flag, R, DT, VPW, ASM)
                 a = _ll_vector(x_ll, x_flag, K, BK, DT, VPW, PACK_X, ASM)[None, :]
                 _mark(trace_ptr, tm, pid, TRACE)
@@ -587,7 +618,7 @@ def _residual_phase(layer, pid, P, x_ll, x_flag, w_ptr, r_ll, r_flag, out_flag, 
 
 
 @triton.jit
-def _gate_up_phase(layer, pid, P, r_ll, n2_ptr, wgu_ptr, act_ll, eps, epoch, trace_ptr,
+def _gate_up_phase(layer, pid, P, r_ll, n2_ptr, wgu_ptr, act_ll, eps, epoch, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, VPW: tl.constexpr,
                    PACK_H: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
                    ASM: tl.constexpr):
@@ -598,12 +629,14 @@ def _gate_up_phase(layer, pid, P, r_ll, n2_ptr, wgu_ptr, act_ll, eps, epoch, tra
     out_flag = _flag(epoch, 5 + 5 * layer)
     a = tl.zeros([1, 1, BH], DT)
     if not PREFETCH:
+        _gate(bar_ptr, b * P, ASM)
         a = _normed_residual(r_ll, r_flag, n2_ptr + layer * H, H, eps, BH, DT, VPW, PACK_H, ASM)[None, None, :]
         _mark(trace_ptr, 4 + 5 * layer, pid, TRACE)
     for u in tl.range(pid, n_units, P, num_stages=STAGES):
         w = _gate_up_tile(wgu_ptr, layer, u, H, F, RG, BH)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
+                _gate(bar_ptr, b * P, ASM)
                 a = _normed_residual(r_ll, r_flag, n2_ptr + layer * H, H, eps, BH, DT, VPW, PACK_H,
                                      ASM)[None, None, :]
                 _mark(trace_ptr, 4 + 5 * layer, pid, TRACE)
@@ -652,9 +685,11 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     pos = tl.load(pos_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
     seq_len = tl.load(seq_len_ptr)
-    # context splits per KV head: at most num_splits, each a whole number of KEYS tiles, none empty
-    tiles = tl.cdiv(seq_len, KEYS)
+    # context splits per KV head: at most num_splits, each a whole number of KEYS tiles, none empty (one,
+    # without keys, at seq_len 0: a padded graph row still writes its attention output, zeros)
+    tiles = tl.maximum(tl.cdiv(seq_len, KEYS), 1)
     splits = tl.cdiv(tiles, tl.cdiv(tiles, num_splits))
+    bar_ptr = counters_ptr + 1  # arrivals: phase b's readers wait for b · P of them
     cols = tl.arange(0, BH)
     if pid == 0:  # r ← the token's embedding row
         e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
@@ -663,44 +698,53 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         rows_pre = _first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, HK, D, BS, KEYS)
     else:
         rows_pre = 0
-    # Each phase reads its input vector when the phase before has written it (flags: phase p of layer l
-    # is 2 + 5l + p, the embedding 1); with PREFETCH, after issuing its first weight tiles (they depend on
-    # nothing), so they stream while the slowest programs finish the phase before.
+    _arrive(bar_ptr)
+    # Each phase reads its input vector, flagged by the phase that wrote it (phase p of layer l: 2 + 5l + p;
+    # the embedding 1), after the arrival count says that phase is done; with PREFETCH, after issuing its
+    # first weight tiles (they depend on nothing), so they stream while the slowest programs finish.
     for layer in range(num_layers):
+        b = 1 + 5 * layer  # arrival rounds before this layer: the embedding's, then 5 per layer
         k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
         v_ptr = k_ptr + v_offset
         _qkv_phase(layer, pid, P, r_ll, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, qkv_ll, k_ptr, v_ptr,
-                   stride_blk, stride_head, eps, epoch, trace_ptr, H, HQ, HK, D, BS, RQ, BH, VPW, PACK_H, PIPE,
-                   PREFETCH, TRACE, ASM)
+                   stride_blk, stride_head, eps, epoch, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, VPW, PACK_H,
+                   PIPE, PREFETCH, TRACE, ASM)
+        _arrive(bar_ptr)
         if PRELOAD:
             kp, vp = _preload_kv(pid, k_ptr, v_ptr, rows_pre, seq_len, splits, stride_head, HK, D, KEYS)
         else:
             kp, vp = 0, 0
         _attention_phase(pid, P, layer, qkv_ll, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
-                         attn_ll, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, epoch,
+                         attn_ll, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, epoch, bar_ptr, b + 1,
                          trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, MERGE, MERGE_SMALL, BG,
                          VPW, PACK_B, UPCAST, IEEE, PRELOAD, TRACE, ASM)
+        _arrive(bar_ptr)
         _residual_phase(layer, pid, P, attn_ll, _flag(epoch, 3 + 5 * layer), wo_ptr, r_ll,
-                        _flag(epoch, 1 + 5 * layer), _flag(epoch, 4 + 5 * layer), trace_ptr, 3 + 5 * layer,
-                        H, QD, RO, BQ, MAXU_C, VPW, PACK_Q, PIPE, PREFETCH, TRACE, ASM)
-        _gate_up_phase(layer, pid, P, r_ll, n2_ptr, wgu_ptr, act_ll, eps, epoch, trace_ptr,
+                        _flag(epoch, 1 + 5 * layer), _flag(epoch, 4 + 5 * layer), bar_ptr, b + 2, trace_ptr,
+                        3 + 5 * layer, H, QD, RO, BQ, MAXU_C, VPW, PACK_Q, PIPE, PREFETCH, TRACE, ASM)
+        _arrive(bar_ptr)
+        _gate_up_phase(layer, pid, P, r_ll, n2_ptr, wgu_ptr, act_ll, eps, epoch, bar_ptr, b + 3, trace_ptr,
                        H, F, RG, BH, VPW, PACK_H, STAGES, PREFETCH, TRACE, ASM)
+        _arrive(bar_ptr)
         _residual_phase(layer, pid, P, act_ll, _flag(epoch, 5 + 5 * layer), wd_ptr, r_ll,
-                        _flag(epoch, 4 + 5 * layer), _flag(epoch, 6 + 5 * layer), trace_ptr, 5 + 5 * layer,
-                        H, F, RD, BF, MAXU_E, VPW, PACK_F, PIPE, PREFETCH, TRACE, ASM)
+                        _flag(epoch, 4 + 5 * layer), _flag(epoch, 6 + 5 * layer), bar_ptr, b + 4, trace_ptr,
+                        5 + 5 * layer, H, F, RD, BF, MAXU_E, VPW, PACK_F, PIPE, PREFETCH, TRACE, ASM)
+        _arrive(bar_ptr)
     if pid == 0:
+        _gate(bar_ptr, (1 + 5 * num_layers) * P, ASM)
         x = _ll_vector(r_ll, _flag(epoch, 1 + 5 * num_layers), H, BH, nf_ptr.dtype.element_ty, VPW, PACK_H, ASM)
         _mark(trace_ptr, 1 + 5 * num_layers, pid, TRACE)
         out = _normed(x, nf_ptr, H, eps, BH)
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
-    # Leave: the last program out (every program has read the epoch and taken every ticket) resets the
-    # tickets and the exit count and advances the epoch for the next launch.
+    # Leave: the last program out (every program has read the epoch, arrived everywhere and taken every
+    # ticket) resets the tickets and counts and advances the epoch for the next launch.
     tl.debug_barrier()
-    left = tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    left = tl.atomic_add(counters_ptr + 2, 1, sem="acq_rel", scope="gpu")
     if left == P - 1:
         hk = tl.arange(0, HKP)
         tl.store(tickets_ptr + hk, tl.zeros([HKP], tl.int32), mask=hk < HK)
-        tl.atomic_xchg(counters_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counters_ptr + 2, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(counters_ptr, (epoch + 1) % (1 << 20), sem="relaxed", scope="gpu")
         if TRACE:
             tl.store(trace_ptr + 2 + 5 * num_layers, _now(pid))
@@ -719,8 +763,8 @@ MAX_SPLITS = 16  # context splits per KV head in the attention phase (33 at 2 pr
 class Workspace:
     """Scratch of one launch configuration: the flagged vectors phases hand on (residual, q|k|v,
     attention output, SwiGLU output: int64 words, padded to powers of two), the split partials, the
-    per-KV-head tickets, and two counters: the launch's epoch (the flags' base) and the programs that
-    have left (zero between launches). Allocated once; captured graphs point at it. The context of
+    per-KV-head tickets, and three counters: the launch's epoch (the flags' base), the phases' arrivals
+    and the programs that have left (both zero between launches). Allocated once; captured graphs point at it. The context of
     each KV head is cut into `num_splits` parts (default: as many as fill the programs)."""
 
     def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device, programs: int,
@@ -737,7 +781,7 @@ class Workspace:
         self.partials = torch.zeros(s.num_kv_heads * self.num_splits * group * (s.head_dim + 2), dtype=torch.float32,
                                     device=device)
         self.tickets = torch.zeros(s.num_kv_heads, dtype=torch.int32, device=device)
-        self.counters = torch.zeros(2, dtype=torch.int32, device=device)  # [epoch, programs out]
+        self.counters = torch.zeros(3, dtype=torch.int32, device=device)  # [epoch, arrivals, programs out]
         self.trace = torch.zeros(1, dtype=torch.int64, device=device)  # grown by a traced launch
         self.resident_checked = False
 
