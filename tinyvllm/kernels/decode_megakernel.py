@@ -472,6 +472,7 @@ def _merge_partials(part_ptr, kvh, num_splits, G: tl.constexpr, D: tl.constexpr,
     m, l per query head; m in the log2 domain): Σₛ 2^(mₛ−M) accₛ / Σₛ 2^(mₛ−M) lₛ with M the running
     maximum, MERGE splits per step, in split order; 0 where no split had keys."""
     PW: tl.constexpr = D + 2
+    g = tl.arange(0, G)
     d = tl.arange(0, D)
     mx = tl.full([G], float("-inf"), tl.float32)
     den = tl.zeros([G], tl.float32)
