@@ -4,7 +4,7 @@ attention with the ticket merge, against the layer-by-layer path of the same wei
 float32 (TF32 off): only the order of float32 sums differs, so hidden state and logits agree to 1e-5
 (relative; the CPU test of 2 layers shows ~2e-7). bfloat16: the 4e-2 bound of tests/models (every
 product output rounded to 8 bits; a skipped norm or residual gives 0.27–1.1). The new K/V land in the
-cache slot and nowhere else; the exit count and tickets are zero after each launch, so a CUDA
+cache slot and nowhere else; the barrier counters and tickets are zero after each launch, so a CUDA
 graph of the kernel replays to the same result. The engine's batch-1 greedy decode through the
 megakernel is compared with transformers in tests/gpu/test_engine_gpu.py (the "alone" generations).
 """
@@ -82,7 +82,7 @@ def test_megakernel_equals_layered_path_at_1b_shape(dtype):
         assert max(errs) <= tol, (ctx, errs)
         kv_mk[at] = kv_ref[at]
         assert torch.equal(kv_mk, kv_ref)
-        assert mk.workspace.counters[1:].abs().sum() == 0 and int(mk.workspace.tickets.abs().sum()) == 0
+        assert int(mk.workspace.barrier.abs().sum()) == 0 and int(mk.workspace.tickets.abs().sum()) == 0
 
 
 @torch.no_grad()

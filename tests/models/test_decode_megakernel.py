@@ -101,8 +101,8 @@ def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stage
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 def test_megakernel_padded_slot_writes_nothing_and_relaunches():
-    """Slot −1 writes no K/V; each launch leaves the exit count and the tickets at zero and advances the
-    epoch (its flags' base) by one; a second launch on the same workspace gives the same result."""
+    """Slot −1 writes no K/V; a second launch on the same workspace (counters reset by the kernel)
+    gives the same result."""
     device = device_for("triton")
     model = build("triton", torch.float32, device)
     model.enable_decode_megakernel()
@@ -111,18 +111,16 @@ def test_megakernel_padded_slot_writes_nothing_and_relaunches():
     before = buf.clone()
     h1, _ = forward(model, ids, positions, meta, buf)
     assert torch.equal(buf, before)
-    ws = model.decode_megakernel.workspace
-    assert ws.counters.tolist() == [1, 0, 0] and int(ws.tickets.abs().sum()) == 0
+    assert int(model.decode_megakernel.workspace.barrier.abs().sum()) == 0
+    assert int(model.decode_megakernel.workspace.tickets.abs().sum()) == 0
     h2, _ = forward(model, ids, positions, meta, buf)
     assert torch.equal(h1, h2)
-    assert ws.counters.tolist() == [2, 0, 0]
 
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 def test_megakernel_row_without_context_equals_reference():
-    """A CUDA graph's warm-up and padded rows launch with context 0 and slot −1: the kernel must still
-    write every vector a later phase waits for (on a GPU a missing one would hang it), attending to
-    nothing, as the reference does."""
+    """A CUDA graph's warm-up and padded rows launch with context 0 and slot −1: the kernel must attend
+    to nothing, as the reference does (its split count once came from a division by zero)."""
     device = device_for("triton")
     ref = build("torch", torch.float32, device, max_positions=512)
     model = build("triton", torch.float32, device, max_positions=512)

@@ -105,159 +105,38 @@ def unsupported_reason(shape: ModelShape, dtype: torch.dtype) -> str | None:
         return f"head_dim {d} / query heads per KV head {g} (need powers of two)"
     if shape.hidden > 8192 or shape.intermediate > 32768 or shape.num_heads * d > 8192:
         return "hidden or intermediate size too large for one program's registers"
-    if shape.hidden % 2 or shape.intermediate % 2:
-        return "odd hidden or intermediate size (flagged words hold value pairs)"
     return None
 
 
-# ---------------------------------------------------------------------------------------------- flagged words
-# Every vector one phase hands to the next (the residual, q and the new K/V, the attention output, the
-# SwiGLU output) travels as 64-bit words: the low 32 bits carry the payload (two 16-bit values, or one
-# float32), the high 32 bits the flag of the phase instance that wrote it (`_flag`). An aligned 8-byte
-# store is single-copy atomic, so a reader that sees the expected flag holds that word's data too: no
-# fence, no arrival counter, no second read after a barrier. (NCCL's "LL" protocol is the same idea.)
-
-def _spin_asm(pack: int) -> tuple[str, str]:
-    """PTX that loads `pack` words (one relaxed gpu-scope load each, all issued before any is checked)
-    and loads them all again until every word's high half equals the flag operand; its constraints.
-    Outputs are early-clobber: they are written while the addresses are still needed."""
-    loads = " ".join(f"ld.relaxed.gpu.global.b64 ${i}, [${pack + i}];" for i in range(pack))
-    checks = " ".join(f"mov.b64 {{lo, hi}}, ${i}; setp.ne.s32 p, hi, ${2 * pack}; @p bra $$spin_${{:uid}};"
-                      for i in range(pack))
-    asm = "{ .reg .pred p; .reg .b32 lo, hi; $$spin_${:uid}: " + loads + " " + checks + " }"
-    return asm, ",".join(["=&l"] * pack + ["l"] * pack + ["r"] * pack)
-
-
-_SPIN1, _SPIN1_C = (tl.constexpr(x) for x in _spin_asm(1))
-_SPIN2, _SPIN2_C = (tl.constexpr(x) for x in _spin_asm(2))
-_SPIN4, _SPIN4_C = (tl.constexpr(x) for x in _spin_asm(4))
-_SPIN8, _SPIN8_C = (tl.constexpr(x) for x in _spin_asm(8))
-_SPIN16, _SPIN16_C = (tl.constexpr(x) for x in _spin_asm(16))
-MAX_PACK = 16
-
-
+# ---------------------------------------------------------------------------------------------- barrier, timer
 @triton.jit
 def _arrive(count_ptr):
-    """This program's arrival after a phase: a CTA barrier (every warp has issued its stores), then a
-    relaxed increment, no fence: the count only tells readers when to look; the flags tell them what
-    they see is new."""
+    """This program's arrival at a grid barrier (a CTA barrier, then thread 0's gpu-scope release: the
+    CTA's earlier stores are visible to whoever acquires the count). Loads issued before it delay it
+    (the release waits for them), so prefetches go between `_arrive` and `_wait`."""
     tl.debug_barrier()
-    tl.atomic_add(count_ptr, 1, sem="relaxed", scope="gpu")
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def _gate(count_ptr, target, ASM: tl.constexpr):
-    """Wait until `target` arrivals have been counted (b · P before the b-th phase's input): one thread
-    polls one word, where a flagged read by every thread of every program would flood the lines it
-    polls. CUDA: one asm statement (thread 0's spin, then `bar.sync 0`), so that the pipelined weight
-    loops that hold it still pipeline (Triton pipelines no loop with a nested loop or a CTA barrier)."""
-    if ASM:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.ne.u32 p, t, 0; @p bra $$done_${:uid}; "
-            "$$spin_${:uid}: ld.relaxed.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra $$spin_${:uid}; "
-            "$$done_${:uid}: bar.sync 0; }",
-            "=r,l,r", [count_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        seen = tl.atomic_add(count_ptr, 0, sem="relaxed", scope="gpu")
-        while seen < target:
-            seen = tl.atomic_add(count_ptr, 0, sem="relaxed", scope="gpu")
+def _wait(count_ptr, target):
+    """Wait until `target` programs have arrived in total (the b-th barrier of a launch: b · P)."""
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit
-def _flag(epoch, phase):
-    """The flag of phase instance `phase` (1 + its index in the launch, < 2048) of launch `epoch`
-    (counted modulo 2²⁰ by the kernel): never 0, the value of a fresh buffer, and never a flag of the
-    previous launch, whose words are the only stale ones (every word is written in every launch)."""
-    return epoch * 2048 + phase
-
-
-@triton.jit
-def _ll_read(ptrs, flag, PACK: tl.constexpr, ASM: tl.constexpr):
-    """The words at `ptrs` once every one carries `flag`. CUDA (ASM): each thread spins on its words,
-    PACK of them per asm statement (all of a thread's words, when PACK is the words per thread, so they
-    arrive in one round trip). The interpreter runs one program, which has written every word before it
-    reads it: a word with another flag there is a bug in the phases' order, and reads as NaN values
-    (payload 0x7FC07FC0: NaN as one float32 and as two bfloat16 halves), which the tests see."""
-    if ASM:
-        flags = tl.zeros(ptrs.shape, tl.int32) + flag
-        if PACK == 16:
-            w = tl.inline_asm_elementwise(_SPIN16, _SPIN16_C, [ptrs, flags], dtype=tl.int64, is_pure=False, pack=16)
-        elif PACK == 8:
-            w = tl.inline_asm_elementwise(_SPIN8, _SPIN8_C, [ptrs, flags], dtype=tl.int64, is_pure=False, pack=8)
-        elif PACK == 4:
-            w = tl.inline_asm_elementwise(_SPIN4, _SPIN4_C, [ptrs, flags], dtype=tl.int64, is_pure=False, pack=4)
-        elif PACK == 2:
-            w = tl.inline_asm_elementwise(_SPIN2, _SPIN2_C, [ptrs, flags], dtype=tl.int64, is_pure=False, pack=2)
-        else:
-            w = tl.inline_asm_elementwise(_SPIN1, _SPIN1_C, [ptrs, flags], dtype=tl.int64, is_pure=False, pack=1)
-    else:
-        w = tl.load(ptrs)
-        w = tl.where((w >> 32).to(tl.int32) == flag, w, 0x7FC07FC0)
-    return w
-
-
-@triton.jit
-def _ll_write(ptrs, words, ASM: tl.constexpr):
-    """Store words (a relaxed gpu-scope store each on CUDA: other SMs spin on them)."""
-    if ASM:
-        tl.inline_asm_elementwise("st.relaxed.gpu.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l", [ptrs, words],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.store(ptrs, words)
-
-
-@triton.jit
-def _ll_pack(x, flag, VPW: tl.constexpr):
-    """Values x [N] (1-D) → words [N // VPW]: VPW = 2, 16-bit values 2i and 2i + 1 in word i (low, high
-    half of the payload); VPW = 1, one float32 per word."""
-    if VPW == 2:
-        lo, hi = tl.split(tl.reshape(x, [x.shape[0] // 2, 2]))
-        payload = lo.to(tl.uint16, bitcast=True).to(tl.uint32) | (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
-    else:
-        payload = x.to(tl.uint32, bitcast=True)
-    return (payload.to(tl.uint64) | (flag.to(tl.uint32).to(tl.uint64) << 32)).to(tl.int64, bitcast=True)
-
-
-@triton.jit
-def _ll_values(w, DT: tl.constexpr, VPW: tl.constexpr):
-    """Words [W] (1-D) → their values [W · VPW] in DT, in order (the inverse of `_ll_pack`)."""
-    payload = (w & 0xFFFFFFFF).to(tl.uint32)
-    if VPW == 2:
-        lo = payload.to(tl.uint16).to(DT, bitcast=True)
-        hi = (payload >> 16).to(tl.uint16).to(DT, bitcast=True)
-        return tl.reshape(tl.join(lo, hi), [w.shape[0] * 2])
-    else:
-        return payload.to(DT, bitcast=True)
-
-
-@triton.jit
-def _ll_vector(ll_ptr, flag, N: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, VPW: tl.constexpr,
-               PACK: tl.constexpr, ASM: tl.constexpr):
-    """A flagged vector of N values as [BN] (zeros beyond N), once written with `flag`."""
-    W: tl.constexpr = BN // VPW
-    wi = tl.arange(0, W)
-    x = _ll_values(_ll_read(ll_ptr + tl.where(wi < N // VPW, wi, 0), flag, PACK, ASM), DT, VPW)
-    return tl.where(tl.arange(0, BN) < N, x, 0.0)
-
-
-@triton.jit
-def _ll_rows(ll_ptr, first_row, valid, flag, R: tl.constexpr, DT: tl.constexpr, VPW: tl.constexpr,
-             ASM: tl.constexpr):
-    """Rows first_row[i] + [0, R) of a flagged vector for each i with valid[i] ([M] each; other rows
-    zero) as [M, R], once written with `flag` (a few words per program: one per thread)."""
-    RW: tl.constexpr = R // VPW
-    M: tl.constexpr = first_row.shape[0]
-    words = tl.where(valid, first_row // VPW, 0)[:, None] + tl.arange(0, RW)[None, :]
-    x = _ll_values(_ll_read(ll_ptr + tl.reshape(words, [M * RW]), flag, 1, ASM), DT, VPW)
-    return tl.where(valid[:, None], tl.reshape(x, [M, R]), 0.0)
-
-
-@triton.jit
-def _ll_put(ll_ptr, first_row, x, flag, VPW: tl.constexpr, ASM: tl.constexpr):
-    """Write values x [N] (1-D) at rows first_row + [0, N) of a flagged vector (first_row a multiple of
-    VPW)."""
-    W: tl.constexpr = x.shape[0] // VPW
-    _ll_write(ll_ptr + first_row // VPW + tl.arange(0, W), _ll_pack(x, flag, VPW), ASM)
+def _wait_asm(count_ptr, target):
+    """`_wait` as one asm statement, thread 0 spinning in a PTX loop on a gpu-scope acquire load, then a
+    CTA barrier (`bar.sync 0`) inside the asm: Triton does not software-pipeline a loop that holds a
+    nested loop or a `tl.debug_barrier`, and a pipelined weight loop holds its barrier's wait (CUDA only)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.ne.u32 p, t, 0; @p bra $$done_${:uid}; "
+        "$$spin_${:uid}: ld.acquire.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra $$spin_${:uid}; "
+        "$$done_${:uid}: bar.sync 0; }",
+        "=r,l,r", [count_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -267,29 +146,29 @@ def _now(x):
 
 
 @triton.jit
-def _mark(trace_ptr, i, pid, TRACE: tl.constexpr):
-    """When tracing, program 0 writes the timer into trace[i]."""
+def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.constexpr):
+    """The wait of the launch's b-th grid barrier (b · P arrivals), with `_wait_asm` if ASM (CUDA); when
+    tracing, program 0 then writes the timer into trace[b]."""
+    if ASM:
+        _wait_asm(bar_ptr, b * P)
+    else:
+        _wait(bar_ptr, b * P)
     if TRACE:
         if pid == 0:
-            tl.store(trace_ptr + i, _now(pid))
+            tl.store(trace_ptr + b, _now(pid))
 
 
 @triton.jit
-def _normed(x, w_ptr, H, eps, BH: tl.constexpr):
-    """RMSNorm of the residual vector x [BH] (zeros beyond H) in rms_norm.py's roundings, in x's dtype."""
+def _normed(r_ptr, w_ptr, H, eps, BH: tl.constexpr):
+    """RMSNorm of the residual vector in rms_norm.py's roundings, [BH] in r's dtype (zeros beyond H)."""
     cols = tl.arange(0, BH)
+    mask = cols < H
+    x = tl.load(r_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     normed = (xf * rstd).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
-def _normed_residual(r_ll, flag, w_ptr, H: tl.constexpr, eps, BH: tl.constexpr, DT: tl.constexpr,
-                     VPW: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr):
-    """RMSNorm (weights w_ptr) of the residual vector, once written with `flag`, as [BH]."""
-    return _normed(_ll_vector(r_ll, flag, H, BH, DT, VPW, PACK, ASM), w_ptr, H, eps, BH)
 
 
 # ---------------------------------------------------------------------------------------------- units
@@ -333,73 +212,63 @@ def _gate_up_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.cons
 
 # ---------------------------------------------------------------------------------------------- phases
 @triton.jit
-def _qkv_unit(w, a, c, s, u, slot, kv_off, qkv_ll, k_ptr, v_ptr, stride_head, flag,
-              HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr, VPW: tl.constexpr,
-              ASM: tl.constexpr):
+def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
+              HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr):
     """Unit u of phase A from its tile w [RQ, 2, BH] (`_qkv_tile`), the normed input a [1, 1, BH] and
     the RoPE factors c, s [RQ] of its rows: y = round(W a); q and k rotated, (y₁, y₂) → (y₁c − y₂s,
-    y₂c + y₁s). Every head's rows go to the flagged q|k|v vector (phase B reads the new K/V there), k
-    and v also into the cache row kv_off (slot −1: not into the cache)."""
+    y₂c + y₁s); q to the scratch vector, k and v into the cache row kv_off (slot −1: nowhere)."""
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
-    WPH: tl.constexpr = RQ // VPW  # words per half-head run of the unit
     jj = tl.arange(0, RQ)
     hh = tl.arange(0, 2)
     in_head = hh[None, :] * HALF + jj[:, None]  # [RQ, 2]: offset of each output within its head
     sign = tl.where(hh[None, :] == 0, -1.0, 1.0)
     other_half = (hh[None, :, None] != hh[None, None, :]).to(tl.float32)  # [1, 2, 2]
-    dt = k_ptr.dtype.element_ty
-    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(dt).to(tl.float32)  # [RQ, 2]
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
     partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
-    roped = (y * c[:, None] + sign * partner * s[:, None]).to(dt)
+    roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
     head = u // UPH
-    j0 = (u % UPH) * RQ
-    out = tl.where(head < HQ + HK, roped, y.to(dt))  # v is not rotated
-    wi = tl.arange(0, 2 * WPH)
-    words = (head * D + (wi // WPH) * HALF + j0) // VPW + wi % WPH
-    _ll_write(qkv_ll + words, _ll_pack(tl.reshape(tl.trans(out), [2 * RQ]), flag, VPW), ASM)
-    if slot >= 0:
-        if head >= HQ:
-            if head < HQ + HK:
-                tl.store(k_ptr + kv_off + (head - HQ) * stride_head + j0 + in_head, out)
-            else:
-                tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + j0 + in_head, out)
+    offs = (u % UPH) * RQ + in_head
+    if head < HQ:
+        tl.store(q_ptr + head * D + offs, roped)
+    elif head < HQ + HK:
+        if slot >= 0:
+            tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
+    else:
+        if slot >= 0:
+            tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + offs, y.to(q_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _qkv_phase(layer, pid, P, r_ll, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, qkv_ll, k_ptr, v_ptr,
-               stride_blk, stride_head, eps, epoch, bar_ptr, b, trace_ptr,
+def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+               stride_blk, stride_head, eps, bar_ptr, b, trace_ptr,
                H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-               RQ: tl.constexpr, BH: tl.constexpr, VPW: tl.constexpr, PACK_H: tl.constexpr, PIPE: tl.constexpr,
-               PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
-    """Phase A of `layer`: its input, the residual, is read when the previous layer's phase E (or the
-    embedding) has written it (see the kernel's docstring for PIPE and PREFETCH)."""
+               RQ: tl.constexpr, BH: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr,
+               TRACE: tl.constexpr, ASM: tl.constexpr):
+    """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH)."""
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
-    DT: tl.constexpr = wqkv_ptr.dtype.element_ty
     n_units = (HQ + 2 * HK) * UPH
-    r_flag = _flag(epoch, 1 + 5 * layer)
-    out_flag = _flag(epoch, 2 + 5 * layer)
     jj = tl.arange(0, RQ)
     kv_off = (slot // BS) * stride_blk + (slot % BS) * D
     cs_row = cos_sin_ptr + pos * D
-    a = tl.zeros([1, 1, BH], DT)
+    a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
-        _gate(bar_ptr, b * P, ASM)
-        a = _normed_residual(r_ll, r_flag, n1_ptr + layer * H, H, eps, BH, DT, VPW, PACK_H, ASM)[None, None, :]
-        _mark(trace_ptr, 1 + 5 * layer, pid, TRACE)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+        a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
         c = tl.load(cs_row + (u % UPH) * RQ + jj)
         s = tl.load(cs_row + HALF + (u % UPH) * RQ + jj)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
-                _gate(bar_ptr, b * P, ASM)
-                a = _normed_residual(r_ll, r_flag, n1_ptr + layer * H, H, eps, BH, DT, VPW, PACK_H,
-                                     ASM)[None, None, :]
-                _mark(trace_ptr, 1 + 5 * layer, pid, TRACE)
-        _qkv_unit(w, a, c, s, u, slot, kv_off, qkv_ll, k_ptr, v_ptr, stride_head, out_flag, HQ, HK, D, RQ, VPW, ASM)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+                a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+        _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
+    if PREFETCH:
+        if pid >= n_units:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
@@ -438,31 +307,23 @@ def _preload_kv(pid, k_ptr, v_ptr, rows, seq_len, num_splits, stride_head,
 
 
 @triton.jit
-def _attn_preloaded_tile(acc, l_i, m_i, q, kp, vp, lo, kv_end, qk_scale, KEYS: tl.constexpr,
-                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """`_attn_inner`'s masked step over keys lo .. lo+KEYS−1 below kv_end (at least key lo) from a
-    tile preloaded by `_preload_kv`."""
+def _attn_first_tile(acc, l_i, m_i, q, q_pos, kp, vp, rows, k_head_ptr, v_head_ptr, lo, seq_len, qk_scale,
+                     D: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """`_attn_inner`'s masked step over keys lo .. lo+KEYS−1 from a preloaded tile (`_preload_kv`), its
+    newest key's row read now, from L2 (it was written in phase A, possibly by another SM)."""
     keys = lo + tl.arange(0, KEYS)
-    qk = _dot_qk(q, kp, UPCAST, IEEE)
-    qk = tl.where((keys < kv_end)[None, :], qk * qk_scale, float("-inf"))
+    newest = (keys == seq_len - 1)[:, None]
+    ptrs = rows[:, None] + tl.arange(0, D)[None, :]
+    k = tl.where(newest, tl.load(k_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), kp)
+    v = tl.where(newest, tl.load(v_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), vp)
+    qk = _dot_qk(q, k, UPCAST, IEEE)
+    visible = (keys[None, :] <= q_pos[:, None]) & (keys < seq_len)[None, :]
+    qk = tl.where(visible, qk * qk_scale, float("-inf"))
     m_ij = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.math.exp2(qk - m_ij[:, None])
     alpha = tl.math.exp2(m_i - m_ij)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = _dot_pv(p.to(vp.dtype), vp, acc * alpha[:, None], UPCAST, IEEE)
-    return acc, l_i, m_ij
-
-
-@triton.jit
-def _attn_newest(acc, l_i, m_i, q, k, v, qk_scale):
-    """Fold the newest key (k, v [D], float32 holding the cache dtype's values) into (acc, l_i, m_i) as
-    `_attn_inner` folds a tile: scores in the log2 domain, p rounded to the cache dtype (q's) for p·v."""
-    s = tl.sum(q.to(tl.float32) * k[None, :], axis=1) * qk_scale
-    m_ij = tl.maximum(m_i, s)
-    p = tl.math.exp2(s - m_ij)
-    alpha = tl.math.exp2(m_i - m_ij)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v[None, :]
+    acc = _dot_pv(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, IEEE)
     return acc, l_i, m_ij
 
 
@@ -495,61 +356,41 @@ def _merge_partials(part_ptr, kvh, num_splits, G: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def _attention_phase(pid, P, layer, qkv_ll, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
-                     attn_ll, stride_blk, stride_head, qk_scale, kp, vp, epoch, bar_ptr, b, trace_ptr, tb,
+def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
+                     attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr, BG: tl.constexpr,
-                     VPW: tl.constexpr, PACK_B: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                     PRELOAD: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
-    """Split-KV attention of the group's G query heads (padded to BG ≥ G + 2 rows, ≥ 16 for tl.dot)
-    through the FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain)
-    over the cached keys, then the newest key, read with q from phase A's flagged vector (one read: rows
-    0..G−1 q, G the new k, G+1 the new v). With PRELOAD, (kp, vp) is the first tile of unit `pid` from
-    `_preload_kv`. The last split of a KV head to take its ticket (monotone over the launch's layers)
-    merges the head's partials into the flagged attention output."""
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr):
+    """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
+    FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
+    PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`."""
     G: tl.constexpr = HQ // HK
     PW: tl.constexpr = D + 2  # a partial: acc [D], m, l
-    WD: tl.constexpr = D // VPW
-    DT: tl.constexpr = k_ptr.dtype.element_ty
-    in_flag = _flag(epoch, 2 + 5 * layer)
-    out_flag = _flag(epoch, 3 + 5 * layer)
+    g = tl.arange(0, G)
     rows_g = tl.arange(0, BG)
     d = tl.arange(0, D)
     keys_per_split = _keys_per_split(seq_len, num_splits, KEYS)
     for u in range(pid, HK * num_splits, P):
         kvh = u // num_splits
         split = u % num_splits
-        head = tl.where(rows_g < G, kvh * G + rows_g,
-                        tl.where(rows_g == G, HQ + kvh, tl.where(rows_g == G + 1, HQ + HK + kvh, kvh * G)))
-        words = tl.reshape(head[:, None] * WD + tl.arange(0, WD)[None, :], [BG * WD])
-        if u == pid:
-            _gate(bar_ptr, b * P, ASM)
-        x = tl.reshape(_ll_values(_ll_read(qkv_ll + words, in_flag, PACK_B, ASM), DT, VPW), [BG, D])
-        if TRACE:
-            if pid == 0:
-                if u == pid:
-                    tl.store(trace_ptr + 2 + 5 * layer, _now(pid))
-        q = tl.where((rows_g < G)[:, None], x, 0.0)
-        k_new = tl.sum(tl.where((rows_g == G)[:, None], x.to(tl.float32), 0.0), axis=0)
-        v_new = tl.sum(tl.where((rows_g == G + 1)[:, None], x.to(tl.float32), 0.0), axis=0)
+        q = tl.load(q_ptr + (kvh * G + rows_g)[:, None] * D + d[None, :], mask=(rows_g < G)[:, None], other=0.0,
+                    cache_modifier=".cg")
         q_pos = tl.full([BG], 0, tl.int32) + seq_len  # the new token sees every key
         m = tl.full([BG], float("-inf"), tl.float32)
         l = tl.zeros([BG], tl.float32)
         acc = tl.zeros([BG, D], tl.float32)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, seq_len)
-        old_end = seq_len - 1  # keys before the new token's, all in the cache since earlier steps
         start = lo
         if PRELOAD:
             if u == pid:
-                if lo < old_end:
-                    acc, l, m = _attn_preloaded_tile(acc, l, m, q, kp, vp, lo, old_end, qk_scale, KEYS, UPCAST, IEEE)
+                if lo < hi:
+                    acc, l, m = _attn_first_tile(acc, l, m, q, q_pos, kp, vp, rows_pre, k_ptr + kvh * stride_head,
+                                                 v_ptr + kvh * stride_head, lo, seq_len, qk_scale, D, KEYS, UPCAST,
+                                                 IEEE)
                 start = lo + KEYS
         acc, l, m = _attn_inner(acc, l, m, q, q_pos, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head, bt_ptr,
-                                start, tl.minimum(hi, old_end), old_end, qk_scale, stride_blk, D, D, KEYS, BS, False,
-                                True, UPCAST, IEEE)
-        if (hi == seq_len) & (seq_len > 0):  # the last split also takes the new token's key
-            acc, l, m = _attn_newest(acc, l, m, q, k_new, v_new, qk_scale)
+                                start, hi, hi, qk_scale, stride_blk, D, D, KEYS, BS, False, True, UPCAST, IEEE)
         if TRACE:
             if pid == 0:
                 if u == pid:
@@ -566,12 +407,13 @@ def _attention_phase(pid, P, layer, qkv_ll, k_ptr, v_ptr, bt_ptr, seq_len, num_s
             if pid == 0:
                 if u == pid:
                     tl.store(trace_ptr + tb + 1, _now(ticket))
-        if ticket == (layer + 1) * num_splits - 1:  # the last split of this KV head merges them all, in split order
+        if ticket == num_splits - 1:  # the last split of this KV head merges them all, in split order
             if num_splits <= MERGE_SMALL:  # one narrow step (a wide one reduces mostly padding)
                 out = _merge_partials(part_ptr, kvh, num_splits, G, D, MERGE_SMALL)
             else:
                 out = _merge_partials(part_ptr, kvh, num_splits, G, D, MERGE)
-            _ll_put(attn_ll, kvh * G * D, tl.reshape(out.to(DT), [G * D]), out_flag, VPW, ASM)
+            tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
+            tl.atomic_xchg(tickets_ptr + kvh, 0, sem="relaxed", scope="gpu")
         if TRACE:
             if pid == 0:
                 if u == pid:
@@ -579,81 +421,78 @@ def _attention_phase(pid, P, layer, qkv_ll, k_ptr, v_ptr, bt_ptr, seq_len, num_s
 
 
 @triton.jit
-def _residual_unit(w, a, res, u, r_ll, flag, R: tl.constexpr, VPW: tl.constexpr, ASM: tl.constexpr):
+def _residual_unit(w, a, res, u, r_ptr, N: tl.constexpr, R: tl.constexpr):
     """Unit u of phases C and E: r[rows] = round(round(W x)[rows] + res) for its tile w [R, BK] (rows
-    u·R + [0, R)), x as a [1, BK] and the rows' residual res [R] (float32), written with `flag`."""
-    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(w.dtype)
-    _ll_put(r_ll, u * R, (y.to(tl.float32) + res).to(w.dtype), flag, VPW, ASM)
+    u·R + [0, R)), x as a [1, BK] and the rows' residual res [R]."""
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(r_ptr.dtype.element_ty)
+    rows = u * R + tl.arange(0, R)
+    tl.store(r_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(r_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
-def _residual_phase(layer, pid, P, x_ll, x_flag, w_ptr, r_ll, r_flag, out_flag, bar_ptr, b, trace_ptr, tm,
+def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
-                    VPW: tl.constexpr, PACK_X: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr,
-                    TRACE: tl.constexpr, ASM: tl.constexpr):
-    """r ← round(round(W x) + r) over the units of W [N, K] (phases C and E): x read once written with
-    x_flag, r's rows with r_flag (earlier, so always there first: that read is issued first and its
-    round trip hides under the wait for x), the new rows written with out_flag. The residual rows of all
-    of this program's units (at most MAXU) are read once, not by the pipelined loop."""
-    DT: tl.constexpr = w_ptr.dtype.element_ty
+                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
+    """r ← round(round(W x) + r) over the units of W [N, K] (phases C and E), starting with the wait of
+    barrier b. The residual rows of all of this program's units (at most MAXU) are read once after the
+    wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be cached in L1,
+    which does not see other SMs' stores to r."""
     n_units = N // R
+    rr = tl.arange(0, R)
+    cols = tl.arange(0, BK)
     it = tl.arange(0, MAXU)
-    mine = pid + it * P  # [MAXU]: this program's i-th unit
-    a = tl.zeros([1, BK], DT)
-    res_all = tl.zeros([MAXU, R], DT)
+    my_rows = (pid + it * P)[:, None] * R + rr[None, :]  # [MAXU, R]: row i holds this program's i-th unit
+    a = tl.zeros([1, BK], x_ptr.dtype.element_ty)
+    res_all = tl.zeros([MAXU, R], r_ptr.dtype.element_ty)
     if not PREFETCH:
-        _gate(bar_ptr, b * P, ASM)
-        res_all = _ll_rows(r_ll, mine * R, mine < n_units, r_flag, R, DT, VPW, ASM)
-        a = _ll_vector(x_ll, x_flag, K, BK, DT, VPW, PACK_X, ASM)[None, :]
-        _mark(trace_ptr, tm, pid, TRACE)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+        a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
+        res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
-                _gate(bar_ptr, b * P, ASM)
-                res_all = _ll_rows(r_ll, mine * R, mine < n_units, r_flag, R, DT, VPW, ASM)
-                a = _ll_vector(x_ll, x_flag, K, BK, DT, VPW, PACK_X, ASM)[None, :]
-                _mark(trace_ptr, tm, pid, TRACE)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+                a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
+                res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
         res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
-        _residual_unit(w, a, res, u, r_ll, out_flag, R, VPW, ASM)
+        _residual_unit(w, a, res, u, r_ptr, N, R)
+    if PREFETCH:
+        if pid >= n_units:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
-def _gate_up_phase(layer, pid, P, r_ll, n2_ptr, wgu_ptr, act_ll, eps, epoch, bar_ptr, b, trace_ptr,
-                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, VPW: tl.constexpr,
-                   PACK_H: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
-                   ASM: tl.constexpr):
-    """Phase D of `layer`: its input is the residual as phase C wrote it."""
-    DT: tl.constexpr = wgu_ptr.dtype.element_ty
+def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
+                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
+                   PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
+    """Phase D, starting with the wait of barrier b."""
     n_units = F // RG
-    r_flag = _flag(epoch, 4 + 5 * layer)
-    out_flag = _flag(epoch, 5 + 5 * layer)
-    a = tl.zeros([1, 1, BH], DT)
+    a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
-        _gate(bar_ptr, b * P, ASM)
-        a = _normed_residual(r_ll, r_flag, n2_ptr + layer * H, H, eps, BH, DT, VPW, PACK_H, ASM)[None, None, :]
-        _mark(trace_ptr, 4 + 5 * layer, pid, TRACE)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+        a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=STAGES):
         w = _gate_up_tile(wgu_ptr, layer, u, H, F, RG, BH)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
-                _gate(bar_ptr, b * P, ASM)
-                a = _normed_residual(r_ll, r_flag, n2_ptr + layer * H, H, eps, BH, DT, VPW, PACK_H,
-                                     ASM)[None, None, :]
-                _mark(trace_ptr, 4 + 5 * layer, pid, TRACE)
-        _gate_up_unit(w, a, u, act_ll, out_flag, RG, VPW, ASM)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+                a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
+        _gate_up_unit(w, a, u, act_ptr, RG)
+    if PREFETCH:
+        if pid >= n_units:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
-def _gate_up_unit(w, a, u, act_ll, flag, RG: tl.constexpr, VPW: tl.constexpr, ASM: tl.constexpr):
-    """Unit u of phase D: act[rows] = round(silu(g) ⊙ u) with g, u = round(W a) of its tile [RG, 2, BH],
-    written with `flag`."""
+def _gate_up_unit(w, a, u, act_ptr, RG: tl.constexpr):
+    """Unit u of phase D: act[rows] = round(silu(g) ⊙ u) with g, u = round(W a) of its tile [RG, 2, BH]."""
     hh = tl.arange(0, 2)[None, :]
-    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(w.dtype).to(tl.float32)  # [RG, 2]
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(act_ptr.dtype.element_ty).to(tl.float32)  # [RG, 2]
     gate = tl.sum(tl.where(hh == 0, y, 0.0), axis=1)
     up = tl.sum(tl.where(hh == 1, y, 0.0), axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
-    _ll_put(act_ll, u * RG, act.to(w.dtype), flag, VPW, ASM)
+    tl.store(act_ptr + u * RG + tl.arange(0, RG), act.to(act_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -661,13 +500,12 @@ def _gate_up_unit(w, a, u, act_ll, flag, RG: tl.constexpr, VPW: tl.constexpr, AS
 def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        emb_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, n1_ptr, n2_ptr, nf_ptr, cos_sin_ptr,
                        kv_ptr, layer_stride, v_offset, stride_blk, stride_head,
-                       r_ll, qkv_ll, attn_ll, act_ll, part_ptr, tickets_ptr, counters_ptr, out_ptr, trace_ptr,
+                       r_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, tickets_ptr, bar_ptr, out_ptr, trace_ptr,
                        num_layers, num_splits, eps, scale,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
                        RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr,
-                       BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr, VPW: tl.constexpr,
-                       PACK_H: tl.constexpr, PACK_Q: tl.constexpr, PACK_F: tl.constexpr, PACK_B: tl.constexpr,
+                       BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
@@ -676,77 +514,66 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     BF: tl.constexpr = triton.next_power_of_2(F)
     QD: tl.constexpr = HQ * D
     BQ: tl.constexpr = triton.next_power_of_2(QD)
-    HKP: tl.constexpr = triton.next_power_of_2(HK)
 
     if TRACE:
         if pid == 0:
             tl.store(trace_ptr, _now(pid))
-    epoch = tl.load(counters_ptr, cache_modifier=".cg")  # this launch's number (mod 2²⁰): the flags' base
     tok = tl.load(ids_ptr).to(tl.int64)
     pos = tl.load(pos_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
     seq_len = tl.load(seq_len_ptr)
     # context splits per KV head: at most num_splits, each a whole number of KEYS tiles, none empty (one,
-    # without keys, at seq_len 0: a padded graph row still writes its attention output, zeros)
+    # without keys, at seq_len 0: a padded graph row, whose split count was once a division by zero)
     tiles = tl.maximum(tl.cdiv(seq_len, KEYS), 1)
     splits = tl.cdiv(tiles, tl.cdiv(tiles, num_splits))
-    bar_ptr = counters_ptr + 1  # arrivals: phase b's readers wait for b · P of them
     cols = tl.arange(0, BH)
     if pid == 0:  # r ← the token's embedding row
         e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
-        _ll_put(r_ll, 0, tl.reshape(e, [BH]).to(emb_ptr.dtype.element_ty), _flag(epoch, 1), VPW, ASM)
+        tl.store(r_ptr + cols, e, mask=cols < H)
     if PRELOAD:
         rows_pre = _first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, HK, D, BS, KEYS)
     else:
         rows_pre = 0
     _arrive(bar_ptr)
-    # Each phase reads its input vector, flagged by the phase that wrote it (phase p of layer l: 2 + 5l + p;
-    # the embedding 1), after the arrival count says that phase is done; with PREFETCH, after issuing its
-    # first weight tiles (they depend on nothing), so they stream while the slowest programs finish.
+    # Each weight phase starts with the wait of the barrier before it: with PREFETCH, after issuing its
+    # first weight tiles (they do not depend on the barrier), so they stream while the others arrive.
     for layer in range(num_layers):
-        b = 1 + 5 * layer  # arrival rounds before this layer: the embedding's, then 5 per layer
+        b = 1 + 5 * layer  # barriers before this layer: the embedding's, then 5 per layer
         k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
         v_ptr = k_ptr + v_offset
-        _qkv_phase(layer, pid, P, r_ll, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, qkv_ll, k_ptr, v_ptr,
-                   stride_blk, stride_head, eps, epoch, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, VPW, PACK_H,
-                   PIPE, PREFETCH, TRACE, ASM)
+        _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+                   stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, PIPE, PREFETCH,
+                   TRACE, ASM)
         _arrive(bar_ptr)
         if PRELOAD:
             kp, vp = _preload_kv(pid, k_ptr, v_ptr, rows_pre, seq_len, splits, stride_head, HK, D, KEYS)
         else:
             kp, vp = 0, 0
-        _attention_phase(pid, P, layer, qkv_ll, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
-                         attn_ll, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, epoch, bar_ptr, b + 1,
+        _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
+        _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
+                         attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
                          trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, MERGE, MERGE_SMALL, BG,
-                         VPW, PACK_B, UPCAST, IEEE, PRELOAD, TRACE, ASM)
+                         UPCAST, IEEE, PRELOAD, TRACE)
         _arrive(bar_ptr)
-        _residual_phase(layer, pid, P, attn_ll, _flag(epoch, 3 + 5 * layer), wo_ptr, r_ll,
-                        _flag(epoch, 1 + 5 * layer), _flag(epoch, 4 + 5 * layer), bar_ptr, b + 2, trace_ptr,
-                        3 + 5 * layer, H, QD, RO, BQ, MAXU_C, VPW, PACK_Q, PIPE, PREFETCH, TRACE, ASM)
+        _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
-        _gate_up_phase(layer, pid, P, r_ll, n2_ptr, wgu_ptr, act_ll, eps, epoch, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, VPW, PACK_H, STAGES, PREFETCH, TRACE, ASM)
+        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
-        _residual_phase(layer, pid, P, act_ll, _flag(epoch, 5 + 5 * layer), wd_ptr, r_ll,
-                        _flag(epoch, 4 + 5 * layer), _flag(epoch, 6 + 5 * layer), bar_ptr, b + 4, trace_ptr,
-                        5 + 5 * layer, H, F, RD, BF, MAXU_E, VPW, PACK_F, PIPE, PREFETCH, TRACE, ASM)
+        _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
+    _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
-        _gate(bar_ptr, (1 + 5 * num_layers) * P, ASM)
-        x = _ll_vector(r_ll, _flag(epoch, 1 + 5 * num_layers), H, BH, nf_ptr.dtype.element_ty, VPW, PACK_H, ASM)
-        _mark(trace_ptr, 1 + 5 * num_layers, pid, TRACE)
-        out = _normed(x, nf_ptr, H, eps, BH)
+        out = _normed(r_ptr, nf_ptr, H, eps, BH)
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
-    # Leave: the last program out (every program has read the epoch, arrived everywhere and taken every
-    # ticket) resets the tickets and counts and advances the epoch for the next launch.
+    # Leave: the last program out resets the barrier counter (every program has passed every barrier).
     tl.debug_barrier()
-    left = tl.atomic_add(counters_ptr + 2, 1, sem="acq_rel", scope="gpu")
+    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if left == P - 1:
-        hk = tl.arange(0, HKP)
-        tl.store(tickets_ptr + hk, tl.zeros([HKP], tl.int32), mask=hk < HK)
-        tl.atomic_xchg(counters_ptr + 2, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(counters_ptr, (epoch + 1) % (1 << 20), sem="relaxed", scope="gpu")
+        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
         if TRACE:
             tl.store(trace_ptr + 2 + 5 * num_layers, _now(pid))
 
@@ -757,32 +584,27 @@ def _pow2_at_most(n: int) -> int:
 
 
 ATTN_KEYS = 64  # keys per attention tile (tl.dot's N), as the decode kernel's default
-MAX_PHASES = 2048  # phase instances per launch that the flags can tell apart (see _flag)
 MAX_SPLITS = 16  # context splits per KV head in the attention phase (33 at 2 programs per SM: slower on the H200)
 
 
 class Workspace:
-    """Scratch of one launch configuration: the flagged vectors phases hand on (residual, q|k|v,
-    attention output, SwiGLU output: int64 words, padded to powers of two), the split partials, the
-    per-KV-head tickets, and three counters: the launch's epoch (the flags' base), the phases' arrivals
-    and the programs that have left (both zero between launches). Allocated once; captured graphs point at it. The context of
-    each KV head is cut into `num_splits` parts (default: as many as fill the programs)."""
+    """Scratch of one launch configuration: the residual, q, attention output, SwiGLU output vectors,
+    the split partials, the per-KV-head tickets and the barrier counters (zero between launches).
+    Allocated once; captured graphs point at it. The context of each KV head is cut into `num_splits`
+    parts (default: as many as fill the programs)."""
 
     def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device, programs: int,
                  num_splits: int | None = None) -> None:
         s = shape
         self.programs = programs
         self.num_splits = num_splits or max(1, min(MAX_SPLITS, programs // s.num_kv_heads))
-        self.values_per_word = 4 // torch.empty(0, dtype=dtype).element_size()
         group = s.num_heads // s.num_kv_heads
-        words = lambda n: torch.zeros(next_power_of_2(n) // self.values_per_word, dtype=torch.int64,  # noqa: E731
-                                      device=device)
-        self.r, self.qkv, self.attn, self.act = (words(s.hidden), words((s.num_heads + 2 * s.num_kv_heads) * s.head_dim),
-                                                 words(s.num_heads * s.head_dim), words(s.intermediate))
-        self.partials = torch.zeros(s.num_kv_heads * self.num_splits * group * (s.head_dim + 2), dtype=torch.float32,
-                                    device=device)
-        self.tickets = torch.zeros(s.num_kv_heads, dtype=torch.int32, device=device)
-        self.counters = torch.zeros(3, dtype=torch.int32, device=device)  # [epoch, arrivals, programs out]
+        z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
+        self.r, self.q, self.attn, self.act = z(s.hidden), z(s.num_heads * s.head_dim), \
+            z(s.num_heads * s.head_dim), z(s.intermediate)
+        self.partials = z(s.num_kv_heads * self.num_splits * group * (s.head_dim + 2), torch.float32)
+        self.tickets = z(s.num_kv_heads, torch.int32)
+        self.barrier = z(2, torch.int32)
         self.trace = torch.zeros(1, dtype=torch.int64, device=device)  # grown by a traced launch
         self.resident_checked = False
 
@@ -803,10 +625,10 @@ class StackedWeights:
 
 def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
     """(RQ, RO, RG, RD): rows per unit of phases A (per half-head), C, D (gate rows) and E, each a
-    power of two ≥ 2 (a unit writes whole flagged words) giving ~`tile` weight elements per unit."""
+    power of two giving ~`tile` weight elements per unit."""
     bh = next_power_of_2(shape.hidden)
-    def dividing(r: int, n: int) -> int:  # the largest power of two in [2, r] that divides n (n even)
-        r = max(2, _pow2_at_most(max(1, r)))
+    def dividing(r: int, n: int) -> int:  # the largest power of two ≤ r that divides n
+        r = max(1, _pow2_at_most(max(1, r)))
         while n % r:
             r //= 2
         return r
@@ -841,10 +663,9 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     token (≥ 1); block_table: [≥ cdiv(seq_len, block_size)] int32. kv_caches: per layer (k, v), each
     [num_blocks, Hk, block_size, D], all carved from one buffer at a fixed layer stride (as the model
     runner allocates them); the new token's K/V are written at slot_mapping[0] (−1: nowhere).
-    `trace` (CUDA): program 0 writes the global timer each time its input for a phase has arrived into
-    workspace.trace ([3 + 8·L] int64 ns: start, after the embedding, 5 per layer when phases A–E got
-    their input, end; then 3 per layer inside phase B: program 0's unit computed, its ticket taken, its
-    merge (if it was last) done).
+    `trace` (CUDA): program 0 writes the global timer after every barrier into workspace.trace
+    ([3 + 8·L] int64 ns: start, after the embedding, 5 per layer after phases A–E, end; then 3 per layer
+    inside phase B: program 0's unit computed, its ticket taken, its merge (if it was last) done).
     """
     k0, v0 = kv_caches[0]
     _, hk, block_size, d = k0.shape
@@ -863,36 +684,27 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
     if config.stages < 1 or config.ace_stages < 1 or config.merge_width & (config.merge_width - 1):
         raise ValueError(f"megakernel config {config}: stages ≥ 1 and a power-of-two merge width needed")
-    num_layers = weights.qkv.shape[0]
-    if 2 + 5 * num_layers > MAX_PHASES:
-        raise ValueError(f"the decode megakernel serves at most {(MAX_PHASES - 2) // 5} layers, got {num_layers}")
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
     cuda = input_ids.device.type == "cuda"
+    num_layers = weights.qkv.shape[0]
     if trace and ws.trace.numel() != 3 + 8 * num_layers:
         ws.trace = torch.zeros(3 + 8 * num_layers, dtype=torch.int64, device=input_ids.device)
-    vpw = ws.values_per_word
-    group = shape.num_heads // shape.num_kv_heads
-    bg = max(16, next_power_of_2(group + 2))
-    threads = config.num_warps * 32
-    def pack(values: int) -> int:  # a thread's words of a flagged vector: spun on in one asm statement
-        return min(MAX_PACK, max(1, next_power_of_2(values) // vpw // threads))
     args = (
         input_ids, positions, slot_mapping, seq_lens, block_table,
         weights.embed, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm1, weights.norm2,
         weights.norm_final, cos_sin, k0, layer_stride, v_offset, k0.stride(0), k0.stride(1),
-        ws.r, ws.qkv, ws.attn, ws.act, ws.partials, ws.tickets, ws.counters, out, ws.trace,
+        ws.r, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace,
         num_layers, ws.num_splits, eps, scale)
     kwargs = dict(
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
         BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=ATTN_KEYS,
         MERGE=min(config.merge_width, next_power_of_2(ws.num_splits)), MERGE_SMALL=min(4, config.merge_width),
-        BG=bg, MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
-        MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)), VPW=vpw,
-        PACK_H=pack(shape.hidden), PACK_Q=pack(shape.num_heads * shape.head_dim), PACK_F=pack(shape.intermediate),
-        PACK_B=pack(bg * shape.head_dim),
+        BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
         UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
+        MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
+        MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
         PRELOAD=config.preload_kv, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
