@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh            # everything
 #   STEPS="kernel_tests latency" bash scripts/gpu_session.sh   # only these steps (plus the checkpoint)
 #   SKIP_TRAIN=1 SKIP_SERVE=1 bash scripts/gpu_session.sh
+#   TINYVLLM_GIT_COMMIT=<hash> ...   # the commit to record in the result JSONs (the copy's .git may be stale)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TINYVLLM_CACHE=/tmp/tinyvllm-cache TOKENIZERS_PARALLELISM=false

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -24,12 +25,18 @@ def environment() -> dict[str, Any]:
         pass
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
-    try:
-        env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        env["git"] = None
+    env["git"] = os.environ.get("TINYVLLM_GIT_COMMIT") or _git_head()
     return env
+
+
+def _git_head() -> str | None:
+    """The checkout's commit. A copy of the working tree on another machine may carry a stale `.git`:
+    whoever starts the run there passes the real one in TINYVLLM_GIT_COMMIT."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def print_table(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
