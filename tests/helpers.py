@@ -33,8 +33,8 @@ def record_cascade_prefixes(builder) -> list[int | None]:
 
     def recording_build(*args, **kwargs):
         inputs = build(*args, **kwargs)
-        prefix = inputs.meta.decode_prefix_len
-        used.append(None if prefix is None else int(prefix))
+        # The host value: on a graph step the device's is written only after `build` returns.
+        used.append(inputs.prefix_len or None)
         return inputs
     builder.build = recording_build
     return used

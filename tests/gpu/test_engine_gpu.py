@@ -153,3 +153,28 @@ def test_cascade_attention_fp32_equals_plain_decode(ckpt):
     assert 512 in used, used
     assert results[True] == results[False]
     assert results[False][:3] == alone
+
+
+def test_decode_graphs_with_async_placeholders_equal_eager_fp32(ckpt):
+    """Decode graph steps get their inputs in one copy of the input arena and resolve async scheduling's
+    placeholder inputs inside the graph, from the previous ids the graph's sampler left in
+    `last_sampled` (batch-1 greedy) or that the runner copied there (after a prefill, and after steps
+    where a top-p row went to the full sampler). In float32, with TF32 off, the tokens equal
+    enforce_eager's: greedy alone, and beside a seeded temperature row and a seeded top-p row, with rows
+    finishing at different steps (the bucket and the sampling plan change mid-run)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ps = prompts(3, 20, 80, seed=6)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = [greedy, SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=9, max_tokens=8, ignore_eos=True)]
+    got = {}
+    for eager in (True, False):
+        llm = engine(ckpt, "float32", kv=1 << 30, max_model_len=512, enforce_eager=eager)
+        runner = llm.llm_engine.runner
+        assert llm.llm_engine.async_scheduling and (runner.graphs is None) == eager
+        alone = llm.generate({"prompt_token_ids": ps[0]}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        got[eager] = (alone, [o.outputs[0].token_ids for o in outs])
+        del llm, runner
+        torch.cuda.empty_cache()
+    assert got[False] == got[True]

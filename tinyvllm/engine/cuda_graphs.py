@@ -1,21 +1,30 @@
-"""Decode steps as CUDA graphs: one graph per bucketed batch size, over static input buffers.
+"""Decode steps as CUDA graphs: one graph per bucketed batch size, over one static input arena.
 
-A decode-only step of B sequences replays the graph of the smallest bucket ≥ B. Its inputs are copied
-into the static buffers first; rows B..bucket−1 are padding (slot −1 writes nowhere, length 0 attends to
-nothing). The graph runs embedding → layers → final norm → logits and, with `sample_in_graph`, the fused
-greedy/Gumbel sampler over static per-row temperatures and seeds (copied in before each replay; its ids
-are used for the rows that sampler serves, the rest take the logits to the full sampler). Two Triton
-launches fewer per step on the host: at batch 1 the host's step is otherwise longer than the device's.
-Graphs share one memory pool and are captured largest first.
+A decode-only step of B sequences replays the graph of the smallest bucket ≥ B. Every input a graph
+reads (ids, positions, slots, lengths, block tables, cascade prefix length, placeholder sources, the
+sampler's temperatures and seeds) is a view of one device byte buffer, the input arena
+(engine/input_arena.py). The runner packs a step into one of two pinned host twins of the arena and
+copies its used prefix over in ONE host-to-device copy; rows B..bucket−1 are padding (slot −1 writes
+nowhere, length 0 attends to nothing). A graph step's stream work outside the graph is then that copy,
+the replay, the copy of the sampled ids to the host and an event (plus one device copy of the previous
+step's sampled ids into `last_sampled`, when they are not there already; see `feed_previous_samples`).
+
+Each graph runs: placeholder gather (async scheduling: `input_ids[i] = last_sampled[src[i]]` for the
+rows whose input is the previous step's sampled id, one launch) → embedding → layers → final norm →
+logits and, with `sample_in_graph`, the fused greedy/Gumbel sampler over the arena's per-row
+temperatures and seeds, writing its ids into `last_sampled` (they are used for the rows that sampler
+serves; the rest take the logits to the full sampler). Graphs share one memory pool and are captured
+largest first.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
-from tinyvllm.models.attention_metadata import AttnMetadata
+from tinyvllm.engine.input_arena import InputArena
 from tinyvllm.models.llama import KVCache, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -31,30 +40,36 @@ def graph_batch_sizes(max_num_seqs: int, limit: int = 256) -> list[int]:
 
 
 class DecodeGraphs:
-    """Args: `cascade_batch_sizes`: buckets that also get a cascade-attention graph (decode rows that
-    share a prefix attend it once per chunk of rows; the prefix length is a static device buffer, so one
-    graph serves any length)."""
+    """Args: `resolve_placeholders`: the ops table's placeholder gather (kernels.placeholders, or the torch
+    reference); `max_num_seqs`: the most rows a step samples (sizes `last_sampled`, which any step's
+    sampled ids may be copied into); `cascade_batch_sizes`: buckets that also get a cascade-attention
+    graph (decode rows that share a prefix attend it once per chunk of rows; the prefix length is in the
+    arena, so one graph serves any length)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], *, batch_sizes: list[int],
                  max_blocks_per_seq: int, max_seq_len: int, device: torch.device,
-                 cascade_batch_sizes: list[int] = (), sample_in_graph: bool = False) -> None:
+                 resolve_placeholders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+                 max_num_seqs: int = 0, cascade_batch_sizes: list[int] = (), sample_in_graph: bool = False) -> None:
         self.model = model
         self.sample_in_graph = sample_in_graph
         self.kv_caches = kv_caches
         self.batch_sizes = sorted(batch_sizes)
         self.max_bs = self.batch_sizes[-1]
         self.max_seq_len = max_seq_len
+        self.resolve_placeholders = resolve_placeholders
         n = self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.prefix_len = torch.zeros(1, dtype=torch.int32, device=device)
-        self.temperatures = torch.zeros(n, dtype=torch.float32, device=device)
-        self.seeds = torch.zeros(n, dtype=torch.int64, device=device)
+        self.arena = InputArena(n, max_blocks_per_seq, device)
+        pin = device.type == "cuda"
+        # Two host twins, used alternately: a pinned buffer must not be rewritten before its copy has
+        # run. Every graph step samples, so it records an event after its copy (in stream order), and
+        # the engine waits for step N's event before it launches step N+2.
+        self._host_arenas = [InputArena(n, max_blocks_per_seq, torch.device("cpu"), pin_memory=pin)
+                             for _ in range(2)]
+        self._num_host_arenas_used = 0
+        # The previous step's sampled ids, where the graphs' placeholder gather reads them; the graphs'
+        # sampler writes its ids here.
+        self.last_sampled = torch.zeros(max(n, max_num_seqs), dtype=torch.int64, device=device)
         self.cascade_batch_sizes = sorted(b for b in cascade_batch_sizes if b in self.batch_sizes)
-        self.logits = torch.empty(0)
         # (batch size, cascade) -> graph, and its (logits, sampled ids or None) buffers
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -65,23 +80,18 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _meta(self, bs: int, cascade: bool) -> AttnMetadata:
-        empty = self.seq_lens[:0]
-        return AttnMetadata(
-            slot_mapping=self.slot_mapping[:bs], num_decode_tokens=bs, decode_seq_lens=self.seq_lens[:bs],
-            decode_block_tables=self.block_tables[:bs], max_decode_seq_len=self.max_seq_len,
-            num_prefills=0, prefill_cu_seqlens_q=self.seq_lens[:1], prefill_seq_lens=empty,
-            prefill_block_tables=self.block_tables[:0], max_prefill_q_len=0, max_prefill_seq_len=0,
-            decode_prefix_len=self.prefix_len if cascade else None)
-
     def _run(self, bs: int, cascade: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs, cascade), self.kv_caches)
+        a = self.arena
+        self.resolve_placeholders(a.input_ids[:bs], a.placeholder_src[:bs], self.last_sampled)
+        meta = a.decode_meta(bs, self.max_seq_len, cascade)
+        hidden = self.model(a.input_ids[:bs], a.positions[:bs], meta, self.kv_caches)
         logits = self.model.compute_logits(hidden, dtype=None)
         if not self.sample_in_graph:
             return logits, None
         from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
-        return logits, sample_greedy_or_gumbel(logits, self.temperatures[:bs], self.seeds[:bs])
+        return logits, sample_greedy_or_gumbel(logits, a.temperatures[:bs], a.seeds[:bs],
+                                               out=self.last_sampled[:bs])
 
     @torch.no_grad()
     def capture(self) -> None:
@@ -103,29 +113,31 @@ class DecodeGraphs:
                        "%.1f s (enforce_eager=True turns this off)", self.batch_sizes, self.cascade_batch_sizes,
                        time.perf_counter() - start)
 
-    def replay(self, bs: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-               seq_lens: torch.Tensor, block_tables: torch.Tensor, prefix_len: torch.Tensor | None = None,
-               temperatures: torch.Tensor | None = None, seeds: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Copy one padded decode step (`bs` rows of ids/positions/slots/lengths, and the block table of
-        its real rows) into the static buffers, replay, and return (logits [bs, V], sampled ids [bs] or
-        None), static buffers valid until the next replay of this bucket. `prefix_len` (device int32 [1],
-        or None): replay the cascade graph with that shared prefix (see kernels.decode_attention); `bs`
-        must then be a cascade size. With `sample_in_graph`, `temperatures` and `seeds` (the first rows'
-        sampler inputs; the other rows keep stale values and their ids mean nothing) are copied in
-        first; without them the sampled ids are those of the previous values."""
-        self.input_ids[:bs].copy_(input_ids, non_blocking=True)
-        self.positions[:bs].copy_(positions, non_blocking=True)
-        self.slot_mapping[:bs].copy_(slot_mapping, non_blocking=True)
-        self.seq_lens[:bs].copy_(seq_lens, non_blocking=True)
-        rows, width = block_tables.shape
-        self.block_tables[:rows, :width].copy_(block_tables, non_blocking=True)
-        cascade = prefix_len is not None
-        if cascade:
-            self.prefix_len.copy_(prefix_len, non_blocking=True)
-        if temperatures is not None:
-            self.temperatures[:temperatures.shape[0]].copy_(temperatures, non_blocking=True)
-        if seeds is not None:
-            self.seeds[:seeds.shape[0]].copy_(seeds, non_blocking=True)
+    def next_host_arena(self) -> InputArena:
+        """The host twin of the arena to pack the next graph step into (the two alternate)."""
+        host = self._host_arenas[self._num_host_arenas_used % 2]
+        self._num_host_arenas_used += 1
+        return host
+
+    def load_inputs(self, host: InputArena, nbytes: int) -> None:
+        """Enqueue the one host-to-device copy of a step: the first `nbytes` bytes of `host`."""
+        self.arena.buffer[:nbytes].copy_(host.buffer[:nbytes], non_blocking=True)
+
+    def holds_previous_samples(self, prev_sampled: torch.Tensor) -> bool:
+        """Whether `prev_sampled` (the previous step's sampled ids) is `last_sampled`'s leading rows,
+        i.e. a graph's sampler wrote them and the placeholder gather can read them where they are."""
+        return prev_sampled.data_ptr() == self.last_sampled.data_ptr()
+
+    def feed_previous_samples(self, prev_sampled: torch.Tensor) -> None:
+        """Make `last_sampled` start with the previous step's sampled ids (a step with placeholder
+        inputs reads them there): one device copy, unless a graph's sampler already wrote them."""
+        if not self.holds_previous_samples(prev_sampled):
+            self.last_sampled[:prev_sampled.shape[0]].copy_(prev_sampled, non_blocking=True)
+
+    def replay(self, bs: int, cascade: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the graph of bucket `bs` (`cascade`: its cascade-attention graph; `bs` must then be a
+        cascade size) over the arena as loaded, and return (logits [bs, V], sampled ids [bs] or None),
+        static buffers valid until the next replay of this bucket (the sampled ids: of any bucket).
+        With `sample_in_graph`, the sampled ids of rows past the step's sampled rows mean nothing."""
         self.graphs[bs, cascade].replay()
         return self._outputs[bs, cascade]

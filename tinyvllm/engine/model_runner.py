@@ -4,7 +4,12 @@ Owns the model, the KV cache tensors, the step-input staging, the decode CUDA gr
 `launch(step)` only enqueues work and returns a handle; `handle.result()` waits for that step's sampled
 ids, one small device-to-host copy. The engine can therefore schedule and launch step N+1 before it
 reads step N's tokens: a decode input that is still on the device (PLACEHOLDER) is gathered there from
-the previous step's sampled ids.
+the previous step's sampled ids (by an index copy on eager steps, inside the graph on decode graph steps).
+
+A decode graph step's stream work outside its graph: the one host-to-device copy of its input arena
+(cuda_graphs.py), the replay, the copy of the sampled ids to the host and an event; plus one device
+copy of the previous step's sampled ids when the step has placeholder inputs and no graph's sampler
+left those ids in `DecodeGraphs.last_sampled` (the previous step was eager, or partly full-sampled).
 """
 from __future__ import annotations
 
@@ -211,7 +216,8 @@ class ModelRunner:
             sizes = graph_batch_sizes(max_num_seqs)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes=sizes,
                                        max_blocks_per_seq=max_blocks, max_seq_len=max_model_len,
-                                       device=self.device,
+                                       device=self.device, resolve_placeholders=self.ops.resolve_placeholders,
+                                       max_num_seqs=max_num_seqs,
                                        cascade_batch_sizes=[b for b in sizes if b >= CASCADE_MIN_BATCH]
                                        if cascade else [], sample_in_graph=self.kernel_backend == "triton")
             self.graphs.capture()
@@ -221,38 +227,77 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """Enqueue one step (inputs, forward, sampling, the copy of the sampled ids) and return."""
         assert self.builder is not None, "initialize() first"
-        decode_only = sched.num_batched_tokens == len(sched.sequences)  # one token each
-        bucket = self.graphs.bucket(len(sched.sequences)) if self.graphs and decode_only else None
-        inputs = self.builder.build(sched, pad_decodes_to=bucket, prev_sample_index=self._prev_index)
+        bucket = self._graph_bucket(sched)
+        if bucket is not None:
+            return self._launch_graph_step(sched, bucket)
+        inputs = self.builder.build(sched, prev_sample_index=self._prev_index)
         if inputs.placeholder_rows is not None:
             inputs.input_ids[inputs.placeholder_rows] = self._prev_sampled[inputs.placeholder_src]
         if not inputs.sampled:
             self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
             self._prev_sampled, self._prev_index = None, {}
             return StepHandle(None, None, [], None, [])
-        bufs = self._host_bufs[self._num_launched % 2]
-        self._num_launched += 1
+        bufs = self._next_host_bufs()
         seqs = inputs.sampled
-        plan = self._row_plan(sched, seqs, bufs)
+        plan = self._row_plan(sched, seqs)
         fused = plan.fused_rows(seqs) if self.kernel_backend == "triton" else []
         seeds = None
         if fused:
             seeds = bufs["seeds"][:len(seqs)]
             plan.seeds(seqs, self._rng, seeds.numpy())
-        presampled = None
-        if bucket is not None:
-            m = inputs.meta
-            in_graph = bool(fused) and self.graphs.sample_in_graph
-            logits, presampled = self.graphs.replay(
-                bucket, inputs.input_ids, inputs.positions, m.slot_mapping, m.decode_seq_lens,
-                m.decode_block_tables, m.decode_prefix_len, temperatures=plan.temperatures if in_graph else None,
-                seeds=seeds if in_graph else None)
-            logits = logits[:inputs.num_decodes]
-            presampled = presampled[:len(seqs)] if in_graph else None
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices], dtype=None)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices], dtype=None)
+        sampled, logprobs, logprob_rows = self._sample(logits, seqs, plan, fused, seeds, None, bufs)
+        return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs)
+
+    def _graph_bucket(self, sched: SchedulerOutput) -> int | None:
+        """The decode graph bucket that runs this step: only decode-only steps (one token per row) whose
+        every row samples (the graph's logits rows are the sampled rows) and that fit a bucket."""
+        if self.graphs is None or sched.num_batched_tokens != len(sched.sequences):
+            return None
+        if not all(s.sample for s in sched.sequences):
+            return None
+        return self.graphs.bucket(len(sched.sequences))
+
+    def _launch_graph_step(self, sched: SchedulerOutput, bucket: int) -> StepHandle:
+        """A decode step replayed as the graph of `bucket` rows: pack its inputs (with the sampler's
+        temperatures and seeds) into a host twin of the graphs' input arena, make the previous step's
+        sampled ids readable by the graph's placeholder gather when the step needs them, copy the arena
+        over in one copy, replay, then sample the rows the in-graph sampler does not serve."""
+        graphs = self.graphs
+        host = graphs.next_host_arena()
+        inputs = self.builder.build(sched, pad_decodes_to=bucket, prev_sample_index=self._prev_index,
+                                    host_arena=host, device_arena=graphs.arena)
+        bufs = self._next_host_bufs()
+        seqs = inputs.sampled
+        n = len(seqs)
+        plan = self._row_plan(sched, seqs)
+        fused = plan.fused_rows(seqs) if self.kernel_backend == "triton" else []
+        seeds = None
+        if fused:
+            seeds = host.seeds[:n]
+            plan.seeds(seqs, self._rng, host.arrays.seeds)
+            host.arrays.temperatures[:n] = plan.host_temperatures
+        if inputs.num_placeholders:
+            graphs.feed_previous_samples(self._prev_sampled)
+        graphs.load_inputs(host, inputs.arena_bytes)
+        logits, presampled = graphs.replay(bucket, cascade=inputs.prefix_len > 0)
+        logits = logits[:n]
+        presampled = presampled[:n] if fused and graphs.sample_in_graph else None
         sampled, logprobs, logprob_rows = self._sample(logits, seqs, plan, fused, seeds, presampled, bufs)
+        return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs)
+
+    def _next_host_bufs(self) -> dict[str, torch.Tensor]:
+        """This step's set of the runner's host staging (the two alternate between sampled steps)."""
+        bufs = self._host_bufs[self._num_launched % 2]
+        self._num_launched += 1
+        return bufs
+
+    def _finish(self, seqs: list[ScheduledSequence], sample_order: list[int], plan: FusedSamplingPlan,
+                sampled: torch.Tensor, logprobs: LogprobsTensors | None, logprob_rows: list[int] | None,
+                bufs: dict[str, torch.Tensor]) -> StepHandle:
+        """Keep this step's sampled ids for the next step's placeholders, enqueue their copy to the host
+        (and an event after it, on CUDA), and return the step's handle."""
         self._prev_sampled = sampled
         self._prev_index = plan.index
         event = None
@@ -261,22 +306,21 @@ class ModelRunner:
             host.copy_(sampled, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        else:
-            host = sampled
+        else:  # already on the host; but a graph's sampled ids are a static buffer the next step rewrites
+            host = sampled if self.graphs is None else sampled.clone()
         num_logprobs = []
         if logprobs is not None:
-            covered = inputs.sampled if logprob_rows is None else [inputs.sampled[i] for i in logprob_rows]
+            covered = seqs if logprob_rows is None else [seqs[i] for i in logprob_rows]
             num_logprobs = [s.sampling_params.logprobs for s in covered]
-        return StepHandle(host, event, inputs.sample_order, logprobs, num_logprobs, logprob_rows)
+        return StepHandle(host, event, sample_order, logprobs, num_logprobs, logprob_rows)
 
-    def _row_plan(self, sched: SchedulerOutput, seqs: list[ScheduledSequence],
-                  bufs: dict[str, torch.Tensor]) -> FusedSamplingPlan:
+    def _row_plan(self, sched: SchedulerOutput, seqs: list[ScheduledSequence]) -> FusedSamplingPlan:
         """The previous step's plan when the sampled rows are the same requests in the same order and
         none left the running set since (a request id may be reused only after its request left)."""
         rids = [s.request_id for s in seqs]
         plan = self._plan
         if plan is None or sched.released_request_ids or plan.request_ids != rids:
-            plan = self._plan = FusedSamplingPlan.build(seqs, rids, self.device, bufs["temps"])
+            plan = self._plan = FusedSamplingPlan.build(seqs, rids)
         return plan
 
     def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSequence], plan: FusedSamplingPlan,
@@ -297,7 +341,7 @@ class ModelRunner:
         if presampled is None:
             from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
-            presampled = sample_greedy_or_gumbel(logits, plan.temperatures,
+            presampled = sample_greedy_or_gumbel(logits, plan.device_temperatures(self.device, bufs["temps"]),
                                                  seeds.to(self.device, non_blocking=True))
         if len(fused) == n:
             return presampled, None, None

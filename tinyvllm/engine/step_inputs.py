@@ -7,6 +7,11 @@ Everything is packed on the host into two flat staging buffers (int64: token ids
 logits rows; int32: sequence lengths, cu_seqlens, block tables) that are pinned on CUDA and alternate
 between steps, then reaches the device in two asynchronous copies; the tensors handed to the model are
 views into the device copies. Block tables come from the incrementally updated `BlockTableRows`.
+
+A decode step replayed as a CUDA graph is packed instead straight into a host twin of the graphs' input
+arena (engine/input_arena.py: the static tensors the graphs read, in one byte buffer); its caller then
+copies the used prefix of that arena to the device in ONE copy. Its placeholder inputs are not resolved
+by the caller: the arena's `placeholder_src` tells the graph which rows to gather.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 
 from tinyvllm.core.outputs import PLACEHOLDER, ScheduledSequence, SchedulerOutput
 from tinyvllm.engine.block_tables import BlockTableRows
+from tinyvllm.engine.input_arena import InputArena
 from tinyvllm.models.attention_metadata import AttnMetadata
 
 
@@ -30,7 +36,11 @@ class StepInputs:
     sample_order: list[int]  # j-th sample in SchedulerOutput order = sampled[sample_order[j]]
     placeholder_rows: torch.Tensor | None  # [K] int64: rows whose input is the previous step's sample...
     placeholder_src: torch.Tensor | None  # [K] int64: ...at this index of that step's sampled ids
+    # (both None on a graph step: the arena's placeholder_src holds its sources, the graph gathers them)
     num_decodes: int
+    num_placeholders: int = 0  # K: rows whose input is the previous step's sample
+    prefix_len: int = 0  # the cascade prefix handed to attention (meta.decode_prefix_len's value); 0: none
+    arena_bytes: int = 0  # graph steps: the leading bytes of the host arena to copy to the device arena
 
 
 def shared_prefix_len(table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, block_size: int,
@@ -47,6 +57,21 @@ def shared_prefix_len(table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray,
     same = (head == head[0]).all(axis=0)
     k = max_blocks if same.all() else int(np.argmin(same))
     return k * block_size // align * align
+
+
+def placeholder_sources(decodes: list[ScheduledSequence], ids: np.ndarray,
+                        prev_sample_index: dict[str, int] | None) -> tuple[list[int], list[int]]:
+    """The decode rows whose input id (`ids`, one per decode row) is PLACEHOLDER, and for each one its
+    row in the previous step's sampled ids (`prev_sample_index`: request id -> that row)."""
+    rows: list[int] = []
+    srcs: list[int] = []
+    for i in np.flatnonzero(ids == PLACEHOLDER).tolist():
+        rid = decodes[i].request_id
+        if prev_sample_index is None or rid not in prev_sample_index:
+            raise RuntimeError(f"request {rid}'s input token is not known yet")
+        rows.append(i)
+        srcs.append(prev_sample_index[rid])
+    return rows, srcs
 
 
 def _round2(n: int) -> int:
@@ -94,12 +119,27 @@ class StepInputBuilder:
     def release(self, request_ids) -> None:
         self.tables.release(request_ids)
 
+    def _cascade_prefix(self, table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray) -> int:
+        """The cascade prefix of a decode-only step (table rows `rows`, context lengths `seq_lens`)
+        when it qualifies for cascade attention (`self.cascade`'s thresholds), else 0."""
+        if self.cascade is None or len(rows) < self.cascade[0]:
+            return 0
+        prefix_len = shared_prefix_len(table, rows, seq_lens, self.block_size, self.cascade[2])
+        return prefix_len if prefix_len >= self.cascade[1] else 0
+
     def build(self, sched: SchedulerOutput, pad_decodes_to: int | None = None,
-              prev_sample_index: dict[str, int] | None = None) -> StepInputs:
+              prev_sample_index: dict[str, int] | None = None, host_arena: InputArena | None = None,
+              device_arena: InputArena | None = None) -> StepInputs:
         """Pack one step. With `pad_decodes_to` (a decode-only step replayed as a CUDA graph), the
         token arrays get padded rows that write nowhere (slot −1) and attend to nothing (length 0).
         `prev_sample_index` maps request ids to their row in the previous step's sampled ids, for the
-        PLACEHOLDER inputs of async scheduling."""
+        PLACEHOLDER inputs of async scheduling.
+
+        With `host_arena` and `device_arena` (and `pad_decodes_to`): a graph step, packed by
+        `_build_into_arena`; nothing is copied to the device."""
+        if host_arena is not None:
+            assert pad_decodes_to is not None and device_arena is not None
+            return self._build_into_arena(sched, pad_decodes_to, prev_sample_index, host_arena, device_arena)
         stage = self._staging[self._step % 2]
         self._step += 1
         bs = self.block_size
@@ -130,12 +170,7 @@ class StepInputBuilder:
             ids[:D] = [s.token_ids[0] for s in decodes]
             pos[:D] = dpos
             slots[:D] = table[drows, dpos // bs].astype(np.int64) * bs + dpos % bs
-            for i in np.flatnonzero(ids[:D] == PLACEHOLDER).tolist():
-                rid = decodes[i].request_id
-                if prev_sample_index is None or rid not in prev_sample_index:
-                    raise RuntimeError(f"request {rid}'s input token is not known yet")
-                ph_rows.append(i)
-                ph_src.append(prev_sample_index[rid])
+            ph_rows, ph_src = placeholder_sources(decodes, ids[:D], prev_sample_index)
         if T > num_tokens:  # padding rows
             ids[num_tokens:], pos[num_tokens:], slots[num_tokens:] = 0, 0, -1
         row = D
@@ -184,11 +219,7 @@ class StepInputBuilder:
         if P:
             a32[o_ptab:o_ptab + P * pwidth].reshape(P, pwidth)[:] = table[np.asarray(rows[D:]), :pwidth]
         n32 = o_ptab + P * pwidth
-        prefix_len = 0
-        if self.cascade is not None and not prefills and D >= self.cascade[0]:
-            prefix_len = shared_prefix_len(table, drows, dlens[:D], bs, self.cascade[2])
-            if prefix_len < self.cascade[1]:
-                prefix_len = 0
+        prefix_len = 0 if prefills else self._cascade_prefix(table, drows, dlens[:D])
         o_prefix = _round4(n32)
         if prefix_len:
             a32[o_prefix] = prefix_len
@@ -225,4 +256,53 @@ class StepInputBuilder:
             placeholder_rows=d64[o_ph_rows:o_ph_rows + K] if K else None,
             placeholder_src=d64[o_ph_src:o_ph_src + K] if K else None,
             num_decodes=D,
+            num_placeholders=K,
+            prefix_len=prefix_len,
         )
+
+    def _build_into_arena(self, sched: SchedulerOutput, bucket: int, prev_sample_index: dict[str, int] | None,
+                          host: InputArena, device: InputArena) -> StepInputs:
+        """Pack a decode-only step whose every row samples, padded to `bucket` rows, into the host
+        arena `host` (its numpy views); the returned inputs view the device arena `device`, valid once
+        the caller has copied `arena_bytes` leading bytes of `host` into it.
+
+        Rows 0..D−1 get the same ids (PLACEHOLDER where the input is still on the device), positions,
+        slots, lengths and block-table entries as `build` gives them; their `placeholder_src` is the
+        row in the previous step's sampled ids (−1: not a placeholder). Rows D..bucket−1 are padding:
+        id 0, position 0, slot −1, length 0, source −1. Block-table rows have the arena's full width;
+        only the columns covering each row's length (the first `width`, written here) are read, the
+        rest and the padding rows' tables keep stale values. `prefix_len` is written every step (0
+        without cascade). Temperatures and seeds are the caller's to write."""
+        seqs = sched.sequences
+        D = len(seqs)
+        if not (sched.num_batched_tokens == D and 0 < D <= bucket <= host.max_rows):
+            raise ValueError(f"not a decode-only step of 1..{bucket} rows: {D} rows, "
+                             f"{sched.num_batched_tokens} tokens")
+        if not all(s.sample for s in seqs):
+            raise ValueError("every row of a graph step must sample")
+        bs = self.block_size
+        self.tables.release(sched.released_request_ids)
+        rows = np.fromiter((self.tables.update(s) for s in seqs), dtype=np.int64, count=D)
+        table = self.tables.table  # after the updates: a growing table is a new array
+        a = host.arrays
+        pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=D)
+        a.input_ids[:D] = [s.token_ids[0] for s in seqs]
+        a.positions[:D] = pos
+        a.slot_mapping[:D] = table[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        a.seq_lens[:D] = pos + 1
+        a.placeholder_src[:bucket] = -1
+        ph_rows, ph_src = placeholder_sources(seqs, a.input_ids[:D], prev_sample_index)
+        if ph_rows:
+            a.placeholder_src[ph_rows] = ph_src
+        a.input_ids[D:bucket], a.positions[D:bucket], a.slot_mapping[D:bucket], a.seq_lens[D:bucket] = 0, 0, -1, 0
+        max_len = int(pos.max()) + 1
+        width = -(-max_len // bs)
+        a.block_tables[:D, :width] = table[rows, :width]
+        prefix_len = self._cascade_prefix(table, rows, a.seq_lens[:D])
+        a.prefix_len[0] = prefix_len
+        return StepInputs(
+            input_ids=device.input_ids[:bucket], positions=device.positions[:bucket],
+            meta=device.decode_meta(bucket, max_len, cascade=prefix_len > 0),
+            logits_indices=device.row_index[:D], sampled=list(seqs), sample_order=list(range(D)),
+            placeholder_rows=None, placeholder_src=None, num_decodes=D, num_placeholders=len(ph_rows),
+            prefix_len=prefix_len, arena_bytes=host.bytes_through(D, width))

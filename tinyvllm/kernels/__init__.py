@@ -23,6 +23,7 @@ class Ops:
     decode_attention: Callable
     silu_and_mul: Callable
     fused_gemv: Callable | None = None  # small-M matrix product with fused norm / SwiGLU / residual add
+    resolve_placeholders: Callable | None = None  # async scheduling's device-side input ids (decode graphs)
 
 
 def get_ops(backend: str) -> Ops:
@@ -36,7 +37,7 @@ def get_ops(backend: str) -> Ops:
     return Ops(name=backend, rms_norm=m.rms_norm, add_rms_norm=m.add_rms_norm, rope=m.rope,
                write_kv_cache=m.write_kv_cache, prefill_attention=m.prefill_attention,
                decode_attention=m.decode_attention, silu_and_mul=m.silu_and_mul,
-               fused_gemv=m.fused_gemv)
+               fused_gemv=m.fused_gemv, resolve_placeholders=m.resolve_placeholders)
 
 
 def default_backend(device_type: str) -> str:

@@ -160,3 +160,12 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tens
     if residual is None:
         return y
     return (y.to(_acc_dtype(y)) + residual.to(_acc_dtype(y))).to(y.dtype)
+
+
+def resolve_placeholders(input_ids: torch.Tensor, placeholder_src: torch.Tensor, sampled: torch.Tensor) -> None:
+    """Async scheduling's placeholder inputs, in place: input_ids[i] = sampled[placeholder_src[i]] for
+    every i with placeholder_src[i] >= 0; the other rows keep their ids. input_ids [n] int64,
+    placeholder_src [n] int (−1: not a placeholder), sampled [M] int (the previous step's sampled ids)."""
+    take = placeholder_src >= 0
+    gathered = sampled[placeholder_src.clamp(min=0)].to(input_ids.dtype)
+    input_ids.copy_(torch.where(take, gathered, input_ids))

@@ -9,9 +9,10 @@ from tinyvllm.kernels.activation import silu_and_mul
 from tinyvllm.kernels.decode_attention import decode_attention
 from tinyvllm.kernels.gemv import fused_gemv
 from tinyvllm.kernels.kv_cache import write_kv_cache
+from tinyvllm.kernels.placeholders import resolve_placeholders
 from tinyvllm.kernels.prefill_attention import prefill_attention
 from tinyvllm.kernels.rms_norm import add_rms_norm, rms_norm
 from tinyvllm.kernels.rope import rope
 
 __all__ = ["rms_norm", "add_rms_norm", "rope", "write_kv_cache", "prefill_attention",
-           "decode_attention", "silu_and_mul", "fused_gemv"]
+           "decode_attention", "silu_and_mul", "fused_gemv", "resolve_placeholders"]
