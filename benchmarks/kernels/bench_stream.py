@@ -13,7 +13,8 @@ program to keep bytes in flight:
   tma    kloop with the tiles fetched by the tensor-memory accelerator (a tensor descriptor);
   ws     a producer warp fills a ring of shared-memory slots by TMA across layers, never waiting on a
          grid barrier, while the other warps multiply (warp specialisation, Gluon: `stream_ws.py`);
-         ws_nf without the proxy fence before a slot's release, ws_nf_acc also reducing once per unit.
+         ws_nf without the proxy fence before a slot's release, ws_nf_acc also reducing once per unit,
+         ws_nf_acc_sleep also spending the delay asleep (nanosleep) instead of spinning.
 
 With `--delay-us`, every layer's barrier (or end, without barriers) is followed by that long a busy wait in every program (a
 stand-in for the latency-bound phases of a real decode layer: attention, the o-projection): a scheme
@@ -257,6 +258,7 @@ def main() -> None:
                     from benchmarks.kernels.stream_ws import stream_ws_kernel
                     stream_ws_kernel[(sms,)](w, x, y, bar, base, delay, L, N=n, K=k, R=r, BK=bk, STAGES=stages,
                                              BARRIER=int(barrier), FENCE="_nf" not in variant, ACC2D="acc" in variant,
+                                             SLEEP="sleep" in variant,
                                              num_warps=warps, maxnreg=256 if warps == 4 else 168)
                 else:
                     _stream_kloop[(sms,)](w, x, y, bar, base, delay, L, N=n, K=k, R=r, BK=bk, STAGES=stages,
@@ -288,7 +290,7 @@ def main() -> None:
         for delay_us in [0.0] + list(args.delay_us):
             cand = [r for r in rows if r["shape"] == name and r["delay_us"] == delay_us
                     and (r["barrier"] or r["variant"] == "cublas")]
-            for variant in ("cublas", "reg2", "kloop", "tma", "ws", "ws_nf", "ws_nf_acc"):
+            for variant in ("cublas", "reg2", "kloop", "tma", "ws", "ws_nf", "ws_nf_acc", "ws_nf_acc_sleep"):
                 vs = [r for r in cand if r["variant"] == variant]
                 if vs:
                     b = min(vs, key=lambda r: r["us_per_layer"])

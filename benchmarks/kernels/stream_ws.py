@@ -39,6 +39,19 @@ def _spin_cycles(cycles):
 
 
 @gluon.jit
+def _sleep_cycles(cycles):
+    """Wait `cycles` SM clock cycles mostly asleep (`nanosleep` in 200 ns steps): the warps issue
+    almost nothing meanwhile, as warps stalled on memory would not."""
+    if cycles > 0:
+        t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [cycles], dtype=gl.int64, is_pure=False,
+                                       pack=1)
+        t = t0
+        while t - t0 < cycles:
+            t = gl.inline_asm_elementwise("nanosleep.u32 200; mov.u64 $0, %clock64;", "=l,r", [cycles],
+                                          dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _grid_barrier(bar_ptr, target, RELAXED: gl.constexpr):
     """Arrive (gpu-scope release) and wait until `target` arrivals (gpu-scope acquire polls). RELAXED:
     relaxed atomics instead (no ordering of the data around the barrier: a timing experiment only)."""
@@ -77,11 +90,12 @@ def _producer(w_desc, ring, ready, empty, L, pid, P, N: gl.constexpr, K: gl.cons
 @gluon.jit
 def _consumer(x_ptr, y_ptr, bar_ptr, base, delay, ring, ready, empty, L, pid, P, N: gl.constexpr,
               K: gl.constexpr, R: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, BARRIER: gl.constexpr,
-              FENCE: gl.constexpr, ACC2D: gl.constexpr, num_warps: gl.constexpr):
+              FENCE: gl.constexpr, ACC2D: gl.constexpr, SLEEP: gl.constexpr, num_warps: gl.constexpr):
     """y[l, rows] = W[l, rows] x for this program's units, a grid barrier (and `delay` cycles) per layer.
     FENCE: a proxy fence between reading a slot and releasing it (the Gluon tutorials' advice; CUTLASS's
     TMA pipelines release without one). ACC2D: products accumulated elementwise over a unit's K steps and
-    reduced once per unit (fewer shuffles per tile, more registers) instead of reduced every tile."""
+    reduced once per unit (fewer shuffles per tile, more registers) instead of reduced every tile.
+    SLEEP: the delay spent in `nanosleep` rather than spinning on the clock."""
     TPC: gl.constexpr = BK // 8 if BK // 8 < 32 else 32  # threads along a row, 8 elements (16 B) each
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [num_warps, 1], [1, 0])
     KSTEPS: gl.constexpr = K // BK
@@ -112,13 +126,16 @@ def _consumer(x_ptr, y_ptr, bar_ptr, base, delay, ring, ready, empty, L, pid, P,
             gl.store(y_ptr + layer * N + u * R + rows, acc.to(y_ptr.dtype.element_ty))
         if BARRIER:
             _grid_barrier(bar_ptr, base + (layer + 1) * P, BARRIER == 2)
-        _spin_cycles(delay)
+        if SLEEP:
+            _sleep_cycles(delay)
+        else:
+            _spin_cycles(delay)
 
 
 @gluon.jit(do_not_specialize=["base", "delay"])
 def stream_ws_kernel(w_ptr, x_ptr, y_ptr, bar_ptr, base, delay, L, N: gl.constexpr, K: gl.constexpr,
                      R: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, BARRIER: gl.constexpr,
-                     FENCE: gl.constexpr, ACC2D: gl.constexpr, num_warps: gl.constexpr):
+                     FENCE: gl.constexpr, ACC2D: gl.constexpr, SLEEP: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
@@ -132,6 +149,6 @@ def stream_ws_kernel(w_ptr, x_ptr, y_ptr, bar_ptr, base, delay, L, N: gl.constex
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (x_ptr, y_ptr, bar_ptr, base, delay, ring, ready, empty, L, pid, P, N, K, R, BK, STAGES,
-                     BARRIER, FENCE, ACC2D, num_warps)),
+                     BARRIER, FENCE, ACC2D, SLEEP, num_warps)),
         (_producer, (w_desc, ring, ready, empty, L, pid, P, N, K, R, BK, STAGES)),
     ], [1], [40])
