@@ -137,8 +137,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 640, 2048])
     ap.add_argument("--fp32", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--splits", type=int, nargs="*", default=[],
+                    help="time the default configuration as is and with at most this many context splits per KV "
+                         "head (instead of the other variants)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
+    if ns.splits:
+        VARIANTS[1:] = [(C(), s) for s in ns.splits]
     dev = require_cuda()
     info = device_info(dev)
     copy = copy_bandwidth(dev)
