@@ -140,10 +140,13 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="*", default=[],
                     help="time the default configuration as is and with at most this many context splits per KV "
                          "head (instead of the other variants)")
+    ap.add_argument("--warps", type=int, nargs="*", default=[],
+                    help="time the default configuration as is and with this many warps per program (instead "
+                         "of the other variants; with --splits, both lists)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
-    if ns.splits:
-        VARIANTS[1:] = [(C(), s) for s in ns.splits]
+    if ns.splits or ns.warps:
+        VARIANTS[1:] = [(C(), s) for s in ns.splits] + [(C(num_warps=w), None) for w in ns.warps]
     dev = require_cuda()
     info = device_info(dev)
     copy = copy_bandwidth(dev)
