@@ -48,8 +48,9 @@ barrier order the loads after). Arrival and wait are separate calls: a release w
 issued before it, so the next phase's prefetch goes after the arrival. Data written inside the launch
 is read with `.cg` loads (L2; an SM's L1 is not coherent with other SMs' stores), never by a pipeline
 (its copies may allocate in L1), except the KV cache in phase B: no SM reads a layer's cache lines
-before that layer's phase B, and L1 holds nothing from earlier launches. At exit the last
-program to leave resets the counter for the next launch: no memset, no host sync, capturable in a CUDA
+before that layer's phase B, and L1 holds nothing from earlier launches. The attention tickets only
+grow within a launch (layer l's last split sees (l + 1)·splits − 1). At exit the last program to leave
+resets the counters and tickets for the next launch: no memset, no host sync, capturable in a CUDA
 graph.
 
 Every program must be resident at once (a waiting program spins): the grid is one program per
@@ -356,7 +357,7 @@ def _merge_partials(part_ptr, kvh, num_splits, G: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
+def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
                      attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr, BG: tl.constexpr,
@@ -407,13 +408,14 @@ def _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, p
             if pid == 0:
                 if u == pid:
                     tl.store(trace_ptr + tb + 1, _now(ticket))
-        if ticket == num_splits - 1:  # the last split of this KV head merges them all, in split order
+        # Tickets only grow within a launch (reset when the last program leaves): no reset on the
+        # merger's critical path. The last split of this layer's KV head merges them all, in split order.
+        if ticket == (layer + 1) * num_splits - 1:
             if num_splits <= MERGE_SMALL:  # one narrow step (a wide one reduces mostly padding)
                 out = _merge_partials(part_ptr, kvh, num_splits, G, D, MERGE_SMALL)
             else:
                 out = _merge_partials(part_ptr, kvh, num_splits, G, D, MERGE)
             tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
-            tl.atomic_xchg(tickets_ptr + kvh, 0, sem="relaxed", scope="gpu")
         if TRACE:
             if pid == 0:
                 if u == pid:
@@ -514,6 +516,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     BF: tl.constexpr = triton.next_power_of_2(F)
     QD: tl.constexpr = HQ * D
     BQ: tl.constexpr = triton.next_power_of_2(QD)
+    BHK: tl.constexpr = triton.next_power_of_2(HK)
 
     if TRACE:
         if pid == 0:
@@ -550,7 +553,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         else:
             kp, vp = 0, 0
         _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
-        _attention_phase(pid, P, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
+        _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
                          trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, MERGE, MERGE_SMALL, BG,
                          UPCAST, IEEE, PRELOAD, TRACE)
@@ -574,6 +577,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     if left == P - 1:
         tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(tickets_ptr + tl.arange(0, BHK), 0, mask=tl.arange(0, BHK) < HK, sem="relaxed", scope="gpu")
         if TRACE:
             tl.store(trace_ptr + 2 + 5 * num_layers, _now(pid))
 
