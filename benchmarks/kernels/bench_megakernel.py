@@ -26,7 +26,7 @@ from common import (bench_graph, copy_bandwidth, device_info, output_paths, prin
                     rel_err, require_cuda, write_json)
 from tinyvllm.config import ModelConfig  # noqa: E402
 from tinyvllm.kernels import get_ops  # noqa: E402
-from tinyvllm.kernels.decode_megakernel import MegakernelConfig, split_k_unsupported  # noqa: E402
+from tinyvllm.kernels.decode_megakernel import MegakernelConfig  # noqa: E402
 from tinyvllm.models.attention_metadata import AttnMetadata  # noqa: E402
 from tinyvllm.models.checkpoint import make_config  # noqa: E402
 from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel  # noqa: E402
@@ -34,20 +34,17 @@ from tinyvllm.models.loader import build_model  # noqa: E402
 
 BLOCK = 16
 C = MegakernelConfig
-VARIANTS = [(C(), None), (C(split_k=False), None), (C(preload_o=False), None), (C(stages=4), None),
-            (C(tile=8192), None)]
-# (config, context splits per KV head; None: the default): the default (v10: the o- and down projections
-# split-K in float32 atomics, 3 barriers per layer; every weight phase pipelined, its first tiles issued
-# before the barrier's wait); v9's five phases per layer; the attention merge 4 partials wide.
+VARIANTS = [(C(), None), (C(merge_width=4), None), (C(prefetch=False), None)]
+# (config, context splits per KV head; None: the default): the default (v7: every weight phase pipelined,
+# its first tiles issued before the barrier's wait); the attention merge 4 partials wide at every split
+# count; the pipelines started after the wait.
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
-PHASES_SPLIT_K = ["A norm+qkv+rope", "B attention+o", "D norm+gate_up+silu+down"]  # 3 barriers per layer
 B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its unit, ticket, merge, the wait after
 
 
 def name_of(cfg: MegakernelConfig, splits: int | None = None) -> str:
     return (f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
             + f"/ace{cfg.ace_stages}" + ("/kv" if cfg.preload_kv else "") + f"/m{cfg.merge_width}"
-            + ("/splitk" + ("" if cfg.preload_o else "-nopre") if cfg.split_k else "")
             + (f"/{splits}sp" if splits else ""))
 
 
@@ -57,23 +54,21 @@ def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int 
     at program 0's points inside it (its unit computed, its ticket taken, its merge done)."""
     views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
     L = kv.shape[0]
-    phases = PHASES_SPLIT_K if mk.config.split_k and split_k_unsupported(mk.shape) is None else PHASES
-    nb = len(phases)  # barriers per layer
-    sums = torch.zeros(3 + (nb + 3) * L, dtype=torch.float64)
+    sums = torch.zeros(3 + 8 * L, dtype=torch.float64)
     for _ in range(reps):
         mk(ids, pos, meta, views, trace=True)
         t = mk.workspace.trace.double().cpu()
         sums += t - t[0]
     t = sums / reps
-    b_points = t[3 + nb * L:].reshape(L, 3)
-    t = t[:3 + nb * L]
-    per_layer = torch.stack([t[2 + nb * i: 2 + nb * (i + 1)] - t[1 + nb * i: 1 + nb * (i + 1)] for i in range(L)])
-    b_start, b_end = t[2: 2 + nb * L: nb], t[3: 3 + nb * L: nb]  # barrier exits before and after phase B
+    b_points = t[3 + 5 * L:].reshape(L, 3)
+    t = t[:3 + 5 * L]
+    per_layer = torch.stack([t[2 + 5 * i: 7 + 5 * i] - t[1 + 5 * i: 6 + 5 * i] for i in range(L)])
+    b_start, b_end = t[2: 2 + 5 * L: 5], t[3: 3 + 5 * L: 5]  # barrier exits before and after phase B
     b_parts = torch.stack([b_points[:, 0] - b_start, b_points[:, 1] - b_points[:, 0],
                            b_points[:, 2] - b_points[:, 1], b_end - b_points[:, 2]], 1).mean(0) / 1e3
     out = {"start_to_first_barrier_us": float(t[1] - t[0]) / 1e3,
            "last_barrier_to_end_us": float(t[-1] - t[-2]) / 1e3, "total_us": float(t[-1]) / 1e3}
-    for name, v in zip(phases, per_layer.mean(0).tolist()):
+    for name, v in zip(PHASES, per_layer.mean(0).tolist()):
         out[name + " us"] = v / 1e3
     for name, v in zip(B_PARTS, b_parts.tolist()):
         out["B " + name + " us"] = v
@@ -200,7 +195,6 @@ def main() -> None:
     print_table("per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)", traces,
                 [("context", "ctx", "d"), ("variant", "variant", "")]
                 + [(p + " us", p.split()[0], ".2f") for p in PHASES]
-                + [(p + " us", p.split()[0] + "(sk)", ".2f") for p in PHASES_SPLIT_K[1:]]
                 + [("B " + p + " us", "B " + p, ".2f") for p in B_PARTS]
                 + [("start_to_first_barrier_us", "start", ".2f"), ("last_barrier_to_end_us", "end", ".2f"),
                    ("total_us", "total", ".1f")])

@@ -81,9 +81,6 @@ class MegakernelConfig(NamedTuple):
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
     ace_stages: int = 3  # the same for phases A, C and E
     merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
-    split_k: bool = True  # o- and down projections as split-K float32 atomics, 3 barriers per layer
-    # (where `split_k_unsupported` allows; the sums' order then varies from run to run)
-    preload_o: bool = True  # split-K: a program's first o-projection tile loaded before phase B
 
 
 @dataclass(frozen=True)
@@ -109,14 +106,6 @@ def unsupported_reason(shape: ModelShape, dtype: torch.dtype) -> str | None:
         return f"head_dim {d} / query heads per KV head {g} (need powers of two)"
     if shape.hidden > 8192 or shape.intermediate > 32768 or shape.num_heads * d > 8192:
         return "hidden or intermediate size too large for one program's registers"
-    return None
-
-
-def split_k_unsupported(shape: ModelShape) -> str | None:
-    """Why the split-K layout cannot serve this shape, or None: its MLP tiles are [R2, H/64, 64] blocks,
-    so the hidden size must be 64 times a power of two, and the intermediate size a multiple of 64."""
-    if shape.hidden % 64 or (shape.hidden // 64) & (shape.hidden // 64 - 1) or shape.intermediate % 64:
-        return f"hidden {shape.hidden} / intermediate {shape.intermediate} (need 64·2^k / a multiple of 64)"
     return None
 
 
@@ -171,48 +160,16 @@ def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.const
 
 
 @triton.jit
-def _rms_normed(x, w_ptr, H, eps, BH: tl.constexpr):
-    """RMSNorm of the vector x [BH] (zeros beyond H) in rms_norm.py's roundings, in x's dtype."""
+def _normed(r_ptr, w_ptr, H, eps, BH: tl.constexpr):
+    """RMSNorm of the residual vector in rms_norm.py's roundings, [BH] in r's dtype (zeros beyond H)."""
     cols = tl.arange(0, BH)
+    mask = cols < H
+    x = tl.load(r_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     normed = (xf * rstd).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
-def _normed(r_ptr, w_ptr, H, eps, BH: tl.constexpr):
-    """RMSNorm of the residual vector r (read from L2), [BH] in r's dtype (zeros beyond H)."""
-    cols = tl.arange(0, BH)
-    x = tl.load(r_ptr + cols, mask=cols < H, other=0.0, cache_modifier=".cg")
-    return _rms_normed(x, w_ptr, H, eps, BH)
-
-
-@triton.jit
-def _residual_state(r_ptr, acc_ptr, k, pid, H, BH: tl.constexpr, STORE: tl.constexpr):
-    """Split-K: the residual stream after its k-th update, s = round(round(acc[k]) + r[k]) as [BH]
-    (zeros beyond H), acc[k] being the float32 sum of the update's partial products and r[k] the stream
-    before it (read from L2). With STORE, program 0 writes s into r[k + 1] (read after a barrier)."""
-    cols = tl.arange(0, BH)
-    mask = cols < H
-    r = tl.load(r_ptr + k * H + cols, mask=mask, other=0.0, cache_modifier=".cg")
-    acc = tl.load(acc_ptr + k * H + cols, mask=mask, other=0.0, cache_modifier=".cg")
-    s = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-    if STORE:
-        if pid == 0:
-            tl.store(r_ptr + (k + 1) * H + cols, s, mask=mask)
-    return s
-
-
-@triton.jit
-def _layer_input(r_ptr, acc_ptr, k, pid, w_ptr, H, eps, BH: tl.constexpr, SPLITK: tl.constexpr):
-    """The normed input [BH] of a phase that starts with RMSNorm (A, D): of r itself, or with SPLITK of
-    the stream after its k-th update (`_residual_state`, stored into r[k + 1] by program 0)."""
-    if SPLITK:
-        return _rms_normed(_residual_state(r_ptr, acc_ptr, k, pid, H, BH, True), w_ptr, H, eps, BH)
-    else:
-        return _normed(r_ptr, w_ptr, H, eps, BH)
 
 
 # ---------------------------------------------------------------------------------------------- units
@@ -284,13 +241,12 @@ def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
 
 
 @triton.jit
-def _qkv_phase(layer, pid, P, r_ptr, acc_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                stride_blk, stride_head, eps, bar_ptr, b, trace_ptr,
                H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                RQ: tl.constexpr, BH: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr,
-               TRACE: tl.constexpr, ASM: tl.constexpr, SPLITK: tl.constexpr):
-    """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH);
-    with SPLITK its input is the stream after update 2·layer (`_layer_input`)."""
+               TRACE: tl.constexpr, ASM: tl.constexpr):
+    """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH)."""
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
@@ -301,7 +257,7 @@ def _qkv_phase(layer, pid, P, r_ptr, acc_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos
     a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        a = _layer_input(r_ptr, acc_ptr, 2 * layer, pid, n1_ptr + layer * H, H, eps, BH, SPLITK)[None, None, :]
+        a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
         c = tl.load(cs_row + (u % UPH) * RQ + jj)
@@ -309,7 +265,7 @@ def _qkv_phase(layer, pid, P, r_ptr, acc_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                a = _layer_input(r_ptr, acc_ptr, 2 * layer, pid, n1_ptr + layer * H, H, eps, BH, SPLITK)[None, None, :]
+                a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
         _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
     if PREFETCH:
         if pid >= n_units:
@@ -402,15 +358,13 @@ def _merge_partials(part_ptr, kvh, num_splits, G: tl.constexpr, D: tl.constexpr,
 
 @triton.jit
 def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
-                     flags_ptr, attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb,
+                     attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr, BG: tl.constexpr,
-                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr,
-                     SPLITK: tl.constexpr):
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr):
     """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
     FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
-    PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`. With SPLITK the
-    merger of KV head kvh then releases flags[kvh] = layer + 1 (the o-projection's units wait for it)."""
+    PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`."""
     G: tl.constexpr = HQ // HK
     PW: tl.constexpr = D + 2  # a partial: acc [D], m, l
     g = tl.arange(0, G)
@@ -462,9 +416,6 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
             else:
                 out = _merge_partials(part_ptr, kvh, num_splits, G, D, MERGE)
             tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
-            if SPLITK:
-                tl.debug_barrier()
-                tl.atomic_xchg(flags_ptr + kvh, layer + 1, sem="release", scope="gpu")
         if TRACE:
             if pid == 0:
                 if u == pid:
@@ -546,141 +497,19 @@ def _gate_up_unit(w, a, u, act_ptr, RG: tl.constexpr):
     tl.store(act_ptr + u * RG + tl.arange(0, RG), act.to(act_ptr.dtype.element_ty))
 
 
-# ---------------------------------------------------------------------------------------------- split-K phases
-# With SPLITK the o- and down projections are split along their inputs (query heads; chunks of 64
-# intermediate indices) and each unit adds its float32 partial products into acc[k] with atomics; the
-# residual stream after update k, round(round(acc[k]) + r[k]), is recomputed by every program that needs
-# it (`_residual_state`). Attention then feeds the o-projection through per-KV-head flags instead of a
-# grid barrier, and the down projection runs in the gate/up phase: 3 barriers per layer instead of 5.
-@triton.jit
-def _o_tile(wo_ptr, layer, u, H: tl.constexpr, QD: tl.constexpr, D: tl.constexpr, RC: tl.constexpr):
-    """Unit u of the split-K o-projection, W_o[c·RC + [0, RC), h·D + [0, D)] as [RC, D] for query head
-    h = u // (H / RC) and row chunk c = u mod (H / RC) (zeros for u beyond the last unit)."""
-    NC: tl.constexpr = H // RC
-    rows = (u % NC) * RC + tl.arange(0, RC)[:, None]
-    cols = (u // NC) * D + tl.arange(0, D)[None, :]
-    base = wo_ptr + tl.cast(layer, tl.int64) * (H * QD)
-    return tl.load(base + rows * QD + cols, mask=rows * 0 + cols < tl.where(u < QD // D * NC, QD, 0), other=0.0)
-
-
-@triton.jit
-def _o_unit(w, u, layer, attn_ptr, flags_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr, RC: tl.constexpr,
-            G: tl.constexpr, ASM: tl.constexpr):
-    """out[rows] += W_o[rows, cols of h] · o_h in float32 atomics for unit u's tile w [RC, D] (`_o_tile`),
-    once the merger of h's KV head has released flags[h // G] = layer + 1."""
-    NC: tl.constexpr = H // RC
-    h = u // NC
-    if ASM:
-        _wait_asm(flags_ptr + h // G, layer + 1)
-    else:
-        _wait(flags_ptr + h // G, layer + 1)
-    x = tl.load(attn_ptr + h * D + tl.arange(0, D), cache_modifier=".cg")
-    y = tl.sum(w.to(tl.float32) * x[None, :].to(tl.float32), axis=1)
-    tl.atomic_add(out_ptr + (u % NC) * RC + tl.arange(0, RC), y, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _o_partial_phase(layer, pid, P, wo_ptr, w_first, attn_ptr, flags_ptr, out_ptr, H: tl.constexpr,
-                     QD: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RC: tl.constexpr,
-                     ASM: tl.constexpr, PRELOAD_O: tl.constexpr):
-    """The o-projection split by query head (units of `_o_tile`), right after this program's attention
-    units; w_first is its first unit's tile, loaded before phase B's barrier."""
-    n_units = HQ * (H // RC)
-    if pid < n_units:
-        if PRELOAD_O:
-            _o_unit(w_first, pid, layer, attn_ptr, flags_ptr, out_ptr, H, D, RC, HQ // HK, ASM)
-        else:
-            _o_unit(_o_tile(wo_ptr, layer, pid, H, QD, D, RC), pid, layer, attn_ptr, flags_ptr, out_ptr,
-                    H, D, RC, HQ // HK, ASM)
-    for u in range(pid + P, n_units, P):
-        _o_unit(_o_tile(wo_ptr, layer, u, H, QD, D, RC), u, layer, attn_ptr, flags_ptr, out_ptr,
-                H, D, RC, HQ // HK, ASM)
-
-
-@triton.jit
-def _mlp_tile(wgu_ptr, wd_ptr, layer, chunk, t, H: tl.constexpr, F: tl.constexpr, R2: tl.constexpr):
-    """Sub-tile t of MLP chunk c (intermediate indices c·64 + [0, 64)) as [R2, H/64, 64]. The first
-    NG = 128 / R2 sub-tiles hold gate and up rows: R2/2 gate rows c·64 + t·R2/2 + [0, R2/2), then the
-    matching up rows (+ F), row x's columns y·64 + [0, 64) at [x, y, :]. The next H / SEG sub-tiles
-    hold W_down rows (t − NG)·SEG + x·H/64 + y (SEG = R2·H/64 rows each), columns c·64 + [0, 64): every
-    sub-tile is R2·H elements in 128-byte-aligned runs of 64."""
-    NSEG: tl.constexpr = H // 64
-    RGI: tl.constexpr = R2 // 2
-    NG: tl.constexpr = 64 // RGI
-    SEG: tl.constexpr = R2 * NSEG
-    x = tl.arange(0, R2)[:, None, None]
-    y = tl.arange(0, NSEG)[None, :, None]
-    gu_rows = chunk * 64 + t * RGI + x % RGI + (x // RGI) * F
-    gu = wgu_ptr + tl.cast(layer, tl.int64) * (2 * F * H) + gu_rows * H + y * 64
-    d_rows = (t - NG) * SEG + x * NSEG + y
-    dn = wd_ptr + tl.cast(layer, tl.int64) * (H * F) + d_rows * F + chunk * 64
-    return tl.load(tl.where(t < NG, gu, dn) + tl.arange(0, 64)[None, None, :])
-
-
-@triton.jit
-def _mlp_phase(layer, pid, P, r_ptr, acc_ptr, n2_ptr, wgu_ptr, wd_ptr, eps, bar_ptr, b, trace_ptr,
-               H: tl.constexpr, F: tl.constexpr, R2: tl.constexpr, STAGES: tl.constexpr,
-               PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
-    """Phases D and E in one (SPLITK), starting with the wait of barrier b. Program p takes the chunks
-    p, p + P, … of 64 intermediate indices; per chunk, one software-pipelined loop over its sub-tiles
-    (`_mlp_tile`) first forms a = round(silu(g) ⊙ u) for the chunk's indices from h = RMSNorm(stream
-    after update 2·layer + 1), then adds W_down[:, chunk] · a into acc[2·layer + 2] (float32 atomics)."""
-    NSEG: tl.constexpr = H // 64
-    RGI: tl.constexpr = R2 // 2
-    NG: tl.constexpr = 64 // RGI
-    SEG: tl.constexpr = R2 * NSEG
-    NT: tl.constexpr = NG + H // SEG
-    n_mine = tl.cdiv(F // 64 - pid, P)
-    jj = tl.arange(0, 64)
-    ii = tl.arange(0, RGI)
-    hh = tl.arange(0, 2)[:, None]
-    out_ptr = acc_ptr + (2 * layer + 2) * H
-    a3 = tl.zeros([1, NSEG, 64], tl.float32)
-    act = tl.zeros([64], tl.float32)
-    if not PREFETCH:
-        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        a3 = tl.reshape(_layer_input(r_ptr, acc_ptr, 2 * layer + 1, pid, n2_ptr + layer * H, H, eps, H, True),
-                        [1, NSEG, 64]).to(tl.float32)
-    for it in tl.range(0, n_mine * NT, num_stages=STAGES):
-        chunk = pid + (it // NT) * P
-        t = it % NT
-        w = _mlp_tile(wgu_ptr, wd_ptr, layer, chunk, t, H, F, R2)
-        if PREFETCH:
-            if it == 0:  # the pipeline's first tiles are in flight
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                a3 = tl.reshape(_layer_input(r_ptr, acc_ptr, 2 * layer + 1, pid, n2_ptr + layer * H, H, eps, H,
-                                             True), [1, NSEG, 64]).to(tl.float32)
-        if t < NG:  # gate and up rows of indices t·RGI + [0, RGI) of the chunk
-            y = tl.sum(tl.sum(w.to(tl.float32) * a3, axis=2), axis=1).to(r_ptr.dtype.element_ty).to(tl.float32)
-            gu = tl.reshape(y, [2, RGI])
-            gate = tl.sum(tl.where(hh == 0, gu, 0.0), axis=0)
-            up = tl.sum(tl.where(hh == 1, gu, 0.0), axis=0)
-            a_t = (gate / (1.0 + tl.exp(-gate)) * up).to(r_ptr.dtype.element_ty).to(tl.float32)  # [RGI]
-            placed = tl.sum(tl.where(jj[None, :] == t * RGI + ii[:, None], a_t[:, None], 0.0), axis=0)
-            act = tl.where(jj // RGI == t, placed, act)
-        else:  # W_down rows (t − NG)·SEG + x·NSEG + y, the chunk's columns
-            part = tl.sum(w.to(tl.float32) * act[None, None, :], axis=2)
-            rows = (t - NG) * SEG + tl.arange(0, R2)[:, None] * NSEG + tl.arange(0, NSEG)[None, :]
-            tl.atomic_add(out_ptr + rows, part, sem="relaxed", scope="gpu")
-    if PREFETCH:
-        if n_mine <= 0:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-
-
 # ---------------------------------------------------------------------------------------------- kernel
 @triton.jit(do_not_specialize=["num_layers", "num_splits", "layer_stride", "v_offset"])
 def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        emb_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, n1_ptr, n2_ptr, nf_ptr, cos_sin_ptr,
                        kv_ptr, layer_stride, v_offset, stride_blk, stride_head,
                        r_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, tickets_ptr, bar_ptr, out_ptr, trace_ptr,
-                       acc_ptr, flags_ptr, num_layers, num_splits, eps, scale,
+                       num_layers, num_splits, eps, scale,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
                        RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                       PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       SPLITK: tl.constexpr, RC: tl.constexpr, R2: tl.constexpr, PRELOAD_O: tl.constexpr):
+                       PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -688,7 +517,6 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     QD: tl.constexpr = HQ * D
     BQ: tl.constexpr = triton.next_power_of_2(QD)
     BHK: tl.constexpr = triton.next_power_of_2(HK)
-    NB: tl.constexpr = 3 if SPLITK else 5  # grid barriers per layer
 
     if TRACE:
         if pid == 0:
@@ -702,11 +530,6 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     tiles = tl.maximum(tl.cdiv(seq_len, KEYS), 1)
     splits = tl.cdiv(tiles, tl.cdiv(tiles, num_splits))
     cols = tl.arange(0, BH)
-    if SPLITK:  # acc[0 .. 2L] ← 0 (the stream's updates), r[0] ← the token's embedding row
-        ZB: tl.constexpr = 1024
-        for z in range(pid * ZB, (2 * num_layers + 1) * H, P * ZB):
-            zz = z + tl.arange(0, ZB)
-            tl.store(acc_ptr + zz, tl.zeros([ZB], tl.float32), mask=zz < (2 * num_layers + 1) * H)
     if pid == 0:  # r ← the token's embedding row
         e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
         tl.store(r_ptr + cols, e, mask=cols < H)
@@ -718,50 +541,35 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     # Each weight phase starts with the wait of the barrier before it: with PREFETCH, after issuing its
     # first weight tiles (they do not depend on the barrier), so they stream while the others arrive.
     for layer in range(num_layers):
-        b = 1 + NB * layer  # barriers before this layer: the embedding's, then NB per layer
+        b = 1 + 5 * layer  # barriers before this layer: the embedding's, then 5 per layer
         k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
         v_ptr = k_ptr + v_offset
-        _qkv_phase(layer, pid, P, r_ptr, acc_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+        _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                    stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, PIPE, PREFETCH,
-                   TRACE, ASM, SPLITK)
+                   TRACE, ASM)
         _arrive(bar_ptr)
         if PRELOAD:
             kp, vp = _preload_kv(pid, k_ptr, v_ptr, rows_pre, seq_len, splits, stride_head, HK, D, KEYS)
         else:
             kp, vp = 0, 0
-        if SPLITK and PRELOAD_O:  # this program's first o-projection tile streams while phase B runs
-            wo_first = _o_tile(wo_ptr, layer, pid, H, QD, D, RC)
-        else:
-            wo_first = 0
         _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
         _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
-                         flags_ptr, attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
-                         trace_ptr, 3 + NB * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, MERGE, MERGE_SMALL, BG,
-                         UPCAST, IEEE, PRELOAD, TRACE, SPLITK)
-        if SPLITK:
-            _o_partial_phase(layer, pid, P, wo_ptr, wo_first, attn_ptr, flags_ptr, acc_ptr + (2 * layer + 1) * H,
-                             H, QD, HQ, HK, D, RC, ASM, PRELOAD_O)
-            _arrive(bar_ptr)
-            _mlp_phase(layer, pid, P, r_ptr, acc_ptr, n2_ptr, wgu_ptr, wd_ptr, eps, bar_ptr, b + 2, trace_ptr,
-                       H, F, R2, STAGES, PREFETCH, TRACE, ASM)
-            _arrive(bar_ptr)
-        else:
-            _arrive(bar_ptr)
-            _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ,
-                            MAXU_C, PIPE, PREFETCH, TRACE, ASM)
-            _arrive(bar_ptr)
-            _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                           H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM)
-            _arrive(bar_ptr)
-            _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
-            _arrive(bar_ptr)
-    _end_phase(bar_ptr, 1 + NB * num_layers, P, trace_ptr, pid, TRACE, ASM)
+                         attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
+                         trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, MERGE, MERGE_SMALL, BG,
+                         UPCAST, IEEE, PRELOAD, TRACE)
+        _arrive(bar_ptr)
+        _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
+                        PIPE, PREFETCH, TRACE, ASM)
+        _arrive(bar_ptr)
+        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM)
+        _arrive(bar_ptr)
+        _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
+                        PIPE, PREFETCH, TRACE, ASM)
+        _arrive(bar_ptr)
+    _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
-        if SPLITK:
-            out = _rms_normed(_residual_state(r_ptr, acc_ptr, 2 * num_layers, pid, H, BH, False), nf_ptr, H, eps, BH)
-        else:
-            out = _normed(r_ptr, nf_ptr, H, eps, BH)
+        out = _normed(r_ptr, nf_ptr, H, eps, BH)
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
     # Leave: the last program out resets the barrier counter (every program has passed every barrier).
     tl.debug_barrier()
@@ -769,11 +577,9 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     if left == P - 1:
         tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
-        hk = tl.arange(0, BHK)
-        tl.atomic_xchg(tickets_ptr + hk, 0, mask=hk < HK, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(flags_ptr + hk, 0, mask=hk < HK, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(tickets_ptr + tl.arange(0, BHK), 0, mask=tl.arange(0, BHK) < HK, sem="relaxed", scope="gpu")
         if TRACE:
-            tl.store(trace_ptr + 2 + NB * num_layers, _now(pid))
+            tl.store(trace_ptr + 2 + 5 * num_layers, _now(pid))
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -802,22 +608,9 @@ class Workspace:
             z(s.num_heads * s.head_dim), z(s.intermediate)
         self.partials = z(s.num_kv_heads * self.num_splits * group * (s.head_dim + 2), torch.float32)
         self.tickets = z(s.num_kv_heads, torch.int32)
-        self.flags = z(s.num_kv_heads, torch.int32)  # split-K: merged attention output of layer l is out
         self.barrier = z(2, torch.int32)
         self.trace = torch.zeros(1, dtype=torch.int64, device=device)  # grown by a traced launch
-        self.streams: tuple[torch.Tensor, torch.Tensor] | None = None  # split-K: see `split_k_streams`
         self.resident_checked = False
-
-    def split_k_streams(self, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(r, acc) of the split-K layout: r [2L + 1, H] the residual stream before each of its 2L updates
-        (r[0] the embedding row), acc [2L + 1, H] float32 the updates' partial sums (zeroed by the kernel
-        at start). Allocated at the first launch (before any graph capture)."""
-        rows = 2 * num_layers + 1
-        if self.streams is None or self.streams[0].shape[0] != rows:
-            h, device = self.r.shape[0], self.r.device
-            self.streams = (torch.zeros((rows, h), dtype=self.r.dtype, device=device),
-                            torch.zeros((rows, h), dtype=torch.float32, device=device))
-        return self.streams
 
 
 @dataclass(frozen=True)
@@ -851,17 +644,6 @@ def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
     return rq, ro, rg, rd
 
 
-def split_k_rows(shape: ModelShape, tile: int) -> tuple[int, int]:
-    """(RC, R2) of the split-K layout: output rows per o-projection unit (a power of two dividing H, the
-    unit's [RC, D] tile at most 2·`tile` elements: one per program at the 1B shape, held in registers
-    through phase B), and rows per MLP sub-tile (R2·H elements, at most `tile`; 2 ≤ R2 ≤ 64)."""
-    rc = shape.hidden
-    while rc > 1 and rc * shape.head_dim > 2 * tile:
-        rc //= 2
-    r2 = max(2, min(64, _pow2_at_most(max(1, tile // shape.hidden))))
-    return rc, r2
-
-
 PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take (of the SM's 227 KB)
 
 
@@ -886,9 +668,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     [num_blocks, Hk, block_size, D], all carved from one buffer at a fixed layer stride (as the model
     runner allocates them); the new token's K/V are written at slot_mapping[0] (−1: nowhere).
     `trace` (CUDA): program 0 writes the global timer after every barrier into workspace.trace
-    ([3 + (NB + 3)·L] int64 ns: start, after the embedding, NB per layer (5: after phases A–E; split-K,
-    3: after A, B with the o-projection, D with E), end; then 3 per layer inside phase B: program 0's
-    unit computed, its ticket taken, its merge (if it was last) done).
+    ([3 + 8·L] int64 ns: start, after the embedding, 5 per layer after phases A–E, end; then 3 per layer
+    inside phase B: program 0's unit computed, its ticket taken, its merge (if it was last) done).
     """
     k0, v0 = kv_caches[0]
     _, hk, block_size, d = k0.shape
@@ -907,24 +688,18 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
     if config.stages < 1 or config.ace_stages < 1 or config.merge_width & (config.merge_width - 1):
         raise ValueError(f"megakernel config {config}: stages ≥ 1 and a power-of-two merge width needed")
-    tile = unit_tile(config, weights.qkv.element_size())
-    rq, ro, rg, rd = unit_rows(shape, tile)
-    rc, r2 = split_k_rows(shape, tile)
+    rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
     cuda = input_ids.device.type == "cuda"
     num_layers = weights.qkv.shape[0]
-    split_k = config.split_k and split_k_unsupported(shape) is None
-    # split-K: the stream's states and float32 updates; otherwise r is updated in place (acc unused)
-    r, acc = ws.split_k_streams(num_layers) if split_k else (ws.r, ws.partials)
-    trace_len = 3 + ((3 if split_k else 5) + 3) * num_layers
-    if trace and ws.trace.numel() != trace_len:
-        ws.trace = torch.zeros(trace_len, dtype=torch.int64, device=input_ids.device)
+    if trace and ws.trace.numel() != 3 + 8 * num_layers:
+        ws.trace = torch.zeros(3 + 8 * num_layers, dtype=torch.int64, device=input_ids.device)
     args = (
         input_ids, positions, slot_mapping, seq_lens, block_table,
         weights.embed, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm1, weights.norm2,
         weights.norm_final, cos_sin, k0, layer_stride, v_offset, k0.stride(0), k0.stride(1),
-        r, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace, acc, ws.flags,
+        ws.r, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace,
         num_layers, ws.num_splits, eps, scale)
     kwargs = dict(
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
@@ -935,7 +710,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, SPLITK=split_k, RC=rc, R2=r2, PRELOAD_O=config.preload_o, num_warps=config.num_warps, num_stages=1)
+        PRELOAD=config.preload_kv, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
