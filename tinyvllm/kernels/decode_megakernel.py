@@ -81,8 +81,6 @@ class MegakernelConfig(NamedTuple):
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
     ace_stages: int = 3  # the same for phases A, C and E
     merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
-    attn_fma: bool = True  # phase B's tiles by broadcast products over the G query heads (False: tl.dot,
-    # the G rows padded to 16)
 
 
 @dataclass(frozen=True)
@@ -311,18 +309,14 @@ def _preload_kv(pid, k_ptr, v_ptr, rows, seq_len, num_splits, stride_head,
 
 @triton.jit
 def _attn_first_tile(acc, l_i, m_i, q, q_pos, kp, vp, rows, k_head_ptr, v_head_ptr, lo, seq_len, qk_scale,
-                     D: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                     FMA: tl.constexpr):
-    """`_attn_inner`'s masked step (or with FMA `_attn_tile_fma`) over keys lo .. lo+KEYS−1 from a
-    preloaded tile (`_preload_kv`), its newest key's row read now, from L2 (it was written in phase A,
-    possibly by another SM)."""
+                     D: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """`_attn_inner`'s masked step over keys lo .. lo+KEYS−1 from a preloaded tile (`_preload_kv`), its
+    newest key's row read now, from L2 (it was written in phase A, possibly by another SM)."""
     keys = lo + tl.arange(0, KEYS)
     newest = (keys == seq_len - 1)[:, None]
     ptrs = rows[:, None] + tl.arange(0, D)[None, :]
     k = tl.where(newest, tl.load(k_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), kp)
     v = tl.where(newest, tl.load(v_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), vp)
-    if FMA:
-        return _attn_tile_fma(acc, l_i, m_i, q, k, v, keys < seq_len, qk_scale)
     qk = _dot_qk(q, k, UPCAST, IEEE)
     visible = (keys[None, :] <= q_pos[:, None]) & (keys < seq_len)[None, :]
     qk = tl.where(visible, qk * qk_scale, float("-inf"))
@@ -332,38 +326,6 @@ def _attn_first_tile(acc, l_i, m_i, q, q_pos, kp, vp, rows, k_head_ptr, v_head_p
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = _dot_pv(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, IEEE)
     return acc, l_i, m_ij
-
-
-@triton.jit
-def _attn_tile_fma(acc, l_i, m_i, q, k, v, valid, qk_scale):
-    """One online-softmax step for the G query heads of a KV head over a key tile, by broadcast products
-    and reductions (no tl.dot, whose 16-row minimum would pad G = 4 rows fourfold), log2 domain:
-    s = scale·q kᵀ on the `valid` keys, m ← max(m, max s), p = 2^(s − m), l ← l·α + Σ p,
-    acc ← acc·α + round(p) V with α = 2^(m_old − m). q [G, D]; k, v [KEYS, D]; at least one key valid."""
-    s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    pv = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    return acc * alpha[:, None] + pv, l_i, m_new
-
-
-@triton.jit
-def _attn_tiles_fma(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, bt_ptr, start, hi, qk_scale, stride_blk,
-                    D: tl.constexpr, KEYS: tl.constexpr, BS: tl.constexpr):
-    """`_attn_tile_fma` over the keys start .. hi − 1 of the paged cache, KEYS at a time."""
-    d = tl.arange(0, D)
-    for lo in range(start, hi, KEYS):
-        keys = lo + tl.arange(0, KEYS)
-        valid = keys < hi
-        blk = tl.load(bt_ptr + keys // BS, mask=valid, other=0).to(tl.int64)
-        rows = (blk * stride_blk + (keys % BS) * D)[:, None] + d[None, :]
-        k = tl.load(k_head_ptr + rows, mask=valid[:, None], other=0.0)
-        v = tl.load(v_head_ptr + rows, mask=valid[:, None], other=0.0)
-        acc, l_i, m_i = _attn_tile_fma(acc, l_i, m_i, q, k, v, valid, qk_scale)
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -399,17 +361,14 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
                      attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr, BG: tl.constexpr,
-                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr,
-                     FMA: tl.constexpr):
-    """Split-KV attention of the group's G query heads, scores in the log2 domain: with FMA by broadcast
-    products (`_attn_tile_fma`), otherwise padded to BG ≥ 16 rows through the FlashAttention-2 inner loop
-    of the other kernels (_flash.py, tl.dot). With PRELOAD, (kp, vp, rows_pre) is the first tile of unit
-    `pid` from `_preload_kv`."""
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr):
+    """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
+    FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
+    PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`."""
     G: tl.constexpr = HQ // HK
     PW: tl.constexpr = D + 2  # a partial: acc [D], m, l
-    ROWS: tl.constexpr = G if FMA else BG
     g = tl.arange(0, G)
-    rows_g = tl.arange(0, ROWS)
+    rows_g = tl.arange(0, BG)
     d = tl.arange(0, D)
     keys_per_split = _keys_per_split(seq_len, num_splits, KEYS)
     for u in range(pid, HK * num_splits, P):
@@ -417,10 +376,10 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
         split = u % num_splits
         q = tl.load(q_ptr + (kvh * G + rows_g)[:, None] * D + d[None, :], mask=(rows_g < G)[:, None], other=0.0,
                     cache_modifier=".cg")
-        q_pos = tl.full([ROWS], 0, tl.int32) + seq_len  # the new token sees every key
-        m = tl.full([ROWS], float("-inf"), tl.float32)
-        l = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, D], tl.float32)
+        q_pos = tl.full([BG], 0, tl.int32) + seq_len  # the new token sees every key
+        m = tl.full([BG], float("-inf"), tl.float32)
+        l = tl.zeros([BG], tl.float32)
+        acc = tl.zeros([BG, D], tl.float32)
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, seq_len)
         start = lo
@@ -429,22 +388,17 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
                 if lo < hi:
                     acc, l, m = _attn_first_tile(acc, l, m, q, q_pos, kp, vp, rows_pre, k_ptr + kvh * stride_head,
                                                  v_ptr + kvh * stride_head, lo, seq_len, qk_scale, D, KEYS, UPCAST,
-                                                 IEEE, FMA)
+                                                 IEEE)
                 start = lo + KEYS
-        if FMA:
-            acc, l, m = _attn_tiles_fma(acc, l, m, q, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head, bt_ptr,
-                                        start, hi, qk_scale, stride_blk, D, KEYS, BS)
-        else:
-            acc, l, m = _attn_inner(acc, l, m, q, q_pos, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head,
-                                    bt_ptr, start, hi, hi, qk_scale, stride_blk, D, D, KEYS, BS, False, True, UPCAST,
-                                    IEEE)
+        acc, l, m = _attn_inner(acc, l, m, q, q_pos, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head, bt_ptr,
+                                start, hi, hi, qk_scale, stride_blk, D, D, KEYS, BS, False, True, UPCAST, IEEE)
         if TRACE:
             if pid == 0:
                 if u == pid:
                     tl.store(trace_ptr + tb, _now(pid))
         m = tl.where(l > 0, m, float("-inf"))  # an empty split
         real = rows_g < G  # the padding rows are not stored
-        part = part_ptr + (u * G + rows_g) * PW  # [ROWS] row starts of this unit's partials
+        part = part_ptr + (u * G + rows_g) * PW  # [BG] row starts of this unit's partials
         tl.store(part[:, None] + d[None, :], acc, mask=real[:, None])
         tl.store(part + D, m, mask=real)
         tl.store(part + D + 1, l, mask=real)
@@ -555,8 +509,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                       PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       ATTN_FMA: tl.constexpr):
+                       PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -603,7 +556,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
                          trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, MERGE, MERGE_SMALL, BG,
-                         UPCAST, IEEE, PRELOAD, TRACE, ATTN_FMA)
+                         UPCAST, IEEE, PRELOAD, TRACE)
         _arrive(bar_ptr)
         _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
                         PIPE, PREFETCH, TRACE, ASM)
@@ -757,7 +710,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, ATTN_FMA=config.attn_fma, num_warps=config.num_warps, num_stages=1)
+        PRELOAD=config.preload_kv, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
