@@ -81,8 +81,6 @@ class MegakernelConfig(NamedTuple):
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
     ace_stages: int = 3  # the same for phases A, C and E
     merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
-    ksplit_d: bool = True  # phase D's units split along K into 4 tiles summed elementwise, reduced once
-    # per unit; it stores gate and up outputs and phase E applies SwiGLU as it reads them
 
 
 @dataclass(frozen=True)
@@ -159,14 +157,6 @@ def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.const
     if TRACE:
         if pid == 0:
             tl.store(trace_ptr + b, _now(pid))
-
-
-@triton.jit
-def _rstd(r_ptr, H, eps, BH: tl.constexpr):
-    """1 / sqrt(mean(r²) + eps) of the residual vector r (read from L2), as rms_norm.py computes it."""
-    cols = tl.arange(0, BH)
-    x = tl.load(r_ptr + cols, mask=cols < H, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
 
 
 @triton.jit
@@ -442,27 +432,13 @@ def _residual_unit(w, a, res, u, r_ptr, N: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _phase_input(x_ptr, K, BK: tl.constexpr, SWIGLU: tl.constexpr):
-    """The input vector [1, BK] of phase C or E (zeros beyond K), read from L2: x itself, or with SWIGLU
-    round(silu(g) ⊙ u) of x = [g | u] (2K elements: phase D's rounded gate and up outputs)."""
-    cols = tl.arange(0, BK)
-    if SWIGLU:
-        g = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-        up = tl.load(x_ptr + K + cols, mask=cols < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-        return (g / (1.0 + tl.exp(-g)) * up).to(x_ptr.dtype.element_ty)[None, :]
-    else:
-        return tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
-
-
-@triton.jit
 def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
-                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr,
-                    SWIGLU: tl.constexpr):
-    """r ← round(round(W x) + r) over the units of W [N, K] (phases C and E; x from `_phase_input`),
-    starting with the wait of barrier b. The residual rows of all of this program's units (at most MAXU)
-    are read once after the wait, not by the loop: the pipeline's loads are issued ahead of the wait and
-    may be cached in L1, which does not see other SMs' stores to r."""
+                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
+    """r ← round(round(W x) + r) over the units of W [N, K] (phases C and E), starting with the wait of
+    barrier b. The residual rows of all of this program's units (at most MAXU) are read once after the
+    wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be cached in L1,
+    which does not see other SMs' stores to r."""
     n_units = N // R
     rr = tl.arange(0, R)
     cols = tl.arange(0, BK)
@@ -472,14 +448,14 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
     res_all = tl.zeros([MAXU, R], r_ptr.dtype.element_ty)
     if not PREFETCH:
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        a = _phase_input(x_ptr, K, BK, SWIGLU)
+        a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
         res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                a = _phase_input(x_ptr, K, BK, SWIGLU)
+                a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
                 res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
         res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
         _residual_unit(w, a, res, u, r_ptr, N, R)
@@ -492,7 +468,7 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
 def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
                    PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
-    """Phase D, starting with the wait of barrier b: act [F] = round(silu(g) ⊙ u) (`_gate_up_unit`)."""
+    """Phase D, starting with the wait of barrier b."""
     n_units = F // RG
     a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
@@ -507,68 +483,6 @@ def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr,
         _gate_up_unit(w, a, u, act_ptr, RG)
     if PREFETCH:
         if pid >= n_units:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-
-
-@triton.jit
-def _normed_block(r_ptr, w_ptr, k, rstd, RK: tl.constexpr, KB: tl.constexpr, H):
-    """Columns k·KB + [0, KB) of RMSNorm(r; w) (rstd given) as [1, KB], in `_rms_normed`'s roundings and
-    in the layout of a [RK, KB] weight tile: loaded as RK identical rows (one load per thread after
-    CSE) and folded with a max over them, once per phase."""
-    rows = tl.arange(0, RK)[:, None] * 0
-    cols = k * KB + tl.arange(0, KB)[None, :] + rows
-    x = tl.load(r_ptr + cols, mask=cols < H, other=0.0, cache_modifier=".cg")
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0)
-    normed = (x.to(tl.float32) * rstd).to(x.dtype)
-    return tl.max((w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32), axis=0, keep_dims=True)
-
-
-@triton.jit
-def _gate_up_ksplit_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
-                          H: tl.constexpr, F: tl.constexpr, RK: tl.constexpr, BH: tl.constexpr,
-                          STAGES: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
-    """Phase D with units split along K, starting with the wait of barrier b. Unit u is RK/2 gate rows
-    u·RK/2 + [0, RK/2) and the matching up rows (+ F), walked in 4 tiles of KB = BH/4 columns: each tile's
-    products are added elementwise into acc [RK, KB] (no reduction per tile; the normed input's 4
-    column blocks are held in the tile's layout), and acc is reduced once per unit. The gate and up
-    outputs round(W h) go to act = [g | u] ([2F]); phase E applies SwiGLU as it reads them."""
-    KB: tl.constexpr = BH // 4
-    RG2: tl.constexpr = RK // 2
-    n_units = F // RG2
-    n_mine = tl.cdiv(n_units - pid, P)
-    j = tl.arange(0, RK)
-    cols = tl.arange(0, KB)[None, :]
-    a0 = tl.zeros([1, KB], tl.float32)
-    a1 = tl.zeros([1, KB], tl.float32)
-    a2 = tl.zeros([1, KB], tl.float32)
-    a3 = tl.zeros([1, KB], tl.float32)
-    n2 = n2_ptr + layer * H
-    if not PREFETCH:
-        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        rstd = _rstd(r_ptr, H, eps, BH)
-        a0, a1 = _normed_block(r_ptr, n2, 0, rstd, RK, KB, H), _normed_block(r_ptr, n2, 1, rstd, RK, KB, H)
-        a2, a3 = _normed_block(r_ptr, n2, 2, rstd, RK, KB, H), _normed_block(r_ptr, n2, 3, rstd, RK, KB, H)
-    acc = tl.zeros([RK, KB], tl.float32)
-    base = wgu_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
-    for it in tl.range(0, n_mine * 4, num_stages=STAGES):
-        u = pid + (it // 4) * P
-        kb = it % 4
-        rows = u * RG2 + j % RG2 + (j // RG2) * F
-        w = tl.load(base + rows[:, None] * H + kb * KB + cols, mask=kb * KB + cols < H, other=0.0)
-        if PREFETCH:
-            if it == 0:  # the pipeline's first tiles are in flight
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                rstd = _rstd(r_ptr, H, eps, BH)
-                a0, a1 = _normed_block(r_ptr, n2, 0, rstd, RK, KB, H), _normed_block(r_ptr, n2, 1, rstd, RK, KB, H)
-                a2, a3 = _normed_block(r_ptr, n2, 2, rstd, RK, KB, H), _normed_block(r_ptr, n2, 3, rstd, RK, KB, H)
-        a = tl.where(kb == 0, a0, tl.where(kb == 1, a1, tl.where(kb == 2, a2, a3)))
-        acc += w.to(tl.float32) * a
-        if kb == 3:
-            y = tl.sum(acc, axis=1)
-            tl.store(act_ptr + (j // RG2) * F + u * RG2 + j % RG2, y.to(act_ptr.dtype.element_ty))
-            acc = tl.zeros([RK, KB], tl.float32)
-    if PREFETCH:
-        if n_mine <= 0:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
@@ -595,8 +509,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                       PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       KSPLIT: tl.constexpr, RK: tl.constexpr):
+                       PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -646,17 +559,13 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                          UPCAST, IEEE, PRELOAD, TRACE)
         _arrive(bar_ptr)
         _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
-                        PIPE, PREFETCH, TRACE, ASM, False)
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
-        if KSPLIT:
-            _gate_up_ksplit_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                                  H, F, RK, BH, STAGES, PREFETCH, TRACE, ASM)
-        else:
-            _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                           H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM)
+        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
         _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
-                        PIPE, PREFETCH, TRACE, ASM, KSPLIT)
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
@@ -696,7 +605,7 @@ class Workspace:
         group = s.num_heads // s.num_kv_heads
         z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
         self.r, self.q, self.attn, self.act = z(s.hidden), z(s.num_heads * s.head_dim), \
-            z(s.num_heads * s.head_dim), z(2 * s.intermediate)  # act: SwiGLU's input [g | u] or output
+            z(s.num_heads * s.head_dim), z(s.intermediate)
         self.partials = z(s.num_kv_heads * self.num_splits * group * (s.head_dim + 2), torch.float32)
         self.tickets = z(s.num_kv_heads, torch.int32)
         self.barrier = z(2, torch.int32)
@@ -733,15 +642,6 @@ def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
     rg = dividing(tile // (2 * bh), shape.intermediate)
     rd = dividing(tile // next_power_of_2(shape.intermediate), shape.hidden)
     return rq, ro, rg, rd
-
-
-def ksplit_rows(shape: ModelShape, tile: int) -> int:
-    """Rows per unit of the K-split phase D (gate and up rows, half each): `tile` elements per quarter of
-    the (padded) hidden size, at most 2F, with F a multiple of half of it."""
-    rk = max(2, tile // (next_power_of_2(shape.hidden) // 4))
-    while rk > 2 and (rk > 2 * shape.intermediate or shape.intermediate % (rk // 2)):
-        rk //= 2
-    return rk
 
 
 PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take (of the SM's 227 KB)
@@ -788,8 +688,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
     if config.stages < 1 or config.ace_stages < 1 or config.merge_width & (config.merge_width - 1):
         raise ValueError(f"megakernel config {config}: stages ≥ 1 and a power-of-two merge width needed")
-    tile = unit_tile(config, weights.qkv.element_size())
-    rq, ro, rg, rd = unit_rows(shape, tile)
+    rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
     cuda = input_ids.device.type == "cuda"
@@ -811,8 +710,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, KSPLIT=config.ksplit_d, RK=ksplit_rows(shape, tile),
-        num_warps=config.num_warps, num_stages=1)
+        PRELOAD=config.preload_kv, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
