@@ -18,7 +18,7 @@ K/V write, the attention merge, SwiGLU, residual adds) folded into the phases ar
 the H200 (docs/perf.md, v5–v7): 1.23× the layer-by-layer path in CUDA-graph replays (0.74 ms of layers
 at 640 keys), short of the bandwidth floor because each of the 80 phases pays ~1.5–3 µs of ramp, tail
 and barrier beyond its bytes and attention costs ~9 µs per layer (its split merge and the barrier
-behind it). Asking L2 to prefetch tiles ahead, and tensor-core phases, were slower or no faster.
+behind it). Asking L2 to prefetch tiles ahead was no faster; phase D on the tensor cores (v10) is.
 
 Layout of the work. A phase is a list of "units" of about TILE weight elements each, dealt to the
 programs round-robin (unit u goes to program u mod P). Each weight phase (A, C, D, E) is a loop
@@ -40,7 +40,11 @@ whole into registers and double-buffered (the first one between arrival and wait
      (every key but the newest, which phase A is writing; that row is read from L2 afterwards; the
      tile's block-table entries are read once per launch). A head's context is cut into at most
      `num_splits` splits of whole 64-key tiles, none empty.
-  C, E: RO / RD output rows with the residual add.  D: RG gate rows and the matching up rows.
+  C, E: RO / RD output rows with the residual add.  D: RG gate rows and the matching up rows; with
+     `dot_d` (the default) on the tensor cores: reducing every tile across the program's threads took
+     ~1.4 µs of the phase's 18.7 (docs/perf.md, v10), so the unit is laid out as [rows × chunks, CW]
+     and multiplied by the normed input cut into the same chunks, [chunks, CW], in one tl.dot; each
+     row's product is the sum of its chunks' diagonal entries (`_gate_up_dot_unit`).
 
 Barriers: a monotone arrival counter; the b-th barrier waits until it reads b·P (a CTA barrier
 first orders the CTA's stores before thread 0's gpu-scope release; thread 0's acquire and a second CTA
@@ -81,6 +85,7 @@ class MegakernelConfig(NamedTuple):
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
     ace_stages: int = 3  # the same for phases A, C and E
     merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
+    dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,14 @@ def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.const
     if TRACE:
         if pid == 0:
             tl.store(trace_ptr + b, _now(pid))
+
+
+@triton.jit
+def _rstd(r_ptr, H, eps, BH: tl.constexpr):
+    """1 / sqrt(mean(r²) + eps) of the residual vector r (read from L2), as rms_norm.py computes it."""
+    cols = tl.arange(0, BH)
+    x = tl.load(r_ptr + cols, mask=cols < H, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
 
 
 @triton.jit
@@ -467,23 +480,85 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
 @triton.jit
 def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
-                   PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
-    """Phase D, starting with the wait of barrier b."""
+                   PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
+                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Phase D, starting with the wait of barrier b; with DOT on the tensor cores (`_gate_up_dot_unit`)."""
+    NC: tl.constexpr = BH // CW
+    M: tl.constexpr = 16 if NC <= 16 else NC
     n_units = F // RG
-    a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
+    if DOT:
+        a = tl.zeros([M, CW], r_ptr.dtype.element_ty)
+    else:
+        a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
+        if DOT:
+            a = _normed_chunks(r_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH)
+        else:
+            a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=STAGES):
-        w = _gate_up_tile(wgu_ptr, layer, u, H, F, RG, BH)
+        if DOT:
+            w = _gate_up_dot_tile(wgu_ptr, layer, u, H, F, RG, NC, CW)
+        else:
+            w = _gate_up_tile(wgu_ptr, layer, u, H, F, RG, BH)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
-        _gate_up_unit(w, a, u, act_ptr, RG)
+                if DOT:
+                    a = _normed_chunks(r_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH)
+                else:
+                    a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
+        if DOT:
+            _gate_up_dot_unit(w, a, u, act_ptr, RG, NC, M, UPCAST, IEEE)
+        else:
+            _gate_up_unit(w, a, u, act_ptr, RG)
     if PREFETCH:
         if pid >= n_units:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+
+
+@triton.jit
+def _gate_up_dot_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, NC: tl.constexpr,
+                      CW: tl.constexpr):
+    """Unit u of phase D as [2·RG·NC, CW]: row n is chunk n mod NC (columns c·CW + [0, CW)) of weight row
+    n // NC, the rows being RG gate rows u·RG + [0, RG) then the matching up rows (+ F)."""
+    n = tl.arange(0, 2 * RG * NC)
+    r = n // NC
+    rows = u * RG + r % RG + (r // RG) * F
+    base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
+    cols = (n % NC)[:, None] * CW + tl.arange(0, CW)[None, :]
+    return tl.load(base + rows[:, None] * H + cols, mask=cols < H, other=0.0)
+
+
+@triton.jit
+def _normed_chunks(r_ptr, w_ptr, H, eps, M: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr, BH: tl.constexpr):
+    """RMSNorm(r; w) as [M, CW]: row c < NC holds columns c·CW + [0, CW), rows from NC on are zero (the
+    A operand of `_gate_up_dot_unit`); `_rms_normed`'s roundings."""
+    rstd = _rstd(r_ptr, H, eps, BH)
+    c = tl.arange(0, M)[:, None]
+    cols = c * CW + tl.arange(0, CW)[None, :]
+    ok = (c < NC) & (cols < H)
+    x = tl.load(r_ptr + cols, mask=ok, other=0.0, cache_modifier=".cg")
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    normed = (x.to(tl.float32) * rstd).to(x.dtype)
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _gate_up_dot_unit(w, a, u, act_ptr, RG: tl.constexpr, NC: tl.constexpr, M: tl.constexpr,
+                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Unit u of phase D from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input
+    as [M, CW] chunks (`_normed_chunks`) gives every chunk of the input against every chunk of every row;
+    row r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`."""
+    y_all = _dot_qk(a, w, UPCAST, IEEE)  # [M, 2·RG·NC]
+    n = tl.arange(0, 2 * RG * NC)
+    mine = tl.sum(tl.where(tl.arange(0, M)[:, None] == (n % NC)[None, :], y_all, 0.0), axis=0)
+    y = tl.sum(tl.reshape(mine, [2 * RG, NC]), axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)  # [2·RG]
+    hh = tl.arange(0, 2 * RG)
+    gate = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None], y[None, :], 0.0), axis=1)
+    up = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None] + RG, y[None, :], 0.0), axis=1)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + u * RG + tl.arange(0, RG), act.to(act_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -509,7 +584,8 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                       PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr):
+                       PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
+                       DOT_D: tl.constexpr, CW: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -562,7 +638,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                         PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
         _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM)
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE)
         _arrive(bar_ptr)
         _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
                         PIPE, PREFETCH, TRACE, ASM)
@@ -644,6 +720,15 @@ def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
     return rq, ro, rg, rd
 
 
+def phase_d_chunks(shape: ModelShape, rg: int, elem_bytes: int) -> tuple[int, bool]:
+    """(CW, usable) of phase D on the tensor cores: a weight row is cut into chunks of CW columns (one
+    warp's 16-byte vectors, at most the padded hidden size), at most 32 of them, and the unit's tile
+    [2·RG·chunks, CW] must meet tl.dot's minimum of 16 in every dimension."""
+    bh = next_power_of_2(shape.hidden)
+    cw = min(bh, 32 * 16 // elem_bytes)
+    return cw, bh // cw <= 32 and 2 * rg * (bh // cw) >= 16 and cw >= 16
+
+
 PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take (of the SM's 227 KB)
 
 
@@ -689,6 +774,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     if config.stages < 1 or config.ace_stages < 1 or config.merge_width & (config.merge_width - 1):
         raise ValueError(f"megakernel config {config}: stages ≥ 1 and a power-of-two merge width needed")
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
+    cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
+    dot_d = dot_d and config.dot_d
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
     cuda = input_ids.device.type == "cuda"
@@ -710,7 +797,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, num_warps=config.num_warps, num_stages=1)
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
