@@ -15,9 +15,9 @@ beyond its bytes and every small op (norm, RoPE, attention merge) pays a launch 
 one-kernel-per-op step measured 1.15 ms (docs/perf.md). Here one program per multiprocessor runs all
 phases, separated by grid-wide barriers: no launches, no host gaps, and the small ops (norms, RoPE, the
 K/V write, the attention merge, SwiGLU, residual adds) folded into the phases around them. Measured on
-the H200 (docs/perf.md, v5–v7): 1.23× the layer-by-layer path in CUDA-graph replays (0.74 ms of layers
+the H200 (docs/perf.md, v5–v10): 1.27× the layer-by-layer path in CUDA-graph replays (0.72 ms of layers
 at 640 keys), short of the bandwidth floor because each of the 80 phases pays ~1.5–3 µs of ramp, tail
-and barrier beyond its bytes and attention costs ~9 µs per layer (its split merge and the barrier
+and barrier beyond its bytes and attention costs ~7 µs per layer (its split merge and the barrier
 behind it). Asking L2 to prefetch tiles ahead was no faster; phase D on the tensor cores (v10) is.
 
 Layout of the work. A phase is a list of "units" of about TILE weight elements each, dealt to the
