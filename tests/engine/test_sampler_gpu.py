@@ -103,7 +103,9 @@ def test_engine_seeded_request_ignores_its_batch_on_cuda(tmp_path):
     from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 
     write_dummy_checkpoint(tmp_path, make_config("tiny"), seed=3, init_std=0.1, dtype="float32")
-    llm = LLM(model=str(tmp_path), device="cuda", max_model_len=128, dtype="float32")
+    # an explicit KV-cache budget: sized from free memory (gpu_memory_utilization), the cache raced the
+    # other test processes sharing the GPU (pytest -n 8) and ran out of memory
+    llm = LLM(model=str(tmp_path), device="cuda", max_model_len=128, dtype="float32", kv_cache_memory_bytes=1 << 28)
     a = ({"prompt_token_ids": [3, 14, 15, 92, 65]}, SamplingParams(temperature=0.8, seed=5, max_tokens=12,
                                                                      ignore_eos=True))
     others = [({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)),
