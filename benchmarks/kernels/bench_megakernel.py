@@ -34,10 +34,10 @@ from tinyvllm.models.loader import build_model  # noqa: E402
 
 BLOCK = 16
 C = MegakernelConfig
-VARIANTS = [(C(), None), (C(e_stages=4), None), (C(e_tile=32768), None), (C(stages=4, e_stages=4), None)]
+VARIANTS = [(C(), None), (C(dot_d=False), None), (C(stages=4), None), (C(dot_d=False, stages=4), None)]
 # (config, context splits per KV head; None: the default): the default (v10: phase D on the tensor cores;
-# every weight phase pipelined, its first tiles issued before the barrier's wait); phase E with 4
-# pipeline stages, with 32K-element units; phases D and E both with 4 stages.
+# every weight phase pipelined, its first tiles issued before the barrier's wait); v9's phase D (a
+# reduction across the threads per tile); both with 4 pipeline stages in phase D.
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
 B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its unit, ticket, merge, the wait after
 
@@ -45,9 +45,7 @@ B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its un
 def name_of(cfg: MegakernelConfig, splits: int | None = None) -> str:
     return (f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
             + f"/ace{cfg.ace_stages}" + ("/kv" if cfg.preload_kv else "") + f"/m{cfg.merge_width}"
-            + ("/dotD" if cfg.dot_d else "") + (f"/E{cfg.e_tile or cfg.tile}x{cfg.e_stages or cfg.ace_stages}"
-                                                if cfg.e_tile or cfg.e_stages else "")
-            + (f"/{splits}sp" if splits else ""))
+            + ("/dotD" if cfg.dot_d else "") + (f"/{splits}sp" if splits else ""))
 
 
 def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyvllm.kernels.decode_megakernel import (PIPELINE_BYTES, MegakernelConfig, Workspace, e_unit_tile,
-                                                max_programs, phase_d_chunks, unit_rows, unit_tile)
+from tinyvllm.kernels.decode_megakernel import (PIPELINE_BYTES, MegakernelConfig, Workspace, max_programs,
+                                                phase_d_chunks, unit_rows, unit_tile)
 from tinyvllm.models.attention_metadata import AttnMetadata
 from tests.models.test_fused_decode import backends, build, device_for
 
@@ -82,33 +82,17 @@ WIDE = {"hidden_size": 512, "intermediate_size": 256}  # phase D's tensor-core t
                           (40, 2, 16384, 3, 3, True, True, 16, True, WIDE), (40, 2, 16384, 1, 1, False, True, 16, True, WIDE)])
 def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, ace_stages, prefetch, preload,
                                              merge, dot_d, overrides):
-    config = MegakernelConfig(tile=tile, stages=stages, ace_stages=ace_stages, prefetch=prefetch,
-                              preload_kv=preload, merge_width=merge, dot_d=dot_d)
-    mk = check_against_reference(dtype, seq_len, splits, config, overrides)
-    rg = unit_rows(mk.shape, unit_tile(mk.config, dtype.itemsize))[2]
-    assert phase_d_chunks(mk.shape, rg, dtype.itemsize)[1] == (tile >= 1024)  # tensor-core phase D possible
-
-
-@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("e_tile,e_stages", [(1024, 2), (256, 4)])
-def test_phase_e_with_its_own_tile_and_stages(dtype, e_tile, e_stages):
-    """Phase E's units (rows per unit from `e_tile`) and pipeline depth apart from the other phases'."""
-    config = MegakernelConfig(tile=512, e_tile=e_tile, e_stages=e_stages)
-    mk = check_against_reference(dtype, 40, 2, config, {})
-    assert unit_rows(mk.shape, e_unit_tile(config, dtype.itemsize)[0])[3] != unit_rows(mk.shape, 512)[3]
-
-
-def check_against_reference(dtype, seq_len, splits, config, overrides):
-    """One decode step through the megakernel with `config` against the torch reference forward: hidden
-    state, logits, the new K/V in every layer and the rest of the cache untouched. → the megakernel."""
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
-    model.enable_decode_megakernel(config)
+    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=ace_stages,
+                                                    prefetch=prefetch, preload_kv=preload, merge_width=merge,
+                                                    dot_d=dot_d))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == mk.weights.down[1].data_ptr()  # views, no copy
+    rg = unit_rows(mk.shape, unit_tile(mk.config, dtype.itemsize))[2]
+    assert phase_d_chunks(mk.shape, rg, dtype.itemsize)[1] == (tile >= 1024)  # tensor-core phase D possible
 
     ids, positions, meta = step(seq_len, device=device)
     buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)
@@ -125,7 +109,6 @@ def check_against_reference(dtype, seq_len, splits, config, overrides):
             assert rel(buf[layer, kv, blk, :, off], buf_ref[layer, kv, blk, :, off]) <= tol
     buf[:, :, blk, :, off] = buf_ref[:, :, blk, :, off]
     assert torch.equal(buf, buf_ref)
-    return mk
 
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")

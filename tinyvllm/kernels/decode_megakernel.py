@@ -86,8 +86,6 @@ class MegakernelConfig(NamedTuple):
     ace_stages: int = 3  # the same for phases A, C and E
     merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
-    e_tile: int = 0  # phase E's weight elements per unit (0: `tile`)
-    e_stages: int = 0  # phase E's pipeline stages (0: `ace_stages`)
 
 
 @dataclass(frozen=True)
@@ -587,7 +585,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, PIPE_E: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -643,7 +641,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE)
         _arrive(bar_ptr)
         _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
-                        PIPE_E, PREFETCH, TRACE, ASM)
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
@@ -737,19 +735,7 @@ PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take 
 def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
     """Weight elements per unit: config.tile, halved until the deepest pipeline's stages − 1 buffers in
     flight fit in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
-    return _fitting(config.tile, max(config.stages, config.ace_stages), elem_bytes)
-
-
-def e_unit_tile(config: MegakernelConfig, elem_bytes: int) -> tuple[int, int]:
-    """(weight elements per unit, pipeline stages) of phase E: `e_tile` and `e_stages` where set, else
-    the other phases' (`unit_tile`, `ace_stages`), the tile halved as in `unit_tile`."""
-    stages = config.e_stages or config.ace_stages
-    if not config.e_tile:
-        return unit_tile(config, elem_bytes), stages
-    return _fitting(config.e_tile, stages, elem_bytes), stages
-
-
-def _fitting(tile: int, stages: int, elem_bytes: int) -> int:
+    tile, stages = config.tile, max(config.stages, config.ace_stages)
     while stages > 1 and tile > 256 and tile * elem_bytes * (stages - 1) > PIPELINE_BYTES:
         tile //= 2
     return tile
@@ -785,13 +771,9 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         check_int(name, t)
     if block_size & (block_size - 1):
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
-    if (config.stages < 1 or config.ace_stages < 1 or config.merge_width & (config.merge_width - 1)
-            or config.e_stages < 0 or config.e_tile < 0 or config.e_tile & (config.e_tile - 1)):
-        raise ValueError(f"megakernel config {config}: stages ≥ 1, e_stages ≥ 0, a power-of-two merge width and "
-                         "e_tile (or 0) needed")
+    if config.stages < 1 or config.ace_stages < 1 or config.merge_width & (config.merge_width - 1):
+        raise ValueError(f"megakernel config {config}: stages ≥ 1 and a power-of-two merge width needed")
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
-    e_tile, e_stages = e_unit_tile(config, weights.qkv.element_size())
-    rd = unit_rows(shape, e_tile)[3]
     cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
     dot_d = dot_d and config.dot_d
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
@@ -815,7 +797,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, PIPE_E=e_stages, num_warps=config.num_warps, num_stages=1)
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
