@@ -1,17 +1,11 @@
 """The fused greedy/Gumbel sampling kernel against torch, at the engine's shapes (V = 128,256).
 
-    python benchmarks/kernels/bench_sampling.py [--batches 1 64 256] [--lm-head-batches 1 4 16] [--out DIR]
+    python benchmarks/kernels/bench_sampling.py [--batches 1 64 256] [--out DIR]
 
 Per (batch, logits dtype, mode): our kernel and the torch anchor (greedy: `argmax`; temperature:
 `argmax(z / T − log(−log u))` with u from `torch.rand`, the same Gumbel-max draw), each timed as CUDA
 graph replays, and the floor: reading B·V logits once at the measured copy bandwidth (read-only, so
-bytes / (copy rate / 2) is generous to us).
-
-Then the decode step's tail at the small batches whose LM head is our GEMV (Llama 3.2 1B's tied
-embedding, [128256, 2048] bf16): the LM head and the sampler as three launches (`fused_gemv`, then the
-sampler's two kernels) against one (`gemv_sample_fwd`, the sampler as the GEMV's epilogue), both as
-graph replays (the gaps between kernels included, as in the engine's decode graph), and the floor: the
-weight bytes at the copy bandwidth. Writes JSON.
+bytes / (copy rate / 2) is generous to us). Writes JSON.
 """
 from __future__ import annotations
 
@@ -26,7 +20,6 @@ import torch  # noqa: E402
 
 from common import (bench_graph, copy_bandwidth, device_info, output_paths, print_table,  # noqa: E402
                     require_cuda, write_json)
-from tinyvllm.kernels.gemv import fused_gemv, gemv_sample_fwd  # noqa: E402
 from tinyvllm.kernels.sampling import sample_greedy_or_gumbel  # noqa: E402
 
 
@@ -42,8 +35,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--lm-head-batches", type=int, nargs="*", default=[1, 4, 16])
-    ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
     dev = require_cuda()
@@ -65,32 +56,8 @@ def main() -> None:
                 [("dtype", "logits", "s"), ("batch", "batch", "d"), ("mode", "mode", "s"),
                  ("ours_us", "ours µs", ".1f"), ("torch_us", "torch µs", ".1f"), ("floor_us", "floor µs", ".1f"),
                  ("torch/ours", "torch/ours", ".2f"), ("floor/ours", "floor/ours", ".2f")])
-    tail = lm_head_tail(dev, ns.vocab, ns.hidden, ns.lm_head_batches, copy)
     json_path, _ = output_paths(ns.out, "sampling")
-    write_json(json_path, {"device": device_info(dev), "copy_bw": copy, "vocab": ns.vocab, "results": rows,
-                           "lm_head_and_sampler": tail})
-
-
-def lm_head_tail(dev: torch.device, vocab: int, hidden: int, batches: list[int], copy: float) -> list[dict]:
-    """LM head + sampler: three launches against one, per batch and mode (see the module docstring)."""
-    weight = (torch.randn(vocab, hidden, device=dev) * 0.02).to(torch.bfloat16)
-    rows = []
-    for batch in batches:
-        for mode, t in (("greedy", 0.0), ("T=0.6", 0.6)):
-            sets = [((torch.randn(batch, hidden, device=dev)).to(torch.bfloat16), torch.full((batch,), t, device=dev),
-                     torch.arange(batch, device=dev) + 17 * k, torch.zeros(batch, dtype=torch.int64, device=dev))
-                    for k in range(2)]
-            apart = bench_graph([lambda s=s: sample_greedy_or_gumbel(fused_gemv(s[0], weight), s[1], s[2], out=s[3])
-                                 for s in sets]) * 1e3
-            fused = bench_graph([lambda s=s: gemv_sample_fwd(s[0], weight, s[1], s[2], s[3]) for s in sets]) * 1e3
-            floor = weight.numel() * weight.element_size() / copy * 1e6
-            rows.append({"batch": batch, "mode": mode, "three_launches_us": apart, "one_launch_us": fused,
-                         "floor_us": floor, "saved_us": apart - fused, "floor/one": floor / fused})
-    print_table(f"LM head [{vocab}, {hidden}] bf16 + sampler: three launches against one (graph replays)", rows,
-                [("batch", "batch", "d"), ("mode", "mode", "s"), ("three_launches_us", "3 launches µs", ".1f"),
-                 ("one_launch_us", "1 launch µs", ".1f"), ("saved_us", "saved µs", ".1f"),
-                 ("floor_us", "floor µs", ".1f"), ("floor/one", "floor/1 launch", ".2f")])
-    return rows
+    write_json(json_path, {"device": device_info(dev), "copy_bw": copy, "vocab": ns.vocab, "results": rows})
 
 
 if __name__ == "__main__":

@@ -23,16 +23,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DIVISIBLE = ["x_ptr", "w_ptr", "nw_ptr", "res_ptr", "out_ptr", "ws_ptr", "tickets_ptr", "N", "K", "k_per_split",
              "stride_xm", "stride_wn", "stride_rm", "stride_om"]
-VARIANTS = {"plain": (0, False), "norm": (1, False), "residual": (0, True), "silu_residual": (2, True),
-            "sample": (0, False)}  # the LM head with the sampler as its epilogue (gemv_sample_fwd; no split)
+VARIANTS = {"plain": (0, False), "norm": (1, False), "residual": (0, True), "silu_residual": (2, True)}
 PATHS = {"fma": dict(block_m=1, block_n=8, block_k=512, dot=False, warps=4, stages=2),
          "dot": dict(block_m=16, block_n=64, block_k=128, dot=True, warps=4, stages=3)}
 
 
 def compile_ptx(mode: int, residual: bool, block_m: int, block_n: int, block_k: int, dot: bool,
-                warps: int, stages: int, sample: bool = False) -> str:
-    """PTX of _gemv_kernel for sm_90, split-K variant (it contains the unsplit epilogue too), or with the
-    sampling epilogue (no split)."""
+                warps: int, stages: int) -> str:
+    """PTX of _gemv_kernel for sm_90, split-K variant (it contains the unsplit epilogue too)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -40,12 +38,10 @@ def compile_ptx(mode: int, residual: bool, block_m: int, block_n: int, block_k: 
     from tinyvllm.kernels.gemv import _gemv_kernel
 
     sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "nw_ptr", "res_ptr", "out_ptr")}
-    sig.update({"ws_ptr": "*fp32", "tickets_ptr": "*i32", "temperature_ptr": "*fp32", "seed_ptr": "*i64",
-                "keys_ptr": "*i64", "count_ptr": "*i32", "ids_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
+    sig.update({"ws_ptr": "*fp32", "tickets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
                 "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32"})
-    consts = {"MODE": mode, "HAS_RESIDUAL": residual, "SPLIT": not sample, "BLOCK_M": block_m, "BLOCK_N": block_n,
-              "BLOCK_K": block_k, "USE_DOT": dot, "EVEN_K": True, "UPCAST": False, "IEEE": False,
-              "SAMPLE": sample, "FAST_LOG": True}
+    consts = {"MODE": mode, "HAS_RESIDUAL": residual, "SPLIT": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
+              "BLOCK_K": block_k, "USE_DOT": dot, "EVEN_K": True, "UPCAST": False, "IEEE": False}
     sig.update({name: "constexpr" for name in consts})
     attrs = {(_gemv_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
     compiled = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -70,7 +66,7 @@ def summarise() -> dict:
     for path, cfg in PATHS.items():
         for variant, (mode, residual) in VARIANTS.items():
             try:
-                ptx = compile_ptx(mode, residual, **cfg, sample=variant == "sample")
+                ptx = compile_ptx(mode, residual, **cfg)
             except Exception as e:
                 if "ptxas" in str(e):
                     return {"skip": f"no ptxas: {e}"}
@@ -79,8 +75,7 @@ def summarise() -> dict:
             body = k_loop(ptx)
             out[f"{path}/{variant}"] = {"v4_loads_in_loop": body.count("ld.global.v4"),
                                         "barrier_in_loop": "bar.sync" in body,
-                                        "wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
-                                        "atomic_max_64": bool(re.search(r"(atom|red)\.global\.\S*max\.s64", ptx))}
+                                        "wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx}
     return out
 
 
@@ -110,11 +105,6 @@ def test_dot_path_uses_wgmma_and_cp_async(facts, variant):
     f = facts[f"dot/{variant}"]
     assert "error" not in f, f["error"]
     assert f["wgmma"] and f["cp_async"]
-
-
-@pytest.mark.parametrize("path", list(PATHS))
-def test_sampling_epilogue_is_one_64_bit_atomic_max_per_row(facts, path):
-    assert facts[f"{path}/sample"]["atomic_max_64"] and not facts[f"{path}/plain"]["atomic_max_64"]
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ Each graph runs: placeholder gather (async scheduling: `input_ids[i] = last_samp
 rows whose input is the previous step's sampled id, one launch) → embedding → layers → final norm →
 logits and, with `sample_in_graph`, the fused greedy/Gumbel sampler over the arena's per-row
 temperatures and seeds, writing its ids into `last_sampled` (they are used for the rows that sampler
-serves; the rest take the logits to the full sampler). Where the LM head is our GEMV (the fused
-small-batch path) the sampler is its epilogue (`gemv_sample_fwd`): one launch instead of three. Graphs share one memory pool and are captured
+serves; the rest take the logits to the full sampler). Graphs share one memory pool and are captured
 largest first.
 """
 from __future__ import annotations
@@ -86,19 +85,13 @@ class DecodeGraphs:
         self.resolve_placeholders(a.input_ids[:bs], a.placeholder_src[:bs], self.last_sampled)
         meta = a.decode_meta(bs, self.max_seq_len, cascade)
         hidden = self.model(a.input_ids[:bs], a.positions[:bs], meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden, dtype=None)
         if not self.sample_in_graph:
-            return self.model.compute_logits(hidden, dtype=None), None
-        sampled = self.last_sampled[:bs]
-        if self.model.uses_fused_path(bs) and self.model.ops.name == "triton":
-            # the LM head GEMV with the sampler as its epilogue: one launch instead of three
-            from tinyvllm.kernels.gemv import gemv_sample_fwd
-
-            return gemv_sample_fwd(hidden, self.model.lm_head_weight, a.temperatures[:bs], a.seeds[:bs],
-                                   sampled), sampled
+            return logits, None
         from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
-        logits = self.model.compute_logits(hidden, dtype=None)
-        return logits, sample_greedy_or_gumbel(logits, a.temperatures[:bs], a.seeds[:bs], out=sampled)
+        return logits, sample_greedy_or_gumbel(logits, a.temperatures[:bs], a.seeds[:bs],
+                                               out=self.last_sampled[:bs])
 
     @torch.no_grad()
     def capture(self) -> None:

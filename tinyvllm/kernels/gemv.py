@@ -32,12 +32,6 @@ keeping enough weight bytes in flight on every SM:
     x's rows once for Σx² (x is M·K·2 bytes, from L2); the split heuristic bounds these re-reads by
     the weight bytes.
 
-`gemv_sample_fwd` is the LM head of a small decode batch with the greedy/Gumbel sampler
-(kernels/sampling.py) as its epilogue: each program scores its BLOCK_N vocabulary rows exactly as the
-sampler would (same noise, same tie rule), offers each batch row its best as one int64 key (score,
-−index) through an atomic max, and the last program to take a ticket writes the ids and resets the
-keys. One launch instead of three (the GEMV, the sampler's two passes) and no second read of the logits.
-
 Tile sizes, warps, stages and the split come from `default_config` (a heuristic on M, N, K and the SM
 count); `fused_gemv_fwd(..., config=GemvConfig(...))` overrides it (`bench_gemv.py --sweep`).
 """
@@ -50,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.sampling import EMPTY_KEY, NOISE_BLOCK, _sample_rows_epilogue
 from tinyvllm.kernels._launch import (cdiv, check_dim, check_float, check_last_dim_contiguous, check_same_device,
                                       is_power_of_2, next_power_of_2, num_sms, upcast_dot)
 
@@ -178,12 +171,10 @@ def _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, H
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every batch size on a path
 def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
-                 temperature_ptr, seed_ptr, keys_ptr, count_ptr, ids_ptr,
                  M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_rm, stride_om,
                  MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 SAMPLE: tl.constexpr = False, FAST_LOG: tl.constexpr = False):
+                 USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -242,9 +233,6 @@ def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
     mask = mask_n[:, None] & mask_m[None, :]
     if not SPLIT:
         _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL)
-        if SAMPLE:  # (no split: the launcher's config) the logits as stored, then each row's token
-            _sample_rows_epilogue(y.to(out_ptr.dtype.element_ty).to(tl.float32), offs_n, offs_m, M, N,
-                                  temperature_ptr, seed_ptr, keys_ptr, count_ptr, ids_ptr, NOISE_BLOCK, FAST_LOG)
     else:
         # Workspace [splits, M, N] fp32. Publish this split's partial, then take a ticket: the barrier
         # orders every thread's stores before the (gpu-scope, acq_rel) atomic of the CTA's one thread.
@@ -341,56 +329,12 @@ def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.
     mode = _NORM if norm else _SILU if silu_mul else _PLAIN
     _gemv_kernel[(n_blocks, split)](
         x, weight, norm_weight if norm else x, residual if residual is not None else out, out, ws, tickets,
-        out, out, out, out, out, M, N, K, k_per_split, eps, x.stride(0), weight.stride(0),
+        M, N, K, k_per_split, eps, x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
         MODE=mode, HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, EVEN_K=split * k_per_split == K,
         UPCAST=upcast_dot(x.device), IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
-
-
-# The sampling epilogue's per-row best keys (EMPTY_KEY between launches) and its arrival counter (zero
-# between launches), per device: reset by each launch's last program, allocated on first use (before
-# any graph capture), shared by launches on the device's one stream, like the split-K counters.
-_SAMPLE_STATE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _sample_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    if device not in _SAMPLE_STATE:
-        _SAMPLE_STATE[device] = (torch.full((MAX_ROWS,), EMPTY_KEY.value, dtype=torch.int64, device=device),
-                                 torch.zeros(1, dtype=torch.int32, device=device))
-    return _SAMPLE_STATE[device]
-
-
-def gemv_sample_fwd(x: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                    out_ids: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """The LM head and the greedy/Gumbel sampler in one launch: logits = round(x Wᵀ) [M, N] (returned, as
-    `fused_gemv` computes them) and out_ids[m] ← `sample_greedy_or_gumbel(logits, temperature, seeds)[m]`,
-    the same token (same scores, noise and tie rule), chosen without a second pass over the logits:
-    every program offers each row its best candidate through an atomic max, and the last program to
-    finish writes the ids. temperature [M] float32 (0: greedy), seeds [M] int64, out_ids [≥ M] int64."""
-    M, N, K = _check(x, weight, None, False, None)
-    for name, t, dtype in (("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64),
-                           ("out_ids", out_ids, torch.int64)):
-        if t.dtype != dtype or t.dim() != 1 or t.shape[0] < M or t.stride(0) != 1:
-            raise ValueError(f"{name} must be a contiguous [≥ {M}] {dtype} vector, got {tuple(t.shape)} {t.dtype}")
-        check_same_device(x=x, **{name: t})
-    if N >= 1 << 32:
-        raise ValueError(f"the sampling epilogue indexes at most 2³² vocabulary rows, got {N}")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out
-    cfg = (config or default_config(M, N, K, num_sms(x.device)))._replace(split_k=1)  # one program per tile
-    _check_config(cfg)
-    keys, count = _sample_state(x.device)
-    block_m = 16 if cfg.use_dot else next_power_of_2(M)
-    _gemv_kernel[(cdiv(N, cfg.block_n), 1)](
-        x, weight, x, out, out, out, out, temperature, seeds, keys, count, out_ids,
-        M, N, K, cdiv(K, cfg.block_k) * cfg.block_k, 0.0, x.stride(0), weight.stride(0), 0, out.stride(0),
-        MODE=_PLAIN, HAS_RESIDUAL=False, SPLIT=False, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_DOT=cfg.use_dot, EVEN_K=K % cfg.block_k == 0, UPCAST=upcast_dot(x.device), IEEE=x.dtype == torch.float32,
-        SAMPLE=True, FAST_LOG=x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

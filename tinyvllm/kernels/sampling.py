@@ -6,8 +6,7 @@ Row b with temperature T_b:
     from Philox keyed by (seed_b, i). This draws exactly from softmax(z / T_b) (Gumbel 1954; Maddison et
     al. 2014), without normalising, sorting or writing probabilities.
 Ties resolve to the lowest index. Reads B·V logits once and writes B ids; the torch sampler handles the
-rows that need top-k, top-p, min-p, penalties or logprobs. `_sample_rows_epilogue` draws the same tokens
-inside the kernel that computes the logits (kernels/gemv.py, `gemv_sample_fwd`).
+rows that need top-k, top-p, min-p, penalties or logprobs.
 """
 from __future__ import annotations
 
@@ -30,60 +29,6 @@ def _log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _gumbel_score(z, noise, inv_t, FAST_LOG: tl.constexpr):
-    """z / T + g with g = −ln(−ln u) the Gumbel noise of the uniform `noise` u (fp32 throughout)."""
-    u = tl.maximum(noise, 1e-20)  # rand is in [0, 1): keep the logarithms finite
-    # Gumbel noise −ln(−ln u) = −ln 2 · log2(−log2 u) − ln(ln 2); the constant never moves an argmax.
-    return z * inv_t - 0.6931471805599453 * _log2(-_log2(u, FAST_LOG), FAST_LOG)
-
-
-@triton.jit
-def _noise_at(seed, idx, BLOCK: tl.constexpr):
-    """The uniform noise `_sample_partial_kernel` gives vocabulary index idx (any shape): index
-    t·BLOCK + q·BLOCK/4 + lane takes output q of `rand4x(seed, t·BLOCK/4 + lane)`."""
-    QUARTER: tl.constexpr = BLOCK // 4
-    n0, n1, n2, n3 = tl.rand4x(seed, (idx // BLOCK) * QUARTER + idx % QUARTER)
-    q = (idx % BLOCK) // QUARTER
-    return tl.where(q == 0, n0, tl.where(q == 1, n1, tl.where(q == 2, n2, n3)))
-
-
-@triton.jit
-def _best_key(z, idx):
-    """One int64 per candidate that orders as (z, −idx) does: the largest key is the largest score,
-    the lowest index among equal scores. z fp32 with NaN counted as −inf (the scan's strict > never
-    picks a NaN) and −0 as +0 (equal scores); idx < 2³²."""
-    z = tl.where(z == z, z, float("-inf"))
-    z = tl.where(z == 0.0, 0.0, z)
-    bits = z.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped, order reversed
-    return (ordered.to(tl.int64) << 32) | (~idx.to(tl.int64) & LOW_MASK)
-
-
-@triton.jit
-def _sample_rows_epilogue(logits, offs_n, offs_m, M, N, temperature_ptr, seed_ptr, keys_ptr, count_ptr, ids_ptr,
-                          BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
-    """A matrix-vector product's epilogue that samples: `logits` [BLOCK_N, BLOCK_M] fp32 (the stored
-    logits, already rounded) of vocabulary rows offs_n and batch columns offs_m. For each of the M batch
-    rows, the program's best candidate (`sample_greedy_or_gumbel`'s score and noise for each index,
-    `_best_key`) goes into keys[m] with an atomic max; the last program to take a ticket turns
-    keys[m] into ids[m] (int64) and resets keys and ticket for the next launch. The scores, noise and
-    tie rule are the unfused sampler's, so both give the same token for the same logits and seed."""
-    for m in range(M):
-        z = tl.sum(tl.where(offs_m[None, :] == m, logits, 0.0), axis=1)  # batch row m's column, exactly
-        temperature = tl.load(temperature_ptr + m)
-        if temperature != 0.0:
-            z = _gumbel_score(z, _noise_at(tl.load(seed_ptr + m), offs_n, BLOCK), 1.0 / temperature, FAST_LOG)
-        key = _best_key(tl.where(offs_n < N, z, float("-inf")), offs_n)
-        tl.atomic_max(keys_ptr + m, tl.max(key, axis=0), sem="relaxed", scope="gpu")
-    tl.debug_barrier()  # every thread's atomics before the CTA's ticket (a gpu-scope release)
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
-        last = tl.atomic_xchg(keys_ptr + offs_m, EMPTY_KEY, mask=offs_m < M, sem="relaxed", scope="gpu")
-        tl.store(ids_ptr + offs_m, ~last & LOW_MASK, mask=offs_m < M)
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _best_of_quarter(row_ptr, q_start, end, noise, inv_t, greedy, best_val, best_idx,
                      QUARTER: tl.constexpr, FAST_LOG: tl.constexpr):
     """Fold indices [q_start, q_start + QUARTER) into the running per-lane best (strict >: a lane
@@ -92,7 +37,9 @@ def _best_of_quarter(row_ptr, q_start, end, noise, inv_t, greedy, best_val, best
     mask = offs < end
     z = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
     if not greedy:
-        z = _gumbel_score(z, noise, inv_t, FAST_LOG)
+        u = tl.maximum(noise, 1e-20)  # rand is in [0, 1): keep the logarithms finite
+        # Gumbel noise −ln(−ln u) = −ln 2 · log2(−log2 u) − ln(ln 2); the constant never moves an argmax.
+        z = z * inv_t - 0.6931471805599453 * _log2(-_log2(u, FAST_LOG), FAST_LOG)
     z = tl.where(mask, z, float("-inf"))
     better = z > best_val
     return tl.where(better, z, best_val), tl.where(better, offs, best_idx)
@@ -156,9 +103,6 @@ def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, V, NUM_SPLITS, MAX_SPLITS: 
 
 
 _BLOCK = 2048
-NOISE_BLOCK = tl.constexpr(_BLOCK)  # the noise layout's tile, for kernels that reproduce it (`_noise_at`)
-LOW_MASK = tl.constexpr((1 << 32) - 1)  # `_best_key`'s index field: ~idx in the low 32 bits
-EMPTY_KEY = tl.constexpr(-(1 << 63))  # below every `_best_key`: the fused epilogue's keys between launches
 
 _MAX_SPLITS = 64  # a power of two; the split count is a runtime value below it, so one compile serves all
 
