@@ -80,7 +80,7 @@ WIDE = {"hidden_size": 512, "intermediate_size": 256}  # phase D's tensor-core t
                           # phase D's two schemes: tensor cores (tiles of 1–4 chunks a row) and thread sums
                           (150, 2, 16384, 3, 3, True, True, 16, False, False, {}), (13, 1, 1024, 3, 3, True, True, 16, True, False, {}),
                           (40, 2, 16384, 3, 3, True, True, 16, True, False, WIDE), (40, 2, 16384, 1, 1, False, True, 16, True, False, WIDE),
-                          # phases C and E on the tensor cores too (tiny: C only, E's chunks differ)
+                          # phases A, C and E on the tensor cores too (tiny: A and C, E's chunks differ; WIDE: A and E)
                           (40, 2, 16384, 3, 3, True, True, 16, True, True, WIDE), (13, 1, 16384, 3, 3, False, True, 16, True, True, {})])
 def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, ace_stages, prefetch, preload,
                                              merge, dot_d, dot_ce, overrides):
@@ -89,7 +89,7 @@ def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stage
     model = build("triton", dtype, device, max_positions=512, **overrides)
     model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=ace_stages,
                                                     prefetch=prefetch, preload_kv=preload, merge_width=merge,
-                                                    dot_d=dot_d, dot_ce=dot_ce))
+                                                    dot_d=dot_d, dot_ce=dot_ce, dot_a=dot_ce))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == mk.weights.down[1].data_ptr()  # views, no copy

@@ -87,6 +87,7 @@ class MegakernelConfig(NamedTuple):
     merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     dot_ce: bool = False  # phases C and E the same way (`_chunk_dot_rows`; not yet measured on a GPU)
+    dot_a: bool = False  # phase A the same way (`_qkv_dot_tile`; not yet measured on a GPU)
 
 
 @dataclass(frozen=True)
@@ -229,9 +230,45 @@ def _gate_up_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.cons
 @triton.jit
 def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
               HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr):
-    """Unit u of phase A from its tile w [RQ, 2, BH] (`_qkv_tile`), the normed input a [1, 1, BH] and
-    the RoPE factors c, s [RQ] of its rows: y = round(W a); q and k rotated, (y₁, y₂) → (y₁c − y₂s,
-    y₂c + y₁s); q to the scratch vector, k and v into the cache row kv_off (slot −1: nowhere)."""
+    """Unit u of phase A from its tile w [RQ, 2, BH] (`_qkv_tile`) and the normed input a [1, 1, BH]:
+    y = round(W a), then `_qkv_store`."""
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
+    _qkv_store(y, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
+
+
+@triton.jit
+def _qkv_dot_tile(w_ptr, layer, u, H: tl.constexpr, NQKV: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr,
+                  NC: tl.constexpr, CW: tl.constexpr):
+    """Unit u of phase A for `_chunk_dot_rows`, as [2·RQ·NC, CW]: row n is chunk n mod NC of weight row
+    r = n // NC, the rows being `_qkv_tile`'s, first half (r < RQ) then their partners (r − RQ)."""
+    UPH: tl.constexpr = D // 2 // RQ
+    n = tl.arange(0, 2 * RQ * NC)
+    r = n // NC
+    rows = (u // UPH) * D + (u % UPH) * RQ + (r // RQ) * (D // 2) + r % RQ
+    cols = (n % NC)[:, None] * CW + tl.arange(0, CW)[None, :]
+    base = w_ptr + tl.cast(layer, tl.int64) * (NQKV * H)
+    return tl.load(base + rows[:, None] * H + cols, mask=cols < H, other=0.0)
+
+
+@triton.jit
+def _qkv_dot_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ: tl.constexpr,
+                  HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr, NC: tl.constexpr, M: tl.constexpr,
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Unit u of phase A from `_qkv_dot_tile` and the normed input as [M, CW] chunks on the tensor cores
+    (`_chunk_dot_rows`), then `_qkv_store`."""
+    y2 = _chunk_dot_rows(w, a, 2 * RQ, NC, M, UPCAST, IEEE).to(q_ptr.dtype.element_ty).to(tl.float32)  # [2·RQ]
+    hh = tl.arange(0, 2 * RQ)[None, None, :]
+    want = tl.arange(0, RQ)[:, None, None] + tl.arange(0, 2)[None, :, None] * RQ  # [RQ, 2, 1]
+    y = tl.sum(tl.where(hh == want, y2[None, None, :], 0.0), axis=2)  # [RQ, 2], exactly
+    _qkv_store(y, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
+
+
+@triton.jit
+def _qkv_store(y, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
+               HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr):
+    """Unit u of phase A from its products y [RQ, 2] (rows of the head's two halves, already rounded)
+    and the RoPE factors c, s [RQ] of its rows: q and k rotated, (y₁, y₂) → (y₁c − y₂s, y₂c + y₁s); q to
+    the scratch vector, k and v into the cache row kv_off (slot −1: nowhere)."""
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
     jj = tl.arange(0, RQ)
@@ -239,7 +276,6 @@ def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
     in_head = hh[None, :] * HALF + jj[:, None]  # [RQ, 2]: offset of each output within its head
     sign = tl.where(hh[None, :] == 0, -1.0, 1.0)
     other_half = (hh[None, :, None] != hh[None, None, :]).to(tl.float32)  # [1, 2, 2]
-    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
     partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
     roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
     head = u // UPH
@@ -259,28 +295,48 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
                stride_blk, stride_head, eps, bar_ptr, b, trace_ptr,
                H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                RQ: tl.constexpr, BH: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr,
-               TRACE: tl.constexpr, ASM: tl.constexpr):
-    """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH)."""
+               TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, CW: tl.constexpr,
+               UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH);
+    with DOT on the tensor cores (`_qkv_dot_unit`)."""
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
+    NC: tl.constexpr = BH // CW
+    M: tl.constexpr = 16 if NC <= 16 else NC
     n_units = (HQ + 2 * HK) * UPH
     jj = tl.arange(0, RQ)
     kv_off = (slot // BS) * stride_blk + (slot % BS) * D
     cs_row = cos_sin_ptr + pos * D
-    a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
+    if DOT:
+        a = tl.zeros([M, CW], r_ptr.dtype.element_ty)
+    else:
+        a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+        if DOT:
+            a = _normed_chunks(r_ptr, n1_ptr + layer * H, H, eps, M, NC, CW, BH)
+        else:
+            a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
-        w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
+        if DOT:
+            w = _qkv_dot_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, NC, CW)
+        else:
+            w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
         c = tl.load(cs_row + (u % UPH) * RQ + jj)
         s = tl.load(cs_row + HALF + (u % UPH) * RQ + jj)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
-        _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
+                if DOT:
+                    a = _normed_chunks(r_ptr, n1_ptr + layer * H, H, eps, M, NC, CW, BH)
+                else:
+                    a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+        if DOT:
+            _qkv_dot_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ, NC, M,
+                          UPCAST, IEEE)
+        else:
+            _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
     if PREFETCH:
         if pid >= n_units:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
@@ -635,7 +691,8 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, DOT_C: tl.constexpr, DOT_E: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, DOT_C: tl.constexpr, DOT_E: tl.constexpr,
+                       DOT_A: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -668,7 +725,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         v_ptr = k_ptr + v_offset
         _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                    stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, PIPE, PREFETCH,
-                   TRACE, ASM)
+                   TRACE, ASM, DOT_A, CW, UPCAST, IEEE)
         _arrive(bar_ptr)
         if PRELOAD:  # the same pages in every layer: the block-table entries hit in L1 after the first
             rows_pre = _first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, HK, D, BS, KEYS)
@@ -827,6 +884,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     dot_d = dot_d and config.dot_d
     dot_c = config.dot_ce and chunk_dot_tile(shape.num_heads * shape.head_dim, ro, elem) == (cw, True)
     dot_e = config.dot_ce and chunk_dot_tile(shape.intermediate, rd, elem) == (cw, True)
+    dot_a = config.dot_a and chunk_dot_tile(shape.hidden, 2 * rq, elem) == (cw, True)
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
     cuda = input_ids.device.type == "cuda"
@@ -848,7 +906,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, DOT_C=dot_c, DOT_E=dot_e, num_warps=config.num_warps,
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, DOT_C=dot_c, DOT_E=dot_e, DOT_A=dot_a, num_warps=config.num_warps,
         num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
