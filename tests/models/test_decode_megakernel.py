@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tinyvllm.kernels.decode_megakernel import (PIPELINE_BYTES, MegakernelConfig, Workspace, max_programs,
-                                                chunk_dot_tile, unit_rows, unit_tile)
+                                                phase_d_chunks, unit_rows, unit_tile)
 from tinyvllm.models.attention_metadata import AttnMetadata
 from tests.models.test_fused_decode import backends, build, device_for
 
@@ -68,33 +68,31 @@ WIDE = {"hidden_size": 512, "intermediate_size": 256}  # phase D's tensor-core t
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_len,splits,tile,stages,ace_stages,prefetch,preload,merge,dot_d,dot_ce,overrides",
-                         [(1, 1, 16384, 3, 3, True, True, 16, True, False, {}), (13, 1, 256, 3, 3, True, True, 16, True, False, {}),
-                          (300, 3, 256, 4, 2, True, True, 16, True, False, {}),
-                          (150, 2, 16384, 3, 3, True, True, 16, True, False, {}),
-                          (300, 11, 256, 3, 3, True, True, 4, True, False, {}), (300, 11, 256, 3, 3, True, True, 16, True, False, {}),
-                          (64, 1, 256, 3, 3, True, True, 16, True, False, {}), (65, 2, 256, 3, 3, True, True, 16, True, False, {}),
-                          (13, 1, 256, 1, 1, False, False, 16, True, False, {}),
-                          (150, 2, 16384, 3, 3, False, False, 16, True, False, {}),
-                          (300, 3, 256, 1, 1, True, True, 16, True, False, {}),
+@pytest.mark.parametrize("seq_len,splits,tile,stages,ace_stages,prefetch,preload,merge,dot_d,overrides",
+                         [(1, 1, 16384, 3, 3, True, True, 16, True, {}), (13, 1, 256, 3, 3, True, True, 16, True, {}),
+                          (300, 3, 256, 4, 2, True, True, 16, True, {}),
+                          (150, 2, 16384, 3, 3, True, True, 16, True, {}),
+                          (300, 11, 256, 3, 3, True, True, 4, True, {}), (300, 11, 256, 3, 3, True, True, 16, True, {}),
+                          (64, 1, 256, 3, 3, True, True, 16, True, {}), (65, 2, 256, 3, 3, True, True, 16, True, {}),
+                          (13, 1, 256, 1, 1, False, False, 16, True, {}),
+                          (150, 2, 16384, 3, 3, False, False, 16, True, {}),
+                          (300, 3, 256, 1, 1, True, True, 16, True, {}),
                           # phase D's two schemes: tensor cores (tiles of 1–4 chunks a row) and thread sums
-                          (150, 2, 16384, 3, 3, True, True, 16, False, False, {}), (13, 1, 1024, 3, 3, True, True, 16, True, False, {}),
-                          (40, 2, 16384, 3, 3, True, True, 16, True, False, WIDE), (40, 2, 16384, 1, 1, False, True, 16, True, False, WIDE),
-                          # phases A, C and E on the tensor cores too (tiny: A and C, E's chunks differ; WIDE: A and E)
-                          (40, 2, 16384, 3, 3, True, True, 16, True, True, WIDE), (13, 1, 16384, 3, 3, False, True, 16, True, True, {})])
+                          (150, 2, 16384, 3, 3, True, True, 16, False, {}), (13, 1, 1024, 3, 3, True, True, 16, True, {}),
+                          (40, 2, 16384, 3, 3, True, True, 16, True, WIDE), (40, 2, 16384, 1, 1, False, True, 16, True, WIDE)])
 def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, ace_stages, prefetch, preload,
-                                             merge, dot_d, dot_ce, overrides):
+                                             merge, dot_d, overrides):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
     model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=ace_stages,
                                                     prefetch=prefetch, preload_kv=preload, merge_width=merge,
-                                                    dot_d=dot_d, dot_ce=dot_ce, dot_a=dot_ce))
+                                                    dot_d=dot_d))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == mk.weights.down[1].data_ptr()  # views, no copy
     rg = unit_rows(mk.shape, unit_tile(mk.config, dtype.itemsize))[2]
-    assert chunk_dot_tile(mk.shape.hidden, 2 * rg, dtype.itemsize)[1] == (tile >= 1024)  # tensor-core phase D
+    assert phase_d_chunks(mk.shape, rg, dtype.itemsize)[1] == (tile >= 1024)  # tensor-core phase D possible
 
     ids, positions, meta = step(seq_len, device=device)
     buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)

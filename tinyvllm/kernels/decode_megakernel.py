@@ -86,8 +86,6 @@ class MegakernelConfig(NamedTuple):
     ace_stages: int = 3  # the same for phases A, C and E
     merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
-    dot_ce: bool = False  # phases C and E the same way (`_chunk_dot_rows`; not yet measured on a GPU)
-    dot_a: bool = False  # phase A the same way (`_qkv_dot_tile`; not yet measured on a GPU)
 
 
 @dataclass(frozen=True)
@@ -230,45 +228,9 @@ def _gate_up_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.cons
 @triton.jit
 def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
               HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr):
-    """Unit u of phase A from its tile w [RQ, 2, BH] (`_qkv_tile`) and the normed input a [1, 1, BH]:
-    y = round(W a), then `_qkv_store`."""
-    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
-    _qkv_store(y, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
-
-
-@triton.jit
-def _qkv_dot_tile(w_ptr, layer, u, H: tl.constexpr, NQKV: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr,
-                  NC: tl.constexpr, CW: tl.constexpr):
-    """Unit u of phase A for `_chunk_dot_rows`, as [2·RQ·NC, CW]: row n is chunk n mod NC of weight row
-    r = n // NC, the rows being `_qkv_tile`'s, first half (r < RQ) then their partners (r − RQ)."""
-    UPH: tl.constexpr = D // 2 // RQ
-    n = tl.arange(0, 2 * RQ * NC)
-    r = n // NC
-    rows = (u // UPH) * D + (u % UPH) * RQ + (r // RQ) * (D // 2) + r % RQ
-    cols = (n % NC)[:, None] * CW + tl.arange(0, CW)[None, :]
-    base = w_ptr + tl.cast(layer, tl.int64) * (NQKV * H)
-    return tl.load(base + rows[:, None] * H + cols, mask=cols < H, other=0.0)
-
-
-@triton.jit
-def _qkv_dot_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ: tl.constexpr,
-                  HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr, NC: tl.constexpr, M: tl.constexpr,
-                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Unit u of phase A from `_qkv_dot_tile` and the normed input as [M, CW] chunks on the tensor cores
-    (`_chunk_dot_rows`), then `_qkv_store`."""
-    y2 = _chunk_dot_rows(w, a, 2 * RQ, NC, M, UPCAST, IEEE).to(q_ptr.dtype.element_ty).to(tl.float32)  # [2·RQ]
-    hh = tl.arange(0, 2 * RQ)[None, None, :]
-    want = tl.arange(0, RQ)[:, None, None] + tl.arange(0, 2)[None, :, None] * RQ  # [RQ, 2, 1]
-    y = tl.sum(tl.where(hh == want, y2[None, None, :], 0.0), axis=2)  # [RQ, 2], exactly
-    _qkv_store(y, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
-
-
-@triton.jit
-def _qkv_store(y, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
-               HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr):
-    """Unit u of phase A from its products y [RQ, 2] (rows of the head's two halves, already rounded)
-    and the RoPE factors c, s [RQ] of its rows: q and k rotated, (y₁, y₂) → (y₁c − y₂s, y₂c + y₁s); q to
-    the scratch vector, k and v into the cache row kv_off (slot −1: nowhere)."""
+    """Unit u of phase A from its tile w [RQ, 2, BH] (`_qkv_tile`), the normed input a [1, 1, BH] and
+    the RoPE factors c, s [RQ] of its rows: y = round(W a); q and k rotated, (y₁, y₂) → (y₁c − y₂s,
+    y₂c + y₁s); q to the scratch vector, k and v into the cache row kv_off (slot −1: nowhere)."""
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
     jj = tl.arange(0, RQ)
@@ -276,6 +238,7 @@ def _qkv_store(y, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
     in_head = hh[None, :] * HALF + jj[:, None]  # [RQ, 2]: offset of each output within its head
     sign = tl.where(hh[None, :] == 0, -1.0, 1.0)
     other_half = (hh[None, :, None] != hh[None, None, :]).to(tl.float32)  # [1, 2, 2]
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
     partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
     roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
     head = u // UPH
@@ -295,48 +258,28 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
                stride_blk, stride_head, eps, bar_ptr, b, trace_ptr,
                H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                RQ: tl.constexpr, BH: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr,
-               TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, CW: tl.constexpr,
-               UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH);
-    with DOT on the tensor cores (`_qkv_dot_unit`)."""
+               TRACE: tl.constexpr, ASM: tl.constexpr):
+    """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH)."""
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
-    NC: tl.constexpr = BH // CW
-    M: tl.constexpr = 16 if NC <= 16 else NC
     n_units = (HQ + 2 * HK) * UPH
     jj = tl.arange(0, RQ)
     kv_off = (slot // BS) * stride_blk + (slot % BS) * D
     cs_row = cos_sin_ptr + pos * D
-    if DOT:
-        a = tl.zeros([M, CW], r_ptr.dtype.element_ty)
-    else:
-        a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
+    a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        if DOT:
-            a = _normed_chunks(r_ptr, n1_ptr + layer * H, H, eps, M, NC, CW, BH)
-        else:
-            a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+        a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
-        if DOT:
-            w = _qkv_dot_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, NC, CW)
-        else:
-            w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
+        w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
         c = tl.load(cs_row + (u % UPH) * RQ + jj)
         s = tl.load(cs_row + HALF + (u % UPH) * RQ + jj)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                if DOT:
-                    a = _normed_chunks(r_ptr, n1_ptr + layer * H, H, eps, M, NC, CW, BH)
-                else:
-                    a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
-        if DOT:
-            _qkv_dot_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ, NC, M,
-                          UPCAST, IEEE)
-        else:
-            _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
+                a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+        _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
     if PREFETCH:
         if pid >= n_units:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
@@ -504,51 +447,31 @@ def _residual_unit(w, a, res, u, r_ptr, N: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
-                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr,
-                    DOT: tl.constexpr, CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
     """r ← round(round(W x) + r) over the units of W [N, K] (phases C and E), starting with the wait of
-    barrier b; with DOT on the tensor cores (`_chunk_dot_rows`). The residual rows of all of this
-    program's units (at most MAXU) are read once after the wait, not by the loop: the pipeline's loads
-    are issued ahead of the wait and may be cached in L1, which does not see other SMs' stores to r."""
-    NC: tl.constexpr = BK // CW
-    M: tl.constexpr = 16 if NC <= 16 else NC
+    barrier b. The residual rows of all of this program's units (at most MAXU) are read once after the
+    wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be cached in L1,
+    which does not see other SMs' stores to r."""
     n_units = N // R
     rr = tl.arange(0, R)
     cols = tl.arange(0, BK)
     it = tl.arange(0, MAXU)
     my_rows = (pid + it * P)[:, None] * R + rr[None, :]  # [MAXU, R]: row i holds this program's i-th unit
-    if DOT:
-        a = tl.zeros([M, CW], x_ptr.dtype.element_ty)
-    else:
-        a = tl.zeros([1, BK], x_ptr.dtype.element_ty)
+    a = tl.zeros([1, BK], x_ptr.dtype.element_ty)
     res_all = tl.zeros([MAXU, R], r_ptr.dtype.element_ty)
     if not PREFETCH:
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        if DOT:
-            a = _input_chunks(x_ptr, K, M, NC, CW)
-        else:
-            a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
+        a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
         res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
-        if DOT:
-            w = _rows_dot_tile(w_ptr, layer, u, N, K, R, NC, CW)
-        else:
-            w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
+        w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                if DOT:
-                    a = _input_chunks(x_ptr, K, M, NC, CW)
-                else:
-                    a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
+                a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
                 res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
         res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
-        if DOT:
-            y = _chunk_dot_rows(w, a, R, NC, M, UPCAST, IEEE).to(r_ptr.dtype.element_ty)
-            rows = u * R + rr
-            tl.store(r_ptr + rows, (y.to(tl.float32) + res).to(r_ptr.dtype.element_ty), mask=rows < N)
-        else:
-            _residual_unit(w, a, res, u, r_ptr, N, R)
+        _residual_unit(w, a, res, u, r_ptr, N, R)
     if PREFETCH:
         if pid >= n_units:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
@@ -622,44 +545,15 @@ def _normed_chunks(r_ptr, w_ptr, H, eps, M: tl.constexpr, NC: tl.constexpr, CW: 
 
 
 @triton.jit
-def _chunk_dot_rows(w, a, R: tl.constexpr, NC: tl.constexpr, M: tl.constexpr, UPCAST: tl.constexpr,
-                    IEEE: tl.constexpr):
-    """The R products W x (float32) of a tile w [R·NC, CW] (row n: chunk n mod NC of weight row n // NC)
-    with x cut into the same chunks, a [M, CW] (row c < NC: chunk c; zeros after), on the tensor cores:
-    Y = a wᵀ pairs every chunk of x with every chunk of every row, and row r's product is the sum of its
-    chunks' own entries Σ_c Y[c, r·NC + c] (NC× the multiply-adds, no reduction across the threads)."""
-    y_all = _dot_qk(a, w, UPCAST, IEEE)  # [M, R·NC]
-    n = tl.arange(0, R * NC)
-    mine = tl.sum(tl.where(tl.arange(0, M)[:, None] == (n % NC)[None, :], y_all, 0.0), axis=0)
-    return tl.sum(tl.reshape(mine, [R, NC]), axis=1)
-
-
-@triton.jit
-def _input_chunks(x_ptr, K, M: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr):
-    """The vector x [K] (read from L2) as [M, CW]: row c < NC holds x[c·CW + [0, CW)], zeros elsewhere."""
-    c = tl.arange(0, M)[:, None]
-    cols = c * CW + tl.arange(0, CW)[None, :]
-    return tl.load(x_ptr + cols, mask=(c < NC) & (cols < K), other=0.0, cache_modifier=".cg")
-
-
-@triton.jit
-def _rows_dot_tile(w_ptr, layer, u, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, NC: tl.constexpr,
-                   CW: tl.constexpr):
-    """Unit u of phases C and E for `_chunk_dot_rows`: rows u·R + [0, R) of W [N, K] as [R·NC, CW]."""
-    n = tl.arange(0, R * NC)
-    rows = u * R + n // NC
-    cols = (n % NC)[:, None] * CW + tl.arange(0, CW)[None, :]
-    base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
-    return tl.load(base + rows[:, None] * K + cols, mask=cols < K, other=0.0)
-
-
-@triton.jit
 def _gate_up_dot_unit(w, a, u, act_ptr, RG: tl.constexpr, NC: tl.constexpr, M: tl.constexpr,
                       UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Unit u of phase D from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input
     as [M, CW] chunks (`_normed_chunks`) gives every chunk of the input against every chunk of every row;
     row r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`."""
-    y = _chunk_dot_rows(w, a, 2 * RG, NC, M, UPCAST, IEEE).to(act_ptr.dtype.element_ty).to(tl.float32)
+    y_all = _dot_qk(a, w, UPCAST, IEEE)  # [M, 2·RG·NC]
+    n = tl.arange(0, 2 * RG * NC)
+    mine = tl.sum(tl.where(tl.arange(0, M)[:, None] == (n % NC)[None, :], y_all, 0.0), axis=0)
+    y = tl.sum(tl.reshape(mine, [2 * RG, NC]), axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)  # [2·RG]
     hh = tl.arange(0, 2 * RG)
     gate = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None], y[None, :], 0.0), axis=1)
     up = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None] + RG, y[None, :], 0.0), axis=1)
@@ -691,8 +585,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, DOT_C: tl.constexpr, DOT_E: tl.constexpr,
-                       DOT_A: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -716,6 +609,10 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     if pid == 0:  # r ← the token's embedding row
         e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
         tl.store(r_ptr + cols, e, mask=cols < H)
+    if PRELOAD:
+        rows_pre = _first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, HK, D, BS, KEYS)
+    else:
+        rows_pre = 0
     _arrive(bar_ptr)
     # Each weight phase starts with the wait of the barrier before it: with PREFETCH, after issuing its
     # first weight tiles (they do not depend on the barrier), so they stream while the others arrive.
@@ -725,13 +622,12 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         v_ptr = k_ptr + v_offset
         _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                    stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, PIPE, PREFETCH,
-                   TRACE, ASM, DOT_A, CW, UPCAST, IEEE)
+                   TRACE, ASM)
         _arrive(bar_ptr)
-        if PRELOAD:  # the same pages in every layer: the block-table entries hit in L1 after the first
-            rows_pre = _first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, HK, D, BS, KEYS)
+        if PRELOAD:
             kp, vp = _preload_kv(pid, k_ptr, v_ptr, rows_pre, seq_len, splits, stride_head, HK, D, KEYS)
         else:
-            rows_pre, kp, vp = 0, 0, 0
+            kp, vp = 0, 0
         _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
         _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
@@ -739,13 +635,13 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                          UPCAST, IEEE, PRELOAD, TRACE)
         _arrive(bar_ptr)
         _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
-                        PIPE, PREFETCH, TRACE, ASM, DOT_C, CW, UPCAST, IEEE)
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
         _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
                        H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE)
         _arrive(bar_ptr)
         _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
-                        PIPE, PREFETCH, TRACE, ASM, DOT_E, CW, UPCAST, IEEE)
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
@@ -824,14 +720,13 @@ def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
     return rq, ro, rg, rd
 
 
-def chunk_dot_tile(k: int, rows: int, elem_bytes: int) -> tuple[int, bool]:
-    """(CW, usable) of a weight phase on the tensor cores (`_chunk_dot_rows`) whose units are `rows` rows
-    of K = k columns: a row is cut into chunks of CW columns (one warp's 16-byte vectors, at most the
-    padded K), at most 32 of them, and the tile [rows·chunks, CW] must meet tl.dot's minimum of 16 in
-    every dimension."""
-    bk = next_power_of_2(k)
-    cw = min(bk, 32 * 16 // elem_bytes)
-    return cw, bk // cw <= 32 and rows * (bk // cw) >= 16 and cw >= 16
+def phase_d_chunks(shape: ModelShape, rg: int, elem_bytes: int) -> tuple[int, bool]:
+    """(CW, usable) of phase D on the tensor cores: a weight row is cut into chunks of CW columns (one
+    warp's 16-byte vectors, at most the padded hidden size), at most 32 of them, and the unit's tile
+    [2·RG·chunks, CW] must meet tl.dot's minimum of 16 in every dimension."""
+    bh = next_power_of_2(shape.hidden)
+    cw = min(bh, 32 * 16 // elem_bytes)
+    return cw, bh // cw <= 32 and 2 * rg * (bh // cw) >= 16 and cw >= 16
 
 
 PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take (of the SM's 227 KB)
@@ -879,12 +774,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     if config.stages < 1 or config.ace_stages < 1 or config.merge_width & (config.merge_width - 1):
         raise ValueError(f"megakernel config {config}: stages ≥ 1 and a power-of-two merge width needed")
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
-    elem = weights.qkv.element_size()
-    cw, dot_d = chunk_dot_tile(shape.hidden, 2 * rg, elem)
+    cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
     dot_d = dot_d and config.dot_d
-    dot_c = config.dot_ce and chunk_dot_tile(shape.num_heads * shape.head_dim, ro, elem) == (cw, True)
-    dot_e = config.dot_ce and chunk_dot_tile(shape.intermediate, rd, elem) == (cw, True)
-    dot_a = config.dot_a and chunk_dot_tile(shape.hidden, 2 * rq, elem) == (cw, True)
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
     cuda = input_ids.device.type == "cuda"
@@ -906,8 +797,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, DOT_C=dot_c, DOT_E=dot_e, DOT_A=dot_a, num_warps=config.num_warps,
-        num_stages=1)
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
