@@ -86,7 +86,6 @@ class MegakernelConfig(NamedTuple):
     ace_stages: int = 3  # the same for phases A, C and E
     merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
-    barrier_spin: int = 1  # CUDA: how a program polls a grid barrier (`_wait_asm`: 1–4)
 
 
 @dataclass(frozen=True)
@@ -135,26 +134,14 @@ def _wait(count_ptr, target):
 
 
 @triton.jit
-def _wait_asm(count_ptr, target, SPIN: tl.constexpr):
-    """`_wait` as one asm statement, thread 0 spinning in a PTX loop, then a CTA barrier (`bar.sync 0`)
-    inside the asm: Triton does not software-pipeline a loop that holds a nested loop or a
-    `tl.debug_barrier`, and a pipelined weight loop holds its barrier's wait (CUDA only). SPIN picks the
-    loop (`MegakernelConfig.barrier_spin`): 1, gpu-scope acquire loads back to back; 2, relaxed loads
-    and one acquire fence after the last; 3 and 4, the same with a 32 ns sleep between loads."""
-    if SPIN == 1:
-        loop: tl.constexpr = "ld.acquire.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra $$spin_${:uid}; "
-    elif SPIN == 2:
-        loop: tl.constexpr = ("ld.relaxed.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra $$spin_${:uid}; "
-                              "fence.acq_rel.gpu; ")
-    elif SPIN == 3:
-        loop: tl.constexpr = ("ld.acquire.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p nanosleep.u32 32; "
-                              "@p bra $$spin_${:uid}; ")
-    else:
-        loop: tl.constexpr = ("ld.relaxed.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p nanosleep.u32 32; "
-                              "@p bra $$spin_${:uid}; fence.acq_rel.gpu; ")
+def _wait_asm(count_ptr, target):
+    """`_wait` as one asm statement, thread 0 spinning in a PTX loop on a gpu-scope acquire load, then a
+    CTA barrier (`bar.sync 0`) inside the asm: Triton does not software-pipeline a loop that holds a
+    nested loop or a `tl.debug_barrier`, and a pipelined weight loop holds its barrier's wait (CUDA only)."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.ne.u32 p, t, 0; @p bra $$done_${:uid}; "
-        "$$spin_${:uid}: " + loop + "$$done_${:uid}: bar.sync 0; }",
+        "$$spin_${:uid}: ld.acquire.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra $$spin_${:uid}; "
+        "$$done_${:uid}: bar.sync 0; }",
         "=r,l,r", [count_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -166,11 +153,10 @@ def _now(x):
 
 @triton.jit
 def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.constexpr):
-    """The wait of the launch's b-th grid barrier (b · P arrivals), with `_wait_asm` if ASM (CUDA: its
-    spin loop, `MegakernelConfig.barrier_spin`; 0: `_wait`); when tracing, program 0 then writes the
-    timer into trace[b]."""
+    """The wait of the launch's b-th grid barrier (b · P arrivals), with `_wait_asm` if ASM (CUDA); when
+    tracing, program 0 then writes the timer into trace[b]."""
     if ASM:
-        _wait_asm(bar_ptr, b * P, ASM)
+        _wait_asm(bar_ptr, b * P)
     else:
         _wait(bar_ptr, b * P)
     if TRACE:
@@ -810,7 +796,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
-        STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=config.barrier_spin if cuda else 0,
+        STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
         PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
