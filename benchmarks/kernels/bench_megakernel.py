@@ -34,11 +34,10 @@ from tinyvllm.models.loader import build_model  # noqa: E402
 
 BLOCK = 16
 C = MegakernelConfig
-VARIANTS = [(C(), None), (C(fuse_cd=True), None), (C(fuse_cd=True, stages=4), None),
-            (C(fuse_cd=True, stages=5), None), (C(fuse_cd=True, stages=6), None)]
+VARIANTS = [(C(), None), (C(dot_d=False), None), (C(stages=4), None), (C(dot_d=False, stages=4), None)]
 # (config, context splits per KV head; None: the default): the default (v10: phase D on the tensor cores;
-# every weight phase pipelined, its first tiles issued before the barrier's wait); phases C and D as one
-# pipelined loop (its first tiles, C's and D's, in flight while attention merges), 3 to 6 stages deep.
+# every weight phase pipelined, its first tiles issued before the barrier's wait); v9's phase D (a
+# reduction across the threads per tile); both with 4 pipeline stages in phase D.
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
 B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its unit, ticket, merge, the wait after
 
@@ -46,7 +45,7 @@ B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its un
 def name_of(cfg: MegakernelConfig, splits: int | None = None) -> str:
     return (f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
             + f"/ace{cfg.ace_stages}" + ("/kv" if cfg.preload_kv else "") + f"/m{cfg.merge_width}"
-            + ("/dotD" if cfg.dot_d else "") + ("/CD" if cfg.fuse_cd else "") + (f"/{splits}sp" if splits else ""))
+            + ("/dotD" if cfg.dot_d else "") + (f"/{splits}sp" if splits else ""))
 
 
 def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:

@@ -86,7 +86,6 @@ class MegakernelConfig(NamedTuple):
     ace_stages: int = 3  # the same for phases A, C and E
     merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
-    fuse_cd: bool = False  # phases C and D as one pipelined loop (`_o_gate_up_phase`, where the shapes allow)
 
 
 @dataclass(frozen=True)
@@ -123,16 +122,6 @@ def _arrive(count_ptr):
     (the release waits for them), so prefetches go between `_arrive` and `_wait`."""
     tl.debug_barrier()
     tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _arrive_asm(count_ptr):
-    """`_arrive` as one asm statement (a CTA barrier, then thread 0's gpu-scope release add), for a
-    software-pipelined loop, which may hold no `tl.debug_barrier` (CUDA only)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; bar.sync 0; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, 0; }",
-        "=r,l", [count_ptr], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -556,25 +545,15 @@ def _normed_chunks(r_ptr, w_ptr, H, eps, M: tl.constexpr, NC: tl.constexpr, CW: 
 
 
 @triton.jit
-def _chunk_dot_rows(w, a, R: tl.constexpr, NC: tl.constexpr, M: tl.constexpr, UPCAST: tl.constexpr,
-                    IEEE: tl.constexpr):
-    """The R products W x (float32) of a tile w [R·NC, CW] (row n: chunk n mod NC of weight row n // NC)
-    with x cut into the same chunks, a [M, CW] (row c < NC: chunk c; zeros after), on the tensor cores:
-    Y = a wᵀ pairs every chunk of x with every chunk of every row, and row r's product is the sum of its
-    chunks' own entries Σ_c Y[c, r·NC + c] (NC× the multiply-adds, no reduction across the threads)."""
-    y_all = _dot_qk(a, w, UPCAST, IEEE)  # [M, R·NC]
-    n = tl.arange(0, R * NC)
-    mine = tl.sum(tl.where(tl.arange(0, M)[:, None] == (n % NC)[None, :], y_all, 0.0), axis=0)
-    return tl.sum(tl.reshape(mine, [R, NC]), axis=1)
-
-
-@triton.jit
 def _gate_up_dot_unit(w, a, u, act_ptr, RG: tl.constexpr, NC: tl.constexpr, M: tl.constexpr,
                       UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Unit u of phase D from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input
     as [M, CW] chunks (`_normed_chunks`) gives every chunk of the input against every chunk of every row;
     row r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`."""
-    y = _chunk_dot_rows(w, a, 2 * RG, NC, M, UPCAST, IEEE).to(act_ptr.dtype.element_ty).to(tl.float32)  # [2·RG]
+    y_all = _dot_qk(a, w, UPCAST, IEEE)  # [M, 2·RG·NC]
+    n = tl.arange(0, 2 * RG * NC)
+    mine = tl.sum(tl.where(tl.arange(0, M)[:, None] == (n % NC)[None, :], y_all, 0.0), axis=0)
+    y = tl.sum(tl.reshape(mine, [2 * RG, NC]), axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)  # [2·RG]
     hh = tl.arange(0, 2 * RG)
     gate = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None], y[None, :], 0.0), axis=1)
     up = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None] + RG, y[None, :], 0.0), axis=1)
@@ -593,77 +572,6 @@ def _gate_up_unit(w, a, u, act_ptr, RG: tl.constexpr):
     tl.store(act_ptr + u * RG + tl.arange(0, RG), act.to(act_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _o_dot_tile(w_ptr, layer, u, H: tl.constexpr, QD: tl.constexpr, RO: tl.constexpr, NC: tl.constexpr,
-                CW: tl.constexpr):
-    """Pointers of unit u of phase C for `_chunk_dot_rows`: rows u·RO + [0, RO) of W_o [H, QD] as
-    [RO·NC, CW] (row n: chunk n mod NC of weight row n // NC)."""
-    n = tl.arange(0, RO * NC)
-    cols = (n % NC)[:, None] * CW + tl.arange(0, CW)[None, :]
-    return w_ptr + tl.cast(layer, tl.int64) * (H * QD) + (u * RO + n // NC)[:, None] * QD + cols
-
-
-@triton.jit
-def _gate_up_dot_ptrs(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, NC: tl.constexpr,
-                      CW: tl.constexpr):
-    """Pointers of `_gate_up_dot_tile`'s tile."""
-    n = tl.arange(0, 2 * RG * NC)
-    r = n // NC
-    rows = u * RG + r % RG + (r // RG) * F
-    cols = (n % NC)[:, None] * CW + tl.arange(0, CW)[None, :]
-    return w_ptr + tl.cast(layer, tl.int64) * (2 * F * H) + rows[:, None] * H + cols
-
-
-@triton.jit
-def _o_gate_up_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
-                     H: tl.constexpr, QD: tl.constexpr, F: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
-                     BH: tl.constexpr, MAXU: tl.constexpr, STAGES: tl.constexpr, TRACE: tl.constexpr,
-                     ASM: tl.constexpr, CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Phases C and D as one software-pipelined loop over this program's C units, then its D units, both
-    on the tensor cores (tiles of the same [RO·NC, CW] = [2·RG·NC, CW] shape, one load per iteration from
-    W_o or W_gate_up). It starts with the wait of barrier b (attention done): the pipeline's first tiles,
-    C's and the first of D's, stream while the attention's last splits merge; after its last C unit the
-    program arrives at barrier b + 1 (`_arrive_asm`), and its first D unit waits for it. The maths and
-    roundings are those of `_residual_phase` (C) and `_gate_up_phase` (D). Every program has at least
-    one unit of each (the launcher's condition), so every program passes both barriers in order."""
-    NC: tl.constexpr = BH // CW
-    M: tl.constexpr = 16 if NC <= 16 else NC
-    n_c = H // RO
-    my_c = (n_c - pid + P - 1) // P  # C units u = pid + k·P < n_c (≥ 1)
-    my_d = (F // RG - pid + P - 1) // P
-    rr = tl.arange(0, RO)
-    it = tl.arange(0, MAXU)
-    my_rows = (pid + it * P)[:, None] * RO + rr[None, :]  # [MAXU, RO]: row i holds this program's i-th C unit
-    a_c = tl.zeros([M, CW], attn_ptr.dtype.element_ty)
-    a_d = tl.zeros([M, CW], r_ptr.dtype.element_ty)
-    res_all = tl.zeros([MAXU, RO], r_ptr.dtype.element_ty)
-    for k in tl.range(0, my_c + my_d, num_stages=STAGES):
-        is_c = k < my_c
-        u = tl.where(is_c, pid + k * P, pid + (k - my_c) * P)
-        w = tl.load(tl.where(is_c, _o_dot_tile(wo_ptr, layer, u, H, QD, RO, NC, CW),
-                             _gate_up_dot_ptrs(wgu_ptr, layer, u, H, F, RG, NC, CW)))
-        if k == 0:  # the pipeline's first tiles are in flight
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-            c = tl.arange(0, M)[:, None]
-            cols = c * CW + tl.arange(0, CW)[None, :]
-            a_c = tl.load(attn_ptr + cols, mask=(c < NC) & (cols < QD), other=0.0, cache_modifier=".cg")
-            res_all = tl.load(r_ptr + my_rows, mask=my_rows < H, other=0.0, cache_modifier=".cg")
-        if is_c:
-            res = tl.sum(tl.where(it[:, None] == k, res_all.to(tl.float32), 0.0), axis=0)
-            y = _chunk_dot_rows(w, a_c, RO, NC, M, UPCAST, IEEE).to(r_ptr.dtype.element_ty)
-            tl.store(r_ptr + u * RO + rr, (y.to(tl.float32) + res).to(r_ptr.dtype.element_ty))
-            if k == my_c - 1:
-                if ASM:
-                    _arrive_asm(bar_ptr)
-                else:
-                    _arrive(bar_ptr)
-        else:
-            if k == my_c:
-                _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
-                a_d = _normed_chunks(r_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH)
-            _gate_up_dot_unit(w, a_d, u, act_ptr, RG, NC, M, UPCAST, IEEE)
-
-
 # ---------------------------------------------------------------------------------------------- kernel
 @triton.jit(do_not_specialize=["num_layers", "num_splits", "layer_stride", "v_offset"])
 def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
@@ -677,7 +585,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, FUSE_CD: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -726,15 +634,11 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                          trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, MERGE, MERGE_SMALL, BG,
                          UPCAST, IEEE, PRELOAD, TRACE)
         _arrive(bar_ptr)
-        if FUSE_CD:
-            _o_gate_up_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 2,
-                             trace_ptr, H, QD, F, RO, RG, BH, MAXU_C, STAGES, TRACE, ASM, CW, UPCAST, IEEE)
-        else:
-            _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ,
-                            MAXU_C, PIPE, PREFETCH, TRACE, ASM)
-            _arrive(bar_ptr)
-            _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                           H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE)
+        _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
+                        PIPE, PREFETCH, TRACE, ASM)
+        _arrive(bar_ptr)
+        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE)
         _arrive(bar_ptr)
         _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
                         PIPE, PREFETCH, TRACE, ASM)
@@ -872,9 +776,6 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
     cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
     dot_d = dot_d and config.dot_d
-    # C and D in one loop: both on the tensor cores, with tiles of one shape (W_o's rows as long as W_gate_up's)
-    fuse_cd = (config.fuse_cd and dot_d and shape.num_heads * shape.head_dim == shape.hidden and ro == 2 * rg
-               and shape.hidden // ro >= workspace.programs and shape.intermediate // rg >= workspace.programs)
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
     cuda = input_ids.device.type == "cuda"
@@ -896,7 +797,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, FUSE_CD=fuse_cd, num_warps=config.num_warps, num_stages=1)
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
