@@ -45,7 +45,21 @@ B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its un
 def name_of(cfg: MegakernelConfig, splits: int | None = None) -> str:
     return (f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
             + f"/ace{cfg.ace_stages}" + ("/kv" if cfg.preload_kv else "") + f"/m{cfg.merge_width}"
-            + ("/dotD" if cfg.dot_d else "") + (f"/{splits}sp" if splits else ""))
+            + ("/dotD" if cfg.dot_d else "") + (f"/dt{cfg.d_tile}" if cfg.d_tile else "")
+            + (f"/dc{cfg.d_chunk}" if cfg.d_chunk else "") + ("/pairs" if cfg.d_pairs else "")
+            + (f"/et{cfg.e_tile}" if cfg.e_tile else "") + (f"/es{cfg.e_stages}" if cfg.e_stages else "")
+            + ("/smin" if cfg.split_minor else "") + ("/l2D" if cfg.l2_next_d else "")
+            + (f"/{splits}sp" if splits else ""))
+
+
+def parse_config(text: str) -> MegakernelConfig:
+    """`field=value,...` → MegakernelConfig (each value converted to the field's default's type)."""
+    fields = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        kind = type(getattr(C(), key))
+        fields[key] = bool(int(value)) if kind is bool else kind(value)
+    return C(**fields)
 
 
 def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:
@@ -57,7 +71,7 @@ def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int 
     sums = torch.zeros(3 + 8 * L, dtype=torch.float64)
     for _ in range(reps):
         mk(ids, pos, meta, views, trace=True)
-        t = mk.workspace.trace.double().cpu()
+        t = mk.workspace.trace.double().cpu()[:3 + 8 * L]
         sums += t - t[0]
     t = sums / reps
     b_points = t[3 + 5 * L:].reshape(L, 3)
@@ -73,6 +87,41 @@ def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int 
     for name, v in zip(B_PARTS, b_parts.tolist()):
         out["B " + name + " us"] = v
     return out
+
+
+def program_trace(mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 10) -> dict:
+    """Every program's view of the barriers (µs, means over layers and `reps` launches): per phase, from
+    the barrier that starts it opening (its first program leaving the wait) to the median and the last
+    program's arrival at the barrier that ends it, and from that last arrival to the barrier opening
+    (its propagation); the programs that arrived last; phase B: every unit computed, ticket taken, merge
+    done (median / last), from the same opening."""
+    from tinyvllm.kernels.decode_megakernel import TRACE_BASE, TRACE_BLOCK
+    views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+    L, P = kv.shape[0], mk.workspace.programs
+    acc: dict[str, float] = {}
+    last_programs: dict[str, list[int]] = {p: [] for p in "ABCDE"}
+    for _ in range(reps):
+        mk(ids, pos, meta, views, trace=True)
+        t = mk.workspace.trace[TRACE_BASE:].view(P, TRACE_BLOCK).double().cpu() / 1e3  # µs
+        waits, arrivals, attn = t[:, :400], t[:, 400:800], t[:, 800:800 + 3 * L].reshape(P, L, 3)
+        for layer in range(L):
+            for k, phase in enumerate("ABCDE"):
+                b = 1 + 5 * layer + k  # the barrier that opens phase `phase`; b + 1 ends it
+                opened = waits[:, b].min()
+                arr = arrivals[:, b + 1]
+                rows = {f"{phase} median arrival": arr.median() - opened, f"{phase} last arrival": arr.max() - opened,
+                        f"{phase} propagation": waits[:, b + 1].min() - arr.max()}
+                if phase == "B":
+                    mine = attn[:, layer]
+                    done = mine[mine[:, 0] > 0]  # programs with a unit
+                    for i, what in enumerate(("unit", "ticket", "merge")):
+                        rows[f"B {what} median"] = done[:, i].median() - opened
+                        rows[f"B {what} last"] = done[:, i].max() - opened
+                for key, value in rows.items():
+                    acc[key] = acc.get(key, 0.0) + float(value) / (L * reps)
+                last_programs[phase].append(int(arr.argmax()))
+    acc["last programs"] = {p: sorted(set(v))[:12] for p, v in last_programs.items()}
+    return acc
 
 
 def setup(dev: torch.device, dtype: torch.dtype, max_ctx: int):
@@ -143,10 +192,14 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="*", default=[],
                     help="time the default configuration as is and with this many warps per program (instead "
                          "of the other variants; with --splits, both lists)")
+    ap.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE,...",
+                    help="time the default configuration and this one (MegakernelConfig fields, e.g. "
+                         "d_tile=32768,d_pairs=1; repeatable) instead of the other variants")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
-    if ns.splits or ns.warps:
-        VARIANTS[1:] = [(C(), s) for s in ns.splits] + [(C(num_warps=w), None) for w in ns.warps]
+    if ns.splits or ns.warps or ns.variant:
+        VARIANTS[1:] = ([(C(), s) for s in ns.splits] + [(C(num_warps=w), None) for w in ns.warps]
+                        + [(parse_config(v), None) for v in ns.variant])
     dev = require_cuda()
     info = device_info(dev)
     copy = copy_bandwidth(dev)
@@ -192,6 +245,13 @@ def main() -> None:
         for cfg, splits in VARIANTS:
             traces.append({"context": ctx, "variant": name_of(cfg, splits),
                            **phase_trace(model, base.variant(cfg, splits), ids, pos, meta, kv)})
+    programs = []
+    for ctx in ns.contexts:
+        ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
+        for cfg, splits in VARIANTS:
+            programs.append({"context": ctx, "variant": name_of(cfg, splits),
+                             **program_trace(base.variant(cfg, splits), ids, pos, meta, kv)})
+            print(programs[-1], flush=True)
     print_table("per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)", traces,
                 [("context", "ctx", "d"), ("variant", "variant", "")]
                 + [(p + " us", p.split()[0], ".2f") for p in PHASES]
@@ -205,7 +265,7 @@ def main() -> None:
                  ("layers_of_floor", "layers of floor", ".2f")])
     json_path, _ = output_paths(ns.out, "megakernel")
     write_json(json_path, {"device": info, "copy_bandwidth": copy, "checks": checks, "timings": rows,
-                           "phase_traces": traces})
+                           "phase_traces": traces, "program_traces": programs})
     print(f"wrote {json_path}")
 
 

@@ -112,6 +112,53 @@ def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stage
 
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("fields", [dict(d_tile=4096, d_pairs=True), dict(d_tile=8192, d_chunk=64, d_pairs=True),
+                                    dict(d_tile=2048, d_chunk=32), dict(d_tile=4096, stages=2, e_tile=2048, e_stages=2),
+                                    dict(e_tile=512, e_stages=4)], ids=str)
+def test_megakernel_unit_layouts_equal_reference(dtype, fields):
+    """Phases D and E with their own unit sizes and pipeline depths; phase D on the tensor cores with
+    narrower chunks (more of them a row) and a unit's gate and up rows interleaved: the same forward as
+    the reference."""
+    device = device_for("triton")
+    ref = build("torch", dtype, device, max_positions=512, **WIDE)
+    model = build("triton", dtype, device, max_positions=512, **WIDE)
+    config = MegakernelConfig(tile=1024, **fields)
+    model.enable_decode_megakernel(config)
+    shape = model.decode_megakernel.shape
+    if config.d_tile:  # 2·RG rows of 512, on the tensor cores
+        rg = unit_rows(shape, unit_tile(config, dtype.itemsize, "d"))[2]
+        assert rg == config.d_tile // (2 * 512) and phase_d_chunks(shape, rg, dtype.itemsize, config.d_chunk)[1]
+    assert unit_rows(shape, unit_tile(config, dtype.itemsize, "e"))[3] == (config.e_tile or 1024) // 256
+    ids, positions, meta = step(40, device=device)
+    buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)
+    h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
+    h, logits = forward(model, ids, positions, meta, buf)
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
+
+
+@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("seq_len,splits", [(300, 11), (300, 16), (65, 2), (13, 1), (1, 3)])
+def test_megakernel_split_minor_partials_equal_reference(dtype, seq_len, splits):
+    """Attention partials stored split index fastest and merged within threads: the same forward as the
+    reference, with one to 16 splits (11 of 16: a merge width with padding; 1 key: splits without keys)."""
+    device = device_for("triton")
+    ref = build("torch", dtype, device, max_positions=512)
+    model = build("triton", dtype, device, max_positions=512)
+    model.enable_decode_megakernel(MegakernelConfig(tile=256, split_minor=True))
+    mk = model.decode_megakernel
+    mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
+    ids, positions, meta = step(seq_len, device=device)
+    buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)
+    h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
+    h, logits = forward(model, ids, positions, meta, buf)
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
+
+
+@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 def test_megakernel_padded_slot_writes_nothing_and_relaunches():
     """Slot −1 writes no K/V; a second launch on the same workspace (counters reset by the kernel)
     gives the same result."""
