@@ -44,11 +44,7 @@ B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its un
 
 def name_of(cfg: MegakernelConfig, splits: int | None = None) -> str:
     return (f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
-            + f"/ace{cfg.ace_stages}" + ("/kv" if cfg.preload_kv else "") + f"/m{cfg.merge_width}"
-            + ("/dotD" if cfg.dot_d else "") + (f"/dt{cfg.d_tile}" if cfg.d_tile else "")
-            + (f"/dc{cfg.d_chunk}" if cfg.d_chunk else "") + ("/pairs" if cfg.d_pairs else "")
-            + (f"/et{cfg.e_tile}" if cfg.e_tile else "") + (f"/es{cfg.e_stages}" if cfg.e_stages else "")
-            + ("/smin" if cfg.split_minor else "") + ("/l2D" if cfg.l2_next_d else "")
+            + f"/ace{cfg.ace_stages}" + ("/kv" if cfg.preload_kv else "") + ("/dotD" if cfg.dot_d else "")
             + (f"/{splits}sp" if splits else ""))
 
 
@@ -194,7 +190,7 @@ def main() -> None:
                          "of the other variants; with --splits, both lists)")
     ap.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE,...",
                     help="time the default configuration and this one (MegakernelConfig fields, e.g. "
-                         "d_tile=32768,d_pairs=1; repeatable) instead of the other variants")
+                         "stages=4,ace_stages=2; repeatable) instead of the other variants")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
     if ns.splits or ns.warps or ns.variant:

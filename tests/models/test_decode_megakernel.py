@@ -4,7 +4,7 @@ the same weights: hidden state, logits and the K/V it writes into the paged cach
 On the CPU the interpreter runs the kernel with one program (the barriers then pass at once), so every
 unit of every phase runs in that program; the unit sizes (`tile`) and the number of context splits
 are varied so that the pipelined unit loops (with and without the first tiles ahead of the wait), the
-multi-tile attention loop and the split merge (narrow, wide, several steps) all run. On a GPU the same tests run one program per SM (more programs than most phases have units);
+multi-tile attention loop and the split merge (runs of 4 and 16 slots) all run. On a GPU the same tests run one program per SM (more programs than most phases have units);
 tests/gpu/test_megakernel_gpu.py checks the real shape.
 
 Tolerances as in test_fused_decode.py (float32: order of the sums only; bfloat16: 8-bit roundings of
@@ -68,26 +68,25 @@ WIDE = {"hidden_size": 512, "intermediate_size": 256}  # phase D's tensor-core t
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_len,splits,tile,stages,ace_stages,prefetch,preload,merge,dot_d,overrides",
-                         [(1, 1, 16384, 3, 3, True, True, 16, True, {}), (13, 1, 256, 3, 3, True, True, 16, True, {}),
-                          (300, 3, 256, 4, 2, True, True, 16, True, {}),
-                          (150, 2, 16384, 3, 3, True, True, 16, True, {}),
-                          (300, 11, 256, 3, 3, True, True, 4, True, {}), (300, 11, 256, 3, 3, True, True, 16, True, {}),
-                          (64, 1, 256, 3, 3, True, True, 16, True, {}), (65, 2, 256, 3, 3, True, True, 16, True, {}),
-                          (13, 1, 256, 1, 1, False, False, 16, True, {}),
-                          (150, 2, 16384, 3, 3, False, False, 16, True, {}),
-                          (300, 3, 256, 1, 1, True, True, 16, True, {}),
+@pytest.mark.parametrize("seq_len,splits,tile,stages,ace_stages,prefetch,preload,dot_d,overrides",
+                         [(1, 1, 16384, 3, 3, True, True, True, {}), (13, 1, 256, 3, 3, True, True, True, {}),
+                          (300, 3, 256, 4, 2, True, True, True, {}),
+                          (150, 2, 16384, 3, 3, True, True, True, {}),
+                          (300, 11, 256, 3, 3, True, True, True, {}),
+                          (64, 1, 256, 3, 3, True, True, True, {}), (65, 2, 256, 3, 3, True, True, True, {}),
+                          (13, 1, 256, 1, 1, False, False, True, {}),
+                          (150, 2, 16384, 3, 3, False, False, True, {}),
+                          (300, 3, 256, 1, 1, True, True, True, {}),
                           # phase D's two schemes: tensor cores (tiles of 1–4 chunks a row) and thread sums
-                          (150, 2, 16384, 3, 3, True, True, 16, False, {}), (13, 1, 1024, 3, 3, True, True, 16, True, {}),
-                          (40, 2, 16384, 3, 3, True, True, 16, True, WIDE), (40, 2, 16384, 1, 1, False, True, 16, True, WIDE)])
+                          (150, 2, 16384, 3, 3, True, True, False, {}), (13, 1, 1024, 3, 3, True, True, True, {}),
+                          (40, 2, 16384, 3, 3, True, True, True, WIDE), (40, 2, 16384, 1, 1, False, True, True, WIDE)])
 def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, ace_stages, prefetch, preload,
-                                             merge, dot_d, overrides):
+                                             dot_d, overrides):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
     model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=ace_stages,
-                                                    prefetch=prefetch, preload_kv=preload, merge_width=merge,
-                                                    dot_d=dot_d))
+                                                    prefetch=prefetch, preload_kv=preload, dot_d=dot_d))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == mk.weights.down[1].data_ptr()  # views, no copy
@@ -113,41 +112,14 @@ def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stage
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("fields", [dict(d_tile=4096, d_pairs=True), dict(d_tile=8192, d_chunk=64, d_pairs=True),
-                                    dict(d_tile=2048, d_chunk=32), dict(d_tile=4096, stages=2, e_tile=2048, e_stages=2),
-                                    dict(e_tile=512, e_stages=4)], ids=str)
-def test_megakernel_unit_layouts_equal_reference(dtype, fields):
-    """Phases D and E with their own unit sizes and pipeline depths; phase D on the tensor cores with
-    narrower chunks (more of them a row) and a unit's gate and up rows interleaved: the same forward as
-    the reference."""
-    device = device_for("triton")
-    ref = build("torch", dtype, device, max_positions=512, **WIDE)
-    model = build("triton", dtype, device, max_positions=512, **WIDE)
-    config = MegakernelConfig(tile=1024, **fields)
-    model.enable_decode_megakernel(config)
-    shape = model.decode_megakernel.shape
-    if config.d_tile:  # 2·RG rows of 512, on the tensor cores
-        rg = unit_rows(shape, unit_tile(config, dtype.itemsize, "d"))[2]
-        assert rg == config.d_tile // (2 * 512) and phase_d_chunks(shape, rg, dtype.itemsize, config.d_chunk)[1]
-    assert unit_rows(shape, unit_tile(config, dtype.itemsize, "e"))[3] == (config.e_tile or 1024) // 256
-    ids, positions, meta = step(40, device=device)
-    buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)
-    h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
-    h, logits = forward(model, ids, positions, meta, buf)
-    tol = 1e-5 if dtype == torch.float32 else 4e-2
-    assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
-
-
-@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("seq_len,splits", [(300, 11), (300, 16), (65, 2), (13, 1), (1, 3)])
-def test_megakernel_split_minor_partials_equal_reference(dtype, seq_len, splits):
-    """Attention partials stored split index fastest and merged within threads: the same forward as the
-    reference, with one to 16 splits (11 of 16: a merge width with padding; 1 key: splits without keys)."""
+def test_megakernel_split_merge_equals_reference(dtype, seq_len, splits):
+    """The attention partials' merge (split-minor runs of 4 or 16 slots, the slots beyond the split count
+    masked): the same forward as the reference with one to 16 splits (1 key: splits without keys)."""
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512)
     model = build("triton", dtype, device, max_positions=512)
-    model.enable_decode_megakernel(MegakernelConfig(tile=256, split_minor=True))
+    model.enable_decode_megakernel(MegakernelConfig(tile=256))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     ids, positions, meta = step(seq_len, device=device)

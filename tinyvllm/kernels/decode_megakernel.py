@@ -15,10 +15,11 @@ beyond its bytes and every small op (norm, RoPE, attention merge) pays a launch 
 one-kernel-per-op step measured 1.15 ms (docs/perf.md). Here one program per multiprocessor runs all
 phases, separated by grid-wide barriers: no launches, no host gaps, and the small ops (norms, RoPE, the
 K/V write, the attention merge, SwiGLU, residual adds) folded into the phases around them. Measured on
-the H200 (docs/perf.md, v5–v10): 1.27× the layer-by-layer path in CUDA-graph replays (0.72 ms of layers
+the H200 (docs/perf.md, v5–v12): 1.30× the layer-by-layer path in CUDA-graph replays (0.69 ms of layers
 at 640 keys), short of the bandwidth floor because each of the 80 phases pays ~1.5–3 µs of ramp, tail
-and barrier beyond its bytes and attention costs ~7 µs per layer (its split merge and the barrier
-behind it). Asking L2 to prefetch tiles ahead was no faster; phase D on the tensor cores (v10) is.
+and barrier beyond its bytes and attention costs ~5.4 µs per layer (its split merge and the barrier
+behind it). Asking L2 to prefetch tiles ahead was no faster; phase D on the tensor cores (v10) and
+the split-minor merge (v12) are.
 
 Layout of the work. A phase is a list of "units" of about TILE weight elements each, dealt to the
 programs round-robin (unit u goes to program u mod P). Each weight phase (A, C, D, E) is a loop
@@ -34,8 +35,10 @@ whole into registers and double-buffered (the first one between arrival and wait
      is applied in registers; q goes to a scratch vector, k and v straight into the paged cache.
   B: a unit is (KV head, split of the context) through the FlashAttention-2 inner loop of the other
      attention kernels (_flash.py: tl.dot over 64-key tiles, log2-domain scores), the GQA group's
-     query heads padded to 16 rows; each writes (m, l, acc) of its keys; the last split to arrive at
-     a per-head ticket merges them (the split-K semaphore of gemv.py) and writes the group's output.
+     query heads padded to 16 rows; each writes (m, l, acc) of its keys, split index fastest
+     (`_store_partial`); the last split to arrive at a per-head ticket merges them, each thread
+     reducing its own runs of splits (`_merge_partials`; the split-K semaphore of gemv.py), and
+     writes the group's output.
      A program's first unit takes its first key tile preloaded between phase A's arrival and wait
      (every key but the newest, which phase A is writing; that row is read from L2 afterwards; the
      tile's block-table entries are read once per launch). A head's context is cut into at most
@@ -84,15 +87,7 @@ class MegakernelConfig(NamedTuple):
     prefetch: bool = True  # weight phases: the pipeline's first tiles issued before the barrier's wait
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
     ace_stages: int = 3  # the same for phases A, C and E
-    merge_width: int = 16  # attention partials merged per step (a power of two; at most 4 splits: 4 wide)
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
-    d_tile: int = 0  # weight elements per phase-D unit (0: `tile`)
-    d_chunk: int = 0  # phase D on the tensor cores: columns per chunk of a weight row (0: one warp's 16-byte vectors)
-    d_pairs: bool = False  # phase D on the tensor cores: each gate row next to its up row in the unit's tile
-    split_minor: bool = True  # attention partials stored split index fastest: the merge reduces within threads
-    l2_next_d: bool = False  # phase C asks L2 for this program's first two phase-D units once its own loads are out
-    e_tile: int = 0  # weight elements per phase-E unit (0: `tile`)
-    e_stages: int = 0  # phase E's pipeline stages (0: `ace_stages`)
 
 
 @dataclass(frozen=True)
@@ -165,27 +160,6 @@ def _wait_asm(count_ptr, target):
 def _now(x):
     """The GPU's global nanosecond timer (phase trace only; CUDA only)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at `ptrs` (`prefetch.global.L2`; CUDA only). Returns zeros."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _gate_up_lines(w_ptr, layer, pid, P, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr):
-    """Pointers to the 128-byte lines of this program's first two phase-D units (units pid and pid + P:
-    their RG gate rows and RG up rows), one pointer per line."""
-    LPR: tl.constexpr = H * (w_ptr.dtype.element_ty.primitive_bitwidth // 8) // 128  # lines per row
-    EPL: tl.constexpr = H // LPR  # elements per line
-    j = tl.arange(0, 2 * 2 * RG * LPR)
-    unit = (pid + (j // (2 * RG * LPR)) * P) % (F // RG)  # (a small model's units wrap)
-    row_i = (j % (2 * RG * LPR)) // LPR
-    rows = unit * RG + row_i % RG + (row_i // RG) * F
-    base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
-    return base + rows * H + (j % LPR) * EPL
 
 
 @triton.jit
@@ -381,48 +355,22 @@ def _attn_first_tile(acc, l_i, m_i, q, q_pos, kp, vp, rows, k_head_ptr, v_head_p
 
 
 @triton.jit
-def _merge_partials(part_ptr, kvh, num_splits, G: tl.constexpr, D: tl.constexpr, MERGE: tl.constexpr):
+def _merge_partials(part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                    SM: tl.constexpr):
     """The attention output [G, D] of KV head kvh's query heads from its num_splits partials (acc [D],
-    m, l per query head; m in the log2 domain): Σₛ 2^(mₛ−M) accₛ / Σₛ 2^(mₛ−M) lₛ with M the running
-    maximum, MERGE splits per step, in split order; 0 where no split had keys."""
-    PW: tl.constexpr = D + 2
-    g = tl.arange(0, G)
-    d = tl.arange(0, D)
-    mx = tl.full([G], float("-inf"), tl.float32)
-    den = tl.zeros([G], tl.float32)
-    num = tl.zeros([G, D], tl.float32)
-    for s0 in range(0, num_splits, MERGE):
-        sp = s0 + tl.arange(0, MERGE)
-        have = sp < num_splits
-        rows = part_ptr + ((kvh * num_splits + sp)[:, None] * G + g[None, :]) * PW  # [MERGE, G]
-        ms = tl.load(rows + D, mask=have[:, None], other=float("-inf"), cache_modifier=".cg")
-        ls = tl.load(rows + D + 1, mask=have[:, None], other=0.0, cache_modifier=".cg")
-        accs = tl.load(rows[:, :, None] + d[None, None, :], mask=have[:, None, None], other=0.0,
-                       cache_modifier=".cg")
-        mx_new = tl.maximum(mx, tl.max(ms, axis=0))  # finite once a split with keys is seen
-        alpha = tl.where(mx == float("-inf"), 0.0, tl.math.exp2(mx - mx_new))
-        wgt = tl.where(ms == float("-inf"), 0.0, tl.math.exp2(ms - mx_new[None, :]))
-        num = num * alpha[:, None] + tl.sum(wgt[:, :, None] * accs, axis=0)
-        den = den * alpha + tl.sum(wgt * ls, axis=0)
-        mx = mx_new
-    return tl.where(den[:, None] > 0, num / den[:, None], 0.0)
-
-
-@triton.jit
-def _merge_split_minor(part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                       SM: tl.constexpr):
-    """`_merge_partials` over partials stored split index fastest (`_store_split_minor`): each thread
-    loads and reduces the splits of its (query head, column) pairs, so the merge needs no exchange
-    between warps (the split-major layout's reductions across warps took ~3 µs per merge on the H200,
-    docs/perf.md v12). m and l are loaded in the same [G, D, SM] shape (repeated along D) so that every
-    operand shares one layout."""
+    m, l per query head; m in the log2 domain; `_store_partial`'s layout, SM slots a run):
+    Σₛ 2^(mₛ−M) accₛ / Σₛ 2^(mₛ−M) lₛ with M = maxₛ mₛ; 0 where no split had keys. Each thread loads the
+    SM-long runs of its (query head, column) pairs as 16-byte vectors and reduces them itself, so the
+    merge needs no exchange between warps (a layout with the split index slowest reduced across warps
+    and took ~3 µs per merge on the H200; docs/perf.md, v12). m and l are loaded in the same [G, D, SM]
+    shape (repeated along D) so that every operand shares one layout. The loads are unmasked (masks
+    would split the vectors): the slots beyond num_splits hold earlier launches' partials or zeros, all
+    finite, and are masked here."""
     g = tl.arange(0, G)[:, None, None]
     d = tl.arange(0, D)[None, :, None]
     sp = tl.arange(0, SM)[None, None, :]
     have = (sp < num_splits) & (d < D)
     row = kvh * G + g  # [G, 1, 1]
-    # Unmasked loads, so that a thread's SM-long runs load as 16-byte vectors; the slots beyond
-    # num_splits hold earlier launches' (finite) partials or zeros, and are masked here.
     accs = tl.load(part_ptr + (row * D + d) * SM + sp, cache_modifier=".cg")
     ms = tl.load(part_ptr + HK * G * D * SM + row * SM + sp + d * 0, cache_modifier=".cg")
     ls = tl.load(part_ptr + HK * G * (D + 1) * SM + row * SM + sp + d * 0, cache_modifier=".cg")
@@ -437,10 +385,10 @@ def _merge_split_minor(part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.conste
 
 
 @triton.jit
-def _store_split_minor(part_ptr, kvh, split, acc, m, l, rows_g, HK: tl.constexpr, G: tl.constexpr,
-                       D: tl.constexpr, SM: tl.constexpr):
-    """One split's partial (acc [BG, D], m, l [BG]; rows ≥ G are padding) at split index `split` of the
-    split-minor layout: acc[kvh, g, d, split], then m[kvh, g, split], then l[kvh, g, split]."""
+def _store_partial(part_ptr, kvh, split, acc, m, l, rows_g, HK: tl.constexpr, G: tl.constexpr,
+                   D: tl.constexpr, SM: tl.constexpr):
+    """One split's partial (acc [BG, D], m, l [BG]; rows ≥ G are padding) at its slot of the split-minor
+    layout, SM slots a run: acc[kvh, g, d, split], then m[kvh, g, split], then l[kvh, g, split]."""
     real = rows_g < G
     row = kvh * G + rows_g
     d = tl.arange(0, D)
@@ -453,14 +401,12 @@ def _store_split_minor(part_ptr, kvh, split, acc, m, l, rows_g, HK: tl.constexpr
 def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
                      attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                     KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr, BG: tl.constexpr,
-                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr,
-                     SPLIT_MINOR: tl.constexpr, SM: tl.constexpr):
+                     KEYS: tl.constexpr, SM: tl.constexpr, BG: tl.constexpr,
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr):
     """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
     FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
     PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`."""
     G: tl.constexpr = HQ // HK
-    PW: tl.constexpr = D + 2  # a partial: acc [D], m, l
     g = tl.arange(0, G)
     rows_g = tl.arange(0, BG)
     d = tl.arange(0, D)
@@ -493,17 +439,10 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
                 if pid == 0:
                     tl.store(trace_ptr + tb, t)
         m = tl.where(l > 0, m, float("-inf"))  # an empty split
-        if SPLIT_MINOR:  # a split stride of 4 when there are at most 4 (a narrow merge), else SM
-            if num_splits <= 4:
-                _store_split_minor(part_ptr, kvh, split, acc, m, l, rows_g, HK, G, D, 4)
-            else:
-                _store_split_minor(part_ptr, kvh, split, acc, m, l, rows_g, HK, G, D, SM)
+        if num_splits <= 4:  # runs of 4 slots (a narrow merge) when there are at most 4 splits, else SM
+            _store_partial(part_ptr, kvh, split, acc, m, l, rows_g, HK, G, D, 4)
         else:
-            real = rows_g < G  # the padding rows are not stored
-            part = part_ptr + (u * G + rows_g) * PW  # [BG] row starts of this unit's partials
-            tl.store(part[:, None] + d[None, :], acc, mask=real[:, None])
-            tl.store(part + D, m, mask=real)
-            tl.store(part + D + 1, l, mask=real)
+            _store_partial(part_ptr, kvh, split, acc, m, l, rows_g, HK, G, D, SM)
         tl.debug_barrier()
         ticket = tl.atomic_add(tickets_ptr + kvh, 1, sem="acq_rel", scope="gpu")
         if TRACE:
@@ -515,15 +454,10 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
         # Tickets only grow within a launch (reset when the last program leaves): no reset on the
         # merger's critical path. The last split of this layer's KV head merges them all, in split order.
         if ticket == (layer + 1) * num_splits - 1:
-            if SPLIT_MINOR:
-                if num_splits <= 4:
-                    out = _merge_split_minor(part_ptr, kvh, num_splits, HK, G, D, 4)
-                else:
-                    out = _merge_split_minor(part_ptr, kvh, num_splits, HK, G, D, SM)
-            elif num_splits <= MERGE_SMALL:  # one narrow step (a wide one reduces mostly padding)
-                out = _merge_partials(part_ptr, kvh, num_splits, G, D, MERGE_SMALL)
+            if num_splits <= 4:
+                out = _merge_partials(part_ptr, kvh, num_splits, HK, G, D, 4)
             else:
-                out = _merge_partials(part_ptr, kvh, num_splits, G, D, MERGE)
+                out = _merge_partials(part_ptr, kvh, num_splits, HK, G, D, SM)
             tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
         if TRACE:
             if u == pid:
@@ -545,8 +479,7 @@ def _residual_unit(w, a, res, u, r_ptr, N: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
-                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr,
-                    l2_lines=0, L2: tl.constexpr = False):
+                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
     """r ← round(round(W x) + r) over the units of W [N, K] (phases C and E), starting with the wait of
     barrier b. The residual rows of all of this program's units (at most MAXU) are read once after the
     wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be cached in L1,
@@ -569,8 +502,6 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
                 res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
-                if L2:  # the next phase's first tiles, behind this phase's own loads
-                    _prefetch_l2(l2_lines)
         res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
         _residual_unit(w, a, res, u, r_ptr, N, R)
     if PREFETCH:
@@ -582,7 +513,7 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
 def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
                    PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr):
+                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Phase D, starting with the wait of barrier b; with DOT on the tensor cores (`_gate_up_dot_unit`)."""
     NC: tl.constexpr = BH // CW
     M: tl.constexpr = 16 if NC <= 16 else NC
@@ -599,7 +530,7 @@ def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr,
             a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=STAGES):
         if DOT:
-            w = _gate_up_dot_tile(wgu_ptr, layer, u, H, F, RG, NC, CW, PAIRS)
+            w = _gate_up_dot_tile(wgu_ptr, layer, u, H, F, RG, NC, CW)
         else:
             w = _gate_up_tile(wgu_ptr, layer, u, H, F, RG, BH)
         if PREFETCH:
@@ -610,7 +541,7 @@ def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr,
                 else:
                     a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
         if DOT:
-            _gate_up_dot_unit(w, a, u, act_ptr, RG, NC, M, UPCAST, IEEE, PAIRS)
+            _gate_up_dot_unit(w, a, u, act_ptr, RG, NC, M, UPCAST, IEEE)
         else:
             _gate_up_unit(w, a, u, act_ptr, RG)
     if PREFETCH:
@@ -620,17 +551,12 @@ def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr,
 
 @triton.jit
 def _gate_up_dot_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, NC: tl.constexpr,
-                      CW: tl.constexpr, PAIRS: tl.constexpr):
+                      CW: tl.constexpr):
     """Unit u of phase D as [2·RG·NC, CW]: row n is chunk n mod NC (columns c·CW + [0, CW)) of weight row
-    n // NC, the rows being RG gate rows u·RG + [0, RG) then the matching up rows (+ F); with PAIRS
-    gate row j and up row j alternate (g₀, u₀, g₁, u₁, …), so that a warp's columns of the product hold
-    both halves of its SwiGLU pairs once a unit has ≥ 8 of them."""
+    n // NC, the rows being RG gate rows u·RG + [0, RG) then the matching up rows (+ F)."""
     n = tl.arange(0, 2 * RG * NC)
     r = n // NC
-    if PAIRS:
-        rows = u * RG + r // 2 + (r % 2) * F
-    else:
-        rows = u * RG + r % RG + (r // RG) * F
+    rows = u * RG + r % RG + (r // RG) * F
     base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
     cols = (n % NC)[:, None] * CW + tl.arange(0, CW)[None, :]
     return tl.load(base + rows[:, None] * H + cols, mask=cols < H, other=0.0)
@@ -652,23 +578,17 @@ def _normed_chunks(r_ptr, w_ptr, H, eps, M: tl.constexpr, NC: tl.constexpr, CW: 
 
 @triton.jit
 def _gate_up_dot_unit(w, a, u, act_ptr, RG: tl.constexpr, NC: tl.constexpr, M: tl.constexpr,
-                      UPCAST: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr):
+                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Unit u of phase D from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input
     as [M, CW] chunks (`_normed_chunks`) gives every chunk of the input against every chunk of every row;
     row r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`."""
     y_all = _dot_qk(a, w, UPCAST, IEEE)  # [M, 2·RG·NC]
     n = tl.arange(0, 2 * RG * NC)
     mine = tl.sum(tl.where(tl.arange(0, M)[:, None] == (n % NC)[None, :], y_all, 0.0), axis=0)
-    if PAIRS:  # [RG, 2, NC]: (gate, up) of each row
-        y = tl.sum(tl.reshape(mine, [RG, 2, NC]), axis=2).to(act_ptr.dtype.element_ty).to(tl.float32)
-        hh = tl.arange(0, 2)[None, :]
-        gate = tl.sum(tl.where(hh == 0, y, 0.0), axis=1)
-        up = tl.sum(tl.where(hh == 1, y, 0.0), axis=1)
-    else:
-        y = tl.sum(tl.reshape(mine, [2 * RG, NC]), axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)  # [2·RG]
-        hh = tl.arange(0, 2 * RG)
-        gate = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None], y[None, :], 0.0), axis=1)
-        up = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None] + RG, y[None, :], 0.0), axis=1)
+    y = tl.sum(tl.reshape(mine, [2 * RG, NC]), axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)  # [2·RG]
+    hh = tl.arange(0, 2 * RG)
+    gate = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None], y[None, :], 0.0), axis=1)
+    up = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None] + RG, y[None, :], 0.0), axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + u * RG + tl.arange(0, RG), act.to(act_ptr.dtype.element_ty))
 
@@ -693,12 +613,11 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        num_layers, num_splits, eps, scale,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
-                       RD: tl.constexpr, KEYS: tl.constexpr, MERGE: tl.constexpr, MERGE_SMALL: tl.constexpr,
+                       RD: tl.constexpr, KEYS: tl.constexpr, SM: tl.constexpr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, PAIRS: tl.constexpr, PIPE_E: tl.constexpr,
-                       SPLIT_MINOR: tl.constexpr, SM: tl.constexpr, L2_NEXT_D: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -744,21 +663,17 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
         _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
-                         trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, MERGE, MERGE_SMALL, BG,
-                         UPCAST, IEEE, PRELOAD, TRACE, SPLIT_MINOR, SM)
+                         trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, SM, BG,
+                         UPCAST, IEEE, PRELOAD, TRACE)
         _arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
-        if L2_NEXT_D:
-            l2_lines = _gate_up_lines(wgu_ptr, layer, pid, P, H, F, RG)
-        else:
-            l2_lines = 0
         _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
-                        PIPE, PREFETCH, TRACE, ASM, l2_lines, L2_NEXT_D and ASM)
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, PAIRS)
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
-                        PIPE_E, PREFETCH, TRACE, ASM)
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
@@ -799,6 +714,7 @@ class Workspace:
         z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
         self.r, self.q, self.attn, self.act = z(s.hidden), z(s.num_heads * s.head_dim), \
             z(s.num_heads * s.head_dim), z(s.intermediate)
+        # split-minor partials (`_store_partial`): runs of at least 4 slots, a power of two
         self.partials = z(s.num_kv_heads * max(4, next_power_of_2(self.num_splits)) * group * (s.head_dim + 2),
                           torch.float32)
         self.tickets = z(s.num_kv_heads, torch.int32)
@@ -838,27 +754,22 @@ def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
     return rq, ro, rg, rd
 
 
-def phase_d_chunks(shape: ModelShape, rg: int, elem_bytes: int, chunk: int = 0) -> tuple[int, bool]:
-    """(CW, usable) of phase D on the tensor cores: a weight row is cut into chunks of CW columns (`chunk`,
-    or one warp's 16-byte vectors; at most the padded hidden size), at most 32 of them, and the unit's
-    tile [2·RG·chunks, CW] must meet tl.dot's minimum of 16 in every dimension."""
+def phase_d_chunks(shape: ModelShape, rg: int, elem_bytes: int) -> tuple[int, bool]:
+    """(CW, usable) of phase D on the tensor cores: a weight row is cut into chunks of CW columns (one
+    warp's 16-byte vectors, at most the padded hidden size), at most 32 of them, and the unit's tile
+    [2·RG·chunks, CW] must meet tl.dot's minimum of 16 in every dimension."""
     bh = next_power_of_2(shape.hidden)
-    cw = min(bh, chunk or 32 * 16 // elem_bytes)
+    cw = min(bh, 32 * 16 // elem_bytes)
     return cw, bh // cw <= 32 and 2 * rg * (bh // cw) >= 16 and cw >= 16
 
 
 PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take (of the SM's 227 KB)
 
 
-def unit_tile(config: MegakernelConfig, elem_bytes: int, phase: str = "") -> int:
-    """Weight elements per unit (of `phase` "d" or "e": config.d_tile or e_tile, if set): config.tile,
-    halved until the deepest pipeline's stages − 1 buffers in flight fit in PIPELINE_BYTES (float32
-    weights take half the elements of bf16)."""
-    tile, stages = config.tile, max(config.stages, config.ace_stages, config.e_stages)
-    if phase == "d" and config.d_tile:
-        tile, stages = config.d_tile, config.stages
-    if phase == "e" and config.e_tile:
-        tile, stages = config.e_tile, config.e_stages or config.ace_stages
+def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
+    """Weight elements per unit: config.tile, halved until the deepest pipeline's stages − 1 buffers in
+    flight fit in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
+    tile, stages = config.tile, max(config.stages, config.ace_stages)
     while stages > 1 and tile > 256 and tile * elem_bytes * (stages - 1) > PIPELINE_BYTES:
         tile //= 2
     return tile
@@ -895,13 +806,10 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         check_int(name, t)
     if block_size & (block_size - 1):
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
-    if config.stages < 1 or config.ace_stages < 1 or config.e_stages < 0 or config.merge_width & (config.merge_width - 1):
-        raise ValueError(f"megakernel config {config}: stages ≥ 1 and a power-of-two merge width needed")
-    w_elem = weights.qkv.element_size()
-    rq, ro, _, _ = unit_rows(shape, unit_tile(config, w_elem))
-    rg = unit_rows(shape, unit_tile(config, w_elem, "d"))[2]
-    rd = unit_rows(shape, unit_tile(config, w_elem, "e"))[3]
-    cw, dot_d = phase_d_chunks(shape, rg, w_elem, config.d_chunk)
+    if config.stages < 1 or config.ace_stages < 1:
+        raise ValueError(f"megakernel config {config}: stages ≥ 1 needed")
+    rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
+    cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
     dot_d = dot_d and config.dot_d
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
@@ -920,15 +828,13 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     kwargs = dict(
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
         BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=ATTN_KEYS,
-        MERGE=min(config.merge_width, next_power_of_2(ws.num_splits)), MERGE_SMALL=min(4, config.merge_width),
+        SM=max(4, next_power_of_2(ws.num_splits)),
         BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
         UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
-        STAGES=config.stages, PIPE=config.ace_stages, PIPE_E=config.e_stages or config.ace_stages,
-        PREFETCH=config.prefetch, ASM=cuda, SPLIT_MINOR=config.split_minor, SM=max(4, next_power_of_2(ws.num_splits)),
-        L2_NEXT_D=config.l2_next_d,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, PAIRS=config.d_pairs, num_warps=config.num_warps, num_stages=1)
+        STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
