@@ -112,10 +112,11 @@ def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stage
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_len,splits", [(300, 11), (300, 16), (65, 2), (13, 1), (1, 3)])
+@pytest.mark.parametrize("seq_len,splits", [(300, 11), (65, 2), (13, 1), (1, 3)])
 def test_megakernel_split_merge_equals_reference(dtype, seq_len, splits):
     """The attention partials' merge (split-minor runs of 4 or 16 slots, the slots beyond the split count
-    masked): the same forward as the reference with one to 16 splits (1 key: splits without keys)."""
+    masked): the same forward as the reference with 5 splits in runs of 16, 1–2 splits in runs of 4, and
+    a context of one key."""
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512)
     model = build("triton", dtype, device, max_positions=512)
