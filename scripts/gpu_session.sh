@@ -70,6 +70,25 @@ step megakernel_tests ${MKT_LIMIT:-150} python3 -m pytest -q -x tests/models/tes
 step stream_bench ${STREAM_LIMIT:-300} python3 benchmarks/kernels/bench_stream.py ${STREAM_ARGS:-} --out "$RES/stream.json"
 step megakernel_bench 300 python3 benchmarks/kernels/bench_megakernel.py ${MK_ARGS:-} --out "$RES"
 step host_step 60 python3 -m benchmarks.bench_host_step --batch 1 64 256 --steps 200 --out-dir "$RES"
+# The megakernel's warp-stall profile per source line (Nsight Compute; docs/perf.md v12): one launch at
+# 640 keys, its SASS page, and the line table of the cubin in Triton's cache that matches it.
+ncu_profile() {
+  local ncu=${NCU:-/usr/local/cuda/bin/ncu} rep=$WORK/mk_ncu
+  "$ncu" --clock-control none --kernel-name regex:decode_megakernel --launch-skip 2 --launch-count 1 \
+    --section WarpStateStats --section SourceCounters --section SpeedOfLight -f -o "$rep" \
+    python3 scripts/ncu_megakernel.py --context 640 --launches 3 ${NCU_ARGS:-} || return 1
+  "$ncu" -i "$rep.ncu-rep" --page source --csv --print-source sass | gzip > "$RES/ncu_megakernel_sass.csv.gz"
+  "$ncu" -i "$rep.ncu-rep" --page details --csv > "$RES/ncu_megakernel_details.csv"
+  local us
+  us=$(python3 -c "import csv, sys
+row = next(r for r in csv.reader(open(sys.argv[1])) if len(r) > 14 and r[12] == 'Duration')
+print(float(row[14].replace(',', '')) * {'us': 1, 'ms': 1e3, 'ns': 1e-3}[row[13]])" "$RES/ncu_megakernel_details.csv")
+  python3 scripts/ncu_lines.py --sass-csv "$RES/ncu_megakernel_sass.csv.gz" --duration-us "$us" --cubin \
+    "$(python3 -c 'import os; print(os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache")))')"/*/_decode_megakernel.cubin \
+    --per 16 --top 30 --json "$RES/ncu_megakernel_lines.json"
+}
+export -f ncu_profile; export WORK RES
+step ncu 240 bash -c ncu_profile
 
 if [ -n "$TRAIN_PID" ]; then
   echo "[$(elapsed)s] waiting for training"; wait "$TRAIN_PID"; tail -n 15 "$LOGS/train.log"

@@ -33,7 +33,8 @@ def test_samples_follow_the_aligned_instructions(ncu_lines, tmp_path, monkeypatc
             '"0x40","STG.E desc[UR4][R2.64], R1","2","0","0"']
     csv_path = tmp_path / "k.csv"
     csv_path.write_text('"Kernel Name","k"\n' + header + "\n".join(rows) + "\n")
-    lines, total = ncu_lines.per_line(str(csv_path), "unused.cubin")
+    lines, total, cubin, ratio = ncu_lines.per_line(str(csv_path), ["unused.cubin"])
+    assert cubin == "unused.cubin" and 0.8 < ratio < 1.0  # one instruction more than the listing
     assert total == 1000 + 30 + 7 + 3 + 2  # the "Not Issued" columns are a subset, not added
     assert lines[("k.py", 10)]["long_sb"] == 1000 and lines[("k.py", 10)]["instructions"] == 1
     assert lines[("k.py", 13)]["barrier"] == 2
