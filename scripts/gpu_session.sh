@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh            # everything
 #   STEPS="kernel_tests latency" bash scripts/gpu_session.sh   # only these steps (plus the checkpoint)
 #   SKIP_TRAIN=1 SKIP_SERVE=1 bash scripts/gpu_session.sh
+#   STEPS=ncu bash scripts/gpu_session.sh   # the megakernel's stall profile per source line (not in "all")
 #   TINYVLLM_GIT_COMMIT=<hash> ...   # the commit to record in the result JSONs (the copy's .git may be stale)
 set -u
 cd "$(dirname "$0")/.."
@@ -88,7 +89,7 @@ print(float(row[14].replace(',', '')) * {'us': 1, 'ms': 1e3, 'ns': 1e-3}[row[13]
     --per 16 --top 30 --json "$RES/ncu_megakernel_lines.json"
 }
 export -f ncu_profile; export WORK RES
-step ncu 240 bash -c ncu_profile
+if [[ " $STEPS " == *" ncu "* ]]; then step ncu 240 bash -c ncu_profile; fi  # only when named
 
 if [ -n "$TRAIN_PID" ]; then
   echo "[$(elapsed)s] waiting for training"; wait "$TRAIN_PID"; tail -n 15 "$LOGS/train.log"
