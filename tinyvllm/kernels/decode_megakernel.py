@@ -119,7 +119,7 @@ def unsupported_reason(shape: ModelShape, dtype: torch.dtype) -> str | None:
 # ---------------------------------------------------------------------------------------------- barrier, timer
 TRACE_BASE = 4096  # a traced launch: each program's own timer readings from here on, TRACE_BLOCK apiece:
 TRACE_BLOCK = 1024  # [b] barrier b's wait left; [400 + b] arrival at barrier b; [800 + 3·layer + k]
-TRACE_MAX_LAYERS = 74  # phase B: its unit computed, its ticket taken, its merge done
+TRACE_MAX_LAYERS = (TRACE_BLOCK - 800) // 3  # phase B: its unit computed, its ticket taken, its merge done
 _TRACE_BASE = tl.constexpr(TRACE_BASE)
 _TRACE_BLOCK = tl.constexpr(TRACE_BLOCK)
 
@@ -369,7 +369,7 @@ def _merge_partials(part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.constexpr
     g = tl.arange(0, G)[:, None, None]
     d = tl.arange(0, D)[None, :, None]
     sp = tl.arange(0, SM)[None, None, :]
-    have = (sp < num_splits) & (d < D)
+    have = sp < num_splits
     row = kvh * G + g  # [G, 1, 1]
     accs = tl.load(part_ptr + (row * D + d) * SM + sp, cache_modifier=".cg")
     ms = tl.load(part_ptr + HK * G * D * SM + row * SM + sp + d * 0, cache_modifier=".cg")
@@ -395,6 +395,15 @@ def _store_partial(part_ptr, kvh, split, acc, m, l, rows_g, HK: tl.constexpr, G:
     tl.store(part_ptr + (row[:, None] * D + d[None, :]) * SM + split, acc, mask=real[:, None])
     tl.store(part_ptr + HK * G * D * SM + row * SM + split, m, mask=real)
     tl.store(part_ptr + HK * G * (D + 1) * SM + row * SM + split, l, mask=real)
+
+
+@triton.jit
+def _trace_attention(trace_ptr, pid, layer, tb, k: tl.constexpr, t):
+    """A traced launch: this program's k-th phase-B time t (0: its unit computed, 1: its ticket taken, 2: its
+    merge done) into its own trace block, and program 0's also into trace[tb + k]."""
+    tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + 800 + 3 * layer + k, t)
+    if pid == 0:
+        tl.store(trace_ptr + tb + k, t)
 
 
 @triton.jit
@@ -434,10 +443,7 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
                                 start, hi, hi, qk_scale, stride_blk, D, D, KEYS, BS, False, True, UPCAST, IEEE)
         if TRACE:
             if u == pid:
-                t = _now(pid)
-                tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + 800 + 3 * layer + 0, t)
-                if pid == 0:
-                    tl.store(trace_ptr + tb, t)
+                _trace_attention(trace_ptr, pid, layer, tb, 0, _now(pid))
         m = tl.where(l > 0, m, float("-inf"))  # an empty split
         if num_splits <= 4:  # runs of 4 slots (a narrow merge) when there are at most 4 splits, else SM
             _store_partial(part_ptr, kvh, split, acc, m, l, rows_g, HK, G, D, 4)
@@ -447,10 +453,7 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
         ticket = tl.atomic_add(tickets_ptr + kvh, 1, sem="acq_rel", scope="gpu")
         if TRACE:
             if u == pid:
-                t = _now(ticket)
-                tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + 800 + 3 * layer + 1, t)
-                if pid == 0:
-                    tl.store(trace_ptr + tb + 1, t)
+                _trace_attention(trace_ptr, pid, layer, tb, 1, _now(ticket))
         # Tickets only grow within a launch (reset when the last program leaves): no reset on the
         # merger's critical path. The last split of this layer's KV head merges them all, in split order.
         if ticket == (layer + 1) * num_splits - 1:
@@ -461,10 +464,7 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
             tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
         if TRACE:
             if u == pid:
-                t = _now(pid)
-                tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + 800 + 3 * layer + 2, t)
-                if pid == 0:
-                    tl.store(trace_ptr + tb + 2, t)
+                _trace_attention(trace_ptr, pid, layer, tb, 2, _now(pid))
 
 
 @triton.jit
