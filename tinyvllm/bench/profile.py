@@ -32,6 +32,45 @@ def classify(name: str) -> str:
     return "other kernels"
 
 
+def short_name(name: str, width: int = 48) -> str:
+    """A kernel or copy name cut to something a table can hold (templates' arguments dropped)."""
+    name = name.split("(")[0].split("<")[0].strip() or name
+    return name if len(name) <= width else name[:width - 1] + "…"
+
+
+def device_gaps(activities: list[tuple[str, float, float]], steps: int) -> list[tuple[str, float]]:
+    """Idle device time between consecutive device activities, by what came before and after it.
+
+    activities: (name, start µs, end µs) of every kernel and copy in the profiled window (any order).
+    Sorted by start, the busy intervals are merged (overlapping activities hide each other's gaps); each
+    idle stretch is charged to "previous → next", the activity that ended last before it and the one that
+    starts it. Returns [(label, µs per step)] for `steps` profiled steps, largest first; the sum is the
+    window's idle time, which `profile_steps` reports as host/launch gaps (less the untimed ends)."""
+    gaps: dict[str, float] = {}
+    ordered = sorted(activities, key=lambda a: a[1])
+    if not ordered:
+        return []
+    last_name, busy_until = ordered[0][0], ordered[0][2]
+    for name, start, end in ordered[1:]:
+        if start > busy_until:
+            label = f"{short_name(last_name)} → {short_name(name)}"
+            gaps[label] = gaps.get(label, 0.0) + (start - busy_until) / steps
+        if end >= busy_until:
+            last_name, busy_until = name, end
+    return sorted(gaps.items(), key=lambda kv: -kv[1])
+
+
+def _device_activities(prof) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of the profile's device kernels and copies."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) == DeviceType.CUDA and evt.time_range.end > evt.time_range.start:
+            out.append((evt.name, float(evt.time_range.start), float(evt.time_range.end)))
+    return out
+
+
 def _decode_steps(engine, n: int) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -69,13 +108,17 @@ def profile_steps(llm, w: Workload, out_dir: str | None, png_name: str, steps: i
         per_category[label] = per_category.get(label, 0.0) + device_us / 1e3 / steps
     kernel_ms = sum(per_category.values())
     per_category["host/launch gaps"] = max(0.0, wall * 1e3 - kernel_ms)
+    gaps = device_gaps(_device_activities(prof), steps)
     result = {"batch": batch, "wall_ms_per_step": wall * 1e3, "ms_per_step": per_category,
+              "gaps_us_per_step": gaps[:12],
               "top_kernels": [(e.key, getattr(e, "self_device_time_total", 0) / 1e3 / steps)
                               for e in sorted(prof.key_averages(),
                                               key=lambda e: -getattr(e, "self_device_time_total", 0))[:15]]}
     _plot(result, Path(out_dir or "benchmarks/results") / png_name)
     print(f"decode step at batch {batch}: {wall * 1e3:.2f} ms wall; " +
           ", ".join(f"{k} {v:.2f} ms" for k, v in per_category.items()))
+    print("idle device time per step, by the activities around it: " +
+          "; ".join(f"{label} {us:.1f} µs" for label, us in gaps[:8]))
     return result
 
 

@@ -4,7 +4,8 @@ A decode-only step of B sequences replays the graph of the smallest bucket ≥ B
 reads (ids, positions, slots, lengths, block tables, cascade prefix length, placeholder sources, the
 sampler's temperatures and seeds) is a view of one device byte buffer, the input arena
 (engine/input_arena.py). The runner packs a step into one of two pinned host twins of the arena and
-copies its used prefix over in ONE host-to-device copy; rows B..bucket−1 are padding (slot −1 writes
+copies its used prefix over in ONE host-to-device copy (for a few rows, a kernel reading the pinned
+twin: kernels/host_copy.py); rows B..bucket−1 are padding (slot −1 writes
 nowhere, length 0 attends to nothing). A graph step's stream work outside the graph is then that copy,
 the replay, the copy of the sampled ids to the host and an event (plus one device copy of the previous
 step's sampled ids into `last_sampled`, when they are not there already; see `feed_previous_samples`).
@@ -119,9 +120,15 @@ class DecodeGraphs:
         self._num_host_arenas_used += 1
         return host
 
-    def load_inputs(self, host: InputArena, nbytes: int) -> None:
-        """Enqueue the one host-to-device copy of a step: the first `nbytes` bytes of `host`."""
-        self.arena.buffer[:nbytes].copy_(host.buffer[:nbytes], non_blocking=True)
+    def load_inputs(self, host: InputArena, nbytes: int, by_kernel: bool = False) -> None:
+        """Enqueue the one host-to-device copy of a step: the first `nbytes` bytes of `host`; `by_kernel`:
+        as a kernel reading the pinned host arena (kernels/host_copy.py: no copy-engine hand-over)."""
+        if by_kernel:
+            from tinyvllm.kernels.host_copy import kernel_copy_
+
+            kernel_copy_(self.arena.buffer[:nbytes], host.buffer[:nbytes])
+        else:
+            self.arena.buffer[:nbytes].copy_(host.buffer[:nbytes], non_blocking=True)
 
     def holds_previous_samples(self, prev_sampled: torch.Tensor) -> bool:
         """Whether `prev_sampled` (the previous step's sampled ids) is `last_sampled`'s leading rows,

@@ -7,7 +7,8 @@ reads step N's tokens: a decode input that is still on the device (PLACEHOLDER) 
 the previous step's sampled ids (by an index copy on eager steps, inside the graph on decode graph steps).
 
 A decode graph step's stream work outside its graph: the one host-to-device copy of its input arena
-(cuda_graphs.py), the replay, the copy of the sampled ids to the host and an event; plus one device
+(cuda_graphs.py), the replay, the copy of the sampled ids to the host and an event (both copies are
+kernels for steps of at most KERNEL_COPY_MAX_ROWS rows, kernels/host_copy.py); plus one device
 copy of the previous step's sampled ids when the step has placeholder inputs and no graph's sampler
 left those ids in `DecodeGraphs.last_sampled` (the previous step was eager, or partly full-sampled).
 """
@@ -44,6 +45,11 @@ CASCADE_MIN_PREFIX = 256
 # hidden 2048: 1,120 against 886 tok/s on the H200, docs/perf.md v7). Larger models keep the layer loop
 # unless asked: it has not been measured at their shapes.
 MEGAKERNEL_MAX_HIDDEN = 2048
+# Steps of at most this many sampled rows move their inputs and sampled ids by kernels that reach the
+# pinned host buffers directly (kernels/host_copy.py) instead of copy-engine copies, whose hand-overs with
+# the compute engine left the device idle ~21 µs per batch-1 step on the H200 (docs/perf.md, v13). Larger
+# steps keep the copy engines: their inputs grow with the batch and their steps are long.
+KERNEL_COPY_MAX_ROWS = 8
 
 
 def wants_megakernel(requested: bool | None, device_type: str, hidden_size: int) -> bool:
@@ -280,7 +286,7 @@ class ModelRunner:
             host.arrays.temperatures[:n] = plan.host_temperatures
         if inputs.num_placeholders:
             graphs.feed_previous_samples(self._prev_sampled)
-        graphs.load_inputs(host, inputs.arena_bytes)
+        graphs.load_inputs(host, inputs.arena_bytes, by_kernel=self._copies_by_kernel(n))
         logits, presampled = graphs.replay(bucket, cascade=inputs.prefix_len > 0)
         logits = logits[:n]
         presampled = presampled[:n] if fused and graphs.sample_in_graph else None
@@ -303,7 +309,13 @@ class ModelRunner:
         event = None
         if self.device.type == "cuda":
             host = bufs["ids"][:sampled.shape[0]]
-            host.copy_(sampled, non_blocking=True)
+            if (self._copies_by_kernel(sampled.shape[0]) and sampled.dtype == host.dtype
+                    and sampled.is_contiguous()):
+                from tinyvllm.kernels.host_copy import kernel_copy_
+
+                kernel_copy_(host, sampled)
+            else:
+                host.copy_(sampled, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:  # already on the host; but a graph's sampled ids are a static buffer the next step rewrites
@@ -313,6 +325,10 @@ class ModelRunner:
             covered = seqs if logprob_rows is None else [seqs[i] for i in logprob_rows]
             num_logprobs = [s.sampling_params.logprobs for s in covered]
         return StepHandle(host, event, sample_order, logprobs, num_logprobs, logprob_rows)
+
+    def _copies_by_kernel(self, rows: int) -> bool:
+        """Whether a step of `rows` sampled rows moves its inputs and ids by kernels (KERNEL_COPY_MAX_ROWS)."""
+        return self.kernel_backend == "triton" and self.device.type == "cuda" and rows <= KERNEL_COPY_MAX_ROWS
 
     def _row_plan(self, sched: SchedulerOutput, seqs: list[ScheduledSequence]) -> FusedSamplingPlan:
         """The previous step's plan when the sampled rows are the same requests in the same order and
