@@ -88,9 +88,6 @@ class MegakernelConfig(NamedTuple):
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
     ace_stages: int = 3  # the same for phases A, C and E
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
-    prefetch_d: bool = True  # with prefetch: phase D's first tiles too (False: issued after its barrier's wait)
-    prefetch_e: bool = True  # the same for phase E
-    e_stages: int = 0  # phase E's stages (0: ace_stages)
 
 
 @dataclass(frozen=True)
@@ -620,8 +617,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, PREFETCH_D: tl.constexpr, PREFETCH_E: tl.constexpr,
-                       PIPE_E: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -674,10 +670,10 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                         PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, STAGES, PREFETCH_D, TRACE, ASM, DOT_D, CW, UPCAST, IEEE)
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
-                        PIPE_E, PREFETCH_E, TRACE, ASM)
+                        PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
@@ -773,7 +769,7 @@ PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take 
 def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
     """Weight elements per unit: config.tile, halved until the deepest pipeline's stages − 1 buffers in
     flight fit in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
-    tile, stages = config.tile, max(config.stages, config.ace_stages, config.e_stages)
+    tile, stages = config.tile, max(config.stages, config.ace_stages)
     while stages > 1 and tile > 256 and tile * elem_bytes * (stages - 1) > PIPELINE_BYTES:
         tile //= 2
     return tile
@@ -810,7 +806,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         check_int(name, t)
     if block_size & (block_size - 1):
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
-    if config.stages < 1 or config.ace_stages < 1 or config.e_stages < 0:
+    if config.stages < 1 or config.ace_stages < 1:
         raise ValueError(f"megakernel config {config}: stages ≥ 1 needed")
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
     cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
@@ -838,9 +834,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, PREFETCH_D=config.prefetch and config.prefetch_d,
-        PREFETCH_E=config.prefetch and config.prefetch_e, PIPE_E=config.e_stages or config.ace_stages,
-        num_warps=config.num_warps, num_stages=1)
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
