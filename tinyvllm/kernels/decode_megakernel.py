@@ -88,7 +88,6 @@ class MegakernelConfig(NamedTuple):
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
     ace_stages: int = 3  # the same for phases A, C and E
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
-    rotate_e: bool = False  # phase E's units dealt from the first program with one phase-D unit fewer
 
 
 @dataclass(frozen=True)
@@ -478,7 +477,7 @@ def _residual_unit(w, a, res, u, r_ptr, N: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _residual_phase(layer, pid, first, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
+def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
                     PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
     """r ← round(round(W x) + r) over the units of W [N, K] (phases C and E), starting with the wait of
@@ -489,24 +488,24 @@ def _residual_phase(layer, pid, first, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace
     rr = tl.arange(0, R)
     cols = tl.arange(0, BK)
     it = tl.arange(0, MAXU)
-    my_rows = (first + it * P)[:, None] * R + rr[None, :]  # [MAXU, R]: row i holds this program's i-th unit
+    my_rows = (pid + it * P)[:, None] * R + rr[None, :]  # [MAXU, R]: row i holds this program's i-th unit
     a = tl.zeros([1, BK], x_ptr.dtype.element_ty)
     res_all = tl.zeros([MAXU, R], r_ptr.dtype.element_ty)
     if not PREFETCH:
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
         res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
-    for u in tl.range(first, n_units, P, num_stages=PIPE):
+    for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
         if PREFETCH:
-            if u == first:  # the pipeline's first tiles are in flight
+            if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
                 res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
-        res = tl.sum(tl.where(it[:, None] == (u - first) // P, res_all.to(tl.float32), 0.0), axis=0)
+        res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
         _residual_unit(w, a, res, u, r_ptr, N, R)
     if PREFETCH:
-        if first >= n_units:
+        if pid >= n_units:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
@@ -618,7 +617,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, ROT_E: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -646,10 +645,6 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         rows_pre = _first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, HK, D, BS, KEYS)
     else:
         rows_pre = 0
-    if ROT_E:  # phase E's first unit to the first program with fewer phase-D units (F / RG mod P hold one more)
-        e_first = (pid + P - (F // RG) % P) % P
-    else:
-        e_first = pid
     _arrive(bar_ptr, trace_ptr, pid, 1, TRACE)
     # Each weight phase starts with the wait of the barrier before it: with PREFETCH, after issuing its
     # first weight tiles (they do not depend on the barrier), so they stream while the others arrive.
@@ -671,13 +666,13 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                          trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, SM, BG,
                          UPCAST, IEEE, PRELOAD, TRACE)
         _arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
-        _residual_phase(layer, pid, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
+        _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
                         PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
                        H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
-        _residual_phase(layer, pid, e_first, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
+        _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
                         PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
@@ -839,8 +834,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, ROT_E=config.rotate_e, num_warps=config.num_warps,
-        num_stages=1)
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
