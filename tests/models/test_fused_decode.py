@@ -40,7 +40,7 @@ def device_for(backend: str) -> torch.device:
 def build(backend: str, dtype: torch.dtype, device: torch.device, max_positions: int = 64,
           **overrides) -> LlamaForCausalLM:
     """The 2-layer `tiny` preset (config.json `overrides` applied) with random weights, norms ≠ 1."""
-    config = ModelConfig.from_dict(make_config("tiny", num_hidden_layers=2, **overrides))
+    config = ModelConfig.from_dict(make_config("tiny", **{"num_hidden_layers": 2, **overrides}))
     with torch.device(device):
         model = LlamaForCausalLM(config, get_ops(backend), max_positions, dtype)
     model.init_rope_table()

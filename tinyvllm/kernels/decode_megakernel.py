@@ -88,6 +88,7 @@ class MegakernelConfig(NamedTuple):
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
     ace_stages: int = 3  # the same for phases A, C and E
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
+    split_o: bool = False  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
 
 
 @dataclass(frozen=True)
@@ -178,19 +179,31 @@ def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.const
 
 
 @triton.jit
-def _rstd(r_ptr, H, eps, BH: tl.constexpr):
-    """1 / sqrt(mean(r²) + eps) of the residual vector r (read from L2), as rms_norm.py computes it."""
+def _residual_at(r_ptr, o_ptr, offs, mask, SPLIT_O: tl.constexpr):
+    """The residual stream at offs, read from L2: r, or with SPLIT_O (phase D, after a split phase C)
+    round(round(o) + r), o being phase C's float32 sums of W_o·attention (`_o_group_phase`)."""
+    x = tl.load(r_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    if SPLIT_O:
+        o = tl.load(o_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(x.dtype)
+        x = (x.to(tl.float32) + o.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _rstd(r_ptr, o_ptr, H, eps, BH: tl.constexpr, SPLIT_O: tl.constexpr):
+    """1 / sqrt(mean(r²) + eps) of the residual vector r (`_residual_at`), as rms_norm.py computes it."""
     cols = tl.arange(0, BH)
-    x = tl.load(r_ptr + cols, mask=cols < H, other=0.0, cache_modifier=".cg").to(tl.float32)
+    x = _residual_at(r_ptr, o_ptr, cols, cols < H, SPLIT_O).to(tl.float32)
     return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
 
 
 @triton.jit
-def _normed(r_ptr, w_ptr, H, eps, BH: tl.constexpr):
-    """RMSNorm of the residual vector in rms_norm.py's roundings, [BH] in r's dtype (zeros beyond H)."""
+def _normed(r_ptr, o_ptr, w_ptr, H, eps, BH: tl.constexpr, SPLIT_O: tl.constexpr):
+    """RMSNorm of the residual vector (`_residual_at`) in rms_norm.py's roundings, [BH] in r's dtype
+    (zeros beyond H)."""
     cols = tl.arange(0, BH)
     mask = cols < H
-    x = tl.load(r_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
+    x = _residual_at(r_ptr, o_ptr, cols, mask, SPLIT_O)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     normed = (xf * rstd).to(x.dtype)
@@ -283,7 +296,7 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
     a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-        a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+        a = _normed(r_ptr, r_ptr, n1_ptr + layer * H, H, eps, BH, False)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
         c = tl.load(cs_row + (u % UPH) * RQ + jj)
@@ -291,7 +304,7 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                a = _normed(r_ptr, n1_ptr + layer * H, H, eps, BH)[None, None, :]
+                a = _normed(r_ptr, r_ptr, n1_ptr + layer * H, H, eps, BH, False)[None, None, :]
         _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
     if PREFETCH:
         if pid >= n_units:
@@ -411,10 +424,13 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
                      attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      KEYS: tl.constexpr, SM: tl.constexpr, BG: tl.constexpr,
-                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr):
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr,
+                     SPLIT_O: tl.constexpr):
     """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
     FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
-    PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`."""
+    PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`. The last split of a
+    KV head to take its ticket merges the head's partials into attn, unless SPLIT_O: then phase C's
+    programs merge them (`_o_group_phase`) and this phase only stores them."""
     G: tl.constexpr = HQ // HK
     g = tl.arange(0, G)
     rows_g = tl.arange(0, BG)
@@ -449,41 +465,48 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
             _store_partial(part_ptr, kvh, split, acc, m, l, rows_g, HK, G, D, 4)
         else:
             _store_partial(part_ptr, kvh, split, acc, m, l, rows_g, HK, G, D, SM)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(tickets_ptr + kvh, 1, sem="acq_rel", scope="gpu")
-        if TRACE:
-            if u == pid:
-                _trace_attention(trace_ptr, pid, layer, tb, 1, _now(ticket))
-        # Tickets only grow within a launch (reset when the last program leaves): no reset on the
-        # merger's critical path. The last split of this layer's KV head merges them all, in split order.
-        if ticket == (layer + 1) * num_splits - 1:
-            if num_splits <= 4:
-                out = _merge_partials(part_ptr, kvh, num_splits, HK, G, D, 4)
-            else:
-                out = _merge_partials(part_ptr, kvh, num_splits, HK, G, D, SM)
-            tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
-        if TRACE:
-            if u == pid:
-                _trace_attention(trace_ptr, pid, layer, tb, 2, _now(pid))
+        if SPLIT_O:
+            if TRACE:  # no ticket, no merge: both at the unit's time
+                if u == pid:
+                    t = _now(pid)
+                    _trace_attention(trace_ptr, pid, layer, tb, 1, t)
+                    _trace_attention(trace_ptr, pid, layer, tb, 2, t)
+        else:
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tickets_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+            if TRACE:
+                if u == pid:
+                    _trace_attention(trace_ptr, pid, layer, tb, 1, _now(ticket))
+            # Tickets only grow within a launch (reset when the last program leaves): no reset on the
+            # merger's critical path. The last split of this layer's KV head merges them all, in split order.
+            if ticket == (layer + 1) * num_splits - 1:
+                if num_splits <= 4:
+                    out = _merge_partials(part_ptr, kvh, num_splits, HK, G, D, 4)
+                else:
+                    out = _merge_partials(part_ptr, kvh, num_splits, HK, G, D, SM)
+                tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
+            if TRACE:
+                if u == pid:
+                    _trace_attention(trace_ptr, pid, layer, tb, 2, _now(pid))
 
 
 @triton.jit
-def _residual_unit(w, a, res, u, r_ptr, N: tl.constexpr, R: tl.constexpr):
-    """Unit u of phases C and E: r[rows] = round(round(W x)[rows] + res) for its tile w [R, BK] (rows
+def _residual_unit(w, a, res, u, out_ptr, N: tl.constexpr, R: tl.constexpr):
+    """Unit u of phases C and E: out[rows] = round(round(W x)[rows] + res) for its tile w [R, BK] (rows
     u·R + [0, R)), x as a [1, BK] and the rows' residual res [R]."""
-    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(r_ptr.dtype.element_ty)
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(out_ptr.dtype.element_ty)
     rows = u * R + tl.arange(0, R)
-    tl.store(r_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(r_ptr.dtype.element_ty), mask=rows < N)
+    tl.store(out_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
-def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
+def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
                     PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
-    """r ← round(round(W x) + r) over the units of W [N, K] (phases C and E), starting with the wait of
-    barrier b. The residual rows of all of this program's units (at most MAXU) are read once after the
-    wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be cached in L1,
-    which does not see other SMs' stores to r."""
+    """out ← round(round(W x) + r) over the units of W [N, K] (phases C and E; out may be r), starting
+    with the wait of barrier b. The residual rows of all of this program's units (at most MAXU) are read
+    once after the wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be
+    cached in L1, which does not see other SMs' stores to r."""
     n_units = N // R
     rr = tl.arange(0, R)
     cols = tl.arange(0, BK)
@@ -503,18 +526,69 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, bar_ptr, b, trace_ptr,
                 a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
                 res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
         res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
-        _residual_unit(w, a, res, u, r_ptr, N, R)
+        _residual_unit(w, a, res, u, out_ptr, N, R)
     if PREFETCH:
         if pid >= n_units:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
-def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
+def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, b, trace_ptr,
+                   H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RO: tl.constexpr,
+                   SM: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
+                   ASM: tl.constexpr):
+    """Phase C split along K by KV group (SPLIT_O), starting with the wait of barrier b: unit (group g, rows
+    c·RO + [0, RO)) adds W_o[rows, g's G·D columns] · o_g to the float32 sums o[rows] by atomics (phase D
+    adds them to the residual: `_residual_at`; they are zero before the phase), o_g being the attention
+    output of g's query heads, merged from phase B's partials by this program itself (`_merge_partials`)
+    and rounded to the model's dtype as the layered path stores it. No per-head ticket, merge and store
+    precede the barrier, at the price of the sums' order: float32 atomics, so a launch is no longer
+    bitwise reproducible (last bits of the sums). A program takes a contiguous run of units, so that at
+    the 1B shape (8 groups of 32 units, 2 units a program) both share a group and it merges once; where
+    the group changes along the run it merges again."""
+    G: tl.constexpr = HQ // HK
+    GD: tl.constexpr = G * D
+    QD: tl.constexpr = HQ * D
+    CPG: tl.constexpr = H // RO  # units per group
+    n_units = HK * CPG
+    per = tl.cdiv(n_units, P)
+    first = pid * per
+    last = tl.minimum(first + per, n_units)
+    rr = tl.arange(0, RO)
+    cols = tl.arange(0, GD)
+    base = wo_ptr + tl.cast(layer, tl.int64) * (H * QD)
+    a = tl.zeros([1, GD], wo_ptr.dtype.element_ty)
+    g_have = -1
+    if not PREFETCH:
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+    for u in tl.range(first, last, 1, num_stages=PIPE):
+        g = u // CPG
+        rows = (u % CPG) * RO + rr
+        w = tl.load(base + rows[:, None] * QD + g * GD + cols[None, :])
+        if PREFETCH:
+            if u == first:  # the pipeline's first tiles are in flight
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+        if g != g_have:
+            if num_splits <= 4:
+                o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, 4)
+            else:
+                o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, SM)
+            a = tl.reshape(o_g.to(wo_ptr.dtype.element_ty), [1, GD])
+            g_have = g
+        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)
+        tl.atomic_add(o_ptr + rows, y, sem="relaxed", scope="gpu")
+    if PREFETCH:
+        if first >= last:
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+
+
+@triton.jit
+def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
                    PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Phase D, starting with the wait of barrier b; with DOT on the tensor cores (`_gate_up_dot_unit`)."""
+                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr):
+    """Phase D, starting with the wait of barrier b; with DOT on the tensor cores (`_gate_up_dot_unit`);
+    with SPLIT_O its input is the residual plus phase C's sums o (`_residual_at`)."""
     NC: tl.constexpr = BH // CW
     M: tl.constexpr = 16 if NC <= 16 else NC
     n_units = F // RG
@@ -525,9 +599,9 @@ def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr,
     if not PREFETCH:
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         if DOT:
-            a = _normed_chunks(r_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH)
+            a = _normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O)
         else:
-            a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
+            a = _normed(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, BH, SPLIT_O)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=STAGES):
         if DOT:
             w = _gate_up_dot_tile(wgu_ptr, layer, u, H, F, RG, NC, CW)
@@ -537,9 +611,9 @@ def _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr,
             if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 if DOT:
-                    a = _normed_chunks(r_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH)
+                    a = _normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O)
                 else:
-                    a = _normed(r_ptr, n2_ptr + layer * H, H, eps, BH)[None, None, :]
+                    a = _normed(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, BH, SPLIT_O)[None, None, :]
         if DOT:
             _gate_up_dot_unit(w, a, u, act_ptr, RG, NC, M, UPCAST, IEEE)
         else:
@@ -563,14 +637,15 @@ def _gate_up_dot_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.
 
 
 @triton.jit
-def _normed_chunks(r_ptr, w_ptr, H, eps, M: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr, BH: tl.constexpr):
-    """RMSNorm(r; w) as [M, CW]: row c < NC holds columns c·CW + [0, CW), rows from NC on are zero (the
-    A operand of `_gate_up_dot_unit`); `_rms_normed`'s roundings."""
-    rstd = _rstd(r_ptr, H, eps, BH)
+def _normed_chunks(r_ptr, o_ptr, w_ptr, H, eps, M: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr,
+                   BH: tl.constexpr, SPLIT_O: tl.constexpr):
+    """RMSNorm(r; w) of the residual (`_residual_at`) as [M, CW]: row c < NC holds columns c·CW + [0, CW),
+    rows from NC on are zero (the A operand of `_gate_up_dot_unit`); `_normed`'s roundings."""
+    rstd = _rstd(r_ptr, o_ptr, H, eps, BH, SPLIT_O)
     c = tl.arange(0, M)[:, None]
     cols = c * CW + tl.arange(0, CW)[None, :]
     ok = (c < NC) & (cols < H)
-    x = tl.load(r_ptr + cols, mask=ok, other=0.0, cache_modifier=".cg")
+    x = _residual_at(r_ptr, o_ptr, cols, ok, SPLIT_O)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     normed = (x.to(tl.float32) * rstd).to(x.dtype)
     return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
@@ -609,7 +684,8 @@ def _gate_up_unit(w, a, u, act_ptr, RG: tl.constexpr):
 def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        emb_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, n1_ptr, n2_ptr, nf_ptr, cos_sin_ptr,
                        kv_ptr, layer_stride, v_offset, stride_blk, stride_head,
-                       r_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, tickets_ptr, bar_ptr, out_ptr, trace_ptr,
+                       r_ptr, r2_ptr, osum_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, tickets_ptr, bar_ptr, out_ptr,
+                       trace_ptr,
                        num_layers, num_splits, eps, scale,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
@@ -617,7 +693,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -664,20 +740,34 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
                          trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, SM, BG,
-                         UPCAST, IEEE, PRELOAD, TRACE)
+                         UPCAST, IEEE, PRELOAD, TRACE, SPLIT_O)
         _arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
-        _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ, MAXU_C,
-                        PIPE, PREFETCH, TRACE, ASM)
+        o_ptr = osum_ptr + (layer % 2) * H  # SPLIT_O: this layer's sums (zeroed in phase E two layers back)
+        if SPLIT_O:
+            _o_group_phase(layer, pid, P, part_ptr, splits, wo_ptr, o_ptr, bar_ptr, b + 2, trace_ptr,
+                           H, HQ, HK, D, RO, SM, PIPE, PREFETCH, TRACE, ASM)
+        else:
+            _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ,
+                            MAXU_C, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
-        _gate_up_phase(layer, pid, P, r_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE)
+        _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O)
+        if SPLIT_O:  # the residual after attention, for phase E (r itself is read by every program in D)
+            if pid == P - 1:  # a program with the fewest phase-D units
+                tl.store(r2_ptr + cols, _residual_at(r_ptr, o_ptr, cols, cols < H, True), mask=cols < H)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
-        _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF, MAXU_E,
-                        PIPE, PREFETCH, TRACE, ASM)
+        if SPLIT_O:
+            _residual_phase(layer, pid, P, act_ptr, wd_ptr, r2_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
+                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
+            if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2
+                tl.store(o_ptr + cols, tl.zeros([BH], tl.float32), mask=cols < H)
+        else:
+            _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
+                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
-        out = _normed(r_ptr, nf_ptr, H, eps, BH)
+        out = _normed(r_ptr, r_ptr, nf_ptr, H, eps, BH, False)
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
     # Leave: the last program out resets the barrier counter (every program has passed every barrier).
     tl.debug_barrier()
@@ -714,6 +804,9 @@ class Workspace:
         z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
         self.r, self.q, self.attn, self.act = z(s.hidden), z(s.num_heads * s.head_dim), \
             z(s.num_heads * s.head_dim), z(s.intermediate)
+        # split phase C (`MegakernelConfig.split_o`): the residual after attention, and the float32 sums of
+        # W_o·attention of two consecutive layers (zero between launches)
+        self.r2, self.o_sums = z(s.hidden), z(2 * s.hidden, torch.float32)
         # split-minor partials (`_store_partial`): runs of at least 4 slots, a power of two
         self.partials = z(s.num_kv_heads * max(4, next_power_of_2(self.num_splits)) * group * (s.head_dim + 2),
                           torch.float32)
@@ -752,6 +845,16 @@ def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
     rg = dividing(tile // (2 * bh), shape.intermediate)
     rd = dividing(tile // next_power_of_2(shape.intermediate), shape.hidden)
     return rq, ro, rg, rd
+
+
+def split_o_rows(shape: ModelShape, tile: int) -> int:
+    """Rows per unit of the split phase C (`_o_group_phase`, units [rows, G·D]): the largest power of two
+    that divides the hidden size and gives at most ~`tile` weight elements per unit (at least one)."""
+    group_cols = shape.num_heads // shape.num_kv_heads * shape.head_dim
+    r = _pow2_at_most(max(1, tile // group_cols))
+    while shape.hidden % r:
+        r //= 2
+    return r
 
 
 def phase_d_chunks(shape: ModelShape, rg: int, elem_bytes: int) -> tuple[int, bool]:
@@ -810,6 +913,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         raise ValueError(f"megakernel config {config}: stages ≥ 1 needed")
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
     cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
+    ro_split = split_o_rows(shape, unit_tile(config, weights.qkv.element_size()))
     dot_d = dot_d and config.dot_d
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
@@ -823,18 +927,19 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         input_ids, positions, slot_mapping, seq_lens, block_table,
         weights.embed, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm1, weights.norm2,
         weights.norm_final, cos_sin, k0, layer_stride, v_offset, k0.stride(0), k0.stride(1),
-        ws.r, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace,
+        ws.r, ws.r2, ws.o_sums, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace,
         num_layers, ws.num_splits, eps, scale)
     kwargs = dict(
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
-        BS=block_size, RQ=rq, RO=ro, RG=rg, RD=rd, KEYS=ATTN_KEYS,
+        BS=block_size, RQ=rq, RO=ro_split if config.split_o else ro, RG=rg, RD=rd, KEYS=ATTN_KEYS,
         SM=max(4, next_power_of_2(ws.num_splits)),
         BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
         UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, num_warps=config.num_warps, num_stages=1)
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, num_warps=config.num_warps,
+        num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
