@@ -4,8 +4,9 @@ attention with the ticket merge, against the layer-by-layer path of the same wei
 float32 (TF32 off): only the order of float32 sums differs, so hidden state and logits agree to 1e-5
 (relative; the CPU test of 2 layers shows ~2e-7). bfloat16: the 4e-2 bound of tests/models (every
 product output rounded to 8 bits; a skipped norm or residual gives 0.27–1.1). The new K/V land in the
-cache slot and nowhere else; the barrier counters and tickets are zero after each launch, so a CUDA
-graph of the kernel replays to the same result. The engine's batch-1 greedy decode through the
+cache slot and nowhere else; the barrier counters, tickets and phase C's float32 sums are zero after each
+launch, so a CUDA graph of the kernel replays to the same result: bitwise without `split_o`, and with it
+(the default) up to the order of the float32 atomics, within the bf16 bound. The engine's batch-1 greedy decode through the
 megakernel is compared with transformers in tests/gpu/test_engine_gpu.py (the "alone" generations).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import get_ops
+from tinyvllm.kernels.decode_megakernel import MegakernelConfig
 from tinyvllm.models.attention_metadata import AttnMetadata
 from tinyvllm.models.checkpoint import make_config
 from tinyvllm.models.loader import build_model
@@ -83,12 +85,14 @@ def test_megakernel_equals_layered_path_at_1b_shape(dtype):
         kv_mk[at] = kv_ref[at]
         assert torch.equal(kv_mk, kv_ref)
         assert int(mk.workspace.barrier.abs().sum()) == 0 and int(mk.workspace.tickets.abs().sum()) == 0
+        assert int(torch.count_nonzero(mk.workspace.o_sums)) == 0
 
 
 @torch.no_grad()
-def test_megakernel_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("split_o", [True, False], ids=["split_o", "ticket_merge"])
+def test_megakernel_replays_in_a_cuda_graph(split_o):
     model, kv = setup(torch.bfloat16)
-    model.enable_decode_megakernel()
+    model.enable_decode_megakernel(MegakernelConfig(split_o=split_o))
     ids, pos, meta, _ = step(700, kv.shape[2])
     eager, _ = forward(model, model.decode_megakernel, ids, pos, meta, kv)
     stream = torch.cuda.Stream()
@@ -100,4 +104,7 @@ def test_megakernel_replays_in_a_cuda_graph():
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(captured, eager)
+        if split_o:  # float32 atomics in any order: last-bit differences, rounded to bf16 now and then
+            assert rel(captured, eager) <= 4e-2
+        else:
+            assert torch.equal(captured, eager)

@@ -4,7 +4,8 @@ the same weights: hidden state, logits and the K/V it writes into the paged cach
 On the CPU the interpreter runs the kernel with one program (the barriers then pass at once), so every
 unit of every phase runs in that program; the unit sizes (`tile`) and the number of context splits
 are varied so that the pipelined unit loops (with and without the first tiles ahead of the wait), the
-multi-tile attention loop and the split merge (runs of 4 and 16 slots) all run. On a GPU the same tests run one program per SM (more programs than most phases have units);
+multi-tile attention loop and the split merge (runs of 4 and 16 slots; by phase C's programs with
+`split_o`, the default, and by the last split's ticket without) all run. On a GPU the same tests run one program per SM (more programs than most phases have units);
 tests/gpu/test_megakernel_gpu.py checks the real shape.
 
 Tolerances as in test_fused_decode.py (float32: order of the sums only; bfloat16: 8-bit roundings of
@@ -143,13 +144,13 @@ def test_megakernel_split_o_equals_reference(dtype, seq_len, splits, tile, stage
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("seq_len,splits", [(300, 11), (65, 2), (13, 1), (1, 3)])
 def test_megakernel_split_merge_equals_reference(dtype, seq_len, splits):
-    """The attention partials' merge (split-minor runs of 4 or 16 slots, the slots beyond the split count
-    masked): the same forward as the reference with 5 splits in runs of 16, 1–2 splits in runs of 4, and
-    a context of one key."""
+    """The attention partials' merge by the last split's ticket (`split_o` off: phase C unsplit; split-minor
+    runs of 4 or 16 slots, the slots beyond the split count masked): the same forward as the reference
+    with 5 splits in runs of 16, 1–2 splits in runs of 4, and a context of one key."""
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512)
     model = build("triton", dtype, device, max_positions=512)
-    model.enable_decode_megakernel(MegakernelConfig(tile=256))
+    model.enable_decode_megakernel(MegakernelConfig(tile=256, split_o=False))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     ids, positions, meta = step(seq_len, device=device)

@@ -4,7 +4,8 @@ Per layer l, with r the residual stream (the embedding row before layer 0), the 
 roundings as the fused small-batch path of models/llama.py:
     A  h = RMSNorm(r; w1[l]);  qkv = round(Wqkv[l] h);  q, k ← RoPE(q, k, pos);  cache[l][slot] ← k, v
     B  o = softmax(scale · q Kᵀ) V over the sequence's cached keys (split-KV, merged by logsumexp)
-    C  r = round(round(Wo[l] o) + r)
+    C  r = round(round(Wo[l] o) + r)   (with `split_o`, the default: Wo[l] o summed in float32 by KV group,
+                                        the residual add done by phase D)
     D  h = RMSNorm(r; w2[l]);  g, u = round(Wg[l] h), round(Wu[l] h);  a = round(silu(g) ⊙ u)
     E  r = round(round(Wd[l] a) + r)
 and finally out = RMSNorm(r; w_final). The LM head and sampling stay kernels of their own.
@@ -15,11 +16,11 @@ beyond its bytes and every small op (norm, RoPE, attention merge) pays a launch 
 one-kernel-per-op step measured 1.15 ms (docs/perf.md). Here one program per multiprocessor runs all
 phases, separated by grid-wide barriers: no launches, no host gaps, and the small ops (norms, RoPE, the
 K/V write, the attention merge, SwiGLU, residual adds) folded into the phases around them. Measured on
-the H200 (docs/perf.md, v5–v12): 1.30× the layer-by-layer path in CUDA-graph replays (0.69 ms of layers
+the H200 (docs/perf.md, v5–v14): 1.34× the layer-by-layer path in CUDA-graph replays (0.67 ms of layers
 at 640 keys), short of the bandwidth floor because each of the 80 phases pays ~1.5–3 µs of ramp, tail
-and barrier beyond its bytes and attention costs ~5.4 µs per layer (its split merge and the barrier
-behind it). Asking L2 to prefetch tiles ahead was no faster; phase D on the tensor cores (v10) and
-the split-minor merge (v12) are.
+and barrier beyond its bytes and attention costs ~4 µs per layer. Asking L2 to prefetch tiles ahead was
+no faster; phase D on the tensor cores (v10), the split-minor merge (v12) and phase C split by KV group
+(v14) are.
 
 Layout of the work. A phase is a list of "units" of about TILE weight elements each, dealt to the
 programs round-robin (unit u goes to program u mod P). Each weight phase (A, C, D, E) is a loop
@@ -36,14 +37,21 @@ whole into registers and double-buffered (the first one between arrival and wait
   B: a unit is (KV head, split of the context) through the FlashAttention-2 inner loop of the other
      attention kernels (_flash.py: tl.dot over 64-key tiles, log2-domain scores), the GQA group's
      query heads padded to 16 rows; each writes (m, l, acc) of its keys, split index fastest
-     (`_store_partial`); the last split to arrive at a per-head ticket merges them, each thread
-     reducing its own runs of splits (`_merge_partials`; the split-K semaphore of gemv.py), and
-     writes the group's output.
+     (`_store_partial`). With `split_o` (the default) that is all: phase C's programs merge them. Else
+     the last split to arrive at a per-head ticket merges them, each thread reducing its own runs of
+     splits (`_merge_partials`; the split-K semaphore of gemv.py), and writes the group's output.
      A program's first unit takes its first key tile preloaded between phase A's arrival and wait
      (every key but the newest, which phase A is writing; that row is read from L2 afterwards; the
      tile's block-table entries are read once per launch). A head's context is cut into at most
      `num_splits` splits of whole 64-key tiles, none empty.
-  C, E: RO / RD output rows with the residual add.  D: RG gate rows and the matching up rows; with
+  C: with `split_o` (the default), RO output rows × one KV group's G·D columns (`_o_group_phase`): each
+     program merges its group's partials after the barrier (no ticket, merge and store before it: −1.3 µs
+     per layer, docs/perf.md v14) and adds its products to float32 sums by atomics, so the order of the
+     eight groups' sums varies from launch to launch (last bits; the layer-by-layer path,
+     `--no-decode-megakernel`, is bitwise reproducible). Phase D adds them to the residual; one program
+     stores that residual for phase E and another zeroes the sums for the layer after next.
+     Without `split_o`: RO full output rows with the residual add, as E.
+  E: RD output rows with the residual add.  D: RG gate rows and the matching up rows; with
      `dot_d` (the default) on the tensor cores: reducing every tile across the program's threads took
      ~1.4 µs of the phase's 18.7 (docs/perf.md, v10), so the unit is laid out as [rows × chunks, CW]
      and multiplied by the normed input cut into the same chunks, [chunks, CW], in one tl.dot; each
@@ -88,7 +96,7 @@ class MegakernelConfig(NamedTuple):
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
     ace_stages: int = 3  # the same for phases A, C and E
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
-    split_o: bool = False  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
+    split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
 
 
 @dataclass(frozen=True)
@@ -533,6 +541,18 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, tra
 
 
 @triton.jit
+def _group_attention(part_ptr, g, num_splits, dtype: tl.constexpr, HK: tl.constexpr, G: tl.constexpr,
+                     D: tl.constexpr, SM: tl.constexpr):
+    """KV group g's attention output [1, G, D] merged from its split partials (`_merge_partials`, runs of
+    4 slots at ≤ 4 splits, else SM, as `_store_partial` laid them out), rounded to dtype."""
+    if num_splits <= 4:
+        o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, 4)
+    else:
+        o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, SM)
+    return o_g.to(dtype)[None, :, :]
+
+
+@triton.jit
 def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RO: tl.constexpr,
                    SM: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
@@ -554,29 +574,29 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, 
     per = tl.cdiv(n_units, P)
     first = pid * per
     last = tl.minimum(first + per, n_units)
-    rr = tl.arange(0, RO)
-    cols = tl.arange(0, GD)
+    rr = tl.arange(0, RO)[:, None, None]
+    cols = tl.arange(0, G)[None, :, None] * D + tl.arange(0, D)[None, None, :]  # [1, G, D]: g's columns
     base = wo_ptr + tl.cast(layer, tl.int64) * (H * QD)
-    a = tl.zeros([1, GD], wo_ptr.dtype.element_ty)
+    a = tl.zeros([1, G, D], wo_ptr.dtype.element_ty)
     g_have = -1
     if not PREFETCH:
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
     for u in tl.range(first, last, 1, num_stages=PIPE):
         g = u // CPG
-        rows = (u % CPG) * RO + rr
-        w = tl.load(base + rows[:, None] * QD + g * GD + cols[None, :])
+        row0 = (u % CPG) * RO
+        w = tl.load(base + (row0 + rr) * QD + g * GD + cols)  # [RO, G, D]
+        # The first merge sits in the wait's own block: Triton's pipeliner may move an independent block
+        # of the loop body ahead of another, and the merge must read the partials after the barrier.
         if PREFETCH:
             if u == first:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+                a = _group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)
+                g_have = g
         if g != g_have:
-            if num_splits <= 4:
-                o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, 4)
-            else:
-                o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, SM)
-            a = tl.reshape(o_g.to(wo_ptr.dtype.element_ty), [1, GD])
+            a = _group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)
             g_have = g
-        y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)
-        tl.atomic_add(o_ptr + rows, y, sem="relaxed", scope="gpu")
+        y = tl.sum(tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2), axis=1)  # [RO]
+        tl.atomic_add(o_ptr + row0 + tl.arange(0, RO), y, sem="relaxed", scope="gpu")
     if PREFETCH:
         if first >= last:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
