@@ -97,7 +97,6 @@ class MegakernelConfig(NamedTuple):
     ace_stages: int = 3  # the same for phases A, C and E
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
-    flag_c: bool = False  # with split_o: phase C's units wait on their group's split count, not a grid barrier
 
 
 @dataclass(frozen=True)
@@ -173,15 +172,13 @@ def _now(x):
 
 
 @triton.jit
-def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.constexpr, FLAG_C: tl.constexpr):
-    """The wait of the launch's b-th grid barrier (b · P arrivals; with FLAG_C the barriers between phases
-    B and C, b = 3 + 5·layer, are not held, so b − ⌊(b + 2) / 5⌋ of them), with `_wait_asm` if ASM
-    (CUDA); when tracing, program 0 then writes the timer into trace[b]."""
-    n = b - (b + 2) // 5 if FLAG_C else b
+def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.constexpr):
+    """The wait of the launch's b-th grid barrier (b · P arrivals), with `_wait_asm` if ASM (CUDA); when
+    tracing, program 0 then writes the timer into trace[b]."""
     if ASM:
-        _wait_asm(bar_ptr, n * P)
+        _wait_asm(bar_ptr, b * P)
     else:
-        _wait(bar_ptr, n * P)
+        _wait(bar_ptr, b * P)
     if TRACE:
         t = _now(pid)
         tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + b, t)
@@ -198,21 +195,6 @@ def _residual_at(r_ptr, o_ptr, offs, mask, SPLIT_O: tl.constexpr):
         o = tl.load(o_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(x.dtype)
         x = (x.to(tl.float32) + o.to(tl.float32)).to(x.dtype)
     return x
-
-
-@triton.jit
-def _group_wait(count_ptr, target, b, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.constexpr):
-    """FLAG_C: wait until a KV group's counter reaches target (its splits of this layer have stored their
-    partials); when tracing, program 0 then writes the timer into trace[b], as `_end_phase` would."""
-    if ASM:
-        _wait_asm(count_ptr, target)
-    else:
-        _wait(count_ptr, target)
-    if TRACE:
-        t = _now(pid)
-        tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + b, t)
-        if pid == 0:
-            tl.store(trace_ptr + b, t)
 
 
 @triton.jit
@@ -310,7 +292,7 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
                stride_blk, stride_head, eps, bar_ptr, b, trace_ptr,
                H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                RQ: tl.constexpr, BH: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr,
-               TRACE: tl.constexpr, ASM: tl.constexpr, FLAG_C: tl.constexpr):
+               TRACE: tl.constexpr, ASM: tl.constexpr):
     """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH)."""
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
@@ -321,7 +303,7 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
     cs_row = cos_sin_ptr + pos * D
     a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
-        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = _normed(r_ptr, r_ptr, n1_ptr + layer * H, H, eps, BH, False)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
@@ -329,12 +311,12 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
         s = tl.load(cs_row + HALF + (u % UPH) * RQ + jj)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 a = _normed(r_ptr, r_ptr, n1_ptr + layer * H, H, eps, BH, False)[None, None, :]
         _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
     if PREFETCH:
         if pid >= n_units:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
@@ -451,13 +433,12 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      KEYS: tl.constexpr, SM: tl.constexpr, BG: tl.constexpr,
                      UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr,
-                     SPLIT_O: tl.constexpr, FLAG_C: tl.constexpr):
+                     SPLIT_O: tl.constexpr):
     """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
     FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
     PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`. The last split of a
     KV head to take its ticket merges the head's partials into attn, unless SPLIT_O: then phase C's
-    programs merge them (`_o_group_phase`) and this phase only stores them (with FLAG_C, then counts them
-    on the group's ticket with a release, for phase C's units to wait on)."""
+    programs merge them (`_o_group_phase`) and this phase only stores them."""
     G: tl.constexpr = HQ // HK
     g = tl.arange(0, G)
     rows_g = tl.arange(0, BG)
@@ -493,9 +474,6 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
         else:
             _store_partial(part_ptr, kvh, split, acc, m, l, rows_g, HK, G, D, SM)
         if SPLIT_O:
-            if FLAG_C:
-                tl.debug_barrier()  # every thread's partial stored before the release
-                tl.atomic_add(tickets_ptr + kvh, 1, sem="release", scope="gpu")
             if TRACE:  # no ticket, no merge: both at the unit's time
                 if u == pid:
                     t = _now(pid)
@@ -532,7 +510,7 @@ def _residual_unit(w, a, res, u, out_ptr, N: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
-                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, FLAG_C: tl.constexpr):
+                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
     """out ← round(round(W x) + r) over the units of W [N, K] (phases C and E; out may be r), starting
     with the wait of barrier b. The residual rows of all of this program's units (at most MAXU) are read
     once after the wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be
@@ -545,21 +523,21 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, tra
     a = tl.zeros([1, BK], x_ptr.dtype.element_ty)
     res_all = tl.zeros([MAXU, R], r_ptr.dtype.element_ty)
     if not PREFETCH:
-        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
         res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
                 res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
         res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
         _residual_unit(w, a, res, u, out_ptr, N, R)
     if PREFETCH:
         if pid >= n_units:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
@@ -575,10 +553,10 @@ def _group_attention(part_ptr, g, num_splits, dtype: tl.constexpr, HK: tl.conste
 
 
 @triton.jit
-def _o_group_phase(layer, pid, P, part_ptr, num_splits, tickets_ptr, wo_ptr, o_ptr, bar_ptr, b, trace_ptr,
+def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RO: tl.constexpr,
                    SM: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
-                   ASM: tl.constexpr, FLAG_C: tl.constexpr):
+                   ASM: tl.constexpr):
     """Phase C split along K by KV group (SPLIT_O), starting with the wait of barrier b: unit (group g, rows
     c·RO + [0, RO)) adds W_o[rows, g's G·D columns] · o_g to the float32 sums o[rows] by atomics (phase D
     adds them to the residual: `_residual_at`; they are zero before the phase), o_g being the attention
@@ -587,8 +565,7 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, tickets_ptr, wo_ptr, o_p
     precede the barrier, at the price of the sums' order: float32 atomics, so a launch is no longer
     bitwise reproducible (last bits of the sums). A program takes a contiguous run of units, so that at
     the 1B shape (8 groups of 32 units, 2 units a program) both share a group and it merges once; where
-    the group changes along the run it merges again. With FLAG_C there is no grid barrier before the phase:
-    a unit waits until its group's counter holds all of this layer's splits (`_group_wait`)."""
+    the group changes along the run it merges again."""
     G: tl.constexpr = HQ // HK
     GD: tl.constexpr = G * D
     QD: tl.constexpr = HQ * D
@@ -602,10 +579,8 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, tickets_ptr, wo_ptr, o_p
     base = wo_ptr + tl.cast(layer, tl.int64) * (H * QD)
     a = tl.zeros([1, G, D], wo_ptr.dtype.element_ty)
     g_have = -1
-    done = (layer + 1) * num_splits  # FLAG_C: a group's counter once this layer's splits are stored
     if not PREFETCH:
-        if not FLAG_C:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
     for u in tl.range(first, last, 1, num_stages=PIPE):
         g = u // CPG
         row0 = (u % CPG) * RO
@@ -614,31 +589,24 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, tickets_ptr, wo_ptr, o_p
         # of the loop body ahead of another, and the merge must read the partials after the barrier.
         if PREFETCH:
             if u == first:  # the pipeline's first tiles are in flight
-                if FLAG_C:
-                    _group_wait(tickets_ptr + g, done, b, trace_ptr, pid, TRACE, ASM)
-                else:
-                    _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 a = _group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)
                 g_have = g
         if g != g_have:
-            if FLAG_C:
-                _group_wait(tickets_ptr + g, done, b, trace_ptr, pid, TRACE, ASM)
             a = _group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)
             g_have = g
         y = tl.sum(tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2), axis=1)  # [RO]
         tl.atomic_add(o_ptr + row0 + tl.arange(0, RO), y, sem="relaxed", scope="gpu")
     if PREFETCH:
         if first >= last:
-            if not FLAG_C:
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
 def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
-                   PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, FLAG_C: tl.constexpr,
-                   DOT: tl.constexpr, CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                   SPLIT_O: tl.constexpr):
+                   PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
+                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr):
     """Phase D, starting with the wait of barrier b; with DOT on the tensor cores (`_gate_up_dot_unit`);
     with SPLIT_O its input is the residual plus phase C's sums o (`_residual_at`)."""
     NC: tl.constexpr = BH // CW
@@ -649,7 +617,7 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
     else:
         a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
-        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         if DOT:
             a = _normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O)
         else:
@@ -661,7 +629,7 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
             w = _gate_up_tile(wgu_ptr, layer, u, H, F, RG, BH)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 if DOT:
                     a = _normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O)
                 else:
@@ -672,7 +640,7 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
             _gate_up_unit(w, a, u, act_ptr, RG)
     if PREFETCH:
         if pid >= n_units:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
@@ -745,7 +713,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, FLAG_C: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -782,43 +750,42 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         v_ptr = k_ptr + v_offset
         _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                    stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, PIPE, PREFETCH,
-                   TRACE, ASM, FLAG_C)
+                   TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
         if PRELOAD:
             kp, vp = _preload_kv(pid, k_ptr, v_ptr, rows_pre, seq_len, splits, stride_head, HK, D, KEYS)
         else:
             kp, vp = 0, 0
-        _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+        _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
         _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
                          trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, SM, BG,
-                         UPCAST, IEEE, PRELOAD, TRACE, SPLIT_O, FLAG_C)
-        if not FLAG_C:
-            _arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
+                         UPCAST, IEEE, PRELOAD, TRACE, SPLIT_O)
+        _arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
         o_ptr = osum_ptr + (layer % 2) * H  # SPLIT_O: this layer's sums (zeroed in phase E two layers back)
         if SPLIT_O:
-            _o_group_phase(layer, pid, P, part_ptr, splits, tickets_ptr, wo_ptr, o_ptr, bar_ptr, b + 2, trace_ptr,
-                           H, HQ, HK, D, RO, SM, PIPE, PREFETCH, TRACE, ASM, FLAG_C)
+            _o_group_phase(layer, pid, P, part_ptr, splits, wo_ptr, o_ptr, bar_ptr, b + 2, trace_ptr,
+                           H, HQ, HK, D, RO, SM, PIPE, PREFETCH, TRACE, ASM)
         else:
             _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ,
-                            MAXU_C, PIPE, PREFETCH, TRACE, ASM, FLAG_C)
+                            MAXU_C, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, FLAG_C, DOT_D, CW, UPCAST, IEEE, SPLIT_O)
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O)
         if SPLIT_O:  # the residual after attention, for phase E (r itself is read by every program in D)
             if pid == P - 1:  # a program with the fewest phase-D units
                 tl.store(r2_ptr + cols, _residual_at(r_ptr, o_ptr, cols, cols < H, True), mask=cols < H)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         if SPLIT_O:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r2_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, PIPE, PREFETCH, TRACE, ASM, FLAG_C)
+                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
             if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2
                 tl.store(o_ptr + cols, tl.zeros([BH], tl.float32), mask=cols < H)
         else:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, PIPE, PREFETCH, TRACE, ASM, FLAG_C)
+                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
-    _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM, FLAG_C)
+    _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
         out = _normed(r_ptr, r_ptr, nf_ptr, H, eps, BH, False)
         tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
@@ -964,8 +931,6 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
     if config.stages < 1 or config.ace_stages < 1:
         raise ValueError(f"megakernel config {config}: stages ≥ 1 needed")
-    if config.flag_c and not config.split_o:
-        raise ValueError(f"megakernel config {config}: flag_c needs split_o")
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
     cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
     ro_split = split_o_rows(shape, unit_tile(config, weights.qkv.element_size()))
@@ -993,8 +958,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, FLAG_C=config.flag_c,
-        num_warps=config.num_warps,
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, num_warps=config.num_warps,
         num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
