@@ -97,8 +97,6 @@ class MegakernelConfig(NamedTuple):
     ace_stages: int = 3  # the same for phases A, C and E
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
-    d_unroll: int = 1  # phase D's loop unrolled this many times (Triton's loop_unroll_factor; 1: not)
-    e_unroll: int = 1  # the same for phase E
 
 
 @dataclass(frozen=True)
@@ -512,8 +510,7 @@ def _residual_unit(w, a, res, u, out_ptr, N: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
-                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr,
-                    UNROLL: tl.constexpr):
+                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
     """out ← round(round(W x) + r) over the units of W [N, K] (phases C and E; out may be r), starting
     with the wait of barrier b. The residual rows of all of this program's units (at most MAXU) are read
     once after the wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be
@@ -529,7 +526,7 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, tra
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
         res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
-    for u in tl.range(pid, n_units, P, num_stages=PIPE, loop_unroll_factor=UNROLL):
+    for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
@@ -609,8 +606,7 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, 
 def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
                    PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr,
-                   UNROLL: tl.constexpr):
+                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr):
     """Phase D, starting with the wait of barrier b; with DOT on the tensor cores (`_gate_up_dot_unit`);
     with SPLIT_O its input is the residual plus phase C's sums o (`_residual_at`)."""
     NC: tl.constexpr = BH // CW
@@ -626,7 +622,7 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
             a = _normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O)
         else:
             a = _normed(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, BH, SPLIT_O)[None, None, :]
-    for u in tl.range(pid, n_units, P, num_stages=STAGES, loop_unroll_factor=UNROLL):
+    for u in tl.range(pid, n_units, P, num_stages=STAGES):
         if DOT:
             w = _gate_up_dot_tile(wgu_ptr, layer, u, H, F, RG, NC, CW)
         else:
@@ -717,8 +713,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, D_UNROLL: tl.constexpr,
-                       E_UNROLL: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -773,22 +768,22 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                            H, HQ, HK, D, RO, SM, PIPE, PREFETCH, TRACE, ASM)
         else:
             _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ,
-                            MAXU_C, PIPE, PREFETCH, TRACE, ASM, 1)
+                            MAXU_C, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O, D_UNROLL)
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O)
         if SPLIT_O:  # the residual after attention, for phase E (r itself is read by every program in D)
             if pid == P - 1:  # a program with the fewest phase-D units
                 tl.store(r2_ptr + cols, _residual_at(r_ptr, o_ptr, cols, cols < H, True), mask=cols < H)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         if SPLIT_O:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r2_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, PIPE, PREFETCH, TRACE, ASM, E_UNROLL)
+                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
             if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2
                 tl.store(o_ptr + cols, tl.zeros([BH], tl.float32), mask=cols < H)
         else:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, PIPE, PREFETCH, TRACE, ASM, E_UNROLL)
+                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
@@ -963,8 +958,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, D_UNROLL=config.d_unroll, E_UNROLL=config.e_unroll,
-        num_warps=config.num_warps,
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, num_warps=config.num_warps,
         num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
