@@ -6,8 +6,9 @@ float32 (TF32 off): only the order of float32 sums differs, so hidden state and 
 product output rounded to 8 bits; a skipped norm or residual gives 0.27–1.1). The new K/V land in the
 cache slot and nowhere else; the barrier counters, tickets and phase C's float32 sums are zero after each
 launch, so a CUDA graph of the kernel replays to the same result: bitwise without `split_o`, and with it
-(the default) up to the order of the float32 atomics, within the bf16 bound. The engine's batch-1 greedy decode through the
-megakernel is compared with transformers in tests/gpu/test_engine_gpu.py (the "alone" generations).
+(the default) up to the order of the float32 atomics, within the bf16 bound. The engine's batch-1 greedy
+decode through the megakernel is compared with transformers in tests/gpu/test_engine_gpu.py (the "alone"
+generations).
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ On the CPU the interpreter runs the kernel with one program (the barriers then p
 unit of every phase runs in that program; the unit sizes (`tile`) and the number of context splits
 are varied so that the pipelined unit loops (with and without the first tiles ahead of the wait), the
 multi-tile attention loop and the split merge (runs of 4 and 16 slots; by phase C's programs with
-`split_o`, the default, and by the last split's ticket without) all run. On a GPU the same tests run one program per SM (more programs than most phases have units);
-tests/gpu/test_megakernel_gpu.py checks the real shape.
+`split_o`, the default, and by the last split's ticket without) all run. On a GPU the same tests run one
+program per SM (more programs than most phases have units); tests/gpu/test_megakernel_gpu.py checks the
+real shape.
 
 Tolerances as in test_fused_decode.py (float32: order of the sums only; bfloat16: 8-bit roundings of
 every product output, 4e-2 with 3× margin, against 0.27–1.1 for a skipped norm or residual).

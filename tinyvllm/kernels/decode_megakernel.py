@@ -48,8 +48,9 @@ whole into registers and double-buffered (the first one between arrival and wait
      program merges its group's partials after the barrier (no ticket, merge and store before it: −1.3 µs
      per layer, docs/perf.md v14) and adds its products to float32 sums by atomics, so the order of the
      eight groups' sums varies from launch to launch (last bits; the layer-by-layer path,
-     `--no-decode-megakernel`, is bitwise reproducible). Phase D adds them to the residual; one program
-     stores that residual for phase E and another zeroes the sums for the layer after next.
+     `--no-decode-megakernel`, is bitwise reproducible). Phase D adds them to the residual; the last
+     program stores that residual for phase E and, after E's barrier, zeroes the sums for the layer after
+     next.
      Without `split_o`: RO full output rows with the residual add, as E.
   E: RD output rows with the residual add.  D: RG gate rows and the matching up rows; with
      `dot_d` (the default) on the tensor cores: reducing every tile across the program's threads took
