@@ -45,7 +45,7 @@ B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its un
 def name_of(cfg: MegakernelConfig, splits: int | None = None) -> str:
     return (f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
             + f"/ace{cfg.ace_stages}" + ("/kv" if cfg.preload_kv else "") + ("/dotD" if cfg.dot_d else "")
-            + ("/splitO" if cfg.split_o else "") + ("/wmD" if cfg.d_weight_major else "")
+            + ("/splitO" if cfg.split_o else "")
             + (f"/{splits}sp" if splits else ""))
 
 
