@@ -42,10 +42,18 @@ PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu
 B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its unit, ticket, merge, the wait after
 
 
+NAMED_FIELDS = {"tile", "num_warps", "programs_per_sm", "stages", "prefetch", "ace_stages", "preload_kv", "dot_d",
+                "split_o"}  # spelled out by name_of; any other field is appended as field=value when not its default
+
+
 def name_of(cfg: MegakernelConfig, splits: int | None = None) -> str:
+    """A variant's label: the main fields always, then every other field that differs from its default (so
+    that a new MegakernelConfig field never yields two variants of the same name)."""
+    others = "".join(f"/{k}={v}" for k, v in cfg._asdict().items()
+                     if k not in NAMED_FIELDS and v != C._field_defaults[k])
     return (f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
             + f"/ace{cfg.ace_stages}" + ("/kv" if cfg.preload_kv else "") + ("/dotD" if cfg.dot_d else "")
-            + ("/splitO" if cfg.split_o else "")
+            + ("/splitO" if cfg.split_o else "") + others
             + (f"/{splits}sp" if splits else ""))
 
 
