@@ -489,11 +489,8 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
             # Tickets only grow within a launch (reset when the last program leaves): no reset on the
             # merger's critical path. The last split of this layer's KV head merges them all, in split order.
             if ticket == (layer + 1) * num_splits - 1:
-                if num_splits <= 4:
-                    out = _merge_partials(part_ptr, kvh, num_splits, HK, G, D, 4)
-                else:
-                    out = _merge_partials(part_ptr, kvh, num_splits, HK, G, D, SM)
-                tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty))
+                out = _group_attention(part_ptr, kvh, num_splits, attn_ptr.dtype.element_ty, HK, G, D, SM)
+                tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out)
             if TRACE:
                 if u == pid:
                     _trace_attention(trace_ptr, pid, layer, tb, 2, _now(pid))
@@ -544,13 +541,13 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, tra
 @triton.jit
 def _group_attention(part_ptr, g, num_splits, dtype: tl.constexpr, HK: tl.constexpr, G: tl.constexpr,
                      D: tl.constexpr, SM: tl.constexpr):
-    """KV group g's attention output [1, G, D] merged from its split partials (`_merge_partials`, runs of
+    """KV group g's attention output [G, D] merged from its split partials (`_merge_partials`, runs of
     4 slots at ≤ 4 splits, else SM, as `_store_partial` laid them out), rounded to dtype."""
     if num_splits <= 4:
         o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, 4)
     else:
         o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, SM)
-    return o_g.to(dtype)[None, :, :]
+    return o_g.to(dtype)
 
 
 @triton.jit
@@ -591,10 +588,10 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, 
         if PREFETCH:
             if u == first:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-                a = _group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)
+                a = _group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)[None, :, :]
                 g_have = g
         if g != g_have:
-            a = _group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)
+            a = _group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)[None, :, :]
             g_have = g
         y = tl.sum(tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2), axis=1)  # [RO]
         tl.atomic_add(o_ptr + row0 + tl.arange(0, RO), y, sem="relaxed", scope="gpu")
