@@ -40,7 +40,7 @@ def test_layout_is_aligned_and_starts_as_padding():
     arena = InputArena(5, 3, CPU)
     tensors = [arena.input_ids, arena.positions, arena.slot_mapping, arena.placeholder_src, arena.seeds,
                arena.temperatures, arena.seq_lens, arena.prefix_len, arena.block_tables, arena.row_index]
-    for t in tensors:
+    for t in tensors + [arena.copy_words, arena.sampled_ids]:
         assert t.data_ptr() % 16 == 0 and t.untyped_storage().data_ptr() == arena.buffer.data_ptr()
     assert [t.dtype for t in tensors] == [torch.int64] * 5 + [torch.float32, torch.int32, torch.int32,
                                                              torch.int32, torch.int64]
@@ -56,6 +56,15 @@ def test_layout_is_aligned_and_starts_as_padding():
     assert arena.arrays.block_tables.shape == (5, 3)
     arena.arrays.seeds[2] = 7
     assert arena.seeds[2] == 7  # numpy views share the buffer
+    # The copy length leads (whole words, everything but the row index and sampled ids at first); the
+    # sampled ids come last, never copied in.
+    assert arena.copy_words.data_ptr() == arena.buffer.data_ptr() and arena.copy_words.dtype == torch.int32
+    assert int(arena.copy_words[0]) * 4 == arena.bytes_through(5, 3)
+    arena.set_copy_words(arena.bytes_through(1, 1) + 2)
+    assert int(arena.copy_words[0]) == (table_start + 4 + 2 + 3) // 4
+    assert arena.sampled_ids.data_ptr() > arena.row_index.data_ptr() and arena.sampled_ids.dtype == torch.int64
+    with pytest.raises(ValueError):
+        arena.set_copy_words(arena.nbytes + 1)
 
 
 def _steps() -> list[tuple[SchedulerOutput, dict[str, int] | None, int]]:
@@ -162,11 +171,13 @@ class _EagerGraphs(DecodeGraphs):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.replays: list[tuple[int, bool]] = []
+        self.io_replays = 0  # replays of graphs that load their own inputs and write their own ids
         self.feeds: list[bool] = []  # True: the ids were already in last_sampled (no copy)
 
-    def replay(self, bs: int, cascade: bool):
-        self.replays.append((bs, cascade))
-        return self._run(bs, cascade)
+    def _replay(self, key):
+        self.replays.append(key[:2])
+        self.io_replays += key[2] is not None
+        return self._run(*key)
 
     def feed_previous_samples(self, prev_sampled: torch.Tensor) -> None:
         self.feeds.append(self.holds_previous_samples(prev_sampled))
@@ -181,7 +192,7 @@ def model_dir(tmp_path_factory):
 
 
 def _llm(model_dir, backend: str, graphs: bool, max_model_len: int = 64,
-         max_num_batched_tokens: int = 16) -> tuple[LLM, _EagerGraphs | None]:
+         max_num_batched_tokens: int = 16, io_max_rows: int = 0) -> tuple[LLM, _EagerGraphs | None]:
     llm = LLM(model=str(model_dir), device="cpu", max_model_len=max_model_len, block_size=4,
               kernel_backend=backend, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
               async_scheduling=True)
@@ -193,17 +204,21 @@ def _llm(model_dir, backend: str, graphs: bool, max_model_len: int = 64,
                                  max_blocks_per_seq=runner.builder.tables.max_blocks_per_seq,
                                  max_seq_len=max_model_len,
                                  device=CPU, resolve_placeholders=runner.ops.resolve_placeholders,
-                                 max_num_seqs=8, cascade_batch_sizes=sizes, sample_in_graph=backend == "triton")
+                                 max_num_seqs=8, cascade_batch_sizes=sizes, sample_in_graph=backend == "triton",
+                                 io_max_rows=io_max_rows)
     return llm, runner.graphs
 
 
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_interpreter), "torch"])
-def test_graph_steps_equal_eager_steps(model_dir, backend):
+@pytest.mark.parametrize("backend,io", [pytest.param("triton", 0, marks=needs_interpreter),
+                                        pytest.param("triton", 8, marks=needs_interpreter), ("torch", 0)])
+def test_graph_steps_equal_eager_steps(model_dir, backend, io):
     """Async scheduling (placeholder inputs every decode): batch-1 greedy, then a mixed batch (greedy,
     seeded temperature, a seeded top-p row for the full sampler, a logprobs row), through the graph
     step and through the eager path: the same tokens and logprobs. With the in-graph sampler serving
     every row (triton, batch 1) the previous ids are found in `last_sampled` after the first decode;
-    otherwise each placeholder step copies them there."""
+    otherwise each placeholder step copies them there. `io`: graphs of up to that many rows load their
+    own inputs from the host twin and write the ids back there (the batch-1 steps' tokens come from that
+    write; the mixed batch's top-p row sends its step through the full sampler and the runner's copy)."""
     alone = ([3, 14, 15, 92, 65], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     mixed = [alone,
              ([9, 8, 7], SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True)),
@@ -211,30 +226,35 @@ def test_graph_steps_equal_eager_steps(model_dir, backend):
              ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, logprobs=2, max_tokens=3, ignore_eos=True))]
     results = {}
     for graphs in (False, True):
-        llm, fake = _llm(model_dir, backend, graphs)
+        llm, fake = _llm(model_dir, backend, graphs, io_max_rows=io)
         one = llm.generate([{"prompt_token_ids": alone[0]}], [alone[1]], use_tqdm=False)[0].outputs[0]
         if fake is not None:
             assert len(fake.replays) == 4 and all(r == (1, False) for r in fake.replays)
+            assert fake.io_replays == (4 if io else 0)
             # the first decode reads the prefill's ids (an eager step's): one copy; then the graph's own
             assert fake.feeds == ([False] + [True] * 3 if backend == "triton" else [False] * 4)
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in mixed], [s for _, s in mixed], use_tqdm=False)
         if fake is not None:
             assert any(bs == 4 for bs, _ in fake.replays[4:])  # the mixed batch ran as padded graph steps
+            assert fake.io_replays == (len(fake.replays) if io else 0)
         results[graphs] = (one.token_ids, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
     assert results[True] == results[False]
     assert results[True][1][0][0] == results[True][0]  # the greedy row ignores its batch
 
 
 @needs_interpreter
-def test_cascade_graph_step_equals_eager(model_dir):
+@pytest.mark.parametrize("io", [0, 8])
+def test_cascade_graph_step_equals_eager(model_dir, io):
     """Rows sharing cached prefix blocks replay the cascade "graph" (thresholds lowered), reading the
-    prefix length from the arena: the same greedy tokens as the eager path."""
+    prefix length from the arena: the same greedy tokens as the eager path (`io`: with the graphs
+    loading their own inputs)."""
     shared = [(7 * i) % 200 + 3 for i in range(66)]  # 16 full blocks of 4: 64 keys, one CASCADE_ALIGN
     prompts = [{"prompt_token_ids": shared + [11 + j]} for j in range(3)]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     results = {}
     for graphs in (False, True):
-        llm, fake = _llm(model_dir, "triton", graphs, max_model_len=96, max_num_batched_tokens=256)
+        llm, fake = _llm(model_dir, "triton", graphs, max_model_len=96, max_num_batched_tokens=256,
+                         io_max_rows=io)
         llm.llm_engine.runner.builder.cascade = (2, 64, 64)
         used = record_cascade_prefixes(llm.llm_engine.runner.builder)
         results[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

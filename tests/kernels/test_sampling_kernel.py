@@ -101,3 +101,22 @@ def test_one_compile_serves_every_batch_size():
     for kernel, n0 in zip(kernels, before):
         n = variants(kernel) - n0
         assert n <= 1, f"{kernel.fn.__name__} compiled {n} variants"
+
+
+def test_host_out_gets_the_same_ids_as_the_device():
+    """`host_out` (pinned on CUDA): the reduce kernel writes every row's id there too: greedy rows their
+    argmax, sampled rows the token a call without it draws."""
+    torch.manual_seed(5)
+    logits = torch.randn(4, 5000).to(DEV)
+    temperature = torch.tensor([0.0, 0.9, 0.0, 1.3]).to(DEV)
+    seeds = torch.tensor([1, 2, 3, 4]).to(DEV)
+    host = torch.full((4,), -7, dtype=torch.int64)
+    if DEV == "cuda":
+        host = host.pin_memory()
+    ids = sample_greedy_or_gumbel(logits, temperature, seeds, host_out=host)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    assert host.tolist() == ids.cpu().tolist() == sample_greedy_or_gumbel(logits, temperature, seeds).cpu().tolist()
+    assert host[0] == logits[0].argmax() and host[2] == logits[2].argmax()
+    with pytest.raises(ValueError, match="contiguous int64"):
+        sample_greedy_or_gumbel(logits, temperature, seeds, host_out=host[:3])

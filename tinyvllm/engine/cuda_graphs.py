@@ -16,6 +16,13 @@ logits and, with `sample_in_graph`, the fused greedy/Gumbel sampler over the are
 temperatures and seeds, writing its ids into `last_sampled` (they are used for the rows that sampler
 serves; the rest take the logits to the full sampler). Graphs share one memory pool and are captured
 largest first.
+
+Buckets of at most `io_max_rows` rows (with `sample_in_graph`) instead do their own copies: two graphs
+per bucket, one per host twin, each starting with a kernel that copies the step's bytes from that pinned
+twin and gathers the placeholders (kernels/arena_load.py) and ending with a sampler that also writes
+the ids into the twin's `sampled_ids` (kernels/sampling.py). A batch-1 step is then one graph launch and
+an event: the copy kernels outside the graph and the device's idle time at their hand-overs go
+(docs/perf.md, v15).
 """
 from __future__ import annotations
 
@@ -50,8 +57,10 @@ class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], *, batch_sizes: list[int],
                  max_blocks_per_seq: int, max_seq_len: int, device: torch.device,
                  resolve_placeholders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-                 max_num_seqs: int = 0, cascade_batch_sizes: list[int] = (), sample_in_graph: bool = False) -> None:
+                 max_num_seqs: int = 0, cascade_batch_sizes: list[int] = (), sample_in_graph: bool = False,
+                 io_max_rows: int = 0) -> None:
         self.model = model
+        self.io_max_rows = io_max_rows if sample_in_graph else 0
         self.sample_in_graph = sample_in_graph
         self.kv_caches = kv_caches
         self.batch_sizes = sorted(batch_sizes)
@@ -71,9 +80,10 @@ class DecodeGraphs:
         # sampler writes its ids here.
         self.last_sampled = torch.zeros(max(n, max_num_seqs), dtype=torch.int64, device=device)
         self.cascade_batch_sizes = sorted(b for b in cascade_batch_sizes if b in self.batch_sizes)
-        # (batch size, cascade) -> graph, and its (logits, sampled ids or None) buffers
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # (batch size, cascade, host twin or None) -> graph, and its (logits, sampled ids or None) buffers;
+        # the twin's index for the buckets that load their own inputs (`runs_io`), else None
+        self.graphs: dict[tuple[int, bool, int | None], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool, int | None], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def bucket(self, batch_size: int) -> int | None:
         for b in self.batch_sizes:
@@ -81,9 +91,21 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _run(self, bs: int, cascade: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def runs_io(self, bs: int) -> bool:
+        """Whether bucket `bs`'s graphs copy their own inputs and ids (module docstring)."""
+        return bs <= self.io_max_rows
+
+    def _run(self, bs: int, cascade: bool, twin: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's device work over the arena; `twin`: first load it from that host twin, and
+        write the sampled ids back there too."""
         a = self.arena
-        self.resolve_placeholders(a.input_ids[:bs], a.placeholder_src[:bs], self.last_sampled)
+        host = None if twin is None else self._host_arenas[twin]
+        if host is None:
+            self.resolve_placeholders(a.input_ids[:bs], a.placeholder_src[:bs], self.last_sampled)
+        else:
+            from tinyvllm.kernels.arena_load import load_arena
+
+            load_arena(a.buffer, host.buffer, a.input_ids[:bs], a.placeholder_src[:bs], self.last_sampled)
         meta = a.decode_meta(bs, self.max_seq_len, cascade)
         hidden = self.model(a.input_ids[:bs], a.positions[:bs], meta, self.kv_caches)
         logits = self.model.compute_logits(hidden, dtype=None)
@@ -92,7 +114,17 @@ class DecodeGraphs:
         from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
         return logits, sample_greedy_or_gumbel(logits, a.temperatures[:bs], a.seeds[:bs],
-                                               out=self.last_sampled[:bs])
+                                               out=self.last_sampled[:bs],
+                                               host_out=None if host is None else host.sampled_ids[:bs])
+
+    def _keys(self) -> list[tuple[int, bool, int | None]]:
+        """Every graph to capture, largest bucket first."""
+        keys = []
+        for bs in reversed(self.batch_sizes):
+            for cascade in (False, True) if bs in self.cascade_batch_sizes else (False,):
+                keys += [(bs, cascade, t) for t in range(len(self._host_arenas))] if self.runs_io(bs) else \
+                    [(bs, cascade, None)]
+        return keys
 
     @torch.no_grad()
     def capture(self) -> None:
@@ -101,18 +133,17 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for bs in reversed(self.batch_sizes):
-                for cascade in (False, True) if bs in self.cascade_batch_sizes else (False,):
-                    self._run(bs, cascade)  # warm-up: compiles kernels, sizes workspaces
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self._outputs[bs, cascade] = self._run(bs, cascade)
-                    self.graphs[bs, cascade] = graph
+            for key in self._keys():
+                self._run(*key)  # warm-up: compiles kernels, sizes workspaces
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._outputs[key] = self._run(*key)
+                self.graphs[key] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.warning("captured CUDA graphs for decode batch sizes %s (with cascade attention too: %s) in "
-                       "%.1f s (enforce_eager=True turns this off)", self.batch_sizes, self.cascade_batch_sizes,
-                       time.perf_counter() - start)
+        logger.warning("captured CUDA graphs for decode batch sizes %s (with cascade attention too: %s; "
+                       "loading their own inputs: up to %d rows) in %.1f s (enforce_eager=True turns this off)",
+                       self.batch_sizes, self.cascade_batch_sizes, self.io_max_rows, time.perf_counter() - start)
 
     def next_host_arena(self) -> InputArena:
         """The host twin of the arena to pack the next graph step into (the two alternate)."""
@@ -146,5 +177,21 @@ class DecodeGraphs:
         cascade size) over the arena as loaded, and return (logits [bs, V], sampled ids [bs] or None),
         static buffers valid until the next replay of this bucket (the sampled ids: of any bucket).
         With `sample_in_graph`, the sampled ids of rows past the step's sampled rows mean nothing."""
-        self.graphs[bs, cascade].replay()
-        return self._outputs[bs, cascade]
+        return self._replay((bs, cascade, None))
+
+    def replay_io(self, bs: int, cascade: bool, host: InputArena,
+                  nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a `runs_io` bucket: record that the step packed into `host` (a twin from
+        `next_host_arena`) needs its first `nbytes` bytes, replay the graph that loads them from that
+        twin, and return (logits, sampled ids on the device, the same ids in the twin's pinned
+        `sampled_ids`, readable once an event recorded after this call has completed), all [bs]-row
+        static buffers as `replay`'s."""
+        twin = next(i for i, h in enumerate(self._host_arenas) if h is host)
+        host.set_copy_words(nbytes)
+        logits, sampled = self._replay((bs, cascade, twin))
+        return logits, sampled, host.sampled_ids[:bs]
+
+    def _replay(self, key: tuple[int, bool, int | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay one captured graph; its output buffers."""
+        self.graphs[key].replay()
+        return self._outputs[key]

@@ -5,15 +5,18 @@ packed into a pinned host twin of the buffer, reach the device in ONE copy of it
 Layout for n rows and W blocks per sequence, every region starting on a 16-byte boundary (Triton
 specialises pointer arguments on that alignment):
 
-    input_ids [n] int64 | positions [n] int64 | slot_mapping [n] int64 | placeholder_src [n] int64 |
-    seeds [n] int64 | temperatures [n] float32 | seq_lens [n] int32 | prefix_len [1] int32 |
-    block_tables [n, W] int32 | row_index [n] int64
+    copy_words [1] int32 | input_ids [n] int64 | positions [n] int64 | slot_mapping [n] int64 |
+    placeholder_src [n] int64 | seeds [n] int64 | temperatures [n] float32 | seq_lens [n] int32 |
+    prefix_len [1] int32 | block_tables [n, W] int32 | row_index [n] int64 | sampled_ids [n] int64
 
 `placeholder_src[i]` ≥ 0: row i's input is that row of the previous step's sampled ids (async
 scheduling; the graph gathers it, kernels/placeholders.py); −1: the row's id is in `input_ids`. The
 block tables come after every per-row region, so a step copies the bytes up to the end of its used table
 rows only (`bytes_through`). `row_index` (0, 1, …, n−1, the logits rows of a decode-only step) is set
-once and never copied.
+once and never copied. Two regions serve the graphs that do their own copies (cuda_graphs.py, small
+buckets): `copy_words`, the number of leading 32-bit words a step needs copied (written by
+`set_copy_words`, read by the graph's load kernel from the pinned twin), and `sampled_ids`, where that
+graph's sampler writes the step's ids into the pinned twin (never copied in).
 """
 from __future__ import annotations
 
@@ -34,10 +37,10 @@ def _align(nbytes: int) -> int:
 def _regions(n: int, max_blocks_per_seq: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(name, dtype, shape) of each region, in layout order."""
     i64, i32 = torch.int64, torch.int32
-    return [("input_ids", i64, (n,)), ("positions", i64, (n,)), ("slot_mapping", i64, (n,)),
-            ("placeholder_src", i64, (n,)), ("seeds", i64, (n,)), ("temperatures", torch.float32, (n,)),
+    return [("copy_words", i32, (1,)), ("input_ids", i64, (n,)), ("positions", i64, (n,)),
+            ("slot_mapping", i64, (n,)), ("placeholder_src", i64, (n,)), ("seeds", i64, (n,)), ("temperatures", torch.float32, (n,)),
             ("seq_lens", i32, (n,)), ("prefix_len", i32, (1,)), ("block_tables", i32, (n, max_blocks_per_seq)),
-            ("row_index", i64, (n,))]
+            ("row_index", i64, (n,)), ("sampled_ids", i64, (n,))]
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,14 @@ class ArenaArrays:
     seq_lens: np.ndarray
     prefix_len: np.ndarray
     block_tables: np.ndarray
+    copy_words: np.ndarray
+    sampled_ids: np.ndarray
 
 
 class InputArena:
     """One arena (module docstring) of `max_rows` rows on `device`; a host arena (CPU) also has numpy
     views in `arrays`. Starts with every row padding: ids, positions, lengths 0, slots and placeholder
-    sources −1, block tables 0."""
+    sources −1, block tables 0; `copy_words` covers every region up to the block tables' end."""
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int, device: torch.device,
                  pin_memory: bool = False) -> None:
@@ -86,18 +91,31 @@ class InputArena:
         self.prefix_len: torch.Tensor = views["prefix_len"]
         self.block_tables: torch.Tensor = views["block_tables"]
         self.row_index: torch.Tensor = views["row_index"]
+        self.copy_words: torch.Tensor = views["copy_words"]
+        self.sampled_ids: torch.Tensor = views["sampled_ids"]
         self.slot_mapping.fill_(-1)
         self.placeholder_src.fill_(-1)
         self.row_index.copy_(torch.arange(max_rows))
         self.arrays: ArenaArrays | None = None
         if self.buffer.device.type == "cpu":
             self.arrays = ArenaArrays(**{name: views[name].numpy() for name in ArenaArrays.__dataclass_fields__})
+        self.set_copy_words(self.bytes_through(max_rows, max_blocks_per_seq))
 
     def bytes_through(self, rows: int, table_width: int) -> int:
         """The leading bytes that hold every per-row region whole and the block tables' first `rows`
         rows up to column `table_width` (rows ≥ 1): what a step of `rows` decode rows must copy."""
         assert 1 <= rows <= self.max_rows and 1 <= table_width <= self.max_blocks_per_seq
         return self._table_offset + ((rows - 1) * self.max_blocks_per_seq + table_width) * 4
+
+    def set_copy_words(self, nbytes: int) -> None:
+        """Record that a step needs the first `nbytes` bytes copied (rounded up to whole words)."""
+        if not 0 < nbytes <= self.nbytes:
+            raise ValueError(f"copy of {nbytes} bytes from an arena of {self.nbytes}")
+        words = -(-nbytes // 4)
+        if self.arrays is not None:  # a host arena: numpy, no torch dispatch on the step's path
+            self.arrays.copy_words[0] = words
+        else:
+            self.copy_words[0] = words
 
     def decode_meta(self, rows: int, max_seq_len: int, cascade: bool) -> AttnMetadata:
         """The attention metadata of a decode-only step over the arena's first `rows` rows (full-width

@@ -11,6 +11,8 @@ A decode graph step's stream work outside its graph: the one host-to-device copy
 kernels for steps of at most KERNEL_COPY_MAX_ROWS rows, kernels/host_copy.py); plus one device
 copy of the previous step's sampled ids when the step has placeholder inputs and no graph's sampler
 left those ids in `DecodeGraphs.last_sampled` (the previous step was eager, or partly full-sampled).
+Buckets of at most GRAPH_IO_MAX_ROWS rows do both copies inside their graph: their steps' stream work
+is the replay and an event.
 """
 from __future__ import annotations
 
@@ -50,6 +52,10 @@ MEGAKERNEL_MAX_HIDDEN = 2048
 # the compute engine left the device idle ~21 µs per batch-1 step on the H200 (docs/perf.md, v13). Larger
 # steps keep the copy engines: their inputs grow with the batch and their steps are long.
 KERNEL_COPY_MAX_ROWS = 8
+# Graph buckets of at most this many rows load their own inputs and write their own ids (a kernel at each
+# end of the graph, cuda_graphs.py): a step is then one graph launch, without the copy kernels around it
+# and the device's idle time at their hand-overs (docs/perf.md, v15). 0 turns it off.
+GRAPH_IO_MAX_ROWS = KERNEL_COPY_MAX_ROWS
 
 
 def wants_megakernel(requested: bool | None, device_type: str, hidden_size: int) -> bool:
@@ -225,7 +231,8 @@ class ModelRunner:
                                        device=self.device, resolve_placeholders=self.ops.resolve_placeholders,
                                        max_num_seqs=max_num_seqs,
                                        cascade_batch_sizes=[b for b in sizes if b >= CASCADE_MIN_BATCH]
-                                       if cascade else [], sample_in_graph=self.kernel_backend == "triton")
+                                       if cascade else [], sample_in_graph=self.kernel_backend == "triton",
+                                       io_max_rows=GRAPH_IO_MAX_ROWS if self.kernel_backend == "triton" else 0)
             self.graphs.capture()
 
     # ------------------------------------------------------------------ one step
@@ -286,12 +293,18 @@ class ModelRunner:
             host.arrays.temperatures[:n] = plan.host_temperatures
         if inputs.num_placeholders:
             graphs.feed_previous_samples(self._prev_sampled)
-        graphs.load_inputs(host, inputs.arena_bytes, by_kernel=self._copies_by_kernel(n))
-        logits, presampled = graphs.replay(bucket, cascade=inputs.prefix_len > 0)
+        graph_ids = None
+        if graphs.runs_io(bucket):
+            logits, presampled, graph_ids = graphs.replay_io(bucket, inputs.prefix_len > 0, host, inputs.arena_bytes)
+        else:
+            graphs.load_inputs(host, inputs.arena_bytes, by_kernel=self._copies_by_kernel(n))
+            logits, presampled = graphs.replay(bucket, cascade=inputs.prefix_len > 0)
         logits = logits[:n]
         presampled = presampled[:n] if fused and graphs.sample_in_graph else None
         sampled, logprobs, logprob_rows = self._sample(logits, seqs, plan, fused, seeds, presampled, bufs)
-        return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs)
+        # The graph's own copy of the ids holds the step's tokens when its sampler served every row.
+        graph_ids = graph_ids[:n] if graph_ids is not None and len(fused) == n else None
+        return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs, graph_ids)
 
     def _next_host_bufs(self) -> dict[str, torch.Tensor]:
         """This step's set of the runner's host staging (the two alternate between sampled steps)."""
@@ -301,13 +314,21 @@ class ModelRunner:
 
     def _finish(self, seqs: list[ScheduledSequence], sample_order: list[int], plan: FusedSamplingPlan,
                 sampled: torch.Tensor, logprobs: LogprobsTensors | None, logprob_rows: list[int] | None,
-                bufs: dict[str, torch.Tensor]) -> StepHandle:
+                bufs: dict[str, torch.Tensor], graph_ids: torch.Tensor | None = None) -> StepHandle:
         """Keep this step's sampled ids for the next step's placeholders, enqueue their copy to the host
-        (and an event after it, on CUDA), and return the step's handle."""
+        (and an event after it, on CUDA), and return the step's handle. `graph_ids`: the same ids, already
+        being written into pinned host memory by the step's graph (no copy)."""
         self._prev_sampled = sampled
         self._prev_index = plan.index
         event = None
-        if self.device.type == "cuda":
+        if graph_ids is not None:
+            host = graph_ids
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            else:  # a host twin is rewritten two steps later
+                host = graph_ids.clone()
+        elif self.device.type == "cuda":
             host = bufs["ids"][:sampled.shape[0]]
             if (self._copies_by_kernel(sampled.shape[0]) and sampled.dtype == host.dtype
                     and sampled.is_contiguous()):

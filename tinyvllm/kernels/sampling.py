@@ -89,8 +89,10 @@ def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, va
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
-def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, V, NUM_SPLITS, MAX_SPLITS: tl.constexpr):
-    """Row b: the split holding the largest value; the lowest index among equal values."""
+def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, host_ptr, V, NUM_SPLITS, MAX_SPLITS: tl.constexpr,
+                          HOST_OUT: tl.constexpr):
+    """Row b: the split holding the largest value; the lowest index among equal values. With HOST_OUT
+    the id is also written to `host_ptr` (pinned host memory, through its mapped address)."""
     row = tl.program_id(0)
     k = tl.arange(0, MAX_SPLITS)
     mask = k < NUM_SPLITS
@@ -100,6 +102,8 @@ def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, V, NUM_SPLITS, MAX_SPLITS: 
     best = tl.min(tl.where(val == top, idx, V), axis=0)
     best = tl.where(best == V, 0, best)  # a row of −inf logits only: index 0, as an argmax gives
     tl.store(out_ptr + row, best.to(tl.int64))
+    if HOST_OUT:
+        tl.store(host_ptr + row, best.to(tl.int64))
 
 
 _BLOCK = 2048
@@ -114,9 +118,13 @@ def num_splits(batch: int, vocab: int, device: torch.device) -> int:
 
 
 def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                            out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, splits: int | None = None,
+                            host_out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] (row-contiguous, any float dtype), temperature [B] float32 (0 = greedy), seeds [B]
     int64 → sampled ids [B] int64. Same (logits, T, seed) → same token, whatever the batch or `splits`.
+    `host_out` [B] int64, pinned host memory on CUDA: the ids are written there too, by the same kernel
+    (readable once an event recorded after this call has completed), so that a decode graph needs no
+    copy after its sampler (engine/cuda_graphs.py).
 
     Each row is cut into `splits` chunks (default: enough programs to fill the device): one kernel finds
     every chunk's best (value, index), a second picks each row's best chunk."""
@@ -125,6 +133,11 @@ def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, see
         logits = logits.contiguous()
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if host_out is not None:
+        if host_out.dtype != torch.int64 or host_out.shape != (B,) or not host_out.is_contiguous():
+            raise ValueError(f"host_out must be [{B}] contiguous int64, got {tuple(host_out.shape)} {host_out.dtype}")
+        if host_out.is_cuda or (logits.is_cuda and not host_out.is_pinned()):
+            raise ValueError("host_out must be pinned host memory")
     if B:
         S = min(splits or num_splits(B, V, logits.device), _MAX_SPLITS)
         chunk = triton.cdiv(triton.cdiv(V, S), _BLOCK) * _BLOCK
@@ -133,5 +146,6 @@ def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, see
         idxs = torch.empty(B, S, dtype=torch.int32, device=logits.device)
         _sample_partial_kernel[(B, S)](logits, logits.stride(0), temperature, seeds, vals, idxs, V, chunk, S,
                                        BLOCK=_BLOCK, FAST_LOG=logits.is_cuda, num_warps=8)
-        _sample_reduce_kernel[(B,)](vals, idxs, out, V, S, MAX_SPLITS=_MAX_SPLITS, num_warps=1)
+        _sample_reduce_kernel[(B,)](vals, idxs, out, out if host_out is None else host_out, V, S,
+                                    MAX_SPLITS=_MAX_SPLITS, HOST_OUT=host_out is not None, num_warps=1)
     return out

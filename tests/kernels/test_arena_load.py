@@ -1,0 +1,75 @@
+"""A decode graph's own input load (kernels/arena_load.py): the leading words the pinned host arena's
+header names reach the device arena exactly, nothing past them is written, and the placeholder rows then
+take the previous step's sampled ids, against a hand-built expectation. On CUDA the source is pinned
+host memory read through its mapped address."""
+import pytest
+import torch
+
+from tinyvllm.kernels.arena_load import _BLOCK, load_arena
+
+ARENA_WORDS = 3 * _BLOCK + 40  # room for copies that need the loop beyond the first block
+
+
+def _arena(device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host source, device destination) of ARENA_WORDS words: random source bytes, a 0xA5 destination."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (4 * ARENA_WORDS,), dtype=torch.uint8, generator=g)
+    if device.type == "cuda":
+        src = src.pin_memory()
+    return src, torch.full((4 * ARENA_WORDS,), 0xA5, dtype=torch.uint8, device=device)
+
+
+@pytest.mark.parametrize("words", [1, 37, _BLOCK, _BLOCK + 1, 3 * _BLOCK + 40])
+def test_exactly_the_named_words_arrive(device, words):
+    """n = the header word (word 0, counted in n); words n.. of the destination keep their old bytes.
+    No placeholder rows (every source −1), so the copy is all that happens."""
+    src, dst = _arena(device, words)
+    src.view(torch.int32)[0] = words
+    ids_off, rows = 4, 3  # int64 views at byte 16 and 16 + 8·rows: inside the copy only when n covers them
+    src.view(torch.int64)[ids_off // 2 + rows:ids_off // 2 + 2 * rows] = -1  # placeholder sources −1
+    d64 = dst.view(torch.int64)
+    ids, ph_src = d64[ids_off // 2:ids_off // 2 + rows], d64[ids_off // 2 + rows:ids_off // 2 + 2 * rows]
+    if words * 4 < 16 + 16 * rows:  # the sources are not copied: make the destination's say "keep"
+        ph_src.fill_(-1)
+    before = dst.cpu().clone()
+    load_arena(dst, src, ids, ph_src, torch.zeros(4, dtype=torch.int64, device=device))
+    got = dst.cpu()
+    assert torch.equal(got[:4 * words], src.cpu()[:4 * words])
+    assert torch.equal(got[4 * words:], before[4 * words:])
+
+
+def test_placeholder_rows_take_the_previous_samples(device):
+    """Five rows, three of them placeholders pointing anywhere in the previous step's ids; the other
+    rows keep the ids the copy brought, padding rows included."""
+    src, dst = _arena(device, 7)
+    s64 = src.view(torch.int64)
+    rows = 5
+    ids_host, ph_host = s64[2:2 + rows], s64[2 + rows:2 + 2 * rows]
+    ids_host.copy_(torch.tensor([-1, 11, -1, 13, 0]))  # −1: PLACEHOLDER, resolved on the device
+    ph_host.copy_(torch.tensor([4, -1, 0, -1, -1]))
+    used = 16 + 16 * rows + 24
+    src.view(torch.int32)[0] = used // 4
+    d64 = dst.view(torch.int64)
+    sampled = torch.tensor([900, 901, 902, 903, 904, 905], dtype=torch.int64, device=device)
+    load_arena(dst, src, d64[2:2 + rows], d64[2 + rows:2 + 2 * rows], sampled)
+    assert d64[2:2 + rows].tolist() == [904, 11, 900, 13, 0]
+    assert d64[2 + rows:2 + 2 * rows].tolist() == [4, -1, 0, -1, -1]  # the sources themselves as copied
+    assert torch.equal(dst.cpu()[2 * 8 + 16 * rows:used], src.cpu()[2 * 8 + 16 * rows:used])
+
+
+def test_bad_arguments_are_refused(device):
+    src, dst = _arena(device, 1)
+    d64 = dst.view(torch.int64)
+    ids, ph = d64[2:4], d64[4:6]
+    sampled = torch.zeros(2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="one size"):
+        load_arena(dst[:-4], src, ids, ph, sampled)
+    with pytest.raises(ValueError, match="rows"):
+        load_arena(dst, src, ids, d64[4:7], sampled)
+    with pytest.raises(TypeError):
+        load_arena(dst, src, ids, ph, sampled.float())
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="pinned"):
+            load_arena(dst, src.clone(), ids, ph, sampled)  # pageable
+        with pytest.raises(ValueError, match="pinned"):
+            load_arena(dst, dst.clone(), ids, ph, sampled)  # on the device
