@@ -192,7 +192,8 @@ def model_dir(tmp_path_factory):
 
 
 def _llm(model_dir, backend: str, graphs: bool, max_model_len: int = 64,
-         max_num_batched_tokens: int = 16, io_max_rows: int = 0) -> tuple[LLM, _EagerGraphs | None]:
+         max_num_batched_tokens: int = 16, io_max_rows: int = 0,
+         sample_in_lm_head: bool = True) -> tuple[LLM, _EagerGraphs | None]:
     llm = LLM(model=str(model_dir), device="cpu", max_model_len=max_model_len, block_size=4,
               kernel_backend=backend, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
               async_scheduling=True)
@@ -205,20 +206,23 @@ def _llm(model_dir, backend: str, graphs: bool, max_model_len: int = 64,
                                  max_seq_len=max_model_len,
                                  device=CPU, resolve_placeholders=runner.ops.resolve_placeholders,
                                  max_num_seqs=8, cascade_batch_sizes=sizes, sample_in_graph=backend == "triton",
-                                 io_max_rows=io_max_rows)
+                                 io_max_rows=io_max_rows, sample_in_lm_head=sample_in_lm_head)
     return llm, runner.graphs
 
 
-@pytest.mark.parametrize("backend,io", [pytest.param("triton", 0, marks=needs_interpreter),
-                                        pytest.param("triton", 8, marks=needs_interpreter), ("torch", 0)])
-def test_graph_steps_equal_eager_steps(model_dir, backend, io):
+@pytest.mark.parametrize("backend,io,lm_head", [pytest.param("triton", 0, True, marks=needs_interpreter),
+                                                pytest.param("triton", 8, True, marks=needs_interpreter),
+                                                pytest.param("triton", 8, False, marks=needs_interpreter),
+                                                ("torch", 0, True)])
+def test_graph_steps_equal_eager_steps(model_dir, backend, io, lm_head):
     """Async scheduling (placeholder inputs every decode): batch-1 greedy, then a mixed batch (greedy,
     seeded temperature, a seeded top-p row for the full sampler, a logprobs row), through the graph
     step and through the eager path: the same tokens and logprobs. With the in-graph sampler serving
     every row (triton, batch 1) the previous ids are found in `last_sampled` after the first decode;
     otherwise each placeholder step copies them there. `io`: graphs of up to that many rows load their
     own inputs from the host twin and write the ids back there (the batch-1 steps' tokens come from that
-    write; the mixed batch's top-p row sends its step through the full sampler and the runner's copy)."""
+    write; the mixed batch's top-p row sends its step through the full sampler and the runner's copy).
+    `lm_head`: the graphs' sampler inside the LM head's product (else its own kernels after it)."""
     alone = ([3, 14, 15, 92, 65], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     mixed = [alone,
              ([9, 8, 7], SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True)),
@@ -226,7 +230,7 @@ def test_graph_steps_equal_eager_steps(model_dir, backend, io):
              ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, logprobs=2, max_tokens=3, ignore_eos=True))]
     results = {}
     for graphs in (False, True):
-        llm, fake = _llm(model_dir, backend, graphs, io_max_rows=io)
+        llm, fake = _llm(model_dir, backend, graphs, io_max_rows=io, sample_in_lm_head=lm_head)
         one = llm.generate([{"prompt_token_ids": alone[0]}], [alone[1]], use_tqdm=False)[0].outputs[0]
         if fake is not None:
             assert len(fake.replays) == 4 and all(r == (1, False) for r in fake.replays)

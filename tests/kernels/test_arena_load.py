@@ -19,10 +19,12 @@ def _arena(device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return src, torch.full((4 * ARENA_WORDS,), 0xA5, dtype=torch.uint8, device=device)
 
 
+@pytest.mark.parametrize("block", [16, _BLOCK])
 @pytest.mark.parametrize("words", [1, 37, _BLOCK, _BLOCK + 1, 3 * _BLOCK + 40])
-def test_exactly_the_named_words_arrive(device, words):
+def test_exactly_the_named_words_arrive(device, words, block):
     """n = the header word (word 0, counted in n); words n.. of the destination keep their old bytes.
-    No placeholder rows (every source −1), so the copy is all that happens."""
+    No placeholder rows (every source −1), so the copy is all that happens; a first read of `block`
+    words, the rest in the loop."""
     src, dst = _arena(device, words)
     src.view(torch.int32)[0] = words
     ids_off, rows = 4, 3  # int64 views at byte 16 and 16 + 8·rows: inside the copy only when n covers them
@@ -32,7 +34,7 @@ def test_exactly_the_named_words_arrive(device, words):
     if words * 4 < 16 + 16 * rows:  # the sources are not copied: make the destination's say "keep"
         ph_src.fill_(-1)
     before = dst.cpu().clone()
-    load_arena(dst, src, ids, ph_src, torch.zeros(4, dtype=torch.int64, device=device))
+    load_arena(dst, src, ids, ph_src, torch.zeros(4, dtype=torch.int64, device=device), block=block)
     got = dst.cpu()
     assert torch.equal(got[:4 * words], src.cpu()[:4 * words])
     assert torch.equal(got[4 * words:], before[4 * words:])
@@ -55,6 +57,9 @@ def test_placeholder_rows_take_the_previous_samples(device):
     assert d64[2:2 + rows].tolist() == [904, 11, 900, 13, 0]
     assert d64[2 + rows:2 + 2 * rows].tolist() == [4, -1, 0, -1, -1]  # the sources themselves as copied
     assert torch.equal(dst.cpu()[2 * 8 + 16 * rows:used], src.cpu()[2 * 8 + 16 * rows:used])
+    # No rows: the copy alone, the placeholder ids left as copied.
+    load_arena(dst, src, d64[2:2], d64[2:2], sampled)
+    assert d64[2:2 + rows].tolist() == [-1, 11, -1, 13, 0]
 
 
 def test_bad_arguments_are_refused(device):
@@ -68,6 +73,8 @@ def test_bad_arguments_are_refused(device):
         load_arena(dst, src, ids, d64[4:7], sampled)
     with pytest.raises(TypeError):
         load_arena(dst, src, ids, ph, sampled.float())
+    with pytest.raises(ValueError, match="power of two"):
+        load_arena(dst, src, ids, ph, sampled, block=100)
     if device.type == "cuda":
         with pytest.raises(ValueError, match="pinned"):
             load_arena(dst, src.clone(), ids, ph, sampled)  # pageable

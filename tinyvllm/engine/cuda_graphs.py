@@ -13,9 +13,9 @@ step's sampled ids into `last_sampled`, when they are not there already; see `fe
 Each graph runs: placeholder gather (async scheduling: `input_ids[i] = last_sampled[src[i]]` for the
 rows whose input is the previous step's sampled id, one launch) → embedding → layers → final norm →
 logits and, with `sample_in_graph`, the fused greedy/Gumbel sampler over the arena's per-row
-temperatures and seeds, writing its ids into `last_sampled` (they are used for the rows that sampler
-serves; the rest take the logits to the full sampler). Graphs share one memory pool and are captured
-largest first.
+temperatures and seeds (inside the LM head's kernel where that is the fused product), writing its ids
+into `last_sampled` (they are used for the rows that sampler serves; the rest take the logits to the full
+sampler). Graphs share one memory pool and are captured largest first.
 
 Buckets of at most `io_max_rows` rows (with `sample_in_graph`) instead do their own copies: two graphs
 per bucket, one per host twin, each starting with a kernel that copies the step's bytes from that pinned
@@ -52,14 +52,17 @@ class DecodeGraphs:
     reference); `max_num_seqs`: the most rows a step samples (sizes `last_sampled`, which any step's
     sampled ids may be copied into); `cascade_batch_sizes`: buckets that also get a cascade-attention
     graph (decode rows that share a prefix attend it once per chunk of rows; the prefix length is in the
-    arena, so one graph serves any length)."""
+    arena, so one graph serves any length); `io_max_rows`: buckets that load their own inputs (module
+    docstring); `sample_in_lm_head`: with `sample_in_graph`, the sampler inside the LM head's kernel
+    where the model's fused product computes the logits (`LlamaForCausalLM.compute_logits_sampled`)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], *, batch_sizes: list[int],
                  max_blocks_per_seq: int, max_seq_len: int, device: torch.device,
                  resolve_placeholders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
                  max_num_seqs: int = 0, cascade_batch_sizes: list[int] = (), sample_in_graph: bool = False,
-                 io_max_rows: int = 0) -> None:
+                 io_max_rows: int = 0, sample_in_lm_head: bool = True) -> None:
         self.model = model
+        self.sample_in_lm_head = sample_in_lm_head
         self.io_max_rows = io_max_rows if sample_in_graph else 0
         self.sample_in_graph = sample_in_graph
         self.kv_caches = kv_caches
@@ -108,14 +111,18 @@ class DecodeGraphs:
             load_arena(a.buffer, host.buffer, a.input_ids[:bs], a.placeholder_src[:bs], self.last_sampled)
         meta = a.decode_meta(bs, self.max_seq_len, cascade)
         hidden = self.model(a.input_ids[:bs], a.positions[:bs], meta, self.kv_caches)
+        host_ids = None if host is None else host.sampled_ids[:bs]
+        if self.sample_in_graph and self.sample_in_lm_head:
+            logits = self.model.compute_logits_sampled(hidden, a.temperatures[:bs], a.seeds[:bs],
+                                                       self.last_sampled[:bs], host_ids)
+            return logits, self.last_sampled[:bs]
         logits = self.model.compute_logits(hidden, dtype=None)
         if not self.sample_in_graph:
             return logits, None
         from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
         return logits, sample_greedy_or_gumbel(logits, a.temperatures[:bs], a.seeds[:bs],
-                                               out=self.last_sampled[:bs],
-                                               host_out=None if host is None else host.sampled_ids[:bs])
+                                               out=self.last_sampled[:bs], host_out=host_ids)
 
     def _keys(self) -> list[tuple[int, bool, int | None]]:
         """Every graph to capture, largest bucket first."""

@@ -56,6 +56,9 @@ KERNEL_COPY_MAX_ROWS = 8
 # end of the graph, cuda_graphs.py): a step is then one graph launch, without the copy kernels around it
 # and the device's idle time at their hand-overs (docs/perf.md, v15). 0 turns it off.
 GRAPH_IO_MAX_ROWS = KERNEL_COPY_MAX_ROWS
+# Decode graphs sample inside the LM head's kernel where it is the fused product (models/llama.py,
+# compute_logits_sampled): two kernels and their boundaries fewer per step (docs/perf.md, v15).
+SAMPLE_IN_LM_HEAD = True
 
 
 def wants_megakernel(requested: bool | None, device_type: str, hidden_size: int) -> bool:
@@ -232,7 +235,8 @@ class ModelRunner:
                                        max_num_seqs=max_num_seqs,
                                        cascade_batch_sizes=[b for b in sizes if b >= CASCADE_MIN_BATCH]
                                        if cascade else [], sample_in_graph=self.kernel_backend == "triton",
-                                       io_max_rows=GRAPH_IO_MAX_ROWS if self.kernel_backend == "triton" else 0)
+                                       io_max_rows=GRAPH_IO_MAX_ROWS if self.kernel_backend == "triton" else 0,
+                                       sample_in_lm_head=SAMPLE_IN_LM_HEAD)
             self.graphs.capture()
 
     # ------------------------------------------------------------------ one step

@@ -27,7 +27,7 @@ _BLOCK = 1024  # words read in the first round trip: a batch-1 arena (~0.4 KB) a
 
 @triton.jit(do_not_specialize=["capacity", "rows"])
 def _load_arena_kernel(dst_ptr, src_ptr, capacity, ids_ptr, ph_src_ptr, sampled_ptr, rows,
-                       BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                       BLOCK: tl.constexpr, ROWS: tl.constexpr, RESOLVE: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     n = tl.load(src_ptr)
     first = tl.load(src_ptr + offs, mask=offs < capacity)
@@ -35,22 +35,24 @@ def _load_arena_kernel(dst_ptr, src_ptr, capacity, ids_ptr, ph_src_ptr, sampled_
     for start in range(BLOCK, n, BLOCK):
         o = start + offs
         tl.store(dst_ptr + o, tl.load(src_ptr + o, mask=o < n), mask=o < n)
-    tl.debug_barrier()
-    r = tl.arange(0, ROWS)
-    in_range = r < rows
-    src = tl.load(ph_src_ptr + r, mask=in_range, other=-1)
-    take = in_range & (src >= 0)
-    token = tl.load(sampled_ptr + src, mask=take, other=0)
-    tl.store(ids_ptr + r, token.to(ids_ptr.dtype.element_ty), mask=take)
+    if RESOLVE:
+        tl.debug_barrier()
+        r = tl.arange(0, ROWS)
+        in_range = r < rows
+        src = tl.load(ph_src_ptr + r, mask=in_range, other=-1)
+        take = in_range & (src >= 0)
+        token = tl.load(sampled_ptr + src, mask=take, other=0)
+        tl.store(ids_ptr + r, token.to(ids_ptr.dtype.element_ty), mask=take)
 
 
 def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, placeholder_src: torch.Tensor,
-               sampled: torch.Tensor) -> None:
+               sampled: torch.Tensor, block: int = _BLOCK) -> None:
     """dst[:n] ← src[:n] with n = src.view(int32)[0] words, then the placeholder gather over the rows of
     `input_ids` (module docstring). `dst`, `src`: uint8 arenas of one size, 4-byte aligned (`src` pinned
     on CUDA, or both host tensors under the interpreter); `input_ids` [rows] int64 and `placeholder_src`
-    [rows] int64: views of `dst`; `sampled` [M] int64 on the device. Enqueued on the current stream; the
-    host must not rewrite `src` before it has run (the contract of an asynchronous copy)."""
+    [rows] int64: views of `dst` (no rows: no gather); `sampled` [M] int64 on the device. `block`: the
+    words read in the first round trip (a power of two). Enqueued on the current stream; the host must
+    not rewrite `src` before it has run (the contract of an asynchronous copy)."""
     if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.shape != src.shape or dst.dim() != 1:
         raise ValueError(f"load_arena: arenas must be uint8 vectors of one size, got {tuple(src.shape)} "
                          f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}")
@@ -66,5 +68,7 @@ def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, pl
     if placeholder_src.shape[0] != rows:
         raise ValueError(f"load_arena: placeholder_src has {placeholder_src.shape[0]} rows, input_ids {rows}")
     d, s = dst.view(torch.int32), src.view(torch.int32)
-    _load_arena_kernel[(1,)](d, s, d.numel(), input_ids, placeholder_src, sampled, rows, BLOCK=_BLOCK,
-                             ROWS=next_power_of_2(max(rows, 1)), num_warps=4)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"load_arena: block must be a power of two ≥ 16, got {block}")
+    _load_arena_kernel[(1,)](d, s, d.numel(), input_ids, placeholder_src, sampled, rows, BLOCK=block,
+                             ROWS=next_power_of_2(max(rows, 1)), RESOLVE=rows > 0, num_warps=4)

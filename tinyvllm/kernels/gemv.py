@@ -46,6 +46,7 @@ import triton.language as tl
 
 from tinyvllm.kernels._launch import (cdiv, check_dim, check_float, check_last_dim_contiguous, check_same_device,
                                       is_power_of_2, next_power_of_2, num_sms, upcast_dot)
+from tinyvllm.kernels.sampling import _best_of_block, _reduce_row, sampling_tile
 
 MAX_ROWS = 16  # rows of x per call: decode batches; beyond this a GEMM is the right kernel
 FMA_MAX_ROWS = 1  # up to this M, FMAs in registers by default; above, tl.dot with M padded to 16
@@ -169,12 +170,42 @@ def _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, H
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], out, mask=mask)
 
 
+@triton.jit
+def _sample_epilogue(y, offs_n, offs_m, mask_n, M, N, pid_n, temp_ptr, seed_ptr, part_val_ptr, part_idx_ptr,
+                     ticket_ptr, ids_ptr, host_ptr, out_dtype: tl.constexpr, HOST_OUT: tl.constexpr,
+                     TILE: tl.constexpr, FAST_LOG: tl.constexpr, MAX_BLOCKS: tl.constexpr):
+    """The fused sampler over this program's logits y [BLOCK_N, BLOCK_M] (as stored: rounded to
+    out_dtype): each row's best (value, index) into the partials [M, programs]; the last program to take
+    the ticket reduces every row's partials to its id (sampling.py's kernels, same noise, same ids)."""
+    z = y.to(out_dtype).to(tl.float32)
+    num_blocks = tl.num_programs(0)
+    for m in range(0, M):
+        zm = tl.sum(tl.where(offs_m[None, :] == m, z, 0.0), axis=1)
+        top, idx = _best_of_block(zm, offs_n, mask_n, tl.load(temp_ptr + m), tl.load(seed_ptr + m), N, TILE,
+                                  FAST_LOG)
+        tl.store(part_val_ptr + m * num_blocks + pid_n, top)
+        tl.store(part_idx_ptr + m * num_blocks + pid_n, idx)
+    tl.debug_barrier()  # every thread's partial stores before the CTA's one release
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == num_blocks - 1:
+        for m in range(0, M):
+            best = _reduce_row(part_val_ptr + m * num_blocks, part_idx_ptr + m * num_blocks, num_blocks, N,
+                               MAX_BLOCKS).to(tl.int64)
+            tl.store(ids_ptr + m, best)
+            if HOST_OUT:
+                tl.store(host_ptr + m, best)
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every batch size on a path
 def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
                  M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_rm, stride_om,
+                 temp_ptr, seed_ptr, part_val_ptr, part_idx_ptr, ids_ptr, host_ptr,
                  MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                 USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                 SAMPLE: tl.constexpr, HOST_OUT: tl.constexpr, TILE: tl.constexpr, FAST_LOG: tl.constexpr,
+                 MAX_BLOCKS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -233,6 +264,10 @@ def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
     mask = mask_n[:, None] & mask_m[None, :]
     if not SPLIT:
         _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL)
+        if SAMPLE:  # plain products only (the launcher checks): the logits are round(y)
+            _sample_epilogue(y, offs_n, offs_m, mask_n, M, N, pid_n, temp_ptr, seed_ptr, part_val_ptr,
+                             part_idx_ptr, tickets_ptr, ids_ptr, host_ptr, out_ptr.dtype.element_ty, HOST_OUT,
+                             TILE, FAST_LOG, MAX_BLOCKS)
     else:
         # Workspace [splits, M, N] fp32. Publish this split's partial, then take a ticket: the barrier
         # orders every thread's stores before the (gpu-scope, acq_rel) atomic of the CTA's one thread.
@@ -262,6 +297,37 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
     if not bufs or bufs[-1].numel() < n:
         bufs.append(torch.zeros(max(n, _MIN_TICKETS), dtype=torch.int32, device=device))
     return bufs[-1]
+
+
+class GemvSampling(NamedTuple):
+    """The fused greedy/Gumbel sampler (kernels/sampling.py) run in the product's epilogue, for each of
+    the M rows: temperature [M] float32 (0: greedy), seeds [M] int64, the ids into `ids` [M] int64 on
+    the device and, when given, `host_ids` [M] int64 in pinned host memory. The same ids as
+    `sample_greedy_or_gumbel` over the returned logits, one kernel instead of three."""
+
+    temperature: torch.Tensor
+    seeds: torch.Tensor
+    ids: torch.Tensor
+    host_ids: torch.Tensor | None = None
+
+
+# The fused sampler's arrival counter, one int32 per device, zero between launches (the last program
+# resets it); like _TICKETS, for one stream.
+_SAMPLE_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _check_sampling(s: GemvSampling, M: int, x: torch.Tensor) -> None:
+    for name, t, dtype in (("temperature", s.temperature, torch.float32), ("seeds", s.seeds, torch.int64),
+                           ("ids", s.ids, torch.int64)):
+        if t.shape != (M,) or t.dtype != dtype or not t.is_contiguous() or t.device != x.device:
+            raise ValueError(f"sampling.{name} must be [{M}] contiguous {dtype} on {x.device}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    h = s.host_ids
+    if h is not None:
+        if h.shape != (M,) or h.dtype != torch.int64 or not h.is_contiguous():
+            raise ValueError(f"sampling.host_ids must be [{M}] contiguous int64, got {tuple(h.shape)} {h.dtype}")
+        if h.is_cuda or (x.is_cuda and not h.is_pinned()):
+            raise ValueError("sampling.host_ids must be pinned host memory")
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, silu_mul: bool,
@@ -308,14 +374,21 @@ def _check_config(cfg: GemvConfig) -> None:
 
 def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                    eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
-                   config: GemvConfig | None = None) -> torch.Tensor:
-    """Launcher: checks, picks the config (or takes `config`), launches one kernel. → out [M, N]."""
+                   config: GemvConfig | None = None, sampling: GemvSampling | None = None) -> torch.Tensor:
+    """Launcher: checks, picks the config (or takes `config`), launches one kernel. → out [M, N].
+    `sampling` (plain products only: the LM head): also sample every row's id from out, in the kernel."""
     M, N, K = _check(x, weight, norm_weight, silu_mul, residual)
+    if sampling is not None:
+        if norm_weight is not None or silu_mul or residual is not None:
+            raise ValueError("fused sampling needs a plain product (the logits)")
+        _check_sampling(sampling, M, x)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     norm = norm_weight is not None
     cfg = config or default_config(M, N, K, num_sms(x.device), norm=norm)
+    if sampling is not None:
+        cfg = cfg._replace(split_k=1)  # each program's logits whole, for its partial
     _check_config(cfg)
     block_m = 16 if cfg.use_dot else next_power_of_2(M)
     k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -327,13 +400,24 @@ def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.
     else:
         ws = tickets = out
     mode = _NORM if norm else _SILU if silu_mul else _PLAIN
+    s = sampling
+    if s is not None:
+        parts_val = torch.empty((M, n_blocks), dtype=torch.float32, device=x.device)
+        parts_idx = torch.empty((M, n_blocks), dtype=torch.int32, device=x.device)
+        if x.device not in _SAMPLE_TICKETS:
+            _SAMPLE_TICKETS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
+        tickets = _SAMPLE_TICKETS[x.device]
     _gemv_kernel[(n_blocks, split)](
         x, weight, norm_weight if norm else x, residual if residual is not None else out, out, ws, tickets,
         M, N, K, k_per_split, eps, x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
+        *((s.temperature, s.seeds, parts_val, parts_idx, s.ids, s.ids if s.host_ids is None else s.host_ids)
+          if s is not None else (out,) * 6),
         MODE=mode, HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, EVEN_K=split * k_per_split == K,
         UPCAST=upcast_dot(x.device), IEEE=x.dtype == torch.float32,
+        SAMPLE=s is not None, HOST_OUT=s is not None and s.host_ids is not None, TILE=sampling_tile(),
+        FAST_LOG=x.is_cuda, MAX_BLOCKS=next_power_of_2(n_blocks) if s is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

@@ -45,6 +45,44 @@ def _best_of_quarter(row_ptr, q_start, end, noise, inv_t, greedy, best_val, best
     return tl.where(better, z, best_val), tl.where(better, offs, best_idx)
 
 
+@triton.jit
+def _noise_at(seed, offs, TILE: tl.constexpr):
+    """The uniform draw of logits index `offs` [BLOCK] for `seed`, the one `_sample_partial_kernel` (tiles of
+    TILE = its BLOCK) gives it: quarter q of rand4x(seed, tile start / 4 + lane) for the index at
+    tile start + q·TILE/4 + lane. For kernels that meet the logits in other blocks (the LM head's, gemv.py)."""
+    QUARTER: tl.constexpr = TILE // 4
+    start = (offs // TILE) * TILE
+    r = offs - start
+    n0, n1, n2, n3 = tl.rand4x(seed, start // 4 + r % QUARTER)
+    q = r // QUARTER
+    return tl.where(q == 0, n0, tl.where(q == 1, n1, tl.where(q == 2, n2, n3)))
+
+
+@triton.jit
+def _best_of_block(z, offs, valid, temperature, seed, V, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
+    """(value, index) that the sampler's partial kernel would find among the logits z [BLOCK] (float32)
+    at indices `offs` (where `valid`) for a row of `temperature` and `seed`: the same noise and
+    arithmetic, the lowest index among equal values, (−inf, V) when none is valid."""
+    if temperature != 0.0:
+        u = tl.maximum(_noise_at(seed, offs, TILE), 1e-20)
+        z = z * (1.0 / temperature) - 0.6931471805599453 * _log2(-_log2(u, FAST_LOG), FAST_LOG)
+    z = tl.where(valid, z, float("-inf"))
+    top = tl.max(z, axis=0)
+    return top, tl.min(tl.where(z == top, offs, V), axis=0)
+
+
+@triton.jit
+def _reduce_row(val_ptr, idx_ptr, n, V, MAX_SPLITS: tl.constexpr):
+    """The id of a row from its n (value, index) partials (`_sample_reduce_kernel`'s rule), read from L2."""
+    k = tl.arange(0, MAX_SPLITS)
+    mask = k < n
+    val = tl.load(val_ptr + k, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    idx = tl.load(idx_ptr + k, mask=mask, other=V, cache_modifier=".cg")
+    top = tl.max(val, axis=0)
+    best = tl.min(tl.where(val == top, idx, V), axis=0)
+    return tl.where(best == V, 0, best)  # a row of −inf logits only: index 0, as an argmax gives
+
+
 @triton.jit(do_not_specialize=["CHUNK", "NUM_SPLITS"])  # one compile whatever the batch
 def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, val_ptr, idx_ptr, V, CHUNK,
                            NUM_SPLITS, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
@@ -94,19 +132,19 @@ def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, host_ptr, V, NUM_SPLITS, MA
     """Row b: the split holding the largest value; the lowest index among equal values. With HOST_OUT
     the id is also written to `host_ptr` (pinned host memory, through its mapped address)."""
     row = tl.program_id(0)
-    k = tl.arange(0, MAX_SPLITS)
-    mask = k < NUM_SPLITS
-    val = tl.load(val_ptr + row * NUM_SPLITS + k, mask=mask, other=float("-inf"))
-    idx = tl.load(idx_ptr + row * NUM_SPLITS + k, mask=mask, other=V)
-    top = tl.max(val, axis=0)
-    best = tl.min(tl.where(val == top, idx, V), axis=0)
-    best = tl.where(best == V, 0, best)  # a row of −inf logits only: index 0, as an argmax gives
+    best = _reduce_row(val_ptr + row * NUM_SPLITS, idx_ptr + row * NUM_SPLITS, NUM_SPLITS, V, MAX_SPLITS)
     tl.store(out_ptr + row, best.to(tl.int64))
     if HOST_OUT:
         tl.store(host_ptr + row, best.to(tl.int64))
 
 
 _BLOCK = 2048
+
+def sampling_tile() -> int:
+    """The tile by which the sampler lays out its noise (see `_noise_at`): kernels that fuse the sampler
+    elsewhere pass it to `_best_of_block` to draw the same tokens."""
+    return _BLOCK
+
 
 _MAX_SPLITS = 64  # a power of two; the split count is a runtime value below it, so one compile serves all
 

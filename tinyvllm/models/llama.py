@@ -215,3 +215,21 @@ class LlamaForCausalLM(nn.Module):
         else:
             logits = F.linear(hidden, self.lm_head_weight)
         return logits if dtype is None else logits.to(dtype)
+
+    def compute_logits_sampled(self, hidden: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                               ids: torch.Tensor, host_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`compute_logits(hidden, dtype=None)`, and every row's id drawn by the fused greedy/Gumbel
+        sampler (kernels/sampling.py; temperature [N] float32, 0 = greedy, seeds [N] int64) into `ids`
+        [N] int64 and, when given, `host_ids` (pinned). Where the fused Triton product computes the
+        logits, the sampler runs inside it (gemv.py, `sampling=`: one kernel instead of three); else the
+        sampler's own kernels follow. Needs the Triton kernels (on CUDA or the interpreter)."""
+        if self.uses_fused_path(hidden.shape[0]) and self.ops.name == "triton":
+            from tinyvllm.kernels.gemv import GemvSampling, fused_gemv_fwd
+
+            return fused_gemv_fwd(hidden, self.lm_head_weight,
+                                  sampling=GemvSampling(temperature, seeds, ids, host_ids))
+        from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
+
+        logits = self.compute_logits(hidden, dtype=None)
+        sample_greedy_or_gumbel(logits, temperature, seeds, out=ids, host_out=host_ids)
+        return logits

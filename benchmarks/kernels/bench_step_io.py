@@ -1,0 +1,74 @@
+"""A batch-1 decode step's input and output traffic on the device, by way of doing it: the two copy
+kernels and the placeholder gather around a graph (v13) against the graph's own arena load (v15,
+kernels/arena_load.py) at several first-read sizes, each timed as CUDA-graph replays of back-to-back
+calls (so each figure includes a kernel boundary inside a graph, ~0.3–0.5 µs).
+
+    python benchmarks/kernels/bench_step_io.py [--rows 1 8] [--out DIR]
+
+The arena is the engine's (engine/input_arena.py) for max_model_len 131,072 (8,192 blocks a row) with
+a 640-token row; the source is its pinned host twin. Writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from common import bench_graph, device_info, output_paths, print_table, require_cuda, write_json  # noqa: E402
+from tinyvllm.engine.input_arena import InputArena  # noqa: E402
+from tinyvllm.kernels.arena_load import load_arena  # noqa: E402
+from tinyvllm.kernels.host_copy import kernel_copy_  # noqa: E402
+from tinyvllm.kernels.placeholders import resolve_placeholders  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--blocks-per-seq", type=int, default=8192)
+    ap.add_argument("--context", type=int, default=640)
+    ap.add_argument("--out", default=None)
+    ns = ap.parse_args()
+    dev = require_cuda()
+    results = []
+    for rows in ns.rows:
+        host = InputArena(rows, ns.blocks_per_seq, torch.device("cpu"), pin_memory=True)
+        arena = InputArena(rows, ns.blocks_per_seq, dev)
+        nbytes = host.bytes_through(rows, -(-ns.context // 16))
+        host.set_copy_words(nbytes)
+        host.arrays.placeholder_src[:rows] = range(rows)
+        sampled = torch.arange(100, 100 + rows, device=dev)
+        ids_host = host.sampled_ids[:rows]
+        ids, src = arena.input_ids[:rows], arena.placeholder_src[:rows]
+
+        def copy_kernels() -> None:
+            kernel_copy_(arena.buffer[:nbytes], host.buffer[:nbytes])
+            resolve_placeholders(ids, src, sampled)
+            kernel_copy_(ids_host, sampled)
+
+        variants = {"copy in, gather, copy out (3 kernels)": copy_kernels,
+                    "copy in (1 kernel)": lambda: kernel_copy_(arena.buffer[:nbytes], host.buffer[:nbytes]),
+                    "copy out (1 kernel)": lambda: kernel_copy_(ids_host, sampled)}
+        for block in (64, 128, 256, 1024):
+            variants[f"arena load, first read {block} words"] = \
+                lambda b=block: load_arena(arena.buffer, host.buffer, ids, src, sampled, block=b)
+            variants[f"arena load, first read {block} words, no gather"] = \
+                lambda b=block: load_arena(arena.buffer, host.buffer, ids[:0], src[:0], sampled, block=b)
+        for name, fn in variants.items():
+            us = bench_graph([fn], calls=64) * 1e3
+            results.append({"rows": rows, "bytes": nbytes, "variant": name, "us": us})
+        load_arena(arena.buffer, host.buffer, ids, src, sampled)
+        torch.cuda.synchronize()
+        assert torch.equal(arena.block_tables.cpu(), host.block_tables) and ids.tolist() == sampled.tolist()
+    print_table("a decode step's input/output traffic, µs per call (graph replays)", results,
+                [("rows", "rows", "d"), ("bytes", "bytes", "d"), ("variant", "variant", "s"), ("us", "µs", ".2f")])
+    json_path, _ = output_paths(ns.out, "step_io")
+    write_json(json_path, {"device": device_info(dev), "results": results})
+
+
+if __name__ == "__main__":
+    main()
