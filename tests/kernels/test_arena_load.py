@@ -23,8 +23,7 @@ def _arena(device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("words", [1, 37, _BLOCK, _BLOCK + 1, 3 * _BLOCK + 40])
 def test_exactly_the_named_words_arrive(device, words, block):
     """n = the header word (word 0, counted in n); words n.. of the destination keep their old bytes.
-    No placeholder rows (every source −1), so the copy is all that happens; a first read of `block`
-    words, the rest in the loop."""
+    No placeholder rows (every source −1), so the copy is all that happens; `block` words a program."""
     src, dst = _arena(device, words)
     src.view(torch.int32)[0] = words
     ids_off, rows = 4, 3  # int64 views at byte 16 and 16 + 8·rows: inside the copy only when n covers them
@@ -75,6 +74,8 @@ def test_bad_arguments_are_refused(device):
         load_arena(dst, src, ids, ph, sampled.float())
     with pytest.raises(ValueError, match="power of two"):
         load_arena(dst, src, ids, ph, sampled, block=100)
+    with pytest.raises(ValueError, match="first 16 words"):  # program 0 gathers: its block holds the rows
+        load_arena(dst, src, d64[2:4], d64[8:10], sampled, block=16)
     if device.type == "cuda":
         with pytest.raises(ValueError, match="pinned"):
             load_arena(dst, src.clone(), ids, ph, sampled)  # pageable

@@ -7,11 +7,12 @@ Inputs (engine/input_arena.py): `src` the pinned host twin, `dst` the device are
     dst[0:n] = src[0:n];   ids[i] = sampled[ph_src[i]] for the rows i < rows with ph_src[i] ≥ 0
 
 where `ids` and `ph_src` are the device arena's input ids and placeholder sources (read after the copy)
-and `sampled` the previous step's sampled ids on the device (kernels/placeholders.py's gather). The
-first BLOCK words are read in the same PCIe round trip as n (masked by the arena's size, since n is not
-known yet) and only words below n are stored; longer arenas (block tables of long sequences) loop over
-the rest. A CTA barrier orders the copy's stores before the gather's loads (one program: a barrier is
-enough). With this kernel first and the sampler's host write last (kernels/sampling.py), a small decode
+and `sampled` the previous step's sampled ids on the device (kernels/placeholders.py's gather). Program
+p reads words [p·BLOCK, (p+1)·BLOCK) in the same PCIe round trip as n (masked by the arena's size, since
+n is not known yet) and stores those below n: one round trip whatever the size (a single program looping
+over 8 rows' block tables took 83 µs on the H200, 57 round trips). Program 0 then gathers the
+placeholders, whose rows lie in its own block: a CTA barrier orders its copy's stores before the
+gather's loads. With this kernel first and the sampler's host write last (kernels/sampling.py), a small decode
 step is one graph launch: no copy kernels or copy-engine hand-overs around it (docs/perf.md, v15).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import check_int, next_power_of_2
+from tinyvllm.kernels._launch import cdiv, check_int, next_power_of_2
 
 _BLOCK = 1024  # words read in the first round trip: a batch-1 arena (~0.4 KB) and 8 rows of short tables
 
@@ -28,31 +29,30 @@ _BLOCK = 1024  # words read in the first round trip: a batch-1 arena (~0.4 KB) a
 @triton.jit(do_not_specialize=["capacity", "rows"])
 def _load_arena_kernel(dst_ptr, src_ptr, capacity, ids_ptr, ph_src_ptr, sampled_ptr, rows,
                        BLOCK: tl.constexpr, ROWS: tl.constexpr, RESOLVE: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     n = tl.load(src_ptr)
-    first = tl.load(src_ptr + offs, mask=offs < capacity)
-    tl.store(dst_ptr + offs, first, mask=offs < n)
-    for start in range(BLOCK, n, BLOCK):
-        o = start + offs
-        tl.store(dst_ptr + o, tl.load(src_ptr + o, mask=o < n), mask=o < n)
-    if RESOLVE:
-        tl.debug_barrier()
-        r = tl.arange(0, ROWS)
-        in_range = r < rows
-        src = tl.load(ph_src_ptr + r, mask=in_range, other=-1)
-        take = in_range & (src >= 0)
-        token = tl.load(sampled_ptr + src, mask=take, other=0)
-        tl.store(ids_ptr + r, token.to(ids_ptr.dtype.element_ty), mask=take)
+    words = tl.load(src_ptr + offs, mask=offs < capacity)
+    tl.store(dst_ptr + offs, words, mask=offs < n)
+    if RESOLVE:  # program 0, whose block holds the ids and sources (the launcher checks)
+        if tl.program_id(0) == 0:
+            tl.debug_barrier()
+            r = tl.arange(0, ROWS)
+            in_range = r < rows
+            src = tl.load(ph_src_ptr + r, mask=in_range, other=-1)
+            take = in_range & (src >= 0)
+            token = tl.load(sampled_ptr + src, mask=take, other=0)
+            tl.store(ids_ptr + r, token.to(ids_ptr.dtype.element_ty), mask=take)
 
 
 def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, placeholder_src: torch.Tensor,
-               sampled: torch.Tensor, block: int = _BLOCK) -> None:
+               sampled: torch.Tensor, block: int | None = None) -> None:
     """dst[:n] ← src[:n] with n = src.view(int32)[0] words, then the placeholder gather over the rows of
     `input_ids` (module docstring). `dst`, `src`: uint8 arenas of one size, 4-byte aligned (`src` pinned
     on CUDA, or both host tensors under the interpreter); `input_ids` [rows] int64 and `placeholder_src`
-    [rows] int64: views of `dst` (no rows: no gather); `sampled` [M] int64 on the device. `block`: the
-    words read in the first round trip (a power of two). Enqueued on the current stream; the host must
-    not rewrite `src` before it has run (the contract of an asynchronous copy)."""
+    [rows] int64: views of `dst` inside its first `block` words (no rows: no gather); `sampled` [M]
+    int64 on the device. `block`: the words each program reads (a power of two; default _BLOCK).
+    Enqueued on the current stream; the host must not rewrite `src` before it has run (the contract of
+    an asynchronous copy)."""
     if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.shape != src.shape or dst.dim() != 1:
         raise ValueError(f"load_arena: arenas must be uint8 vectors of one size, got {tuple(src.shape)} "
                          f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}")
@@ -67,8 +67,14 @@ def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, pl
     rows = input_ids.shape[0]
     if placeholder_src.shape[0] != rows:
         raise ValueError(f"load_arena: placeholder_src has {placeholder_src.shape[0]} rows, input_ids {rows}")
-    d, s = dst.view(torch.int32), src.view(torch.int32)
+    block = block or _BLOCK
     if block < 16 or block & (block - 1):
         raise ValueError(f"load_arena: block must be a power of two ≥ 16, got {block}")
-    _load_arena_kernel[(1,)](d, s, d.numel(), input_ids, placeholder_src, sampled, rows, BLOCK=block,
-                             ROWS=next_power_of_2(max(rows, 1)), RESOLVE=rows > 0, num_warps=4)
+    for name, t in (("input_ids", input_ids), ("placeholder_src", placeholder_src)):
+        start = t.data_ptr() - dst.data_ptr()
+        if rows and not (0 <= start and start + rows * t.element_size() <= 4 * block):
+            raise ValueError(f"load_arena: {name} must lie in the destination's first {block} words")
+    d, s = dst.view(torch.int32), src.view(torch.int32)
+    _load_arena_kernel[(cdiv(d.numel(), block),)](d, s, d.numel(), input_ids, placeholder_src, sampled, rows,
+                                                  BLOCK=block, ROWS=next_power_of_2(max(rows, 1)),
+                                                  RESOLVE=rows > 0, num_warps=4)

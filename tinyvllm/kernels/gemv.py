@@ -46,7 +46,7 @@ import triton.language as tl
 
 from tinyvllm.kernels._launch import (cdiv, check_dim, check_float, check_last_dim_contiguous, check_same_device,
                                       is_power_of_2, next_power_of_2, num_sms, upcast_dot)
-from tinyvllm.kernels.sampling import _best_of_block, _reduce_row, sampling_tile
+from tinyvllm.kernels.sampling import _best_of_block, reduce_partials, sampling_tile
 
 MAX_ROWS = 16  # rows of x per call: decode batches; beyond this a GEMM is the right kernel
 FMA_MAX_ROWS = 1  # up to this M, FMAs in registers by default; above, tl.dot with M padded to 16
@@ -172,11 +172,10 @@ def _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, H
 
 @triton.jit
 def _sample_epilogue(y, offs_n, offs_m, mask_n, M, N, pid_n, temp_ptr, seed_ptr, part_val_ptr, part_idx_ptr,
-                     ticket_ptr, ids_ptr, host_ptr, out_dtype: tl.constexpr, HOST_OUT: tl.constexpr,
-                     TILE: tl.constexpr, FAST_LOG: tl.constexpr, MAX_BLOCKS: tl.constexpr):
-    """The fused sampler over this program's logits y [BLOCK_N, BLOCK_M] (as stored: rounded to
-    out_dtype): each row's best (value, index) into the partials [M, programs]; the last program to take
-    the ticket reduces every row's partials to its id (sampling.py's kernels, same noise, same ids)."""
+                     out_dtype: tl.constexpr, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
+    """The fused sampler's first half over this program's logits y [BLOCK_N, BLOCK_M] (as stored:
+    rounded to out_dtype): each row's best (value, index) into the partials [M, programs], as the
+    sampler's partial kernel finds them (sampling.py: same noise, same ties)."""
     z = y.to(out_dtype).to(tl.float32)
     num_blocks = tl.num_programs(0)
     for m in range(0, M):
@@ -185,27 +184,16 @@ def _sample_epilogue(y, offs_n, offs_m, mask_n, M, N, pid_n, temp_ptr, seed_ptr,
                                   FAST_LOG)
         tl.store(part_val_ptr + m * num_blocks + pid_n, top)
         tl.store(part_idx_ptr + m * num_blocks + pid_n, idx)
-    tl.debug_barrier()  # every thread's partial stores before the CTA's one release
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == num_blocks - 1:
-        for m in range(0, M):
-            best = _reduce_row(part_val_ptr + m * num_blocks, part_idx_ptr + m * num_blocks, num_blocks, N,
-                               MAX_BLOCKS).to(tl.int64)
-            tl.store(ids_ptr + m, best)
-            if HOST_OUT:
-                tl.store(host_ptr + m, best)
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every batch size on a path
 def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
                  M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_rm, stride_om,
-                 temp_ptr, seed_ptr, part_val_ptr, part_idx_ptr, ids_ptr, host_ptr,
+                 temp_ptr, seed_ptr, part_val_ptr, part_idx_ptr,
                  MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 SAMPLE: tl.constexpr, HOST_OUT: tl.constexpr, TILE: tl.constexpr, FAST_LOG: tl.constexpr,
-                 MAX_BLOCKS: tl.constexpr):
+                 SAMPLE: tl.constexpr, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -266,8 +254,7 @@ def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
         _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL)
         if SAMPLE:  # plain products only (the launcher checks): the logits are round(y)
             _sample_epilogue(y, offs_n, offs_m, mask_n, M, N, pid_n, temp_ptr, seed_ptr, part_val_ptr,
-                             part_idx_ptr, tickets_ptr, ids_ptr, host_ptr, out_ptr.dtype.element_ty, HOST_OUT,
-                             TILE, FAST_LOG, MAX_BLOCKS)
+                             part_idx_ptr, out_ptr.dtype.element_ty, TILE, FAST_LOG)
     else:
         # Workspace [splits, M, N] fp32. Publish this split's partial, then take a ticket: the barrier
         # orders every thread's stores before the (gpu-scope, acq_rel) atomic of the CTA's one thread.
@@ -309,11 +296,6 @@ class GemvSampling(NamedTuple):
     seeds: torch.Tensor
     ids: torch.Tensor
     host_ids: torch.Tensor | None = None
-
-
-# The fused sampler's arrival counter, one int32 per device, zero between launches (the last program
-# resets it); like _TICKETS, for one stream.
-_SAMPLE_TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
 def _check_sampling(s: GemvSampling, M: int, x: torch.Tensor) -> None:
@@ -404,21 +386,18 @@ def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.
     if s is not None:
         parts_val = torch.empty((M, n_blocks), dtype=torch.float32, device=x.device)
         parts_idx = torch.empty((M, n_blocks), dtype=torch.int32, device=x.device)
-        if x.device not in _SAMPLE_TICKETS:
-            _SAMPLE_TICKETS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
-        tickets = _SAMPLE_TICKETS[x.device]
     _gemv_kernel[(n_blocks, split)](
         x, weight, norm_weight if norm else x, residual if residual is not None else out, out, ws, tickets,
         M, N, K, k_per_split, eps, x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
-        *((s.temperature, s.seeds, parts_val, parts_idx, s.ids, s.ids if s.host_ids is None else s.host_ids)
-          if s is not None else (out,) * 6),
+        *((s.temperature, s.seeds, parts_val, parts_idx) if s is not None else (out,) * 4),
         MODE=mode, HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, EVEN_K=split * k_per_split == K,
         UPCAST=upcast_dot(x.device), IEEE=x.dtype == torch.float32,
-        SAMPLE=s is not None, HOST_OUT=s is not None and s.host_ids is not None, TILE=sampling_tile(),
-        FAST_LOG=x.is_cuda, MAX_BLOCKS=next_power_of_2(n_blocks) if s is not None else 1,
+        SAMPLE=s is not None, TILE=sampling_tile(), FAST_LOG=x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if s is not None:
+        reduce_partials(parts_val, parts_idx, N, s.ids, s.host_ids)
     return out
 
 

@@ -184,6 +184,16 @@ def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, see
         idxs = torch.empty(B, S, dtype=torch.int32, device=logits.device)
         _sample_partial_kernel[(B, S)](logits, logits.stride(0), temperature, seeds, vals, idxs, V, chunk, S,
                                        BLOCK=_BLOCK, FAST_LOG=logits.is_cuda, num_warps=8)
-        _sample_reduce_kernel[(B,)](vals, idxs, out, out if host_out is None else host_out, V, S,
-                                    MAX_SPLITS=_MAX_SPLITS, HOST_OUT=host_out is not None, num_warps=1)
+        reduce_partials(vals, idxs, V, out, host_out)
     return out
+
+
+def reduce_partials(vals: torch.Tensor, idxs: torch.Tensor, V: int, out: torch.Tensor,
+                    host_out: torch.Tensor | None = None) -> None:
+    """out[b] (and host_out[b]) ← the index of row b's best partial: vals [B, S] float32 and idxs [B, S]
+    int32 are each split's (value, index), from the partial kernel or a kernel that fuses it (gemv.py)."""
+    B, S = vals.shape
+    max_splits = max(_MAX_SPLITS, triton.next_power_of_2(S))  # one compile for every split count below 64
+    _sample_reduce_kernel[(B,)](vals, idxs, out, out if host_out is None else host_out, V, S,
+                                MAX_SPLITS=max_splits, HOST_OUT=host_out is not None,
+                                num_warps=1 if max_splits <= _MAX_SPLITS else 4)
