@@ -61,6 +61,32 @@ def test_placeholder_rows_take_the_previous_samples(device):
     assert d64[2:2 + rows].tolist() == [-1, 11, -1, 13, 0]
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_engine_arena_layout(device, rows):
+    """The engine's layout (engine/input_arena.py): one arena of 256 rows serving a small bucket, the
+    placeholder sources kilobytes past the first block, long block tables; the step's bytes arrive and
+    its placeholder rows take the previous samples."""
+    from tinyvllm.engine.input_arena import InputArena
+
+    host = InputArena(256, 300, torch.device("cpu"), pin_memory=device.type == "cuda")
+    dev = InputArena(256, 300, device)
+    a = host.arrays
+    a.input_ids[:rows] = [-1 if i % 2 == 0 else 50 + i for i in range(rows)]
+    a.placeholder_src[:rows] = [(3 * i) % 8 if i % 2 == 0 else -1 for i in range(rows)]
+    a.positions[:rows] = range(7, 7 + rows)
+    a.block_tables[:rows, :300] = torch.arange(rows * 300).view(rows, 300).numpy()
+    nbytes = host.bytes_through(rows, 300)
+    host.set_copy_words(nbytes)
+    sampled = torch.arange(900, 908, device=device)
+    load_arena(dev.buffer, host.buffer, dev.input_ids[:rows], dev.placeholder_src[:rows], sampled)
+    want_ids = [900 + (3 * i) % 8 if i % 2 == 0 else 50 + i for i in range(rows)]
+    assert dev.input_ids[:rows].tolist() == want_ids
+    assert dev.positions[:rows].tolist() == list(range(7, 7 + rows))
+    assert dev.block_tables[:rows].cpu().tolist() == host.block_tables[:rows].tolist()
+    assert torch.equal(dev.buffer[dev.positions.data_ptr() - dev.buffer.data_ptr():nbytes].cpu(),
+                       host.buffer[host.positions.data_ptr() - host.buffer.data_ptr():nbytes])
+
+
 def test_bad_arguments_are_refused(device):
     src, dst = _arena(device, 1)
     d64 = dst.view(torch.int64)
@@ -74,8 +100,10 @@ def test_bad_arguments_are_refused(device):
         load_arena(dst, src, ids, ph, sampled.float())
     with pytest.raises(ValueError, match="power of two"):
         load_arena(dst, src, ids, ph, sampled, block=100)
-    with pytest.raises(ValueError, match="first 16 words"):  # program 0 gathers: its block holds the rows
-        load_arena(dst, src, d64[2:4], d64[8:10], sampled, block=16)
+    with pytest.raises(ValueError, match="first 16 words"):  # program 0 gathers: its block holds the ids
+        load_arena(dst, src, d64[8:10], d64[2:4], sampled, block=16)
+    with pytest.raises(ValueError, match="view of the destination"):
+        load_arena(dst, src, ids, sampled, sampled)
     if device.type == "cuda":
         with pytest.raises(ValueError, match="pinned"):
             load_arena(dst, src.clone(), ids, ph, sampled)  # pageable
