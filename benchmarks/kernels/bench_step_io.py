@@ -1,12 +1,13 @@
-"""A batch-1 decode step's input and output traffic on the device, by way of doing it: the two copy
-kernels and the placeholder gather around a graph (v13) against the graph's own arena load (v15,
-kernels/arena_load.py) at several first-read sizes, each timed as CUDA-graph replays of back-to-back
-calls (so each figure includes a kernel boundary inside a graph, ~0.3–0.5 µs).
+"""A small decode step's input and output traffic on the device, by way of doing it: the two copy
+kernels and the placeholder gather around a graph (v13, over the shared 256-row arena) against the
+graph's own arena load (v15, kernels/arena_load.py, over an arena of the step's rows) at several
+first-read sizes, each timed as CUDA-graph replays of back-to-back calls (so each figure includes a
+kernel boundary inside a graph, ~0.3–0.5 µs).
 
     python benchmarks/kernels/bench_step_io.py [--rows 1 8] [--out DIR]
 
-The arena is the engine's (engine/input_arena.py) for max_model_len 131,072 (8,192 blocks a row) with
-a 640-token row; the source is its pinned host twin. Writes JSON.
+Arenas as the engine's (engine/input_arena.py) for max_model_len 131,072 (8,192 blocks a row), rows of
+640 tokens; the sources are their pinned host twins. Writes JSON.
 """
 from __future__ import annotations
 
@@ -35,23 +36,29 @@ def main() -> None:
     ns = ap.parse_args()
     dev = require_cuda()
     results = []
+    width = -(-ns.context // 16)
     for rows in ns.rows:
+        shared_host = InputArena(256, ns.blocks_per_seq, torch.device("cpu"), pin_memory=True)
+        shared = InputArena(256, ns.blocks_per_seq, dev)
+        shared_bytes = shared_host.bytes_through(rows, width)
         host = InputArena(rows, ns.blocks_per_seq, torch.device("cpu"), pin_memory=True)
         arena = InputArena(rows, ns.blocks_per_seq, dev)
-        nbytes = host.bytes_through(rows, -(-ns.context // 16))
+        nbytes = host.bytes_through(rows, width)
         host.set_copy_words(nbytes)
         host.arrays.placeholder_src[:rows] = range(rows)
+        shared_host.arrays.placeholder_src[:rows] = range(rows)
         sampled = torch.arange(100, 100 + rows, device=dev)
         ids_host = host.sampled_ids[:rows]
         ids, src = arena.input_ids[:rows], arena.placeholder_src[:rows]
 
         def copy_kernels() -> None:
-            kernel_copy_(arena.buffer[:nbytes], host.buffer[:nbytes])
-            resolve_placeholders(ids, src, sampled)
+            kernel_copy_(shared.buffer[:shared_bytes], shared_host.buffer[:shared_bytes])
+            resolve_placeholders(shared.input_ids[:rows], shared.placeholder_src[:rows], sampled)
             kernel_copy_(ids_host, sampled)
 
-        variants = {"copy in, gather, copy out (3 kernels)": copy_kernels,
-                    "copy in (1 kernel)": lambda: kernel_copy_(arena.buffer[:nbytes], host.buffer[:nbytes]),
+        variants = {"copy in, gather, copy out (3 kernels, shared arena)": copy_kernels,
+                    "copy in (1 kernel, shared arena)":
+                        lambda: kernel_copy_(shared.buffer[:shared_bytes], shared_host.buffer[:shared_bytes]),
                     "copy out (1 kernel)": lambda: kernel_copy_(ids_host, sampled)}
         for block in (64, 128, 256, 1024):
             variants[f"arena load, first read {block} words"] = \
@@ -60,7 +67,8 @@ def main() -> None:
                 lambda b=block: load_arena(arena.buffer, host.buffer, ids[:0], src[:0], sampled, block=b)
         for name, fn in variants.items():
             us = bench_graph([fn], calls=64) * 1e3
-            results.append({"rows": rows, "bytes": nbytes, "variant": name, "us": us})
+            results.append({"rows": rows, "bytes": shared_bytes if "shared" in name else nbytes, "variant": name,
+                            "us": us})
         load_arena(arena.buffer, host.buffer, ids, src, sampled)
         torch.cuda.synchronize()
         assert torch.equal(arena.block_tables.cpu(), host.block_tables) and ids.tolist() == sampled.tolist()

@@ -17,10 +17,11 @@ temperatures and seeds (inside the LM head's kernel where that is the fused prod
 into `last_sampled` (they are used for the rows that sampler serves; the rest take the logits to the full
 sampler). Graphs share one memory pool and are captured largest first.
 
-Buckets of at most `io_max_rows` rows (with `sample_in_graph`) instead do their own copies: two graphs
-per bucket, one per host twin, each starting with a kernel that copies the step's bytes from that pinned
-twin and gathers the placeholders (kernels/arena_load.py) and ending with a sampler that also writes
-the ids into the twin's `sampled_ids` (kernels/sampling.py). A batch-1 step is then one graph launch and
+Buckets of at most `io_max_rows` rows (with `sample_in_graph`) instead do their own copies, over an
+arena of their own (io_max_rows rows, so that a step's bytes are a few hundred): two graphs per bucket,
+one per host twin, each starting with a kernel that copies the step's bytes from that pinned twin and
+gathers the placeholders (kernels/arena_load.py) and ending with a sampler that also writes the ids into
+the twin's `sampled_ids` (kernels/sampling.py). A batch-1 step is then one graph launch and
 an event: the copy kernels outside the graph and the device's idle time at their hand-overs go
 (docs/perf.md, v15).
 """
@@ -79,6 +80,13 @@ class DecodeGraphs:
         self._host_arenas = [InputArena(n, max_blocks_per_seq, torch.device("cpu"), pin_memory=pin)
                              for _ in range(2)]
         self._num_host_arenas_used = 0
+        # The buckets that load their own inputs have an arena (and twins) of their own, io_max_rows rows:
+        # a step's bytes start with its per-row regions, whose size is the arena's row count.
+        rows = self.io_max_rows
+        self.io_arena = InputArena(rows, max_blocks_per_seq, device) if rows else None
+        self._io_host_arenas = [InputArena(rows, max_blocks_per_seq, torch.device("cpu"), pin_memory=pin)
+                                for _ in range(2 if rows else 0)]
+        self._num_io_arenas_used = 0
         # The previous step's sampled ids, where the graphs' placeholder gather reads them; the graphs'
         # sampler writes its ids here.
         self.last_sampled = torch.zeros(max(n, max_num_seqs), dtype=torch.int64, device=device)
@@ -101,8 +109,8 @@ class DecodeGraphs:
     def _run(self, bs: int, cascade: bool, twin: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's device work over the arena; `twin`: first load it from that host twin, and
         write the sampled ids back there too."""
-        a = self.arena
-        host = None if twin is None else self._host_arenas[twin]
+        a = self.arena if twin is None else self.io_arena
+        host = None if twin is None else self._io_host_arenas[twin]
         if host is None:
             self.resolve_placeholders(a.input_ids[:bs], a.placeholder_src[:bs], self.last_sampled)
         else:
@@ -129,7 +137,7 @@ class DecodeGraphs:
         keys = []
         for bs in reversed(self.batch_sizes):
             for cascade in (False, True) if bs in self.cascade_batch_sizes else (False,):
-                keys += [(bs, cascade, t) for t in range(len(self._host_arenas))] if self.runs_io(bs) else \
+                keys += [(bs, cascade, t) for t in range(len(self._io_host_arenas))] if self.runs_io(bs) else \
                     [(bs, cascade, None)]
         return keys
 
@@ -152,11 +160,16 @@ class DecodeGraphs:
                        "loading their own inputs: up to %d rows) in %.1f s (enforce_eager=True turns this off)",
                        self.batch_sizes, self.cascade_batch_sizes, self.io_max_rows, time.perf_counter() - start)
 
-    def next_host_arena(self) -> InputArena:
-        """The host twin of the arena to pack the next graph step into (the two alternate)."""
+    def next_arenas(self, bs: int) -> tuple[InputArena, InputArena]:
+        """(host twin, device arena) to pack the next graph step of bucket `bs` into: the `runs_io`
+        buckets' own arena or the shared one, each with its two twins used alternately."""
+        if self.runs_io(bs):
+            host = self._io_host_arenas[self._num_io_arenas_used % 2]
+            self._num_io_arenas_used += 1
+            return host, self.io_arena
         host = self._host_arenas[self._num_host_arenas_used % 2]
         self._num_host_arenas_used += 1
-        return host
+        return host, self.arena
 
     def load_inputs(self, host: InputArena, nbytes: int, by_kernel: bool = False) -> None:
         """Enqueue the one host-to-device copy of a step: the first `nbytes` bytes of `host`; `by_kernel`:
@@ -189,11 +202,11 @@ class DecodeGraphs:
     def replay_io(self, bs: int, cascade: bool, host: InputArena,
                   nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a `runs_io` bucket: record that the step packed into `host` (a twin from
-        `next_host_arena`) needs its first `nbytes` bytes, replay the graph that loads them from that
+        `next_arenas`) needs its first `nbytes` bytes, replay the graph that loads them from that
         twin, and return (logits, sampled ids on the device, the same ids in the twin's pinned
         `sampled_ids`, readable once an event recorded after this call has completed), all [bs]-row
         static buffers as `replay`'s."""
-        twin = next(i for i, h in enumerate(self._host_arenas) if h is host)
+        twin = next(i for i, h in enumerate(self._io_host_arenas) if h is host)
         host.set_copy_words(nbytes)
         logits, sampled = self._replay((bs, cascade, twin))
         return logits, sampled, host.sampled_ids[:bs]

@@ -54,8 +54,10 @@ MEGAKERNEL_MAX_HIDDEN = 2048
 KERNEL_COPY_MAX_ROWS = 8
 # Graph buckets of at most this many rows load their own inputs and write their own ids (a kernel at each
 # end of the graph, cuda_graphs.py): a step is then one graph launch, without the copy kernels around it
-# and the device's idle time at their hand-overs (docs/perf.md, v15). 0 turns it off.
-GRAPH_IO_MAX_ROWS = KERNEL_COPY_MAX_ROWS
+# and the device's idle time at their hand-overs (docs/perf.md, v15). Batch 1 only: the load is one
+# program (one PCIe round trip for a row's few hundred bytes; several rows' full-width block tables
+# would take one round trip per 4 KB). 0 turns it off.
+GRAPH_IO_MAX_ROWS = 1
 # Decode graphs sample inside the LM head's kernel where it is the fused product (models/llama.py,
 # compute_logits_sampled): two kernels and their boundaries fewer per step (docs/perf.md, v15).
 SAMPLE_IN_LM_HEAD = True
@@ -282,9 +284,9 @@ class ModelRunner:
         sampled ids readable by the graph's placeholder gather when the step needs them, copy the arena
         over in one copy, replay, then sample the rows the in-graph sampler does not serve."""
         graphs = self.graphs
-        host = graphs.next_host_arena()
+        host, device = graphs.next_arenas(bucket)
         inputs = self.builder.build(sched, pad_decodes_to=bucket, prev_sample_index=self._prev_index,
-                                    host_arena=host, device_arena=graphs.arena)
+                                    host_arena=host, device_arena=device)
         bufs = self._next_host_bufs()
         seqs = inputs.sampled
         n = len(seqs)

@@ -6,13 +6,13 @@ Inputs (engine/input_arena.py): `src` the pinned host twin, `dst` the device are
 
     dst[0:n] = src[0:n];   ids[i] = sampled[ph_src[i]] for the rows i < rows with ph_src[i] ≥ 0
 
-where `ids` and `ph_src` are the device arena's input ids and placeholder sources (read after the copy)
-and `sampled` the previous step's sampled ids on the device (kernels/placeholders.py's gather). Program
-p reads words [p·BLOCK, (p+1)·BLOCK) in the same PCIe round trip as n (masked by the arena's size, since
-n is not known yet) and stores those below n: one round trip whatever the size (a single program looping
-over 8 rows' block tables took 83 µs on the H200, 57 round trips). Program 0, whose block holds the ids,
-also reads the placeholder sources from the host twin in that round trip, gathers, and stores the
-gathered ids after its copy (a CTA barrier orders the two). With this kernel first and the sampler's host write last (kernels/sampling.py), a small decode
+where `ids` and `ph_src` are the device arena's input ids and placeholder sources and `sampled` the
+previous step's sampled ids on the device (kernels/placeholders.py's gather). The first BLOCK words
+are read in the same PCIe round trip as n (masked by the arena's size, since n is not known yet), and so
+are the placeholder sources, from the host twin; words past BLOCK take one more round trip per BLOCK
+(a single program is meant for small arenas: a batch-1 step's few hundred bytes; 8 rows' full-width
+block tables took 83 µs on the H200). A CTA barrier orders the copy of the ids before the gathered ids'
+stores. With this kernel first and the sampler's host write last (kernels/sampling.py), a batch-1 decode
 step is one graph launch: no copy kernels or copy-engine hand-overs around it (docs/perf.md, v15).
 """
 from __future__ import annotations
@@ -21,41 +21,40 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import cdiv, check_int, next_power_of_2
+from tinyvllm.kernels._launch import check_int, next_power_of_2
 
-_BLOCK = 1024  # words read in the first round trip: a batch-1 arena (~0.4 KB) and 8 rows of short tables
+_BLOCK = 1024  # words read in the first round trip: a batch-1 arena with a block table for ~15k tokens
 
 
 @triton.jit(do_not_specialize=["capacity", "rows"])
 def _load_arena_kernel(dst_ptr, src_ptr, capacity, ids_ptr, ph_src_host_ptr, sampled_ptr, rows,
                        BLOCK: tl.constexpr, ROWS: tl.constexpr, RESOLVE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.arange(0, BLOCK)
     n = tl.load(src_ptr)
-    words = tl.load(src_ptr + offs, mask=offs < capacity)
-    if RESOLVE:  # program 0, whose block holds the ids (the launcher checks)
-        if tl.program_id(0) == 0:
-            r = tl.arange(0, ROWS)
-            in_range = r < rows
-            src = tl.load(ph_src_host_ptr + r, mask=in_range, other=-1)  # the same round trip as the words
-            take = in_range & (src >= 0)
-            token = tl.load(sampled_ptr + src, mask=take, other=0)
-            tl.store(dst_ptr + offs, words, mask=offs < n)
-            tl.debug_barrier()  # the block's copy of the ids before their gathered values
-            tl.store(ids_ptr + r, token.to(ids_ptr.dtype.element_ty), mask=take)
-        else:
-            tl.store(dst_ptr + offs, words, mask=offs < n)
-    else:
-        tl.store(dst_ptr + offs, words, mask=offs < n)
+    first = tl.load(src_ptr + offs, mask=offs < capacity)
+    if RESOLVE:  # the sources from the host twin, in the same round trip as the first words
+        r = tl.arange(0, ROWS)
+        in_range = r < rows
+        src = tl.load(ph_src_host_ptr + r, mask=in_range, other=-1)
+        take = in_range & (src >= 0)
+        token = tl.load(sampled_ptr + src, mask=take, other=0)
+    tl.store(dst_ptr + offs, first, mask=offs < n)
+    for start in range(BLOCK, n, BLOCK):
+        o = start + offs
+        tl.store(dst_ptr + o, tl.load(src_ptr + o, mask=o < n), mask=o < n)
+    if RESOLVE:
+        tl.debug_barrier()  # the copy of the ids before their gathered values
+        tl.store(ids_ptr + r, token.to(ids_ptr.dtype.element_ty), mask=take)
 
 
 def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, placeholder_src: torch.Tensor,
                sampled: torch.Tensor, block: int | None = None) -> None:
     """dst[:n] ← src[:n] with n = src.view(int32)[0] words, then the placeholder gather over the rows of
     `input_ids` (module docstring). `dst`, `src`: uint8 arenas of one size, 4-byte aligned (`src` pinned
-    on CUDA, or both host tensors under the interpreter); `input_ids` [rows] int64, a view of `dst` inside
-    its first `block` words, and `placeholder_src` [rows] int64, a view of `dst` (whose twin in `src` the
-    gather reads; no rows: no gather); `sampled` [M]
-    int64 on the device. `block`: the words each program reads (a power of two; default _BLOCK).
+    on CUDA, or both host tensors under the interpreter); `input_ids` [rows] int64 and `placeholder_src`
+    [rows] int64, views of `dst` (the gather reads the sources' twin in `src`; no rows: no gather);
+    `sampled` [M] int64 on the device. `block`: the words of the first read (a power of two; default
+    _BLOCK).
     Enqueued on the current stream; the host must not rewrite `src` before it has run (the contract of
     an asynchronous copy)."""
     if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.shape != src.shape or dst.dim() != 1:
@@ -75,14 +74,11 @@ def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, pl
     block = block or _BLOCK
     if block < 16 or block & (block - 1):
         raise ValueError(f"load_arena: block must be a power of two ≥ 16, got {block}")
-    ids_start, src_start = (t.data_ptr() - dst.data_ptr() for t in (input_ids, placeholder_src))
-    if rows and not 0 <= ids_start <= ids_start + 8 * rows <= 4 * block:
-        raise ValueError(f"load_arena: input_ids must lie in the destination's first {block} words")
+    src_start = placeholder_src.data_ptr() - dst.data_ptr()
     if rows and not 0 <= src_start <= src_start + 8 * rows <= dst.numel():
         raise ValueError("load_arena: placeholder_src must be a view of the destination")
     # the gather reads the sources from the host twin, in the same round trip as its block's words
     ph_src_host = src[src_start:src_start + 8 * rows].view(placeholder_src.dtype) if rows else src
     d, s = dst.view(torch.int32), src.view(torch.int32)
-    _load_arena_kernel[(cdiv(d.numel(), block),)](d, s, d.numel(), input_ids, ph_src_host, sampled, rows,
-                                                  BLOCK=block, ROWS=next_power_of_2(max(rows, 1)),
-                                                  RESOLVE=rows > 0, num_warps=4)
+    _load_arena_kernel[(1,)](d, s, d.numel(), input_ids, ph_src_host, sampled, rows, BLOCK=block,
+                             ROWS=next_power_of_2(max(rows, 1)), RESOLVE=rows > 0, num_warps=4)
