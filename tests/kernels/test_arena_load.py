@@ -5,9 +5,9 @@ host memory read through its mapped address."""
 import pytest
 import torch
 
-from tinyvllm.kernels.arena_load import _BLOCK, load_arena
+from tinyvllm.kernels.arena_load import _BLOCK, _REST, load_arena
 
-ARENA_WORDS = 3 * _BLOCK + 40  # room for copies that need the loop beyond the first block
+ARENA_WORDS = _BLOCK + 2 * _REST + 40  # room for copies that need two rounds of the loop after the first read
 
 
 def _arena(device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,7 +20,7 @@ def _arena(device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("block", [16, _BLOCK])
-@pytest.mark.parametrize("words", [1, 37, _BLOCK, _BLOCK + 1, 3 * _BLOCK + 40])
+@pytest.mark.parametrize("words", [1, 37, _BLOCK, _BLOCK + 1, ARENA_WORDS])
 def test_exactly_the_named_words_arrive(device, words, block):
     """n = the header word (word 0, counted in n); words n.. of the destination keep their old bytes.
     No placeholder rows (every source −1), so the copy is all that happens; a first read of `block`

@@ -9,7 +9,7 @@ Inputs (engine/input_arena.py): `src` the pinned host twin, `dst` the device are
 where `ids` and `ph_src` are the device arena's input ids and placeholder sources and `sampled` the
 previous step's sampled ids on the device (kernels/placeholders.py's gather). The first BLOCK words
 are read in the same PCIe round trip as n (masked by the arena's size, since n is not known yet), and so
-are the placeholder sources, from the host twin; words past BLOCK take one more round trip per BLOCK
+are the placeholder sources, from the host twin; words past BLOCK take one more round trip per REST
 (a single program is meant for small arenas: a batch-1 step's few hundred bytes; 8 rows' full-width
 block tables took 83 µs on the H200). A CTA barrier orders the copy of the ids before the gathered ids'
 stores. With this kernel first and the sampler's host write last (kernels/sampling.py), a batch-1 decode
@@ -23,12 +23,15 @@ import triton.language as tl
 
 from tinyvllm.kernels._launch import check_int, next_power_of_2
 
-_BLOCK = 1024  # words read in the first round trip: a batch-1 arena with a block table for ~15k tokens
+# Words read in the first round trip: a batch-1 arena's regions and a block table for ~3,400 tokens (the
+# H200's load took 2.6 µs at 128–256 words, 4.0 at 1,024: bench_step_io.py); then REST words a round trip.
+_BLOCK = 256
+_REST = 1024
 
 
 @triton.jit(do_not_specialize=["capacity", "rows"])
 def _load_arena_kernel(dst_ptr, src_ptr, capacity, ids_ptr, ph_src_host_ptr, sampled_ptr, rows,
-                       BLOCK: tl.constexpr, ROWS: tl.constexpr, RESOLVE: tl.constexpr):
+                       BLOCK: tl.constexpr, REST: tl.constexpr, ROWS: tl.constexpr, RESOLVE: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     n = tl.load(src_ptr)
     first = tl.load(src_ptr + offs, mask=offs < capacity)
@@ -39,8 +42,8 @@ def _load_arena_kernel(dst_ptr, src_ptr, capacity, ids_ptr, ph_src_host_ptr, sam
         take = in_range & (src >= 0)
         token = tl.load(sampled_ptr + src, mask=take, other=0)
     tl.store(dst_ptr + offs, first, mask=offs < n)
-    for start in range(BLOCK, n, BLOCK):
-        o = start + offs
+    for start in range(BLOCK, n, REST):
+        o = start + tl.arange(0, REST)
         tl.store(dst_ptr + o, tl.load(src_ptr + o, mask=o < n), mask=o < n)
     if RESOLVE:
         tl.debug_barrier()  # the copy of the ids before their gathered values
@@ -81,4 +84,5 @@ def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, pl
     ph_src_host = src[src_start:src_start + 8 * rows].view(placeholder_src.dtype) if rows else src
     d, s = dst.view(torch.int32), src.view(torch.int32)
     _load_arena_kernel[(1,)](d, s, d.numel(), input_ids, ph_src_host, sampled, rows, BLOCK=block,
-                             ROWS=next_power_of_2(max(rows, 1)), RESOLVE=rows > 0, num_warps=4)
+                             REST=max(block, _REST), ROWS=next_power_of_2(max(rows, 1)), RESOLVE=rows > 0,
+                             num_warps=4)
