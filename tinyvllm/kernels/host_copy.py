@@ -10,6 +10,8 @@ mapped device address (unified addressing: a pinned allocation is mapped into th
 space) keeps the stream on the compute engine. Measured on the H200 (docs/perf.md, v13): a batch-1 step's
 idle device time 21 → 9.5 µs, 1,208 → 1,222 tok/s in the same calls; each copy kernel itself takes ~2 µs
 (a PCIe round trip), which is why larger steps, whose arenas are hundreds of KB, keep the copy engines.
+Since v15 a batch-1 graph does its own copies (kernels/arena_load.py, engine/cuda_graphs.py); these kernels
+serve the graph steps of 2 to KERNEL_COPY_MAX_ROWS rows.
 
 The contract is that of an asynchronous copy in stream order: the host must not rewrite a pinned source
 before the copy has run, and reads a pinned destination only after an event recorded after it has
