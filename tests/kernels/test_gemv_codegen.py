@@ -2,7 +2,8 @@
 paths must compile, and the code must have the shape the config heuristic assumes (kernels/gemv.py):
   * M = 1 (FMA path): the weight tile streamed with 16-byte loads, no barrier inside the K loop (a
     shared-memory reshuffle of x per tile would stall every warp of the program);
-  * M ≥ 2 (dot path): wgmma fed by cp.async (multi-stage software pipelining).
+  * M ≥ 2 (dot path): wgmma fed by cp.async (multi-stage software pipelining), also with the sampler's
+    partials in the epilogue (the LM head's `sampling=`).
 The integer arguments are marked divisible by 16 and the pointers 16-byte aligned, as Triton's JIT
 specialises them at the real shapes. The compiler runs in a subprocess (the tests' interpreter mode
 replaces the kernels by Python functions); skipped where this Triton cannot compile for CUDA. On a GPU
@@ -29,8 +30,9 @@ PATHS = {"fma": dict(block_m=1, block_n=8, block_k=512, dot=False, warps=4, stag
 
 
 def compile_ptx(mode: int, residual: bool, block_m: int, block_n: int, block_k: int, dot: bool,
-                warps: int, stages: int) -> str:
-    """PTX of _gemv_kernel for sm_90, split-K variant (it contains the unsplit epilogue too)."""
+                warps: int, stages: int, sample: bool = False) -> str:
+    """PTX of _gemv_kernel for sm_90, split-K variant (it contains the unsplit epilogue too); `sample`:
+    unsplit, with the sampler's partials in the epilogue (the LM head's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -39,9 +41,11 @@ def compile_ptx(mode: int, residual: bool, block_m: int, block_n: int, block_k: 
 
     sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "nw_ptr", "res_ptr", "out_ptr")}
     sig.update({"ws_ptr": "*fp32", "tickets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
-                "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32"})
-    consts = {"MODE": mode, "HAS_RESIDUAL": residual, "SPLIT": True, "BLOCK_M": block_m, "BLOCK_N": block_n,
-              "BLOCK_K": block_k, "USE_DOT": dot, "EVEN_K": True, "UPCAST": False, "IEEE": False}
+                "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32",
+                "temp_ptr": "*fp32", "seed_ptr": "*i64", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32"})
+    consts = {"MODE": mode, "HAS_RESIDUAL": residual, "SPLIT": not sample, "BLOCK_M": block_m, "BLOCK_N": block_n,
+              "BLOCK_K": block_k, "USE_DOT": dot, "EVEN_K": True, "UPCAST": False, "IEEE": False,
+              "SAMPLE": sample, "TILE": 2048, "FAST_LOG": True}
     sig.update({name: "constexpr" for name in consts})
     attrs = {(_gemv_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
     compiled = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -64,9 +68,9 @@ def summarise() -> dict:
         return {"skip": f"no CUDA backend or AOT API in this Triton: {e}"}
     out = {}
     for path, cfg in PATHS.items():
-        for variant, (mode, residual) in VARIANTS.items():
+        for variant, (mode, residual) in {**VARIANTS, "plain_sample": (0, False)}.items():
             try:
-                ptx = compile_ptx(mode, residual, **cfg)
+                ptx = compile_ptx(mode, residual, **cfg, sample=variant.endswith("_sample"))
             except Exception as e:
                 if "ptxas" in str(e):
                     return {"skip": f"no ptxas: {e}"}
@@ -100,7 +104,7 @@ def test_fma_path_streams_without_barriers(facts, variant):
         assert not f["barrier_in_loop"]
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(VARIANTS) + ["plain_sample"])
 def test_dot_path_uses_wgmma_and_cp_async(facts, variant):
     f = facts[f"dot/{variant}"]
     assert "error" not in f, f["error"]
