@@ -2,9 +2,9 @@
 processes, one per variant in turn for each round, so that every variant meets the same machine state
 (docs/perf.md: an A/B is only read within one call). A variant sets module-level constants:
 
+    M=tinyvllm.engine.model_runner
     python scripts/latency_ab.py --rounds 2 --out-dir benchmarks/results --name latency_v15 \\
-        --variant 'v14:tinyvllm.engine.model_runner.GRAPH_IO_MAX_ROWS=0;tinyvllm.engine.model_runner.SAMPLE_IN_LM_HEAD=False' \\
-        --variant 'default:'
+        --variant "v14:$M.GRAPH_IO_MAX_ROWS=0;$M.SAMPLE_IN_LM_HEAD=False" --variant "default:"
 
 writes NAME_<variant>_r<round>.json per run (the bench's own JSON) and prints one line per run: decode
 tok/s (best of the bench's iterations), the profiled step and its idle device time; then a table.

@@ -136,9 +136,9 @@ class DecodeGraphs:
         """Every graph to capture, largest bucket first."""
         keys = []
         for bs in reversed(self.batch_sizes):
+            twins = range(len(self._io_host_arenas)) if self.runs_io(bs) else (None,)
             for cascade in (False, True) if bs in self.cascade_batch_sizes else (False,):
-                keys += [(bs, cascade, t) for t in range(len(self._io_host_arenas))] if self.runs_io(bs) else \
-                    [(bs, cascade, None)]
+                keys += [(bs, cascade, t) for t in twins]
         return keys
 
     @torch.no_grad()

@@ -58,8 +58,9 @@ KERNEL_COPY_MAX_ROWS = 8
 # program (one PCIe round trip for a row's few hundred bytes; several rows' full-width block tables
 # would take one round trip per 4 KB). 0 turns it off.
 GRAPH_IO_MAX_ROWS = 1
-# Decode graphs sample inside the LM head's kernel where it is the fused product (models/llama.py,
-# compute_logits_sampled): two kernels and their boundaries fewer per step (docs/perf.md, v15).
+# Decode graphs find the sampler's per-block bests inside the LM head's kernel where it is the fused product
+# (models/llama.py, compute_logits_sampled): the sampler's partial kernel and a boundary fewer per step,
+# ~1 µs by the profile, within the run-to-run spread of tok/s (docs/perf.md, v15).
 SAMPLE_IN_LM_HEAD = True
 
 

@@ -221,8 +221,9 @@ class LlamaForCausalLM(nn.Module):
         """`compute_logits(hidden, dtype=None)`, and every row's id drawn by the fused greedy/Gumbel
         sampler (kernels/sampling.py; temperature [N] float32, 0 = greedy, seeds [N] int64) into `ids`
         [N] int64 and, when given, `host_ids` (pinned). Where the fused Triton product computes the
-        logits, the sampler runs inside it (gemv.py, `sampling=`: one kernel instead of three); else the
-        sampler's own kernels follow. Needs the Triton kernels (on CUDA or the interpreter)."""
+        logits, its programs also find the sampler's per-block bests and the sampler's reduce kernel
+        follows (gemv.py, `sampling=`: two kernels instead of three); else the sampler's own kernels
+        follow. Needs the Triton kernels (on CUDA or the interpreter)."""
         if self.uses_fused_path(hidden.shape[0]) and self.ops.name == "triton":
             from tinyvllm.kernels.gemv import GemvSampling, fused_gemv_fwd
 
