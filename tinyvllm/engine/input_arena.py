@@ -39,8 +39,8 @@ def _regions(n: int, max_blocks_per_seq: int) -> list[tuple[str, torch.dtype, tu
     i64, i32 = torch.int64, torch.int32
     return [("copy_words", i32, (1,)), ("input_ids", i64, (n,)), ("positions", i64, (n,)),
             ("slot_mapping", i64, (n,)), ("placeholder_src", i64, (n,)), ("seeds", i64, (n,)),
-            ("temperatures", torch.float32, (n,)), ("seq_lens", i32, (n,)), ("prefix_len", i32, (1,)), ("block_tables", i32, (n, max_blocks_per_seq)),
-            ("row_index", i64, (n,)), ("sampled_ids", i64, (n,))]
+            ("temperatures", torch.float32, (n,)), ("seq_lens", i32, (n,)), ("prefix_len", i32, (1,)),
+            ("block_tables", i32, (n, max_blocks_per_seq)), ("row_index", i64, (n,)), ("sampled_ids", i64, (n,))]
 
 
 @dataclass(frozen=True)

@@ -328,26 +328,21 @@ class ModelRunner:
         self._prev_sampled = sampled
         self._prev_index = plan.index
         event = None
-        if graph_ids is not None:
+        if self.device.type == "cuda":
             host = graph_ids
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-            else:  # a host twin is rewritten two steps later
-                host = graph_ids.clone()
-        elif self.device.type == "cuda":
-            host = bufs["ids"][:sampled.shape[0]]
-            if (self._copies_by_kernel(sampled.shape[0]) and sampled.dtype == host.dtype
-                    and sampled.is_contiguous()):
-                from tinyvllm.kernels.host_copy import kernel_copy_
+            if host is None:
+                host = bufs["ids"][:sampled.shape[0]]
+                if (self._copies_by_kernel(sampled.shape[0]) and sampled.dtype == host.dtype
+                        and sampled.is_contiguous()):
+                    from tinyvllm.kernels.host_copy import kernel_copy_
 
-                kernel_copy_(host, sampled)
-            else:
-                host.copy_(sampled, non_blocking=True)
+                    kernel_copy_(host, sampled)
+                else:
+                    host.copy_(sampled, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        else:  # already on the host; but a graph's sampled ids are a static buffer the next step rewrites
-            host = sampled if self.graphs is None else sampled.clone()
+        else:  # already on the host; but a graph's ids are static buffers that later steps rewrite
+            host = sampled if self.graphs is None else (sampled if graph_ids is None else graph_ids).clone()
         num_logprobs = []
         if logprobs is not None:
             covered = seqs if logprob_rows is None else [seqs[i] for i in logprob_rows]

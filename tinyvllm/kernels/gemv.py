@@ -290,7 +290,10 @@ class GemvSampling(NamedTuple):
     """The fused greedy/Gumbel sampler (kernels/sampling.py) run in the product's epilogue, for each of
     the M rows: temperature [M] float32 (0: greedy), seeds [M] int64, the ids into `ids` [M] int64 on
     the device and, when given, `host_ids` [M] int64 in pinned host memory. The same ids as
-    `sample_greedy_or_gumbel` over the returned logits, one kernel instead of three."""
+    `sample_greedy_or_gumbel` over the returned logits: the product's programs find their blocks' bests
+    and the sampler's reduce kernel picks each row's, two kernels instead of three. (Reducing in the
+    product's last program behind an arrival ticket cost the LM head 4.4 µs on the H200, a release and an
+    atomic in each of its 1,002 programs; docs/perf.md, v15.)"""
 
     temperature: torch.Tensor
     seeds: torch.Tensor
@@ -358,7 +361,7 @@ def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.
                    eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
                    config: GemvConfig | None = None, sampling: GemvSampling | None = None) -> torch.Tensor:
     """Launcher: checks, picks the config (or takes `config`), launches one kernel. → out [M, N].
-    `sampling` (plain products only: the LM head): also sample every row's id from out, in the kernel."""
+    `sampling` (plain products only: the LM head): also sample every row's id from out (`GemvSampling`)."""
     M, N, K = _check(x, weight, norm_weight, silu_mul, residual)
     if sampling is not None:
         if norm_weight is not None or silu_mul or residual is not None:

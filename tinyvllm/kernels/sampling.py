@@ -71,18 +71,6 @@ def _best_of_block(z, offs, valid, temperature, seed, V, TILE: tl.constexpr, FAS
     return top, tl.min(tl.where(z == top, offs, V), axis=0)
 
 
-@triton.jit
-def _reduce_row(val_ptr, idx_ptr, n, V, MAX_SPLITS: tl.constexpr):
-    """The id of a row from its n (value, index) partials (`_sample_reduce_kernel`'s rule), read from L2."""
-    k = tl.arange(0, MAX_SPLITS)
-    mask = k < n
-    val = tl.load(val_ptr + k, mask=mask, other=float("-inf"), cache_modifier=".cg")
-    idx = tl.load(idx_ptr + k, mask=mask, other=V, cache_modifier=".cg")
-    top = tl.max(val, axis=0)
-    best = tl.min(tl.where(val == top, idx, V), axis=0)
-    return tl.where(best == V, 0, best)  # a row of −inf logits only: index 0, as an argmax gives
-
-
 @triton.jit(do_not_specialize=["CHUNK", "NUM_SPLITS"])  # one compile whatever the batch
 def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, val_ptr, idx_ptr, V, CHUNK,
                            NUM_SPLITS, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
@@ -132,7 +120,13 @@ def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, host_ptr, V, NUM_SPLITS, MA
     """Row b: the split holding the largest value; the lowest index among equal values. With HOST_OUT
     the id is also written to `host_ptr` (pinned host memory, through its mapped address)."""
     row = tl.program_id(0)
-    best = _reduce_row(val_ptr + row * NUM_SPLITS, idx_ptr + row * NUM_SPLITS, NUM_SPLITS, V, MAX_SPLITS)
+    k = tl.arange(0, MAX_SPLITS)
+    mask = k < NUM_SPLITS
+    val = tl.load(val_ptr + row * NUM_SPLITS + k, mask=mask, other=float("-inf"))
+    idx = tl.load(idx_ptr + row * NUM_SPLITS + k, mask=mask, other=V)
+    top = tl.max(val, axis=0)
+    best = tl.min(tl.where(val == top, idx, V), axis=0)
+    best = tl.where(best == V, 0, best)  # a row of −inf logits only: index 0, as an argmax gives
     tl.store(out_ptr + row, best.to(tl.int64))
     if HOST_OUT:
         tl.store(host_ptr + row, best.to(tl.int64))
