@@ -65,7 +65,7 @@ def main() -> None:
     def lm_head() -> None:
         out.copy_(fused_gemv_fwd(x, weight))
 
-    flush_graph = capture(lambda: torch.sum(flush, dtype=torch.float32, out=flush_out), None)
+    flush_graph = capture(lambda: flush_out.copy_(torch.sum(flush, dtype=torch.float32)), None)
     total = weight.numel() * weight.element_size()
     results, reference = [], None
     variants = [("none", 0.0, "end", 1.0)]

@@ -66,7 +66,7 @@ SAMPLE_IN_LM_HEAD = True
 # The decode graphs keep the last rows of the LM head's weight in L2 from step to step (engine/l2_residency.py):
 # this fraction of the device's largest persisting set-aside is reserved (0 turns it off), and the window over
 # the weight covers L2_WINDOW_FILL of what was granted.
-L2_PERSIST_FRACTION = 1.0
+L2_PERSIST_FRACTION = 0.0
 L2_WINDOW_FILL = 1.0
 
 
