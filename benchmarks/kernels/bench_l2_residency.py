@@ -1,5 +1,5 @@
 """The LM head's GEMV with part of its weight kept in L2 across a decode step's weight stream
-(engine/l2_residency.py): per variant, the set-aside for persisting accesses and the window over the
+(cuda_l2.py beside this): per variant, the set-aside for persisting accesses and the window over the
 weight's first or last rows, timed as one CUDA-graph replay of the GEMV after a graph that reads
 `--flush-gb` of other memory (a step's 1.95 GB of layer weights evicts every ordinary line).
 
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from common import device_info, output_paths, print_table, require_cuda, write_json  # noqa: E402
-from tinyvllm.engine.l2_residency import (AccessPolicyWindow, graph_windows, l2_limits, lm_head_window,  # noqa: E402
-                                          reset_persisting_l2, set_graph_window, set_persisting_l2_bytes)
+from cuda_l2 import (AccessPolicyWindow, graph_windows, l2_limits, lm_head_window, reset_persisting_l2,  # noqa: E402
+                     set_graph_window, set_persisting_l2_bytes)
 from tinyvllm.kernels.gemv import fused_gemv_fwd  # noqa: E402
 
 

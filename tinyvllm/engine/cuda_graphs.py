@@ -24,10 +24,6 @@ gathers the placeholders (kernels/arena_load.py) and ending with a sampler that 
 the twin's `sampled_ids` (kernels/sampling.py). A batch-1 step is then one graph launch and
 an event: the copy kernels outside the graph and the device's idle time at their hand-overs go
 (docs/perf.md, v15).
-
-With `l2_window`, every kernel of every graph carries that access-policy window (engine/l2_residency.py):
-the lines it covers, the last rows of the LM head's weight, stay in L2's persisting set-aside from one
-replay to the next.
 """
 from __future__ import annotations
 
@@ -38,7 +34,6 @@ from collections.abc import Callable
 import torch
 
 from tinyvllm.engine.input_arena import InputArena
-from tinyvllm.engine.l2_residency import AccessPolicyWindow, set_graph_window
 from tinyvllm.models.llama import KVCache, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -60,17 +55,14 @@ class DecodeGraphs:
     graph (decode rows that share a prefix attend it once per chunk of rows; the prefix length is in the
     arena, so one graph serves any length); `io_max_rows`: buckets that load their own inputs (module
     docstring); `sample_in_lm_head`: with `sample_in_graph`, the sampler inside the LM head's kernel
-    where the model's fused product computes the logits (`LlamaForCausalLM.compute_logits_sampled`);
-    `l2_window`: an access-policy window for every kernel node (module docstring)."""
+    where the model's fused product computes the logits (`LlamaForCausalLM.compute_logits_sampled`)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], *, batch_sizes: list[int],
                  max_blocks_per_seq: int, max_seq_len: int, device: torch.device,
                  resolve_placeholders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
                  max_num_seqs: int = 0, cascade_batch_sizes: list[int] = (), sample_in_graph: bool = False,
-                 io_max_rows: int = 0, sample_in_lm_head: bool = True,
-                 l2_window: AccessPolicyWindow | None = None) -> None:
+                 io_max_rows: int = 0, sample_in_lm_head: bool = True) -> None:
         self.model = model
-        self.l2_window = l2_window
         self.sample_in_lm_head = sample_in_lm_head
         self.io_max_rows = io_max_rows if sample_in_graph else 0
         self.sample_in_graph = sample_in_graph
@@ -158,13 +150,9 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for key in self._keys():
                 self._run(*key)  # warm-up: compiles kernels, sizes workspaces
-                windowed = self.l2_window is not None
-                graph = torch.cuda.CUDAGraph(keep_graph=True) if windowed else torch.cuda.CUDAGraph()
+                graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self._outputs[key] = self._run(*key)
-                if windowed:  # attributes set on the captured nodes, then instantiated with them
-                    set_graph_window(graph.raw_cuda_graph(), self.l2_window)
-                    graph.instantiate()
                 self.graphs[key] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()

@@ -27,7 +27,6 @@ from tinyvllm.config import CacheConfig, ModelConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from tinyvllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tinyvllm.engine.fused_sampling import FusedSamplingPlan, step_seed
-from tinyvllm.engine.l2_residency import AccessPolicyWindow, l2_limits, lm_head_window, set_persisting_l2_bytes
 from tinyvllm.engine.sampler import LogprobsTensors, Sampler
 from tinyvllm.engine.sampling_tensors import SamplingRow, SamplingTensors
 from tinyvllm.engine.step_inputs import StepInputBuilder
@@ -63,11 +62,6 @@ GRAPH_IO_MAX_ROWS = 1
 # (models/llama.py, compute_logits_sampled): the sampler's partial kernel and a boundary fewer per step,
 # ~1 µs by the profile, within the run-to-run spread of tok/s (docs/perf.md, v15).
 SAMPLE_IN_LM_HEAD = True
-# The decode graphs keep the last rows of the LM head's weight in L2 from step to step (engine/l2_residency.py):
-# this fraction of the device's largest persisting set-aside is reserved (0 turns it off), and the window over
-# the weight covers L2_WINDOW_FILL of what was granted.
-L2_PERSIST_FRACTION = 0.0
-L2_WINDOW_FILL = 1.0
 
 
 def wants_megakernel(requested: bool | None, device_type: str, hidden_size: int) -> bool:
@@ -245,22 +239,8 @@ class ModelRunner:
                                        cascade_batch_sizes=[b for b in sizes if b >= CASCADE_MIN_BATCH]
                                        if cascade else [], sample_in_graph=self.kernel_backend == "triton",
                                        io_max_rows=GRAPH_IO_MAX_ROWS if self.kernel_backend == "triton" else 0,
-                                       sample_in_lm_head=SAMPLE_IN_LM_HEAD, l2_window=self._lm_head_l2_window())
+                                       sample_in_lm_head=SAMPLE_IN_LM_HEAD)
             self.graphs.capture()
-
-    def _lm_head_l2_window(self) -> AccessPolicyWindow | None:
-        """Reserve L2's persisting set-aside (L2_PERSIST_FRACTION of the device's maximum) and return the
-        window over the LM head's last rows that fills L2_WINDOW_FILL of it; None where the device has no
-        set-aside or it is turned off. The set-aside belongs to the CUDA context: it stays for the process."""
-        limits = l2_limits(self.device)
-        if L2_PERSIST_FRACTION <= 0 or limits is None or limits.max_persisting_bytes <= 0:
-            return None
-        granted = set_persisting_l2_bytes(int(limits.max_persisting_bytes * L2_PERSIST_FRACTION))
-        window = lm_head_window(self.model.lm_head_weight, int(granted * L2_WINDOW_FILL), limits.max_window_bytes)
-        logger.info("L2: %.1f of %.1f MB set aside for persisting accesses; the decode graphs keep %.1f MB of the "
-                    "LM head's weight there", granted / 1e6, limits.l2_bytes / 1e6,
-                    0 if window is None else window.num_bytes / 1e6)
-        return window
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()

@@ -88,12 +88,6 @@ from tinyvllm.kernels._flash import _attn_inner, _dot_pv, _dot_qk
 from tinyvllm.kernels._launch import check_int, next_power_of_2, num_sms, upcast_dot
 
 
-# The L2 eviction priority of the weight tiles' loads ("" the default, "evict_first": a weight line, read once
-# per step, goes before the activations, partials and keys the phases hand on through L2). A module-level
-# constant, part of the kernel's compile key.
-WEIGHT_EVICTION = tl.constexpr("")
-
-
 class MegakernelConfig(NamedTuple):
     tile: int = 16384  # weight elements per unit (a power of two)
     num_warps: int = 8
@@ -242,7 +236,7 @@ def _qkv_tile(w_ptr, layer, u, H: tl.constexpr, NQKV: tl.constexpr, D: tl.conste
     cols = tl.arange(0, BH)[None, None, :]
     rows = head * D + j0 + hh * (D // 2) + jj
     base = w_ptr + tl.cast(layer, tl.int64) * (NQKV * H)
-    return tl.load(base + rows * H + cols, mask=cols < H, other=0.0, eviction_policy=WEIGHT_EVICTION)
+    return tl.load(base + rows * H + cols, mask=cols < H, other=0.0)
 
 
 @triton.jit
@@ -251,7 +245,7 @@ def _rows_tile(w_ptr, layer, u, N: tl.constexpr, K: tl.constexpr, R: tl.constexp
     rows = u * R + tl.arange(0, R)[:, None]
     cols = tl.arange(0, BK)[None, :]
     base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
-    return tl.load(base + rows * K + cols, mask=cols < K, other=0.0, eviction_policy=WEIGHT_EVICTION)
+    return tl.load(base + rows * K + cols, mask=cols < K, other=0.0)
 
 
 @triton.jit
@@ -262,7 +256,7 @@ def _gate_up_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.cons
     rows = gate_rows + tl.arange(0, 2)[None, :, None] * F
     cols = tl.arange(0, BH)[None, None, :]
     base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
-    return tl.load(base + rows * H + cols, mask=cols < H, other=0.0, eviction_policy=WEIGHT_EVICTION)
+    return tl.load(base + rows * H + cols, mask=cols < H, other=0.0)
 
 
 # ---------------------------------------------------------------------------------------------- phases
@@ -588,7 +582,7 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, 
     for u in tl.range(first, last, 1, num_stages=PIPE):
         g = u // CPG
         row0 = (u % CPG) * RO
-        w = tl.load(base + (row0 + rr) * QD + g * GD + cols, eviction_policy=WEIGHT_EVICTION)  # [RO, G, D]
+        w = tl.load(base + (row0 + rr) * QD + g * GD + cols)  # [RO, G, D]
         # The first merge sits in the wait's own block: Triton's pipeliner may move an independent block
         # of the loop body ahead of another, and the merge must read the partials after the barrier.
         if PREFETCH:
@@ -657,7 +651,7 @@ def _gate_up_dot_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.
     rows = u * RG + r % RG + (r // RG) * F
     base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
     cols = (n % NC)[:, None] * CW + tl.arange(0, CW)[None, :]
-    return tl.load(base + rows[:, None] * H + cols, mask=cols < H, other=0.0, eviction_policy=WEIGHT_EVICTION)
+    return tl.load(base + rows[:, None] * H + cols, mask=cols < H, other=0.0)
 
 
 @triton.jit

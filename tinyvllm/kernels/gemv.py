@@ -52,9 +52,6 @@ MAX_ROWS = 16  # rows of x per call: decode batches; beyond this a GEMM is the r
 FMA_MAX_ROWS = 1  # up to this M, FMAs in registers by default; above, tl.dot with M padded to 16
 
 _PLAIN, _NORM, _SILU = 0, 1, 2
-# The L2 eviction priority of the weight tiles' loads ("" the default; "evict_first": read once per step,
-# they go before other lines). A module-level constant, part of the kernel's compile key.
-WEIGHT_EVICTION = tl.constexpr("")
 
 
 class GemvConfig(NamedTuple):
@@ -223,8 +220,7 @@ def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
             mask_k = tl.full([BLOCK_K], 1, tl.int1)
         else:
             mask_k = k < K
-        w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                    eviction_policy=WEIGHT_EVICTION)
+        w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         if BLOCK_M == 1 and not USE_DOT and MODE != 2:
             # x's one row loaded as a [BLOCK_N, BLOCK_K] tile (every row the same addresses, L1 hits):
             # the same shape as W's tile gets the same register layout, so no shared-memory shuffle.

@@ -1,22 +1,17 @@
-"""Part of a weight kept in the GPU's L2 cache from one decode step to the next.
+"""L2 persistence through the CUDA driver API (ctypes): the helpers `bench_l2_residency.py` measures with.
 
-A batch-1 decode step of Llama-3.2-1B streams 2.47 GB of weights through an L2 of 50 MB, so by default
-nothing read in one step is still there in the next, and every byte comes from HBM. Since compute
-capability 8.0 the driver can set aside part of L2 for *persisting* accesses
-(`cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE)`): lines a kernel reads with the persisting
-property stay there, and ordinary accesses can use that part of L2 only while persisting lines do not.
-A kernel gets the property through an access-policy window, an address range [base, base + num_bytes)
-of which a fraction `hit_ratio` of the lines is accessed as persisting; a captured graph carries one
-per kernel node (`cuGraphKernelNodeSetAttribute`).
+Since compute capability 8.0 the driver can set aside part of L2 for *persisting* accesses
+(`cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE)`): lines a kernel reads with the persisting property
+stay there, and ordinary accesses use that part of L2 only while persisting lines do not. A kernel gets
+the property through an access-policy window, an address range [base, base + num_bytes) of which a
+fraction `hit_ratio` of the lines is accessed as persisting; a captured graph carries one per kernel
+node (`cuGraphKernelNodeSetAttribute`). The idea measured: a batch-1 decode step streams 2.47 GB of
+weights through the H200's 62.9 MB of L2, so nothing survives from one step to the next; keeping the
+LM head's last rows in the set-aside would serve them from L2 in every step. On the lent H200 it did
+not (docs/perf.md, v16): the engine does not use this.
 
-The engine points the window at the last rows of the LM head's weight (`lm_head_window`): the LM head
-is the one HBM-bound kernel of the step that reads its bytes at the copy rate (docs/perf.md v15), so
-every byte it finds in L2 takes 1 / bandwidth off the step. The window covers no more than the set-aside,
-so the persisting lines do not evict each other, and lies at the end of the weight, where the last
-programs of the LM head's grid read: they finish early and shorten the kernel's tail.
-
-Everything here goes through the CUDA driver API by ctypes (torch exposes neither the limit nor the
-window); the functions are no-ops or return None where there is no CUDA driver.
+torch exposes neither the limit nor the window; the functions return None or 0 where there is no
+CUDA driver.
 """
 from __future__ import annotations
 
@@ -86,7 +81,8 @@ def l2_limits(device: torch.device) -> L2Limits | None:
     handle = ctypes.c_int()
     _check(lib.cuDeviceGet(ctypes.byref(handle), ordinal), "cuDeviceGet")
     values = [torch.cuda.get_device_properties(ordinal).L2_cache_size]
-    for attribute in (_CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE, _CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE):
+    for attribute in (_CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE,
+                      _CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE):
         value = ctypes.c_int()
         _check(lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, handle), "cuDeviceGetAttribute")
         values.append(value.value)
