@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tinyvllm.config import ModelConfig
-from tinyvllm.kernels import get_ops, pdl
+from tinyvllm.kernels import get_ops
 from tinyvllm.kernels.decode_megakernel import MegakernelConfig
 from tinyvllm.models.attention_metadata import AttnMetadata
 from tinyvllm.models.checkpoint import make_config
@@ -109,43 +109,3 @@ def test_megakernel_replays_in_a_cuda_graph(split_o):
             assert rel(captured, eager) <= 4e-2
         else:
             assert torch.equal(captured, eager)
-
-
-@torch.no_grad()
-def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
-    """The batch-1 graph's kernels launched as programmatic dependents (kernels/pdl.py: the megakernel
-    after the kernel before it, the LM head with the sampler's partials after the megakernel, the reduce
-    after the LM head, each prefetching weights before its wait) compute what plain stream order does:
-    the same logits and sampled ids, bit for bit (`split_o` off: no float32 atomics), in every replay of
-    a CUDA graph and eagerly."""
-    if not pdl.use_pdl(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0 and Triton's gdc_wait")
-    model, kv = setup(torch.bfloat16)
-    model.enable_decode_megakernel(MegakernelConfig(split_o=False))
-    ids, pos, meta, _ = step(700, kv.shape[2])
-    temperature = torch.tensor([0.7], device="cuda")
-    seeds = torch.tensor([123], device="cuda")
-    sampled = torch.zeros(1, dtype=torch.int64, device="cuda")
-
-    def run():
-        hidden = model(ids, pos, meta, [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
-        return model.compute_logits_sampled(hidden, temperature, seeds, sampled), sampled
-
-    results = {}
-    for enabled in (False, True):
-        monkeypatch.setattr(pdl, "PDL_ENABLED", enabled)
-        eager_logits, eager_ids = (t.clone() for t in run())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            logits, ids_out = run()
-        torch.cuda.current_stream().wait_stream(stream)
-        for _ in range(20):
-            logits.zero_()
-            ids_out.fill_(-1)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(logits, eager_logits) and torch.equal(ids_out, eager_ids)
-        results[enabled] = eager_logits, eager_ids
-    assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])

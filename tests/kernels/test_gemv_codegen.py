@@ -32,8 +32,7 @@ PATHS = {"fma": dict(block_m=1, block_n=8, block_k=512, dot=False, warps=4, stag
 def compile_ptx(mode: int, residual: bool, block_m: int, block_n: int, block_k: int, dot: bool,
                 warps: int, stages: int, sample: bool = False) -> str:
     """PTX of _gemv_kernel for sm_90, split-K variant (it contains the unsplit epilogue too); `sample`:
-    unsplit, with the sampler's partials in the epilogue, launched as a programmatic dependent (the LM
-    head's)."""
+    unsplit, with the sampler's partials in the epilogue (the LM head's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -46,7 +45,7 @@ def compile_ptx(mode: int, residual: bool, block_m: int, block_n: int, block_k: 
                 "temp_ptr": "*fp32", "seed_ptr": "*i64", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32"})
     consts = {"MODE": mode, "HAS_RESIDUAL": residual, "SPLIT": not sample, "BLOCK_M": block_m, "BLOCK_N": block_n,
               "BLOCK_K": block_k, "USE_DOT": dot, "EVEN_K": True, "UPCAST": False, "IEEE": False,
-              "SAMPLE": sample, "TILE": 2048, "FAST_LOG": True, "PDL": sample, "PDL_TILES": 2}
+              "SAMPLE": sample, "TILE": 2048, "FAST_LOG": True}
     sig.update({name: "constexpr" for name in consts})
     attrs = {(_gemv_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
     compiled = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -80,11 +79,7 @@ def summarise() -> dict:
             body = k_loop(ptx)
             out[f"{path}/{variant}"] = {"v4_loads_in_loop": body.count("ld.global.v4"),
                                         "barrier_in_loop": "bar.sync" in body,
-                                        "wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx,
-                                        "gdc_wait": ptx.count("griddepcontrol.wait"),
-                                        "l2_prefetches": ptx.count("prefetch.global.L2"),
-                                        "first_prefetch_before_wait": 0 <= ptx.find("prefetch.global.L2")
-                                        < ptx.find("griddepcontrol.wait")}
+                                        "wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx}
     return out
 
 
@@ -114,16 +109,6 @@ def test_dot_path_uses_wgmma_and_cp_async(facts, variant):
     f = facts[f"dot/{variant}"]
     assert "error" not in f, f["error"]
     assert f["wgmma"] and f["cp_async"]
-
-
-def test_lm_head_waits_for_the_kernel_ahead_after_its_prefetches(facts):
-    """The programmatic-dependent LM head (kernels/pdl.py): its two first [64, 128] bf16 tiles asked of L2
-    (2 lines a row, 64 rows: one request per thread of 128 per tile) before its one wait; the products
-    without it never wait."""
-    f = facts["dot/plain_sample"]
-    assert f["gdc_wait"] == 1 and f["first_prefetch_before_wait"]
-    assert f["l2_prefetches"] == 2
-    assert facts["dot/plain"]["gdc_wait"] == 0 and facts["dot/plain"]["l2_prefetches"] == 0
 
 
 if __name__ == "__main__":

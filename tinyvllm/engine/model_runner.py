@@ -62,9 +62,6 @@ GRAPH_IO_MAX_ROWS = 1
 # (models/llama.py, compute_logits_sampled): the sampler's partial kernel and a boundary fewer per step,
 # ~1 µs by the profile, within the run-to-run spread of tok/s (docs/perf.md, v15).
 SAMPLE_IN_LM_HEAD = True
-# The decode megakernel's launch configuration (kernels/decode_megakernel.py; None: its defaults), a
-# module constant so that scripts/latency_ab.py can time another beside it.
-MEGAKERNEL_CONFIG = None
 
 
 def wants_megakernel(requested: bool | None, device_type: str, hidden_size: int) -> bool:
@@ -149,7 +146,7 @@ class ModelRunner:
         if reason is not None:
             logger.info("decode megakernel off: %s", reason)
             return
-        self.model.enable_decode_megakernel(MEGAKERNEL_CONFIG)
+        self.model.enable_decode_megakernel()
         torch.cuda.empty_cache()
 
     def bytes_per_block(self, block_size: int) -> int:

@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels._launch import check_int, next_power_of_2
-from tinyvllm.kernels.pdl import launch_dependents, use_pdl
 
 # Words read in the first round trip: a batch-1 arena's regions and a block table for ~3,400 tokens (the
 # H200's load took 2.6 µs at 128–256 words, 4.0 at 1,024: bench_step_io.py); then REST words a round trip.
@@ -32,10 +31,7 @@ _REST = 1024
 
 @triton.jit(do_not_specialize=["capacity", "rows"])
 def _load_arena_kernel(dst_ptr, src_ptr, capacity, ids_ptr, ph_src_host_ptr, sampled_ptr, rows,
-                       BLOCK: tl.constexpr, REST: tl.constexpr, ROWS: tl.constexpr, RESOLVE: tl.constexpr,
-                       TRIGGER: tl.constexpr):
-    if TRIGGER:  # the next kernel (the decode megakernel) may start its programs now (kernels/pdl.py)
-        launch_dependents()
+                       BLOCK: tl.constexpr, REST: tl.constexpr, ROWS: tl.constexpr, RESOLVE: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     n = tl.load(src_ptr)
     first = tl.load(src_ptr + offs, mask=offs < capacity)
@@ -63,8 +59,7 @@ def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, pl
     `sampled` [M] int64 on the device. `block`: the words of the first read (a power of two; default
     _BLOCK).
     Enqueued on the current stream; the host must not rewrite `src` before it has run (the contract of
-    an asynchronous copy). Where programmatic dependent launch is on (kernels/pdl.py), the kernel lets
-    the next one start at once: a secondary waits for this kernel's completion before reading `dst`."""
+    an asynchronous copy)."""
     if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.shape != src.shape or dst.dim() != 1:
         raise ValueError(f"load_arena: arenas must be uint8 vectors of one size, got {tuple(src.shape)} "
                          f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}")
@@ -90,4 +85,4 @@ def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, pl
     d, s = dst.view(torch.int32), src.view(torch.int32)
     _load_arena_kernel[(1,)](d, s, d.numel(), input_ids, ph_src_host, sampled, rows, BLOCK=block,
                              REST=max(block, _REST), ROWS=next_power_of_2(max(rows, 1)), RESOLVE=rows > 0,
-                             TRIGGER=use_pdl(dst.device), num_warps=4)
+                             num_warps=4)

@@ -86,7 +86,6 @@ import triton.language as tl
 
 from tinyvllm.kernels._flash import _attn_inner, _dot_pv, _dot_qk
 from tinyvllm.kernels._launch import check_int, next_power_of_2, num_sms, upcast_dot
-from tinyvllm.kernels.pdl import launch_dependents, prefetch_l2, use_pdl, wait_primary
 
 
 class MegakernelConfig(NamedTuple):
@@ -99,14 +98,6 @@ class MegakernelConfig(NamedTuple):
     ace_stages: int = 3  # the same for phases A, C and E
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
-    # layer 0's phase A reads the embedding row itself: no barrier after the embedding's store (v17)
-    direct_embed: bool = True
-    # programs other than 0 leave after their last arrival; program 0 waits, writes the final norm and
-    # resets the counters, so the next kernel's programs can take the SMs left (with `pdl`; v17)
-    early_exit: bool = True
-    # CUDA, compute capability ≥ 9: launched as a programmatic dependent of the kernel before it
-    # (kernels/pdl.py), each program asking L2 for its layer-0 phase-A tiles before it waits (v17)
-    pdl: bool = True
 
 
 @dataclass(frozen=True)
@@ -249,21 +240,6 @@ def _qkv_tile(w_ptr, layer, u, H: tl.constexpr, NQKV: tl.constexpr, D: tl.conste
 
 
 @triton.jit
-def _prefetch_qkv_l2(w_ptr, pid, P, H: tl.constexpr, NQKV: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr,
-                     BH: tl.constexpr):
-    """Ask L2 for this program's layer-0 phase-A units (`_qkv_tile`'s rows), one request per 128-byte line."""
-    UPH: tl.constexpr = D // 2 // RQ
-    PER_LINE: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    LINES: tl.constexpr = max(1, BH // PER_LINE)
-    jj = tl.arange(0, RQ)[:, None, None]
-    hh = tl.arange(0, 2)[None, :, None]
-    cols = tl.minimum(tl.arange(0, LINES) * PER_LINE, H - 1)[None, None, :]
-    for u in range(pid, NQKV // D * UPH, P):
-        rows = (u // UPH) * D + (u % UPH) * RQ + hh * (D // 2) + jj
-        prefetch_l2(w_ptr + rows * H + cols)
-
-
-@triton.jit
 def _rows_tile(w_ptr, layer, u, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
     """Unit u of phases C and E: output rows u·R + [0, R) of W [N, K], as [R, BK]."""
     rows = u * R + tl.arange(0, R)[:, None]
@@ -314,12 +290,11 @@ def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
 
 @triton.jit
 def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
-               stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, wait,
+               stride_blk, stride_head, eps, bar_ptr, b, trace_ptr,
                H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                RQ: tl.constexpr, BH: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr,
                TRACE: tl.constexpr, ASM: tl.constexpr):
-    """Phase A, starting with the wait of barrier b when `wait` (see the kernel's docstring for PIPE and
-    PREFETCH); the residual read from r_ptr (layer 0 with `direct_embed`: the embedding row, no wait)."""
+    """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH)."""
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
@@ -329,8 +304,7 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
     cs_row = cos_sin_ptr + pos * D
     a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
-        if wait:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = _normed(r_ptr, r_ptr, n1_ptr + layer * H, H, eps, BH, False)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
@@ -338,12 +312,11 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
         s = tl.load(cs_row + HALF + (u % UPH) * RQ + jj)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
-                if wait:  # nested, so that the read below stays after the wait in the pipelined loop
-                    _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 a = _normed(r_ptr, r_ptr, n1_ptr + layer * H, H, eps, BH, False)[None, None, :]
         _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
     if PREFETCH:
-        if (pid >= n_units) & wait:
+        if pid >= n_units:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
@@ -738,8 +711,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr,
-                       DIRECT_EMBED: tl.constexpr, EARLY_EXIT: tl.constexpr, PDL: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -748,10 +720,6 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     BQ: tl.constexpr = triton.next_power_of_2(QD)
     BHK: tl.constexpr = triton.next_power_of_2(HK)
 
-    if PDL:  # weights only before the wait: everything else may still be being written by the kernel ahead
-        _prefetch_qkv_l2(wqkv_ptr, pid, P, H, (HQ + 2 * HK) * D, D, RQ, BH)
-        wait_primary()
-        launch_dependents()
     if TRACE:
         if pid == 0:
             tl.store(trace_ptr, _now(pid))
@@ -771,25 +739,16 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         rows_pre = _first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, HK, D, BS, KEYS)
     else:
         rows_pre = 0
-    _arrive(bar_ptr, trace_ptr, pid, 1, TRACE)  # (counted even when no phase waits for it: DIRECT_EMBED)
-    if DIRECT_EMBED and TRACE:
-        if pid == 0:
-            tl.store(trace_ptr + 1, _now(pid))
+    _arrive(bar_ptr, trace_ptr, pid, 1, TRACE)
     # Each weight phase starts with the wait of the barrier before it: with PREFETCH, after issuing its
     # first weight tiles (they do not depend on the barrier), so they stream while the others arrive.
     for layer in range(num_layers):
         b = 1 + 5 * layer  # barriers before this layer: the embedding's, then 5 per layer
         k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
         v_ptr = k_ptr + v_offset
-        if DIRECT_EMBED:  # layer 0 normalises the embedding row itself (r holds it for phases C–E)
-            x_ptr = tl.where(layer == 0, emb_ptr + tok * H, r_ptr)
-            wait = layer > 0
-        else:
-            x_ptr = r_ptr
-            wait = layer >= 0
-        _qkv_phase(layer, pid, P, x_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
-                   stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, wait, H, HQ, HK, D, BS, RQ, BH, PIPE,
-                   PREFETCH, TRACE, ASM)
+        _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+                   stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, PIPE, PREFETCH,
+                   TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
         if PRELOAD:
             kp, vp = _preload_kv(pid, k_ptr, v_ptr, rows_pre, seq_len, splits, stride_head, HK, D, KEYS)
@@ -824,33 +783,19 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
                             MAXU_E, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
-    if EARLY_EXIT:
-        # Only program 0 waits for the last barrier: once every program has arrived there, none touches
-        # the counters again, so it resets them for the next launch after writing the output.
-        if pid == 0:
-            _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
-            out = _normed(r_ptr, r_ptr, nf_ptr, H, eps, BH, False)
-            tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
-            tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(tickets_ptr + tl.arange(0, BHK), 0, mask=tl.arange(0, BHK) < HK, sem="relaxed",
-                           scope="gpu")
-            if TRACE:
-                tl.store(trace_ptr + 2 + 5 * num_layers, _now(pid))
-    else:
-        _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
-        if pid == 0:
-            out = _normed(r_ptr, r_ptr, nf_ptr, H, eps, BH, False)
-            tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
-        # Leave: the last program out resets the barrier counter (every program has passed every barrier).
-        tl.debug_barrier()
-        left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if left == P - 1:
-            tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(tickets_ptr + tl.arange(0, BHK), 0, mask=tl.arange(0, BHK) < HK, sem="relaxed",
-                           scope="gpu")
-            if TRACE:
-                tl.store(trace_ptr + 2 + 5 * num_layers, _now(pid))
+    _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
+    if pid == 0:
+        out = _normed(r_ptr, r_ptr, nf_ptr, H, eps, BH, False)
+        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
+    # Leave: the last program out resets the barrier counter (every program has passed every barrier).
+    tl.debug_barrier()
+    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == P - 1:
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(tickets_ptr + tl.arange(0, BHK), 0, mask=tl.arange(0, BHK) < HK, sem="relaxed", scope="gpu")
+        if TRACE:
+            tl.store(trace_ptr + 2 + 5 * num_layers, _now(pid))
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -988,7 +933,6 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
     ro_split = split_o_rows(shape, unit_tile(config, weights.qkv.element_size()))
     dot_d = dot_d and config.dot_d
-    pdl = config.pdl and use_pdl(input_ids.device)
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
     cuda = input_ids.device.type == "cuda"
@@ -1012,10 +956,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, DIRECT_EMBED=config.direct_embed,
-        EARLY_EXIT=config.early_exit, PDL=pdl, num_warps=config.num_warps, num_stages=1)
-    if pdl:
-        kwargs["launch_pdl"] = True
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, num_warps=config.num_warps,
+        num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang

@@ -46,7 +46,6 @@ import triton.language as tl
 
 from tinyvllm.kernels._launch import (cdiv, check_dim, check_float, check_last_dim_contiguous, check_same_device,
                                       is_power_of_2, next_power_of_2, num_sms, upcast_dot)
-from tinyvllm.kernels.pdl import launch_dependents, prefetch_l2, use_pdl, wait_primary
 from tinyvllm.kernels.sampling import _best_of_block, reduce_partials, sampling_tile
 
 MAX_ROWS = 16  # rows of x per call: decode batches; beyond this a GEMM is the right kernel
@@ -89,10 +88,6 @@ TUNED_M1_H200: dict[tuple[int, int], GemvConfig] = {
     (128256, 2048): GemvConfig(128, 128, 1, 4, 3, True),  # lm_head: 117.0 vs 121.4 (floor 124.6)
 }
 H200_SMS = 132
-# Weight tiles per program prefetched into L2 by a programmatic dependent launch (`pdl`) before it waits
-# for the kernel ahead: while the decode megakernel's last programs finish, the LM head's first programs
-# (on the SMs already left) stream their first tiles (docs/perf.md, v17).
-PDL_TILES = 2
 
 
 @functools.lru_cache(maxsize=4096)  # host cost per launch: a dict lookup
@@ -198,8 +193,7 @@ def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
                  MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 SAMPLE: tl.constexpr, TILE: tl.constexpr, FAST_LOG: tl.constexpr,
-                 PDL: tl.constexpr, PDL_TILES: tl.constexpr):
+                 SAMPLE: tl.constexpr, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -208,15 +202,6 @@ def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
     mask_m = offs_m < M
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
-    if PDL:  # a programmatic dependent (pdl.py): the first PDL_TILES weight tiles into L2, then wait
-        PER_LINE: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        LINES: tl.constexpr = max(1, BLOCK_K // PER_LINE)
-        rows_in = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn
-        for t in tl.static_range(PDL_TILES):
-            col = pid_k * k_per_split + t * BLOCK_K + tl.arange(0, LINES)[None, :] * PER_LINE
-            prefetch_l2(rows_in + tl.minimum(col, K - 1))
-        wait_primary()
-        launch_dependents()
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if MODE == 1:
@@ -374,14 +359,9 @@ def _check_config(cfg: GemvConfig) -> None:
 
 def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                    eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
-                   config: GemvConfig | None = None, sampling: GemvSampling | None = None,
-                   pdl: bool = False) -> torch.Tensor:
+                   config: GemvConfig | None = None, sampling: GemvSampling | None = None) -> torch.Tensor:
     """Launcher: checks, picks the config (or takes `config`), launches one kernel. → out [M, N].
-    `sampling` (plain products only: the LM head): also sample every row's id from out (`GemvSampling`).
-    `pdl`: launch as a programmatic dependent of the kernel before it where the device allows
-    (kernels/pdl.py; the LM head after the decode megakernel), prefetching the first PDL_TILES weight
-    tiles of each program into L2 before waiting for it; the sampler's reduce kernel then follows the
-    same way."""
+    `sampling` (plain products only: the LM head): also sample every row's id from out (`GemvSampling`)."""
     M, N, K = _check(x, weight, norm_weight, silu_mul, residual)
     if sampling is not None:
         if norm_weight is not None or silu_mul or residual is not None:
@@ -406,7 +386,6 @@ def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.
         ws = tickets = out
     mode = _NORM if norm else _SILU if silu_mul else _PLAIN
     s = sampling
-    pdl = pdl and use_pdl(x.device)
     if s is not None:
         parts_val = torch.empty((M, n_blocks), dtype=torch.float32, device=x.device)
         parts_idx = torch.empty((M, n_blocks), dtype=torch.int32, device=x.device)
@@ -418,10 +397,10 @@ def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.
         MODE=mode, HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, EVEN_K=split * k_per_split == K,
         UPCAST=upcast_dot(x.device), IEEE=x.dtype == torch.float32,
-        SAMPLE=s is not None, TILE=sampling_tile(), FAST_LOG=x.is_cuda, PDL=pdl, PDL_TILES=PDL_TILES,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+        SAMPLE=s is not None, TILE=sampling_tile(), FAST_LOG=x.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if s is not None:
-        reduce_partials(parts_val, parts_idx, N, s.ids, s.host_ids, pdl=pdl)
+        reduce_partials(parts_val, parts_idx, N, s.ids, s.host_ids)
     return out
 
 

@@ -16,7 +16,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from tinyvllm.kernels._launch import num_sms
-from tinyvllm.kernels.pdl import wait_primary
 
 
 @triton.jit
@@ -117,12 +116,9 @@ def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, va
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, host_ptr, V, NUM_SPLITS, MAX_SPLITS: tl.constexpr,
-                          HOST_OUT: tl.constexpr, PDL: tl.constexpr):
+                          HOST_OUT: tl.constexpr):
     """Row b: the split holding the largest value; the lowest index among equal values. With HOST_OUT
-    the id is also written to `host_ptr` (pinned host memory, through its mapped address). PDL: launched
-    as a programmatic dependent of the partials' kernel (kernels/pdl.py), whose completion it awaits."""
-    if PDL:
-        wait_primary()
+    the id is also written to `host_ptr` (pinned host memory, through its mapped address)."""
     row = tl.program_id(0)
     k = tl.arange(0, MAX_SPLITS)
     mask = k < NUM_SPLITS
@@ -187,13 +183,11 @@ def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, see
 
 
 def reduce_partials(vals: torch.Tensor, idxs: torch.Tensor, V: int, out: torch.Tensor,
-                    host_out: torch.Tensor | None = None, pdl: bool = False) -> None:
+                    host_out: torch.Tensor | None = None) -> None:
     """out[b] (and host_out[b]) ← the index of row b's best partial: vals [B, S] float32 and idxs [B, S]
-    int32 are each split's (value, index), from the partial kernel or a kernel that fuses it (gemv.py).
-    `pdl`: launched as a programmatic dependent of that kernel (the caller has checked `use_pdl`)."""
+    int32 are each split's (value, index), from the partial kernel or a kernel that fuses it (gemv.py)."""
     B, S = vals.shape
     max_splits = max(_MAX_SPLITS, triton.next_power_of_2(S))  # one compile for every split count below 64
     _sample_reduce_kernel[(B,)](vals, idxs, out, out if host_out is None else host_out, V, S,
-                                MAX_SPLITS=max_splits, HOST_OUT=host_out is not None, PDL=pdl,
-                                num_warps=1 if max_splits <= _MAX_SPLITS else 4,
-                                **({"launch_pdl": True} if pdl else {}))
+                                MAX_SPLITS=max_splits, HOST_OUT=host_out is not None,
+                                num_warps=1 if max_splits <= _MAX_SPLITS else 4)

@@ -209,14 +209,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """[N, H] → [N, V] logits, in `dtype` (None: the model's dtype, which the samplers upcast as they
-        read it, saving a [N, V] float32 copy per step). The Triton product launches as a programmatic
-        dependent of the kernel before it (kernels/pdl.py: after the decode megakernel, its first programs
-        start streaming the weight on the SMs the megakernel has left)."""
-        if self.uses_fused_path(hidden.shape[0]) and self.ops.name == "triton":
-            from tinyvllm.kernels.gemv import fused_gemv_fwd
-
-            logits = fused_gemv_fwd(hidden, self.lm_head_weight, pdl=True)
-        elif self.uses_fused_path(hidden.shape[0]):
+        read it, saving a [N, V] float32 copy per step)."""
+        if self.uses_fused_path(hidden.shape[0]):
             logits = self.ops.fused_gemv(hidden, self.lm_head_weight)
         else:
             logits = F.linear(hidden, self.lm_head_weight)
@@ -233,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         if self.uses_fused_path(hidden.shape[0]) and self.ops.name == "triton":
             from tinyvllm.kernels.gemv import GemvSampling, fused_gemv_fwd
 
-            return fused_gemv_fwd(hidden, self.lm_head_weight, pdl=True,
+            return fused_gemv_fwd(hidden, self.lm_head_weight,
                                   sampling=GemvSampling(temperature, seeds, ids, host_ids))
         from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
