@@ -238,6 +238,7 @@ def main() -> None:
         print(f"{name:8s} cublas                         {t / L * 1e6:7.2f} µs/layer {nbytes / t / 1e12:5.2f} TB/s")
 
         bar = torch.zeros(2, device=dev, dtype=torch.int32)
+        no_trace = torch.zeros(1, device=dev, dtype=torch.int64)
         cands = list(configs(name, n, k, variants))
         runs = [(c, True, 0.0) for c in cands] + [(c, False, 0.0) for c in cands if c[0] == "reg2" or c[0].startswith("ws")]
         for delay in args.delay_us:
@@ -256,7 +257,7 @@ def main() -> None:
                     raise ValueError("relaxed barriers: ws variants only")
                 elif variant.startswith("ws"):
                     from benchmarks.kernels.stream_ws import stream_ws_kernel
-                    stream_ws_kernel[(sms,)](w, x, y, bar, base, delay, L, N=n, K=k, R=r, BK=bk, STAGES=stages,
+                    stream_ws_kernel[(sms,)](w, x, y, bar, no_trace, base, delay, L, N=n, K=k, R=r, BK=bk, STAGES=stages,
                                              BARRIER=int(barrier), FENCE="_nf" not in variant, ACC2D="acc" in variant,
                                              SLEEP="sleep" in variant,
                                              num_warps=warps, maxnreg=256 if warps == 4 else 168)
