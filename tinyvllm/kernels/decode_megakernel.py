@@ -98,12 +98,6 @@ class MegakernelConfig(NamedTuple):
     ace_stages: int = 3  # the same for phases A, C and E
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
-    # TIMING ONLY, not correct: barrier arrivals as relaxed atomics instead of gpu-scope releases (nothing
-    # then orders a phase's stores before the next phase's reads); what the release's fence costs
-    relaxed_arrive: bool = False
-    # the CTA waits at a barrier after thread 0's release arrival, so that no warp issues the next phase's
-    # prologue loads while the release's fence (MEMBAR.ALL.GPU) is waiting (in case it waits for them too)
-    arrive_sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,20 +135,14 @@ _TRACE_BLOCK = tl.constexpr(TRACE_BLOCK)
 
 
 @triton.jit
-def _arrive(count_ptr, trace_ptr, pid, b, TRACE: tl.constexpr, RELAXED: tl.constexpr = False,
-            SYNC: tl.constexpr = False):
+def _arrive(count_ptr, trace_ptr, pid, b, TRACE: tl.constexpr):
     """This program's arrival at grid barrier b (a CTA barrier, then thread 0's gpu-scope release: the
     CTA's earlier stores are visible to whoever acquires the count). Loads issued before it delay it
     (the release waits for them), so prefetches go between `_arrive` and `_wait`."""
     if TRACE:
         tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + 400 + b, _now(pid))
     tl.debug_barrier()
-    if RELAXED:  # timing only (`MegakernelConfig.relaxed_arrive`)
-        tl.atomic_add(count_ptr, 1, sem="relaxed", scope="gpu")
-    else:
-        tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-    if SYNC:
-        tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -723,8 +711,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr,
-                       RELAXED_ARRIVE: tl.constexpr = False, ARRIVE_SYNC: tl.constexpr = False):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -752,7 +739,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         rows_pre = _first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, HK, D, BS, KEYS)
     else:
         rows_pre = 0
-    _arrive(bar_ptr, trace_ptr, pid, 1, TRACE, RELAXED_ARRIVE, ARRIVE_SYNC)
+    _arrive(bar_ptr, trace_ptr, pid, 1, TRACE)
     # Each weight phase starts with the wait of the barrier before it: with PREFETCH, after issuing its
     # first weight tiles (they do not depend on the barrier), so they stream while the others arrive.
     for layer in range(num_layers):
@@ -762,7 +749,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                    stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, PIPE, PREFETCH,
                    TRACE, ASM)
-        _arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE, RELAXED_ARRIVE, ARRIVE_SYNC)
+        _arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
         if PRELOAD:
             kp, vp = _preload_kv(pid, k_ptr, v_ptr, rows_pre, seq_len, splits, stride_head, HK, D, KEYS)
         else:
@@ -772,7 +759,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
                          trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, SM, BG,
                          UPCAST, IEEE, PRELOAD, TRACE, SPLIT_O)
-        _arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE, RELAXED_ARRIVE, ARRIVE_SYNC)
+        _arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
         o_ptr = osum_ptr + (layer % 2) * H  # SPLIT_O: this layer's sums (zeroed in phase E two layers back)
         if SPLIT_O:
             _o_group_phase(layer, pid, P, part_ptr, splits, wo_ptr, o_ptr, bar_ptr, b + 2, trace_ptr,
@@ -780,13 +767,13 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         else:
             _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ,
                             MAXU_C, PIPE, PREFETCH, TRACE, ASM)
-        _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE, RELAXED_ARRIVE, ARRIVE_SYNC)
+        _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
                        H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O)
         if SPLIT_O:  # the residual after attention, for phase E (r itself is read by every program in D)
             if pid == P - 1:  # a program with the fewest phase-D units
                 tl.store(r2_ptr + cols, _residual_at(r_ptr, o_ptr, cols, cols < H, True), mask=cols < H)
-        _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE, RELAXED_ARRIVE, ARRIVE_SYNC)
+        _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         if SPLIT_O:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r2_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
                             MAXU_E, PIPE, PREFETCH, TRACE, ASM)
@@ -795,7 +782,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         else:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
                             MAXU_E, PIPE, PREFETCH, TRACE, ASM)
-        _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE, RELAXED_ARRIVE, ARRIVE_SYNC)
+        _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
         out = _normed(r_ptr, r_ptr, nf_ptr, H, eps, BH, False)
@@ -969,9 +956,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o,
-        RELAXED_ARRIVE=config.relaxed_arrive, ARRIVE_SYNC=config.arrive_sync,
-        num_warps=config.num_warps,
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, num_warps=config.num_warps,
         num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
