@@ -15,6 +15,9 @@ the ring with the next layer's tiles.
 Measured on the H200 (docs/perf.md, v9): without barriers 4.29–4.33 TB/s for gate_up (96 % of the
 many-program read rate, the best one-program-per-SM stream here); with a barrier per layer 3.91 TB/s
 (4 % ahead of `kloop`), and a 5 µs busy wait after every barrier is not hidden (it is without barriers).
+Why (v18, `bench_stream_trace.py`): the ring is already full when a layer starts, filled during the
+previous barrier's own wait, so a ring hides at most its own size once per stall and an added wait counts
+in full; the release arrival's fence costs ~1 µs per barrier and the acquire poll's L1 flush ~0.35.
 
 Same maths as `bench_stream.py`: y[l] = W[l] x for L stacked [N, K] bf16 matrices.
 Compiled only through Gluon (`triton.experimental.gluon`), which the Triton interpreter does not run.
