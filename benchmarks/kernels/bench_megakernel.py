@@ -200,7 +200,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE,...",
                     help="time the default configuration and this one (MegakernelConfig fields, e.g. "
                          "stages=4,ace_stages=2; repeatable) instead of the other variants")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     ns = ap.parse_args()
     if ns.splits or ns.warps or ns.variant:
         VARIANTS[1:] = ([(C(), s) for s in ns.splits] + [(C(num_warps=w), None) for w in ns.warps]
