@@ -47,7 +47,7 @@ def summarise(trace: torch.Tensor, tiles: int) -> dict:
         start_after_prev_open=med(start - prev_open),
         work=med(last_store - start), work_max=round((last_store - start).max().item(), 3),
         barrier_wait=med(bar_open - last_store), delay=med(delay_end - bar_open),
-        layer=med(t[:, 1:, 2] - prev_open))
+        layer=med(bar_open - prev_open))
 
 
 def main() -> None:

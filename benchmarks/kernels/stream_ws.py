@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 TRACE_TILES = gl.constexpr(8)  # tiles per layer whose issue and ready times a traced launch records
-TRACE_SLOTS = gl.constexpr(4 + 2 * 8)  # int64 words per (program, layer) in a traced launch
+TRACE_SLOTS = gl.constexpr(4 + 2 * TRACE_TILES.value)  # int64 words per (program, layer) in a traced launch
 
 
 @gluon.jit
@@ -69,19 +69,13 @@ def _grid_barrier(bar_ptr, target, MODE: gl.constexpr):
     then the atomic) and acquire polls (LDG.STRONG.GPU + CCTL.IVALL: L1 emptied); 2: relaxed atomics both
     ways; 3: release arrival, relaxed polls; 4: relaxed arrival, acquire polls. Modes 2-4 do not order
     the data around the barrier: timing experiments only."""
+    ARRIVE: gl.constexpr = "release" if MODE == 1 or MODE == 3 else "relaxed"
+    POLL: gl.constexpr = "acquire" if MODE == 1 or MODE == 4 else "relaxed"
     gl.thread_barrier()
-    if MODE == 1 or MODE == 3:
-        gl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    else:
-        gl.atomic_add(bar_ptr, 1, sem="relaxed", scope="gpu")
-    if MODE == 1 or MODE == 4:
-        seen = gl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-        while seen < target:
-            seen = gl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    else:
-        seen = gl.atomic_add(bar_ptr, 0, sem="relaxed", scope="gpu")
-        while seen < target:
-            seen = gl.atomic_add(bar_ptr, 0, sem="relaxed", scope="gpu")
+    gl.atomic_add(bar_ptr, 1, sem=ARRIVE, scope="gpu")
+    seen = gl.atomic_add(bar_ptr, 0, sem=POLL, scope="gpu")
+    while seen < target:
+        seen = gl.atomic_add(bar_ptr, 0, sem=POLL, scope="gpu")
     gl.thread_barrier()
 
 
@@ -120,9 +114,8 @@ def _consumer(x_ptr, y_ptr, bar_ptr, trace_ptr, base, delay, ring, ready, empty,
     chunks reach a step; a gpu-scope acquire (the barrier's poll) empties L1, so after every barrier a
     chunk's first load is an L2 round trip. 0: loaded in its step; 1: loaded one step ahead; 2: as 0, after
     all chunks were loaded at once at the layer's start (one round trip; L1 then holds them). TRACE: per
-    layer, the times
-    the layer started [0], its last store [1], the barrier opened [2], the delay ended [3], and each of
-    its first TRACE_TILES tiles was ready [4 + TRACE_TILES + j] into trace[pid, layer, :]."""
+    layer, the times the layer started [0], its last store [1], the barrier opened [2], the delay ended
+    [3], and each of its first TRACE_TILES tiles was ready [4 + TRACE_TILES + j] into trace[pid, layer, :]."""
     TPC: gl.constexpr = BK // 8 if BK // 8 < 32 else 32  # threads along a row, 8 elements (16 B) each
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [num_warps, 1], [1, 0])
     KSTEPS: gl.constexpr = K // BK
