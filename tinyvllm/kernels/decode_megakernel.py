@@ -98,9 +98,6 @@ class MegakernelConfig(NamedTuple):
     ace_stages: int = 3  # the same for phases A, C and E
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
-    d_ahead: int = 0  # CUDA: phase D asks L2 for the units this far beyond its pipeline's (`_l2_ahead`)
-    e_ahead: int = 0  # the same for phase E
-    ahead_bulk: bool = False  # those requests as one bulk prefetch per weight row instead of one per 128-byte line
 
 
 @dataclass(frozen=True)
@@ -221,48 +218,6 @@ def _normed(r_ptr, o_ptr, w_ptr, H, eps, BH: tl.constexpr, SPLIT_O: tl.constexpr
     normed = (xf * rstd).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
-def _l2_ahead(row_ptrs, ok, RB: tl.constexpr, PB: tl.constexpr, BULK: tl.constexpr):
-    """Ask L2 for the weight rows that start at row_ptrs [NR] (RB bytes each; PB: RB rounded up to a power of
-    two ≥ 128), where ok: one `prefetch.global.L2` per 128-byte line, or with BULK one
-    `cp.async.bulk.prefetch.L2` per row (RB a multiple of 16). A hint that nothing waits for: the
-    pipeline's copies of those rows, issued later, find them in L2 (CUDA only)."""
-    line = tl.arange(0, PB // 128)[None, :]
-    ptrs = row_ptrs.to(tl.pointer_type(tl.int8))[:, None] + line * 128
-    if BULK:  # the row's first line stands for the row (a [rows, lines] tensor holds each element once;
-        # a [rows] one would be replicated across the threads, each copy issuing the request)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-            "=r,l,r,r", [ptrs, (ok[:, None] & (line == 0)).to(tl.int32), tl.full(ptrs.shape, RB, tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, (ok[:, None] & (line * 128 < RB)).to(tl.int32)], dtype=tl.int32, is_pure=False,
-            pack=1)
-
-
-@triton.jit
-def _gate_up_ahead(w_ptr, layer, u, n_units, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr,
-                   BH: tl.constexpr, BULK: tl.constexpr):
-    """`_l2_ahead` for phase D's unit u (its RG gate rows and RG up rows; nothing if u ≥ n_units)."""
-    r = tl.arange(0, 2 * RG)
-    rows = u * RG + r % RG + (r // RG) * F
-    base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
-    EB: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    _l2_ahead(base + rows * H, (r >= 0) & (u < n_units), H * EB, max(128, BH * EB), BULK)
-
-
-@triton.jit
-def _rows_ahead(w_ptr, layer, u, n_units, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-                BK: tl.constexpr, BULK: tl.constexpr):
-    """`_l2_ahead` for unit u of phases C and E (rows u·R + [0, R) of W [N, K]; nothing if u ≥ n_units)."""
-    rows = u * R + tl.arange(0, R)
-    base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
-    EB: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    _l2_ahead(base + rows * K, (rows >= 0) & (u < n_units), K * EB, max(128, BK * EB), BULK)
 
 
 # ---------------------------------------------------------------------------------------------- units
@@ -553,13 +508,11 @@ def _residual_unit(w, a, res, u, out_ptr, N: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
-                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr,
-                    AHEAD: tl.constexpr, BULK: tl.constexpr):
+                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
     """out ← round(round(W x) + r) over the units of W [N, K] (phases C and E; out may be r), starting
     with the wait of barrier b. The residual rows of all of this program's units (at most MAXU) are read
     once after the wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be
-    cached in L1, which does not see other SMs' stores to r. With AHEAD (and PREFETCH), L2 is asked for
-    the AHEAD units beyond the pipeline's (`_l2_ahead`), from the wait on."""
+    cached in L1, which does not see other SMs' stores to r."""
     n_units = N // R
     rr = tl.arange(0, R)
     cols = tl.arange(0, BK)
@@ -578,11 +531,6 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, tra
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
                 res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
-                for k in tl.static_range(AHEAD):  # in flight: this unit and the next PIPE - 1
-                    _rows_ahead(w_ptr, layer, pid + (PIPE + k) * P, n_units, N, K, R, BK, BULK)
-            if AHEAD > 0:
-                if u != pid:
-                    _rows_ahead(w_ptr, layer, u + (PIPE - 1 + AHEAD) * P, n_units, N, K, R, BK, BULK)
         res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
         _residual_unit(w, a, res, u, out_ptr, N, R)
     if PREFETCH:
@@ -656,11 +604,9 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, 
 def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
                    PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr,
-                   AHEAD: tl.constexpr, BULK: tl.constexpr):
+                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr):
     """Phase D, starting with the wait of barrier b; with DOT on the tensor cores (`_gate_up_dot_unit`);
-    with SPLIT_O its input is the residual plus phase C's sums o (`_residual_at`); with AHEAD (and
-    PREFETCH) L2 is asked for the AHEAD units beyond the pipeline's (`_l2_ahead`), from the wait on."""
+    with SPLIT_O its input is the residual plus phase C's sums o (`_residual_at`)."""
     NC: tl.constexpr = BH // CW
     M: tl.constexpr = 16 if NC <= 16 else NC
     n_units = F // RG
@@ -686,11 +632,6 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
                     a = _normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O)
                 else:
                     a = _normed(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, BH, SPLIT_O)[None, None, :]
-                for k in tl.static_range(AHEAD):  # in flight: this unit and the next STAGES - 1
-                    _gate_up_ahead(wgu_ptr, layer, pid + (STAGES + k) * P, n_units, H, F, RG, BH, BULK)
-            if AHEAD > 0:
-                if u != pid:
-                    _gate_up_ahead(wgu_ptr, layer, u + (STAGES - 1 + AHEAD) * P, n_units, H, F, RG, BH, BULK)
         if DOT:
             _gate_up_dot_unit(w, a, u, act_ptr, RG, NC, M, UPCAST, IEEE)
         else:
@@ -770,8 +711,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, AHEAD_D: tl.constexpr,
-                       AHEAD_E: tl.constexpr, BULK: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -826,22 +766,22 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                            H, HQ, HK, D, RO, SM, PIPE, PREFETCH, TRACE, ASM)
         else:
             _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ,
-                            MAXU_C, PIPE, PREFETCH, TRACE, ASM, 0, BULK)
+                            MAXU_C, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O, AHEAD_D, BULK)
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O)
         if SPLIT_O:  # the residual after attention, for phase E (r itself is read by every program in D)
             if pid == P - 1:  # a program with the fewest phase-D units
                 tl.store(r2_ptr + cols, _residual_at(r_ptr, o_ptr, cols, cols < H, True), mask=cols < H)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         if SPLIT_O:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r2_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, PIPE, PREFETCH, TRACE, ASM, AHEAD_E, BULK)
+                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
             if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2
                 tl.store(o_ptr + cols, tl.zeros([BH], tl.float32), mask=cols < H)
         else:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, PIPE, PREFETCH, TRACE, ASM, AHEAD_E, BULK)
+                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
@@ -993,13 +933,6 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
     ro_split = split_o_rows(shape, unit_tile(config, weights.qkv.element_size()))
     dot_d = dot_d and config.dot_d
-    if config.d_ahead < 0 or config.e_ahead < 0:
-        raise ValueError(f"megakernel config {config}: d_ahead, e_ahead ≥ 0 needed")
-    elem_w = weights.qkv.element_size()
-    # L2 requests ahead: inline PTX (CUDA), from the barrier's wait on (prefetch); whole 128-byte lines
-    ahead = input_ids.device.type == "cuda" and config.prefetch and (shape.hidden * elem_w) % 128 == 0 \
-        and (shape.intermediate * elem_w) % 128 == 0
-    bulk_ok = (shape.hidden * elem_w) % 16 == 0 and (shape.intermediate * elem_w) % 16 == 0
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=input_ids.device)
     ws = workspace
     cuda = input_ids.device.type == "cuda"
@@ -1023,9 +956,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o,
-        AHEAD_D=config.d_ahead if ahead else 0, AHEAD_E=config.e_ahead if ahead else 0,
-        BULK=config.ahead_bulk and bulk_ok, num_warps=config.num_warps, num_stages=1)
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, num_warps=config.num_warps,
+        num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
