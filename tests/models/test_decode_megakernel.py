@@ -143,38 +143,6 @@ def test_megakernel_split_o_equals_reference(dtype, seq_len, splits, tile, stage
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("split_o", [True, False], ids=["split_o", "unsplit"])
-@pytest.mark.parametrize("stages,d_lead,e_stages,e_lead", [(4, 1, 4, 1), (3, 2, 3, 2), (4, 1, 0, 0)])
-def test_megakernel_lead_equals_reference(dtype, split_o, stages, d_lead, e_stages, e_lead):
-    """Phases D and E starting their loops with empty units (`d_lead`, `e_lead`): the empty units read no
-    weights and store nothing, so the forward equals the reference's (on the CPU's one program the
-    loop starts at unit −lead)."""
-    device = device_for("triton")
-    ref = build("torch", dtype, device, max_positions=512)
-    model = build("triton", dtype, device, max_positions=512)
-    model.enable_decode_megakernel(MegakernelConfig(tile=256, stages=stages, d_lead=d_lead, e_stages=e_stages,
-                                                    e_lead=e_lead, split_o=split_o))
-    ids, positions, meta = step(65, device=device)
-    buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)
-    h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
-    h, logits = forward(model, ids, positions, meta, buf)
-    tol = 1e-5 if dtype == torch.float32 else 4e-2
-    assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
-
-
-@pytest.mark.parametrize("config", [MegakernelConfig(stages=3, d_lead=3), MegakernelConfig(e_stages=2, e_lead=2),
-                                    MegakernelConfig(d_lead=-1)], ids=["d", "e", "negative"])
-def test_megakernel_rejects_a_lead_as_long_as_the_pipeline(config):
-    """A lead of empty units as long as the pipeline would leave no real tile in its prologue."""
-    model = build("triton", torch.float32, torch.device("cpu"))
-    model.enable_decode_megakernel(config)
-    ids, positions, meta = step(5)
-    with pytest.raises(ValueError, match="lead"):
-        model.decode_megakernel(ids, positions, meta, views(kv_buffer(model, torch.float32)))
-
-
-@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("seq_len,splits", [(300, 11), (65, 2), (13, 1), (1, 3)])
 def test_megakernel_split_merge_equals_reference(dtype, seq_len, splits):
     """The attention partials' merge by the last split's ticket (`split_o` off: phase C unsplit; split-minor

@@ -98,9 +98,6 @@ class MegakernelConfig(NamedTuple):
     ace_stages: int = 3  # the same for phases A, C and E
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
-    d_lead: int = 0  # phase D's loop starts this many empty units early (`_gate_up_phase`)
-    e_stages: int = 0  # phase E's pipeline stages (0: ace_stages)
-    e_lead: int = 0  # phase E's loop starts this many empty units early
 
 
 @dataclass(frozen=True)
@@ -243,17 +240,12 @@ def _qkv_tile(w_ptr, layer, u, H: tl.constexpr, NQKV: tl.constexpr, D: tl.conste
 
 
 @triton.jit
-def _rows_tile(w_ptr, layer, u, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-               LEAD: tl.constexpr = 0):
-    """Unit u of phases C and E: output rows u·R + [0, R) of W [N, K], as [R, BK] (with LEAD, zeros for u < 0:
-    an empty unit, no bytes read)."""
+def _rows_tile(w_ptr, layer, u, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    """Unit u of phases C and E: output rows u·R + [0, R) of W [N, K], as [R, BK]."""
     rows = u * R + tl.arange(0, R)[:, None]
     cols = tl.arange(0, BK)[None, :]
     base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
-    if LEAD > 0:
-        return tl.load(base + rows * K + cols, mask=(cols < K) & (u >= 0), other=0.0)
-    else:
-        return tl.load(base + rows * K + cols, mask=cols < K, other=0.0)
+    return tl.load(base + rows * K + cols, mask=cols < K, other=0.0)
 
 
 @triton.jit
@@ -505,29 +497,22 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
 
 
 @triton.jit
-def _residual_unit(w, a, res, u, out_ptr, N: tl.constexpr, R: tl.constexpr, LEAD: tl.constexpr = 0):
+def _residual_unit(w, a, res, u, out_ptr, N: tl.constexpr, R: tl.constexpr):
     """Unit u of phases C and E: out[rows] = round(round(W x)[rows] + res) for its tile w [R, BK] (rows
-    u·R + [0, R)), x as a [1, BK] and the rows' residual res [R]; with LEAD, nothing for u < 0."""
+    u·R + [0, R)), x as a [1, BK] and the rows' residual res [R]."""
     y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1).to(out_ptr.dtype.element_ty)
     rows = u * R + tl.arange(0, R)
-    y = (y.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    if LEAD > 0:
-        tl.store(out_ptr + rows, y, mask=(rows < N) & (rows >= 0))
-    else:
-        tl.store(out_ptr + rows, y, mask=rows < N)
+    tl.store(out_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
 def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
-                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr,
-                    LEAD: tl.constexpr = 0):
+                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
     """out ← round(round(W x) + r) over the units of W [N, K] (phases C and E; out may be r), starting
     with the wait of barrier b. The residual rows of all of this program's units (at most MAXU) are read
     once after the wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be
-    cached in L1, which does not see other SMs' stores to r. With LEAD (and PREFETCH) the loop starts
-    LEAD empty units early, so that only PIPE − 1 − LEAD of the prologue's tiles are real: fewer bytes
-    issued before the wait, PIPE − 1 in flight after it."""
+    cached in L1, which does not see other SMs' stores to r."""
     n_units = N // R
     rr = tl.arange(0, R)
     cols = tl.arange(0, BK)
@@ -539,18 +524,17 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, tra
         _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
         res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
-    start = pid - LEAD * P
-    for u in tl.range(start, n_units, P, num_stages=PIPE):
-        w = _rows_tile(w_ptr, layer, u, N, K, R, BK, LEAD)
+    for u in tl.range(pid, n_units, P, num_stages=PIPE):
+        w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
         if PREFETCH:
-            if u == start:  # the pipeline's first tiles are in flight
+            if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
                 res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
         res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
-        _residual_unit(w, a, res, u, out_ptr, N, R, LEAD)
+        _residual_unit(w, a, res, u, out_ptr, N, R)
     if PREFETCH:
-        if start >= n_units:
+        if pid >= n_units:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
@@ -620,11 +604,9 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, 
 def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
                    PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr,
-                   LEAD: tl.constexpr = 0):
+                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr):
     """Phase D, starting with the wait of barrier b; with DOT on the tensor cores (`_gate_up_dot_unit`);
-    with SPLIT_O its input is the residual plus phase C's sums o (`_residual_at`); with LEAD (DOT and
-    PREFETCH) the loop starts LEAD empty units early, as `_residual_phase`'s."""
+    with SPLIT_O its input is the residual plus phase C's sums o (`_residual_at`)."""
     NC: tl.constexpr = BH // CW
     M: tl.constexpr = 16 if NC <= 16 else NC
     n_units = F // RG
@@ -638,31 +620,30 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
             a = _normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O)
         else:
             a = _normed(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, BH, SPLIT_O)[None, None, :]
-    start = pid - LEAD * P
-    for u in tl.range(start, n_units, P, num_stages=STAGES):
+    for u in tl.range(pid, n_units, P, num_stages=STAGES):
         if DOT:
-            w = _gate_up_dot_tile(wgu_ptr, layer, u, H, F, RG, NC, CW, LEAD)
+            w = _gate_up_dot_tile(wgu_ptr, layer, u, H, F, RG, NC, CW)
         else:
             w = _gate_up_tile(wgu_ptr, layer, u, H, F, RG, BH)
         if PREFETCH:
-            if u == start:  # the pipeline's first tiles are in flight
+            if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 if DOT:
                     a = _normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O)
                 else:
                     a = _normed(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, BH, SPLIT_O)[None, None, :]
         if DOT:
-            _gate_up_dot_unit(w, a, u, act_ptr, RG, NC, M, UPCAST, IEEE, LEAD)
+            _gate_up_dot_unit(w, a, u, act_ptr, RG, NC, M, UPCAST, IEEE)
         else:
             _gate_up_unit(w, a, u, act_ptr, RG)
     if PREFETCH:
-        if start >= n_units:
+        if pid >= n_units:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
 def _gate_up_dot_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, NC: tl.constexpr,
-                      CW: tl.constexpr, LEAD: tl.constexpr = 0):
+                      CW: tl.constexpr):
     """Unit u of phase D as [2·RG·NC, CW]: row n is chunk n mod NC (columns c·CW + [0, CW)) of weight row
     n // NC, the rows being RG gate rows u·RG + [0, RG) then the matching up rows (+ F)."""
     n = tl.arange(0, 2 * RG * NC)
@@ -670,10 +651,7 @@ def _gate_up_dot_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.
     rows = u * RG + r % RG + (r // RG) * F
     base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
     cols = (n % NC)[:, None] * CW + tl.arange(0, CW)[None, :]
-    if LEAD > 0:  # u < 0: an empty unit (zeros, no bytes read)
-        return tl.load(base + rows[:, None] * H + cols, mask=(cols < H) & (u >= 0), other=0.0)
-    else:
-        return tl.load(base + rows[:, None] * H + cols, mask=cols < H, other=0.0)
+    return tl.load(base + rows[:, None] * H + cols, mask=cols < H, other=0.0)
 
 
 @triton.jit
@@ -693,7 +671,7 @@ def _normed_chunks(r_ptr, o_ptr, w_ptr, H, eps, M: tl.constexpr, NC: tl.constexp
 
 @triton.jit
 def _gate_up_dot_unit(w, a, u, act_ptr, RG: tl.constexpr, NC: tl.constexpr, M: tl.constexpr,
-                      UPCAST: tl.constexpr, IEEE: tl.constexpr, LEAD: tl.constexpr = 0):
+                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Unit u of phase D from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input
     as [M, CW] chunks (`_normed_chunks`) gives every chunk of the input against every chunk of every row;
     row r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`."""
@@ -705,10 +683,7 @@ def _gate_up_dot_unit(w, a, u, act_ptr, RG: tl.constexpr, NC: tl.constexpr, M: t
     gate = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None], y[None, :], 0.0), axis=1)
     up = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None] + RG, y[None, :], 0.0), axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
-    if LEAD > 0:  # u < 0: an empty unit
-        tl.store(act_ptr + u * RG + tl.arange(0, RG), act.to(act_ptr.dtype.element_ty), mask=u >= 0)
-    else:
-        tl.store(act_ptr + u * RG + tl.arange(0, RG), act.to(act_ptr.dtype.element_ty))
+    tl.store(act_ptr + u * RG + tl.arange(0, RG), act.to(act_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -736,8 +711,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, D_LEAD: tl.constexpr,
-                       E_PIPE: tl.constexpr, E_LEAD: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -795,19 +769,19 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                             MAXU_C, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O, D_LEAD)
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O)
         if SPLIT_O:  # the residual after attention, for phase E (r itself is read by every program in D)
             if pid == P - 1:  # a program with the fewest phase-D units
                 tl.store(r2_ptr + cols, _residual_at(r_ptr, o_ptr, cols, cols < H, True), mask=cols < H)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         if SPLIT_O:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r2_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, E_PIPE, PREFETCH, TRACE, ASM, E_LEAD)
+                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
             if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2
                 tl.store(o_ptr + cols, tl.zeros([BH], tl.float32), mask=cols < H)
         else:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, E_PIPE, PREFETCH, TRACE, ASM, E_LEAD)
+                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
@@ -916,7 +890,7 @@ PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take 
 def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
     """Weight elements per unit: config.tile, halved until the deepest pipeline's stages − 1 buffers in
     flight fit in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
-    tile, stages = config.tile, max(config.stages, config.ace_stages, config.e_stages)
+    tile, stages = config.tile, max(config.stages, config.ace_stages)
     while stages > 1 and tile > 256 and tile * elem_bytes * (stages - 1) > PIPELINE_BYTES:
         tile //= 2
     return tile
@@ -953,10 +927,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         check_int(name, t)
     if block_size & (block_size - 1):
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
-    if config.stages < 1 or config.ace_stages < 1 or config.e_stages < 0:
+    if config.stages < 1 or config.ace_stages < 1:
         raise ValueError(f"megakernel config {config}: stages ≥ 1 needed")
-    if not 0 <= config.d_lead < config.stages or not 0 <= config.e_lead < (config.e_stages or config.ace_stages):
-        raise ValueError(f"megakernel config {config}: a lead of empty units must be shorter than the pipeline")
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
     cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
     ro_split = split_o_rows(shape, unit_tile(config, weights.qkv.element_size()))
@@ -984,9 +956,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o,
-        D_LEAD=config.d_lead if dot_d and config.prefetch else 0, E_PIPE=config.e_stages or config.ace_stages,
-        E_LEAD=config.e_lead if config.prefetch else 0, num_warps=config.num_warps, num_stages=1)
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, num_warps=config.num_warps,
+        num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
