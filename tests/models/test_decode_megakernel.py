@@ -88,7 +88,8 @@ def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stage
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
     model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=ace_stages,
-                                                    prefetch=prefetch, preload_kv=preload, dot_d=dot_d))
+                                                    e_stages=ace_stages, prefetch=prefetch, preload_kv=preload,
+                                                    dot_d=dot_d))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == mk.weights.down[1].data_ptr()  # views, no copy
@@ -126,7 +127,7 @@ def test_megakernel_split_o_equals_reference(dtype, seq_len, splits, tile, stage
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
-    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=stages, prefetch=prefetch,
+    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=stages, e_stages=stages, prefetch=prefetch,
                                                     split_o=True))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
@@ -213,12 +214,14 @@ def test_unit_tile_fits_the_pipeline_in_shared_memory():
     assert unit_tile(MegakernelConfig(tile=16384, stages=4), 4) == 8192  # 3 × 64 KB = 192 KB > 160 KB
     assert unit_tile(MegakernelConfig(tile=16384, stages=8), 2) == 8192  # 7 × 32 KB = 224 KB > 160 KB
     assert unit_tile(MegakernelConfig(tile=16384, stages=3, ace_stages=8), 2) == 8192  # the deeper counts
-    assert unit_tile(MegakernelConfig(tile=16384, stages=1, ace_stages=1), 4) == 16384  # no pipeline
+    assert unit_tile(MegakernelConfig(tile=16384, e_stages=8), 2) == 8192
+    assert unit_tile(MegakernelConfig(tile=16384, stages=1, ace_stages=1, e_stages=1), 4) == 16384  # no pipeline
 
 
-def test_megakernel_rejects_a_config_without_a_pipeline_stage():
+@pytest.mark.parametrize("config", [MegakernelConfig(stages=0), MegakernelConfig(e_stages=0)], ids=["d", "e"])
+def test_megakernel_rejects_a_config_without_a_pipeline_stage(config):
     model = build("triton", torch.float32, torch.device("cpu"))
-    model.enable_decode_megakernel(MegakernelConfig(stages=0))
+    model.enable_decode_megakernel(config)
     ids, positions, meta = step(5)
     with pytest.raises(ValueError, match="stages"):
         model.decode_megakernel(ids, positions, meta, views(kv_buffer(model, torch.float32)))

@@ -95,7 +95,8 @@ class MegakernelConfig(NamedTuple):
     stages: int = 3  # phase D's software pipeline: this many shared-memory stages (1: none)
     prefetch: bool = True  # weight phases: the pipeline's first tiles issued before the barrier's wait
     preload_kv: bool = True  # phase B: the first key tile's old keys loaded between A's arrival and wait
-    ace_stages: int = 3  # the same for phases A, C and E
+    ace_stages: int = 3  # the same for phases A and C
+    e_stages: int = 4  # the same for phase E (v19: 4 stages, its deeper prologue landing during D's tail, +0.4 %)
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
 
@@ -711,7 +712,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, E_PIPE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -776,12 +777,12 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         if SPLIT_O:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r2_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
+                            MAXU_E, E_PIPE, PREFETCH, TRACE, ASM)
             if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2
                 tl.store(o_ptr + cols, tl.zeros([BH], tl.float32), mask=cols < H)
         else:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, PIPE, PREFETCH, TRACE, ASM)
+                            MAXU_E, E_PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
     if pid == 0:
@@ -890,7 +891,7 @@ PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take 
 def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
     """Weight elements per unit: config.tile, halved until the deepest pipeline's stages − 1 buffers in
     flight fit in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
-    tile, stages = config.tile, max(config.stages, config.ace_stages)
+    tile, stages = config.tile, max(config.stages, config.ace_stages, config.e_stages)
     while stages > 1 and tile > 256 and tile * elem_bytes * (stages - 1) > PIPELINE_BYTES:
         tile //= 2
     return tile
@@ -927,7 +928,7 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         check_int(name, t)
     if block_size & (block_size - 1):
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
-    if config.stages < 1 or config.ace_stages < 1:
+    if config.stages < 1 or config.ace_stages < 1 or config.e_stages < 1:
         raise ValueError(f"megakernel config {config}: stages ≥ 1 needed")
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, weights.qkv.element_size()))
     cw, dot_d = phase_d_chunks(shape, rg, weights.qkv.element_size())
@@ -956,8 +957,8 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, num_warps=config.num_warps,
-        num_stages=1)
+        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, E_PIPE=config.e_stages,
+        num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
