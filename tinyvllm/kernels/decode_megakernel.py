@@ -31,7 +31,10 @@ programs finish the previous phase (with `prefetch`; the activation vector, whic
 barrier, is loaded after it, once per program). Triton pipelines no loop that holds a nested loop or a
 CTA barrier, so the wait is one asm statement (`_wait_asm`). The earlier scheme, a unit's tile loaded
 whole into registers and double-buffered (the first one between arrival and wait), was 13 % slower
-(docs/perf.md, v7; `benchmarks/kernels/bench_stream.py` isolates the streaming schemes).
+(docs/perf.md, v7; `benchmarks/kernels/bench_stream.py` isolates the streaming schemes). A deeper
+pipeline helps a phase only through its prologue, which lands during the previous phase's tail and costs
+that phase about as much (v11, v19); more bytes in flight after the wait (an L2 prefetch ahead, or empty
+leading units) gained nothing (v19). Phase E's 4 stages are the one depth that gained (+0.4 %).
   A: a unit is RQ rows of a head's first half and their RoPE partners in its second half, so RoPE
      is applied in registers; q goes to a scratch vector, k and v straight into the paged cache.
   B: a unit is (KV head, split of the context) through the FlashAttention-2 inner loop of the other
