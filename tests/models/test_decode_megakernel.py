@@ -14,6 +14,8 @@ every product output, 4e-2 with 3× margin, against 0.27–1.1 for a skipped nor
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -195,6 +197,49 @@ def test_megakernel_row_without_context_equals_reference():
     h_ref, l_ref = forward(ref, ids, positions, meta, buf.clone())
     h, logits = forward(model, ids, positions, meta, buf)
     assert rel(h, h_ref) <= 1e-5 and rel(logits, l_ref) <= 1e-5
+
+
+@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_megakernel_that_does_not_fit_falls_back_to_the_layers(monkeypatch, caplog):
+    """Triton refuses the first launch of a kernel that needs more shared memory than the GPU gives a program
+    (OutOfResources, raised before anything runs; phase E's 4 stages take 98 KB): the model logs why, drops
+    the megakernel and runs the layers one by one, giving the reference's forward."""
+    from triton.runtime.errors import OutOfResources
+
+    import tinyvllm.models.llama_megakernel as llama_megakernel
+
+    def refuse(*args, **kwargs):
+        raise OutOfResources(98368, 65536, "shared memory")
+
+    device = device_for("triton")
+    ref = build("torch", torch.float32, device, max_positions=512)
+    model = build("triton", torch.float32, device, max_positions=512)
+    model.enable_decode_megakernel()
+    monkeypatch.setattr(llama_megakernel, "decode_megakernel_fwd", refuse)
+    ids, positions, meta = step(65, device=device)
+    buf_ref, buf = kv_buffer(ref, torch.float32).to(device), kv_buffer(ref, torch.float32).to(device)
+    h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
+    with caplog.at_level(logging.WARNING, logger="tinyvllm.models.llama"):
+        h, logits = forward(model, ids, positions, meta, buf)
+    assert model.decode_megakernel is None
+    assert "decode megakernel off" in caplog.text and "shared memory" in caplog.text
+    assert rel(h, h_ref) <= 1e-5 and rel(logits, l_ref) <= 1e-5
+
+
+def test_megakernel_errors_other_than_resources_propagate(monkeypatch):
+    """Only a kernel that does not fit the GPU falls back; any other error reaches the caller, megakernel kept."""
+    import tinyvllm.models.llama_megakernel as llama_megakernel
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug")
+
+    model = build("triton", torch.float32, torch.device("cpu"))
+    model.enable_decode_megakernel()
+    monkeypatch.setattr(llama_megakernel, "decode_megakernel_fwd", broken)
+    ids, positions, meta = step(5)
+    with pytest.raises(ValueError, match="a bug"):
+        forward(model, ids, positions, meta, kv_buffer(model, torch.float32))
+    assert model.decode_megakernel is not None
 
 
 def test_megakernel_needs_one_kv_buffer():

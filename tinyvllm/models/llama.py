@@ -28,6 +28,8 @@ with the same maths and roundings as the fused path.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -36,6 +38,12 @@ from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import Ops
 from tinyvllm.models.attention_metadata import AttnMetadata
 from tinyvllm.models.rope import cos_sin_table
+
+logger = logging.getLogger(__name__)
+
+
+class MegakernelDoesNotFit(RuntimeError):
+    """The compiled decode megakernel needs more of an SM (shared memory) than this GPU gives one program."""
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, Hk, block_size, D]
 FUSED_MAX_TOKENS = 1  # default: batches up to this many token rows take the fused matrix-vector path
@@ -195,7 +203,11 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache]) -> torch.Tensor:
         # input_ids, positions: [T] → hidden: [T, H]
         if self.decode_megakernel is not None and input_ids.shape[0] == 1 and meta.num_decode_tokens == 1:
-            return self.decode_megakernel(input_ids, positions, meta, kv_caches)
+            try:
+                return self.decode_megakernel(input_ids, positions, meta, kv_caches)
+            except MegakernelDoesNotFit as e:  # raised before anything ran: the layers one by one from now on
+                logger.warning("decode megakernel off: %s", e)
+                self.decode_megakernel = None
         x = self.embed_tokens(input_ids)
         if self.uses_fused_path(x.shape[0]):
             for layer, kv_cache in zip(self.layers, kv_caches):

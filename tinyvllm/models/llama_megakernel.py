@@ -13,10 +13,12 @@ from __future__ import annotations
 import copy
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from tinyvllm.kernels.decode_megakernel import (MegakernelConfig, ModelShape, StackedWeights, Workspace,
                                                 decode_megakernel_fwd, max_programs, unsupported_reason)
 from tinyvllm.models.attention_metadata import AttnMetadata
+from tinyvllm.models.llama import MegakernelDoesNotFit
 
 
 def model_shape(model) -> ModelShape:
@@ -78,7 +80,12 @@ class LlamaDecodeMegakernel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], trace: bool = False) -> torch.Tensor:
         """A decode step of one sequence (meta.num_decode_tokens == 1) → final hidden state [1, H].
-        `trace`: record the phase timer in workspace.trace (see decode_megakernel_fwd)."""
-        return decode_megakernel_fwd(input_ids, positions, meta.slot_mapping, meta.decode_seq_lens,
-                                     meta.decode_block_tables[0], self.weights, self.model.cos_sin, kv_caches,
-                                     self.shape, self.eps, self.scale, self.workspace, self.config, trace)
+        `trace`: record the phase timer in workspace.trace (see decode_megakernel_fwd). Raises
+        MegakernelDoesNotFit, before launching anything, where the compiled kernel needs more shared memory
+        than the GPU has (Triton checks at the first launch; the model then runs the layers one by one)."""
+        try:
+            return decode_megakernel_fwd(input_ids, positions, meta.slot_mapping, meta.decode_seq_lens,
+                                         meta.decode_block_tables[0], self.weights, self.model.cos_sin, kv_caches,
+                                         self.shape, self.eps, self.scale, self.workspace, self.config, trace)
+        except OutOfResources as e:
+            raise MegakernelDoesNotFit(f"{e} (MegakernelConfig {self.config})") from e
