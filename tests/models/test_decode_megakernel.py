@@ -129,8 +129,8 @@ def test_megakernel_split_o_equals_reference(dtype, seq_len, splits, tile, stage
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
-    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=stages, e_stages=stages, prefetch=prefetch,
-                                                    split_o=True))
+    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=stages, e_stages=stages,
+                                                    prefetch=prefetch, split_o=True))
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     ids, positions, meta = step(seq_len, device=device)
