@@ -69,8 +69,10 @@ def parse_config(text: str) -> MegakernelConfig:
 
 def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:
     """Mean ns per phase (program 0's view: its work plus the wait at the barrier that ends the phase),
-    averaged over layers and `reps` launches, from the kernel's global-timer trace; phase B also split
-    at program 0's points inside it (its unit computed, its ticket taken, its merge done)."""
+    averaged over the middle layers (not the first and last, whose ends differ) and `reps` launches,
+    from the kernel's global-timer trace; layer 0's phase A from the launch's start and the last layer's
+    phase E to the exit (the final norm included) apart; phase B also split at program 0's points inside
+    it (its unit computed, its ticket taken, its merge done)."""
     views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
     L = kv.shape[0]
     sums = torch.zeros(3 + 8 * L, dtype=torch.float64)
@@ -80,14 +82,15 @@ def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int 
         sums += t - t[0]
     t = sums / reps
     b_points = t[3 + 5 * L:].reshape(L, 3)
-    t = t[:3 + 5 * L]
-    per_layer = torch.stack([t[2 + 5 * i: 7 + 5 * i] - t[1 + 5 * i: 6 + 5 * i] for i in range(L)])
-    b_start, b_end = t[2: 2 + 5 * L: 5], t[3: 3 + 5 * L: 5]  # barrier exits before and after phase B
+    t = t[:1 + 5 * L]  # [0] start, [5l + k + 1] after phase k of layer l, [5L] the exit
+    per_layer = torch.stack([t[1 + 5 * i: 6 + 5 * i] - t[5 * i: 5 + 5 * i] for i in range(L)])
+    b_start, b_end = t[1: 5 * L: 5], t[2: 5 * L: 5]  # barrier exits before and after phase B
     b_parts = torch.stack([b_points[:, 0] - b_start, b_points[:, 1] - b_points[:, 0],
                            b_points[:, 2] - b_points[:, 1], b_end - b_points[:, 2]], 1).mean(0) / 1e3
-    out = {"start_to_first_barrier_us": float(t[1] - t[0]) / 1e3,
-           "last_barrier_to_end_us": float(t[-1] - t[-2]) / 1e3, "total_us": float(t[-1]) / 1e3}
-    for name, v in zip(PHASES, per_layer.mean(0).tolist()):
+    out = {"layer0_A_from_start_us": float(per_layer[0, 0]) / 1e3,
+           "last_E_to_exit_us": float(per_layer[-1, -1]) / 1e3, "total_us": float(t[-1]) / 1e3}
+    middle = per_layer[1:-1] if L > 2 else per_layer
+    for name, v in zip(PHASES, middle.mean(0).tolist()):
         out[name + " us"] = v / 1e3
     for name, v in zip(B_PARTS, b_parts.tolist()):
         out["B " + name + " us"] = v
@@ -98,12 +101,13 @@ def program_trace(mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 10)
     """Every program's view of the barriers (µs, means over layers and `reps` launches): per phase, from
     the barrier that starts it opening (its first program leaving the wait) to the median and the last
     program's arrival at the barrier that ends it, and from that last arrival to the barrier opening
-    (its propagation); the programs that arrived last; phase B: every unit computed, ticket taken, merge
+    (its propagation; none after the last phase, which ends at the exit); the programs that arrived last; phase B: every unit computed, ticket taken, merge
     done (median / last), from the same opening."""
     from tinyvllm.kernels.decode_megakernel import TRACE_BASE, TRACE_BLOCK
     views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
     L, P = kv.shape[0], mk.workspace.programs
     acc: dict[str, float] = {}
+    counts: dict[str, int] = {}
     last_programs: dict[str, list[int]] = {p: [] for p in "ABCDE"}
     for _ in range(reps):
         mk(ids, pos, meta, views, trace=True)
@@ -111,11 +115,12 @@ def program_trace(mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 10)
         waits, arrivals, attn = t[:, :400], t[:, 400:800], t[:, 800:800 + 3 * L].reshape(P, L, 3)
         for layer in range(L):
             for k, phase in enumerate("ABCDE"):
-                b = 1 + 5 * layer + k  # the barrier that opens phase `phase`; b + 1 ends it
+                b = 5 * layer + k  # the barrier that opens phase `phase` (0: the start); b + 1 ends it (5L: exit)
                 opened = waits[:, b].min()
                 arr = arrivals[:, b + 1]
-                rows = {f"{phase} median arrival": arr.median() - opened, f"{phase} last arrival": arr.max() - opened,
-                        f"{phase} propagation": waits[:, b + 1].min() - arr.max()}
+                rows = {f"{phase} median arrival": arr.median() - opened, f"{phase} last arrival": arr.max() - opened}
+                if b + 1 < 5 * L:
+                    rows[f"{phase} propagation"] = waits[:, b + 1].min() - arr.max()
                 if phase == "B":
                     mine = attn[:, layer]
                     done = mine[mine[:, 0] > 0]  # programs with a unit
@@ -123,10 +128,12 @@ def program_trace(mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 10)
                         rows[f"B {what} median"] = done[:, i].median() - opened
                         rows[f"B {what} last"] = done[:, i].max() - opened
                 for key, value in rows.items():
-                    acc[key] = acc.get(key, 0.0) + float(value) / (L * reps)
+                    acc[key] = acc.get(key, 0.0) + float(value)
+                    counts[key] = counts.get(key, 0) + 1
                 last_programs[phase].append(int(arr.argmax()))
-    acc["last programs"] = {p: sorted(set(v))[:12] for p, v in last_programs.items()}
-    return acc
+    out: dict = {key: value / counts[key] for key, value in acc.items()}
+    out["last programs"] = {p: sorted(set(v))[:12] for p, v in last_programs.items()}
+    return out
 
 
 def setup(dev: torch.device, dtype: torch.dtype, max_ctx: int):

@@ -102,6 +102,7 @@ class MegakernelConfig(NamedTuple):
     e_stages: int = 4  # the same for phase E (v19: 4 stages, its deeper prologue landing during D's tail, +0.4 %)
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
+    programs: int = 0  # CUDA: at most this many programs (0: `programs_per_sm` on every multiprocessor)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def unsupported_reason(shape: ModelShape, dtype: torch.dtype) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- barrier, timer
 TRACE_BASE = 4096  # a traced launch: each program's own timer readings from here on, TRACE_BLOCK apiece:
-TRACE_BLOCK = 1024  # [b] barrier b's wait left; [400 + b] arrival at barrier b; [800 + 3·layer + k]
+TRACE_BLOCK = 1024  # [0] start; [b] barrier b's wait left; [400 + b] arrival at b (b = 5L: the exit); [800 + 3·layer + k]
 TRACE_MAX_LAYERS = (TRACE_BLOCK - 800) // 3  # phase B: its unit computed, its ticket taken, its merge done
 _TRACE_BASE = tl.constexpr(TRACE_BASE)
 _TRACE_BLOCK = tl.constexpr(TRACE_BLOCK)
@@ -179,16 +180,17 @@ def _now(x):
 @triton.jit
 def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.constexpr):
     """The wait of the launch's b-th grid barrier (b · P arrivals), with `_wait_asm` if ASM (CUDA); when
-    tracing, program 0 then writes the timer into trace[b]."""
-    if ASM:
-        _wait_asm(bar_ptr, b * P)
-    else:
-        _wait(bar_ptr, b * P)
-    if TRACE:
-        t = _now(pid)
-        tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + b, t)
-        if pid == 0:
-            tl.store(trace_ptr + b, t)
+    tracing, program 0 then writes the timer into trace[b]. b = 0 is the launch's start: no wait."""
+    if b > 0:
+        if ASM:
+            _wait_asm(bar_ptr, b * P)
+        else:
+            _wait(bar_ptr, b * P)
+        if TRACE:
+            t = _now(pid)
+            tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + b, t)
+            if pid == 0:
+                tl.store(trace_ptr + b, t)
 
 
 @triton.jit
@@ -736,21 +738,26 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     tiles = tl.maximum(tl.cdiv(seq_len, KEYS), 1)
     splits = tl.cdiv(tiles, tl.cdiv(tiles, num_splits))
     cols = tl.arange(0, BH)
-    if pid == 0:  # r ← the token's embedding row
+    if TRACE:
+        tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK, _now(pid))
+    if pid == 0:  # r ← the token's embedding row (first read in layer 0's phase D, three barriers on)
         e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
         tl.store(r_ptr + cols, e, mask=cols < H)
     if PRELOAD:
         rows_pre = _first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, HK, D, BS, KEYS)
     else:
         rows_pre = 0
-    _arrive(bar_ptr, trace_ptr, pid, 1, TRACE)
     # Each weight phase starts with the wait of the barrier before it: with PREFETCH, after issuing its
     # first weight tiles (they do not depend on the barrier), so they stream while the others arrive.
+    # Layer 0's phase A has no barrier before it: each program normalises the embedding row itself.
     for layer in range(num_layers):
-        b = 1 + 5 * layer  # barriers before this layer: the embedding's, then 5 per layer
+        b = 5 * layer  # barriers before this layer: 5 per layer
         k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
         v_ptr = k_ptr + v_offset
-        _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
+        x_ptr = r_ptr  # phase A's input: the residual stream, or the embedding row in layer 0
+        if layer == 0:
+            x_ptr = emb_ptr + tok * H
+        _qkv_phase(layer, pid, P, x_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
                    stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, PIPE, PREFETCH,
                    TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
@@ -786,20 +793,23 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         else:
             _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
                             MAXU_E, E_PIPE, PREFETCH, TRACE, ASM)
-        _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
-    _end_phase(bar_ptr, 1 + 5 * num_layers, P, trace_ptr, pid, TRACE, ASM)
-    if pid == 0:
-        out = _normed(r_ptr, r_ptr, nf_ptr, H, eps, BH, False)
-        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
-    # Leave: the last program out resets the barrier counter (every program has passed every barrier).
+        if layer < num_layers - 1:
+            _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
+    # Leave: no barrier after the last layer. The last program out (its gpu-scope acquire of the leave
+    # count follows every program's release of it, each after its stores of phase E) applies the final
+    # norm and resets the counters (every program has passed every barrier).
+    if TRACE:
+        tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + 400 + 5 * num_layers, _now(pid))
     tl.debug_barrier()
     left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if left == P - 1:
+        out = _normed(r_ptr, r_ptr, nf_ptr, H, eps, BH, False)
+        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
         tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(tickets_ptr + tl.arange(0, BHK), 0, mask=tl.arange(0, BHK) < HK, sem="relaxed", scope="gpu")
         if TRACE:
-            tl.store(trace_ptr + 2 + 5 * num_layers, _now(pid))
+            tl.store(trace_ptr + 5 * num_layers, _now(pid))
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -912,9 +922,10 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     [num_blocks, Hk, block_size, D], all carved from one buffer at a fixed layer stride (as the model
     runner allocates them); the new token's K/V are written at slot_mapping[0] (−1: nowhere).
     `trace` (CUDA): program 0 writes the global timer after every barrier into workspace.trace
-    (int64 ns; [0, 3 + 8·L): start, after the embedding, 5 per layer after phases A–E, end; then 3 per
-    layer inside phase B: program 0's unit computed, its ticket taken, its merge (if it was last) done;
-    from TRACE_BASE on, every program's own readings, TRACE_BLOCK apiece).
+    (int64 ns; [0, 3 + 8·L): [0] start, [5·l + k + 1] after phase k (A–E = 0–4) of layer l (barrier
+    5·l + k + 1 opening; [5·L]: the last program's exit, after the final norm), two unused; then 3 per layer inside
+    phase B: program 0's unit computed, its ticket taken, its merge (if it was last) done; from TRACE_BASE
+    on, every program's own readings, TRACE_BLOCK apiece).
     """
     k0, v0 = kv_caches[0]
     _, hk, block_size, d = k0.shape
@@ -974,10 +985,13 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
 
 
 def max_programs(device: torch.device, config: MegakernelConfig = MegakernelConfig()) -> int:
-    """The grid: `programs_per_sm` per multiprocessor on CUDA (the launch caps registers at
-    `max_registers` so that they fit, and `check_resident` verifies the compiled kernel), one program on
-    the CPU interpreter (which runs programs one after another)."""
-    return num_sms(device) * config.programs_per_sm if device.type == "cuda" else 1
+    """The grid: `programs_per_sm` per multiprocessor on CUDA, or `programs` where fewer (the launch caps
+    registers at `max_registers` so that they fit, and `check_resident` verifies the compiled kernel),
+    one program on the CPU interpreter (which runs programs one after another)."""
+    if device.type != "cuda":
+        return 1
+    full = num_sms(device) * config.programs_per_sm
+    return min(full, config.programs) if config.programs > 0 else full
 
 
 def max_registers(config: MegakernelConfig) -> int:
