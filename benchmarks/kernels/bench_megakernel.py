@@ -99,10 +99,11 @@ def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int 
 
 def program_trace(mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 10) -> dict:
     """Every program's view of the barriers (µs, means over layers and `reps` launches): per phase, from
-    the barrier that starts it opening (its first program leaving the wait) to the median and the last
-    program's arrival at the barrier that ends it, and from that last arrival to the barrier opening
-    (its propagation; none after the last phase, which ends at the exit); the programs that arrived last; phase B: every unit computed, ticket taken, merge
-    done (median / last), from the same opening."""
+    the barrier that starts it opening (its first program leaving the wait; layer 0's phase A: the
+    programs' start) to the median and the last program's arrival at the barrier that ends it, and from
+    that last arrival to the barrier opening (its propagation; none after the last phase, which ends at
+    the exit); the programs that arrived last; phase B: every unit computed, ticket taken, merge done
+    (median / last), from the same opening."""
     from tinyvllm.kernels.decode_megakernel import TRACE_BASE, TRACE_BLOCK
     views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
     L, P = kv.shape[0], mk.workspace.programs

@@ -263,6 +263,20 @@ def test_unit_tile_fits_the_pipeline_in_shared_memory():
     assert unit_tile(MegakernelConfig(tile=16384, stages=1, ace_stages=1, e_stages=1), 4) == 16384  # no pipeline
 
 
+def test_max_programs_fills_the_sms_unless_capped(monkeypatch):
+    """The grid: programs_per_sm per multiprocessor on CUDA, at most `programs` where that is set and
+    smaller; one program on the CPU interpreter whatever the config."""
+    import tinyvllm.kernels.decode_megakernel as dm
+
+    monkeypatch.setattr(dm, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert max_programs(cuda, MegakernelConfig()) == 132
+    assert max_programs(cuda, MegakernelConfig(programs=128)) == 128
+    assert max_programs(cuda, MegakernelConfig(programs_per_sm=2)) == 264
+    assert max_programs(cuda, MegakernelConfig(programs_per_sm=2, programs=300)) == 264
+    assert max_programs(torch.device("cpu"), MegakernelConfig(programs=128)) == 1
+
+
 @pytest.mark.parametrize("config", [MegakernelConfig(stages=0), MegakernelConfig(e_stages=0)], ids=["d", "e"])
 def test_megakernel_rejects_a_config_without_a_pipeline_stage(config):
     model = build("triton", torch.float32, torch.device("cpu"))

@@ -61,7 +61,10 @@ leading units) gained nothing (v19). Phase E's 4 stages are the one depth that g
      and multiplied by the normed input cut into the same chunks, [chunks, CW], in one tl.dot; each
      row's product is the sum of its chunks' diagonal entries (`_gate_up_dot_unit`).
 
-Barriers: a monotone arrival counter; the b-th barrier waits until it reads b·P (a CTA barrier
+Barriers: five per layer, none before layer 0 (each program normalises the embedding row itself) and
+none after the last layer (the last program to leave, ordered after every program's phase-E stores by
+the leave count's acquire, applies the final norm): 5L − 1 a launch, ~2 µs fewer per step (docs/perf.md,
+v20). A monotone arrival counter; the b-th barrier waits until it reads b·P (a CTA barrier
 first orders the CTA's stores before thread 0's gpu-scope release; thread 0's acquire and a second CTA
 barrier order the loads after). Arrival and wait are separate calls: a release waits for the loads
 issued before it, so the next phase's prefetch goes after the arrival. Data written inside the launch
@@ -69,7 +72,7 @@ is read with `.cg` loads (L2; an SM's L1 is not coherent with other SMs' stores)
 (its copies may allocate in L1), except the KV cache in phase B: no SM reads a layer's cache lines
 before that layer's phase B, and L1 holds nothing from earlier launches. The attention tickets only
 grow within a launch (layer l's last split sees (l + 1)·splits − 1). At exit the last program to leave
-resets the counters and tickets for the next launch: no memset, no host sync, capturable in a CUDA
+also resets the counters and tickets for the next launch: no memset, no host sync, capturable in a CUDA
 graph.
 
 Every program must be resident at once (a waiting program spins): the grid is one program per
@@ -133,7 +136,7 @@ def unsupported_reason(shape: ModelShape, dtype: torch.dtype) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- barrier, timer
 TRACE_BASE = 4096  # a traced launch: each program's own timer readings from here on, TRACE_BLOCK apiece:
-TRACE_BLOCK = 1024  # [0] start; [b] barrier b's wait left; [400 + b] arrival at b (b = 5L: the exit); [800 + 3·layer + k]
+TRACE_BLOCK = 1024  # [0] start; [b] barrier b's wait left; [400 + b] arrival at b (5L: exit); [800 + 3·layer + k]
 TRACE_MAX_LAYERS = (TRACE_BLOCK - 800) // 3  # phase B: its unit computed, its ticket taken, its merge done
 _TRACE_BASE = tl.constexpr(TRACE_BASE)
 _TRACE_BLOCK = tl.constexpr(TRACE_BLOCK)
