@@ -788,14 +788,12 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
             if pid == P - 1:  # a program with the fewest phase-D units
                 tl.store(r2_ptr + cols, _residual_at(r_ptr, o_ptr, cols, cols < H, True), mask=cols < H)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
+        e_res_ptr = r2_ptr if SPLIT_O else r_ptr  # SPLIT_O: the residual after attention, stored in phase D
+        _residual_phase(layer, pid, P, act_ptr, wd_ptr, e_res_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
+                        MAXU_E, E_PIPE, PREFETCH, TRACE, ASM)
         if SPLIT_O:
-            _residual_phase(layer, pid, P, act_ptr, wd_ptr, r2_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, E_PIPE, PREFETCH, TRACE, ASM)
             if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2
                 tl.store(o_ptr + cols, tl.zeros([BH], tl.float32), mask=cols < H)
-        else:
-            _residual_phase(layer, pid, P, act_ptr, wd_ptr, r_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                            MAXU_E, E_PIPE, PREFETCH, TRACE, ASM)
         if layer < num_layers - 1:
             _arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     # Leave: no barrier after the last layer. The last program out (its gpu-scope acquire of the leave
