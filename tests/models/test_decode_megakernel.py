@@ -19,11 +19,8 @@ import logging
 import pytest
 import torch
 
-import triton
-import triton.language as tl
-
-from tinyvllm.kernels.decode_megakernel import (PIPELINE_BYTES, MegakernelConfig, Workspace, _gate_up_deal,
-                                                _gate_up_rows, max_programs, phase_d_chunks, unit_rows, unit_tile)
+from tinyvllm.kernels.decode_megakernel import (PIPELINE_BYTES, MegakernelConfig, Workspace, max_programs,
+                                                phase_d_chunks, unit_rows, unit_tile)
 from tinyvllm.models.attention_metadata import AttnMetadata
 from tests.models.test_fused_decode import backends, build, device_for
 
@@ -287,48 +284,3 @@ def test_megakernel_rejects_a_config_without_a_pipeline_stage(config):
     ids, positions, meta = step(5)
     with pytest.raises(ValueError, match="stages"):
         model.decode_megakernel(ids, positions, meta, views(kv_buffer(model, torch.float32)))
-
-
-@triton.jit
-def _deal_kernel(out_ptr, F: tl.constexpr, RG: tl.constexpr, BALANCE: tl.constexpr, MAXI: tl.constexpr):
-    """Phase D's loop of the megakernel, recording (start, count) of each of this program's loop indices."""
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    full, rest, n_loop = _gate_up_deal(P, F, RG, BALANCE)
-    for u in range(pid, n_loop, P):
-        start, count = _gate_up_rows(u, full, rest, P, RG)
-        i = (u - pid) // P
-        tl.store(out_ptr + (pid * MAXI + i) * 2, start)
-        tl.store(out_ptr + (pid * MAXI + i) * 2 + 1, count)
-
-
-@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("rows,rg,programs", [(8192, 4, 132), (8192, 4, 128), (256, 4, 132), (64, 4, 132),
-                                              (96, 8, 5)])
-@pytest.mark.parametrize("balance", [True, False], ids=["rows", "units"])
-def test_phase_d_deal_covers_every_row_once(rows, rg, programs, balance):
-    """Phase D's deal (`_gate_up_deal`, `_gate_up_rows`) in the megakernel's own loop over a real grid (no
-    barriers, so the interpreter runs it too): every gate row once, at most RG to a loop index. Dealt by
-    rows, the programs' totals differ by at most one row (the 1B shape: 62 or 63 rows, not 60 or 64);
-    by units, by whole units."""
-    device = device_for("triton")
-    maxi = rows // rg // programs + 1
-    out = torch.full((programs, maxi, 2), -1, dtype=torch.int32, device=device)
-    _deal_kernel[(programs,)](out, F=rows, RG=rg, BALANCE=balance, MAXI=maxi)
-    out = out.cpu()
-    seen = torch.zeros(rows, dtype=torch.int64)
-    totals = []
-    for p in range(programs):
-        total = 0
-        for start, count in out[p].tolist():
-            if start < 0:
-                continue
-            assert 0 <= count <= rg
-            seen[start:start + count] += 1
-            total += count
-        totals.append(total)
-    assert torch.equal(seen, torch.ones(rows, dtype=torch.int64))
-    if balance:
-        assert max(totals) - min(totals) <= 1 and max(totals) == -(-rows // programs)
-    else:
-        assert all(t % rg == 0 for t in totals) and max(totals) == -(-(rows // rg) // programs) * rg

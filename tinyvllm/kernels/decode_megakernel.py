@@ -106,7 +106,6 @@ class MegakernelConfig(NamedTuple):
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
     programs: int = 0  # CUDA: at most this many programs (0: `programs_per_sm` on every multiprocessor)
-    balance_d: bool = True  # phase D's last, partial round dealt by rows, not whole units (`_gate_up_rows`)
 
 
 @dataclass(frozen=True)
@@ -232,8 +231,8 @@ def _normed(r_ptr, o_ptr, w_ptr, H, eps, BH: tl.constexpr, SPLIT_O: tl.constexpr
 
 # ---------------------------------------------------------------------------------------------- units
 # A unit's weight tile, a load that Triton's pipeliner turns into cp.async copies into shared memory.
-# Only the padding columns are masked, and phase D's rows beyond a unit's count: every caller loops over
-# valid units (u < n_units), and the rows per unit divide the matrix's rows (`unit_rows`).
+# Only the padding columns are masked: every caller loops over valid units (u < n_units), and the rows
+# per unit divide the matrix's rows (`unit_rows`).
 @triton.jit
 def _qkv_tile(w_ptr, layer, u, H: tl.constexpr, NQKV: tl.constexpr, D: tl.constexpr,
               RQ: tl.constexpr, BH: tl.constexpr):
@@ -259,43 +258,14 @@ def _rows_tile(w_ptr, layer, u, N: tl.constexpr, K: tl.constexpr, R: tl.constexp
 
 
 @triton.jit
-def _gate_up_deal(P, F: tl.constexpr, RG: tl.constexpr, BALANCE: tl.constexpr):
-    """Phase D's deal of F gate/up row pairs over P programs, program p taking loop indices p, p + P, ...
-    below n_loop: (full, rest, n_loop). With BALANCE, `full` units of RG rows fill whole rounds and the
-    rest (< RG·P rows) is dealt by rows in one more round (`_gate_up_rows`); without, every unit is whole
-    (full = F / RG, rest = 0) and the last round may leave programs idle."""
-    if BALANCE:
-        full = F // RG // P * P
-    else:
-        full = F // RG + P * 0
-    rest = F - full * RG
-    return full, rest, full + tl.cdiv(rest, RG * P) * P
-
-
-@triton.jit
-def _gate_up_rows(u, full, rest, P, RG: tl.constexpr):
-    """Phase D's deal: (start, count), the gate rows start + [0, count) of loop index u (the up rows are
-    the same + F). The indices below `full` (whole rounds: every program holds as many) are units of RG
-    rows, u·RG + [0, RG). The one round after them deals the `rest` rows left over by rows, not units:
-    rest // P to each program and one more to the first rest % P, so that no program holds a whole unit
-    more than another (program q = u − full from row full·RG + q·(rest // P) + min(q, rest % P) on)."""
-    q = u - full
-    last = q >= 0
-    start = tl.where(last, full * RG + q * (rest // P) + tl.minimum(q, rest % P), u * RG)
-    count = tl.where(last, rest // P + (q < rest % P).to(tl.int32), RG)
-    return start, count
-
-
-@triton.jit
-def _gate_up_tile(w_ptr, layer, start, count, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr,
+def _gate_up_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr,
                   BH: tl.constexpr):
-    """A unit of phase D (`_gate_up_rows`): gate rows start + [0, RG) and the matching up rows (+ F), as
-    [RG, 2, BH]; rows from `count` on masked (zero, and not read)."""
-    j = tl.arange(0, RG)[:, None, None]
-    rows = start + j + tl.arange(0, 2)[None, :, None] * F
+    """Unit u of phase D: gate rows u·RG + [0, RG) and the matching up rows (+ F), as [RG, 2, BH]."""
+    gate_rows = u * RG + tl.arange(0, RG)[:, None, None]
+    rows = gate_rows + tl.arange(0, 2)[None, :, None] * F
     cols = tl.arange(0, BH)[None, None, :]
     base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
-    return tl.load(base + rows * H + cols, mask=(cols < H) & (j < count), other=0.0)
+    return tl.load(base + rows * H + cols, mask=cols < H, other=0.0)
 
 
 # ---------------------------------------------------------------------------------------------- phases
@@ -643,14 +613,12 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, 
 def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
                    PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr,
-                   BALANCE: tl.constexpr):
+                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr):
     """Phase D, starting with the wait of barrier b; with DOT on the tensor cores (`_gate_up_dot_unit`);
-    with SPLIT_O its input is the residual plus phase C's sums o (`_residual_at`). With BALANCE the units
-    that do not fill a whole round are dealt by rows (`_gate_up_rows`), else one to a program."""
+    with SPLIT_O its input is the residual plus phase C's sums o (`_residual_at`)."""
     NC: tl.constexpr = BH // CW
     M: tl.constexpr = 16 if NC <= 16 else NC
-    full, rest, n_units = _gate_up_deal(P, F, RG, BALANCE)
+    n_units = F // RG
     if DOT:
         a = tl.zeros([M, CW], r_ptr.dtype.element_ty)
     else:
@@ -662,11 +630,10 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
         else:
             a = _normed(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, BH, SPLIT_O)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=STAGES):
-        start, count = _gate_up_rows(u, full, rest, P, RG)
         if DOT:
-            w = _gate_up_dot_tile(wgu_ptr, layer, start, count, H, F, RG, NC, CW)
+            w = _gate_up_dot_tile(wgu_ptr, layer, u, H, F, RG, NC, CW)
         else:
-            w = _gate_up_tile(wgu_ptr, layer, start, count, H, F, RG, BH)
+            w = _gate_up_tile(wgu_ptr, layer, u, H, F, RG, BH)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
                 _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
@@ -675,27 +642,25 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
                 else:
                     a = _normed(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, BH, SPLIT_O)[None, None, :]
         if DOT:
-            _gate_up_dot_unit(w, a, start, count, act_ptr, RG, NC, M, UPCAST, IEEE)
+            _gate_up_dot_unit(w, a, u, act_ptr, RG, NC, M, UPCAST, IEEE)
         else:
-            _gate_up_unit(w, a, start, count, act_ptr, RG)
+            _gate_up_unit(w, a, u, act_ptr, RG)
     if PREFETCH:
         if pid >= n_units:
             _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
-def _gate_up_dot_tile(w_ptr, layer, start, count, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr,
-                      NC: tl.constexpr, CW: tl.constexpr):
-    """A unit of phase D (`_gate_up_rows`) as [2·RG·NC, CW]: row n is chunk n mod NC (columns
-    c·CW + [0, CW)) of weight row n // NC, the rows being RG gate rows start + [0, RG) then the matching up
-    rows (+ F); rows from `count` on masked (zero, and not read)."""
+def _gate_up_dot_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, NC: tl.constexpr,
+                      CW: tl.constexpr):
+    """Unit u of phase D as [2·RG·NC, CW]: row n is chunk n mod NC (columns c·CW + [0, CW)) of weight row
+    n // NC, the rows being RG gate rows u·RG + [0, RG) then the matching up rows (+ F)."""
     n = tl.arange(0, 2 * RG * NC)
     r = n // NC
-    j = r % RG
-    rows = start + j + (r // RG) * F
+    rows = u * RG + r % RG + (r // RG) * F
     base = w_ptr + tl.cast(layer, tl.int64) * (2 * F * H)
     cols = (n % NC)[:, None] * CW + tl.arange(0, CW)[None, :]
-    return tl.load(base + rows[:, None] * H + cols, mask=(cols < H) & (j < count)[:, None], other=0.0)
+    return tl.load(base + rows[:, None] * H + cols, mask=cols < H, other=0.0)
 
 
 @triton.jit
@@ -714,9 +679,9 @@ def _normed_chunks(r_ptr, o_ptr, w_ptr, H, eps, M: tl.constexpr, NC: tl.constexp
 
 
 @triton.jit
-def _gate_up_dot_unit(w, a, start, count, act_ptr, RG: tl.constexpr, NC: tl.constexpr, M: tl.constexpr,
+def _gate_up_dot_unit(w, a, u, act_ptr, RG: tl.constexpr, NC: tl.constexpr, M: tl.constexpr,
                       UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """A unit of phase D from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input
+    """Unit u of phase D from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input
     as [M, CW] chunks (`_normed_chunks`) gives every chunk of the input against every chunk of every row;
     row r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`."""
     y_all = _dot_qk(a, w, UPCAST, IEEE)  # [M, 2·RG·NC]
@@ -727,21 +692,18 @@ def _gate_up_dot_unit(w, a, start, count, act_ptr, RG: tl.constexpr, NC: tl.cons
     gate = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None], y[None, :], 0.0), axis=1)
     up = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None] + RG, y[None, :], 0.0), axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
-    j = tl.arange(0, RG)
-    tl.store(act_ptr + start + j, act.to(act_ptr.dtype.element_ty), mask=j < count)
+    tl.store(act_ptr + u * RG + tl.arange(0, RG), act.to(act_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _gate_up_unit(w, a, start, count, act_ptr, RG: tl.constexpr):
-    """A unit of phase D: act[rows] = round(silu(g) ⊙ u) with g, u = round(W a) of its tile [RG, 2, BH],
-    for its first `count` rows."""
+def _gate_up_unit(w, a, u, act_ptr, RG: tl.constexpr):
+    """Unit u of phase D: act[rows] = round(silu(g) ⊙ u) with g, u = round(W a) of its tile [RG, 2, BH]."""
     hh = tl.arange(0, 2)[None, :]
     y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(act_ptr.dtype.element_ty).to(tl.float32)  # [RG, 2]
     gate = tl.sum(tl.where(hh == 0, y, 0.0), axis=1)
     up = tl.sum(tl.where(hh == 1, y, 0.0), axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
-    j = tl.arange(0, RG)
-    tl.store(act_ptr + start + j, act.to(act_ptr.dtype.element_ty), mask=j < count)
+    tl.store(act_ptr + u * RG + tl.arange(0, RG), act.to(act_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -758,8 +720,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, E_PIPE: tl.constexpr,
-                       BALANCE_D: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, E_PIPE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -822,9 +783,9 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                             MAXU_C, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O, BALANCE_D)
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O)
         if SPLIT_O:  # the residual after attention, for phase E (r itself is read by every program in D)
-            if pid == P - 1:  # a program with the fewest phase-D rows
+            if pid == P - 1:  # a program with the fewest phase-D units
                 tl.store(r2_ptr + cols, _residual_at(r_ptr, o_ptr, cols, cols < H, True), mask=cols < H)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         e_res_ptr = r2_ptr if SPLIT_O else r_ptr  # SPLIT_O: the residual after attention, stored in phase D
@@ -1012,7 +973,6 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
         PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, E_PIPE=config.e_stages,
-        BALANCE_D=config.balance_d,
         num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
