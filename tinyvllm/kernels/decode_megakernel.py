@@ -106,7 +106,6 @@ class MegakernelConfig(NamedTuple):
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
     programs: int = 0  # CUDA: at most this many programs (0: `programs_per_sm` on every multiprocessor)
-    early_e: bool = False  # TIMING ONLY, wrong results: phase E starts once the programs without a 16th D unit arrive
 
 
 @dataclass(frozen=True)
@@ -141,15 +140,6 @@ TRACE_BLOCK = 1024  # [0] start; [b] barrier b's wait left; [400 + b] arrival at
 TRACE_MAX_LAYERS = (TRACE_BLOCK - 800) // 3  # phase B: its unit computed, its ticket taken, its merge done
 _TRACE_BASE = tl.constexpr(TRACE_BASE)
 _TRACE_BLOCK = tl.constexpr(TRACE_BLOCK)
-
-
-@triton.jit
-def _arrive_weighted(count_ptr, trace_ptr, pid, b, inc, TRACE: tl.constexpr):
-    """`_arrive` adding `inc` instead of 1 (timing experiment `early_e`: the arrivals of a barrier still sum to P)."""
-    if TRACE:
-        tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + 400 + b, _now(pid))
-    tl.debug_barrier()
-    tl.atomic_add(count_ptr, inc, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -730,8 +720,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, E_PIPE: tl.constexpr,
-                       EARLY_E: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, E_PIPE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -798,14 +787,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         if SPLIT_O:  # the residual after attention, for phase E (r itself is read by every program in D)
             if pid == P - 1:  # a program with the fewest phase-D units
                 tl.store(r2_ptr + cols, _residual_at(r_ptr, o_ptr, cols, cols < H, True), mask=cols < H)
-        if EARLY_E:  # timing only: the programs without a last-round D unit arrive for the others too
-            late = (F // RG) % P
-            k = pid - late
-            n_early = P - late
-            inc = tl.where(k >= 0, P // n_early + (k < P % n_early).to(tl.int32), 0)
-            _arrive_weighted(bar_ptr, trace_ptr, pid, b + 4, inc, TRACE)
-        else:
-            _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
+        _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         e_res_ptr = r2_ptr if SPLIT_O else r_ptr  # SPLIT_O: the residual after attention, stored in phase D
         _residual_phase(layer, pid, P, act_ptr, wd_ptr, e_res_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
                         MAXU_E, E_PIPE, PREFETCH, TRACE, ASM)
@@ -991,7 +973,6 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
         PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, E_PIPE=config.e_stages,
-        EARLY_E=config.early_e and cuda,
         num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
