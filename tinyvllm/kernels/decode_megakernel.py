@@ -106,8 +106,6 @@ class MegakernelConfig(NamedTuple):
     dot_d: bool = True  # phase D's products on the tensor cores (`_gate_up_dot_unit`, where the shape allows)
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself (`_o_group_phase`)
     programs: int = 0  # CUDA: at most this many programs (0: `programs_per_sm` on every multiprocessor)
-    qkv_flags: bool = True  # phase A hands q, k, v on to phase B as flagged words, not by a grid barrier
-    qkv_spin: bool = True  # CUDA: each thread spins on its words (`_spin_words`; else volatile loads)
 
 
 @dataclass(frozen=True)
@@ -183,25 +181,14 @@ def _now(x):
 
 
 @triton.jit
-def _arrivals_before(b, QKV_FLAGS: tl.constexpr):
-    """Grid barriers among the launch's first b phase boundaries (5 a layer; with QKV_FLAGS the one after
-    each phase A, boundaries 1, 6, 11, …, is handed on by flagged words instead: `_poll_qkv`)."""
-    if QKV_FLAGS:
-        return b - (b + 4) // 5
-    else:
-        return b
-
-
-@triton.jit
-def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.constexpr, QKV_FLAGS: tl.constexpr):
-    """The wait at the launch's b-th phase boundary, a grid barrier (`_arrivals_before` · P arrivals), with
-    `_wait_asm` if ASM (CUDA); when tracing, program 0 then writes the timer into trace[b]. b = 0 is the
-    launch's start: no wait."""
+def _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE: tl.constexpr, ASM: tl.constexpr):
+    """The wait of the launch's b-th grid barrier (b · P arrivals), with `_wait_asm` if ASM (CUDA); when
+    tracing, program 0 then writes the timer into trace[b]. b = 0 is the launch's start: no wait."""
     if b > 0:
         if ASM:
-            _wait_asm(bar_ptr, _arrivals_before(b, QKV_FLAGS) * P)
+            _wait_asm(bar_ptr, b * P)
         else:
-            _wait(bar_ptr, _arrivals_before(b, QKV_FLAGS) * P)
+            _wait(bar_ptr, b * P)
         if TRACE:
             t = _now(pid)
             tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + b, t)
@@ -283,91 +270,11 @@ def _gate_up_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.cons
 
 # ---------------------------------------------------------------------------------------------- phases
 @triton.jit
-def _store_words(words_ptr, head, j0, vals, flag, D: tl.constexpr, RQ: tl.constexpr, PACK: tl.constexpr):
-    """Outputs j0 + [0, RQ) and their partners + D/2 of head `head` of q|k|v (vals [RQ, 2]) as flagged
-    words (`_poll_qkv`): 64 bits each, the payload in the low half, `flag` in the high half, one aligned
-    8-byte store, so that a reader that sees the flag sees the payload. PACK = 2 (16-bit dtypes): word
-    head·D/2 + j holds outputs j (low 16 bits) and j + D/2; PACK = 1 (float32): word head·D + j holds j."""
-    HALF: tl.constexpr = D // 2
-    jj = tl.arange(0, RQ)
-    hh = tl.arange(0, 2)[None, :]
-    hi = tl.cast(flag, tl.int64) << 32
-    if PACK == 2:
-        bits = vals.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # [RQ, 2]
-        payload = tl.sum(tl.where(hh == 0, bits, bits << 16), axis=1)
-        tl.store(words_ptr + head * HALF + j0 + jj, hi | (payload.to(tl.int64) & 0xFFFFFFFF))
-    else:
-        bits = vals.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-        tl.store(words_ptr + head * D + hh * HALF + j0 + jj[:, None], hi | bits)
-
-
-@triton.jit
-def _spin_words(ptrs, flag):
-    """CUDA: the words at ptrs, each thread spinning on its own until all of its words carry `flag`: one asm
-    statement per 4 words (all 4 `ld.global.cg` issued before any is checked; L2 serves every round)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b64 t; .reg .b32 f; "
-        "$$spin_${:uid}: ld.global.cg.b64 $0, [$4]; ld.global.cg.b64 $1, [$5]; "
-        "ld.global.cg.b64 $2, [$6]; ld.global.cg.b64 $3, [$7]; "
-        "shr.b64 t, $0, 32; cvt.u32.u64 f, t; setp.ne.u32 p, f, $8; "
-        "shr.b64 t, $1, 32; cvt.u32.u64 f, t; setp.ne.or.u32 p, f, $9, p; "
-        "shr.b64 t, $2, 32; cvt.u32.u64 f, t; setp.ne.or.u32 p, f, $10, p; "
-        "shr.b64 t, $3, 32; cvt.u32.u64 f, t; setp.ne.or.u32 p, f, $11, p; "
-        "@p bra $$spin_${:uid}; }",
-        "=l,=l,=l,=l,l,l,l,l,r,r,r,r", [ptrs, flag + tl.zeros(ptrs.shape, tl.int32)], dtype=tl.int64,
-        is_pure=False, pack=4)
-
-
-@triton.jit
-def _stale_words(words, flag, mask):
-    """How many of the words (where mask) do not carry `flag` yet."""
-    return tl.sum(((words >> 32).to(tl.int32) != flag).to(tl.int32) * mask.to(tl.int32))
-
-
-@triton.jit
-def _poll_qkv(words_ptr, kvh, flag, dtype: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
-              BG: tl.constexpr, PACK: tl.constexpr, SPIN: tl.constexpr):
-    """KV head kvh's query rows q [BG, D] (rows ≥ G zero) and its new key and value [D], read from phase A's
-    flagged words (`_store_words`) once all of them carry this layer's flag: the hand-over from phase A to
-    phase B without a grid barrier. The payload rides in the same 8-byte access as its flag, so no fence
-    orders it. The words are read as one [BG, D] tile, rows G and G + 1 (padding for q) holding the key's and
-    the value's (rows beyond: the key's again): with SPIN (CUDA) by `_spin_words`, else (the interpreter)
-    volatile loads repeated until none is stale."""
-    G: tl.constexpr = HQ // HK
-    HALF: tl.constexpr = D // 2
-    WPH: tl.constexpr = D // PACK  # words per head
-    g = tl.arange(0, BG)[:, None]
-    d = tl.arange(0, D)[None, :]
-    if PACK == 2:
-        word, shift = d % HALF, (d // HALF) * 16
-    else:
-        word, shift = d, d * 0
-    head = tl.where(g < G, kvh * G + g, tl.where(g == G + 1, HQ + HK + kvh, HQ + kvh))
-    ptrs = words_ptr + head * WPH + word
-    if SPIN:
-        w = _spin_words(ptrs, flag)
-    else:
-        w = tl.load(ptrs, volatile=True)
-        while _stale_words(w, flag, g >= 0) > 0:
-            w = tl.load(ptrs, volatile=True)
-    if PACK == 2:
-        x = ((w >> shift) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
-    else:
-        x = (w & 0xFFFFFFFF).to(tl.int32).to(dtype, bitcast=True)
-    q = tl.where(g < G, x, 0.0)
-    k = tl.sum(tl.where(g == G, x.to(tl.float32), 0.0), axis=0).to(dtype)
-    v = tl.sum(tl.where(g == G + 1, x.to(tl.float32), 0.0), axis=0).to(dtype)
-    return q, k, v
-
-
-@triton.jit
-def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, words_ptr, flag,
-              HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr, QKV_FLAGS: tl.constexpr,
-              PACK: tl.constexpr):
+def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
+              HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr):
     """Unit u of phase A from its tile w [RQ, 2, BH] (`_qkv_tile`), the normed input a [1, 1, BH] and
     the RoPE factors c, s [RQ] of its rows: y = round(W a); q and k rotated, (y₁, y₂) → (y₁c − y₂s,
-    y₂c + y₁s); k and v into the cache row kv_off (slot −1: nowhere); q to the scratch vector, or with
-    QKV_FLAGS q, k and v as flagged words for phase B (`_store_words`)."""
+    y₂c + y₁s); q to the scratch vector, k and v into the cache row kv_off (slot −1: nowhere)."""
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
     jj = tl.arange(0, RQ)
@@ -380,14 +287,8 @@ def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, wor
     roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
     head = u // UPH
     offs = (u % UPH) * RQ + in_head
-    if QKV_FLAGS:
-        if head < HQ + HK:
-            _store_words(words_ptr, head, (u % UPH) * RQ, roped, flag, D, RQ, PACK)
-        else:
-            _store_words(words_ptr, head, (u % UPH) * RQ, y.to(q_ptr.dtype.element_ty), flag, D, RQ, PACK)
     if head < HQ:
-        if not QKV_FLAGS:
-            tl.store(q_ptr + head * D + offs, roped)
+        tl.store(q_ptr + head * D + offs, roped)
     elif head < HQ + HK:
         if slot >= 0:
             tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
@@ -398,10 +299,10 @@ def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, wor
 
 @triton.jit
 def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
-               stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, words_ptr, flag,
+               stride_blk, stride_head, eps, bar_ptr, b, trace_ptr,
                H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                RQ: tl.constexpr, BH: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr,
-               TRACE: tl.constexpr, ASM: tl.constexpr, QKV_FLAGS: tl.constexpr, PACK: tl.constexpr):
+               TRACE: tl.constexpr, ASM: tl.constexpr):
     """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH)."""
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
@@ -412,7 +313,7 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
     cs_row = cos_sin_ptr + pos * D
     a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
-        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = _normed(r_ptr, r_ptr, n1_ptr + layer * H, H, eps, BH, False)[None, None, :]
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
@@ -420,13 +321,12 @@ def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q
         s = tl.load(cs_row + HALF + (u % UPH) * RQ + jj)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 a = _normed(r_ptr, r_ptr, n1_ptr + layer * H, H, eps, BH, False)[None, None, :]
-        _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, words_ptr, flag, HQ, HK, D, RQ,
-                  QKV_FLAGS, PACK)
+        _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
     if PREFETCH:
         if pid >= n_units:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
@@ -466,20 +366,14 @@ def _preload_kv(pid, k_ptr, v_ptr, rows, seq_len, num_splits, stride_head,
 
 @triton.jit
 def _attn_first_tile(acc, l_i, m_i, q, q_pos, kp, vp, rows, k_head_ptr, v_head_ptr, lo, seq_len, qk_scale,
-                     k_new, v_new, D: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                     QKV_FLAGS: tl.constexpr):
+                     D: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """`_attn_inner`'s masked step over keys lo .. lo+KEYS−1 from a preloaded tile (`_preload_kv`), its
-    newest key's row read now, from L2 (it was written in phase A, possibly by another SM), or with
-    QKV_FLAGS taken from phase A's flagged words (k_new, v_new [D])."""
+    newest key's row read now, from L2 (it was written in phase A, possibly by another SM)."""
     keys = lo + tl.arange(0, KEYS)
     newest = (keys == seq_len - 1)[:, None]
-    if QKV_FLAGS:
-        k = tl.where(newest, k_new[None, :], kp)
-        v = tl.where(newest, v_new[None, :], vp)
-    else:
-        ptrs = rows[:, None] + tl.arange(0, D)[None, :]
-        k = tl.where(newest, tl.load(k_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), kp)
-        v = tl.where(newest, tl.load(v_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), vp)
+    ptrs = rows[:, None] + tl.arange(0, D)[None, :]
+    k = tl.where(newest, tl.load(k_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), kp)
+    v = tl.where(newest, tl.load(v_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), vp)
     qk = _dot_qk(q, k, UPCAST, IEEE)
     visible = (keys[None, :] <= q_pos[:, None]) & (keys < seq_len)[None, :]
     qk = tl.where(visible, qk * qk_scale, float("-inf"))
@@ -544,56 +438,27 @@ def _trace_attention(trace_ptr, pid, layer, tb, k: tl.constexpr, t):
 
 
 @triton.jit
-def _fold_key(acc, l_i, m_i, q, k, v, qk_scale):
-    """One key (k, v [D]) folded into (acc [BG, D], l_i, m_i [BG]) for the query rows q [BG, D], with
-    `_attn_inner`'s roundings: the score in float32, the probability rounded to v's dtype for the product."""
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * qk_scale
-    m_ij = tl.maximum(m_i, s)
-    p = tl.math.exp2(s - m_ij)
-    alpha = tl.math.exp2(m_i - m_ij)
-    pv = p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
-    return acc * alpha[:, None] + pv, l_i * alpha + p, m_ij
-
-
-@triton.jit
 def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
-                     attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb, words_ptr, flag,
-                     b, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                     attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb,
+                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      KEYS: tl.constexpr, SM: tl.constexpr, BG: tl.constexpr,
                      UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr,
-                     SPLIT_O: tl.constexpr, QKV_FLAGS: tl.constexpr, PACK: tl.constexpr, SPIN: tl.constexpr):
+                     SPLIT_O: tl.constexpr):
     """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
     FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
     PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`. The last split of a
     KV head to take its ticket merges the head's partials into attn, unless SPLIT_O: then phase C's
-    programs merge them (`_o_group_phase`) and this phase only stores them. With QKV_FLAGS, phase b (A)
-    handed q and the new key and value on as flagged words (`_poll_qkv`), not through a grid barrier
-    and the cache: the cache's newest row is never read here, the new key is folded in from the words."""
+    programs merge them (`_o_group_phase`) and this phase only stores them."""
     G: tl.constexpr = HQ // HK
     g = tl.arange(0, G)
     rows_g = tl.arange(0, BG)
     d = tl.arange(0, D)
     keys_per_split = _keys_per_split(seq_len, num_splits, KEYS)
-    if QKV_FLAGS:
-        if TRACE:
-            if pid >= HK * num_splits:  # no unit: this program has passed the hand-over
-                tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + b, _now(pid))
     for u in range(pid, HK * num_splits, P):
         kvh = u // num_splits
         split = u % num_splits
-        if QKV_FLAGS:
-            q, k_new, v_new = _poll_qkv(words_ptr, kvh, flag, q_ptr.dtype.element_ty, HQ, HK, D, BG, PACK, SPIN)
-            if TRACE:
-                if u == pid:
-                    t = _now(pid)
-                    tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + b, t)
-                    if pid == 0:
-                        tl.store(trace_ptr + b, t)
-        else:
-            q = tl.load(q_ptr + (kvh * G + rows_g)[:, None] * D + d[None, :], mask=(rows_g < G)[:, None],
-                        other=0.0, cache_modifier=".cg")
-            k_new = tl.zeros([D], q_ptr.dtype.element_ty)
-            v_new = tl.zeros([D], q_ptr.dtype.element_ty)
+        q = tl.load(q_ptr + (kvh * G + rows_g)[:, None] * D + d[None, :], mask=(rows_g < G)[:, None], other=0.0,
+                    cache_modifier=".cg")
         q_pos = tl.full([BG], 0, tl.int32) + seq_len  # the new token sees every key
         m = tl.full([BG], float("-inf"), tl.float32)
         l = tl.zeros([BG], tl.float32)
@@ -605,20 +470,11 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
             if u == pid:
                 if lo < hi:
                     acc, l, m = _attn_first_tile(acc, l, m, q, q_pos, kp, vp, rows_pre, k_ptr + kvh * stride_head,
-                                                 v_ptr + kvh * stride_head, lo, seq_len, qk_scale, k_new, v_new,
-                                                 D, KEYS, UPCAST, IEEE, QKV_FLAGS)
+                                                 v_ptr + kvh * stride_head, lo, seq_len, qk_scale, D, KEYS, UPCAST,
+                                                 IEEE)
                 start = lo + KEYS
-        if QKV_FLAGS:  # the cache's keys up to the newest, which comes from the words
-            old_end = tl.minimum(hi, seq_len - 1)
-            acc, l, m = _attn_inner(acc, l, m, q, q_pos, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head,
-                                    bt_ptr, start, old_end, old_end, qk_scale, stride_blk, D, D, KEYS, BS, False, True,
-                                    UPCAST, IEEE)
-            if (start <= seq_len - 1) & (seq_len - 1 < hi):
-                acc, l, m = _fold_key(acc, l, m, q, k_new, v_new, qk_scale)
-        else:
-            acc, l, m = _attn_inner(acc, l, m, q, q_pos, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head,
-                                    bt_ptr, start, hi, hi, qk_scale, stride_blk, D, D, KEYS, BS, False, True, UPCAST,
-                                    IEEE)
+        acc, l, m = _attn_inner(acc, l, m, q, q_pos, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head, bt_ptr,
+                                start, hi, hi, qk_scale, stride_blk, D, D, KEYS, BS, False, True, UPCAST, IEEE)
         if TRACE:
             if u == pid:
                 _trace_attention(trace_ptr, pid, layer, tb, 0, _now(pid))
@@ -661,7 +517,7 @@ def _residual_unit(w, a, res, u, out_ptr, N: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, trace_ptr,
                     N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
-                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, QKV_FLAGS: tl.constexpr):
+                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
     """out ← round(round(W x) + r) over the units of W [N, K] (phases C and E; out may be r), starting
     with the wait of barrier b. The residual rows of all of this program's units (at most MAXU) are read
     once after the wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be
@@ -674,21 +530,21 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, tra
     a = tl.zeros([1, BK], x_ptr.dtype.element_ty)
     res_all = tl.zeros([MAXU, R], r_ptr.dtype.element_ty)
     if not PREFETCH:
-        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
         res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
                 res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
         res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
         _residual_unit(w, a, res, u, out_ptr, N, R)
     if PREFETCH:
         if pid >= n_units:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
@@ -707,7 +563,7 @@ def _group_attention(part_ptr, g, num_splits, dtype: tl.constexpr, HK: tl.conste
 def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RO: tl.constexpr,
                    SM: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
-                   ASM: tl.constexpr, QKV_FLAGS: tl.constexpr):
+                   ASM: tl.constexpr):
     """Phase C split along K by KV group (SPLIT_O), starting with the wait of barrier b: unit (group g, rows
     c·RO + [0, RO)) adds W_o[rows, g's G·D columns] · o_g to the float32 sums o[rows] by atomics (phase D
     adds them to the residual: `_residual_at`; they are zero before the phase), o_g being the attention
@@ -731,7 +587,7 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, 
     a = tl.zeros([1, G, D], wo_ptr.dtype.element_ty)
     g_have = -1
     if not PREFETCH:
-        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
     for u in tl.range(first, last, 1, num_stages=PIPE):
         g = u // CPG
         row0 = (u % CPG) * RO
@@ -740,7 +596,7 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, 
         # of the loop body ahead of another, and the merge must read the partials after the barrier.
         if PREFETCH:
             if u == first:  # the pipeline's first tiles are in flight
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 a = _group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)[None, :, :]
                 g_have = g
         if g != g_have:
@@ -750,14 +606,14 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, 
         tl.atomic_add(o_ptr + row0 + tl.arange(0, RO), y, sem="relaxed", scope="gpu")
     if PREFETCH:
         if first >= last:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
 def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
                    H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
                    PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr, QKV_FLAGS: tl.constexpr):
+                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr):
     """Phase D, starting with the wait of barrier b; with DOT on the tensor cores (`_gate_up_dot_unit`);
     with SPLIT_O its input is the residual plus phase C's sums o (`_residual_at`)."""
     NC: tl.constexpr = BH // CW
@@ -768,7 +624,7 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
     else:
         a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
     if not PREFETCH:
-        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+        _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
         if DOT:
             a = _normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O)
         else:
@@ -780,7 +636,7 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
             w = _gate_up_tile(wgu_ptr, layer, u, H, F, RG, BH)
         if PREFETCH:
             if u == pid:  # the pipeline's first tiles are in flight
-                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+                _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
                 if DOT:
                     a = _normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O)
                 else:
@@ -791,7 +647,7 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
             _gate_up_unit(w, a, u, act_ptr, RG)
     if PREFETCH:
         if pid >= n_units:
-            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+            _end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 
 
 @triton.jit
@@ -856,7 +712,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        emb_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, n1_ptr, n2_ptr, nf_ptr, cos_sin_ptr,
                        kv_ptr, layer_stride, v_offset, stride_blk, stride_head,
                        r_ptr, r2_ptr, osum_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, tickets_ptr, bar_ptr, out_ptr,
-                       trace_ptr, words_ptr,
+                       trace_ptr,
                        num_layers, num_splits, eps, scale,
                        H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                        BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
@@ -864,8 +720,7 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
                        BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
                        TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                        PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, E_PIPE: tl.constexpr,
-                       QKV_FLAGS: tl.constexpr, PACK: tl.constexpr, SPIN: tl.constexpr):
+                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, E_PIPE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -881,7 +736,6 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
     pos = tl.load(pos_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
     seq_len = tl.load(seq_len_ptr)
-    epoch = tl.load(bar_ptr + 2)  # this launch's number (mod 2²¹): with QKV_FLAGS, part of the words' flags
     # context splits per KV head: at most num_splits, each a whole number of KEYS tiles, none empty (one,
     # without keys, at seq_len 0: a padded graph row, whose split count was once a division by zero)
     tiles = tl.maximum(tl.cdiv(seq_len, KEYS), 1)
@@ -906,45 +760,37 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         x_ptr = r_ptr  # phase A's input: the residual stream, or the embedding row in layer 0
         if layer == 0:
             x_ptr = emb_ptr + tok * H
-        # QKV_FLAGS: the flag of this layer's words, never that of the words' previous contents (the layer
-        # before, or the last layer of the launch before, whose epoch differs)
-        flag = epoch * 1024 + layer + 1
         _qkv_phase(layer, pid, P, x_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
-                   stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, words_ptr, flag, H, HQ, HK, D, BS, RQ, BH,
-                   PIPE, PREFETCH, TRACE, ASM, QKV_FLAGS, PACK)
-        if QKV_FLAGS:  # no grid barrier: phase B polls the words it needs (`_poll_qkv`)
-            if TRACE:
-                tl.store(trace_ptr + _TRACE_BASE + pid * _TRACE_BLOCK + 400 + b + 1, _now(pid))
-        else:
-            _arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
+                   stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, PIPE, PREFETCH,
+                   TRACE, ASM)
+        _arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
         if PRELOAD:
             kp, vp = _preload_kv(pid, k_ptr, v_ptr, rows_pre, seq_len, splits, stride_head, HK, D, KEYS)
         else:
             kp, vp = 0, 0
-        if not QKV_FLAGS:
-            _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM, QKV_FLAGS)
+        _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
         _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
                          attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
-                         trace_ptr, 3 + 5 * num_layers + 3 * layer, words_ptr, flag, b + 1, HQ, HK, D, BS, KEYS, SM,
-                         BG, UPCAST, IEEE, PRELOAD, TRACE, SPLIT_O, QKV_FLAGS, PACK, SPIN)
+                         trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, SM, BG,
+                         UPCAST, IEEE, PRELOAD, TRACE, SPLIT_O)
         _arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
         o_ptr = osum_ptr + (layer % 2) * H  # SPLIT_O: this layer's sums (zeroed in phase E two layers back)
         if SPLIT_O:
             _o_group_phase(layer, pid, P, part_ptr, splits, wo_ptr, o_ptr, bar_ptr, b + 2, trace_ptr,
-                           H, HQ, HK, D, RO, SM, PIPE, PREFETCH, TRACE, ASM, QKV_FLAGS)
+                           H, HQ, HK, D, RO, SM, PIPE, PREFETCH, TRACE, ASM)
         else:
             _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ,
-                            MAXU_C, PIPE, PREFETCH, TRACE, ASM, QKV_FLAGS)
+                            MAXU_C, PIPE, PREFETCH, TRACE, ASM)
         _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O, QKV_FLAGS)
+                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O)
         if SPLIT_O:  # the residual after attention, for phase E (r itself is read by every program in D)
             if pid == P - 1:  # a program with the fewest phase-D units
                 tl.store(r2_ptr + cols, _residual_at(r_ptr, o_ptr, cols, cols < H, True), mask=cols < H)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         e_res_ptr = r2_ptr if SPLIT_O else r_ptr  # SPLIT_O: the residual after attention, stored in phase D
         _residual_phase(layer, pid, P, act_ptr, wd_ptr, e_res_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                        MAXU_E, E_PIPE, PREFETCH, TRACE, ASM, QKV_FLAGS)
+                        MAXU_E, E_PIPE, PREFETCH, TRACE, ASM)
         if SPLIT_O:
             if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2
                 tl.store(o_ptr + cols, tl.zeros([BH], tl.float32), mask=cols < H)
@@ -963,7 +809,6 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(tickets_ptr + tl.arange(0, BHK), 0, mask=tl.arange(0, BHK) < HK, sem="relaxed", scope="gpu")
-        tl.store(bar_ptr + 2, (epoch + 1) % 2097152)
         if TRACE:
             tl.store(trace_ptr + 5 * num_layers, _now(pid))
 
@@ -999,9 +844,7 @@ class Workspace:
         self.partials = z(s.num_kv_heads * max(4, next_power_of_2(self.num_splits)) * group * (s.head_dim + 2),
                           torch.float32)
         self.tickets = z(s.num_kv_heads, torch.int32)
-        self.barrier = z(4, torch.int32)  # arrivals, leaves, the launch's epoch (`qkv_flags`), padding
-        # `MegakernelConfig.qkv_flags`: phase A's q | k | v as flagged 8-byte words (`_store_words`)
-        self.qkv_words = z((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, torch.int64)
+        self.barrier = z(2, torch.int32)
         self.trace = torch.zeros(1, dtype=torch.int64, device=device)  # grown by a traced launch
         self.resident_checked = False
 
@@ -1110,8 +953,6 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     ws = workspace
     cuda = input_ids.device.type == "cuda"
     num_layers = weights.qkv.shape[0]
-    if config.qkv_flags and num_layers > 1022:
-        raise ValueError("qkv_flags: a flag holds the layer in 10 bits, at most 1022 layers")
     if trace and num_layers > TRACE_MAX_LAYERS:
         raise ValueError(f"a traced launch records at most {TRACE_MAX_LAYERS} layers")
     if trace and ws.trace.numel() != TRACE_BASE + ws.programs * TRACE_BLOCK:
@@ -1121,7 +962,6 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         weights.embed, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm1, weights.norm2,
         weights.norm_final, cos_sin, k0, layer_stride, v_offset, k0.stride(0), k0.stride(1),
         ws.r, ws.r2, ws.o_sums, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace,
-        ws.qkv_words,
         num_layers, ws.num_splits, eps, scale)
     kwargs = dict(
         H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
@@ -1133,7 +973,6 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
         STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
         PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, E_PIPE=config.e_stages,
-        QKV_FLAGS=config.qkv_flags, SPIN=cuda and config.qkv_spin, PACK=2 if weights.qkv.element_size() == 2 else 1,
         num_warps=config.num_warps, num_stages=1)
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
