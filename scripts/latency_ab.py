@@ -6,6 +6,8 @@ processes, one per variant in turn for each round, so that every variant meets t
     python scripts/latency_ab.py --rounds 2 --out-dir benchmarks/results --name latency_v15 \\
         --variant "v14:$M.GRAPH_IO_MAX_ROWS=0;$M.SAMPLE_IN_LM_HEAD=False" --variant "default:"
 
+A variant may end in `|` and more arguments for `tinyvllm bench latency` (engine flags):
+`--variant "full:|--no-pruned-lm-head"`. It
 writes NAME_<variant>_r<round>.json per run (the bench's own JSON) and prints one line per run: decode
 tok/s (best of the bench's iterations), the profiled step and its idle device time; then a table.
 """
@@ -28,16 +30,18 @@ sys.exit(main({argv!r}))
 """
 
 
-def parse_variant(text: str) -> tuple[str, list[tuple[str, str]]]:
-    """'name:pkg.mod.CONST=value;pkg.mod.OTHER=value' → (name, [(target, value literal), ...])."""
+def parse_variant(text: str) -> tuple[str, list[tuple[str, str]], list[str]]:
+    """'name:pkg.mod.CONST=value;pkg.mod.OTHER=value|--flag ...' → (name, [(target, value literal), ...],
+    [extra bench arguments])."""
     name, _, body = text.partition(":")
+    body, _, extra = body.partition("|")
     assignments = []
     for item in filter(None, body.split(";")):
         target, sep, value = item.partition("=")
         if not sep or "." not in target:
             raise SystemExit(f"bad assignment {item!r} in variant {name!r}: want pkg.module.CONSTANT=value")
         assignments.append((target.strip(), value.strip()))
-    return name, assignments
+    return name, assignments, extra.split()
 
 
 def main() -> int:
@@ -52,9 +56,9 @@ def main() -> int:
     variants = [parse_variant(v) for v in ns.variant]
     rows = []
     for rnd in range(ns.rounds):
-        for vname, assignments in variants:
+        for vname, assignments, extra in variants:
             name = f"{ns.name}_{vname}_r{rnd}"
-            argv = ["bench", "latency", "--profile", "--out-dir", ns.out_dir, "--name", name, *ns.bench_args]
+            argv = ["bench", "latency", "--profile", "--out-dir", ns.out_dir, "--name", name, *ns.bench_args, *extra]
             rc = subprocess.call([sys.executable, "-c", _RUN.format(assignments=assignments, argv=argv)])
             path = Path(ns.out_dir) / f"{name}.json"
             if rc or not path.exists():

@@ -178,3 +178,24 @@ def test_decode_graphs_with_async_placeholders_equal_eager_fp32(ckpt):
         del llm, runner
         torch.cuda.empty_cache()
     assert got[False] == got[True]
+
+
+def test_pruned_lm_head_draws_the_same_tokens_bf16(ckpt):
+    """Batch-1 decode graph steps sample through the pruned LM head (an int8 copy bounds every row's score,
+    the product runs over the rows it cannot rule out; kernels/lm_head_bounds.py) by default. In bf16 their
+    tokens equal those of the same engine with `pruned_lm_head=False`, greedy and with a seeded
+    temperature, over 96 steps each. The layers run one by one here: the decode megakernel's float32
+    atomics (split phase C) make its hidden states differ in their last bits from run to run, which in
+    bf16 can flip a near-tied token in any two runs, pruned or not; the layered path is reproducible."""
+    ps = prompts(2, 30, 120, seed=8)
+    params = [SamplingParams(temperature=0, max_tokens=96, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=96, ignore_eos=True)]
+    got = {}
+    for pruned in (True, False):
+        llm = engine(ckpt, "bfloat16", kv=1 << 30, max_model_len=512, pruned_lm_head=pruned, decode_megakernel=False)
+        assert llm.llm_engine.runner.graphs.pruned_lm_head == pruned
+        got[pruned] = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0].token_ids
+                       for p in ps for sp in params]
+        del llm
+        torch.cuda.empty_cache()
+    assert got[True] == got[False]

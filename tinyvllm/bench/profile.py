@@ -19,7 +19,7 @@ from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 _CATEGORIES = [
     ("decoder layers (megakernel)", re.compile(r"megakernel", re.I)),
     ("attention", re.compile(r"attention|attn|flash|_fwd|decode_kernel|prefill_kernel|prefix_kernel|merge_kernel", re.I)),
-    ("GEMM", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitk|sm90_", re.I)),
+    ("GEMM", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitk|sm90_|score_bounds|pruned_product", re.I)),
     ("sampling", re.compile(r"sample|argmax|topk|sort", re.I)),
     ("copies", re.compile(r"memcpy|memset", re.I)),
 ]

@@ -51,6 +51,9 @@ class EngineArgs:
     # SwiGLU folded in (models/llama.py; measured 897 vs 845 tok/s on the H200, docs/perf.md)
     decode_megakernel: bool | None = None  # on CUDA, a decode step of one sequence runs every layer in one
     # kernel launch (kernels/decode_megakernel.py); None: where it was measured faster (hidden ≤ 2048)
+    pruned_lm_head: bool = True  # on CUDA with CUDA graphs, a decode step of one sequence whose sampling is
+    # greedy or temperature-only samples from an int8 copy of the LM head (vocab × hidden bytes more
+    # memory) and the few rows it cannot rule out: the same tokens (kernels/lm_head_bounds.py)
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
@@ -91,6 +94,10 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-megakernel", action=argparse.BooleanOptionalAction, default=d.decode_megakernel,
                    help="on CUDA, run a decode step of one sequence through all layers in one kernel launch "
                         "(default: on for hidden sizes up to 2048, where it was measured faster; docs/perf.md)")
+    g.add_argument("--pruned-lm-head", action=argparse.BooleanOptionalAction, default=d.pruned_lm_head,
+                   help="on CUDA with CUDA graphs, sample a batch-1 decode step (greedy or temperature only) "
+                        "from an int8 copy of the LM head and the few rows it cannot rule out: the same "
+                        "tokens, about half the LM head's bytes, vocab × hidden bytes more memory (default: on)")
 
 
 def engine_args_from_cli(ns: argparse.Namespace) -> EngineArgs:

@@ -23,7 +23,9 @@ one per host twin, each starting with a kernel that copies the step's bytes from
 gathers the placeholders (kernels/arena_load.py) and ending with a sampler that also writes the ids into
 the twin's `sampled_ids` (kernels/sampling.py). A batch-1 step is then one graph launch and
 an event: the copy kernels outside the graph and the device's idle time at their hand-overs go
-(docs/perf.md, v15).
+(docs/perf.md, v15). With `pruned_lm_head` those buckets get a second pair of graphs whose sampler
+reads the LM head at one byte per weight (`LlamaForCausalLM.sample_pruned`, kernels/lm_head_bounds.py:
+the same ids, no logits), for the steps whose every row that sampler serves.
 """
 from __future__ import annotations
 
@@ -55,13 +57,15 @@ class DecodeGraphs:
     graph (decode rows that share a prefix attend it once per chunk of rows; the prefix length is in the
     arena, so one graph serves any length); `io_max_rows`: buckets that load their own inputs (module
     docstring); `sample_in_lm_head`: with `sample_in_graph`, the sampler inside the LM head's kernel
-    where the model's fused product computes the logits (`LlamaForCausalLM.compute_logits_sampled`)."""
+    where the model's fused product computes the logits (`LlamaForCausalLM.compute_logits_sampled`);
+    `pruned_lm_head`: the `runs_io` buckets also get graphs that sample through the model's pruned LM head
+    (module docstring), where the model can (`can_sample_pruned`)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], *, batch_sizes: list[int],
                  max_blocks_per_seq: int, max_seq_len: int, device: torch.device,
                  resolve_placeholders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
                  max_num_seqs: int = 0, cascade_batch_sizes: list[int] = (), sample_in_graph: bool = False,
-                 io_max_rows: int = 0, sample_in_lm_head: bool = True) -> None:
+                 io_max_rows: int = 0, sample_in_lm_head: bool = True, pruned_lm_head: bool = False) -> None:
         self.model = model
         self.sample_in_lm_head = sample_in_lm_head
         self.io_max_rows = io_max_rows if sample_in_graph else 0
@@ -83,6 +87,8 @@ class DecodeGraphs:
         # The buckets that load their own inputs have an arena (and twins) of their own, io_max_rows rows:
         # a step's bytes start with its per-row regions, whose size is the arena's row count.
         rows = self.io_max_rows
+        self.pruned_lm_head = (pruned_lm_head and sample_in_lm_head and rows > 0
+                               and model.can_sample_pruned(1) and rows == 1)
         self.io_arena = InputArena(rows, max_blocks_per_seq, device) if rows else None
         self._io_host_arenas = [InputArena(rows, max_blocks_per_seq, torch.device("cpu"), pin_memory=pin)
                                 for _ in range(2 if rows else 0)]
@@ -91,10 +97,11 @@ class DecodeGraphs:
         # sampler writes its ids here.
         self.last_sampled = torch.zeros(max(n, max_num_seqs), dtype=torch.int64, device=device)
         self.cascade_batch_sizes = sorted(b for b in cascade_batch_sizes if b in self.batch_sizes)
-        # (batch size, cascade, host twin or None) -> graph, and its (logits, sampled ids or None) buffers;
-        # the twin's index for the buckets that load their own inputs (`runs_io`), else None
-        self.graphs: dict[tuple[int, bool, int | None], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, bool, int | None], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # (batch size, cascade, host twin or None, pruned) -> graph, and its (logits or None, sampled ids or
+        # None) buffers; the twin's index for the buckets that load their own inputs (`runs_io`), else None;
+        # pruned: the graph samples through the pruned LM head (no logits)
+        self.graphs: dict[tuple[int, bool, int | None, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool, int | None, bool], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
     def bucket(self, batch_size: int) -> int | None:
         for b in self.batch_sizes:
@@ -106,9 +113,10 @@ class DecodeGraphs:
         """Whether bucket `bs`'s graphs copy their own inputs and ids (module docstring)."""
         return bs <= self.io_max_rows
 
-    def _run(self, bs: int, cascade: bool, twin: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(self, bs: int, cascade: bool, twin: int | None = None,
+             pruned: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The step's device work over the arena; `twin`: first load it from that host twin, and
-        write the sampled ids back there too."""
+        write the sampled ids back there too; `pruned`: sample through the pruned LM head (no logits)."""
         a = self.arena if twin is None else self.io_arena
         host = None if twin is None else self._io_host_arenas[twin]
         if host is None:
@@ -120,6 +128,9 @@ class DecodeGraphs:
         meta = a.decode_meta(bs, self.max_seq_len, cascade)
         hidden = self.model(a.input_ids[:bs], a.positions[:bs], meta, self.kv_caches)
         host_ids = None if host is None else host.sampled_ids[:bs]
+        if pruned:
+            self.model.sample_pruned(hidden, a.temperatures[:bs], a.seeds[:bs], self.last_sampled[:bs], host_ids)
+            return None, self.last_sampled[:bs]
         if self.sample_in_graph and self.sample_in_lm_head:
             logits = self.model.compute_logits_sampled(hidden, a.temperatures[:bs], a.seeds[:bs],
                                                        self.last_sampled[:bs], host_ids)
@@ -132,13 +143,14 @@ class DecodeGraphs:
         return logits, sample_greedy_or_gumbel(logits, a.temperatures[:bs], a.seeds[:bs],
                                                out=self.last_sampled[:bs], host_out=host_ids)
 
-    def _keys(self) -> list[tuple[int, bool, int | None]]:
+    def _keys(self) -> list[tuple[int, bool, int | None, bool]]:
         """Every graph to capture, largest bucket first."""
         keys = []
         for bs in reversed(self.batch_sizes):
             twins = range(len(self._io_host_arenas)) if self.runs_io(bs) else (None,)
+            prunes = (False, True) if self.runs_io(bs) and self.pruned_lm_head else (False,)
             for cascade in (False, True) if bs in self.cascade_batch_sizes else (False,):
-                keys += [(bs, cascade, t) for t in twins]
+                keys += [(bs, cascade, t, p) for t in twins for p in prunes]
         return keys
 
     @torch.no_grad()
@@ -157,8 +169,9 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         logger.warning("captured CUDA graphs for decode batch sizes %s (with cascade attention too: %s; "
-                       "loading their own inputs: up to %d rows) in %.1f s (enforce_eager=True turns this off)",
-                       self.batch_sizes, self.cascade_batch_sizes, self.io_max_rows, time.perf_counter() - start)
+                       "loading their own inputs: up to %d rows; pruned LM head: %s) in %.1f s "
+                       "(enforce_eager=True turns this off)", self.batch_sizes, self.cascade_batch_sizes,
+                       self.io_max_rows, self.pruned_lm_head, time.perf_counter() - start)
 
     def next_arenas(self, bs: int) -> tuple[InputArena, InputArena]:
         """(host twin, device arena) to pack the next graph step of bucket `bs` into: the `runs_io`
@@ -197,21 +210,22 @@ class DecodeGraphs:
         cascade size) over the arena as loaded, and return (logits [bs, V], sampled ids [bs] or None),
         static buffers valid until the next replay of this bucket (the sampled ids: of any bucket).
         With `sample_in_graph`, the sampled ids of rows past the step's sampled rows mean nothing."""
-        return self._replay((bs, cascade, None))
+        return self._replay((bs, cascade, None, False))
 
-    def replay_io(self, bs: int, cascade: bool, host: InputArena,
-                  nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def replay_io(self, bs: int, cascade: bool, host: InputArena, nbytes: int,
+                  pruned: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """For a `runs_io` bucket: record that the step packed into `host` (a twin from
         `next_arenas`) needs its first `nbytes` bytes, replay the graph that loads them from that
         twin, and return (logits, sampled ids on the device, the same ids in the twin's pinned
         `sampled_ids`, readable once an event recorded after this call has completed), all [bs]-row
-        static buffers as `replay`'s."""
+        static buffers as `replay`'s. `pruned` (with `pruned_lm_head`; only when the in-graph sampler
+        serves every row): the graph of the pruned LM head, whose logits are None."""
         twin = next(i for i, h in enumerate(self._io_host_arenas) if h is host)
         host.set_copy_words(nbytes)
-        logits, sampled = self._replay((bs, cascade, twin))
+        logits, sampled = self._replay((bs, cascade, twin, pruned and self.pruned_lm_head))
         return logits, sampled, host.sampled_ids[:bs]
 
-    def _replay(self, key: tuple[int, bool, int | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _replay(self, key: tuple[int, bool, int | None, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Replay one captured graph; its output buffers."""
         self.graphs[key].replay()
         return self._outputs[key]

@@ -150,7 +150,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, model_dir=str(self.model_dir), device=self.device,
                                   dtype=self.dtype, kernel_backend=backend, load_format=args.load_format,
                                   seed=args.seed, eos_token_ids=self.eos_token_ids, show_progress=show_progress,
-                                  fused_gemv=args.fused_gemv, decode_megakernel=args.decode_megakernel)
+                                  fused_gemv=args.fused_gemv, decode_megakernel=args.decode_megakernel,
+                                  pruned_lm_head=args.pruned_lm_head and not args.enforce_eager)
         cache_config = CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                                    num_gpu_blocks_override=args.num_gpu_blocks_override,
                                    cpu_kv_cache_bytes=args.kv_cache_memory_bytes or (1 << 30),

@@ -108,7 +108,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, *, model_dir: str, device: torch.device,
                  dtype: torch.dtype, kernel_backend: str, load_format: str = "auto", seed: int = 0,
                  eos_token_ids: Sequence[int] = (), show_progress: bool = False, fused_gemv: bool = True,
-                 decode_megakernel: bool | None = None) -> None:
+                 decode_megakernel: bool | None = None, pruned_lm_head: bool = False) -> None:
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -121,6 +121,11 @@ class ModelRunner:
                                  fuse_small_batches=fused_gemv)
         if wants_megakernel(decode_megakernel, device.type, model_config.hidden_size):
             self._enable_megakernel()
+        # The int8 copy of the LM head is made before the memory profile, which then counts it; only the
+        # batch-1 decode graphs use it (engine/cuda_graphs.py), so `pruned_lm_head` asks for graphs too.
+        if (pruned_lm_head and device.type == "cuda" and kernel_backend == "triton" and GRAPH_IO_MAX_ROWS == 1
+                and SAMPLE_IN_LM_HEAD and model_config.hidden_size % 4 == 0):
+            self.model.enable_pruned_lm_head()
         self.sampler = Sampler()
         self.batch_generator = torch.Generator(device=device).manual_seed(seed)
         self._rng = np.random.default_rng(seed)  # seeds of unseeded requests for the fused sampler
@@ -239,7 +244,8 @@ class ModelRunner:
                                        cascade_batch_sizes=[b for b in sizes if b >= CASCADE_MIN_BATCH]
                                        if cascade else [], sample_in_graph=self.kernel_backend == "triton",
                                        io_max_rows=GRAPH_IO_MAX_ROWS if self.kernel_backend == "triton" else 0,
-                                       sample_in_lm_head=SAMPLE_IN_LM_HEAD)
+                                       sample_in_lm_head=SAMPLE_IN_LM_HEAD,
+                                       pruned_lm_head=self.model.lm_head_rows is not None)
             self.graphs.capture()
 
     # ------------------------------------------------------------------ one step
@@ -302,11 +308,13 @@ class ModelRunner:
             graphs.feed_previous_samples(self._prev_sampled)
         graph_ids = None
         if graphs.runs_io(bucket):
-            logits, presampled, graph_ids = graphs.replay_io(bucket, inputs.prefix_len > 0, host, inputs.arena_bytes)
+            # every row served by the in-graph sampler: no logits needed, the pruned LM head's graph if any
+            logits, presampled, graph_ids = graphs.replay_io(bucket, inputs.prefix_len > 0, host, inputs.arena_bytes,
+                                                             pruned=len(fused) == n)
         else:
             graphs.load_inputs(host, inputs.arena_bytes, by_kernel=self._copies_by_kernel(n))
             logits, presampled = graphs.replay(bucket, cascade=inputs.prefix_len > 0)
-        logits = logits[:n]
+        logits = None if logits is None else logits[:n]
         presampled = presampled[:n] if fused and graphs.sample_in_graph else None
         sampled, logprobs, logprob_rows = self._sample(logits, seqs, plan, fused, seeds, presampled, bufs)
         # The graph's own copy of the ids holds the step's tokens when its sampler served every row.

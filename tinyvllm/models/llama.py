@@ -175,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.register_buffer("cos_sin", torch.empty(max_positions, config.head_dim), persistent=False)
         self.decode_megakernel = None  # set by enable_decode_megakernel
+        self.lm_head_rows = None  # set by enable_pruned_lm_head
 
     def enable_decode_megakernel(self, config=None) -> None:
         """Run decode steps of one sequence as one kernel launch (models/llama_megakernel.py); restacks
@@ -183,6 +184,12 @@ class LlamaForCausalLM(nn.Module):
         from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel
 
         self.decode_megakernel = LlamaDecodeMegakernel(self, config or MegakernelConfig())
+
+    def enable_pruned_lm_head(self) -> None:
+        """Keep an int8 copy of the LM head's weight (V·H bytes more) for `sample_pruned`."""
+        from tinyvllm.kernels.lm_head_bounds import quantize_rows
+
+        self.lm_head_rows = quantize_rows(self.lm_head_weight)
 
     def init_rope_table(self) -> None:
         """Fill the float32 [max_positions, D] cos/sin table on the model's device."""
@@ -246,3 +253,21 @@ class LlamaForCausalLM(nn.Module):
         logits = self.compute_logits(hidden, dtype=None)
         sample_greedy_or_gumbel(logits, temperature, seeds, out=ids, host_out=host_ids)
         return logits
+
+    def can_sample_pruned(self, num_rows: int) -> bool:
+        """Whether `sample_pruned` serves a batch of `num_rows` hidden rows (one, with the int8 copy)."""
+        return (num_rows == 1 and self.lm_head_rows is not None and self.ops.name == "triton"
+                and self.uses_fused_path(1))
+
+    def sample_pruned(self, hidden: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                      ids: torch.Tensor, host_ids: torch.Tensor | None = None) -> None:
+        """`compute_logits_sampled`'s ids for one row without its logits: the int8 copy bounds every
+        row's score and the product runs over the few rows that can hold the sampled id
+        (kernels/lm_head_bounds.py: the same id, bit for bit, from ~half the LM head's bytes)."""
+        if not self.can_sample_pruned(hidden.shape[0]):
+            raise RuntimeError("sample_pruned needs enable_pruned_lm_head(), the Triton ops and one row")
+        from tinyvllm.kernels.gemv import GemvSampling
+        from tinyvllm.kernels.lm_head_bounds import sample_pruned
+
+        sample_pruned(hidden, self.lm_head_weight, self.lm_head_rows,
+                      GemvSampling(temperature, seeds, ids, host_ids))

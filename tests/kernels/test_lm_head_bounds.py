@@ -1,0 +1,112 @@
+"""The pruned LM head (kernels/lm_head_bounds.py): its id equals the full product's fused sampler's
+(gemv.py `sampling=`), token for token, greedy and Gumbel rows, float32 and bf16, with pass-1 blocks
+smaller and larger than the product's; pass 1's bounds contain every logit (checked against the full
+product's logits); exact ties keep the lowest index; it keeps few rows when the logits spread as random
+weights spread them; the int8 copy packs and unpacks losslessly and its slack covers its float64 error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, fused_gemv_fwd
+from tinyvllm.kernels.lm_head_bounds import (BoundsConfig, QuantizedRows, pack_rows, quantize_rows, sample_pruned,
+                                             score_bounds, unpack_rows)
+
+N, K = 2100, 64  # one noise tile of 2,048 and part of a second; blocks that do not divide N
+PRODUCT = GemvConfig(block_n=32, block_k=32, split_k=1, num_warps=4, num_stages=1, use_dot=False)
+CONFIGS = [("blocks_8", BoundsConfig(8, 16, 4, 1, 3)), ("blocks_64", BoundsConfig(64, 8, 4, 1, 2))]
+
+
+def _case(device, dtype, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(1, K, generator=gen, device=device).to(dtype)
+    w = (torch.randn(N, K, generator=gen, device=device) / 2).to(dtype)
+    return x, w
+
+
+def _ids(x, w, temperature, seed, rows=None, cfg=None, product=PRODUCT):
+    dev = x.device
+    t = torch.tensor([temperature], dtype=torch.float32, device=dev)
+    s = torch.tensor([seed], dtype=torch.int64, device=dev)
+    ids = torch.full((1,), -1, dtype=torch.int64, device=dev)
+    if rows is None:
+        fused_gemv_fwd(x, w, config=product, sampling=GemvSampling(t, s, ids))
+    else:
+        sample_pruned(x, w, rows, GemvSampling(t, s, ids), cfg, product)
+    return ids.item()
+
+
+def test_quantize_rows_packs_losslessly_and_its_slack_covers_the_error(device):
+    _, w = _case(device, torch.bfloat16, 0)
+    w[7] = 0  # a zero row: scale 0, q 0, slack 0
+    q = torch.randint(-127, 128, (5, 16), dtype=torch.int8, device=device)
+    assert torch.equal(unpack_rows(pack_rows(q)), q)
+    packed, scale, slack = quantize_rows(w, chunk_rows=1000)  # chunks that do not divide N
+    q = unpack_rows(packed).double()
+    err = (w.double() - scale.double()[:, None] * q).norm(dim=1)
+    assert torch.all(slack.double() >= err + 2.0 ** -10 * w.double().norm(dim=1))
+    assert torch.all(err <= 0.5 * scale.double() * K ** 0.5 * (1 + 1e-6))  # round to nearest: ≤ half a step
+    assert scale[7] == 0 and slack[7] == 0 and not q[7].any()
+    with pytest.raises(ValueError, match="multiple of 4"):
+        quantize_rows(w[:, :62])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_bounds_contain_the_logits(dtype, device):
+    x, w = _case(device, dtype, 1)
+    cfg = BoundsConfig(16, 8, 4, 1, 2)
+    t = torch.zeros(1, device=device)
+    s = torch.zeros(1, dtype=torch.int64, device=device)
+    hi, lo_max, hi_max, block_n = score_bounds(x, quantize_rows(w), t, s, cfg)  # greedy: score = logit
+    logits = fused_gemv_fwd(x, w, config=PRODUCT)[0].float()
+    assert torch.all(hi >= logits)
+    blocks = torch.nn.functional.pad(logits, (0, lo_max.numel() * block_n - N), value=float("-inf"))
+    assert torch.all(lo_max <= blocks.view(-1, block_n).amax(dim=1))
+    assert torch.equal(hi_max, torch.nn.functional.pad(hi, (0, lo_max.numel() * block_n - N),
+                                                       value=float("-inf")).view(-1, block_n).amax(dim=1))
+    kept = int((hi >= lo_max.max()).sum())
+    assert 1 <= kept <= 20, kept  # random rows of 64: the bounds are ~0.05 logit standard deviations wide
+
+
+@pytest.mark.parametrize("name,cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_pruned_ids_equal_the_full_product(name, cfg, dtype, device):
+    x, w = _case(device, dtype, 10 + cfg.block_n)
+    rows = quantize_rows(w)
+    for temperature, seed in ((0.0, 0), (0.7, 3), (1.9, 11)):
+        assert _ids(x, w, temperature, seed, rows, cfg) == _ids(x, w, temperature, seed), temperature
+
+
+def test_exact_ties_keep_the_lowest_index(device):
+    x, w = _case(device, torch.bfloat16, 4)
+    top = int(fused_gemv_fwd(x, w, config=PRODUCT)[0].float().argmax())
+    w[N - 1] = w[top]
+    w[2] = w[top]  # the same row three times, in three blocks: the full product's sampler picks index 2
+    rows = quantize_rows(w)
+    assert _ids(x, w, 0.0, 0) == 2
+    for _, cfg in CONFIGS:
+        assert _ids(x, w, 0.0, 0, rows, cfg) == 2
+
+
+def test_a_zero_input_ties_every_row(device):
+    """h = 0: every logit is 0, every bound too; nothing is dropped, and the id is the full product's."""
+    x, w = _case(device, torch.bfloat16, 5)
+    x.zero_()
+    rows = quantize_rows(w)
+    for temperature in (0.0, 1.0):
+        assert _ids(x, w, temperature, 9, rows, CONFIGS[1][1]) == _ids(x, w, temperature, 9)
+
+
+def test_pruned_sampling_refuses_what_it_cannot_do(device):
+    x, w = _case(device, torch.float32, 6)
+    rows = quantize_rows(w)
+    t = torch.zeros(2, device=device)
+    s = torch.zeros(2, dtype=torch.int64, device=device)
+    ids = torch.zeros(2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match=r"sampling.temperature must be \[1\]"):
+        sample_pruned(x, w, rows, GemvSampling(t, s, ids))
+    with pytest.raises(ValueError, match="do not match"):
+        sample_pruned(x, w[:100], rows, GemvSampling(t[:1], s[:1], ids[:1]))
+    bad = QuantizedRows(rows.packed.float(), rows.scale, rows.slack)
+    with pytest.raises(ValueError, match="int32"):
+        score_bounds(x, bad, t[:1], s[:1])
