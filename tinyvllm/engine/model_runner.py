@@ -12,7 +12,9 @@ kernels for steps of at most KERNEL_COPY_MAX_ROWS rows, kernels/host_copy.py); p
 copy of the previous step's sampled ids when the step has placeholder inputs and no graph's sampler
 left those ids in `DecodeGraphs.last_sampled` (the previous step was eager, or partly full-sampled).
 Buckets of at most GRAPH_IO_MAX_ROWS rows do both copies inside their graph: their steps' stream work
-is the replay and an event.
+is the replay and an event. With `pruned_lm_head` (the engine's default on CUDA) those buckets' steps whose
+every row the fused sampler serves replay graphs that sample from an int8 copy of the LM head and the rows
+it cannot rule out, without logits (kernels/lm_head_bounds.py: the same ids).
 """
 from __future__ import annotations
 
@@ -123,8 +125,8 @@ class ModelRunner:
             self._enable_megakernel()
         # The int8 copy of the LM head is made before the memory profile, which then counts it; only the
         # batch-1 decode graphs use it (engine/cuda_graphs.py), so `pruned_lm_head` asks for graphs too.
-        if (pruned_lm_head and device.type == "cuda" and kernel_backend == "triton" and GRAPH_IO_MAX_ROWS == 1
-                and SAMPLE_IN_LM_HEAD and model_config.hidden_size % 4 == 0):
+        if (pruned_lm_head and device.type == "cuda" and kernel_backend == "triton" and fused_gemv
+                and GRAPH_IO_MAX_ROWS == 1 and SAMPLE_IN_LM_HEAD and model_config.hidden_size % 4 == 0):
             self.model.enable_pruned_lm_head()
         self.sampler = Sampler()
         self.batch_generator = torch.Generator(device=device).manual_seed(seed)
@@ -370,7 +372,7 @@ class ModelRunner:
             plan = self._plan = FusedSamplingPlan.build(seqs, rids)
         return plan
 
-    def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSequence], plan: FusedSamplingPlan,
+    def _sample(self, logits: torch.Tensor | None, seqs: list[ScheduledSequence], plan: FusedSamplingPlan,
                 fused: list[int], seeds: torch.Tensor | None, presampled: torch.Tensor | None,
                 bufs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, LogprobsTensors | None, list[int] | None]:
         """Sampled ids [N], logprobs, and the rows the logprobs cover (None: all).
@@ -380,7 +382,8 @@ class ModelRunner:
         `seeds`: their host seeds, drawn by the caller), the full sampler for the rest. A seeded request
         therefore draws the same tokens alone or in any batch (the two samplers draw differently from
         the same seed). `presampled`: the fused kernel's ids for every row, already computed inside the
-        decode graph (the kernel samples each row on its own, so they equal a separate launch's)."""
+        decode graph (the kernel samples each row on its own, so they equal a separate launch's); `logits`
+        is None only when it serves every row (a pruned LM head's graph computes no logits)."""
         n = len(seqs)
         if not fused:
             out = self._sample_full(logits, seqs)

@@ -111,20 +111,21 @@ class BoundsConfig(NamedTuple):
     block_n: int  # rows per pass-1 program (a power of two): the blocks pass 2 keeps or drops
     block_c: int  # packed words per row per tile (4 bytes each; a power of two)
     num_warps: int
-    num_stages: int
+    num_stages: int  # pass 1's pipeline depth (1: loads straight into registers)
     programs: int  # pass 2's programs (each takes every programs-th kept block)
 
 
 def default_bounds_config(device: torch.device) -> BoundsConfig:
     if device.type == "cuda":
-        return BoundsConfig(64, 64, 4, 1, 128)  # measured best of 18 on the H200 (docs/perf.md, v23)
+        return BoundsConfig(64, 64, 4, 1, 128)  # the best measured on the H200 (docs/perf.md, v23)
     return BoundsConfig(16, 16, 4, 1, 3)
 
 
 @triton.jit
 def _score_bounds_kernel(x_ptr, p_ptr, scale_ptr, slack_ptr, temp_ptr, seed_ptr, hi_ptr, lo_max_ptr, hi_max_ptr,
                          N, K4, stride_pn,
-                         BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr, TILE: tl.constexpr,
+                         FAST_LOG: tl.constexpr):
     """Program p: rows [p·BLOCK_N, (p+1)·BLOCK_N) → hi per row, lo_max[p], hi_max[p] (module docstring)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,16 +139,13 @@ def _score_bounds_kernel(x_ptr, p_ptr, scale_ptr, slack_ptr, temp_ptr, seed_ptr,
         ss += xk * xk
 
     acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
-    # the next tile's words loaded before this tile's arithmetic (two tiles in flight per program; Triton
-    # does not software-pipeline this loop)
-    c = tl.arange(0, BLOCK_C)
-    next_words = tl.load(p_rows + c[None, :], mask=mask_n[:, None] & (c[None, :] < K4), other=0)
-    for c0 in range(0, K4, BLOCK_C):
+    # STAGES > 1: software-pipelined through shared memory (cp.async; Triton pipelines a loop whose loads
+    # feed no tl.dot only when the loop asks for it). Measured 3–4× slower than loads straight into
+    # registers (STAGES = 1), which reach 3.3 TB/s with two or three programs per SM (docs/perf.md, v23).
+    for c0 in tl.range(0, K4, BLOCK_C, num_stages=STAGES):
         c = c0 + tl.arange(0, BLOCK_C)
         mask_c = c < K4
-        words = next_words
-        c_next = c + BLOCK_C
-        next_words = tl.load(p_rows + c_next[None, :], mask=mask_n[:, None] & (c_next[None, :] < K4), other=0)
+        words = tl.load(p_rows + c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0)
         # h's columns c + j·K/4 loaded as [BLOCK_N, BLOCK_C] tiles of identical rows (L1 hits): the words'
         # own register layout, no shared-memory shuffle
         cols = c[None, :] + offs_n[:, None] * 0
@@ -272,7 +270,8 @@ def score_bounds(x: torch.Tensor, rows: QuantizedRows, temperature: torch.Tensor
     hi_max = torch.empty(programs, dtype=torch.float32, device=x.device)
     _score_bounds_kernel[(programs,)](
         x, packed, scale, slack, temperature, seeds, hi, lo_max, hi_max, N, K4, packed.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_C=min(cfg.block_c, triton.next_power_of_2(K4)), TILE=sampling_tile(),
+        BLOCK_N=cfg.block_n, BLOCK_C=min(cfg.block_c, triton.next_power_of_2(K4)), STAGES=cfg.num_stages,
+        TILE=sampling_tile(),
         FAST_LOG=x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ScoreBounds(hi, lo_max, hi_max, cfg.block_n)
 
