@@ -87,8 +87,7 @@ class DecodeGraphs:
         # The buckets that load their own inputs have an arena (and twins) of their own, io_max_rows rows:
         # a step's bytes start with its per-row regions, whose size is the arena's row count.
         rows = self.io_max_rows
-        self.pruned_lm_head = (pruned_lm_head and sample_in_lm_head and rows > 0
-                               and model.can_sample_pruned(1) and rows == 1)
+        self.pruned_lm_head = pruned_lm_head and sample_in_lm_head and rows == 1 and model.can_sample_pruned(1)
         self.io_arena = InputArena(rows, max_blocks_per_seq, device) if rows else None
         self._io_host_arenas = [InputArena(rows, max_blocks_per_seq, torch.device("cpu"), pin_memory=pin)
                                 for _ in range(2 if rows else 0)]

@@ -40,11 +40,10 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels._launch import cdiv, is_power_of_2, num_sms, upcast_dot
-from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, default_config
+from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, _check_sampling, default_config
 from tinyvllm.kernels.sampling import _best_of_block, _log2, _noise_at, reduce_partials, sampling_tile
 
 ROUNDING_SLACK = 2.0 ** -10  # relative to ‖w_i‖₂ ‖h‖₂: both fp32 sums' rounding (module docstring)
-_FLOAT_2_23 = 0x4B000000  # the bits of 2²³ in float32: or'ed with a byte u, the float 2²³ + u
 
 
 class QuantizedRows(NamedTuple):
@@ -271,19 +270,8 @@ def score_bounds(x: torch.Tensor, rows: QuantizedRows, temperature: torch.Tensor
     _score_bounds_kernel[(programs,)](
         x, packed, scale, slack, temperature, seeds, hi, lo_max, hi_max, N, K4, packed.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_C=min(cfg.block_c, triton.next_power_of_2(K4)), STAGES=cfg.num_stages,
-        TILE=sampling_tile(),
-        FAST_LOG=x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        TILE=sampling_tile(), FAST_LOG=x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ScoreBounds(hi, lo_max, hi_max, cfg.block_n)
-
-
-def _check_sampling(x: torch.Tensor, s: GemvSampling) -> None:
-    for name, t, dtype in (("temperature", s.temperature, torch.float32), ("seeds", s.seeds, torch.int64),
-                           ("ids", s.ids, torch.int64)):
-        if t.shape != (1,) or t.dtype != dtype or t.device != x.device:
-            raise ValueError(f"sampling.{name} must be [1] {dtype} on {x.device}, got {tuple(t.shape)} {t.dtype}")
-    h = s.host_ids
-    if h is not None and (h.shape != (1,) or h.dtype != torch.int64 or h.is_cuda or (x.is_cuda and not h.is_pinned())):
-        raise ValueError("sampling.host_ids must be [1] int64 in pinned host memory")
 
 
 def sample_pruned(x: torch.Tensor, weight: torch.Tensor, rows: QuantizedRows, sampling: GemvSampling,
@@ -296,7 +284,7 @@ def sample_pruned(x: torch.Tensor, weight: torch.Tensor, rows: QuantizedRows, sa
         raise ValueError(f"rows {tuple(rows.packed.shape)} (packed) do not match the weight {tuple(weight.shape)}")
     if weight.dtype != x.dtype or weight.stride(1) != 1:
         raise ValueError(f"weight ({weight.dtype}) must share x's dtype ({x.dtype}) and have contiguous rows")
-    _check_sampling(x, sampling)
+    _check_sampling(sampling, 1, x)  # gemv.py's, for its one row
     cfg = config or default_bounds_config(x.device)
     bounds = score_bounds(x, rows, sampling.temperature, sampling.seeds, cfg)
     N, K = weight.shape
@@ -307,7 +295,8 @@ def sample_pruned(x: torch.Tensor, weight: torch.Tensor, rows: QuantizedRows, sa
     _pruned_product_kernel[(cfg.programs,)](
         x, weight, bounds.hi, bounds.lo_max, bounds.hi_max, nb, sampling.temperature, sampling.seeds,
         vals, idxs, N, K, weight.stride(0),
-        BOUND_N=cfg.block_n, SUBS=max(1, cfg.block_n // prod.block_n), NB_POW2=triton.next_power_of_2(nb), BLOCK_N=prod.block_n, BLOCK_K=prod.block_k,
+        BOUND_N=cfg.block_n, SUBS=max(1, cfg.block_n // prod.block_n), NB_POW2=triton.next_power_of_2(nb),
+        BLOCK_N=prod.block_n, BLOCK_K=prod.block_k,
         USE_DOT=prod.use_dot, EVEN_K=K % prod.block_k == 0, UPCAST=upcast_dot(x.device),
         IEEE=x.dtype == torch.float32, TILE=sampling_tile(), FAST_LOG=x.is_cuda,
         num_warps=prod.num_warps, num_stages=prod.num_stages)
