@@ -16,6 +16,7 @@ out as in bench_host_step.py (step-input packing kept, random sampled ids):
 
     python -m benchmarks.bench_frontend --batch 64 256 --steps 200 [--repeat 3] [--stop STR ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,12 +26,11 @@ import time
 
 import torch
 
+from benchmarks.bench_host_step import stubbed_engine
+from benchmarks.common import output_paths, write_json
 from tinyvllm.entrypoints.deltas import OutputAccumulator, encode_outputs
 from tinyvllm.entrypoints.output_processor import RequestProcessor, core_params
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
-
-from benchmarks.bench_host_step import stubbed_engine
-from benchmarks.common import output_paths, write_json
 
 
 def _release_all() -> None:
@@ -41,8 +41,9 @@ def _release_all() -> None:
     gc.collect()
 
 
-def core_step_ms(batch: int, steps: int, params: SamplingParams,
-                 fast: bool = False) -> tuple[float, float, list[list[tuple]]]:
+def core_step_ms(
+    batch: int, steps: int, params: SamplingParams, fast: bool = False
+) -> tuple[float, float, list[list[tuple]]]:
     """(ms of the step alone, ms of step + Deltas + pickle, the Deltas of every timed step). The step
     is `engine.step()` then `encode_outputs`, or with `fast` `engine.step_deltas()` (Deltas included)."""
     engine, _ = stubbed_engine(batch, params)
@@ -53,7 +54,9 @@ def core_step_ms(batch: int, steps: int, params: SamplingParams,
         outputs = engine.step_deltas() if fast else engine.step()
         t1 = time.perf_counter()
         deltas = outputs if fast else encode_outputs(outputs)
-        pickle.dumps(("out", [], deltas, dict(engine.get_metrics()), time.monotonic()), protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dumps(
+            ("out", [], deltas, dict(engine.get_metrics()), time.monotonic()), protocol=pickle.HIGHEST_PROTOCOL
+        )
         t2 = time.perf_counter()
         step_s += t1 - t0
         total_s += t2 - t0
@@ -63,8 +66,9 @@ def core_step_ms(batch: int, steps: int, params: SamplingParams,
     return step_s / steps * 1e3, total_s / steps * 1e3, all_deltas
 
 
-def best_core_runs(batch: int, steps: int, repeat: int,
-                   configs: dict[str, tuple[SamplingParams, bool]]) -> dict[str, tuple[float, float, list]]:
+def best_core_runs(
+    batch: int, steps: int, repeat: int, configs: dict[str, tuple[SamplingParams, bool]]
+) -> dict[str, tuple[float, float, list]]:
     """`core_step_ms(batch, steps, params, fast)` of each named (params, fast), `repeat` times in
     rounds (so a busy spell of the machine hits every configuration alike): each one's fastest run."""
     best: dict[str, tuple[float, float, list]] = {}
@@ -102,42 +106,74 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[256])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--stop", nargs="*", default=[], help="stop strings of every request (none by default)")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="runs of each core configuration, interleaved; the fastest is reported")
+    p.add_argument(
+        "--repeat", type=int, default=3, help="runs of each core configuration, interleaved; the fastest is reported"
+    )
     p.add_argument("--out-dir", default="benchmarks/results")
     ns = p.parse_args()
     torch.set_num_threads(1)
     rows = []
     for batch in ns.batch:
-        server = SamplingParams(temperature=0.6, max_tokens=ns.steps + 100, ignore_eos=True, stop=ns.stop,
-                                output_kind=RequestOutputKind.DELTA)  # what serving.py asks for
+        server = SamplingParams(
+            temperature=0.6,
+            max_tokens=ns.steps + 100,
+            ignore_eos=True,
+            stop=ns.stop,
+            output_kind=RequestOutputKind.DELTA,
+        )  # what serving.py asks for
         token_ids = core_params(server)
-        runs = best_core_runs(batch, ns.steps, ns.repeat, {
-            "before": (server, False), "after": (token_ids, False), "fast": (token_ids, True),
-            # the floor: no per-step outputs at all
-            "final_only": (token_ids.replace(output_kind=RequestOutputKind.FINAL_ONLY), False)})
+        runs = best_core_runs(
+            batch,
+            ns.steps,
+            ns.repeat,
+            {
+                "before": (server, False),
+                "after": (token_ids, False),
+                "fast": (token_ids, True),
+                # the floor: no per-step outputs at all
+                "final_only": (token_ids.replace(output_kind=RequestOutputKind.FINAL_ONLY), False),
+            },
+        )
         (before_step, before_core, _), (after_step, after_core, deltas) = runs["before"], runs["after"]
         (fast_step, fast_core, fast_deltas), (final_step, final_core, _) = runs["fast"], runs["final_only"]
         assert fast_deltas == deltas, "step_deltas() differs from encode_outputs(step())"
         process, merge = api_side_ms(batch, server, deltas)
-        rows.append({"batch": batch, "steps": ns.steps, "repeat": ns.repeat, "stop": ns.stop,
-                     "core_step_ms_before": before_step, "core_ms_before": before_core,
-                     "core_step_ms_after": after_step, "core_ms_after": after_core,
-                     "core_step_ms_fast": fast_step, "core_ms_fast": fast_core,
-                     "core_fast_over_final_only": fast_core / final_core,
-                     "core_step_ms_final_only": final_step, "core_ms_final_only": final_core,
-                     "api_process_ms": process, "api_merge_ms": merge, "api_ms": process + merge})
-    print(f"{'batch':>5} | {'core before (DELTA+detok)':>25} | {'core token ids, step()':>22} | "
-          f"{'core token ids, step_deltas()':>29} | {'core FINAL_ONLY':>15} | "
-          f"{'API detok+stop':>14} | {'API merge':>9} | {'API total':>9}")
+        rows.append(
+            {
+                "batch": batch,
+                "steps": ns.steps,
+                "repeat": ns.repeat,
+                "stop": ns.stop,
+                "core_step_ms_before": before_step,
+                "core_ms_before": before_core,
+                "core_step_ms_after": after_step,
+                "core_ms_after": after_core,
+                "core_step_ms_fast": fast_step,
+                "core_ms_fast": fast_core,
+                "core_fast_over_final_only": fast_core / final_core,
+                "core_step_ms_final_only": final_step,
+                "core_ms_final_only": final_core,
+                "api_process_ms": process,
+                "api_merge_ms": merge,
+                "api_ms": process + merge,
+            }
+        )
+    print(
+        f"{'batch':>5} | {'core before (DELTA+detok)':>25} | {'core token ids, step()':>22} | "
+        f"{'core token ids, step_deltas()':>29} | {'core FINAL_ONLY':>15} | "
+        f"{'API detok+stop':>14} | {'API merge':>9} | {'API total':>9}"
+    )
     for r in rows:
-        print(f"{r['batch']:5d} | {r['core_step_ms_before']:8.3f} step {r['core_ms_before']:7.3f} all | "
-              f"{r['core_step_ms_after']:6.3f} step {r['core_ms_after']:6.3f} all | "
-              f"{r['core_ms_fast']:6.3f} all ({r['core_fast_over_final_only']:.2f}x floor) | "
-              f"{r['core_ms_final_only']:11.3f} all | "
-              f"{r['api_process_ms']:14.3f} | {r['api_merge_ms']:9.3f} | {r['api_ms']:9.3f}")
-    print("ms per decode step; 'all' = the step + its Deltas (encode_outputs, or step_deltas' own) "
-          "+ pickling the message")
+        print(
+            f"{r['batch']:5d} | {r['core_step_ms_before']:8.3f} step {r['core_ms_before']:7.3f} all | "
+            f"{r['core_step_ms_after']:6.3f} step {r['core_ms_after']:6.3f} all | "
+            f"{r['core_ms_fast']:6.3f} all ({r['core_fast_over_final_only']:.2f}x floor) | "
+            f"{r['core_ms_final_only']:11.3f} all | "
+            f"{r['api_process_ms']:14.3f} | {r['api_merge_ms']:9.3f} | {r['api_ms']:9.3f}"
+        )
+    print(
+        "ms per decode step; 'all' = the step + its Deltas (encode_outputs, or step_deltas' own) + pickling the message"
+    )
     json_path, _ = output_paths(ns.out_dir, "frontend")
     write_json(json_path, {"rows": rows, "model": "dummy:tiny", "device": "cpu (runner stubbed)"})
 

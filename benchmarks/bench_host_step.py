@@ -7,6 +7,7 @@ per step except the kernel launches themselves.
 
     python benchmarks/bench_host_step.py --batch 256 --steps 200 [--profile]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,11 @@ import time
 
 import torch
 
+from benchmarks.common import output_paths, write_json
 from tinyvllm.core.outputs import ModelRunnerOutput
 from tinyvllm.engine.args import EngineArgs
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
-
-from benchmarks.common import output_paths, write_json
 
 
 class _Handle:
@@ -48,9 +48,15 @@ def stub_runner(engine: LLMEngine, vocab: int) -> None:
 def stubbed_engine(batch: int, params: SamplingParams, seed: int = 0) -> tuple[LLMEngine, dict[str, list[int]]]:
     """A CPU engine (tiny dummy model) with the runner stubbed and `batch` requests of 100-1,024 random
     prompt tokens past their prefill and 5 decode steps; returns it and the prompts by request id."""
-    args = EngineArgs(model="dummy:tiny", device="cpu", kernel_backend="torch", max_num_seqs=batch,
-                      max_num_batched_tokens=max(8192, batch), kv_cache_memory_bytes=1 << 30,
-                      async_scheduling=True)
+    args = EngineArgs(
+        model="dummy:tiny",
+        device="cpu",
+        kernel_backend="torch",
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(8192, batch),
+        kv_cache_memory_bytes=1 << 30,
+        async_scheduling=True,
+    )
     engine = LLMEngine(args)
     vocab = engine.model_config.vocab_size
     stub_runner(engine, vocab)
@@ -59,8 +65,10 @@ def stubbed_engine(batch: int, params: SamplingParams, seed: int = 0) -> tuple[L
     for i in range(batch):
         prompts[str(i)] = [rng.randrange(vocab) for _ in range(rng.randint(100, 1024))]
         engine.add_request(str(i), prompts[str(i)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()) \
-            or engine.scheduler.waiting:
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values())
+        or engine.scheduler.waiting
+    ):
         engine.step()
     for _ in range(5):
         engine.step()
@@ -97,8 +105,10 @@ def main() -> None:
         for b in ns.batch:
             r = run(b, ns.steps, kind, ns.profile)
             rows.append(r)
-            print(f"{kind.name:11s} batch {b:4d}: {r['host_ms_per_step']:.3f} ms per step "
-                  f"({r['host_ms_per_step'] / b * 1e3:.1f} us per request)")
+            print(
+                f"{kind.name:11s} batch {b:4d}: {r['host_ms_per_step']:.3f} ms per step "
+                f"({r['host_ms_per_step'] / b * 1e3:.1f} us per request)"
+            )
     json_path, _ = output_paths(ns.out_dir, "host_step")
     write_json(json_path, {"rows": rows})
 

@@ -20,6 +20,7 @@ one's top 20 by total time.
 `httpx` is what `tinyvllm bench serve` uses; `raw` is a minimal asyncio HTTP/1.1 client (far less
 client CPU, so on a small machine the server is less starved). Linux only (/proc).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,20 @@ class FakeArgs:
 class _Out:
     """Duck-typed CompletionOutput / RequestOutput: what `encode_outputs` reads."""
 
-    __slots__ = ("index", "text", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason",
-                 "request_id", "finished", "outputs", "error", "num_cached_tokens")
+    __slots__ = (
+        "cumulative_logprob",
+        "error",
+        "finish_reason",
+        "finished",
+        "index",
+        "logprobs",
+        "num_cached_tokens",
+        "outputs",
+        "request_id",
+        "stop_reason",
+        "text",
+        "token_ids",
+    )
 
 
 @dataclass
@@ -179,8 +192,9 @@ def serve(port: int, tokenizer_dir: str, vocab_size: int, step_ms: float, profil
     cls = _profiled_engine_class() if profile_path else MPAsyncLLMEngine
     engine = cls(FakeArgs(tokenizer_dir, vocab_size, step_ms=step_ms), engine_factory=fake_engine).start(timeout=60)
     app = build_app(engine, ServerArgs([MODEL]))
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2,
-                            backlog=4096)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2, backlog=4096
+    )
     prof = cProfile.Profile(time.thread_time) if profile_path else None
     if prof is not None:
         prof.enable()
@@ -219,8 +233,13 @@ class Tally:
 
 
 def _body(endpoint: str, max_tokens: int, i: int) -> dict:
-    common = {"model": MODEL, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-              "stream_options": {"include_usage": True}}
+    common = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     if endpoint == "completions":
         return {**common, "prompt": [(i * 7 + j) % 1000 + 10 for j in range(16)]}
     return {**common, "messages": [{"role": "user", "content": f"Say something, number {i}."}]}
@@ -240,8 +259,11 @@ async def _raw_one(port: int, path: str, body: dict, tally: Tally) -> None:
     """POST over a fresh connection; reads the chunked SSE body line by line."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
     data = json.dumps(body).encode()
-    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+        + data
+    )
     status = await reader.readline()
     if b" 200 " not in status:
         tally.errors.append(status.decode().strip())
@@ -266,15 +288,15 @@ async def _load(client_kind: str, port: int, endpoint: str, concurrency: int, ma
     tally = Tally()
     path = ENDPOINTS[endpoint]
     if client_kind == "raw":
-        await asyncio.gather(*(_raw_one(port, path, _body(endpoint, max_tokens, i), tally)
-                               for i in range(concurrency)))
+        await asyncio.gather(*(_raw_one(port, path, _body(endpoint, max_tokens, i), tally) for i in range(concurrency)))
         return tally
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as client:
-        await asyncio.gather(*(_httpx_one(client, path, _body(endpoint, max_tokens, i), tally)
-                               for i in range(concurrency)))
+        await asyncio.gather(
+            *(_httpx_one(client, path, _body(endpoint, max_tokens, i), tally) for i in range(concurrency))
+        )
     return tally
 
 
@@ -294,8 +316,19 @@ def _free_port() -> int:
 
 def _start_server(tokenizer_dir: str, vocab_size: int, step_ms: float, profile_path: str | None) -> tuple:
     port = _free_port()
-    cmd = [sys.executable, "-m", "benchmarks.bench_sse", "--serve", str(port), "--tokenizer", tokenizer_dir,
-           "--vocab-size", str(vocab_size), "--step-ms", str(step_ms)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_sse",
+        "--serve",
+        str(port),
+        "--tokenizer",
+        tokenizer_dir,
+        "--vocab-size",
+        str(vocab_size),
+        "--step-ms",
+        str(step_ms),
+    ]
     if profile_path:
         cmd += ["--profile-out", profile_path]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the fake engine process needs no torch
@@ -319,8 +352,9 @@ def _stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def run_endpoint(ns: argparse.Namespace, tokenizer_dir: str, vocab_size: int, endpoint: str,
-                 profile_path: str | None = None) -> dict:
+def run_endpoint(
+    ns: argparse.Namespace, tokenizer_dir: str, vocab_size: int, endpoint: str, profile_path: str | None = None
+) -> dict:
     """One server, a warm-up request, then the measured load; the row of the table."""
     proc, port = _start_server(tokenizer_dir, vocab_size, ns.step_ms, profile_path)
     try:
@@ -334,13 +368,26 @@ def run_endpoint(ns: argparse.Namespace, tokenizer_dir: str, vocab_size: int, en
         _stop_server(proc)
     expected = ns.concurrency * ns.max_tokens
     if tally.errors or tally.tokens != expected:
-        print(f"warning: {endpoint}: {len(tally.errors)} errors {tally.errors[:3]}, "
-              f"tokens {tally.tokens} != {expected}", file=sys.stderr)
-    return {"endpoint": endpoint, "client": ns.client, "concurrency": ns.concurrency, "max_tokens": ns.max_tokens,
-            "events": tally.events, "tokens": tally.tokens, "errors": len(tally.errors), "wall_s": wall,
-            "tokens_per_s": tally.tokens / wall, "server_cpu_s": cpu, "main_thread_cpu_s": main,
-            "us_per_event": cpu / max(tally.events, 1) * 1e6, "us_per_token": cpu / max(tally.tokens, 1) * 1e6,
-            "tokens_per_event": tally.tokens / max(tally.events, 1)}
+        print(
+            f"warning: {endpoint}: {len(tally.errors)} errors {tally.errors[:3]}, tokens {tally.tokens} != {expected}",
+            file=sys.stderr,
+        )
+    return {
+        "endpoint": endpoint,
+        "client": ns.client,
+        "concurrency": ns.concurrency,
+        "max_tokens": ns.max_tokens,
+        "events": tally.events,
+        "tokens": tally.tokens,
+        "errors": len(tally.errors),
+        "wall_s": wall,
+        "tokens_per_s": tally.tokens / wall,
+        "server_cpu_s": cpu,
+        "main_thread_cpu_s": main,
+        "us_per_event": cpu / max(tally.events, 1) * 1e6,
+        "us_per_token": cpu / max(tally.tokens, 1) * 1e6,
+        "tokens_per_event": tally.tokens / max(tally.events, 1),
+    }
 
 
 def _top(profile_path: str, n: int = 20) -> str:
@@ -393,17 +440,34 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"sse_{ns.label}.json"
-    path.write_text(json.dumps({"args": {k: v for k, v in vars(ns).items() if not k.startswith(("serve", "prof"))},
-                                "cpus": os.cpu_count(), "rows": rows, "profiles": profiles}, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "args": {k: v for k, v in vars(ns).items() if not k.startswith(("serve", "prof"))},
+                "cpus": os.cpu_count(),
+                "rows": rows,
+                "profiles": profiles,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {path}")
 
 
 def _print(rows: list[dict]) -> None:
-    cols = [("endpoint", "endpoint", "{}"), ("client", "client", "{}"), ("events", "events", "{}"),
-            ("tokens", "tokens", "{}"), ("tok/s", "tokens_per_s", "{:.0f}"), ("wall s", "wall_s", "{:.2f}"),
-            ("API cpu s", "server_cpu_s", "{:.2f}"), ("loop cpu s", "main_thread_cpu_s", "{:.2f}"),
-            ("us/event", "us_per_event", "{:.1f}"), ("us/token", "us_per_token", "{:.1f}"),
-            ("tok/event", "tokens_per_event", "{:.2f}")]
+    cols = [
+        ("endpoint", "endpoint", "{}"),
+        ("client", "client", "{}"),
+        ("events", "events", "{}"),
+        ("tokens", "tokens", "{}"),
+        ("tok/s", "tokens_per_s", "{:.0f}"),
+        ("wall s", "wall_s", "{:.2f}"),
+        ("API cpu s", "server_cpu_s", "{:.2f}"),
+        ("loop cpu s", "main_thread_cpu_s", "{:.2f}"),
+        ("us/event", "us_per_event", "{:.1f}"),
+        ("us/token", "us_per_token", "{:.1f}"),
+        ("tok/event", "tokens_per_event", "{:.2f}"),
+    ]
     table = [[h for h, _, _ in cols]] + [[f.format(r[k]) for _, k, f in cols] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
     for line in table:

@@ -1,5 +1,6 @@
 """Small shared helpers for the GPU benchmarks: timing, hardware ceilings, a printed table, JSON and
 PNG output. Each benchmark measures its ceilings in the same run and reports ratios against them."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -79,14 +80,19 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float:
     return rate
 
 
-
 def device_info(device: torch.device) -> dict:
     import triton
 
     props = torch.cuda.get_device_properties(device)
-    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "date": _dt.datetime.now().isoformat(timespec="seconds")}
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+    }
 
 
 def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
@@ -116,11 +122,11 @@ def write_json(path: Path, payload: dict) -> None:
     print(f"wrote {path}")
 
 
-def plot_lines(path: Path, panels: list[tuple[str, str, str, dict[str, tuple[list, list]]]],
-               logx: bool = True) -> None:
+def plot_lines(path: Path, panels: list[tuple[str, str, str, dict[str, tuple[list, list]]]], logx: bool = True) -> None:
     """panels: (title, xlabel, ylabel, {series name: (xs, ys)}) side by side; written as PNG."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -155,8 +161,7 @@ def configure_dynamo_for_flex() -> None:
     import torch._dynamo
 
     cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                 "accumulated_cache_size_limit"):
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, 4096)
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
@@ -174,5 +179,6 @@ def start(no_flex: bool):
     if not no_flex:
         configure_dynamo_for_flex()
         from torch.nn.attention.flex_attention import flex_attention
+
         compiled_flex = torch.compile(flex_attention, dynamic=False)
     return device, info, compiled_flex

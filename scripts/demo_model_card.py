@@ -6,6 +6,7 @@
 ``scripts/train_demo_model.py`` calls :func:`write_model_card` after training; run this to regenerate
 the card after editing the template, without training again.
 """
+
 from __future__ import annotations
 
 import json
@@ -120,8 +121,10 @@ def corpus_line() -> str:
     sha = re.search(r"sha256: `([0-9a-f]+)`", source)
     if not pkg:
         return "The HTML pages of the Python documentation, from Debian's documentation package."
-    return (f"The HTML pages of the Python 3.11 documentation from Debian 12's `{pkg.group(1)}` package, "
-            f"version `{pkg.group(2)}` (`.deb` sha256 `{sha.group(1) if sha else '?'}`).")
+    return (
+        f"The HTML pages of the Python 3.11 documentation from Debian 12's `{pkg.group(1)}` package, "
+        f"version `{pkg.group(2)}` (`.deb` sha256 `{sha.group(1) if sha else '?'}`)."
+    )
 
 
 def _sample_lines(samples: list[dict], key: str) -> str:
@@ -137,28 +140,67 @@ def render(log: dict, weights_bytes: int) -> str:
     runs_table = "\n".join(
         f"| {i}{' (shipped)' if i == log['chosen_run'] else ''} | {r['epochs']:g} | {r['steps']} | "
         f"{r['best_val_loss']:.4f} | {r.get('best_step', '-')} | {r['seconds'] / 60:.1f} min |"
-        for i, r in enumerate(log["runs"]))
+        for i, r in enumerate(log["runs"])
+    )
     val, uni = log["shipped_val_loss"], log["unigram"]["cross_entropy_nats"]
     corpus = log["corpus"]
     return CARD.format(
-        params=log["num_parameters"], params_m=log["num_parameters"] / 1e6, **{k: c[k] for k in (
-            "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "intermediate_size", "vocab_size", "rope_theta", "max_position_embeddings")},
-        regular_tokens=c["vocab_size"] - 256, rope_factor=c["rope_scaling"]["factor"],
-        rope_original=c["rope_scaling"]["original_max_position_embeddings"], weights_mb=weights_bytes / 1e6,
-        bos=c["bos_token_id"], eot=c["eos_token_id"][0], temperature=log["generation_config"]["temperature"], top_p=log["generation_config"]["top_p"],
-        corpus_line=corpus_line(), train_docs=corpus["train_documents"], val_docs=corpus["val_documents"],
-        train_chars=corpus["train_chars"], val_chars=corpus["val_chars"], train_tokens=corpus["train_tokens"],
-        val_tokens=corpus["val_tokens"], train_mtokens=corpus["train_tokens"] / 1e6,
-        weight_decay=a["weight_decay"], lr=a["lr"], warmup=a["warmup_steps"], min_lr_ratio=a["min_lr_ratio"],
-        batch=a["batch_size"], seq_len=a["seq_len"], dropout=a["dropout"], seed=a["seed"], runs_table=runs_table,
+        params=log["num_parameters"],
+        params_m=log["num_parameters"] / 1e6,
+        **{
+            k: c[k]
+            for k in (
+                "num_hidden_layers",
+                "hidden_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "intermediate_size",
+                "vocab_size",
+                "rope_theta",
+                "max_position_embeddings",
+            )
+        },
+        regular_tokens=c["vocab_size"] - 256,
+        rope_factor=c["rope_scaling"]["factor"],
+        rope_original=c["rope_scaling"]["original_max_position_embeddings"],
+        weights_mb=weights_bytes / 1e6,
+        bos=c["bos_token_id"],
+        eot=c["eos_token_id"][0],
+        temperature=log["generation_config"]["temperature"],
+        top_p=log["generation_config"]["top_p"],
+        corpus_line=corpus_line(),
+        train_docs=corpus["train_documents"],
+        val_docs=corpus["val_documents"],
+        train_chars=corpus["train_chars"],
+        val_chars=corpus["val_chars"],
+        train_tokens=corpus["train_tokens"],
+        val_tokens=corpus["val_tokens"],
+        train_mtokens=corpus["train_tokens"] / 1e6,
+        weight_decay=a["weight_decay"],
+        lr=a["lr"],
+        warmup=a["warmup_steps"],
+        min_lr_ratio=a["min_lr_ratio"],
+        batch=a["batch_size"],
+        seq_len=a["seq_len"],
+        dropout=a["dropout"],
+        seed=a["seed"],
+        runs_table=runs_table,
         precision=("bf16 autocast" if log["environment"].get("autocast") == "bfloat16" else "float32"),
-        device=log["environment"]["device"], torch=log["environment"]["torch"],
-        total_minutes=log["total_seconds"] / 60, command=log["command"],
-        val=val, val_bits=val / math.log(2), val_ppl=math.exp(val), uni=uni, uni_bits=uni / math.log(2),
-        uni_ppl=math.exp(uni), ratio=val / uni,
+        device=log["environment"]["device"],
+        torch=log["environment"]["torch"],
+        total_minutes=log["total_seconds"] / 60,
+        command=log["command"],
+        val=val,
+        val_bits=val / math.log(2),
+        val_ppl=math.exp(val),
+        uni=uni,
+        uni_bits=uni / math.log(2),
+        uni_ppl=math.exp(uni),
+        ratio=val / uni,
         bpc=val * corpus["val_tokens"] / corpus["val_chars"] / math.log(2),
-        samples=_sample_lines(log["samples"], "greedy"), sampled=_sample_lines(log["samples"], "sampled"),
+        samples=_sample_lines(log["samples"], "greedy"),
+        sampled=_sample_lines(log["samples"], "sampled"),
     )
 
 

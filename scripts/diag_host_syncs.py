@@ -7,6 +7,7 @@ the engine's per-step timing by kind.
 
     python scripts/diag_host_syncs.py [--workload shared-prefix|throughput] [--num-prompts 256]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from tinyvllm import LLM, SamplingParams  # noqa: E402
-from tinyvllm.bench.workloads import shared_prefix_workload, throughput_workload  # noqa: E402
-from tinyvllm.engine.step_timing import format_summary, summarize  # noqa: E402
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.bench.workloads import shared_prefix_workload, throughput_workload
+from tinyvllm.engine.step_timing import format_summary, summarize
 
 
 def main() -> None:

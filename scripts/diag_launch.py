@@ -7,6 +7,7 @@ time approaches the device step blocks on the device somewhere inside it.
 
     python scripts/diag_launch.py [--model dummy:llama-3.2-1b] [--sync-debug]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from tinyvllm import LLM, SamplingParams  # noqa: E402
-from tinyvllm.engine.step_timing import format_summary, summarize  # noqa: E402
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.engine.step_timing import format_summary, summarize
 
 
 def timed(totals: dict[str, list[float]], name: str, fn):
@@ -29,6 +30,7 @@ def timed(totals: dict[str, list[float]], name: str, fn):
         out = fn(*args, **kwargs)
         totals[name].append(time.perf_counter() - t0)
         return out
+
     return wrapper
 
 
@@ -63,8 +65,7 @@ def main() -> None:
     print(f"measured run: {wall * 1e3:.1f} ms for 512 tokens ({512 / wall:.0f} tok/s)")
     print(format_summary(summarize(engine.step_timer.log)))
     for name, ts in totals.items():
-        print(f"  {name:16s} {len(ts):4d} calls  mean {1e3 * sum(ts) / len(ts):7.3f} ms  "
-              f"max {1e3 * max(ts):7.3f} ms")
+        print(f"  {name:16s} {len(ts):4d} calls  mean {1e3 * sum(ts) / len(ts):7.3f} ms  max {1e3 * max(ts):7.3f} ms")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ A variant may end in `|` and more arguments for `tinyvllm bench latency` (engine
 writes NAME_<variant>_r<round>.json per run (the bench's own JSON) and prints one line per run: decode
 tok/s (best of the bench's iterations), the profiled step and its idle device time; then a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,12 @@ def parse_variant(text: str) -> tuple[str, list[tuple[str, str]], list[str]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variant", action="append", required=True,
-                   help="NAME:pkg.module.CONSTANT=value;... (Python literals); repeat for each variant")
+    p.add_argument(
+        "--variant",
+        action="append",
+        required=True,
+        help="NAME:pkg.module.CONSTANT=value;... (Python literals); repeat for each variant",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--name", default="latency_ab")
@@ -69,8 +74,10 @@ def main() -> int:
             idle = prof.get("ms_per_step", {}).get("host/launch gaps", float("nan")) * 1e3
             best = max(r["decode_tokens_per_s"] for r in d["runs"])
             rows.append((vname, rnd, best, prof.get("wall_ms_per_step", float("nan")) * 1e3, idle))
-            print(f"{vname} round {rnd}: {best:,.1f} tok/s, profiled step {rows[-1][3]:.1f} us, idle {idle:.1f} us",
-                  flush=True)
+            print(
+                f"{vname} round {rnd}: {best:,.1f} tok/s, profiled step {rows[-1][3]:.1f} us, idle {idle:.1f} us",
+                flush=True,
+            )
     print("\n| variant | round | decode tok/s | profiled step µs | idle µs |\n|---|---|---|---|---|")
     for vname, rnd, best, step, idle in rows:
         print(f"| {vname} | {rnd} | {best:,.1f} | {step:.1f} | {idle:.1f} |")

@@ -16,6 +16,7 @@ of all samples is its share of the programs' time, so share × duration / `per` 
 charged to the instruction that waits, e.g. the one after a CTA barrier). docs/perf.md (v12) reads the
 decode megakernel's profile this way.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,7 @@ def read_csv(path: str) -> tuple[list[str], list[list[str]]]:
     with raw:
         rows = list(csv.reader(io.StringIO(raw.read())))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
-    return rows[start], rows[start + 1:]
+    return rows[start], rows[start + 1 :]
 
 
 def number(text: str) -> float:
@@ -97,7 +98,7 @@ def per_line(sass_csv: str, cubins: list[str]) -> tuple[dict, float, str, float]
         lines[key]["instructions"] += 1
         for reason in reasons:
             samples = number(row[col[reason]])
-            lines[key][reason[len("stall_"):]] += samples
+            lines[key][reason[len("stall_") :]] += samples
             total += samples
     return lines, total, cubin, ratio
 
@@ -105,31 +106,50 @@ def per_line(sass_csv: str, cubins: list[str]) -> tuple[dict, float, str, float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sass-csv", required=True)
-    ap.add_argument("--cubin", nargs="+", required=True,
-                    help="the kernel's cubin; given several (e.g. every one in Triton's cache), the one whose "
-                         "instructions match the profiled ones best")
+    ap.add_argument(
+        "--cubin",
+        nargs="+",
+        required=True,
+        help="the kernel's cubin; given several (e.g. every one in Triton's cache), the one whose "
+        "instructions match the profiled ones best",
+    )
     ap.add_argument("--duration-us", type=float, required=True, help="the kernel's duration (ncu's Duration)")
     ap.add_argument("--per", type=float, default=1.0, help="divide times by this (e.g. the layer count)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     lines, total, cubin, ratio = per_line(ns.sass_csv, ns.cubin)
-    print(f"source lines from {cubin} (instruction match {ratio:.3f}"
-          + ("" if ratio == 1.0 else "; not the profiled code: lines are approximate") + ")")
+    print(
+        f"source lines from {cubin} (instruction match {ratio:.3f}"
+        + ("" if ratio == 1.0 else "; not the profiled code: lines are approximate")
+        + ")"
+    )
     scale = ns.duration_us / ns.per / max(total, 1.0)
     table = []
     for (name, line), counts in lines.items():
         samples = sum(v for k, v in counts.items() if k != "instructions")
         reasons = sorted(((v * scale, k) for k, v in counts.items() if k != "instructions" and v), reverse=True)
-        table.append({"file": name, "line": line, "us": samples * scale, "instructions": counts["instructions"],
-                      "reasons": {k: round(v, 3) for v, k in reasons[:4]}})
+        table.append(
+            {
+                "file": name,
+                "line": line,
+                "us": samples * scale,
+                "instructions": counts["instructions"],
+                "reasons": {k: round(v, 3) for v, k in reasons[:4]},
+            }
+        )
     table.sort(key=lambda r: -r["us"])
-    for r in table[:ns.top]:
-        print(f"{r['us']:6.2f} µs  {r['file']}:{r['line']:<5d} ({r['instructions']:4d} instr)  "
-              + ", ".join(f"{k} {v:.2f}" for k, v in r["reasons"].items()))
+    for r in table[: ns.top]:
+        print(
+            f"{r['us']:6.2f} µs  {r['file']}:{r['line']:<5d} ({r['instructions']:4d} instr)  "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r["reasons"].items())
+        )
     if ns.json:
-        Path(ns.json).write_text(json.dumps({"duration_us": ns.duration_us, "per": ns.per, "cubin": cubin,
-                                             "match": ratio, "lines": table}, indent=1))
+        Path(ns.json).write_text(
+            json.dumps(
+                {"duration_us": ns.duration_us, "per": ns.per, "cubin": cubin, "match": ratio, "lines": table}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ then runs `--launches` megakernel steps (the decoder layers and final norm of on
 so that a profiler can sample where the kernel's warps stall (docs/perf.md, v12). Prints the mean
 step time of the launches as CUDA events see them (meaningless under a profiler's replay).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "kernels"))
 
-import torch  # noqa: E402
+import torch
+from bench_megakernel import parse_config, run, setup, step_inputs
 
-from bench_megakernel import parse_config, run, setup, step_inputs  # noqa: E402
-from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel  # noqa: E402
+from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ page is one document; documents are separated by a line holding only :data:`DOC_
 of the pages, picked by a hash of their path, form the validation split. Deterministic: the same .deb
 gives the same bytes (gzip without timestamps).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,15 +39,57 @@ SKIP_PAGES = re.compile(
     r"(genindex.*|py-modindex|search|contents|index|download|copyright|license|about|bugs"
     r"|whatsnew/changelog|whatsnew/index|.*/index)\.html"
 )
-BLOCK_TAGS = {"p", "h1", "h2", "h3", "h4", "h5", "h6", "li", "dt", "dd", "dl", "ul", "ol", "div",
-              "section", "blockquote", "figure", "figcaption", "caption", "aside", "br", "hr"}
+BLOCK_TAGS = {
+    "p",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "li",
+    "dt",
+    "dd",
+    "dl",
+    "ul",
+    "ol",
+    "div",
+    "section",
+    "blockquote",
+    "figure",
+    "figcaption",
+    "caption",
+    "aside",
+    "br",
+    "hr",
+}
 SKIP_TAGS = {"pre", "table", "script", "style", "nav", "form", "img", "svg", "button"}
 # Elements dropped by class: the pilcrow links, section numbers, footnote markers, "Note"/"See also".
-SKIP_CLASSES = {"headerlink", "section-number", "footnote-reference", "admonition-title", "linenos",
-                "fn-bracket", "sphinxsidebar", "related", "footer", "highlight"}
+SKIP_CLASSES = {
+    "headerlink",
+    "section-number",
+    "footnote-reference",
+    "admonition-title",
+    "linenos",
+    "fn-bracket",
+    "sphinxsidebar",
+    "related",
+    "footer",
+    "highlight",
+}
 VOID_TAGS = {"br", "hr", "img", "meta", "link", "input", "wbr", "col", "area", "base", "source"}
-ASCII_FOLD = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u00a0": " ",
-                            "\u2026": "...", "\u200b": "", "\u00b6": ""})
+ASCII_FOLD = str.maketrans(
+    {
+        "\u2018": "'",
+        "\u2019": "'",
+        "\u201c": '"',
+        "\u201d": '"',
+        "\u00a0": " ",
+        "\u2026": "...",
+        "\u200b": "",
+        "\u00b6": "",
+    }
+)
 
 
 class ProseExtractor(html.parser.HTMLParser):
@@ -135,8 +178,7 @@ def is_validation(rel_path: str) -> bool:
 
 def write_gz(path: Path, docs: list[str]) -> None:
     data = f"\n{DOC_SEPARATOR}\n".join(docs).encode("utf-8") + b"\n"
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0,
-                                                filename="") as f:
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0, filename="") as f:
         f.write(data)
 
 
@@ -154,8 +196,7 @@ def download(package: str, into: Path) -> Path:
 
 
 def deb_field(deb: Path, name: str) -> str:
-    return subprocess.run(["dpkg-deb", "-f", str(deb), name], check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(["dpkg-deb", "-f", str(deb), name], check=True, capture_output=True, text=True).stdout.strip()
 
 
 SOURCE_TEMPLATE = """\
@@ -193,9 +234,10 @@ def license_texts(html_root: Path) -> str:
     """The PSF License Agreement and the Zero-Clause BSD licence, as plain text from license.html."""
     page = (html_root / "license.html").read_text(encoding="utf-8")
     parts = []
-    for section_id, title in (("psf-license-agreement-for-python", "PSF LICENSE AGREEMENT FOR PYTHON"),
-                              ("zero-clause-bsd-license-for-code", "ZERO-CLAUSE BSD LICENSE FOR CODE IN THE "
-                                                                   "PYTHON DOCUMENTATION")):
+    for section_id, title in (
+        ("psf-license-agreement-for-python", "PSF LICENSE AGREEMENT FOR PYTHON"),
+        ("zero-clause-bsd-license-for-code", "ZERO-CLAUSE BSD LICENSE FOR CODE IN THE PYTHON DOCUMENTATION"),
+    ):
         start = page.index(f'id="{section_id}')
         body = re.search(r"<pre[^>]*>(.*?)</pre>", page[start:], re.S).group(1)
         parts.append(f"{title}\n\n" + html.unescape(re.sub(r"<[^>]+>", "", body)).strip() + "\n")
@@ -225,12 +267,23 @@ def main(argv: list[str] | None = None) -> int:
         write_gz(args.out / "val.txt.gz", val)
         (args.out / "LICENSE-PSF.txt").write_text(license_texts(html_root), encoding="utf-8")
         py_version = re.search(r"python(3\.\d+)", package)
-        (args.out / "SOURCE.md").write_text(SOURCE_TEMPLATE.format(
-            package=package, version=version, sha256=sha256, n_train=len(train), n_val=len(val),
-            modulus=VAL_MODULUS, c_train=sum(map(len, train)), c_val=sum(map(len, val)), sep=DOC_SEPARATOR,
-            py_version=py_version.group(1) if py_version else "3", val_pages=", ".join(f"`{p}`" for p in val_pages),
-            html_dir="/" + html_root.relative_to(tmp / "root").as_posix(),
-        ), encoding="utf-8")
+        (args.out / "SOURCE.md").write_text(
+            SOURCE_TEMPLATE.format(
+                package=package,
+                version=version,
+                sha256=sha256,
+                n_train=len(train),
+                n_val=len(val),
+                modulus=VAL_MODULUS,
+                c_train=sum(map(len, train)),
+                c_val=sum(map(len, val)),
+                sep=DOC_SEPARATOR,
+                py_version=py_version.group(1) if py_version else "3",
+                val_pages=", ".join(f"`{p}`" for p in val_pages),
+                html_dir="/" + html_root.relative_to(tmp / "root").as_posix(),
+            ),
+            encoding="utf-8",
+        )
     for name in ("train.txt.gz", "val.txt.gz"):
         print(f"{args.out / name}: {(args.out / name).stat().st_size / 1e6:.2f} MB")
     return 0

@@ -19,6 +19,7 @@ training_log.json, the model card README.md and LICENSE (the corpus's PSF Licens
 ``demo_model.tar`` (all of those files; split into ``demo_model.tar.partNN`` of < 15 MB when larger),
 loss.png and training_log.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,18 +41,23 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing tinyvllm
 
 import torch  # noqa: E402
+from demo_model_card import write_model_card  # noqa: E402  (scripts/, beside this file)
+from prepare_demo_corpus import read_documents  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from demo_model_card import write_model_card  # noqa: E402  (scripts/, beside this file)
-from prepare_demo_corpus import read_documents  # noqa: E402
 from tinyvllm.models.checkpoint import make_config, num_parameters, weight_shapes  # noqa: E402
 from tinyvllm.models.dummy_tokenizer import special_token_ids, write_tokenizer_files  # noqa: E402
 
 OUT_PART_BYTES = 15 * 10**6  # files copied to $OUT must stay under 16 MB each
 SAMPLING_DEFAULTS = {"temperature": 0.7, "top_p": 0.9}  # generation_config.json
-SAMPLE_PROMPTS = ("The list type", "A dictionary is", "To open a file,", "The following functions",
-                  "Exceptions are raised when")
+SAMPLE_PROMPTS = (
+    "The list type",
+    "A dictionary is",
+    "To open a file,",
+    "The following functions",
+    "Exceptions are raised when",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,8 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = ap.add_argument_group("training")
     g.add_argument("--seq-len", type=int, default=1024, help="training window (<= max position embeddings)")
     g.add_argument("--batch-size", type=int, default=16, help="windows per step")
-    g.add_argument("--epochs", default="8,16,32",
-                   help="comma-separated: one run per value (epochs over the training tokens); the best is kept")
+    g.add_argument(
+        "--epochs",
+        default="8,16,32",
+        help="comma-separated: one run per value (epochs over the training tokens); the best is kept",
+    )
     g.add_argument("--lr", type=float, default=2e-3)
     g.add_argument("--min-lr-ratio", type=float, default=0.1)
     g.add_argument("--warmup-steps", type=int, default=100)
@@ -92,13 +101,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def model_config(args: argparse.Namespace) -> dict:
     """The config.json: Llama 3.x's fields, llama3 RoPE scaling (original 1/4 of the context, factor 4)."""
     return make_config(
-        "tiny", vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        max_position_embeddings=args.max_position_embeddings, rope_theta=10000.0,
-        rope_scaling={"factor": 4.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                      "original_max_position_embeddings": args.max_position_embeddings // 4,
-                      "rope_type": "llama3"},
+        "tiny",
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_theta=10000.0,
+        rope_scaling={
+            "factor": 4.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": args.max_position_embeddings // 4,
+            "rope_type": "llama3",
+        },
         torch_dtype="bfloat16",
     )
 
@@ -126,7 +145,7 @@ def unigram_entropy(train: torch.Tensor, val: torch.Tensor, vocab_size: int) -> 
 
 def random_windows(stream: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
     starts = torch.randint(0, len(stream) - seq_len - 1, (batch,), generator=gen)
-    return torch.stack([stream[s:s + seq_len + 1] for s in starts.tolist()])
+    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -163,10 +182,10 @@ def evaluate(model, val: torch.Tensor, seq_len: int, batch: int, device: torch.d
     """Mean loss (nats/token) over consecutive windows covering the validation stream."""
     model.eval()
     n = (len(val) - 1) // seq_len
-    windows = torch.stack([val[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)])
+    windows = torch.stack([val[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])
     total = 0.0
     for i in range(0, n, batch):
-        chunk = windows[i:i + batch]
+        chunk = windows[i : i + batch]
         total += float(loss_on(model, chunk, device, amp)) * len(chunk)
     model.train()
     return total / n
@@ -186,8 +205,15 @@ def make_optimizer(model, args: argparse.Namespace, device: torch.device) -> tor
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
 
 
-def train_run(config: dict, epochs: float, train: torch.Tensor, val: torch.Tensor, args: argparse.Namespace,
-              device: torch.device, deadline: float) -> dict:
+def train_run(
+    config: dict,
+    epochs: float,
+    train: torch.Tensor,
+    val: torch.Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+    deadline: float,
+) -> dict:
     """One run; returns its log (evaluations, best validation loss) and the best state dict (on the CPU)."""
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -199,8 +225,14 @@ def train_run(config: dict, epochs: float, train: torch.Tensor, val: torch.Tenso
         total = min(total, args.max_steps)
     eval_every = max(1, round(len(train) / tokens_per_step / args.evals_per_epoch))
     log_every = max(1, eval_every // 5)
-    log = {"epochs": epochs, "planned_steps": total, "eval_every": eval_every, "evals": [], "train_curve": [],
-           "stopped": "done"}
+    log = {
+        "epochs": epochs,
+        "planned_steps": total,
+        "eval_every": eval_every,
+        "evals": [],
+        "train_curve": [],
+        "stopped": "done",
+    }
     best, best_state, running, since_eval = math.inf, None, [], []
     start = time.time()
     bar = tqdm(range(total), desc=f"{epochs:g} epochs", unit="step", mininterval=2.0)
@@ -218,16 +250,24 @@ def train_run(config: dict, epochs: float, train: torch.Tensor, val: torch.Tenso
             mean = float(torch.stack(running).mean())
             since_eval.append(mean)
             running = []
-            log["train_curve"].append({"step": step + 1, "epoch": (step + 1) * tokens_per_step / len(train),
-                                       "train_loss": mean})
+            log["train_curve"].append(
+                {"step": step + 1, "epoch": (step + 1) * tokens_per_step / len(train), "train_loss": mean}
+            )
         if (step + 1) % eval_every == 0 or last:
             val_loss = evaluate(model, val, args.seq_len, args.batch_size, device)
             train_loss = sum(since_eval) / len(since_eval)
             since_eval = []
-            log["evals"].append({"step": step + 1, "epoch": (step + 1) * tokens_per_step / len(train),
-                                 "tokens": (step + 1) * tokens_per_step, "train_loss": train_loss,
-                                 "val_loss": val_loss, "lr": opt.param_groups[0]["lr"],
-                                 "elapsed_s": time.time() - start})
+            log["evals"].append(
+                {
+                    "step": step + 1,
+                    "epoch": (step + 1) * tokens_per_step / len(train),
+                    "tokens": (step + 1) * tokens_per_step,
+                    "train_loss": train_loss,
+                    "val_loss": val_loss,
+                    "lr": opt.param_groups[0]["lr"],
+                    "elapsed_s": time.time() - start,
+                }
+            )
             bar.set_postfix(train=f"{train_loss:.3f}", val=f"{val_loss:.3f}")
             if val_loss < best:
                 best = val_loss
@@ -237,8 +277,12 @@ def train_run(config: dict, epochs: float, train: torch.Tensor, val: torch.Tenso
             log["stopped"] = "time budget"
             break
     bar.close()
-    log.update(best_val_loss=best, steps=step + 1, seconds=time.time() - start,
-               tokens_per_second=(step + 1) * tokens_per_step / (time.time() - start))
+    log.update(
+        best_val_loss=best,
+        steps=step + 1,
+        seconds=time.time() - start,
+        tokens_per_second=(step + 1) * tokens_per_step / (time.time() - start),
+    )
     return {"log": log, "state": best_state}
 
 
@@ -270,10 +314,13 @@ def check_saved_model(out: Path, val: torch.Tensor, args: argparse.Namespace, de
         ids = tok(prompt, return_tensors="pt").input_ids.to(device)
         greedy = model.generate(ids, max_new_tokens=48, do_sample=False)
         sampled = model.generate(ids, max_new_tokens=48, do_sample=True, **SAMPLING_DEFAULTS)
-        samples.append({"prompt": prompt,
-                        "greedy": tok.decode(greedy[0, ids.shape[1]:], skip_special_tokens=True),
-                        "sampled":
-                            tok.decode(sampled[0, ids.shape[1]:], skip_special_tokens=True)})
+        samples.append(
+            {
+                "prompt": prompt,
+                "greedy": tok.decode(greedy[0, ids.shape[1] :], skip_special_tokens=True),
+                "sampled": tok.decode(sampled[0, ids.shape[1] :], skip_special_tokens=True),
+            }
+        )
     return {"shipped_val_loss": val_loss, "samples": samples}
 
 
@@ -290,8 +337,15 @@ def plot_losses(log: dict, path: Path) -> None:
         alpha, lw = (1.0, 1.8) if i == chosen else (0.35, 1.0)
         label = f"{run['epochs']:g}-epoch run" + (" (shipped)" if i == chosen else "")
         ax.plot([e["epoch"] for e in tc], [e["train_loss"] for e in tc], color=f"C{i}", ls="--", alpha=alpha, lw=lw)
-        ax.plot([e["epoch"] for e in ev], [e["val_loss"] for e in ev], color=f"C{i}", alpha=alpha, lw=lw,
-                label=label, marker="." if len(ev) < 30 else None)
+        ax.plot(
+            [e["epoch"] for e in ev],
+            [e["val_loss"] for e in ev],
+            color=f"C{i}",
+            alpha=alpha,
+            lw=lw,
+            label=label,
+            marker="." if len(ev) < 30 else None,
+        )
     ax.axhline(log["unigram"]["cross_entropy_nats"], color="gray", ls=":", label="unigram entropy (val)")
     best = log["runs"][chosen]["best_val_loss"]
     ax.axhline(best, color="black", lw=0.6, ls="-.", label=f"shipped: val {best:.3f}")
@@ -320,7 +374,7 @@ def export_to_out(out: Path, out_env: Path) -> list[str]:
         tar_path.unlink()
         for k, i in enumerate(range(0, len(data), OUT_PART_BYTES)):
             part = out_env / f"demo_model.tar.part{k:02d}"
-            part.write_bytes(data[i:i + OUT_PART_BYTES])
+            part.write_bytes(data[i : i + OUT_PART_BYTES])
             written.append(part.name)
     else:
         written.append(tar_path.name)
@@ -332,8 +386,12 @@ def export_to_out(out: Path, out_env: Path) -> list[str]:
 
 def git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -355,8 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     train = token_stream(tokenizer, train_docs, bos, eos)
     val = token_stream(tokenizer, val_docs, bos, eos)
     unigram = unigram_entropy(train, val, args.vocab_size)
-    print(f"tokens: train {len(train):,}, val {len(val):,}; unigram cross-entropy on val "
-          f"{unigram['cross_entropy_nats']:.3f} nats/token; {num_parameters(config):,} parameters; {device}")
+    print(
+        f"tokens: train {len(train):,}, val {len(val):,}; unigram cross-entropy on val "
+        f"{unigram['cross_entropy_nats']:.3f} nats/token; {num_parameters(config):,} parameters; {device}"
+    )
 
     runs = []
     for epochs in args.epochs:
@@ -364,12 +424,19 @@ def main(argv: list[str] | None = None) -> int:
             break
         runs.append(train_run(config, epochs, train, val, args, device, deadline))
     chosen = min(range(len(runs)), key=lambda i: runs[i]["log"]["best_val_loss"])
-    print("runs:", ", ".join(f"{r['log']['epochs']:g} epochs → best val {r['log']['best_val_loss']:.4f}"
-                             for r in runs), f"; shipping run {chosen}")
+    print(
+        "runs:",
+        ", ".join(f"{r['log']['epochs']:g} epochs → best val {r['log']['best_val_loss']:.4f}" for r in runs),
+        f"; shipping run {chosen}",
+    )
 
     (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation_config = {"bos_token_id": config["bos_token_id"], "do_sample": True,
-                         "eos_token_id": config["eos_token_id"], **SAMPLING_DEFAULTS}
+    generation_config = {
+        "bos_token_id": config["bos_token_id"],
+        "do_sample": True,
+        "eos_token_id": config["eos_token_id"],
+        **SAMPLING_DEFAULTS,
+    }
     (work / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     save_weights(runs[chosen]["state"], config, work / "model.safetensors")
     check = check_saved_model(work, val, args, device)
@@ -377,16 +444,29 @@ def main(argv: list[str] | None = None) -> int:
     log = {
         "command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "config": config, "generation_config": generation_config, "num_parameters": num_parameters(config),
-        "corpus": {"train_documents": len(train_docs), "val_documents": len(val_docs),
-                   "train_chars": sum(map(len, train_docs)), "val_chars": sum(map(len, val_docs)),
-                   "train_tokens": len(train), "val_tokens": len(val)},
+        "config": config,
+        "generation_config": generation_config,
+        "num_parameters": num_parameters(config),
+        "corpus": {
+            "train_documents": len(train_docs),
+            "val_documents": len(val_docs),
+            "train_chars": sum(map(len, train_docs)),
+            "val_chars": sum(map(len, val_docs)),
+            "train_tokens": len(train),
+            "val_tokens": len(val),
+        },
         "unigram": unigram,
-        "runs": [r["log"] for r in runs], "chosen_run": chosen,
-        "best_val_loss": runs[chosen]["log"]["best_val_loss"], **check,
-        "environment": {"autocast": "bfloat16" if device.type == "cuda" else None, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-                        or "cpu", "torch": torch.__version__, "python": platform.python_version(),
-                        "git_commit": git_commit()},
+        "runs": [r["log"] for r in runs],
+        "chosen_run": chosen,
+        "best_val_loss": runs[chosen]["log"]["best_val_loss"],
+        **check,
+        "environment": {
+            "autocast": "bfloat16" if device.type == "cuda" else None,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "git_commit": git_commit(),
+        },
         "total_seconds": time.time() - t0,
     }
     (work / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
@@ -398,8 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.move(str(f), args.out / f.name)
     shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {args.out}: " + ", ".join(sorted(f.name for f in args.out.iterdir())))
-    print(f"shipped val loss {check['shipped_val_loss']:.4f} nats/token (unigram "
-          f"{unigram['cross_entropy_nats']:.3f}); total {time.time() - t0:.0f} s")
+    print(
+        f"shipped val loss {check['shipped_val_loss']:.4f} nats/token (unigram "
+        f"{unigram['cross_entropy_nats']:.3f}); total {time.time() - t0:.0f} s"
+    )
     for s in check["samples"][:3]:
         print(f"  {s['prompt']!r} → {s['greedy']!r}")
     if os.environ.get("OUT"):

@@ -1,4 +1,5 @@
 """Test-wide set-up: without a GPU, Triton kernels run in the interpreter; `gpu` tests are skipped."""
+
 import os
 
 import pytest

@@ -1,4 +1,5 @@
 """Helpers shared by the tests."""
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,14 @@ def chunked_logits(engine, prompt: list[int], chunks: list[int]) -> torch.Tensor
     blocks = list(range(engine.num_blocks - 1, engine.num_blocks - 1 - (len(prompt) + bs - 1) // bs, -1))
     logits, start = [], 0
     for n in chunks:
-        seq = ScheduledSequence(request_id="tf", token_ids=prompt[start:start + n], num_computed_tokens=start,
-                                block_ids=blocks, sample=False, is_new=start == 0)
+        seq = ScheduledSequence(
+            request_id="tf",
+            token_ids=prompt[start : start + n],
+            num_computed_tokens=start,
+            block_ids=blocks,
+            sample=False,
+            is_new=start == 0,
+        )
         inputs = runner.builder.build(SchedulerOutput([seq], n))
         hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches)
         logits.append(runner.model.compute_logits(hidden))
@@ -36,5 +43,6 @@ def record_cascade_prefixes(builder) -> list[int | None]:
         # The host value: on a graph step the device's is written only after `build` returns.
         used.append(inputs.prefix_len or None)
         return inputs
+
     builder.build = recording_build
     return used

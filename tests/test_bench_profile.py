@@ -1,4 +1,5 @@
 """The profiler's gap attribution (tinyvllm.bench.profile.device_gaps) on hand-computed timelines."""
+
 import pytest
 
 from tinyvllm.bench.profile import device_gaps, short_name
@@ -6,12 +7,20 @@ from tinyvllm.bench.profile import device_gaps, short_name
 
 def test_gaps_are_charged_to_the_activities_around_them():
     # two steps: copy 0–2, kernel A 5–100, kernel B 101–110 | copy 120–122, A 125–220, B 221–230
-    acts = [("Memcpy HtoD", 0, 2), ("kernA", 5, 100), ("kernB", 101, 110),
-            ("Memcpy HtoD", 120, 122), ("kernA", 125, 220), ("kernB", 221, 230)]
+    acts = [
+        ("Memcpy HtoD", 0, 2),
+        ("kernA", 5, 100),
+        ("kernB", 101, 110),
+        ("Memcpy HtoD", 120, 122),
+        ("kernA", 125, 220),
+        ("kernB", 221, 230),
+    ]
     gaps = dict(device_gaps(list(reversed(acts)), steps=2))
-    assert gaps == {"Memcpy HtoD → kernA": pytest.approx(3.0),  # (3 + 3) / 2
-                    "kernA → kernB": pytest.approx(1.0),
-                    "kernB → Memcpy HtoD": pytest.approx(5.0)}  # one gap of 10 over 2 steps
+    assert gaps == {
+        "Memcpy HtoD → kernA": pytest.approx(3.0),  # (3 + 3) / 2
+        "kernA → kernB": pytest.approx(1.0),
+        "kernB → Memcpy HtoD": pytest.approx(5.0),
+    }  # one gap of 10 over 2 steps
 
 
 def test_overlapping_activities_hide_each_others_gaps():

@@ -1,4 +1,5 @@
 """The environment block every benchmark JSON carries: which commit produced the figures."""
+
 from __future__ import annotations
 
 import subprocess

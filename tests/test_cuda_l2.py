@@ -1,5 +1,6 @@
 """benchmarks/kernels/cuda_l2.py: the access-policy window over a weight's last rows (hand-computed cases),
 and the driver helpers' answers without a GPU."""
+
 from __future__ import annotations
 
 import importlib.util

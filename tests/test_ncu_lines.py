@@ -1,4 +1,5 @@
 """scripts/ncu_lines.py: Nsight Compute's per-instruction stall samples attributed to source lines."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,15 +23,21 @@ def ncu_lines():
 def test_samples_follow_the_aligned_instructions(ncu_lines, tmp_path, monkeypatch):
     """The profiled kernel has one instruction more than the cubin listing (another ptxas): the aligner
     matches the common opcodes, and each line gets exactly its instructions' samples."""
-    listing = [("LDG.E R1, desc[UR4][R2.64]", "/k.py", 10), ("@P0 BAR.SYNC 0x0", "/k.py", 11),
-               ("FADD R1, R1, R2", "/k.py", 12), ("STG.E desc[UR4][R2.64], R1", "/k.py", 13)]
+    listing = [
+        ("LDG.E R1, desc[UR4][R2.64]", "/k.py", 10),
+        ("@P0 BAR.SYNC 0x0", "/k.py", 11),
+        ("FADD R1, R1, R2", "/k.py", 12),
+        ("STG.E desc[UR4][R2.64], R1", "/k.py", 13),
+    ]
     monkeypatch.setattr(ncu_lines, "sass_lines", lambda cubin: listing)
     header = '"Address","Source","stall_barrier","stall_long_sb","stall_barrier (Not Issued)"\n'
-    rows = ['"0x0","LDG.E R1, desc[UR4][R2.64]","0","1,000","5"',
-            '"0x10","@P0 BAR.SYNC 0x0","30","0","0"',
-            '"0x20","NOP","7","0","0"',  # not in the listing: charged to a neighbour
-            '"0x30","FADD R1, R1, R2","0","3","0"',
-            '"0x40","STG.E desc[UR4][R2.64], R1","2","0","0"']
+    rows = [
+        '"0x0","LDG.E R1, desc[UR4][R2.64]","0","1,000","5"',
+        '"0x10","@P0 BAR.SYNC 0x0","30","0","0"',
+        '"0x20","NOP","7","0","0"',  # not in the listing: charged to a neighbour
+        '"0x30","FADD R1, R1, R2","0","3","0"',
+        '"0x40","STG.E desc[UR4][R2.64], R1","2","0","0"',
+    ]
     csv_path = tmp_path / "k.csv"
     csv_path.write_text('"Kernel Name","k"\n' + header + "\n".join(rows) + "\n")
     lines, total, cubin, ratio = ncu_lines.per_line(str(csv_path), ["unused.cubin"])

@@ -106,7 +106,7 @@ CONVERSATIONS = [
     [{"role": "system", "content": "  You are terse.  "}, {"role": "user", "content": "2+2?"}],
     [
         {"role": "system", "content": "Be kind."},
-        {"role": "user", "content": "Tell me a joke about <html> & \"quotes\"."},
+        {"role": "user", "content": 'Tell me a joke about <html> & "quotes".'},
         {"role": "assistant", "content": "Why did the chicken… 😀"},
         {"role": "user", "content": "Another, in 中文."},
     ],
@@ -131,9 +131,10 @@ TOOLS = [
 TOOL_CALL_CONVERSATION = [
     {"role": "system", "content": "You can call tools."},
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-    ]},
+    {
+        "role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    },
     {"role": "tool", "content": {"temperature": 21, "unit": "°C"}},
     {"role": "tool", "content": "plain text result"},
 ]
@@ -273,7 +274,9 @@ def _hf_render(hf, messages, **kwargs) -> str:
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
-def test_dummy_chat_template_matches_transformers(tok: Tokenizer, hf, conversation: int, add_generation_prompt: bool) -> None:
+def test_dummy_chat_template_matches_transformers(
+    tok: Tokenizer, hf, conversation: int, add_generation_prompt: bool
+) -> None:
     messages = CONVERSATIONS[conversation]
     ours = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     assert ours == _hf_render(hf, messages, add_generation_prompt=add_generation_prompt)
@@ -288,9 +291,16 @@ LLAMA_31_CASES = [
     (CONVERSATIONS[1], {"tools": TOOLS, "tools_in_user_message": False}),
     (TOOL_CALL_CONVERSATION, {"tools": TOOLS}),
     (TOOL_CALL_CONVERSATION, {"builtin_tools": ["brave_search", "code_interpreter"]}),
-    ([*CONVERSATIONS[0], {"role": "assistant", "tool_calls": [
-        {"function": {"name": "brave_search", "arguments": {"query": "llama", "n": "3"}}}]}],
-     {"builtin_tools": ["brave_search", "wolfram_alpha"]}),
+    (
+        [
+            *CONVERSATIONS[0],
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "brave_search", "arguments": {"query": "llama", "n": "3"}}}],
+            },
+        ],
+        {"builtin_tools": ["brave_search", "wolfram_alpha"]},
+    ),
 ]
 
 
@@ -309,8 +319,13 @@ def test_llama3_instruct_template_matches_transformers(tok: Tokenizer, hf, templ
 
 
 def test_template_errors_become_value_errors(tok: Tokenizer, hf) -> None:
-    two_calls = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
-        {"function": {"name": "a", "arguments": {}}}, {"function": {"name": "b", "arguments": {}}}]}]
+    two_calls = [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"function": {"name": "a", "arguments": {}}}, {"function": {"name": "b", "arguments": {}}}],
+        },
+    ]
     with pytest.raises(ValueError, match="single tool-calls"):
         tok.apply_chat_template(two_calls, chat_template=LLAMA_31_TEMPLATE)
     with pytest.raises(Exception, match="single tool-calls"):  # transformers: jinja2.TemplateError
@@ -326,12 +341,15 @@ def test_template_errors_become_value_errors(tok: Tokenizer, hf) -> None:
         tok.apply_chat_template(CONVERSATIONS[0], tools=[print])  # type: ignore[list-item]
 
 
-@pytest.mark.parametrize("template", [
-    "{{ messages | tojson }}|{{ messages | tojson(indent=2) }}|{{ {'b': 1, 'a': '<&>'} | tojson(sort_keys=true) }}",
-    "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% continue %}x{% endfor %}",
-    "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}{{ eos_token }}",
-    "  {% if add_generation_prompt %}\n    yes\n  {% endif %}\n{{ documents is none }} {{ custom | default('none') }}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ messages | tojson }}|{{ messages | tojson(indent=2) }}|{{ {'b': 1, 'a': '<&>'} | tojson(sort_keys=true) }}",
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% continue %}x{% endfor %}",
+        "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}{{ eos_token }}",
+        "  {% if add_generation_prompt %}\n    yes\n  {% endif %}\n{{ documents is none }} {{ custom | default('none') }}",
+    ],
+)
 def test_jinja_environment_matches_transformers(tok: Tokenizer, hf, template: str) -> None:
     messages = CONVERSATIONS[2]
     kwargs = {"chat_template": template, "add_generation_prompt": True, "custom": "ü<b>"}
@@ -406,8 +424,14 @@ def test_detokenizer_matches_full_decode(tok: Tokenizer, data: st.DataObject) ->
     include = data.draw(st.booleans())
     expected_text, expected_stop = _first_stop(full, stops, include)
 
-    det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip, spaces_between_special_tokens=data.draw(st.booleans()),
-                                 stop=stops, include_stop_str_in_output=include)
+    det = IncrementalDetokenizer(
+        tok,
+        prompt,
+        skip_special_tokens=skip,
+        spaces_between_special_tokens=data.draw(st.booleans()),
+        stop=stops,
+        include_stop_str_in_output=include,
+    )
     streamed, stop = "", None
     for start, end in zip([0, *cuts], [*cuts, len(ids)]):
         stop = det.add_tokens(ids[start:end])

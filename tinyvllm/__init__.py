@@ -7,16 +7,21 @@
 The names are imported lazily, so that `tinyvllm.core` (the scheduler and the block manager) loads
 without torch.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-_EXPORTS = {"LLM": "tinyvllm.llm", "SamplingParams": "tinyvllm.sampling_params",
-            "RequestOutput": "tinyvllm.outputs", "CompletionOutput": "tinyvllm.outputs",
-            "Logprob": "tinyvllm.outputs"}
+_EXPORTS = {
+    "LLM": "tinyvllm.llm",
+    "SamplingParams": "tinyvllm.sampling_params",
+    "RequestOutput": "tinyvllm.outputs",
+    "CompletionOutput": "tinyvllm.outputs",
+    "Logprob": "tinyvllm.outputs",
+}
 
 if TYPE_CHECKING:
     from tinyvllm.llm import LLM

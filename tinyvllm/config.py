@@ -3,6 +3,7 @@
 No I/O beyond `ModelConfig.from_dir` reading one JSON file, and no torch: these are plain values that
 every layer can share. Validation happens here, with messages a user can act on.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,16 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -63,7 +72,8 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
+                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
@@ -89,7 +99,7 @@ class ModelConfig:
         return L * per_layer + h + emb * (1 if self.tie_word_embeddings else 2)
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a parsed HF config dict; unknown architectures and unsupported options are errors."""
         archs = cfg.get("architectures")
         if archs:
@@ -133,7 +143,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"{model_dir} is not a Hugging Face model directory: no config.json")
@@ -212,7 +222,8 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) when chunked prefill is disabled")
+                f"({self.max_model_len}) when chunked prefill is disabled"
+            )
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -1,4 +1,5 @@
 """The offline API, mirroring vLLM's `LLM`: build once, then `generate()` or `chat()` over many prompts."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,8 +29,9 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
-            raise TypeError(f"LLM() got unknown argument(s) {sorted(unknown)}; "
-                            f"valid ones: {sorted(EngineArgs.field_names())}")
+            raise TypeError(
+                f"LLM() got unknown argument(s) {sorted(unknown)}; valid ones: {sorted(EngineArgs.field_names())}"
+            )
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine(self.engine_args, show_progress=True)
 
@@ -47,34 +49,42 @@ class LLM:
         """Drop every cached prefix block; returns False (and keeps them) while requests are running."""
         return self.llm_engine.reset_prefix_cache()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Complete each prompt (a string, a list of token ids, or {"prompt_token_ids": [...]}).
 
         Returns one RequestOutput per prompt, in input order. Every prompt is validated before any runs:
         a malformed one raises and nothing is queued. A prompt too long for the model finishes with
         finish_reason "error" and `error` set; the others run normally.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         tokenized = [self.llm_engine.tokenize_prompt(p) for p in prompts]  # validate all first
         return self._run(tokenized, params, use_tqdm)
 
-    def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             **template_kwargs: Any) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
         prompts = []
         for conv in conversations:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template, **template_kwargs)
+            text = tok.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, **template_kwargs
+            )
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -1,4 +1,5 @@
 """What the user gets back, with vLLM's names."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -240,7 +240,9 @@ class SamplingParams:
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be non-negative (or None), got {self.prompt_logprobs}.")
         if self.stop and not self.detokenize:
-            raise ValueError("stop strings are only supported when detokenize is True; set detokenize=True to use stop.")
+            raise ValueError(
+                "stop strings are only supported when detokenize is True; set detokenize=True to use stop."
+            )
 
     # -- derived -------------------------------------------------------------------------
 

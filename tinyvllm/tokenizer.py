@@ -27,7 +27,13 @@ from tinyvllm.chat_template import ChatTemplates, load_chat_templates, render_ch
 # Named special-token attributes, as transformers' SPECIAL_TOKENS_ATTRIBUTES; the ones present
 # are passed to chat templates as variables (``bos_token``, ``eos_token``, ...).
 SPECIAL_TOKEN_ATTRIBUTES = (
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
 )
 
 
@@ -57,7 +63,9 @@ class Tokenizer:
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         for name, token in self.special_tokens.items():
             if name not in SPECIAL_TOKEN_ATTRIBUTES:
-                raise ValueError(f"unknown special token attribute {name!r}; expected one of {SPECIAL_TOKEN_ATTRIBUTES}")
+                raise ValueError(
+                    f"unknown special token attribute {name!r}; expected one of {SPECIAL_TOKEN_ATTRIBUTES}"
+                )
             if backend.token_to_id(token) is None:
                 raise ValueError(f"{name} {token!r} is not in the tokenizer's vocabulary")
         self.chat_template = chat_template

@@ -11,6 +11,7 @@ ends up) and in order; the baselines get contiguous [B, Hk, L, D] K/V: SDPA flas
     python benchmarks/kernels/bench_decode_attention.py --quick    # 4 shapes
     python benchmarks/kernels/bench_decode_attention.py --sweep    # also try the candidate configs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,13 +21,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import common
+import torch
+import torch.nn.functional as F
 
-import common  # noqa: E402
-from tinyvllm.kernels._launch import num_sms  # noqa: E402
-from tinyvllm.kernels.decode_attention import (CANDIDATE_CONFIGS, DEFAULT_CONFIG,  # noqa: E402
-                                               DecodeConfig, decode_attention_fwd, num_splits_for)
+from tinyvllm.kernels._launch import num_sms
+from tinyvllm.kernels.decode_attention import (
+    CANDIDATE_CONFIGS,
+    DEFAULT_CONFIG,
+    DecodeConfig,
+    decode_attention_fwd,
+    num_splits_for,
+)
 
 HQ, HK, D, BLOCK = 32, 8, 64, 16
 BATCHES = [1, 16, 64, 256]
@@ -51,20 +57,23 @@ class Problem:
         perm = torch.randperm(batch * nb, generator=torch.Generator().manual_seed(ctx)).to(device)
         self.tables_shuffled = perm.to(torch.int32).view(batch, nb)  # same bytes, random block order
         self.seq_lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
-        self.scale = D ** -0.5
+        self.scale = D**-0.5
         self.bytes = 2 * self.k.numel() * 2 + 2 * self.q.numel() * 2  # K + V read, Q read, O written
 
     def ours(self, tables, config: DecodeConfig | None = None):
-        return lambda: decode_attention_fwd(self.q, self.k_cache, self.v_cache, self.seq_lens, tables,
-                                            self.scale, self.ctx, config=config)
+        return lambda: decode_attention_fwd(
+            self.q, self.k_cache, self.v_cache, self.seq_lens, tables, self.scale, self.ctx, config=config
+        )
 
     def sdpa(self, backend):
         from torch.nn.attention import sdpa_kernel
+
         q4 = self.q.unsqueeze(2)  # [B, Hq, 1, D]
 
         def fn():
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(q4, self.k, self.v, scale=self.scale, enable_gqa=True)
+
         return fn
 
     def flex(self, compiled_flex):
@@ -125,13 +134,34 @@ def main() -> None:
         row = {"batch": batch, "ctx": ctx, "MB": p.bytes / 1e6, "splits": splits}
         print(f"batch={batch} ctx={ctx}: {p.bytes / 1e6:.1f} MB, {splits} splits", flush=True)
         ref = p.sdpa(SDPBackend.FLASH_ATTENTION)().squeeze(2)
-        try_time("ours_shuffled", p.ours(p.tables_shuffled), p, copy_bw, None, row,
-                 [r.ours(r.tables_shuffled) for r in rotation])
+        try_time(
+            "ours_shuffled",
+            p.ours(p.tables_shuffled),
+            p,
+            copy_bw,
+            None,
+            row,
+            [r.ours(r.tables_shuffled) for r in rotation],
+        )
         try_time("ours_in_order", p.ours(p.tables_in_order), p, copy_bw, ref, row)
-        try_time("flash", p.sdpa(SDPBackend.FLASH_ATTENTION), p, copy_bw, None, row,
-                 [r.sdpa(SDPBackend.FLASH_ATTENTION) for r in rotation])
-        try_time("cudnn", p.sdpa(SDPBackend.CUDNN_ATTENTION), p, copy_bw, ref, row,
-                 [r.sdpa(SDPBackend.CUDNN_ATTENTION) for r in rotation])
+        try_time(
+            "flash",
+            p.sdpa(SDPBackend.FLASH_ATTENTION),
+            p,
+            copy_bw,
+            None,
+            row,
+            [r.sdpa(SDPBackend.FLASH_ATTENTION) for r in rotation],
+        )
+        try_time(
+            "cudnn",
+            p.sdpa(SDPBackend.CUDNN_ATTENTION),
+            p,
+            copy_bw,
+            ref,
+            row,
+            [r.sdpa(SDPBackend.CUDNN_ATTENTION) for r in rotation],
+        )
         if compiled_flex is not None:
             try_time("flex", p.flex(compiled_flex), p, copy_bw, ref, row)
         if row.get("ours_shuffled") and row.get("cudnn"):
@@ -141,11 +171,25 @@ def main() -> None:
             best = None
             for c in CANDIDATE_CONFIGS:
                 r = {}
-                try_time("t", p.ours(p.tables_shuffled, c), p, copy_bw, None, r,
-                         [q.ours(q.tables_shuffled, c) for q in rotation])
+                try_time(
+                    "t",
+                    p.ours(p.tables_shuffled, c),
+                    p,
+                    copy_bw,
+                    None,
+                    r,
+                    [q.ours(q.tables_shuffled, c) for q in rotation],
+                )
                 if r.get("t"):
-                    sweep_rows.append({"batch": batch, "ctx": ctx, "config": list(c), "frac": r["t_frac"],
-                                       "graph_frac": r["t_graph_frac"]})
+                    sweep_rows.append(
+                        {
+                            "batch": batch,
+                            "ctx": ctx,
+                            "config": list(c),
+                            "frac": r["t_frac"],
+                            "graph_frac": r["t_graph_frac"],
+                        }
+                    )
                     print(f"  sweep {tuple(c)}: {r['t_frac']:.2f} eager, {r['t_graph_frac']:.2f} graph", flush=True)
                     if best is None or r["t_graph_frac"] > best[1]:
                         best = (c, r["t_graph_frac"])
@@ -155,29 +199,57 @@ def main() -> None:
         del p, rotation
         torch.cuda.empty_cache()
 
-    cols = [("batch", "B", "d"), ("ctx", "ctx", "d"), ("MB", "MB", ".1f"), ("splits", "splits", "d"),
-            ("ours_shuffled_us", "ours us", ".1f"),
-            ("ours_shuffled_frac", "ours shuf", ".2f"), ("ours_in_order_frac", "ours in-order", ".2f"),
-            ("flash_frac", "flash", ".2f"), ("cudnn_frac", "cudnn", ".2f"), ("flex_frac", "flex", ".2f"),
-            ("ours/cudnn", "ours/cudnn", ".2f"),
-            ("ours_shuffled_graph_us", "graph: ours us", ".1f"), ("ours_shuffled_graph_frac", "ours", ".2f"),
-            ("flash_graph_frac", "flash", ".2f"), ("cudnn_graph_frac", "cudnn", ".2f"),
-            ("ours_in_order_err", "err vs sdpa", ".1e")]
+    cols = [
+        ("batch", "B", "d"),
+        ("ctx", "ctx", "d"),
+        ("MB", "MB", ".1f"),
+        ("splits", "splits", "d"),
+        ("ours_shuffled_us", "ours us", ".1f"),
+        ("ours_shuffled_frac", "ours shuf", ".2f"),
+        ("ours_in_order_frac", "ours in-order", ".2f"),
+        ("flash_frac", "flash", ".2f"),
+        ("cudnn_frac", "cudnn", ".2f"),
+        ("flex_frac", "flex", ".2f"),
+        ("ours/cudnn", "ours/cudnn", ".2f"),
+        ("ours_shuffled_graph_us", "graph: ours us", ".1f"),
+        ("ours_shuffled_graph_frac", "ours", ".2f"),
+        ("flash_graph_frac", "flash", ".2f"),
+        ("cudnn_graph_frac", "cudnn", ".2f"),
+        ("ours_in_order_err", "err vs sdpa", ".1e"),
+    ]
     if args.sweep:
         cols.append(("sweep_best_frac", "sweep best", ".2f"))
-    common.print_table(f"decode attention, bf16, fraction of copy bandwidth ({copy_bw / 1e12:.2f} TB/s); "
-                       "eager = do_bench with L2 flushed (host launch cost included where the GPU waits "
-                       "for it); graph = CUDA-graph replay over rotated inputs (as the engine runs decode)",
-                       rows, cols)
+    common.print_table(
+        f"decode attention, bf16, fraction of copy bandwidth ({copy_bw / 1e12:.2f} TB/s); "
+        "eager = do_bench with L2 flushed (host launch cost included where the GPU waits "
+        "for it); graph = CUDA-graph replay over rotated inputs (as the engine runs decode)",
+        rows,
+        cols,
+    )
     json_path, png_path = common.output_paths(args.out, "decode_attention")
-    common.write_json(json_path, {"workload": "decode-attention", "device": info, "copy_bw": copy_bw,
-                                  "config": list(DEFAULT_CONFIG), "results": rows, "sweep": sweep_rows})
+    common.write_json(
+        json_path,
+        {
+            "workload": "decode-attention",
+            "device": info,
+            "copy_bw": copy_bw,
+            "config": list(DEFAULT_CONFIG),
+            "results": rows,
+            "sweep": sweep_rows,
+        },
+    )
     names = ["ours_shuffled", "ours_in_order", "flash", "cudnn", "flex"]
     panels = []
     for batch in sorted({r["batch"] for r in rows}):
         rs = [r for r in rows if r["batch"] == batch]
-        panels.append((f"decode, batch {batch}", "context", "fraction of copy bandwidth",
-                       {n: ([r["ctx"] for r in rs], [r.get(f"{n}_frac") for r in rs]) for n in names}))
+        panels.append(
+            (
+                f"decode, batch {batch}",
+                "context",
+                "fraction of copy bandwidth",
+                {n: ([r["ctx"] for r in rs], [r.get(f"{n}_frac") for r in rs]) for n in names},
+            )
+        )
     common.plot_lines(png_path, panels)
 
 

@@ -19,6 +19,7 @@ at a 1k context, LM head): the fused small-batch path against the unfused one, b
     python benchmarks/kernels/bench_gemv.py --quick --no-model --sweep --sweep-fused --sweep-m 1
                                                          # sweep the fused variants the model runs at M = 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,19 +31,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import common  # noqa: E402
+import common
+import torch
+import torch.nn.functional as F
 
 BF16 = torch.bfloat16
 # (model, projection, N, K, fused variant)
 SHAPES = [
-    ("1b", "qkv", 3072, 2048, "norm"), ("1b", "o", 2048, 2048, "residual"),
-    ("1b", "gate_up", 16384, 2048, "norm"), ("1b", "down", 2048, 8192, "silu_residual"),
+    ("1b", "qkv", 3072, 2048, "norm"),
+    ("1b", "o", 2048, 2048, "residual"),
+    ("1b", "gate_up", 16384, 2048, "norm"),
+    ("1b", "down", 2048, 8192, "silu_residual"),
     ("1b", "lm_head", 128256, 2048, None),
-    ("8b", "qkv", 6144, 4096, "norm"), ("8b", "o", 4096, 4096, "residual"),
-    ("8b", "gate_up", 28672, 4096, "norm"), ("8b", "down", 4096, 14336, "silu_residual"),
+    ("8b", "qkv", 6144, 4096, "norm"),
+    ("8b", "o", 4096, 4096, "residual"),
+    ("8b", "gate_up", 28672, 4096, "norm"),
+    ("8b", "down", 4096, 14336, "silu_residual"),
 ]
 BATCHES = [1, 2, 4, 8, 16]
 ROTATE_BYTES = 256e6  # weight copies per shape: together ≥ 5× the L2
@@ -58,8 +62,7 @@ class Problem:
         self.bytes = N * K * 2
         copies = max(1, min(32, math.ceil(ROTATE_BYTES / self.bytes)))
         gen = torch.Generator(device=device).manual_seed(N + K + M)
-        self.weights = [(torch.randn(N, K, generator=gen, device=device) / K ** 0.5).to(BF16)
-                        for _ in range(copies)]
+        self.weights = [(torch.randn(N, K, generator=gen, device=device) / K**0.5).to(BF16) for _ in range(copies)]
         self.x = torch.randn(M, K, generator=gen, device=device).to(BF16)
         self.h = torch.randn(M, 2 * K, generator=gen, device=device).to(BF16)  # [gate | up]
         self.norm_w = (1 + 0.1 * torch.randn(K, generator=gen, device=device)).to(BF16)
@@ -67,11 +70,15 @@ class Problem:
 
     def ours(self, config=None):
         from tinyvllm.kernels.gemv import fused_gemv_fwd
+
         return [lambda w=w: fused_gemv_fwd(self.x, w, config=config) for w in self.weights]
 
     def fused_kwargs(self) -> tuple[torch.Tensor, dict]:
-        kw = {"norm": dict(norm_weight=self.norm_w, eps=EPS), "residual": dict(residual=self.res),
-              "silu_residual": dict(silu_mul=True, residual=self.res)}[self.variant]
+        kw = {
+            "norm": dict(norm_weight=self.norm_w, eps=EPS),
+            "residual": dict(residual=self.res),
+            "silu_residual": dict(silu_mul=True, residual=self.res),
+        }[self.variant]
         return (self.h if self.variant == "silu_residual" else self.x), kw
 
     def cublas(self):
@@ -79,11 +86,13 @@ class Problem:
 
     def fused(self, config=None):
         from tinyvllm.kernels.gemv import fused_gemv_fwd
+
         x, kw = self.fused_kwargs()
         return [lambda w=w: fused_gemv_fwd(x, w, config=config, **kw) for w in self.weights]
 
     def unfused(self):
         from tinyvllm.kernels import triton_ops as ops
+
         if self.variant == "norm":
             return [lambda w=w: F.linear(ops.rms_norm(self.x, self.norm_w, EPS), w) for w in self.weights]
         if self.variant == "residual":
@@ -116,8 +125,17 @@ def run_shape(model: str, proj: str, N: int, K: int, variant: str | None, M: int
 
     p = Problem(N, K, M, variant, device)
     cfg = default_config(M, N, K, num_sms(device))
-    row = {"model": model, "proj": proj, "N": N, "K": K, "M": M, "MB": p.bytes / 1e6, "copies": len(p.weights),
-           "config": list(cfg), "floor_us": p.bytes / copy_bw * 1e6}
+    row = {
+        "model": model,
+        "proj": proj,
+        "N": N,
+        "K": K,
+        "M": M,
+        "MB": p.bytes / 1e6,
+        "copies": len(p.weights),
+        "config": list(cfg),
+        "floor_us": p.bytes / copy_bw * 1e6,
+    }
     err_into(row, "err_vs_cublas", p.ours()[0], p.cublas()[0])
     time_into(row, "ours", p.ours(), p, copy_bw)
     time_into(row, "cublas", p.cublas(), p, copy_bw)
@@ -130,10 +148,12 @@ def run_shape(model: str, proj: str, N: int, K: int, variant: str | None, M: int
         time_into(row, "unfused", p.unfused(), p, copy_bw)
         if row.get("fused_us") and row.get("unfused_us"):
             row["fused_speedup"] = row["unfused_us"] / row["fused_us"]
-    print(f"{model} {proj:8s} M={M:2d}: ours {row.get('ours_us', 0):7.1f} us ({row.get('ours_frac', 0):.2f}), "
-          f"cuBLAS {row.get('cublas_us', 0):7.1f} us ({row.get('cublas_frac', 0):.2f})"
-          + (f", fused {row.get('fused_us', 0):.1f} vs unfused {row.get('unfused_us', 0):.1f} us" if variant else ""),
-          flush=True)
+    print(
+        f"{model} {proj:8s} M={M:2d}: ours {row.get('ours_us', 0):7.1f} us ({row.get('ours_frac', 0):.2f}), "
+        f"cuBLAS {row.get('cublas_us', 0):7.1f} us ({row.get('cublas_frac', 0):.2f})"
+        + (f", fused {row.get('fused_us', 0):.1f} vs unfused {row.get('unfused_us', 0):.1f} us" if variant else ""),
+        flush=True,
+    )
     del p
     torch.cuda.empty_cache()
     return row
@@ -153,15 +173,28 @@ def sweep_shape(proj: str, N: int, K: int, M: int, variant: str | None, device, 
         r = {}
         time_into(r, "t", p.fused(cfg) if variant else p.ours(cfg), p, copy_bw)
         if r.get("t_us"):
-            rows.append({"proj": proj, "N": N, "K": K, "M": M, "variant": variant or "plain", "config": list(cfg),
-                         "us": r["t_us"], "frac": r["t_frac"], "default": cfg == default})
+            rows.append(
+                {
+                    "proj": proj,
+                    "N": N,
+                    "K": K,
+                    "M": M,
+                    "variant": variant or "plain",
+                    "config": list(cfg),
+                    "us": r["t_us"],
+                    "frac": r["t_frac"],
+                    "default": cfg == default,
+                }
+            )
             if best is None or r["t_us"] < best[1]:
                 best = (cfg, r["t_us"], r["t_frac"])
     d = next((r for r in rows if r["default"]), None)
     if best:
-        print(f"  sweep {proj} {variant or 'plain'} M={M}: best {tuple(best[0])} {best[1]:.1f} us "
-              f"({best[2]:.2f} of copy); default " + (f"{d['us']:.1f} us ({d['frac']:.2f})" if d else "failed"),
-              flush=True)
+        print(
+            f"  sweep {proj} {variant or 'plain'} M={M}: best {tuple(best[0])} {best[1]:.1f} us "
+            f"({best[2]:.2f} of copy); default " + (f"{d['us']:.1f} us ({d['frac']:.2f})" if d else "failed"),
+            flush=True,
+        )
     del p
     torch.cuda.empty_cache()
     return rows
@@ -195,29 +228,42 @@ def model_check(device, batches: list[int], ctx: int, copy_bw: float) -> list[di
     block = 16
     model = build_model(device, ctx + 16)
     c = model.config
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.endswith("norm.weight"))
+    weight_bytes = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if not n.endswith("norm.weight")
+    )
     rows = []
     for B in batches:
         nb = -(-ctx // block)
         tables = torch.arange(B * nb, device=device, dtype=torch.int32).view(B, nb)
-        slots = (tables[:, (ctx - 1) // block].long() * block + (ctx - 1) % block)
+        slots = tables[:, (ctx - 1) // block].long() * block + (ctx - 1) % block
         i32 = torch.int32
-        meta = AttnMetadata(slot_mapping=slots, num_decode_tokens=B,
-                            decode_seq_lens=torch.full((B,), ctx, dtype=i32, device=device),
-                            decode_block_tables=tables, max_decode_seq_len=ctx, num_prefills=0,
-                            prefill_cu_seqlens_q=torch.zeros(1, dtype=i32, device=device),
-                            prefill_seq_lens=torch.zeros(0, dtype=i32, device=device),
-                            prefill_block_tables=tables[:0], max_prefill_q_len=0, max_prefill_seq_len=0)
-        kv = [tuple(torch.randn(B * nb, c.num_key_value_heads, block, c.head_dim, device=device, dtype=BF16)
-                    for _ in range(2)) for _ in range(c.num_hidden_layers)]
+        meta = AttnMetadata(
+            slot_mapping=slots,
+            num_decode_tokens=B,
+            decode_seq_lens=torch.full((B,), ctx, dtype=i32, device=device),
+            decode_block_tables=tables,
+            max_decode_seq_len=ctx,
+            num_prefills=0,
+            prefill_cu_seqlens_q=torch.zeros(1, dtype=i32, device=device),
+            prefill_seq_lens=torch.zeros(0, dtype=i32, device=device),
+            prefill_block_tables=tables[:0],
+            max_prefill_q_len=0,
+            max_prefill_seq_len=0,
+        )
+        kv = [
+            tuple(
+                torch.randn(B * nb, c.num_key_value_heads, block, c.head_dim, device=device, dtype=BF16)
+                for _ in range(2)
+            )
+            for _ in range(c.num_hidden_layers)
+        ]
         ids = torch.randint(0, c.vocab_size, (B,), device=device)
         pos = torch.full((B,), ctx - 1, device=device)
 
         def step():
             return model.compute_logits(model(ids, pos, meta, kv), dtype=None)
 
-        row = {"batch": B, "ctx": ctx, "weights_GB": weight_bytes / 1e9,
-               "floor_ms": weight_bytes / copy_bw * 1e3}
+        row = {"batch": B, "ctx": ctx, "weights_GB": weight_bytes / 1e9, "floor_ms": weight_bytes / copy_bw * 1e3}
         logits = {}
         with torch.no_grad():
             for mode in ("unfused", "fused"):
@@ -230,9 +276,12 @@ def model_check(device, batches: list[int], ctx: int, copy_bw: float) -> list[di
         if len(logits) == 2 and row.get("fused_ms") and row.get("unfused_ms"):
             row["speedup"] = row["unfused_ms"] / row["fused_ms"]
             row["err"] = common.rel_err(logits["fused"], logits["unfused"])
-            print(f"model check, batch {B}, ctx {ctx}: unfused {row['unfused_ms']:.3f} ms, fused "
-                  f"{row['fused_ms']:.3f} ms ({row['speedup']:.2f}x; floor {row['floor_ms']:.3f} ms), "
-                  f"logits rel. diff {row['err']:.1e}", flush=True)
+            print(
+                f"model check, batch {B}, ctx {ctx}: unfused {row['unfused_ms']:.3f} ms, fused "
+                f"{row['fused_ms']:.3f} ms ({row['speedup']:.2f}x; floor {row['floor_ms']:.3f} ms), "
+                f"logits rel. diff {row['err']:.1e}",
+                flush=True,
+            )
         rows.append(row)
     return rows
 
@@ -240,6 +289,7 @@ def model_check(device, batches: list[int], ctx: int, copy_bw: float) -> list[di
 def plot(path: Path, rows: list[dict]) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -255,8 +305,12 @@ def plot(path: Path, rows: list[dict]) -> None:
             if not rs:
                 ax.axis("off")
                 continue
-            for key, label in (("ours", "ours"), ("cublas", "cuBLAS"), ("fused", "ours fused"),
-                               ("unfused", "unfused ops")):
+            for key, label in (
+                ("ours", "ours"),
+                ("cublas", "cuBLAS"),
+                ("fused", "ours fused"),
+                ("unfused", "unfused ops"),
+            ):
                 pts = [(r["M"], r[f"{key}_frac"]) for r in rs if r.get(f"{key}_frac") is not None]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=label)
@@ -280,10 +334,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1B shapes, M ∈ {1, 16}")
     ap.add_argument("--sweep", action="store_true", help="time the candidate configs (plain kernel, 1B shapes)")
     ap.add_argument("--sweep-m", type=int, nargs="+", default=[1, 16], help="values of M for --sweep")
-    ap.add_argument("--sweep-proj", nargs="+", default=["qkv", "o", "gate_up", "down", "lm_head"],
-                    choices=["qkv", "o", "gate_up", "down", "lm_head"], help="1B projections for --sweep")
-    ap.add_argument("--sweep-fused", action="store_true",
-                    help="sweep each projection's fused variant (as the model calls it) instead of the plain kernel")
+    ap.add_argument(
+        "--sweep-proj",
+        nargs="+",
+        default=["qkv", "o", "gate_up", "down", "lm_head"],
+        choices=["qkv", "o", "gate_up", "down", "lm_head"],
+        help="1B projections for --sweep",
+    )
+    ap.add_argument(
+        "--sweep-fused",
+        action="store_true",
+        help="sweep each projection's fused variant (as the model calls it) instead of the plain kernel",
+    )
     ap.add_argument("--no-model", action="store_true", help="skip the whole-model decode check")
     ap.add_argument("--model-batches", type=int, nargs="+", default=[1], help="decode batches of the model check")
     ap.add_argument("--model-ctx", type=int, default=1024, help="context length of the model check")
@@ -301,8 +363,12 @@ def main() -> None:
     copy_bw = common.copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s", flush=True)
 
-    rows = [run_shape(model, proj, N, K, variant, M, device, copy_bw)
-            for model, proj, N, K, variant in SHAPES if model in args.models for M in args.batches]
+    rows = [
+        run_shape(model, proj, N, K, variant, M, device, copy_bw)
+        for model, proj, N, K, variant in SHAPES
+        if model in args.models
+        for M in args.batches
+    ]
     sweep_rows = []
     if args.sweep:
         for model, proj, N, K, variant in SHAPES:
@@ -312,22 +378,57 @@ def main() -> None:
     model_rows = [] if args.no_model else model_check(device, args.model_batches, args.model_ctx, copy_bw)
     torch.cuda.empty_cache()
 
-    cols = [("model", "model", "s"), ("proj", "proj", "s"), ("N", "N", "d"), ("K", "K", "d"), ("M", "M", "d"),
-            ("floor_us", "floor us", ".1f"), ("ours_us", "ours us", ".1f"), ("ours_frac", "ours", ".2f"),
-            ("cublas_us", "cuBLAS us", ".1f"), ("cublas_frac", "cuBLAS", ".2f"), ("speedup", "ours/cuBLAS", ".2f"),
-            ("variant", "fused variant", "s"), ("fused_us", "fused us", ".1f"), ("unfused_us", "unfused us", ".1f"),
-            ("fused_speedup", "fused gain", ".2f"), ("err_vs_cublas", "err", ".1e")]
-    common.print_table(f"decode GEMV, bf16, CUDA-graph replay over rotated weights; fraction = weight bytes / "
-                       f"time / copy bandwidth ({copy_bw / 1e12:.2f} TB/s)", rows, cols)
+    cols = [
+        ("model", "model", "s"),
+        ("proj", "proj", "s"),
+        ("N", "N", "d"),
+        ("K", "K", "d"),
+        ("M", "M", "d"),
+        ("floor_us", "floor us", ".1f"),
+        ("ours_us", "ours us", ".1f"),
+        ("ours_frac", "ours", ".2f"),
+        ("cublas_us", "cuBLAS us", ".1f"),
+        ("cublas_frac", "cuBLAS", ".2f"),
+        ("speedup", "ours/cuBLAS", ".2f"),
+        ("variant", "fused variant", "s"),
+        ("fused_us", "fused us", ".1f"),
+        ("unfused_us", "unfused us", ".1f"),
+        ("fused_speedup", "fused gain", ".2f"),
+        ("err_vs_cublas", "err", ".1e"),
+    ]
+    common.print_table(
+        f"decode GEMV, bf16, CUDA-graph replay over rotated weights; fraction = weight bytes / "
+        f"time / copy bandwidth ({copy_bw / 1e12:.2f} TB/s)",
+        rows,
+        cols,
+    )
     if model_rows:
-        common.print_table("decode step of the Llama-3.2-1B shape (16 layers + LM head), ms per step",
-                           model_rows, [("batch", "B", "d"), ("ctx", "ctx", "d"), ("floor_ms", "floor", ".3f"),
-                                        ("unfused_ms", "unfused", ".3f"), ("fused_ms", "fused", ".3f"),
-                                        ("speedup", "gain", ".2f"), ("err", "logits diff", ".1e")])
+        common.print_table(
+            "decode step of the Llama-3.2-1B shape (16 layers + LM head), ms per step",
+            model_rows,
+            [
+                ("batch", "B", "d"),
+                ("ctx", "ctx", "d"),
+                ("floor_ms", "floor", ".3f"),
+                ("unfused_ms", "unfused", ".3f"),
+                ("fused_ms", "fused", ".3f"),
+                ("speedup", "gain", ".2f"),
+                ("err", "logits diff", ".1e"),
+            ],
+        )
     json_path, png_path = common.output_paths(args.out, "gemv")
-    common.write_json(json_path, {"workload": "gemv", "device": info, "copy_bw": copy_bw, "results": rows,
-                                  "sweep": sweep_rows, "model_check": model_rows,
-                                  "seconds": time.perf_counter() - start})
+    common.write_json(
+        json_path,
+        {
+            "workload": "gemv",
+            "device": info,
+            "copy_bw": copy_bw,
+            "results": rows,
+            "sweep": sweep_rows,
+            "model_check": model_rows,
+            "seconds": time.perf_counter() - start,
+        },
+    )
     plot(png_path, rows)
     print(f"total {time.perf_counter() - start:.0f} s")
 

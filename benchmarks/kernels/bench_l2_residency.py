@@ -9,6 +9,7 @@ Prints the device's L2 limits, a table (µs, the bytes served from HBM, the effe
 weight's bytes) and checks that the window reached the graph's kernel node and that the logits are the
 same with it. Writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,12 +19,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
+from common import device_info, output_paths, print_table, require_cuda, write_json
+from cuda_l2 import (
+    AccessPolicyWindow,
+    graph_windows,
+    l2_limits,
+    lm_head_window,
+    reset_persisting_l2,
+    set_graph_window,
+    set_persisting_l2_bytes,
+)
 
-from common import device_info, output_paths, print_table, require_cuda, write_json  # noqa: E402
-from cuda_l2 import (AccessPolicyWindow, graph_windows, l2_limits, lm_head_window, reset_persisting_l2,  # noqa: E402
-                     set_graph_window, set_persisting_l2_bytes)
-from tinyvllm.kernels.gemv import fused_gemv_fwd  # noqa: E402
+from tinyvllm.kernels.gemv import fused_gemv_fwd
 
 
 def capture(fn, window: AccessPolicyWindow | None) -> torch.cuda.CUDAGraph:
@@ -53,8 +61,10 @@ def main() -> None:
     ns = ap.parse_args()
     dev = require_cuda()
     limits = l2_limits(dev)
-    print(f"L2 {limits.l2_bytes / 1e6:.1f} MB, persisting set-aside up to {limits.max_persisting_bytes / 1e6:.1f} MB, "
-          f"window up to {limits.max_window_bytes / 1e6:.1f} MB")
+    print(
+        f"L2 {limits.l2_bytes / 1e6:.1f} MB, persisting set-aside up to {limits.max_persisting_bytes / 1e6:.1f} MB, "
+        f"window up to {limits.max_window_bytes / 1e6:.1f} MB"
+    )
     torch.manual_seed(0)
     weight = torch.randn(ns.vocab, ns.hidden, device=dev, dtype=torch.bfloat16) * 0.02
     x = torch.randn(1, ns.hidden, device=dev, dtype=torch.bfloat16)
@@ -69,9 +79,13 @@ def main() -> None:
     total = weight.numel() * weight.element_size()
     results, reference = [], None
     variants = [("none", 0.0, "end", 1.0)]
-    variants += [(f"{frac:.2f} of max, {where} rows, window {fill:.2f}", frac, where, fill)
-                 for frac in (1.0, 0.75, 0.5) for where in ("end", "start") for fill in (1.0, 0.9)
-                 if not (where == "start" and fill != 1.0)]
+    variants += [
+        (f"{frac:.2f} of max, {where} rows, window {fill:.2f}", frac, where, fill)
+        for frac in (1.0, 0.75, 0.5)
+        for where in ("end", "start")
+        for fill in (1.0, 0.9)
+        if not (where == "start" and fill != 1.0)
+    ]
     for name, frac, where, fill in variants:
         granted = set_persisting_l2_bytes(int(limits.max_persisting_bytes * frac))
         reset_persisting_l2()
@@ -93,14 +107,29 @@ def main() -> None:
             reference = out.clone()
         assert torch.equal(out, reference), f"{name}: logits differ"
         cached = 0 if window is None else window.num_bytes
-        results.append({"variant": name, "set_aside_mb": granted / 1e6, "window_mb": cached / 1e6, "us": us,
-                        "hbm_mb": (total - cached) / 1e6, "tb_per_s_all_bytes": total / us / 1e6})
+        results.append(
+            {
+                "variant": name,
+                "set_aside_mb": granted / 1e6,
+                "window_mb": cached / 1e6,
+                "us": us,
+                "hbm_mb": (total - cached) / 1e6,
+                "tb_per_s_all_bytes": total / us / 1e6,
+            }
+        )
         del graph
     set_persisting_l2_bytes(0)
-    print_table(f"LM head GEMV [{ns.vocab} x {ns.hidden}] bf16 after a {ns.flush_gb:g} GB flush, one graph replay",
-                results, [("variant", "variant", "s"), ("set_aside_mb", "set-aside MB", ".1f"),
-                          ("window_mb", "window MB", ".1f"), ("us", "µs", ".2f"),
-                          ("tb_per_s_all_bytes", "TB/s (all bytes)", ".2f")])
+    print_table(
+        f"LM head GEMV [{ns.vocab} x {ns.hidden}] bf16 after a {ns.flush_gb:g} GB flush, one graph replay",
+        results,
+        [
+            ("variant", "variant", "s"),
+            ("set_aside_mb", "set-aside MB", ".1f"),
+            ("window_mb", "window MB", ".1f"),
+            ("us", "µs", ".2f"),
+            ("tb_per_s_all_bytes", "TB/s (all bytes)", ".2f"),
+        ],
+    )
     json_path, _ = output_paths(ns.out, "l2_residency")
     write_json(json_path, {"device": device_info(dev), "limits": limits._asdict(), "results": results})
 

@@ -11,6 +11,7 @@ sampler (gemv.py `sampling=`), at Llama-3.2-1B's shape (128,256 × 2,048, bf16, 
    copy bandwidth (bytes read / (copy rate / 2), generous to us as bench_sampling.py's).
 Writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,17 +22,37 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
+from common import (
+    bench_graph,
+    copy_bandwidth,
+    device_info,
+    output_paths,
+    print_table,
+    require_cuda,
+    write_json,
+)
 
-from common import (bench_graph, copy_bandwidth, device_info, output_paths, print_table,  # noqa: E402
-                    require_cuda, write_json)
-from tinyvllm.kernels.gemv import GemvSampling, fused_gemv_fwd  # noqa: E402
-from tinyvllm.kernels.lm_head_bounds import (BoundsConfig, default_bounds_config, quantize_rows,  # noqa: E402
-                                             sample_pruned, score_bounds)
+from tinyvllm.kernels.gemv import GemvSampling, fused_gemv_fwd
+from tinyvllm.kernels.lm_head_bounds import (
+    BoundsConfig,
+    default_bounds_config,
+    quantize_rows,
+    sample_pruned,
+    score_bounds,
+)
 
-CONFIGS = [BoundsConfig(64, 64, 4, 1, 128), BoundsConfig(64, 32, 4, 1, 128), BoundsConfig(32, 64, 4, 1, 128),
-           BoundsConfig(16, 128, 4, 1, 128), BoundsConfig(128, 32, 4, 1, 128), BoundsConfig(64, 128, 8, 1, 128),
-           BoundsConfig(64, 64, 4, 1, 64), BoundsConfig(64, 64, 4, 2, 128), BoundsConfig(64, 64, 4, 3, 128)]
+CONFIGS = [
+    BoundsConfig(64, 64, 4, 1, 128),
+    BoundsConfig(64, 32, 4, 1, 128),
+    BoundsConfig(32, 64, 4, 1, 128),
+    BoundsConfig(16, 128, 4, 1, 128),
+    BoundsConfig(128, 32, 4, 1, 128),
+    BoundsConfig(64, 128, 8, 1, 128),
+    BoundsConfig(64, 64, 4, 1, 64),
+    BoundsConfig(64, 64, 4, 2, 128),
+    BoundsConfig(64, 64, 4, 3, 128),
+]
 
 
 def main() -> None:
@@ -68,8 +89,11 @@ def main() -> None:
             if full.item() != pruned.item():
                 mismatches.append({"draw": d, "temperature": temperature, "full": full.item(), "pruned": pruned.item()})
     kept_sorted = sorted(kept)
-    print(f"ids: {cases - len(mismatches)} of {cases} equal; kept rows median {kept_sorted[len(kept) // 2]}, "
-          f"max {kept_sorted[-1]}, mean {sum(kept) / len(kept):.1f}; int8 copy made in {quantize_s:.2f} s", flush=True)
+    print(
+        f"ids: {cases - len(mismatches)} of {cases} equal; kept rows median {kept_sorted[len(kept) // 2]}, "
+        f"max {kept_sorted[-1]}, mean {sum(kept) / len(kept):.1f}; int8 copy made in {quantize_s:.2f} s",
+        flush=True,
+    )
 
     # 2. time
     x = torch.randn(1, ns.hidden, generator=gen, device=dev).to(torch.bfloat16)
@@ -79,8 +103,13 @@ def main() -> None:
     sampling = GemvSampling(t, s, ids)
     bf16_bytes = w.numel() * 2
     int8_bytes = rows.packed.numel() * 4 + 8 * ns.vocab
-    results = [{"path": "full product + sampler (gemv.py)", "us": bench_graph([lambda: fused_gemv_fwd(
-        x, w, sampling=sampling)], calls=20) * 1e3, "floor_us": bf16_bytes / (copy / 2) * 1e6}]
+    results = [
+        {
+            "path": "full product + sampler (gemv.py)",
+            "us": bench_graph([lambda: fused_gemv_fwd(x, w, sampling=sampling)], calls=20) * 1e3,
+            "floor_us": bf16_bytes / (copy / 2) * 1e6,
+        }
+    ]
     for cfg in CONFIGS:
         try:
             bound_us = bench_graph([lambda cfg=cfg: score_bounds(x, rows, t, s, cfg)], calls=20) * 1e3
@@ -95,13 +124,34 @@ def main() -> None:
     for r in results:
         r["full/this"] = results[0]["us"] / r["us"]
         r["TB/s"] = (bf16_bytes if r is results[0] else int8_bytes) / (r.get("bound_us", r["us"]) * 1e-6) / 1e12
-    print_table(f"LM head {ns.vocab} x {ns.hidden} bf16, one row (copy bandwidth {copy / 1e12:.2f} TB/s)", results,
-                [("path", "path", "s"), ("bound_us", "bound pass µs", ".1f"), ("us", "µs (pair)", ".1f"),
-                 ("floor_us", "floor µs", ".1f"), ("TB/s", "bound pass TB/s", ".2f"), ("full/this", "full/this", ".2f")])
+    print_table(
+        f"LM head {ns.vocab} x {ns.hidden} bf16, one row (copy bandwidth {copy / 1e12:.2f} TB/s)",
+        results,
+        [
+            ("path", "path", "s"),
+            ("bound_us", "bound pass µs", ".1f"),
+            ("us", "µs (pair)", ".1f"),
+            ("floor_us", "floor µs", ".1f"),
+            ("TB/s", "bound pass TB/s", ".2f"),
+            ("full/this", "full/this", ".2f"),
+        ],
+    )
     json_path, _ = output_paths(ns.out, "lm_head_bounds")
-    write_json(json_path, {"device": device_info(dev), "copy_bw": copy, "vocab": ns.vocab, "hidden": ns.hidden,
-                           "draws": ns.draws, "cases": cases, "mismatches": mismatches, "kept_rows": kept,
-                           "quantize_s": quantize_s, "results": results})
+    write_json(
+        json_path,
+        {
+            "device": device_info(dev),
+            "copy_bw": copy,
+            "vocab": ns.vocab,
+            "hidden": ns.hidden,
+            "draws": ns.draws,
+            "cases": cases,
+            "mismatches": mismatches,
+            "kept_rows": kept,
+            "quantize_s": quantize_s,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ The layers alone (without the LM head) are timed too. Floor: the weight bytes re
 LM head) at the copy bandwidth measured at the start. Correctness: each megakernel's hidden state and
 logits against the layered path's (relative error), in bf16 and (`--fp32`, default on) in float32.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,17 +21,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
+from common import (
+    bench_graph,
+    copy_bandwidth,
+    device_info,
+    output_paths,
+    print_table,
+    rel_err,
+    require_cuda,
+    write_json,
+)
 
-from common import (bench_graph, copy_bandwidth, device_info, output_paths, print_table,  # noqa: E402
-                    rel_err, require_cuda, write_json)
-from tinyvllm.config import ModelConfig  # noqa: E402
-from tinyvllm.kernels import get_ops  # noqa: E402
-from tinyvllm.kernels.decode_megakernel import MegakernelConfig  # noqa: E402
-from tinyvllm.models.attention_metadata import AttnMetadata  # noqa: E402
-from tinyvllm.models.checkpoint import make_config  # noqa: E402
-from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel  # noqa: E402
-from tinyvllm.models.loader import build_model  # noqa: E402
+from tinyvllm.config import ModelConfig
+from tinyvllm.kernels import get_ops
+from tinyvllm.kernels.decode_megakernel import MegakernelConfig
+from tinyvllm.models.attention_metadata import AttnMetadata
+from tinyvllm.models.checkpoint import make_config
+from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel
+from tinyvllm.models.loader import build_model
 
 BLOCK = 16
 C = MegakernelConfig
@@ -42,19 +51,34 @@ PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu
 B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its unit, ticket, merge, the wait after
 
 
-NAMED_FIELDS = {"tile", "num_warps", "programs_per_sm", "stages", "prefetch", "ace_stages", "preload_kv", "dot_d",
-                "split_o"}  # spelled out by name_of; any other field is appended as field=value when not its default
+NAMED_FIELDS = {
+    "tile",
+    "num_warps",
+    "programs_per_sm",
+    "stages",
+    "prefetch",
+    "ace_stages",
+    "preload_kv",
+    "dot_d",
+    "split_o",
+}  # spelled out by name_of; any other field is appended as field=value when not its default
 
 
 def name_of(cfg: MegakernelConfig, splits: int | None = None) -> str:
     """A variant's label: the main fields always, then every other field that differs from its default (so
     that a new MegakernelConfig field never yields two variants of the same name)."""
-    others = "".join(f"/{k}={v}" for k, v in cfg._asdict().items()
-                     if k not in NAMED_FIELDS and v != C._field_defaults[k])
-    return (f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
-            + f"/ace{cfg.ace_stages}" + ("/kv" if cfg.preload_kv else "") + ("/dotD" if cfg.dot_d else "")
-            + ("/splitO" if cfg.split_o else "") + others
-            + (f"/{splits}sp" if splits else ""))
+    others = "".join(
+        f"/{k}={v}" for k, v in cfg._asdict().items() if k not in NAMED_FIELDS and v != C._field_defaults[k]
+    )
+    return (
+        f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
+        + f"/ace{cfg.ace_stages}"
+        + ("/kv" if cfg.preload_kv else "")
+        + ("/dotD" if cfg.dot_d else "")
+        + ("/splitO" if cfg.split_o else "")
+        + others
+        + (f"/{splits}sp" if splits else "")
+    )
 
 
 def parse_config(text: str) -> MegakernelConfig:
@@ -78,17 +102,30 @@ def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int 
     sums = torch.zeros(3 + 8 * L, dtype=torch.float64)
     for _ in range(reps):
         mk(ids, pos, meta, views, trace=True)
-        t = mk.workspace.trace.double().cpu()[:3 + 8 * L]
+        t = mk.workspace.trace.double().cpu()[: 3 + 8 * L]
         sums += t - t[0]
     t = sums / reps
-    b_points = t[3 + 5 * L:].reshape(L, 3)
-    t = t[:1 + 5 * L]  # [0] start, [5l + k + 1] after phase k of layer l, [5L] the exit
-    per_layer = torch.stack([t[1 + 5 * i: 6 + 5 * i] - t[5 * i: 5 + 5 * i] for i in range(L)])
-    b_start, b_end = t[1: 5 * L: 5], t[2: 5 * L: 5]  # barrier exits before and after phase B
-    b_parts = torch.stack([b_points[:, 0] - b_start, b_points[:, 1] - b_points[:, 0],
-                           b_points[:, 2] - b_points[:, 1], b_end - b_points[:, 2]], 1).mean(0) / 1e3
-    out = {"layer0_A_from_start_us": float(per_layer[0, 0]) / 1e3,
-           "last_E_to_exit_us": float(per_layer[-1, -1]) / 1e3, "total_us": float(t[-1]) / 1e3}
+    b_points = t[3 + 5 * L :].reshape(L, 3)
+    t = t[: 1 + 5 * L]  # [0] start, [5l + k + 1] after phase k of layer l, [5L] the exit
+    per_layer = torch.stack([t[1 + 5 * i : 6 + 5 * i] - t[5 * i : 5 + 5 * i] for i in range(L)])
+    b_start, b_end = t[1 : 5 * L : 5], t[2 : 5 * L : 5]  # barrier exits before and after phase B
+    b_parts = (
+        torch.stack(
+            [
+                b_points[:, 0] - b_start,
+                b_points[:, 1] - b_points[:, 0],
+                b_points[:, 2] - b_points[:, 1],
+                b_end - b_points[:, 2],
+            ],
+            1,
+        ).mean(0)
+        / 1e3
+    )
+    out = {
+        "layer0_A_from_start_us": float(per_layer[0, 0]) / 1e3,
+        "last_E_to_exit_us": float(per_layer[-1, -1]) / 1e3,
+        "total_us": float(t[-1]) / 1e3,
+    }
     middle = per_layer[1:-1] if L > 2 else per_layer
     for name, v in zip(PHASES, middle.mean(0).tolist()):
         out[name + " us"] = v / 1e3
@@ -105,6 +142,7 @@ def program_trace(mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 10)
     the exit); the programs that arrived last; phase B: every unit computed, ticket taken, merge done
     (median / last), from the same opening."""
     from tinyvllm.kernels.decode_megakernel import TRACE_BASE, TRACE_BLOCK
+
     views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
     L, P = kv.shape[0], mk.workspace.programs
     acc: dict[str, float] = {}
@@ -113,7 +151,7 @@ def program_trace(mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 10)
     for _ in range(reps):
         mk(ids, pos, meta, views, trace=True)
         t = mk.workspace.trace[TRACE_BASE:].view(P, TRACE_BLOCK).double().cpu() / 1e3  # µs
-        waits, arrivals, attn = t[:, :400], t[:, 400:800], t[:, 800:800 + 3 * L].reshape(P, L, 3)
+        waits, arrivals, attn = t[:, :400], t[:, 400:800], t[:, 800 : 800 + 3 * L].reshape(P, L, 3)
         for layer in range(L):
             for k, phase in enumerate("ABCDE"):
                 b = 5 * layer + k  # the barrier that opens phase `phase` (0: the start); b + 1 ends it (5L: exit)
@@ -139,13 +177,25 @@ def program_trace(mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 10)
 
 def setup(dev: torch.device, dtype: torch.dtype, max_ctx: int):
     config = ModelConfig.from_dict(make_config("llama-3.2-1b"))
-    model = build_model(config, get_ops("triton"), model_dir="", device=dev, dtype=dtype,
-                        max_positions=max_ctx + 16, load_format="dummy", seed=0)
+    model = build_model(
+        config,
+        get_ops("triton"),
+        model_dir="",
+        device=dev,
+        dtype=dtype,
+        max_positions=max_ctx + 16,
+        load_format="dummy",
+        seed=0,
+    )
     c = config
     num_blocks = max_ctx // BLOCK + 2
     gen = torch.Generator(device=dev).manual_seed(1)
-    kv = torch.randn((c.num_hidden_layers, 2, num_blocks, c.num_key_value_heads, BLOCK, c.head_dim),
-                     generator=gen, device=dev, dtype=torch.float32).to(dtype)
+    kv = torch.randn(
+        (c.num_hidden_layers, 2, num_blocks, c.num_key_value_heads, BLOCK, c.head_dim),
+        generator=gen,
+        device=dev,
+        dtype=torch.float32,
+    ).to(dtype)
     return model, kv
 
 
@@ -156,11 +206,18 @@ def step_inputs(dev: torch.device, ctx: int, num_blocks: int):
     slot = int(table[pos // BLOCK]) * BLOCK + pos % BLOCK
     i32 = torch.int32
     meta = AttnMetadata(
-        slot_mapping=torch.tensor([slot], device=dev), num_decode_tokens=1,
-        decode_seq_lens=torch.tensor([ctx], dtype=i32, device=dev), decode_block_tables=table[None, :],
-        max_decode_seq_len=ctx, num_prefills=0, prefill_cu_seqlens_q=torch.zeros(1, dtype=i32, device=dev),
-        prefill_seq_lens=torch.zeros(0, dtype=i32, device=dev), prefill_block_tables=table[None, :0],
-        max_prefill_q_len=0, max_prefill_seq_len=0)
+        slot_mapping=torch.tensor([slot], device=dev),
+        num_decode_tokens=1,
+        decode_seq_lens=torch.tensor([ctx], dtype=i32, device=dev),
+        decode_block_tables=table[None, :],
+        max_decode_seq_len=ctx,
+        num_prefills=0,
+        prefill_cu_seqlens_q=torch.zeros(1, dtype=i32, device=dev),
+        prefill_seq_lens=torch.zeros(0, dtype=i32, device=dev),
+        prefill_block_tables=table[None, :0],
+        max_prefill_q_len=0,
+        max_prefill_seq_len=0,
+    )
     return torch.tensor([17], device=dev), torch.tensor([pos], device=dev), meta
 
 
@@ -172,8 +229,13 @@ def run(model, mk, ids, pos, meta, kv, logits: bool = True):
 
 
 @torch.no_grad()
-def check(model, kv: torch.Tensor, base: LlamaDecodeMegakernel, contexts: list[int],
-          variants: list[tuple[MegakernelConfig, int | None]]) -> list[dict]:
+def check(
+    model,
+    kv: torch.Tensor,
+    base: LlamaDecodeMegakernel,
+    contexts: list[int],
+    variants: list[tuple[MegakernelConfig, int | None]],
+) -> list[dict]:
     dev, dtype = kv.device, kv.dtype
     rows = []
     for ctx in contexts:
@@ -185,10 +247,17 @@ def check(model, kv: torch.Tensor, base: LlamaDecodeMegakernel, contexts: list[i
         for cfg, splits in variants:
             kv_mk = kv.clone()
             h, lg = run(model, base.variant(cfg, splits), ids, pos, meta, kv_mk)
-            rows.append({"dtype": str(dtype).replace("torch.", ""), "context": ctx, "variant": name_of(cfg, splits),
-                         "hidden_rel_err": rel_err(h, h_ref), "logits_rel_err": rel_err(lg, l_ref),
-                         "kv_rel_err": rel_err(kv_mk[at], kv_ref[at]),
-                         "argmax_equal": bool((lg.argmax(-1) == l_ref.argmax(-1)).all())})
+            rows.append(
+                {
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "context": ctx,
+                    "variant": name_of(cfg, splits),
+                    "hidden_rel_err": rel_err(h, h_ref),
+                    "logits_rel_err": rel_err(lg, l_ref),
+                    "kv_rel_err": rel_err(kv_mk[at], kv_ref[at]),
+                    "argmax_equal": bool((lg.argmax(-1) == l_ref.argmax(-1)).all()),
+                }
+            )
             kv_mk[at] = kv_ref[at]
             rows[-1]["rest_of_cache_equal"] = bool(torch.equal(kv_mk, kv_ref))
     return rows
@@ -199,20 +268,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 640, 2048])
     ap.add_argument("--fp32", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--splits", type=int, nargs="*", default=[],
-                    help="time the default configuration as is and with at most this many context splits per KV "
-                         "head (instead of the other variants)")
-    ap.add_argument("--warps", type=int, nargs="*", default=[],
-                    help="time the default configuration as is and with this many warps per program (instead "
-                         "of the other variants; with --splits, both lists)")
-    ap.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE,...",
-                    help="time the default configuration and this one (MegakernelConfig fields, e.g. "
-                         "stages=4,ace_stages=2; repeatable) instead of the other variants")
+    ap.add_argument(
+        "--splits",
+        type=int,
+        nargs="*",
+        default=[],
+        help="time the default configuration as is and with at most this many context splits per KV "
+        "head (instead of the other variants)",
+    )
+    ap.add_argument(
+        "--warps",
+        type=int,
+        nargs="*",
+        default=[],
+        help="time the default configuration as is and with this many warps per program (instead "
+        "of the other variants; with --splits, both lists)",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE,...",
+        help="time the default configuration and this one (MegakernelConfig fields, e.g. "
+        "stages=4,ace_stages=2; repeatable) instead of the other variants",
+    )
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     ns = ap.parse_args()
     if ns.splits or ns.warps or ns.variant:
-        VARIANTS[1:] = ([(C(), s) for s in ns.splits] + [(C(num_warps=w), None) for w in ns.warps]
-                        + [(parse_config(v), None) for v in ns.variant])
+        VARIANTS[1:] = (
+            [(C(), s) for s in ns.splits]
+            + [(C(num_warps=w), None) for w in ns.warps]
+            + [(parse_config(v), None) for v in ns.variant]
+        )
     dev = require_cuda()
     info = device_info(dev)
     copy = copy_bandwidth(dev)
@@ -227,13 +314,24 @@ def main() -> None:
     model, kv = setup(dev, torch.bfloat16, max(ns.contexts))
     base = LlamaDecodeMegakernel(model)
     checks += check(model, kv, base, ns.contexts, VARIANTS)
-    print_table("correctness against the layered path", checks,
-                [("dtype", "dtype", ""), ("context", "ctx", "d"), ("variant", "variant", ""),
-                 ("hidden_rel_err", "hidden err", ".2e"), ("logits_rel_err", "logits err", ".2e"),
-                 ("kv_rel_err", "new K/V err", ".2e"), ("argmax_equal", "argmax =", ""),
-                 ("rest_of_cache_equal", "rest of cache =", "")])
-    layer_bytes = sum(t.numel() * t.element_size() for t in
-                      (base.weights.qkv, base.weights.o, base.weights.gate_up, base.weights.down))
+    print_table(
+        "correctness against the layered path",
+        checks,
+        [
+            ("dtype", "dtype", ""),
+            ("context", "ctx", "d"),
+            ("variant", "variant", ""),
+            ("hidden_rel_err", "hidden err", ".2e"),
+            ("logits_rel_err", "logits err", ".2e"),
+            ("kv_rel_err", "new K/V err", ".2e"),
+            ("argmax_equal", "argmax =", ""),
+            ("rest_of_cache_equal", "rest of cache =", ""),
+        ],
+    )
+    layer_bytes = sum(
+        t.numel() * t.element_size()
+        for t in (base.weights.qkv, base.weights.o, base.weights.gate_up, base.weights.down)
+    )
     head_bytes = model.lm_head_weight.numel() * model.lm_head_weight.element_size()
     rows = []
     for ctx in ns.contexts:
@@ -243,11 +341,21 @@ def main() -> None:
         floor_step = floor_layers + head_bytes / copy * 1e6
         for name, mk in [("layered", None)] + [(name_of(c, sp), base.variant(c, sp)) for c, sp in VARIANTS]:
             step_us = bench_graph([lambda mk=mk: run(model, mk, ids, pos, meta, kv)], calls=32, replays=9) * 1e3
-            layers_us = bench_graph([lambda mk=mk: run(model, mk, ids, pos, meta, kv, logits=False)],
-                                    calls=32, replays=9) * 1e3
-            rows.append({"context": ctx, "path": name, "step_us": step_us, "layers_us": layers_us,
-                         "tok_per_s": 1e6 / step_us, "floor_step_us": floor_step,
-                         "of_floor": floor_step / step_us, "layers_of_floor": floor_layers / layers_us})
+            layers_us = (
+                bench_graph([lambda mk=mk: run(model, mk, ids, pos, meta, kv, logits=False)], calls=32, replays=9) * 1e3
+            )
+            rows.append(
+                {
+                    "context": ctx,
+                    "path": name,
+                    "step_us": step_us,
+                    "layers_us": layers_us,
+                    "tok_per_s": 1e6 / step_us,
+                    "floor_step_us": floor_step,
+                    "of_floor": floor_step / step_us,
+                    "layers_of_floor": floor_layers / layers_us,
+                }
+            )
             print(rows[-1], flush=True)
     for r in rows:
         lay = next(x for x in rows if x["context"] == r["context"] and x["path"] == "layered")
@@ -256,29 +364,64 @@ def main() -> None:
     for ctx in ns.contexts:
         ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
         for cfg, splits in VARIANTS:
-            traces.append({"context": ctx, "variant": name_of(cfg, splits),
-                           **phase_trace(model, base.variant(cfg, splits), ids, pos, meta, kv)})
+            traces.append(
+                {
+                    "context": ctx,
+                    "variant": name_of(cfg, splits),
+                    **phase_trace(model, base.variant(cfg, splits), ids, pos, meta, kv),
+                }
+            )
     programs = []
     for ctx in ns.contexts:
         ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
         for cfg, splits in VARIANTS:
-            programs.append({"context": ctx, "variant": name_of(cfg, splits),
-                             **program_trace(base.variant(cfg, splits), ids, pos, meta, kv)})
+            programs.append(
+                {
+                    "context": ctx,
+                    "variant": name_of(cfg, splits),
+                    **program_trace(base.variant(cfg, splits), ids, pos, meta, kv),
+                }
+            )
             print(programs[-1], flush=True)
-    print_table("per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)", traces,
-                [("context", "ctx", "d"), ("variant", "variant", "")]
-                + [(p + " us", p.split()[0], ".2f") for p in PHASES]
-                + [("B " + p + " us", "B " + p, ".2f") for p in B_PARTS]
-                + [("start_to_first_barrier_us", "start", ".2f"), ("last_barrier_to_end_us", "end", ".2f"),
-                   ("total_us", "total", ".1f")])
-    print_table(f"batch-1 decode step, llama-3.2-1b shape, bf16 ({info.get('name', '')})", rows,
-                [("context", "ctx", "d"), ("path", "path", ""), ("step_us", "step µs", ".1f"),
-                 ("layers_us", "layers µs", ".1f"), ("tok_per_s", "tok/s", ".0f"), ("speedup", "× layered", ".2f"),
-                 ("floor_step_us", "floor µs", ".1f"), ("of_floor", "of floor", ".2f"),
-                 ("layers_of_floor", "layers of floor", ".2f")])
+    print_table(
+        "per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)",
+        traces,
+        [("context", "ctx", "d"), ("variant", "variant", "")]
+        + [(p + " us", p.split()[0], ".2f") for p in PHASES]
+        + [("B " + p + " us", "B " + p, ".2f") for p in B_PARTS]
+        + [
+            ("start_to_first_barrier_us", "start", ".2f"),
+            ("last_barrier_to_end_us", "end", ".2f"),
+            ("total_us", "total", ".1f"),
+        ],
+    )
+    print_table(
+        f"batch-1 decode step, llama-3.2-1b shape, bf16 ({info.get('name', '')})",
+        rows,
+        [
+            ("context", "ctx", "d"),
+            ("path", "path", ""),
+            ("step_us", "step µs", ".1f"),
+            ("layers_us", "layers µs", ".1f"),
+            ("tok_per_s", "tok/s", ".0f"),
+            ("speedup", "× layered", ".2f"),
+            ("floor_step_us", "floor µs", ".1f"),
+            ("of_floor", "of floor", ".2f"),
+            ("layers_of_floor", "layers of floor", ".2f"),
+        ],
+    )
     json_path, _ = output_paths(ns.out, "megakernel")
-    write_json(json_path, {"device": info, "copy_bandwidth": copy, "checks": checks, "timings": rows,
-                           "phase_traces": traces, "program_traces": programs})
+    write_json(
+        json_path,
+        {
+            "device": info,
+            "copy_bandwidth": copy,
+            "checks": checks,
+            "timings": rows,
+            "phase_traces": traces,
+            "program_traces": programs,
+        },
+    )
     print(f"wrote {json_path}")
 
 

@@ -11,6 +11,7 @@ also checks ours against SDPA's output.
     python benchmarks/kernels/bench_prefill_attention.py --quick         # 3 lengths, head dim 64
     python benchmarks/kernels/bench_prefill_attention.py --sweep         # also try every candidate tile config
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,12 +21,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import common
+import torch
+import torch.nn.functional as F
 
-import common  # noqa: E402
-from tinyvllm.kernels.prefill_attention import (CANDIDATE_CONFIGS, PrefillConfig,  # noqa: E402
-                                                default_config, prefill_attention_fwd)
+from tinyvllm.kernels.prefill_attention import (
+    CANDIDATE_CONFIGS,
+    PrefillConfig,
+    default_config,
+    prefill_attention_fwd,
+)
 
 TOKENS, HIDDEN = 16384, 2048
 LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -43,9 +48,10 @@ class Problem:
         self.heads, self.batch = HIDDEN // d, TOKENS // length
         B, H, L = self.batch, self.heads, length
         gen = torch.Generator(device=device).manual_seed(length + d)
-        self.q, self.k, self.v = (torch.randn(B, H, L, d, generator=gen, device=device, dtype=torch.bfloat16)
-                                  for _ in range(3))
-        self.scale = d ** -0.5
+        self.q, self.k, self.v = (
+            torch.randn(B, H, L, d, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(3)
+        )
+        self.scale = d**-0.5
         self.q_packed = self.q.transpose(1, 2).reshape(B * L, H, d).contiguous()
         self.cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * L
         self.seq_lens = torch.full((B,), L, device=device, dtype=torch.int32)
@@ -57,7 +63,12 @@ class Problem:
             nb = L // block_size
 
             def to_cache(x):  # [B, H, L, d] → [B·nb, H, block_size, d], blocks in order
-                return x.view(B, H, nb, block_size, d).permute(0, 2, 1, 3, 4).reshape(B * nb, H, block_size, d).contiguous()
+                return (
+                    x.view(B, H, nb, block_size, d)
+                    .permute(0, 2, 1, 3, 4)
+                    .reshape(B * nb, H, block_size, d)
+                    .contiguous()
+                )
 
             tables = torch.arange(B * nb, device=self.q.device, dtype=torch.int32).view(B, nb)
             self.caches = {block_size: (to_cache(self.k), to_cache(self.v), tables)}  # keep one at a time
@@ -65,8 +76,9 @@ class Problem:
 
     def ours(self, block_size: int, config: PrefillConfig | None = None):
         kc, vc, tables = self.paged(block_size)
-        return lambda: prefill_attention_fwd(self.q_packed, kc, vc, self.cu, self.seq_lens, tables, self.scale,
-                                             self.length, config=config)[0]
+        return lambda: prefill_attention_fwd(
+            self.q_packed, kc, vc, self.cu, self.seq_lens, tables, self.scale, self.length, config=config
+        )[0]
 
     def ours_as_bhld(self, out: torch.Tensor) -> torch.Tensor:
         return out.view(self.batch, self.length, self.heads, self.d).transpose(1, 2)
@@ -78,14 +90,16 @@ def sdpa_fn(p: Problem, backend):
     def fn():
         with sdpa_kernel([backend]):
             return F.scaled_dot_product_attention(p.q, p.k, p.v, is_causal=True, scale=p.scale)
+
     return fn
 
 
 def flex_fn(p: Problem, compiled_flex, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    mask = create_block_mask(lambda b, h, q, kv: q >= kv, B=None, H=None, Q_LEN=p.length, KV_LEN=p.length,
-                             device=device)
+    mask = create_block_mask(
+        lambda b, h, q, kv: q >= kv, B=None, H=None, Q_LEN=p.length, KV_LEN=p.length, device=device
+    )
     return lambda: compiled_flex(p.q, p.k, p.v, block_mask=mask, scale=p.scale)
 
 
@@ -109,11 +123,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
-    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 256],
-                    help="page sizes of our paged cache (the first is the headline)")
+    ap.add_argument(
+        "--block-sizes",
+        type=int,
+        nargs="+",
+        default=[16, 256],
+        help="page sizes of our paged cache (the first is the headline)",
+    )
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile config per shape")
-    ap.add_argument("--config", action="append", default=None, metavar="M,N,WARPS,STAGES",
-                    help="sweep these tile configs instead of the candidates (repeatable)")
+    ap.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        metavar="M,N,WARPS,STAGES",
+        help="sweep these tile configs instead of the candidates (repeatable)",
+    )
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     ap.add_argument("--quick", action="store_true", help="lengths 1k, 4k, 16k at head dim 64")
     ap.add_argument("--out", default=None, help="directory for the JSON and PNG (default benchmarks/results)")
@@ -164,7 +188,10 @@ def main() -> None:
                     if r.get("t"):
                         ok = r["t_err"] < 2e-2
                         sweep_rows.append({"d": d, "L": length, "config": list(c), "tflops": r["t"], "err": r["t_err"]})
-                        print(f"  sweep {tuple(c)}: {r['t']:.0f} TFLOP/s err {r['t_err']:.1e}{'' if ok else ' WRONG'}", flush=True)
+                        print(
+                            f"  sweep {tuple(c)}: {r['t']:.0f} TFLOP/s err {r['t_err']:.1e}{'' if ok else ' WRONG'}",
+                            flush=True,
+                        )
                         if ok and (best is None or r["t"] > best[1]):
                             best = (c, r["t"])
                 if best:
@@ -175,22 +202,45 @@ def main() -> None:
 
     cols = [("d", "d", "d"), ("L", "L", "d"), ("batch", "B", "d")]
     cols += [(f"ours_bs{b}", f"ours bs{b}", ".0f") for b in args.block_sizes]
-    cols += [("flash", "flash", ".0f"), ("cudnn", "cudnn", ".0f"), ("flex", "flex", ".0f"),
-             ("ours/flash", "ours/flash", ".2f"), ("ours/cudnn", "ours/cudnn", ".2f"),
-             ("ours/flex", "ours/flex", ".2f"), (f"ours_bs{bs0}_err", "err vs sdpa", ".1e")]
+    cols += [
+        ("flash", "flash", ".0f"),
+        ("cudnn", "cudnn", ".0f"),
+        ("flex", "flex", ".0f"),
+        ("ours/flash", "ours/flash", ".2f"),
+        ("ours/cudnn", "ours/cudnn", ".2f"),
+        ("ours/flex", "ours/flex", ".2f"),
+        (f"ours_bs{bs0}_err", "err vs sdpa", ".1e"),
+    ]
     if args.sweep:
         cols.append(("sweep_best_tflops", "sweep best", ".0f"))
-    common.print_table(f"prefill attention, causal bf16, TFLOP/s (matmul ceiling {matmul:.0f}); "
-                       f"ratios use ours at block size {bs0}", rows, cols)
+    common.print_table(
+        f"prefill attention, causal bf16, TFLOP/s (matmul ceiling {matmul:.0f}); ratios use ours at block size {bs0}",
+        rows,
+        cols,
+    )
     json_path, png_path = common.output_paths(args.out, "prefill_attention")
-    common.write_json(json_path, {"workload": "prefill-attention", "device": info, "matmul_tflops": matmul,
-                                  "results": rows, "sweep": sweep_rows})
+    common.write_json(
+        json_path,
+        {
+            "workload": "prefill-attention",
+            "device": info,
+            "matmul_tflops": matmul,
+            "results": rows,
+            "sweep": sweep_rows,
+        },
+    )
     names = [f"ours_bs{b}" for b in args.block_sizes] + ["flash", "cudnn", "flex"]
     panels = []
     for d in args.head_dims:
         rs = [r for r in rows if r["d"] == d]
-        panels.append((f"causal prefill, head dim {d}", "sequence length", "TFLOP/s",
-                       {n: ([r["L"] for r in rs], [r.get(n) for r in rs]) for n in names}))
+        panels.append(
+            (
+                f"causal prefill, head dim {d}",
+                "sequence length",
+                "TFLOP/s",
+                {n: ([r["L"] for r in rs], [r.get(n) for r in rs]) for n in names},
+            )
+        )
     common.plot_lines(png_path, panels)
 
 

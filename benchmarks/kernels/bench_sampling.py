@@ -7,6 +7,7 @@ Per (batch, logits dtype, mode): our kernel and the torch anchor (greedy: `argma
 graph replays, and the floor: reading B·V logits once at the measured copy bandwidth (read-only, so
 bytes / (copy rate / 2) is generous to us). Writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,11 +17,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
+from common import (
+    bench_graph,
+    copy_bandwidth,
+    device_info,
+    output_paths,
+    print_table,
+    require_cuda,
+    write_json,
+)
 
-from common import (bench_graph, copy_bandwidth, device_info, output_paths, print_table,  # noqa: E402
-                    require_cuda, write_json)
-from tinyvllm.kernels.sampling import sample_greedy_or_gumbel  # noqa: E402
+from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
 
 def torch_sample(logits: torch.Tensor, temperature: torch.Tensor, greedy: bool) -> torch.Tensor:
@@ -43,19 +51,43 @@ def main() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         for batch in ns.batches:
             for mode, t in (("greedy", 0.0), ("T=0.6", 0.6)):
-                sets = [(torch.randn(batch, ns.vocab, device=dev).to(dtype),
-                         torch.full((batch,), t, device=dev), torch.arange(batch, device=dev) + 17 * k)
-                        for k in range(4)]
+                sets = [
+                    (
+                        torch.randn(batch, ns.vocab, device=dev).to(dtype),
+                        torch.full((batch,), t, device=dev),
+                        torch.arange(batch, device=dev) + 17 * k,
+                    )
+                    for k in range(4)
+                ]
                 ours = bench_graph([lambda s=s: sample_greedy_or_gumbel(*s) for s in sets]) * 1e3
                 anchor = bench_graph([lambda s=s: torch_sample(s[0], s[1], t == 0.0) for s in sets]) * 1e3
                 floor = batch * ns.vocab * sets[0][0].element_size() / (copy / 2) * 1e6
-                rows.append({"dtype": str(dtype).removeprefix("torch."), "batch": batch, "mode": mode,
-                             "ours_us": ours, "torch_us": anchor, "floor_us": floor,
-                             "torch/ours": anchor / ours, "floor/ours": floor / ours})
-    print_table(f"fused sampling, V = {ns.vocab}", rows,
-                [("dtype", "logits", "s"), ("batch", "batch", "d"), ("mode", "mode", "s"),
-                 ("ours_us", "ours µs", ".1f"), ("torch_us", "torch µs", ".1f"), ("floor_us", "floor µs", ".1f"),
-                 ("torch/ours", "torch/ours", ".2f"), ("floor/ours", "floor/ours", ".2f")])
+                rows.append(
+                    {
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "batch": batch,
+                        "mode": mode,
+                        "ours_us": ours,
+                        "torch_us": anchor,
+                        "floor_us": floor,
+                        "torch/ours": anchor / ours,
+                        "floor/ours": floor / ours,
+                    }
+                )
+    print_table(
+        f"fused sampling, V = {ns.vocab}",
+        rows,
+        [
+            ("dtype", "logits", "s"),
+            ("batch", "batch", "d"),
+            ("mode", "mode", "s"),
+            ("ours_us", "ours µs", ".1f"),
+            ("torch_us", "torch µs", ".1f"),
+            ("floor_us", "floor µs", ".1f"),
+            ("torch/ours", "torch/ours", ".2f"),
+            ("floor/ours", "floor/ours", ".2f"),
+        ],
+    )
     json_path, _ = output_paths(ns.out, "sampling")
     write_json(json_path, {"device": device_info(dev), "copy_bw": copy, "vocab": ns.vocab, "results": rows})
 

@@ -9,6 +9,7 @@ kernel boundary inside a graph, ~0.3–0.5 µs).
 Arenas as the engine's (engine/input_arena.py) for max_model_len 131,072 (8,192 blocks a row), rows of
 640 tokens; the sources are their pinned host twins. Writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,13 +19,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
+from common import bench_graph, device_info, output_paths, print_table, require_cuda, write_json
 
-from common import bench_graph, device_info, output_paths, print_table, require_cuda, write_json  # noqa: E402
-from tinyvllm.engine.input_arena import InputArena  # noqa: E402
-from tinyvllm.kernels.arena_load import load_arena  # noqa: E402
-from tinyvllm.kernels.host_copy import kernel_copy_  # noqa: E402
-from tinyvllm.kernels.placeholders import resolve_placeholders  # noqa: E402
+from tinyvllm.engine.input_arena import InputArena
+from tinyvllm.kernels.arena_load import load_arena
+from tinyvllm.kernels.host_copy import kernel_copy_
+from tinyvllm.kernels.placeholders import resolve_placeholders
 
 
 def main() -> None:
@@ -56,24 +57,33 @@ def main() -> None:
             resolve_placeholders(shared.input_ids[:rows], shared.placeholder_src[:rows], sampled)
             kernel_copy_(ids_host, sampled)
 
-        variants = {"copy in, gather, copy out (3 kernels, shared arena)": copy_kernels,
-                    "copy in (1 kernel, shared arena)":
-                        lambda: kernel_copy_(shared.buffer[:shared_bytes], shared_host.buffer[:shared_bytes]),
-                    "copy out (1 kernel)": lambda: kernel_copy_(ids_host, sampled)}
+        variants = {
+            "copy in, gather, copy out (3 kernels, shared arena)": copy_kernels,
+            "copy in (1 kernel, shared arena)": lambda: kernel_copy_(
+                shared.buffer[:shared_bytes], shared_host.buffer[:shared_bytes]
+            ),
+            "copy out (1 kernel)": lambda: kernel_copy_(ids_host, sampled),
+        }
         for block in (64, 128, 256, 1024):
-            variants[f"arena load, first read {block} words"] = \
-                lambda b=block: load_arena(arena.buffer, host.buffer, ids, src, sampled, block=b)
-            variants[f"arena load, first read {block} words, no gather"] = \
-                lambda b=block: load_arena(arena.buffer, host.buffer, ids[:0], src[:0], sampled, block=b)
+            variants[f"arena load, first read {block} words"] = lambda b=block: load_arena(
+                arena.buffer, host.buffer, ids, src, sampled, block=b
+            )
+            variants[f"arena load, first read {block} words, no gather"] = lambda b=block: load_arena(
+                arena.buffer, host.buffer, ids[:0], src[:0], sampled, block=b
+            )
         for name, fn in variants.items():
             us = bench_graph([fn], calls=64) * 1e3
-            results.append({"rows": rows, "bytes": shared_bytes if "shared" in name else nbytes, "variant": name,
-                            "us": us})
+            results.append(
+                {"rows": rows, "bytes": shared_bytes if "shared" in name else nbytes, "variant": name, "us": us}
+            )
         load_arena(arena.buffer, host.buffer, ids, src, sampled)
         torch.cuda.synchronize()
         assert torch.equal(arena.block_tables.cpu(), host.block_tables) and ids.tolist() == sampled.tolist()
-    print_table("a decode step's input/output traffic, µs per call (graph replays)", results,
-                [("rows", "rows", "d"), ("bytes", "bytes", "d"), ("variant", "variant", "s"), ("us", "µs", ".2f")])
+    print_table(
+        "a decode step's input/output traffic, µs per call (graph replays)",
+        results,
+        [("rows", "rows", "d"), ("bytes", "bytes", "d"), ("variant", "variant", "s"), ("us", "µs", ".2f")],
+    )
     json_path, _ = output_paths(ns.out, "step_io")
     write_json(json_path, {"device": device_info(dev), "results": results})
 

@@ -26,6 +26,7 @@ writes JSON.
 
     python benchmarks/kernels/bench_stream.py --out benchmarks/results/stream_h200.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,11 +38,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import torch
+import triton
+import triton.language as tl
 
-from tinyvllm.kernels.decode_megakernel import _arrive, _wait  # noqa: E402
+from tinyvllm.kernels.decode_megakernel import _arrive, _wait
 
 SHAPES = {  # name: (N, K) of the Llama 3.2 1B decode products
     "qkv": (3072, 2048),
@@ -58,8 +59,9 @@ def _spin_cycles(cycles):
         t0 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [cycles], dtype=tl.int64, is_pure=False, pack=1)
         t = t0
         while t - t0 < cycles:
-            t = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [cycles], dtype=tl.int64, is_pure=False,
-                                          pack=1)
+            t = tl.inline_asm_elementwise(
+                "mov.u64 $0, %clock64;", "=l,r", [cycles], dtype=tl.int64, is_pure=False, pack=1
+            )
 
 
 @triton.jit
@@ -71,8 +73,19 @@ def _layer_end(bar_ptr, base, layer, P, delay, BARRIER: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["base", "delay"])
-def _stream_reg2(w_ptr, x_ptr, y_ptr, bar_ptr, base, delay, L, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-                 BARRIER: tl.constexpr):
+def _stream_reg2(
+    w_ptr,
+    x_ptr,
+    y_ptr,
+    bar_ptr,
+    base,
+    delay,
+    L,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    R: tl.constexpr,
+    BARRIER: tl.constexpr,
+):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_units = N // R
@@ -93,8 +106,22 @@ def _stream_reg2(w_ptr, x_ptr, y_ptr, bar_ptr, base, delay, L, N: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["base", "delay"])
-def _stream_kloop(w_ptr, x_ptr, y_ptr, bar_ptr, base, delay, L, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-                  BK: tl.constexpr, STAGES: tl.constexpr, BARRIER: tl.constexpr, TMA: tl.constexpr):
+def _stream_kloop(
+    w_ptr,
+    x_ptr,
+    y_ptr,
+    bar_ptr,
+    base,
+    delay,
+    L,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    R: tl.constexpr,
+    BK: tl.constexpr,
+    STAGES: tl.constexpr,
+    BARRIER: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """The `kloop` variant; with TMA, the tiles come through a tensor descriptor (the `tma` variant)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -192,8 +219,12 @@ def configs(name: str, n: int, k: int, variants: set[str]):
 
 def best_kloop(name: str) -> tuple:
     """The kloop configuration measured fastest per shape on the H200 (stream_h200.json)."""
-    return {"gate_up": ("kloop", 32, 256, 4, 4), "down": ("kloop", 8, 1024, 4, 4),
-            "qkv": ("kloop", 8, 1024, 3, 8), "o": ("kloop", 8, 1024, 3, 8)}[name]
+    return {
+        "gate_up": ("kloop", 32, 256, 4, 4),
+        "down": ("kloop", 8, 1024, 4, 4),
+        "qkv": ("kloop", 8, 1024, 3, 8),
+        "o": ("kloop", 8, 1024, 3, 8),
+    }[name]
 
 
 def main() -> None:
@@ -202,8 +233,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--variants", default="reg2,kloop,tma,ws")
-    ap.add_argument("--delay-us", type=float, nargs="*", default=[],
-                    help="also run the best kloop and every ws config with this busy wait after each barrier")
+    ap.add_argument(
+        "--delay-us",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also run the best kloop and every ws config with this busy wait after each barrier",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/stream.json"))
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -224,7 +260,7 @@ def main() -> None:
         w = torch.randn(L, n, k, device=dev, dtype=torch.bfloat16) * 0.02
         x = torch.randn(k, device=dev, dtype=torch.bfloat16)
         y = torch.empty(L, n, device=dev, dtype=torch.bfloat16)
-        ref = (w.float() @ x.float())
+        ref = w.float() @ x.float()
         nbytes = w.numel() * 2
 
         g = torch.cuda.CUDAGraph()
@@ -233,14 +269,29 @@ def main() -> None:
             for layer in range(L):
                 torch.mv(w[layer], x, out=ys[layer])
         t = time_launches(g.replay, args.reps)
-        rows.append(dict(shape=name, variant="cublas", R=0, BK=0, stages=0, warps=0, barrier=False, delay_us=0.0,
-                         us_per_layer=t / L * 1e6, tbps=nbytes / t / 1e12, err=0.0))
+        rows.append(
+            dict(
+                shape=name,
+                variant="cublas",
+                R=0,
+                BK=0,
+                stages=0,
+                warps=0,
+                barrier=False,
+                delay_us=0.0,
+                us_per_layer=t / L * 1e6,
+                tbps=nbytes / t / 1e12,
+                err=0.0,
+            )
+        )
         print(f"{name:8s} cublas                         {t / L * 1e6:7.2f} µs/layer {nbytes / t / 1e12:5.2f} TB/s")
 
         bar = torch.zeros(2, device=dev, dtype=torch.int32)
         no_trace = torch.zeros(1, device=dev, dtype=torch.int64)
         cands = list(configs(name, n, k, variants))
-        runs = [(c, True, 0.0) for c in cands] + [(c, False, 0.0) for c in cands if c[0] == "reg2" or c[0].startswith("ws")]
+        runs = [(c, True, 0.0) for c in cands] + [
+            (c, False, 0.0) for c in cands if c[0] == "reg2" or c[0].startswith("ws")
+        ]
         for delay in args.delay_us:
             for barrier in (True, False, 2):
                 runs += [(c, barrier, delay) for c in [best_kloop(name)] + [c for c in cands if c[0].startswith("ws")]]
@@ -257,13 +308,47 @@ def main() -> None:
                     raise ValueError("relaxed barriers: ws variants only")
                 elif variant.startswith("ws"):
                     from benchmarks.kernels.stream_ws import stream_ws_kernel
-                    stream_ws_kernel[(sms,)](w, x, y, bar, no_trace, base, delay, L, N=n, K=k, R=r, BK=bk, STAGES=stages,
-                                             BARRIER=int(barrier), FENCE="_nf" not in variant, ACC2D="acc" in variant,
-                                             SLEEP="sleep" in variant,
-                                             num_warps=warps, maxnreg=256 if warps == 4 else 168)
+
+                    stream_ws_kernel[(sms,)](
+                        w,
+                        x,
+                        y,
+                        bar,
+                        no_trace,
+                        base,
+                        delay,
+                        L,
+                        N=n,
+                        K=k,
+                        R=r,
+                        BK=bk,
+                        STAGES=stages,
+                        BARRIER=int(barrier),
+                        FENCE="_nf" not in variant,
+                        ACC2D="acc" in variant,
+                        SLEEP="sleep" in variant,
+                        num_warps=warps,
+                        maxnreg=256 if warps == 4 else 168,
+                    )
                 else:
-                    _stream_kloop[(sms,)](w, x, y, bar, base, delay, L, N=n, K=k, R=r, BK=bk, STAGES=stages,
-                                          BARRIER=barrier, TMA=variant == "tma", num_warps=warps)
+                    _stream_kloop[(sms,)](
+                        w,
+                        x,
+                        y,
+                        bar,
+                        base,
+                        delay,
+                        L,
+                        N=n,
+                        K=k,
+                        R=r,
+                        BK=bk,
+                        STAGES=stages,
+                        BARRIER=barrier,
+                        TMA=variant == "tma",
+                        num_warps=warps,
+                    )
+
             try:
                 bar.zero_()
                 y.zero_()
@@ -277,34 +362,53 @@ def main() -> None:
                 print(f"{name:8s} {variant:5s} R={r} BK={bk} S={stages} w={warps}: {type(e).__name__}: {str(e)[:300]}")
                 bar.zero_()
                 continue
-            row = dict(shape=name, variant=variant, R=r, BK=bk, stages=stages, warps=warps, barrier=barrier,
-                       delay_us=delay_us, us_per_layer=t / L * 1e6, tbps=nbytes / t / 1e12, err=err,
-                       compile_s=compile_s)
+            row = dict(
+                shape=name,
+                variant=variant,
+                R=r,
+                BK=bk,
+                stages=stages,
+                warps=warps,
+                barrier=barrier,
+                delay_us=delay_us,
+                us_per_layer=t / L * 1e6,
+                tbps=nbytes / t / 1e12,
+                err=err,
+                compile_s=compile_s,
+            )
             rows.append(row)
-            print(f"{name:8s} {variant:5s} R={r:3d} BK={bk:5d} S={stages:2d} w={warps} bar={int(barrier)} "
-                  f"delay={delay_us:4.1f}µs {row['us_per_layer']:7.2f} µs/layer {row['tbps']:5.2f} TB/s  err {err:.1e}",
-                  flush=True)
+            print(
+                f"{name:8s} {variant:5s} R={r:3d} BK={bk:5d} S={stages:2d} w={warps} bar={int(barrier)} "
+                f"delay={delay_us:4.1f}µs {row['us_per_layer']:7.2f} µs/layer {row['tbps']:5.2f} TB/s  err {err:.1e}",
+                flush=True,
+            )
         write(args, rows, sms, meta)
 
     print("\nbest per shape (with barrier), per delay:")
     for name in args.shapes.split(","):
         for delay_us in [0.0] + list(args.delay_us):
-            cand = [r for r in rows if r["shape"] == name and r["delay_us"] == delay_us
-                    and (r["barrier"] or r["variant"] == "cublas")]
+            cand = [
+                r
+                for r in rows
+                if r["shape"] == name and r["delay_us"] == delay_us and (r["barrier"] or r["variant"] == "cublas")
+            ]
             for variant in ("cublas", "reg2", "kloop", "tma", "ws", "ws_nf", "ws_nf_acc", "ws_nf_acc_sleep"):
                 vs = [r for r in cand if r["variant"] == variant]
                 if vs:
                     b = min(vs, key=lambda r: r["us_per_layer"])
-                    print(f"  {name:8s} delay {delay_us:4.1f} {variant:6s} {b['us_per_layer']:7.2f} µs {b['tbps']:5.2f} TB/s "
-                          f"(R={b['R']} BK={b['BK']} S={b['stages']} w={b['warps']})")
+                    print(
+                        f"  {name:8s} delay {delay_us:4.1f} {variant:6s} {b['us_per_layer']:7.2f} µs {b['tbps']:5.2f} TB/s "
+                        f"(R={b['R']} BK={b['BK']} S={b['stages']} w={b['warps']})"
+                    )
     write(args, rows, sms, meta)
     print(f"wrote {args.out}")
 
 
 def write(args, rows: list[dict], sms: int, meta: dict) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), sms=sms, layers=args.layers, **meta,
-                                        rows=rows), indent=1))
+    args.out.write_text(
+        json.dumps(dict(device=torch.cuda.get_device_name(), sms=sms, layers=args.layers, **meta, rows=rows), indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Prints, per configuration, µs per layer (untraced launches) and the traced medi
 layers 1..L-1 (µs): issue time of tile j after the previous barrier opened, ready time of tile j after
 the layer started, the layer's work (start to last store), and the barrier's wait.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import triton  # noqa: E402
+import torch
+import triton
 
-from benchmarks.kernels.bench_stream import SHAPES, sm_clock_hz, time_launches  # noqa: E402
+from benchmarks.kernels.bench_stream import SHAPES, sm_clock_hz, time_launches
 
 
 def summarise(trace: torch.Tensor, tiles: int) -> dict:
@@ -38,16 +39,19 @@ def summarise(trace: torch.Tensor, tiles: int) -> dict:
     t = trace.double() / 1e3  # ns → µs
     start, last_store, bar_open, delay_end = t[:, 1:, 0], t[:, 1:, 1], t[:, 1:, 2], t[:, 1:, 3]
     prev_open = t[:, :-1, 2]
-    issue = t[:, 1:, 4:4 + tiles] - prev_open[..., None]
-    ready = t[:, 1:, 4 + tiles:4 + 2 * tiles] - start[..., None]
+    issue = t[:, 1:, 4 : 4 + tiles] - prev_open[..., None]
+    ready = t[:, 1:, 4 + tiles : 4 + 2 * tiles] - start[..., None]
     med = lambda x: round(x.median().item(), 3)  # noqa: E731
     return dict(
         issue_after_prev_open=[med(issue[..., j]) for j in range(tiles)],
         ready_after_start=[med(ready[..., j]) for j in range(tiles)],
         start_after_prev_open=med(start - prev_open),
-        work=med(last_store - start), work_max=round((last_store - start).max().item(), 3),
-        barrier_wait=med(bar_open - last_store), delay=med(delay_end - bar_open),
-        layer=med(bar_open - prev_open))
+        work=med(last_store - start),
+        work_max=round((last_store - start).max().item(), 3),
+        barrier_wait=med(bar_open - last_store),
+        delay=med(delay_end - bar_open),
+        layer=med(bar_open - prev_open),
+    )
 
 
 def main() -> None:
@@ -59,9 +63,14 @@ def main() -> None:
     ap.add_argument("--shape", default="gate_up")
     ap.add_argument("--delay-us", type=float, nargs="*", default=[0.0, 5.0, 10.0])
     ap.add_argument("--stages", type=int, nargs="*", default=[6, 3])
-    ap.add_argument("--barriers", type=int, nargs="*", default=[1, 2, 0],
-                    help="stream_ws.py _grid_barrier modes: 1 release/acquire, 2 relaxed, 3 release/relaxed, "
-                         "4 relaxed/acquire; 0 none")
+    ap.add_argument(
+        "--barriers",
+        type=int,
+        nargs="*",
+        default=[1, 2, 0],
+        help="stream_ws.py _grid_barrier modes: 1 release/acquire, 2 relaxed, 3 release/relaxed, "
+        "4 relaxed/acquire; 0 none",
+    )
     ap.add_argument("--xpf", type=int, nargs="*", default=[0, 1, 2], help="stream_ws.py's XPF modes to run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/stream_trace.json"))
     args = ap.parse_args()
@@ -89,9 +98,30 @@ def main() -> None:
                     def run(traced: bool = False):
                         base = launches[0] * L * sms
                         launches[0] += 1
-                        stream_ws_kernel[(sms,)](w, x, y, bar, trace, base, int(delay_us * 1e-6 * clock), L, N=n, K=k,
-                                                 R=R, BK=BK, STAGES=stages, BARRIER=barrier, FENCE=False, ACC2D=True,
-                                                 SLEEP=False, num_warps=warps, maxnreg=256, XPF=xpf, TRACE=traced)
+                        stream_ws_kernel[(sms,)](
+                            w,
+                            x,
+                            y,
+                            bar,
+                            trace,
+                            base,
+                            int(delay_us * 1e-6 * clock),
+                            L,
+                            N=n,
+                            K=k,
+                            R=R,
+                            BK=BK,
+                            STAGES=stages,
+                            BARRIER=barrier,
+                            FENCE=False,
+                            ACC2D=True,
+                            SLEEP=False,
+                            num_warps=warps,
+                            maxnreg=256,
+                            XPF=xpf,
+                            TRACE=traced,
+                        )
+
                     bar.zero_()
                     y.zero_()
                     run()
@@ -100,17 +130,41 @@ def main() -> None:
                     t = time_launches(run, args.reps)
                     run(traced=True)
                     torch.cuda.synchronize()
-                    row = dict(stages=stages, barrier=barrier, delay_us=delay_us, xpf=xpf, us_per_layer=t / L * 1e6,
-                               err=err, **summarise(trace.cpu(), tiles))
+                    row = dict(
+                        stages=stages,
+                        barrier=barrier,
+                        delay_us=delay_us,
+                        xpf=xpf,
+                        us_per_layer=t / L * 1e6,
+                        err=err,
+                        **summarise(trace.cpu(), tiles),
+                    )
                     rows.append(row)
-                    print(f"S={stages} bar={barrier} delay={delay_us:4.1f} xpf={xpf}: {row['us_per_layer']:6.2f} µs/layer"
-                          f" (traced {row['layer']:6.2f}) work {row['work']:6.2f} (max {row['work_max']:6.2f})"
-                          f" bar.wait {row['barrier_wait']:5.2f} err {err:.1e}\n"
-                          f"   issue after prev open {row['issue_after_prev_open']}\n"
-                          f"   ready after start     {row['ready_after_start']}", flush=True)
+                    print(
+                        f"S={stages} bar={barrier} delay={delay_us:4.1f} xpf={xpf}: {row['us_per_layer']:6.2f} µs/layer"
+                        f" (traced {row['layer']:6.2f}) work {row['work']:6.2f} (max {row['work_max']:6.2f})"
+                        f" bar.wait {row['barrier_wait']:5.2f} err {err:.1e}\n"
+                        f"   issue after prev open {row['issue_after_prev_open']}\n"
+                        f"   ready after start     {row['ready_after_start']}",
+                        flush=True,
+                    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), sms=sms, layers=L, shape=args.shape,
-                                        R=R, BK=BK, warps=warps, sm_clock_ghz=clock / 1e9, rows=rows), indent=1))
+    args.out.write_text(
+        json.dumps(
+            dict(
+                device=torch.cuda.get_device_name(),
+                sms=sms,
+                layers=L,
+                shape=args.shape,
+                R=R,
+                BK=BK,
+                warps=warps,
+                sm_clock_ghz=clock / 1e9,
+                rows=rows,
+            ),
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
 
 

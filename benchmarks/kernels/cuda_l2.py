@@ -13,6 +13,7 @@ not (docs/perf.md, v16): the engine does not use this.
 torch exposes neither the limit nor the window; the functions return None or 0 where there is no
 CUDA driver.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,8 +31,13 @@ _CU_ACCESS_PROPERTY_NORMAL, _CU_ACCESS_PROPERTY_STREAMING, _CU_ACCESS_PROPERTY_P
 
 
 class _AccessPolicyWindow(ctypes.Structure):  # CUaccessPolicyWindow
-    _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t), ("hitRatio", ctypes.c_float),
-                ("hitProp", ctypes.c_int), ("missProp", ctypes.c_int)]
+    _fields_ = [
+        ("base_ptr", ctypes.c_void_p),
+        ("num_bytes", ctypes.c_size_t),
+        ("hitRatio", ctypes.c_float),
+        ("hitProp", ctypes.c_int),
+        ("missProp", ctypes.c_int),
+    ]
 
 
 class _LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes
@@ -41,6 +47,7 @@ class _LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes
 class L2Limits(NamedTuple):
     """What the device allows: its L2 size, the most of it that can be set aside for persisting
     accesses, and the longest access-policy window, in bytes."""
+
     l2_bytes: int
     max_persisting_bytes: int
     max_window_bytes: int
@@ -49,6 +56,7 @@ class L2Limits(NamedTuple):
 class AccessPolicyWindow(NamedTuple):
     """[base_ptr, base_ptr + num_bytes): a fraction hit_ratio of its lines accessed as persisting, the
     rest as ordinary accesses."""
+
     base_ptr: int
     num_bytes: int
     hit_ratio: float
@@ -81,8 +89,10 @@ def l2_limits(device: torch.device) -> L2Limits | None:
     handle = ctypes.c_int()
     _check(lib.cuDeviceGet(ctypes.byref(handle), ordinal), "cuDeviceGet")
     values = [torch.cuda.get_device_properties(ordinal).L2_cache_size]
-    for attribute in (_CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE,
-                      _CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE):
+    for attribute in (
+        _CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE,
+        _CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE,
+    ):
         value = ctypes.c_int()
         _check(lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, handle), "cuDeviceGetAttribute")
         values.append(value.value)
@@ -154,12 +164,17 @@ def set_graph_window(raw_graph: int, window: AccessPolicyWindow) -> int:
     number of kernel nodes. Instantiate the graph afterwards: an executable graph keeps the attributes
     its nodes had when it was instantiated."""
     value = _LaunchAttributeValue()
-    value.accessPolicyWindow = _AccessPolicyWindow(window.base_ptr, window.num_bytes, window.hit_ratio,
-                                                   _CU_ACCESS_PROPERTY_PERSISTING, _CU_ACCESS_PROPERTY_NORMAL)
+    value.accessPolicyWindow = _AccessPolicyWindow(
+        window.base_ptr, window.num_bytes, window.hit_ratio, _CU_ACCESS_PROPERTY_PERSISTING, _CU_ACCESS_PROPERTY_NORMAL
+    )
     nodes = _kernel_nodes(raw_graph)
     for node in nodes:
-        _check(_driver().cuGraphKernelNodeSetAttribute(node, _CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW,
-                                                       ctypes.byref(value)), "cuGraphKernelNodeSetAttribute")
+        _check(
+            _driver().cuGraphKernelNodeSetAttribute(
+                node, _CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW, ctypes.byref(value)
+            ),
+            "cuGraphKernelNodeSetAttribute",
+        )
     return len(nodes)
 
 
@@ -168,8 +183,12 @@ def graph_windows(raw_graph: int) -> list[AccessPolicyWindow]:
     out = []
     for node in _kernel_nodes(raw_graph):
         value = _LaunchAttributeValue()
-        _check(_driver().cuGraphKernelNodeGetAttribute(node, _CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW,
-                                                       ctypes.byref(value)), "cuGraphKernelNodeGetAttribute")
+        _check(
+            _driver().cuGraphKernelNodeGetAttribute(
+                node, _CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW, ctypes.byref(value)
+            ),
+            "cuGraphKernelNodeGetAttribute",
+        )
         w = value.accessPolicyWindow
         out.append(AccessPolicyWindow(w.base_ptr or 0, w.num_bytes, w.hitRatio))
     return out

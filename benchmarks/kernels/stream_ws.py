@@ -22,6 +22,7 @@ in full; the release arrival's fence costs ~1 µs per barrier and the acquire po
 Same maths as `bench_stream.py`: y[l] = W[l] x for L stacked [N, K] bf16 matrices.
 Compiled only through Gluon (`triton.experimental.gluon`), which the Triton interpreter does not run.
 """
+
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -36,12 +37,12 @@ TRACE_SLOTS = gl.constexpr(4 + 2 * TRACE_TILES.value)  # int64 words per (progra
 def _spin_cycles(cycles):
     """Busy-wait `cycles` SM clock cycles (a stand-in for a latency-bound phase)."""
     if cycles > 0:
-        t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [cycles], dtype=gl.int64, is_pure=False,
-                                       pack=1)
+        t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [cycles], dtype=gl.int64, is_pure=False, pack=1)
         t = t0
         while t - t0 < cycles:
-            t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [cycles], dtype=gl.int64,
-                                          is_pure=False, pack=1)
+            t = gl.inline_asm_elementwise(
+                "mov.u64 $0, %clock64;", "=l,r", [cycles], dtype=gl.int64, is_pure=False, pack=1
+            )
 
 
 @gluon.jit
@@ -49,12 +50,12 @@ def _sleep_cycles(cycles):
     """Wait `cycles` SM clock cycles mostly asleep (`nanosleep` in 200 ns steps): the warps issue
     almost nothing meanwhile, as warps stalled on memory would not."""
     if cycles > 0:
-        t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [cycles], dtype=gl.int64, is_pure=False,
-                                       pack=1)
+        t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [cycles], dtype=gl.int64, is_pure=False, pack=1)
         t = t0
         while t - t0 < cycles:
-            t = gl.inline_asm_elementwise("nanosleep.u32 200; mov.u64 $0, %clock64;", "=l,r", [cycles],
-                                          dtype=gl.int64, is_pure=False, pack=1)
+            t = gl.inline_asm_elementwise(
+                "nanosleep.u32 200; mov.u64 $0, %clock64;", "=l,r", [cycles], dtype=gl.int64, is_pure=False, pack=1
+            )
 
 
 @gluon.jit
@@ -80,8 +81,22 @@ def _grid_barrier(bar_ptr, target, MODE: gl.constexpr):
 
 
 @gluon.jit
-def _producer(w_desc, ring, ready, empty, trace_ptr, L, pid, P, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr,
-              BK: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr):
+def _producer(
+    w_desc,
+    ring,
+    ready,
+    empty,
+    trace_ptr,
+    L,
+    pid,
+    P,
+    N: gl.constexpr,
+    K: gl.constexpr,
+    R: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    TRACE: gl.constexpr,
+):
     """Every tile [R, BK] of this program's units, layer after layer, into the ring (one warp). TRACE: the
     issue time of each layer's first TRACE_TILES tiles into trace[pid, layer, 4 + j]."""
     KSTEPS: gl.constexpr = K // BK
@@ -97,15 +112,36 @@ def _producer(w_desc, ring, ready, empty, trace_ptr, L, pid, P, N: gl.constexpr,
             if j < TRACE_TILES:
                 gl.store(trace_ptr + (pid * L + layer) * TRACE_SLOTS + 4 + j, _now(j))
         mbarrier.expect(ready.index(s), R * BK * 2)
-        tma.async_copy_global_to_shared(w_desc, [layer * N + u * R, (j % KSTEPS) * BK], ready.index(s),
-                                        ring.index(s))
+        tma.async_copy_global_to_shared(w_desc, [layer * N + u * R, (j % KSTEPS) * BK], ready.index(s), ring.index(s))
 
 
 @gluon.jit
-def _consumer(x_ptr, y_ptr, bar_ptr, trace_ptr, base, delay, ring, ready, empty, L, pid, P, N: gl.constexpr,
-              K: gl.constexpr, R: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, BARRIER: gl.constexpr,
-              FENCE: gl.constexpr, ACC2D: gl.constexpr, SLEEP: gl.constexpr, XPF: gl.constexpr,
-              TRACE: gl.constexpr, num_warps: gl.constexpr):
+def _consumer(
+    x_ptr,
+    y_ptr,
+    bar_ptr,
+    trace_ptr,
+    base,
+    delay,
+    ring,
+    ready,
+    empty,
+    L,
+    pid,
+    P,
+    N: gl.constexpr,
+    K: gl.constexpr,
+    R: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    BARRIER: gl.constexpr,
+    FENCE: gl.constexpr,
+    ACC2D: gl.constexpr,
+    SLEEP: gl.constexpr,
+    XPF: gl.constexpr,
+    TRACE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """y[l, rows] = W[l, rows] x for this program's units, a grid barrier (and `delay` cycles) per layer.
     FENCE: a proxy fence between reading a slot and releasing it (the Gluon tutorials' advice; CUTLASS's
     TMA pipelines release without one). ACC2D: products accumulated elementwise over a unit's K steps and
@@ -145,8 +181,9 @@ def _consumer(x_ptr, y_ptr, bar_ptr, trace_ptr, base, delay, ring, ready, empty,
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
                 if TRACE:
                     if t * KSTEPS + kk < TRACE_TILES:
-                        gl.store(trace_ptr + (pid * L + layer) * TRACE_SLOTS + 4 + TRACE_TILES + t * KSTEPS + kk,
-                                 _now(kk))
+                        gl.store(
+                            trace_ptr + (pid * L + layer) * TRACE_SLOTS + 4 + TRACE_TILES + t * KSTEPS + kk, _now(kk)
+                        )
                 w = ring.index(s).load(layout)
                 if FENCE:
                     fence_async_shared()
@@ -174,23 +211,73 @@ def _consumer(x_ptr, y_ptr, bar_ptr, trace_ptr, base, delay, ring, ready, empty,
 
 
 @gluon.jit(do_not_specialize=["base", "delay"])
-def stream_ws_kernel(w_ptr, x_ptr, y_ptr, bar_ptr, trace_ptr, base, delay, L, N: gl.constexpr, K: gl.constexpr,
-                     R: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, BARRIER: gl.constexpr,
-                     FENCE: gl.constexpr, ACC2D: gl.constexpr, SLEEP: gl.constexpr, num_warps: gl.constexpr,
-                     XPF: gl.constexpr = 0, TRACE: gl.constexpr = False):
+def stream_ws_kernel(
+    w_ptr,
+    x_ptr,
+    y_ptr,
+    bar_ptr,
+    trace_ptr,
+    base,
+    delay,
+    L,
+    N: gl.constexpr,
+    K: gl.constexpr,
+    R: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    BARRIER: gl.constexpr,
+    FENCE: gl.constexpr,
+    ACC2D: gl.constexpr,
+    SLEEP: gl.constexpr,
+    num_warps: gl.constexpr,
+    XPF: gl.constexpr = 0,
+    TRACE: gl.constexpr = False,
+):
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    w_desc = tma.make_tensor_descriptor(w_ptr, shape=[L * N, K], strides=[K, 1], block_shape=[R, BK],
-                                        layout=smem_layout)
+    w_desc = tma.make_tensor_descriptor(
+        w_ptr, shape=[L * N, K], strides=[K, 1], block_shape=[R, BK], layout=smem_layout
+    )
     ring = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STAGES, R, BK], smem_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    gl.warp_specialize([
-        (_consumer, (x_ptr, y_ptr, bar_ptr, trace_ptr, base, delay, ring, ready, empty, L, pid, P, N, K, R, BK,
-                     STAGES, BARRIER, FENCE, ACC2D, SLEEP, XPF, TRACE, num_warps)),
-        (_producer, (w_desc, ring, ready, empty, trace_ptr, L, pid, P, N, K, R, BK, STAGES, TRACE)),
-    ], [1], [40])
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    x_ptr,
+                    y_ptr,
+                    bar_ptr,
+                    trace_ptr,
+                    base,
+                    delay,
+                    ring,
+                    ready,
+                    empty,
+                    L,
+                    pid,
+                    P,
+                    N,
+                    K,
+                    R,
+                    BK,
+                    STAGES,
+                    BARRIER,
+                    FENCE,
+                    ACC2D,
+                    SLEEP,
+                    XPF,
+                    TRACE,
+                    num_warps,
+                ),
+            ),
+            (_producer, (w_desc, ring, ready, empty, trace_ptr, L, pid, P, N, K, R, BK, STAGES, TRACE)),
+        ],
+        [1],
+        [40],
+    )

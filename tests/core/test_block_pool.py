@@ -1,4 +1,5 @@
 """BlockPool and KVCacheManager: free list, reference counts, prefix hits, LRU eviction. No torch."""
+
 import subprocess
 import sys
 
@@ -31,8 +32,10 @@ def holders(manager: KVCacheManager) -> dict[int, int]:
 
 
 def test_core_never_imports_torch():
-    code = ("import sys, tinyvllm.core.scheduler, tinyvllm.core.kv_cache_manager, tinyvllm.core.outputs;"
-            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    code = (
+        "import sys, tinyvllm.core.scheduler, tinyvllm.core.kv_cache_manager, tinyvllm.core.outputs;"
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -160,8 +163,14 @@ def test_lookup_reuses_the_previous_lookups_shared_blocks_and_agrees_with_a_full
     m = KVCacheManager(BlockPool(32), bs)
     base = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     computed_and_cached(m, "a", base)
-    for rid, tokens in (("b", base[:8] + [40]), ("c", base[:8] + [41, 42]), ("d", base[:5] + [50, 51, 52]),
-                        ("e", [1, 2, 3, 4, 5, 6, 7, 8]), ("f", [9, 9, 9]), ("g", base[:8] + [43])):
+    for rid, tokens in (
+        ("b", base[:8] + [40]),
+        ("c", base[:8] + [41, 42]),
+        ("d", base[:5] + [50, 51, 52]),
+        ("e", [1, 2, 3, 4, 5, 6, 7, 8]),
+        ("f", [9, 9, 9]),
+        ("g", base[:8] + [43]),
+    ):
         r = make_request(rid, tokens)
         hits = m.find_cached_prefix(r)
         fresh = make_request(rid, tokens)

@@ -1,5 +1,6 @@
 """Scheduler: token budget, decodes first, chunked prefill, preemption order, rejection, no leaks.
 The model is simulated: each sampled token is a fixed function of the request and its length."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,10 +13,10 @@ from tinyvllm.core.request import Request, RequestStatus
 from tinyvllm.core.scheduler import Scheduler
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256,
-                   caching=True) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             max_model_len=max_model_len)
+def make_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=True
+) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len)
     return Scheduler(config, KVCacheManager(BlockPool(num_blocks, caching), block_size))
 
 
@@ -75,7 +76,9 @@ def test_budget_and_chunked_prefill():
     assert [(q.request_id, q.num_new_tokens) for q in out.sequences] == [("long", 16)]
     out = run_step(s)  # last 8 tokens of "long", then "short" fits in the remaining 8
     assert [(q.request_id, q.num_new_tokens, q.sample) for q in out.sequences] == [
-        ("long", 8, True), ("short", 5, True)]
+        ("long", 8, True),
+        ("short", 5, True),
+    ]
     for o in drain(s):
         assert o.num_batched_tokens <= 16
 
@@ -171,8 +174,13 @@ def test_abort_frees_blocks_everywhere():
 
 def test_stop_rules():
     s = make_scheduler()
-    r = Request(request_id="x", prompt_token_ids=[1, 2, 3], max_tokens=10, min_tokens=2,
-                stop_token_ids=frozenset({fake_token("x", 3), fake_token("x", 4)}))
+    r = Request(
+        request_id="x",
+        prompt_token_ids=[1, 2, 3],
+        max_tokens=10,
+        min_tokens=2,
+        stop_token_ids=frozenset({fake_token("x", 3), fake_token("x", 4)}),
+    )
     s.add_request(r)
     drain(s)
     # The first token (sampled at length 3) is a stop token but min_tokens=2 holds; the second stops.
@@ -210,9 +218,14 @@ def test_random_schedules_keep_the_pool_consistent(data):
     num_blocks = data.draw(st.integers(8, 40))
     block_size = data.draw(st.sampled_from([1, 2, 3, 4]))
     budget = data.draw(st.integers(4, 40))
-    s = make_scheduler(num_blocks=num_blocks, block_size=block_size, budget=budget,
-                       max_num_seqs=data.draw(st.integers(1, 6)), max_model_len=num_blocks * block_size,
-                       caching=data.draw(st.booleans()))
+    s = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        budget=budget,
+        max_num_seqs=data.draw(st.integers(1, 6)),
+        max_model_len=num_blocks * block_size,
+        caching=data.draw(st.booleans()),
+    )
     prefixes = [[7] * 6, list(range(100, 110))]
     n = 0
     for _ in range(data.draw(st.integers(1, 40))):
@@ -220,8 +233,9 @@ def test_random_schedules_keep_the_pool_consistent(data):
         if action == "add":
             prefix = data.draw(st.sampled_from(prefixes))
             tail = data.draw(st.lists(st.integers(0, 50), max_size=12))
-            s.add_request(Request(request_id=f"r{n}", prompt_token_ids=prefix + tail,
-                                  max_tokens=data.draw(st.integers(1, 8))))
+            s.add_request(
+                Request(request_id=f"r{n}", prompt_token_ids=prefix + tail, max_tokens=data.draw(st.integers(1, 8)))
+            )
             n += 1
         elif action == "abort" and s.requests:
             s.finish_requests(data.draw(st.sampled_from(sorted(s.requests))), RequestStatus.FINISHED_ABORTED)
@@ -285,8 +299,15 @@ def run_pipelined(s: Scheduler) -> int:
 def test_pipelined_scheduling_gives_the_same_tokens(num_blocks):
     def make():
         s = make_scheduler(num_blocks=num_blocks, block_size=4, budget=24, max_model_len=28)
-        reqs = [Request(request_id=f"r{i}", prompt_token_ids=list(range(i, i + 3 + 2 * i)), max_tokens=6 + i,
-                        stop_token_ids=frozenset({999})) for i in range(5)]
+        reqs = [
+            Request(
+                request_id=f"r{i}",
+                prompt_token_ids=list(range(i, i + 3 + 2 * i)),
+                max_tokens=6 + i,
+                stop_token_ids=frozenset({999}),
+            )
+            for i in range(5)
+        ]
         for r in reqs:
             s.add_request(r)
         return s, reqs

@@ -8,6 +8,7 @@ stale rows are in the way, and (3) the runner's graph step with each "graph" run
 `last_sampled` hand-over, against the runner's eager path. (3) with the Triton backend needs the
 interpreter (the engine runs on the CPU here); on a GPU host the same property is checked on CUDA by
 tests/gpu/test_engine_gpu.py::test_decode_graphs_with_async_placeholders_equal_eager_fp32."""
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,8 @@ CPU = torch.device("cpu")
 # The CPU engine's Triton kernels run only in the interpreter (set by tests/conftest.py without CUDA).
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
-    reason="a CPU engine with Triton kernels needs TRITON_INTERPRET=1; on CUDA see tests/gpu/test_engine_gpu.py")
+    reason="a CPU engine with Triton kernels needs TRITON_INTERPRET=1; on CUDA see tests/gpu/test_engine_gpu.py",
+)
 
 
 def seq(rid: str, token: int, computed: int, blocks: list[int]) -> ScheduledSequence:
@@ -38,12 +40,27 @@ def seq(rid: str, token: int, computed: int, blocks: list[int]) -> ScheduledSequ
 
 def test_layout_is_aligned_and_starts_as_padding():
     arena = InputArena(5, 3, CPU)
-    tensors = [arena.input_ids, arena.positions, arena.slot_mapping, arena.placeholder_src, arena.seeds,
-               arena.temperatures, arena.seq_lens, arena.prefix_len, arena.block_tables, arena.row_index]
+    tensors = [
+        arena.input_ids,
+        arena.positions,
+        arena.slot_mapping,
+        arena.placeholder_src,
+        arena.seeds,
+        arena.temperatures,
+        arena.seq_lens,
+        arena.prefix_len,
+        arena.block_tables,
+        arena.row_index,
+    ]
     for t in tensors + [arena.copy_words, arena.sampled_ids]:
         assert t.data_ptr() % 16 == 0 and t.untyped_storage().data_ptr() == arena.buffer.data_ptr()
-    assert [t.dtype for t in tensors] == [torch.int64] * 5 + [torch.float32, torch.int32, torch.int32,
-                                                             torch.int32, torch.int64]
+    assert [t.dtype for t in tensors] == [torch.int64] * 5 + [
+        torch.float32,
+        torch.int32,
+        torch.int32,
+        torch.int32,
+        torch.int64,
+    ]
     assert arena.block_tables.shape == (5, 3) and arena.prefix_len.shape == (1,)
     assert arena.slot_mapping.tolist() == [-1] * 5 and arena.placeholder_src.tolist() == [-1] * 5
     assert arena.row_index.tolist() == list(range(5))
@@ -79,17 +96,28 @@ def _steps() -> list[tuple[SchedulerOutput, dict[str, int] | None, int]]:
     e = seq("e", PLACEHOLDER, 5, [80, 81])
     return [
         (SchedulerOutput([a, b, c, d, e], 5), {"a": 3, "c": 0, "e": 4, "x": 1}, 8),
-        (SchedulerOutput([seq("a", PLACEHOLDER, 14, shared + [60]), seq("c", 8, 13, shared + [62])], 2),
-         {"a": 1, "c": 0}, 2),  # both rows share 3 blocks: cascade
-        (SchedulerOutput([seq("e", PLACEHOLDER, 6, [80, 81]), seq("d", 3, 3, [70])], 2,
-                         released_request_ids=frozenset({"a", "b", "c"})), {"e": 0}, 4),
+        (
+            SchedulerOutput([seq("a", PLACEHOLDER, 14, shared + [60]), seq("c", 8, 13, shared + [62])], 2),
+            {"a": 1, "c": 0},
+            2,
+        ),  # both rows share 3 blocks: cascade
+        (
+            SchedulerOutput(
+                [seq("e", PLACEHOLDER, 6, [80, 81]), seq("d", 3, 3, [70])],
+                2,
+                released_request_ids=frozenset({"a", "b", "c"}),
+            ),
+            {"e": 0},
+            4,
+        ),
         (SchedulerOutput([seq("d", PLACEHOLDER, 4, [70, 71])], 1), {"d": 1}, 1),
     ]
 
 
 def _builder() -> StepInputBuilder:
-    return StepInputBuilder(block_size=BS, max_num_batched_tokens=32, max_num_seqs=8, max_blocks_per_seq=6,
-                            device=CPU, cascade=(2, 4, 4))
+    return StepInputBuilder(
+        block_size=BS, max_num_batched_tokens=32, max_num_seqs=8, max_blocks_per_seq=6, device=CPU, cascade=(2, 4, 4)
+    )
 
 
 def test_arena_packing_equals_the_ordinary_packing():
@@ -105,9 +133,10 @@ def test_arena_packing_equals_the_ordinary_packing():
         host = hosts[step % 2]
         device.buffer.fill_(0xA5)  # garbage: whatever the step needs must come from its one copy
         device.row_index.copy_(torch.arange(8))
-        got = packer.build(sched, pad_decodes_to=bucket, prev_sample_index=prev_index, host_arena=host,
-                           device_arena=device)
-        device.buffer[:got.arena_bytes].copy_(host.buffer[:got.arena_bytes])
+        got = packer.build(
+            sched, pad_decodes_to=bucket, prev_sample_index=prev_index, host_arena=host, device_arena=device
+        )
+        device.buffer[: got.arena_bytes].copy_(host.buffer[: got.arena_bytes])
         D = len(sched.sequences)
         m, wm = got.meta, want.meta
         assert got.num_decodes == want.num_decodes == D and m.num_decode_tokens == bucket
@@ -124,16 +153,18 @@ def test_arena_packing_equals_the_ordinary_packing():
         assert m.decode_block_tables[:D, :width].tolist() == wm.decode_block_tables.tolist()
         assert m.max_decode_seq_len == wm.max_decode_seq_len
         assert got.logits_indices.tolist() == want.logits_indices.tolist() == list(range(D))
-        assert got.sample_order == want.sample_order and [s.request_id for s in got.sampled] == \
-            [s.request_id for s in want.sampled]
+        assert got.sample_order == want.sample_order and [s.request_id for s in got.sampled] == [
+            s.request_id for s in want.sampled
+        ]
         # Placeholder sources: a dense column (−1 elsewhere) instead of (rows, sources).
         src = [-1] * bucket
         if want.placeholder_rows is not None:
             for r, s in zip(want.placeholder_rows.tolist(), want.placeholder_src.tolist()):
                 src[r] = s
         assert device.placeholder_src[:bucket].tolist() == src
-        assert got.placeholder_rows is None and got.num_placeholders == want.num_placeholders == \
-            sum(s >= 0 for s in src)
+        assert got.placeholder_rows is None and got.num_placeholders == want.num_placeholders == sum(
+            s >= 0 for s in src
+        )
         # Cascade prefix: the same length, in the arena and as the host value.
         want_prefix = 0 if wm.decode_prefix_len is None else int(wm.decode_prefix_len)
         assert got.prefix_len == want.prefix_len == want_prefix
@@ -191,29 +222,55 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _llm(model_dir, backend: str, graphs: bool, max_model_len: int = 64,
-         max_num_batched_tokens: int = 16, io_max_rows: int = 0,
-         sample_in_lm_head: bool = True) -> tuple[LLM, _EagerGraphs | None]:
-    llm = LLM(model=str(model_dir), device="cpu", max_model_len=max_model_len, block_size=4,
-              kernel_backend=backend, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
-              async_scheduling=True)
+def _llm(
+    model_dir,
+    backend: str,
+    graphs: bool,
+    max_model_len: int = 64,
+    max_num_batched_tokens: int = 16,
+    io_max_rows: int = 0,
+    sample_in_lm_head: bool = True,
+) -> tuple[LLM, _EagerGraphs | None]:
+    llm = LLM(
+        model=str(model_dir),
+        device="cpu",
+        max_model_len=max_model_len,
+        block_size=4,
+        kernel_backend=backend,
+        max_num_seqs=8,
+        max_num_batched_tokens=max_num_batched_tokens,
+        async_scheduling=True,
+    )
     runner = llm.llm_engine.runner
     if not graphs:
         return llm, None
     sizes = graph_batch_sizes(8)
-    runner.graphs = _EagerGraphs(runner.model, runner.kv_caches, batch_sizes=sizes,
-                                 max_blocks_per_seq=runner.builder.tables.max_blocks_per_seq,
-                                 max_seq_len=max_model_len,
-                                 device=CPU, resolve_placeholders=runner.ops.resolve_placeholders,
-                                 max_num_seqs=8, cascade_batch_sizes=sizes, sample_in_graph=backend == "triton",
-                                 io_max_rows=io_max_rows, sample_in_lm_head=sample_in_lm_head)
+    runner.graphs = _EagerGraphs(
+        runner.model,
+        runner.kv_caches,
+        batch_sizes=sizes,
+        max_blocks_per_seq=runner.builder.tables.max_blocks_per_seq,
+        max_seq_len=max_model_len,
+        device=CPU,
+        resolve_placeholders=runner.ops.resolve_placeholders,
+        max_num_seqs=8,
+        cascade_batch_sizes=sizes,
+        sample_in_graph=backend == "triton",
+        io_max_rows=io_max_rows,
+        sample_in_lm_head=sample_in_lm_head,
+    )
     return llm, runner.graphs
 
 
-@pytest.mark.parametrize("backend,io,lm_head", [pytest.param("triton", 0, True, marks=needs_interpreter),
-                                                pytest.param("triton", 8, True, marks=needs_interpreter),
-                                                pytest.param("triton", 8, False, marks=needs_interpreter),
-                                                ("torch", 0, True)])
+@pytest.mark.parametrize(
+    "backend,io,lm_head",
+    [
+        pytest.param("triton", 0, True, marks=needs_interpreter),
+        pytest.param("triton", 8, True, marks=needs_interpreter),
+        pytest.param("triton", 8, False, marks=needs_interpreter),
+        ("torch", 0, True),
+    ],
+)
 def test_graph_steps_equal_eager_steps(model_dir, backend, io, lm_head):
     """Async scheduling (placeholder inputs every decode): batch-1 greedy, then a mixed batch (greedy,
     seeded temperature, a seeded top-p row for the full sampler, a logprobs row), through the graph
@@ -224,10 +281,12 @@ def test_graph_steps_equal_eager_steps(model_dir, backend, io, lm_head):
     write; the mixed batch's top-p row sends its step through the full sampler and the runner's copy).
     `lm_head`: the graphs' sampler inside the LM head's product (else its own kernels after it)."""
     alone = ([3, 14, 15, 92, 65], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    mixed = [alone,
-             ([9, 8, 7], SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True)),
-             ([1, 2], SamplingParams(temperature=1.0, top_p=0.7, seed=11, max_tokens=4, ignore_eos=True)),
-             ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, logprobs=2, max_tokens=3, ignore_eos=True))]
+    mixed = [
+        alone,
+        ([9, 8, 7], SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True)),
+        ([1, 2], SamplingParams(temperature=1.0, top_p=0.7, seed=11, max_tokens=4, ignore_eos=True)),
+        ([5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, logprobs=2, max_tokens=3, ignore_eos=True)),
+    ]
     results = {}
     for graphs in (False, True):
         llm, fake = _llm(model_dir, backend, graphs, io_max_rows=io, sample_in_lm_head=lm_head)
@@ -257,8 +316,7 @@ def test_cascade_graph_step_equals_eager(model_dir, io):
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     results = {}
     for graphs in (False, True):
-        llm, fake = _llm(model_dir, "triton", graphs, max_model_len=96, max_num_batched_tokens=256,
-                         io_max_rows=io)
+        llm, fake = _llm(model_dir, "triton", graphs, max_model_len=96, max_num_batched_tokens=256, io_max_rows=io)
         llm.llm_engine.runner.builder.cascade = (2, 64, 64)
         used = record_cascade_prefixes(llm.llm_engine.runner.builder)
         results[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -1,4 +1,5 @@
 """The offline API's contract: input forms, output order, n, seeds, stops, logprobs, errors."""
+
 from __future__ import annotations
 
 import math
@@ -68,11 +69,12 @@ def test_stop_strings_cut_the_text(llm):
     assert len(full) > 6
     stop = full[3:6]
     cut = llm.generate("The", greedy.replace(stop=[stop]), use_tqdm=False)[0].outputs[0]
-    assert cut.text == full[:full.index(stop)]
+    assert cut.text == full[: full.index(stop)]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
-    kept = llm.generate("The", greedy.replace(stop=[stop], include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
-    assert kept.text == full[:full.index(stop) + len(stop)]
+    kept = llm.generate("The", greedy.replace(stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[0].outputs[
+        0
+    ]
+    assert kept.text == full[: full.index(stop) + len(stop)]
 
 
 def test_stop_token_ids_and_min_tokens(llm):
@@ -81,7 +83,7 @@ def test_stop_token_ids_and_min_tokens(llm):
     target = ids[4]
     first = ids.index(target)
     out = llm.generate("The", greedy.replace(stop_token_ids=[target]), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason == target
+    assert out.token_ids == ids[: first + 1] and out.finish_reason == "stop" and out.stop_reason == target
 
 
 def test_eos_from_generation_config_stops_unless_ignored(llm, model_dir, tmp_path):
@@ -100,7 +102,7 @@ def test_eos_from_generation_config_stops_unless_ignored(llm, model_dir, tmp_pat
     gen_path.write_text(json.dumps(gen))
     other = LLM(model=str(tmp_path / "m"), device="cpu", max_model_len=256)
     out = other.generate("The", greedy.replace(ignore_eos=False), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    assert out.token_ids == ids[: first + 1] and out.finish_reason == "stop" and out.stop_reason is None
     assert out.text == other.get_tokenizer().decode(ids[:first])  # the EOS token's text is not emitted
     assert other.generate("The", greedy, use_tqdm=False)[0].outputs[0].token_ids == ids
     # min_tokens holds EOS back: it is banned until 5 tokens are out.
@@ -140,8 +142,9 @@ def test_logprobs_match_a_float64_softmax(llm, model_dir):
 def test_too_long_prompt_fails_alone(llm):
     ok = "short prompt"
     too_long = {"prompt_token_ids": [1] * 300}
-    outs = llm.generate([ok, too_long, ok], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [ok, too_long, ok], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
     assert outs[1].error and "at most 255" in outs[1].error
     assert outs[1].outputs[0].finish_reason == "error" and outs[1].outputs[0].token_ids == []
     assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 3
@@ -187,14 +190,23 @@ def test_async_scheduling_gives_the_same_outputs(model_dir, blocks):
     """Overlapping step N+1's scheduling with step N (placeholders for in-flight tokens) changes
     nothing: greedy, seeded sampling, stop strings and n, with and without preemption."""
     prompts = ["The list type", "Once upon a time there", "x", "a b c d e f g h i j k l"]
-    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=17, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=25, stop=["e"], ignore_eos=True),
-              SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=12, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=25, stop=["e"], ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=12, ignore_eos=True),
+    ]
     results = []
     for async_scheduling in (False, True):
-        llm = LLM(model=str(model_dir), device="cpu", max_model_len=48, block_size=4,
-                  num_gpu_blocks_override=blocks, max_num_batched_tokens=16, async_scheduling=async_scheduling)
+        llm = LLM(
+            model=str(model_dir),
+            device="cpu",
+            max_model_len=48,
+            block_size=4,
+            num_gpu_blocks_override=blocks,
+            max_num_batched_tokens=16,
+            async_scheduling=async_scheduling,
+        )
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([[(o.token_ids, o.text, o.finish_reason) for o in out.outputs] for out in outs])
         m = llm.get_metrics()
@@ -212,8 +224,15 @@ def test_triton_backend_matches_torch_backend(model_dir):
     outs = {}
     for backend, fused in (("torch", True), ("triton", True), ("triton", False)):
         # max_num_batched_tokens 8: every step is small enough for the fused matrix-vector path
-        llm = LLM(model=str(model_dir), device="cpu", max_model_len=64, block_size=4, kernel_backend=backend,
-                  max_num_batched_tokens=8, fused_gemv=fused)
+        llm = LLM(
+            model=str(model_dir),
+            device="cpu",
+            max_model_len=64,
+            block_size=4,
+            kernel_backend=backend,
+            max_num_batched_tokens=8,
+            fused_gemv=fused,
+        )
         outs[backend, fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["triton", True] == outs["torch", True] == outs["triton", False]
 
@@ -228,8 +247,7 @@ def test_prefix_shared_within_one_step(model_dir):
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     outs = {}
     for caching in (True, False):
-        llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_model_len=64,
-                  enable_prefix_caching=caching)
+        llm = LLM(model=str(model_dir), device="cpu", block_size=4, max_model_len=64, enable_prefix_caching=caching)
         res = llm.generate(prompts, p, use_tqdm=False)
         outs[caching] = [o.outputs[0].token_ids for o in res]
         if caching:
@@ -266,18 +284,33 @@ def test_fused_sampler_seeded_rows_ignore_batch_changes(model_dir):
     equals A beside a greedy request that finishes after 2 tokens (the rows change mid-run), an unseeded
     one, one under min_tokens and one with top-p and logprobs: those two take the full sampler (the
     latter for every step, the former until its min_tokens), which must not move A to it."""
-    llm = LLM(model=str(model_dir), device="cpu", max_model_len=64, block_size=4, kernel_backend="triton",
-              max_num_batched_tokens=64)
-    a = ({"prompt_token_ids": [3, 14, 15, 92, 65]}, SamplingParams(temperature=0.8, seed=5, max_tokens=7,
-                                                                     ignore_eos=True))
-    others = [({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)),
-              ({"prompt_token_ids": [7, 7]}, SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)),
-              ({"prompt_token_ids": [9, 8, 7, 6]}, SamplingParams(temperature=0.8, max_tokens=5, min_tokens=3)),
-              ({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0.9, top_p=0.8, max_tokens=6, logprobs=2,
-                                                            ignore_eos=True))]
+    llm = LLM(
+        model=str(model_dir),
+        device="cpu",
+        max_model_len=64,
+        block_size=4,
+        kernel_backend="triton",
+        max_num_batched_tokens=64,
+    )
+    a = (
+        {"prompt_token_ids": [3, 14, 15, 92, 65]},
+        SamplingParams(temperature=0.8, seed=5, max_tokens=7, ignore_eos=True),
+    )
+    others = [
+        ({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)),
+        ({"prompt_token_ids": [7, 7]}, SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)),
+        ({"prompt_token_ids": [9, 8, 7, 6]}, SamplingParams(temperature=0.8, max_tokens=5, min_tokens=3)),
+        (
+            {"prompt_token_ids": [5, 6]},
+            SamplingParams(temperature=0.9, top_p=0.8, max_tokens=6, logprobs=2, ignore_eos=True),
+        ),
+    ]
     alone = llm.generate([a[0]], [a[1]], use_tqdm=False)[0].outputs[0].token_ids
-    mixed = llm.generate([o[0] for o in others[:1]] + [a[0]] + [o[0] for o in others[1:]],
-                         [o[1] for o in others[:1]] + [a[1]] + [o[1] for o in others[1:]], use_tqdm=False)
+    mixed = llm.generate(
+        [o[0] for o in others[:1]] + [a[0]] + [o[0] for o in others[1:]],
+        [o[1] for o in others[:1]] + [a[1]] + [o[1] for o in others[1:]],
+        use_tqdm=False,
+    )
     assert len(alone) == 7 and mixed[1].outputs[0].token_ids == alone
     assert len(mixed[0].outputs[0].token_ids) == 2
     assert len(mixed[3].outputs[0].token_ids) >= 3
@@ -296,8 +329,9 @@ def test_cascade_attention_in_the_engine_equals_the_torch_backend(model_dir):
 
     outs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model=str(model_dir), device="cpu", max_model_len=128, kernel_backend=backend,
-                  max_num_batched_tokens=512)
+        llm = LLM(
+            model=str(model_dir), device="cpu", max_model_len=128, kernel_backend=backend, max_num_batched_tokens=512
+        )
         builder = llm.llm_engine.runner.builder
         if backend == "triton":
             assert builder.cascade is not None

@@ -275,7 +275,9 @@ def test_penalty_rows_as_arrays_equal_lists():
     p = SamplingParams(repetition_penalty=1.7, frequency_penalty=0.3, presence_penalty=-0.4)
     prompts, outputs = [[1, 2, 2], [], [19]], [[2, 5, 5, 5], [0], []]
     as_lists = [SamplingRow(p, pr, out) for pr, out in zip(prompts, outputs)]
-    as_arrays = [SamplingRow(p, array.array("q", pr), np.array(out, dtype=np.int64)) for pr, out in zip(prompts, outputs)]
+    as_arrays = [
+        SamplingRow(p, array.array("q", pr), np.array(out, dtype=np.int64)) for pr, out in zip(prompts, outputs)
+    ]
     a = apply_penalties(logits.clone(), SamplingTensors.from_rows(as_lists, 20, CPU))
     b = apply_penalties(logits.clone(), SamplingTensors.from_rows(as_arrays, 20, CPU))
     assert torch.equal(a, b) and not torch.equal(a, logits)

@@ -106,12 +106,18 @@ def test_engine_seeded_request_ignores_its_batch_on_cuda(tmp_path):
     # an explicit KV-cache budget: sized from free memory (gpu_memory_utilization), the cache raced the
     # other test processes sharing the GPU (pytest -n 8) and ran out of memory
     llm = LLM(model=str(tmp_path), device="cuda", max_model_len=128, dtype="float32", kv_cache_memory_bytes=1 << 28)
-    a = ({"prompt_token_ids": [3, 14, 15, 92, 65]}, SamplingParams(temperature=0.8, seed=5, max_tokens=12,
-                                                                     ignore_eos=True))
-    others = [({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)),
-              ({"prompt_token_ids": [9, 8, 7]}, SamplingParams(temperature=0.8, max_tokens=8, min_tokens=4)),
-              ({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0.9, top_p=0.8, max_tokens=12,
-                                                            logprobs=2, ignore_eos=True))]
+    a = (
+        {"prompt_token_ids": [3, 14, 15, 92, 65]},
+        SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True),
+    )
+    others = [
+        ({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)),
+        ({"prompt_token_ids": [9, 8, 7]}, SamplingParams(temperature=0.8, max_tokens=8, min_tokens=4)),
+        (
+            {"prompt_token_ids": [5, 6]},
+            SamplingParams(temperature=0.9, top_p=0.8, max_tokens=12, logprobs=2, ignore_eos=True),
+        ),
+    ]
     alone = llm.generate([a[0]], [a[1]], use_tqdm=False)[0].outputs[0].token_ids
     mixed = llm.generate([a[0]] + [o[0] for o in others], [a[1]] + [o[1] for o in others], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone
@@ -128,17 +134,25 @@ def test_engine_sampler_in_decode_graph_equals_eager_on_cuda(tmp_path):
     from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 
     write_dummy_checkpoint(tmp_path, make_config("tiny"), seed=4, init_std=0.1, dtype="float32")
-    reqs = [({"prompt_token_ids": [3, 14, 15, 92, 65]}, SamplingParams(temperature=0.8, seed=5, max_tokens=16,
-                                                                         ignore_eos=True)),
-            ({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
-            ({"prompt_token_ids": [9, 8, 7]}, SamplingParams(temperature=1.3, seed=11, max_tokens=9,
-                                                               ignore_eos=True)),
-            ({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0, max_tokens=16, logprobs=2,
-                                                            ignore_eos=True))]
+    reqs = [
+        (
+            {"prompt_token_ids": [3, 14, 15, 92, 65]},
+            SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True),
+        ),
+        ({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
+        ({"prompt_token_ids": [9, 8, 7]}, SamplingParams(temperature=1.3, seed=11, max_tokens=9, ignore_eos=True)),
+        ({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)),
+    ]
     got = {}
     for eager in (True, False):
-        llm = LLM(model=str(tmp_path), device="cuda", max_model_len=128, dtype="float32", enforce_eager=eager,
-                  kv_cache_memory_bytes=1 << 28)
+        llm = LLM(
+            model=str(tmp_path),
+            device="cuda",
+            max_model_len=128,
+            dtype="float32",
+            enforce_eager=eager,
+            kv_cache_memory_bytes=1 << 28,
+        )
         runner = llm.llm_engine.runner
         assert (runner.graphs is None) == eager and (eager or runner.graphs.sample_in_graph)
         alone = llm.generate([reqs[0][0]], [reqs[0][1]], use_tqdm=False)[0].outputs[0].token_ids

@@ -1,5 +1,6 @@
 """LLMEngine.step_deltas() against an independent reference: `encode_outputs(step())` of a second,
 identical engine fed the same commands, step by step, for randomized mixes of requests."""
+
 from __future__ import annotations
 
 import random
@@ -26,18 +27,32 @@ def model_dir(tmp_path_factory):
 
 def _engine(model_dir, async_scheduling: bool) -> LLMEngine:
     # Few KV blocks (12 x 16 tokens) for a dozen live requests: preemptions and recomputation happen.
-    return LLMEngine(EngineArgs(model=str(model_dir), device="cpu", max_model_len=MAX_MODEL_LEN,
-                                num_gpu_blocks_override=12, max_num_batched_tokens=128, max_num_seqs=12,
-                                async_scheduling=async_scheduling, seed=3))
+    return LLMEngine(
+        EngineArgs(
+            model=str(model_dir),
+            device="cpu",
+            max_model_len=MAX_MODEL_LEN,
+            num_gpu_blocks_override=12,
+            max_num_batched_tokens=128,
+            max_num_seqs=12,
+            async_scheduling=async_scheduling,
+            seed=3,
+        )
+    )
 
 
 def _params(rng: random.Random, vocab: int) -> SamplingParams:
     """Mostly what `tinyvllm serve` sends its core (DELTA, token ids only); some engine-text ones."""
     token_ids_only = rng.random() < 0.7
-    fields = dict(n=rng.choice([1, 1, 2]), max_tokens=rng.randint(1, 24), min_tokens=rng.choice([0, 0, 3]),
-                  ignore_eos=rng.random() < 0.5, logprobs=rng.choice([None, None, 0, 2]),
-                  # a twentieth of the vocabulary: some requests stop on one
-                  stop_token_ids=rng.sample(range(vocab), vocab // 20) if rng.random() < 0.4 else [])
+    fields = dict(
+        n=rng.choice([1, 1, 2]),
+        max_tokens=rng.randint(1, 24),
+        min_tokens=rng.choice([0, 0, 3]),
+        ignore_eos=rng.random() < 0.5,
+        logprobs=rng.choice([None, None, 0, 2]),
+        # a twentieth of the vocabulary: some requests stop on one
+        stop_token_ids=rng.sample(range(vocab), vocab // 20) if rng.random() < 0.4 else [],
+    )
     if fields["n"] == 1 and rng.random() < 0.5:  # greedy (n must be 1 then)
         fields.update(temperature=0.0)
     else:
@@ -106,16 +121,23 @@ def test_step_deltas_equal_encoded_step_outputs(model_dir, seed, async_schedulin
     assert not fast.has_unfinished_requests()
     assert fast.get_metrics() == reference.get_metrics()
     # The mix really exercised what it is meant to.
-    assert seen["tokens"] > 100 and seen["finished"] > 10 and seen["logprobs"] and seen["n2"] \
-        and seen["cached"] and seen["errors"], seen
+    assert (
+        seen["tokens"] > 100
+        and seen["finished"] > 10
+        and seen["logprobs"]
+        and seen["n2"]
+        and seen["cached"]
+        and seen["errors"]
+    ), seen
 
 
 def test_pending_rejection_and_first_token_time(model_dir):
     """A rejected request's Delta comes out of the next step_deltas(); token-id requests still get
     their first-token time recorded."""
     engine = _engine(model_dir, False)
-    params = SamplingParams(output_kind=RequestOutputKind.DELTA, detokenize=False, max_tokens=2,
-                            temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        output_kind=RequestOutputKind.DELTA, detokenize=False, max_tokens=2, temperature=0.0, ignore_eos=True
+    )
     engine.add_request("long", list(range(MAX_MODEL_LEN + 1)), params)
     engine.add_request("ok", [1, 2, 3], params)
     request = engine._sequences["ok"].request

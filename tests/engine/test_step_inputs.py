@@ -1,6 +1,7 @@
 """StepInputBuilder's packing: every tensor handed to the kernels starts on a 16-byte boundary (Triton
 specialises pointer arguments on it: an unaligned view in one step and an aligned one in the next would
 compile a second kernel variant mid-run), and the packed values are the hand-computed ones."""
+
 import torch
 
 from tinyvllm.core.outputs import PLACEHOLDER, ScheduledSequence, SchedulerOutput
@@ -14,8 +15,9 @@ def seq(rid: str, tokens: list[int], computed: int, blocks: list[int], sample: b
 
 
 def test_regions_are_16_byte_aligned_and_values_hand_computed():
-    builder = StepInputBuilder(block_size=BS, max_num_batched_tokens=64, max_num_seqs=8, max_blocks_per_seq=8,
-                               device=torch.device("cpu"))
+    builder = StepInputBuilder(
+        block_size=BS, max_num_batched_tokens=64, max_num_seqs=8, max_blocks_per_seq=8, device=torch.device("cpu")
+    )
     for n_dec in range(0, 4):  # odd and even counts of every region
         for chunk in (2, 3, 5):
             decodes = [seq(f"d{i}", [PLACEHOLDER if i == 1 else 7 + i], 5 + i, [10 + i, 20 + i]) for i in range(n_dec)]
@@ -23,9 +25,17 @@ def test_regions_are_16_byte_aligned_and_values_hand_computed():
             sched = SchedulerOutput(decodes + [prefill], n_dec + chunk)
             inputs = builder.build(sched, prev_sample_index={"d1": 6})
             m = inputs.meta
-            tensors = [inputs.input_ids, inputs.positions, inputs.logits_indices, m.slot_mapping,
-                       m.decode_seq_lens, m.decode_block_tables, m.prefill_cu_seqlens_q, m.prefill_seq_lens,
-                       m.prefill_block_tables]
+            tensors = [
+                inputs.input_ids,
+                inputs.positions,
+                inputs.logits_indices,
+                m.slot_mapping,
+                m.decode_seq_lens,
+                m.decode_block_tables,
+                m.prefill_cu_seqlens_q,
+                m.prefill_seq_lens,
+                m.prefill_block_tables,
+            ]
             if inputs.placeholder_rows is not None:
                 tensors += [inputs.placeholder_rows, inputs.placeholder_src]
             for t in tensors:
@@ -54,8 +64,8 @@ def test_shared_prefix_len_hand_computed():
     rows = np.array([0, 1, 2])
     # blocks of 4 keys; rows share 3 blocks (12 keys); the shortest row has 13 keys, so 3 blocks are usable.
     assert shared_prefix_len(table, rows, np.array([20, 13, 17]), 4, 4) == 12
-    assert shared_prefix_len(table, rows, np.array([20, 13, 17]), 4, 8) == 8    # rounded down to 8
-    assert shared_prefix_len(table, rows, np.array([20, 12, 17]), 4, 4) == 8    # 12 keys: its last is own
+    assert shared_prefix_len(table, rows, np.array([20, 13, 17]), 4, 8) == 8  # rounded down to 8
+    assert shared_prefix_len(table, rows, np.array([20, 12, 17]), 4, 4) == 8  # 12 keys: its last is own
     assert shared_prefix_len(table, np.array([0, 2]), np.array([20, 20]), 4, 4) == 16
     assert shared_prefix_len(table, np.array([0, 3]), np.array([20, 20]), 4, 4) == 0
     assert shared_prefix_len(table, rows, np.array([1, 20, 20]), 4, 4) == 0

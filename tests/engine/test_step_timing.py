@@ -1,4 +1,5 @@
 """The engine's step timing: one record per step with the batch it launched; the summary's arithmetic."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,10 +10,12 @@ from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 
 
 def test_summary_by_step_kind_hand_computed():
-    log = [StepRecord(300, 2, 0.001, 0.002, 0.003, 0.0),   # prefill tokens: host 6 ms, no wait
-           StepRecord(4, 4, 0.001, 0.001, 0.001, 0.002),   # decode: host 3 ms, wait 2 ms
-           StepRecord(4, 4, 0.001, 0.001, 0.002, 0.0),     # decode: host 4 ms, host-bound
-           StepRecord(0, 0, 0.0, 0.0, 0.001, 0.001)]       # launched nothing
+    log = [
+        StepRecord(300, 2, 0.001, 0.002, 0.003, 0.0),  # prefill tokens: host 6 ms, no wait
+        StepRecord(4, 4, 0.001, 0.001, 0.001, 0.002),  # decode: host 3 ms, wait 2 ms
+        StepRecord(4, 4, 0.001, 0.001, 0.002, 0.0),  # decode: host 4 ms, host-bound
+        StepRecord(0, 0, 0.0, 0.0, 0.001, 0.001),
+    ]  # launched nothing
     s = summarize(log)
     assert s["prefill"]["steps"] == 1 and s["prefill"]["mean_ms"]["host"] == pytest.approx(6.0)
     d = s["decode"]

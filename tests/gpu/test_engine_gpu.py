@@ -7,6 +7,7 @@ the reference is confident beyond that noise. Greedy continuations are compared 
 the first difference, where each side's token must be in the other's top 5.
 Exact equality is asserted in float32 (TF32 off), where batching and preemption must change nothing.
 """
+
 from __future__ import annotations
 
 import random
@@ -37,8 +38,14 @@ def hf_model(ckpt, dtype):
 
 
 def engine(ckpt, dtype: str, **kw) -> LLM:
-    return LLM(model=str(ckpt), device="cuda", dtype=dtype, kv_cache_memory_bytes=kw.pop("kv", 4 << 30),
-               max_model_len=kw.pop("max_model_len", 4096), **kw)
+    return LLM(
+        model=str(ckpt),
+        device="cuda",
+        dtype=dtype,
+        kv_cache_memory_bytes=kw.pop("kv", 4 << 30),
+        max_model_len=kw.pop("max_model_len", 4096),
+        **kw,
+    )
 
 
 @torch.no_grad()
@@ -68,9 +75,11 @@ def test_teacher_forced_logits_bf16(ckpt):
     agree_hf = (theirs.argmax(-1) == ref.argmax(-1))[confident].float().mean().item()
     overall_ours = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
     overall_hf = (theirs.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"\nbf16 vs fp32 oracle: rel err ours {rel_ours:.4f} hf {rel_hf:.4f}; top-1 on {int(confident.sum())} "
-          f"confident positions ours {agree_ours:.3f} hf {agree_hf:.3f}; overall ours {overall_ours:.3f} "
-          f"hf {overall_hf:.3f}")
+    print(
+        f"\nbf16 vs fp32 oracle: rel err ours {rel_ours:.4f} hf {rel_hf:.4f}; top-1 on {int(confident.sum())} "
+        f"confident positions ours {agree_ours:.3f} hf {agree_hf:.3f}; overall ours {overall_ours:.3f} "
+        f"hf {overall_hf:.3f}"
+    )
     assert rel_ours <= 2 * rel_hf + 1e-3
     assert confident.sum() >= 100
     assert agree_ours >= 0.99
@@ -84,8 +93,9 @@ def test_greedy_fp32_batched_and_preempted_equals_alone_and_hf(ckpt):
     alone = [llm.generate({"prompt_token_ids": p}, greedy, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
     del llm
     torch.cuda.empty_cache()
-    tight = engine(ckpt, "float32", num_gpu_blocks_override=60, max_model_len=960, block_size=16,
-                   max_num_batched_tokens=128)
+    tight = engine(
+        ckpt, "float32", num_gpu_blocks_override=60, max_model_len=960, block_size=16, max_num_batched_tokens=128
+    )
     outs = tight.generate([{"prompt_token_ids": p} for p in ps], greedy, use_tqdm=False)
     assert tight.get_metrics()["num_preemptions"] > 0
     assert [o.outputs[0].token_ids for o in outs] == alone
@@ -94,8 +104,14 @@ def test_greedy_fp32_batched_and_preempted_equals_alone_and_hf(ckpt):
     hf = hf_model(ckpt, torch.float32)
     for p, want in zip(ps[:2], alone[:2]):
         ids = torch.tensor([p], device="cuda")
-        got = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        got = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
         assert got == want
 
 
@@ -111,9 +127,17 @@ def test_greedy_bf16_close_to_transformers(ckpt):
     agreed = 0
     for p, out in zip(ps, ours):
         ids = torch.tensor([p], device="cuda")
-        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                          eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        theirs = gen.sequences[0, len(p):].tolist()
+        gen = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        theirs = gen.sequences[0, len(p) :].tolist()
         mine = out.outputs[0].token_ids
         for i, (a, b) in enumerate(zip(mine, theirs)):
             if a != b:
@@ -146,8 +170,9 @@ def test_cascade_attention_fp32_equals_plain_decode(ckpt):
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], greedy, use_tqdm=False)
         results[cascade] = [o.outputs[0].token_ids for o in outs]
         if not cascade:
-            alone = [llm.generate({"prompt_token_ids": p}, greedy, use_tqdm=False)[0].outputs[0].token_ids
-                     for p in ps[:3]]
+            alone = [
+                llm.generate({"prompt_token_ids": p}, greedy, use_tqdm=False)[0].outputs[0].token_ids for p in ps[:3]
+            ]
         del llm
         torch.cuda.empty_cache()
     assert 512 in used, used
@@ -165,8 +190,11 @@ def test_decode_graphs_with_async_placeholders_equal_eager_fp32(ckpt):
     torch.backends.cuda.matmul.allow_tf32 = False
     ps = prompts(3, 20, 80, seed=6)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    params = [greedy, SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.8, seed=9, max_tokens=8, ignore_eos=True)]
+    params = [
+        greedy,
+        SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.8, seed=9, max_tokens=8, ignore_eos=True),
+    ]
     got = {}
     for eager in (True, False):
         llm = engine(ckpt, "float32", kv=1 << 30, max_model_len=512, enforce_eager=eager)
@@ -188,14 +216,19 @@ def test_pruned_lm_head_draws_the_same_tokens_bf16(ckpt):
     atomics (split phase C) make its hidden states differ in their last bits from run to run, which in
     bf16 can flip a near-tied token in any two runs, pruned or not; the layered path is reproducible."""
     ps = prompts(2, 30, 120, seed=8)
-    params = [SamplingParams(temperature=0, max_tokens=96, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=5, max_tokens=96, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=96, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=96, ignore_eos=True),
+    ]
     got = {}
     for pruned in (True, False):
         llm = engine(ckpt, "bfloat16", kv=1 << 30, max_model_len=512, pruned_lm_head=pruned, decode_megakernel=False)
         assert llm.llm_engine.runner.graphs.pruned_lm_head == pruned
-        got[pruned] = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0].token_ids
-                       for p in ps for sp in params]
+        got[pruned] = [
+            llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0].token_ids
+            for p in ps
+            for sp in params
+        ]
         del llm
         torch.cuda.empty_cache()
     assert got[True] == got[False]

@@ -11,6 +11,7 @@ launches on fresh workspaces and a reused one are bitwise equal (a race between 
 The engine's batch-1 greedy decode through the megakernel is compared with transformers in
 tests/gpu/test_engine_gpu.py (the "alone" generations).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -30,28 +31,53 @@ MAX_CTX = 2048
 
 def setup(dtype: torch.dtype):
     config = ModelConfig.from_dict(make_config("llama-3.2-1b"))
-    model = build_model(config, get_ops("triton"), model_dir="", device=torch.device("cuda"), dtype=dtype,
-                        max_positions=MAX_CTX, load_format="dummy", seed=0)
+    model = build_model(
+        config,
+        get_ops("triton"),
+        model_dir="",
+        device=torch.device("cuda"),
+        dtype=dtype,
+        max_positions=MAX_CTX,
+        load_format="dummy",
+        seed=0,
+    )
     c = config
     gen = torch.Generator(device="cuda").manual_seed(1)
-    kv = torch.randn((c.num_hidden_layers, 2, MAX_CTX // BLOCK + 1, c.num_key_value_heads, BLOCK, c.head_dim),
-                     generator=gen, device="cuda").to(dtype)
+    kv = torch.randn(
+        (c.num_hidden_layers, 2, MAX_CTX // BLOCK + 1, c.num_key_value_heads, BLOCK, c.head_dim),
+        generator=gen,
+        device="cuda",
+    ).to(dtype)
     return model, kv
 
 
 def step(ctx: int, num_blocks: int):
     gen = torch.Generator().manual_seed(ctx)
-    table = torch.randperm(num_blocks, generator=gen)[:-(-ctx // BLOCK)].to(torch.int32)
+    table = torch.randperm(num_blocks, generator=gen)[: -(-ctx // BLOCK)].to(torch.int32)
     pos = ctx - 1
     slot = int(table[pos // BLOCK]) * BLOCK + pos % BLOCK
     i32 = torch.int32
     meta = AttnMetadata(
-        slot_mapping=torch.tensor([slot]), num_decode_tokens=1, decode_seq_lens=torch.tensor([ctx], dtype=i32),
-        decode_block_tables=table[None, :], max_decode_seq_len=ctx, num_prefills=0,
-        prefill_cu_seqlens_q=torch.zeros(1, dtype=i32), prefill_seq_lens=torch.zeros(0, dtype=i32),
-        prefill_block_tables=table[None, :0], max_prefill_q_len=0, max_prefill_seq_len=0)
-    for name in ("slot_mapping", "decode_seq_lens", "decode_block_tables", "prefill_cu_seqlens_q",
-                 "prefill_seq_lens", "prefill_block_tables"):
+        slot_mapping=torch.tensor([slot]),
+        num_decode_tokens=1,
+        decode_seq_lens=torch.tensor([ctx], dtype=i32),
+        decode_block_tables=table[None, :],
+        max_decode_seq_len=ctx,
+        num_prefills=0,
+        prefill_cu_seqlens_q=torch.zeros(1, dtype=i32),
+        prefill_seq_lens=torch.zeros(0, dtype=i32),
+        prefill_block_tables=table[None, :0],
+        max_prefill_q_len=0,
+        max_prefill_seq_len=0,
+    )
+    for name in (
+        "slot_mapping",
+        "decode_seq_lens",
+        "decode_block_tables",
+        "prefill_cu_seqlens_q",
+        "prefill_seq_lens",
+        "prefill_block_tables",
+    ):
         setattr(meta, name, getattr(meta, name).cuda())
     return torch.tensor([4242], device="cuda"), torch.tensor([pos], device="cuda"), meta, slot
 

@@ -1,4 +1,5 @@
 """Fixtures for the kernel tests: the device they run on, and NaN-poisoned allocations."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Inputs and error measures shared by the kernel tests (CPU interpreter and CUDA alike)."""
+
 from __future__ import annotations
 
 import torch
@@ -28,10 +29,18 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, facto
     assert err <= TOL[dtype] * factor, f"relative error {err:.3e} > {TOL[dtype] * factor:.1e} ({dtype})"
 
 
-def make_paged_cache(contexts: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-                     dtype: torch.dtype, device: torch.device, gen: torch.Generator,
-                     spare_blocks: int = 5, share_prefix: int = 0, kv: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_paged_cache(
+    contexts: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+    spare_blocks: int = 5,
+    share_prefix: int = 0,
+    kv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Caches [num_blocks, Hk, block_size, D] holding each sequence's context in blocks scattered at
     random through a cache with spare blocks; returns (k_cache, v_cache, block_tables int32).
 
@@ -71,19 +80,18 @@ def make_paged_cache(contexts: list[int], num_kv_heads: int, head_dim: int, bloc
     kv = kv.to(device=device, dtype=dtype)
     caches = []
     for i in range(2):
-        cache = torch.full((num_blocks * block_size, num_kv_heads, head_dim), float("nan"),
-                           dtype=dtype, device=device)
+        cache = torch.full((num_blocks * block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
         cache[slots_t] = kv[i, src_t]
-        caches.append(cache.view(num_blocks, block_size, num_kv_heads, head_dim)
-                      .permute(0, 2, 1, 3).contiguous())
+        caches.append(cache.view(num_blocks, block_size, num_kv_heads, head_dim).permute(0, 2, 1, 3).contiguous())
     return caches[0], caches[1], tables.to(device)
 
 
-def packed_queries(q_lens: list[int], num_heads: int, head_dim: int, dtype: torch.dtype,
-                   device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_queries(
+    q_lens: list[int], num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [sum(q_lens), Hq, D], cu_seqlens_q int32 [S+1]) with q a strided view, as the model passes it
     (a slice of a wider fused qkv row). `gen` lives on `device`."""
     total = sum(q_lens)
     wide = torch.randn(total, num_heads + 3, head_dim, generator=gen, device=device).to(dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    return wide[:, 1:num_heads + 1], cu.to(device)
+    return wide[:, 1 : num_heads + 1], cu.to(device)

@@ -2,6 +2,7 @@
 header names reach the device arena exactly, nothing past them is written, and the placeholder rows then
 take the previous step's sampled ids, against a hand-built expectation. On CUDA the source is pinned
 host memory read through its mapped address."""
+
 import pytest
 import torch
 
@@ -28,16 +29,16 @@ def test_exactly_the_named_words_arrive(device, words, block):
     src, dst = _arena(device, words)
     src.view(torch.int32)[0] = words
     ids_off, rows = 4, 3  # int64 views at byte 16 and 16 + 8·rows: inside the copy only when n covers them
-    src.view(torch.int64)[ids_off // 2 + rows:ids_off // 2 + 2 * rows] = -1  # placeholder sources −1
+    src.view(torch.int64)[ids_off // 2 + rows : ids_off // 2 + 2 * rows] = -1  # placeholder sources −1
     d64 = dst.view(torch.int64)
-    ids, ph_src = d64[ids_off // 2:ids_off // 2 + rows], d64[ids_off // 2 + rows:ids_off // 2 + 2 * rows]
+    ids, ph_src = d64[ids_off // 2 : ids_off // 2 + rows], d64[ids_off // 2 + rows : ids_off // 2 + 2 * rows]
     if words * 4 < 16 + 16 * rows:  # the sources are not copied: make the destination's say "keep"
         ph_src.fill_(-1)
     before = dst.cpu().clone()
     load_arena(dst, src, ids, ph_src, torch.zeros(4, dtype=torch.int64, device=device), block=block)
     got = dst.cpu()
-    assert torch.equal(got[:4 * words], src.cpu()[:4 * words])
-    assert torch.equal(got[4 * words:], before[4 * words:])
+    assert torch.equal(got[: 4 * words], src.cpu()[: 4 * words])
+    assert torch.equal(got[4 * words :], before[4 * words :])
 
 
 def test_placeholder_rows_take_the_previous_samples(device):
@@ -46,20 +47,20 @@ def test_placeholder_rows_take_the_previous_samples(device):
     src, dst = _arena(device, 7)
     s64 = src.view(torch.int64)
     rows = 5
-    ids_host, ph_host = s64[2:2 + rows], s64[2 + rows:2 + 2 * rows]
+    ids_host, ph_host = s64[2 : 2 + rows], s64[2 + rows : 2 + 2 * rows]
     ids_host.copy_(torch.tensor([-1, 11, -1, 13, 0]))  # −1: PLACEHOLDER, resolved on the device
     ph_host.copy_(torch.tensor([4, -1, 0, -1, -1]))
     used = 16 + 16 * rows + 24
     src.view(torch.int32)[0] = used // 4
     d64 = dst.view(torch.int64)
     sampled = torch.tensor([900, 901, 902, 903, 904, 905], dtype=torch.int64, device=device)
-    load_arena(dst, src, d64[2:2 + rows], d64[2 + rows:2 + 2 * rows], sampled)
-    assert d64[2:2 + rows].tolist() == [904, 11, 900, 13, 0]
-    assert d64[2 + rows:2 + 2 * rows].tolist() == [4, -1, 0, -1, -1]  # the sources themselves as copied
-    assert torch.equal(dst.cpu()[2 * 8 + 16 * rows:used], src.cpu()[2 * 8 + 16 * rows:used])
+    load_arena(dst, src, d64[2 : 2 + rows], d64[2 + rows : 2 + 2 * rows], sampled)
+    assert d64[2 : 2 + rows].tolist() == [904, 11, 900, 13, 0]
+    assert d64[2 + rows : 2 + 2 * rows].tolist() == [4, -1, 0, -1, -1]  # the sources themselves as copied
+    assert torch.equal(dst.cpu()[2 * 8 + 16 * rows : used], src.cpu()[2 * 8 + 16 * rows : used])
     # No rows: the copy alone, the placeholder ids left as copied.
     load_arena(dst, src, d64[2:2], d64[2:2], sampled)
-    assert d64[2:2 + rows].tolist() == [-1, 11, -1, 13, 0]
+    assert d64[2 : 2 + rows].tolist() == [-1, 11, -1, 13, 0]
 
 
 @pytest.mark.parametrize("rows", [1, 8])
@@ -84,8 +85,10 @@ def test_engine_arena_layout(device, rows):
     assert dev.input_ids[:rows].tolist() == want_ids
     assert dev.positions[:rows].tolist() == list(range(7, 7 + rows))
     assert dev.block_tables[:rows].cpu().tolist() == host.block_tables[:rows].tolist()
-    assert torch.equal(dev.buffer[dev.positions.data_ptr() - dev.buffer.data_ptr():nbytes].cpu(),
-                       host.buffer[host.positions.data_ptr() - host.buffer.data_ptr():nbytes])
+    assert torch.equal(
+        dev.buffer[dev.positions.data_ptr() - dev.buffer.data_ptr() : nbytes].cpu(),
+        host.buffer[host.positions.data_ptr() - host.buffer.data_ptr() : nbytes],
+    )
 
 
 def test_bad_arguments_are_refused(device):

@@ -1,6 +1,7 @@
 """Paged split-KV decode vs `reference.decode_attention` (float64): scattered and shared blocks, block
 sizes 1/3/16/32, GQA 1/2/4/8, head dims 16..256, zero-length rows, and split counts from one (no
 merge) to more splits than tiles (empty splits)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,7 @@ import torch
 from kernel_helpers import assert_close, make_paged_cache
 
 from tinyvllm.kernels import get_ops, reference
-from tinyvllm.kernels.decode_attention import (DEFAULT_CONFIG, DecodeConfig, decode_attention_fwd,
-                                               num_splits_for)
+from tinyvllm.kernels.decode_attention import DEFAULT_CONFIG, DecodeConfig, decode_attention_fwd, num_splits_for
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 CONTEXTS = [37, 1, 0, 100, 16, 65]  # a zero-length (padded) row among ordinary ones
@@ -18,10 +18,10 @@ CASES = [  # dtype, block_size, Hq, Hk, D, BLOCK_N, num_splits (None: the heuris
     (F32, 1, 4, 4, 16, 16, None),
     (F32, 3, 8, 4, 32, 16, 1),
     (F32, 16, 8, 2, 64, 32, 3),
-    (F32, 5, 16, 2, 128, 16, 50),   # more splits than tiles: empty splits
+    (F32, 5, 16, 2, 128, 16, 50),  # more splits than tiles: empty splits
     (BF16, 1, 32, 4, 64, 32, None),
     (BF16, 3, 4, 4, 128, 16, 4),
-    (BF16, 16, 8, 2, 16, 16, 2),    # pages hold whole tiles
+    (BF16, 16, 8, 2, 16, 16, 2),  # pages hold whole tiles
     (BF16, 32, 8, 1, 32, 16, None),
     (F16, 16, 8, 4, 64, 64, 1),
     (F32, 16, 4, 2, 256, 16, 2),
@@ -32,17 +32,19 @@ def run_case(dtype, block_size, hq, hk, d, block_n, splits, contexts, device, se
     gen = torch.Generator(device=device).manual_seed(seed)
     k_cache, v_cache, tables = make_paged_cache(contexts, hk, d, block_size, dtype, device, gen, **kw)
     wide = torch.randn(len(contexts), hq + 5, d, generator=gen, device=device).to(dtype)
-    q = wide[:, 2:hq + 2]  # strided, as the model's view of the fused qkv output
+    q = wide[:, 2 : hq + 2]  # strided, as the model's view of the fused qkv output
     sl = torch.tensor(contexts, dtype=torch.int32, device=device)
     cfg = DecodeConfig(block_n, 4, 2, 4, 1)
-    out = decode_attention_fwd(q, k_cache, v_cache, sl, tables, d ** -0.5, max(contexts),
-                               config=cfg, num_splits=splits)
-    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), sl, tables, d ** -0.5)
+    out = decode_attention_fwd(q, k_cache, v_cache, sl, tables, d**-0.5, max(contexts), config=cfg, num_splits=splits)
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), sl, tables, d**-0.5)
     return out, ref
 
 
-@pytest.mark.parametrize("dtype,block_size,hq,hk,d,block_n,splits", CASES,
-                         ids=[f"{str(c[0])[6:]}-bs{c[1]}-g{c[2] // c[3]}-d{c[4]}-n{c[5]}-s{c[6]}" for c in CASES])
+@pytest.mark.parametrize(
+    "dtype,block_size,hq,hk,d,block_n,splits",
+    CASES,
+    ids=[f"{str(c[0])[6:]}-bs{c[1]}-g{c[2] // c[3]}-d{c[4]}-n{c[5]}-s{c[6]}" for c in CASES],
+)
 def test_decode_matches_reference(dtype, block_size, hq, hk, d, block_n, splits, device):
     out, ref = run_case(dtype, block_size, hq, hk, d, block_n, splits, CONTEXTS, device)
     assert_close(out, ref, dtype)
@@ -83,28 +85,31 @@ def test_split_heuristic_fills_the_gpu():
 CASCADE_CASES = [  # dtype, block_size, Hq, Hk, D, shared blocks, prefix_len, num_splits, contexts
     (F32, 16, 8, 2, 64, 4, 64, None, [130, 70, 65, 200, 97]),
     (BF16, 16, 8, 2, 64, 4, 64, 3, [130, 70, 65, 200, 97]),
-    (F32, 8, 6, 2, 32, 17, 128, 2, [140, 137, 300]),           # group 3: padded to 4 rows per sequence
-    (BF16, 16, 32, 8, 64, 8, 64, None, [129, 200, 140] * 7),   # 21 sequences: two chunks of 16
-    (F32, 16, 8, 2, 64, 4, 0, None, [130, 70, 65]),            # nothing shared
+    (F32, 8, 6, 2, 32, 17, 128, 2, [140, 137, 300]),  # group 3: padded to 4 rows per sequence
+    (BF16, 16, 32, 8, 64, 8, 64, None, [129, 200, 140] * 7),  # 21 sequences: two chunks of 16
+    (F32, 16, 8, 2, 64, 4, 0, None, [130, 70, 65]),  # nothing shared
 ]
 
 
-@pytest.mark.parametrize("dtype,block_size,hq,hk,d,shared,prefix_len,splits,contexts", CASCADE_CASES,
-                         ids=[f"{str(c[0])[6:]}-bs{c[1]}-g{c[2] // c[3]}-P{c[6]}-s{c[7]}" for c in CASCADE_CASES])
+@pytest.mark.parametrize(
+    "dtype,block_size,hq,hk,d,shared,prefix_len,splits,contexts",
+    CASCADE_CASES,
+    ids=[f"{str(c[0])[6:]}-bs{c[1]}-g{c[2] // c[3]}-P{c[6]}-s{c[7]}" for c in CASCADE_CASES],
+)
 def test_cascade_matches_reference(dtype, block_size, hq, hk, d, shared, prefix_len, splits, contexts, device):
     """Cascade attention (the shared prefix attended once per chunk of sequences, the rest per sequence,
     merged by logsumexp) equals the float64 reference, with a padded zero-length row appended (as a CUDA
     graph's padding is) that must output zeros."""
     gen = torch.Generator(device=device).manual_seed(4)
-    k_cache, v_cache, tables = make_paged_cache(contexts, hk, d, block_size, dtype, device, gen,
-                                                share_prefix=shared)
+    k_cache, v_cache, tables = make_paged_cache(contexts, hk, d, block_size, dtype, device, gen, share_prefix=shared)
     tables = torch.cat([tables, tables[:1]])  # the padded row: any table, length 0
     lens = torch.tensor(contexts + [0], dtype=torch.int32, device=device)
     q = torch.randn(len(contexts) + 1, hq, d, generator=gen, device=device).to(dtype)
     cfg = DecodeConfig(64, 4, 2, 4, 1)
     p = torch.tensor([prefix_len], dtype=torch.int32, device=device)
-    out = decode_attention_fwd(q, k_cache, v_cache, lens, tables, d ** -0.5, max(contexts), config=cfg,
-                               num_splits=splits, prefix_len=p)
-    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), lens, tables, d ** -0.5)
+    out = decode_attention_fwd(
+        q, k_cache, v_cache, lens, tables, d**-0.5, max(contexts), config=cfg, num_splits=splits, prefix_len=p
+    )
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), lens, tables, d**-0.5)
     assert_close(out, ref, dtype)
     assert torch.all(out[-1] == 0)

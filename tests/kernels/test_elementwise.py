@@ -1,5 +1,6 @@
 """rms_norm, add_rms_norm, rope, write_kv_cache and silu_and_mul vs the reference: odd widths, strided
 views as the model passes them, float16/bfloat16/float32/float64."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,7 @@ def randn(*shape, dtype, device, gen):
 def test_rms_norm(T, H, dtype, device):
     gen = torch.Generator(device=device).manual_seed(T * H)
     wide = randn(T, H + 5, dtype=dtype, device=device, gen=gen) * 3
-    x = wide[:, 2:H + 2]  # a strided row view
+    x = wide[:, 2 : H + 2]  # a strided row view
     w = randn(H, dtype=dtype, device=device, gen=gen)
     out = triton_ops.rms_norm(x, w, 1e-5)
     ref = reference.rms_norm(x.double(), w.double(), 1e-5) if dtype != torch.float64 else None
@@ -61,21 +62,20 @@ def test_rms_norm_float32_weight_on_bf16(device):
 def test_rope_in_place_on_fused_qkv_views(hq, hk, d, dtype, device):
     gen = torch.Generator(device=device).manual_seed(hq * d)
     T = 11
-    scaling = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192)
+    scaling = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
     cos_sin = cos_sin_table(d, 500000.0, scaling, 40000, device=device)
     qkv = randn(T, (hq + 2 * hk) * d, dtype=dtype, device=device, gen=gen)
-    q = qkv[:, :hq * d].reshape(T, hq, d)
-    k = qkv[:, hq * d:(hq + hk) * d].reshape(T, hk, d)
+    q = qkv[:, : hq * d].reshape(T, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].reshape(T, hk, d)
     assert not q.is_contiguous() and q.data_ptr() == qkv.data_ptr()
     positions = torch.randint(0, 40000, (T,), generator=gen, device=device)
     ref_q, ref_k = reference.rope(q.clone(), k.clone(), positions, cos_sin)
-    v_before = qkv[:, (hq + hk) * d:].clone()
+    v_before = qkv[:, (hq + hk) * d :].clone()
     out_q, out_k = triton_ops.rope(q, k, positions, cos_sin)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
     assert_close(q, ref_q, dtype)
     assert_close(k, ref_k, dtype)
-    assert torch.equal(qkv[:, (hq + hk) * d:], v_before), "v must be untouched"
+    assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "v must be untouched"
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -84,13 +84,12 @@ def test_write_kv_cache(block_size, dtype, device):
     gen = torch.Generator(device=device).manual_seed(block_size)
     T, hk, d, num_blocks = 13, 2, 32, 17
     qkv = randn(T, (4 + 2 * hk) * d, dtype=dtype, device=device, gen=gen)
-    k = qkv[:, 4 * d:(4 + hk) * d].reshape(T, hk, d)
-    v = qkv[:, (4 + hk) * d:].reshape(T, hk, d)
+    k = qkv[:, 4 * d : (4 + hk) * d].reshape(T, hk, d)
+    v = qkv[:, (4 + hk) * d :].reshape(T, hk, d)
     slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(0))[:T]
     slots[[2, 7]] = -1  # padded rows write nothing
     slots = slots.to(device)
-    caches = [torch.full((num_blocks, hk, block_size, d), float("nan"), dtype=dtype, device=device)
-              for _ in range(4)]
+    caches = [torch.full((num_blocks, hk, block_size, d), float("nan"), dtype=dtype, device=device) for _ in range(4)]
     triton_ops.write_kv_cache(k, v, caches[0], caches[1], slots)
     reference.write_kv_cache(k, v, caches[2], caches[3], slots)
     for ours, ref in ((caches[0], caches[2]), (caches[1], caches[3])):

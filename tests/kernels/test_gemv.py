@@ -7,6 +7,7 @@ Two kinds of check:
   * the rounding order against the unfused ops, exactly: with W = I the product is exact, so
     fused_gemv(x, I, ...) must equal rms_norm(x, w) / silu_and_mul(x) / round(x + r) bit for bit.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,17 +15,33 @@ import torch
 from kernel_helpers import assert_close
 
 from tinyvllm.kernels import reference, triton_ops
-from tinyvllm.kernels.gemv import (MAX_ROWS, TUNED_M1_H200, GemvConfig, _tickets, _check_config, candidate_configs,
-                                   default_config, fused_gemv_fwd)
+from tinyvllm.kernels.gemv import (
+    MAX_ROWS,
+    TUNED_M1_H200,
+    GemvConfig,
+    _check_config,
+    _tickets,
+    candidate_configs,
+    default_config,
+    fused_gemv_fwd,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDS = ["f32", "bf16", "f16"]
-VARIANTS = {"plain": {}, "norm": {"norm": True}, "silu": {"silu": True}, "residual": {"res": True},
-            "silu_residual": {"silu": True, "res": True}, "norm_residual": {"norm": True, "res": True}}
+VARIANTS = {
+    "plain": {},
+    "norm": {"norm": True},
+    "silu": {"silu": True},
+    "residual": {"res": True},
+    "silu_residual": {"silu": True, "res": True},
+    "norm_residual": {"norm": True, "res": True},
+}
 # (name, config): None = the default heuristic (no split at these sizes); forced split-K on both paths.
-CONFIGS = [("default", None),
-           ("fma_split3", GemvConfig(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=2, use_dot=False)),
-           ("dot_split2", GemvConfig(block_n=32, block_k=64, split_k=2, num_warps=4, num_stages=2, use_dot=True))]
+CONFIGS = [
+    ("default", None),
+    ("fma_split3", GemvConfig(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=2, use_dot=False)),
+    ("dot_split2", GemvConfig(block_n=32, block_k=64, split_k=2, num_warps=4, num_stages=2, use_dot=True)),
+]
 
 
 def make_inputs(M, N, K, dtype, device, variant, seed):
@@ -32,8 +49,8 @@ def make_inputs(M, N, K, dtype, device, variant, seed):
     gen = torch.Generator(device=device).manual_seed(seed)
     flags = VARIANTS[variant]
     width = 2 * K if flags.get("silu") else K
-    x = (torch.randn(M, width + 3, generator=gen, device=device) * 2).to(dtype)[:, 1:width + 1]
-    w = (torch.randn(N, K, generator=gen, device=device) / K ** 0.5).to(dtype)
+    x = (torch.randn(M, width + 3, generator=gen, device=device) * 2).to(dtype)[:, 1 : width + 1]
+    w = (torch.randn(N, K, generator=gen, device=device) / K**0.5).to(dtype)
     kw = {}
     if flags.get("norm"):
         kw["norm_weight"] = (1 + 0.3 * torch.randn(K, generator=gen, device=device)).to(dtype)
@@ -46,8 +63,9 @@ def make_inputs(M, N, K, dtype, device, variant, seed):
 
 
 def ref64(x, w, kw):
-    return reference.fused_gemv(x.double(), w.double(),
-                                **{k: v.double() if torch.is_tensor(v) else v for k, v in kw.items()})
+    return reference.fused_gemv(
+        x.double(), w.double(), **{k: v.double() if torch.is_tensor(v) else v for k, v in kw.items()}
+    )
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -100,15 +118,28 @@ def test_roundings_equal_unfused_ops(name, cfg, dtype, device):
     # Not bit-exact against the torch reference: bf16 on the CPU (the interpreter truncates where torch
     # rounds), and RMSNorm in float32 on CUDA (torch's rsqrt and Triton's 1/sqrt are an ulp apart; seen
     # on the H200). Against the Triton ops, always bit-exact.
-    exact_ref = not ((dtype == torch.bfloat16 and device.type == "cpu")
-                     or (dtype == torch.float32 and device.type == "cuda"))
+    exact_ref = not (
+        (dtype == torch.bfloat16 and device.type == "cpu") or (dtype == torch.float32 and device.type == "cuda")
+    )
     cases = [
-        (fused_gemv_fwd(xs, eye, norm_weight=nw, eps=1e-5, config=cfg), triton_ops.rms_norm(xs, nw, 1e-5),
-         reference.rms_norm(xs, nw, 1e-5), exact_ref),
-        (fused_gemv_fwd(xs, eye, residual=r, config=cfg), triton_ops.add_rms_norm(xs, r, nw, 1e-5)[1],
-         reference.add_rms_norm(xs, r, nw, 1e-5)[1], not (dtype == torch.bfloat16 and device.type == "cpu")),
-        (fused_gemv_fwd(x, eye, silu_mul=True, config=cfg), triton_ops.silu_and_mul(x),
-         reference.silu_and_mul(x), False),
+        (
+            fused_gemv_fwd(xs, eye, norm_weight=nw, eps=1e-5, config=cfg),
+            triton_ops.rms_norm(xs, nw, 1e-5),
+            reference.rms_norm(xs, nw, 1e-5),
+            exact_ref,
+        ),
+        (
+            fused_gemv_fwd(xs, eye, residual=r, config=cfg),
+            triton_ops.add_rms_norm(xs, r, nw, 1e-5)[1],
+            reference.add_rms_norm(xs, r, nw, 1e-5)[1],
+            not (dtype == torch.bfloat16 and device.type == "cpu"),
+        ),
+        (
+            fused_gemv_fwd(x, eye, silu_mul=True, config=cfg),
+            triton_ops.silu_and_mul(x),
+            reference.silu_and_mul(x),
+            False,
+        ),
     ]
     for ours, tri, ref, exact in cases:
         assert torch.equal(ours, tri)
@@ -177,8 +208,17 @@ def test_argument_errors(device):
 def test_heuristic_at_llama_shapes(M):
     """Host-only: the default configs at the Llama-3.2-1B / 3.1-8B shapes on 132 SMs are valid, split
     only where N gives too few programs, and each split covers whole, equal K tiles."""
-    shapes = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048),
-              (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    shapes = [
+        (3072, 2048),
+        (2048, 2048),
+        (16384, 2048),
+        (2048, 8192),
+        (128256, 2048),
+        (6144, 4096),
+        (4096, 4096),
+        (28672, 4096),
+        (4096, 14336),
+    ]
     for N, K in shapes:
         for norm in (False, True):
             cfg = default_config(M, N, K, 132, norm=norm)

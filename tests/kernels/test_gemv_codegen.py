@@ -9,6 +9,7 @@ specialises them at the real shapes. The compiler runs in a subprocess (the test
 replaces the kernels by Python functions); skipped where this Triton cannot compile for CUDA. On a GPU
 the real launches of test_gpu_shapes.py cover the same ground.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,15 +23,40 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-DIVISIBLE = ["x_ptr", "w_ptr", "nw_ptr", "res_ptr", "out_ptr", "ws_ptr", "tickets_ptr", "N", "K", "k_per_split",
-             "stride_xm", "stride_wn", "stride_rm", "stride_om"]
+DIVISIBLE = [
+    "x_ptr",
+    "w_ptr",
+    "nw_ptr",
+    "res_ptr",
+    "out_ptr",
+    "ws_ptr",
+    "tickets_ptr",
+    "N",
+    "K",
+    "k_per_split",
+    "stride_xm",
+    "stride_wn",
+    "stride_rm",
+    "stride_om",
+]
 VARIANTS = {"plain": (0, False), "norm": (1, False), "residual": (0, True), "silu_residual": (2, True)}
-PATHS = {"fma": dict(block_m=1, block_n=8, block_k=512, dot=False, warps=4, stages=2),
-         "dot": dict(block_m=16, block_n=64, block_k=128, dot=True, warps=4, stages=3)}
+PATHS = {
+    "fma": dict(block_m=1, block_n=8, block_k=512, dot=False, warps=4, stages=2),
+    "dot": dict(block_m=16, block_n=64, block_k=128, dot=True, warps=4, stages=3),
+}
 
 
-def compile_ptx(mode: int, residual: bool, block_m: int, block_n: int, block_k: int, dot: bool,
-                warps: int, stages: int, sample: bool = False) -> str:
+def compile_ptx(
+    mode: int,
+    residual: bool,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    dot: bool,
+    warps: int,
+    stages: int,
+    sample: bool = False,
+) -> str:
     """PTX of _gemv_kernel for sm_90, split-K variant (it contains the unsplit epilogue too); `sample`:
     unsplit, with the sampler's partials in the epilogue (the LM head's)."""
     import triton
@@ -40,16 +66,47 @@ def compile_ptx(mode: int, residual: bool, block_m: int, block_n: int, block_k: 
     from tinyvllm.kernels.gemv import _gemv_kernel
 
     sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "nw_ptr", "res_ptr", "out_ptr")}
-    sig.update({"ws_ptr": "*fp32", "tickets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
-                "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32",
-                "temp_ptr": "*fp32", "seed_ptr": "*i64", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32"})
-    consts = {"MODE": mode, "HAS_RESIDUAL": residual, "SPLIT": not sample, "BLOCK_M": block_m, "BLOCK_N": block_n,
-              "BLOCK_K": block_k, "USE_DOT": dot, "EVEN_K": True, "UPCAST": False, "IEEE": False,
-              "SAMPLE": sample, "TILE": 2048, "FAST_LOG": True}
+    sig.update(
+        {
+            "ws_ptr": "*fp32",
+            "tickets_ptr": "*i32",
+            "M": "i32",
+            "N": "i32",
+            "K": "i32",
+            "k_per_split": "i32",
+            "eps": "fp32",
+            "stride_xm": "i32",
+            "stride_wn": "i32",
+            "stride_rm": "i32",
+            "stride_om": "i32",
+            "temp_ptr": "*fp32",
+            "seed_ptr": "*i64",
+            "part_val_ptr": "*fp32",
+            "part_idx_ptr": "*i32",
+        }
+    )
+    consts = {
+        "MODE": mode,
+        "HAS_RESIDUAL": residual,
+        "SPLIT": not sample,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "USE_DOT": dot,
+        "EVEN_K": True,
+        "UPCAST": False,
+        "IEEE": False,
+        "SAMPLE": sample,
+        "TILE": 2048,
+        "FAST_LOG": True,
+    }
     sig.update({name: "constexpr" for name in consts})
     attrs = {(_gemv_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
-    compiled = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+    compiled = triton.compile(
+        ASTSource(_gemv_kernel, sig, consts, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps, "num_stages": stages},
+    )
     return compiled.asm["ptx"]
 
 
@@ -77,9 +134,12 @@ def summarise() -> dict:
                 out[f"{path}/{variant}"] = {"error": f"{type(e).__name__}: {e}"}
                 continue
             body = k_loop(ptx)
-            out[f"{path}/{variant}"] = {"v4_loads_in_loop": body.count("ld.global.v4"),
-                                        "barrier_in_loop": "bar.sync" in body,
-                                        "wgmma": "wgmma.mma_async" in ptx, "cp_async": "cp.async" in ptx}
+            out[f"{path}/{variant}"] = {
+                "v4_loads_in_loop": body.count("ld.global.v4"),
+                "barrier_in_loop": "bar.sync" in body,
+                "wgmma": "wgmma.mma_async" in ptx,
+                "cp_async": "cp.async" in ptx,
+            }
     return out
 
 

@@ -2,6 +2,7 @@
 separate sampler's (kernels/sampling.py) over the same logits, token for token, greedy and Gumbel
 rows mixed, on both product paths, with N cut into blocks that do not line up with the sampler's
 noise tiles; the host copy gets the same ids; two launches in a row (the arrival counter resets)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,10 +11,11 @@ import torch
 from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, fused_gemv_fwd
 from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
-CONFIGS = [("default", None),
-           ("dot_lm_head", GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3, use_dot=True)),
-           ("fma_split_forced_off", GemvConfig(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=2,
-                                               use_dot=False))]
+CONFIGS = [
+    ("default", None),
+    ("dot_lm_head", GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3, use_dot=True)),
+    ("fma_split_forced_off", GemvConfig(block_n=16, block_k=32, split_k=3, num_warps=4, num_stages=2, use_dot=False)),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

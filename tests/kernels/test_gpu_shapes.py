@@ -6,6 +6,7 @@ Tolerance (bf16, relative ‖out − ref‖/‖ref‖ ≤ 1e-2): bf16 output rou
 plus P rounded to bf16 before P·V, as FlashAttention does, give ~3e-3; 1e-2 leaves margin and still
 catches any indexing error, which shows up as O(1) error.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -47,16 +48,19 @@ PREFILL_CASES = [  # Hq, Hk, D, block_size, layout
 ]
 
 
-@pytest.mark.parametrize("hq,hk,d,block_size,layout", PREFILL_CASES,
-                         ids=[f"d{c[2]}-bs{c[3]}-{sum(q for q, _ in c[4])}rows" for c in PREFILL_CASES])
+@pytest.mark.parametrize(
+    "hq,hk,d,block_size,layout",
+    PREFILL_CASES,
+    ids=[f"d{c[2]}-bs{c[3]}-{sum(q for q, _ in c[4])}rows" for c in PREFILL_CASES],
+)
 def test_prefill_real_shapes(hq, hk, d, block_size, layout):
     gen = torch.Generator(device=CUDA).manual_seed(0)
     q_lens, seq_lens = zip(*layout)
     k_cache, v_cache, tables = make_paged_cache(list(seq_lens), hk, d, block_size, BF16, CUDA, gen)
     q, cu = packed_queries(list(q_lens), hq, d, BF16, CUDA, gen)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=CUDA)
-    out = triton_ops.prefill_attention(q, k_cache, v_cache, cu, sl, tables, d ** -0.5, max(q_lens))
-    assert_close(out, ref_prefill(q, k_cache, v_cache, cu, sl, tables, d ** -0.5), BF16)
+    out = triton_ops.prefill_attention(q, k_cache, v_cache, cu, sl, tables, d**-0.5, max(q_lens))
+    assert_close(out, ref_prefill(q, k_cache, v_cache, cu, sl, tables, d**-0.5), BF16)
 
 
 DECODE_CASES = [  # batch, contexts (None: all equal to max_ctx), max_ctx
@@ -69,7 +73,9 @@ DECODE_CASES = [  # batch, contexts (None: all equal to max_ctx), max_ctx
 ]
 
 
-@pytest.mark.parametrize("batch,kind,max_ctx", DECODE_CASES, ids=[f"b{c[0]}-{c[1] or 'eq'}-{c[2]}" for c in DECODE_CASES])
+@pytest.mark.parametrize(
+    "batch,kind,max_ctx", DECODE_CASES, ids=[f"b{c[0]}-{c[1] or 'eq'}-{c[2]}" for c in DECODE_CASES]
+)
 def test_decode_real_shapes(batch, kind, max_ctx):
     gen = torch.Generator(device=CUDA).manual_seed(1)
     if kind == "random":
@@ -95,13 +101,12 @@ def test_default_configs_compile_and_agree(d, dtype):
     k_cache, v_cache, tables = make_paged_cache(list(seq_lens), 2, d, 16, dtype, CUDA, gen)
     q, cu = packed_queries(list(q_lens), 8, d, dtype, CUDA, gen)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=CUDA)
-    out, _ = prefill_attention_fwd(q, k_cache, v_cache, cu, sl, tables, d ** -0.5, max(q_lens),
-                                   return_lse=True)
-    ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, sl, tables, d ** -0.5)
+    out, _ = prefill_attention_fwd(q, k_cache, v_cache, cu, sl, tables, d**-0.5, max(q_lens), return_lse=True)
+    ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, sl, tables, d**-0.5)
     assert_close(out, ref, dtype)
     qd = torch.randn(3, 8, d, generator=gen, device=CUDA).to(dtype)
-    out = decode_attention_fwd(qd, k_cache, v_cache, sl, tables, d ** -0.5, max(seq_lens))
-    ref = reference.decode_attention(qd.double(), k_cache.double(), v_cache.double(), sl, tables, d ** -0.5)
+    out = decode_attention_fwd(qd, k_cache, v_cache, sl, tables, d**-0.5, max(seq_lens))
+    ref = reference.decode_attention(qd.double(), k_cache.double(), v_cache.double(), sl, tables, d**-0.5)
     assert_close(out, ref, dtype)
 
 
@@ -117,13 +122,12 @@ def test_layer_ops_real_shapes():
     g = torch.randn(T, 2 * F, generator=gen, device=CUDA).to(BF16)
     assert_close(triton_ops.silu_and_mul(g), reference.silu_and_mul(g), BF16, factor=0.4)
 
-    scaling = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192)
+    scaling = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
     cos_sin = cos_sin_table(d, 500000.0, scaling, 131072, device=CUDA)
     qkv = torch.randn(T, (hq + 2 * hk) * d, generator=gen, device=CUDA).to(BF16)
-    q = qkv[:, :hq * d].reshape(T, hq, d)
-    k = qkv[:, hq * d:(hq + hk) * d].reshape(T, hk, d)
-    v = qkv[:, (hq + hk) * d:].reshape(T, hk, d)
+    q = qkv[:, : hq * d].reshape(T, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].reshape(T, hk, d)
+    v = qkv[:, (hq + hk) * d :].reshape(T, hk, d)
     positions = torch.randint(0, 131072, (T,), generator=gen, device=CUDA)
     ref_q, ref_k = reference.rope(q.clone(), k.clone(), positions, cos_sin)
     triton_ops.rope(q, k, positions, cos_sin)
@@ -144,15 +148,23 @@ def test_layer_ops_real_shapes():
 # there: (N, K, variant). bf16 against the reference in float32 (TF32 off): the output rounding and the
 # rounded input transform (bf16 normed values / SwiGLU products, which the float32 reference keeps
 # exact) give ~3e-3; 1e-2 as above.
-GEMV_SHAPES = [(3072, 2048, "norm"), (2048, 2048, "residual"), (16384, 2048, "norm"), (2048, 8192, "silu_residual"),
-               (128256, 2048, "plain"), (6144, 4096, "norm"), (4096, 4096, "residual"),
-               (28672, 4096, "norm"), (4096, 14336, "silu_residual")]
+GEMV_SHAPES = [
+    (3072, 2048, "norm"),
+    (2048, 2048, "residual"),
+    (16384, 2048, "norm"),
+    (2048, 8192, "silu_residual"),
+    (128256, 2048, "plain"),
+    (6144, 4096, "norm"),
+    (4096, 4096, "residual"),
+    (28672, 4096, "norm"),
+    (4096, 14336, "silu_residual"),
+]
 
 
 def gemv_inputs(M, N, K, variant, gen):
     silu = variant.startswith("silu")
     x = torch.randn(M, 2 * K if silu else K, generator=gen, device=CUDA).to(BF16)
-    w = (torch.randn(N, K, generator=gen, device=CUDA) / K ** 0.5).to(BF16)
+    w = (torch.randn(N, K, generator=gen, device=CUDA) / K**0.5).to(BF16)
     kw = {"silu_mul": True} if silu else {}
     if variant == "norm":
         kw = {"norm_weight": (1 + 0.1 * torch.randn(K, generator=gen, device=CUDA)).to(BF16), "eps": 1e-5}
@@ -167,8 +179,9 @@ def test_gemv_real_shapes(n, k, variant, M):
     gen = torch.Generator(device=CUDA).manual_seed(n + k + M)
     x, w, kw = gemv_inputs(M, n, k, variant, gen)
     out = triton_ops.fused_gemv(x, w, **kw)
-    ref = reference.fused_gemv(x.float(), w.float(), **{a: v.float() if torch.is_tensor(v) else v
-                                                         for a, v in kw.items()})
+    ref = reference.fused_gemv(
+        x.float(), w.float(), **{a: v.float() if torch.is_tensor(v) else v for a, v in kw.items()}
+    )
     assert_close(out, ref, BF16)
     assert torch.equal(out, triton_ops.fused_gemv(x, w, **kw)), "split-K must be deterministic"
 
@@ -188,9 +201,8 @@ def test_gemv_every_batch_size_and_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            outs = [triton_ops.fused_gemv(x, w, **kw) for x, w, kw, _ in calls]
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        outs = [triton_ops.fused_gemv(x, w, **kw) for x, w, kw, _ in calls]
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(3):
         graph.replay()

@@ -1,6 +1,7 @@
 """Copies by kernel between (pinned) host and device memory (kernels/host_copy.py): the bytes arrive
 exactly, in every size and dtype the engine uses, and bad arguments are refused. On CUDA the host side
 is a pinned buffer, reached through its mapped address, both ways."""
+
 import pytest
 import torch
 
@@ -14,8 +15,9 @@ def _host(t: torch.Tensor, device) -> torch.Tensor:
 @pytest.mark.parametrize("nbytes", [1, 7, 64, 1028, 5000])
 def test_arena_bytes_reach_the_device(device, nbytes):
     """A byte buffer (the input arena's prefix): word-sized copies where the size allows, bytes otherwise."""
-    src = _host(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)),
-                device)
+    src = _host(
+        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)), device
+    )
     dst = torch.zeros(nbytes + 16, dtype=torch.uint8, device=device)
     kernel_copy_(dst[:nbytes], src)
     assert torch.equal(dst[:nbytes].cpu(), src.cpu())

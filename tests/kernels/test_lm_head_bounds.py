@@ -3,14 +3,22 @@
 smaller and larger than the product's; pass 1's bounds contain every logit (checked against the full
 product's logits); exact ties keep the lowest index; it keeps few rows when the logits spread as random
 weights spread them; the int8 copy packs and unpacks losslessly and its slack covers its float64 error."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, fused_gemv_fwd
-from tinyvllm.kernels.lm_head_bounds import (BoundsConfig, QuantizedRows, pack_rows, quantize_rows, sample_pruned,
-                                             score_bounds, unpack_rows)
+from tinyvllm.kernels.lm_head_bounds import (
+    BoundsConfig,
+    QuantizedRows,
+    pack_rows,
+    quantize_rows,
+    sample_pruned,
+    score_bounds,
+    unpack_rows,
+)
 
 N, K = 2100, 64  # one noise tile of 2,048 and part of a second; blocks that do not divide N
 PRODUCT = GemvConfig(block_n=32, block_k=32, split_k=1, num_warps=4, num_stages=1, use_dot=False)
@@ -44,8 +52,8 @@ def test_quantize_rows_packs_losslessly_and_its_slack_covers_the_error(device):
     packed, scale, slack = quantize_rows(w, chunk_rows=1000)  # chunks that do not divide N
     q = unpack_rows(packed).double()
     err = (w.double() - scale.double()[:, None] * q).norm(dim=1)
-    assert torch.all(slack.double() >= err + 2.0 ** -10 * w.double().norm(dim=1))
-    assert torch.all(err <= 0.5 * scale.double() * K ** 0.5 * (1 + 1e-6))  # round to nearest: ≤ half a step
+    assert torch.all(slack.double() >= err + 2.0**-10 * w.double().norm(dim=1))
+    assert torch.all(err <= 0.5 * scale.double() * K**0.5 * (1 + 1e-6))  # round to nearest: ≤ half a step
     assert scale[7] == 0 and slack[7] == 0 and not q[7].any()
     with pytest.raises(ValueError, match="multiple of 4"):
         quantize_rows(w[:, :62])
@@ -62,8 +70,12 @@ def test_bounds_contain_the_logits(dtype, device):
     assert torch.all(hi >= logits)
     blocks = torch.nn.functional.pad(logits, (0, lo_max.numel() * block_n - N), value=float("-inf"))
     assert torch.all(lo_max <= blocks.view(-1, block_n).amax(dim=1))
-    assert torch.equal(hi_max, torch.nn.functional.pad(hi, (0, lo_max.numel() * block_n - N),
-                                                       value=float("-inf")).view(-1, block_n).amax(dim=1))
+    assert torch.equal(
+        hi_max,
+        torch.nn.functional.pad(hi, (0, lo_max.numel() * block_n - N), value=float("-inf"))
+        .view(-1, block_n)
+        .amax(dim=1),
+    )
     kept = int((hi >= lo_max.max()).sum())
     assert 1 <= kept <= 20, kept  # random rows of 64: the bounds are ~0.05 logit standard deviations wide
 

@@ -1,6 +1,7 @@
 """The placeholder gather that starts a decode graph: rows with a source index take that row of the
 previous step's sampled ids, the others keep their input id; the Triton kernel equals the torch
 reference and a hand-computed case."""
+
 import pytest
 import torch
 
@@ -50,6 +51,8 @@ def test_rejects_mismatched_rows(device):
     from tinyvllm.kernels.placeholders import resolve_placeholders
 
     with pytest.raises(ValueError):
-        resolve_placeholders(torch.zeros(3, dtype=torch.int64, device=device),
-                             torch.zeros(2, dtype=torch.int64, device=device),
-                             torch.zeros(4, dtype=torch.int64, device=device))
+        resolve_placeholders(
+            torch.zeros(3, dtype=torch.int64, device=device),
+            torch.zeros(2, dtype=torch.int64, device=device),
+            torch.zeros(4, dtype=torch.int64, device=device),
+        )

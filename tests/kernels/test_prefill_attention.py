@@ -1,6 +1,7 @@
 """FlashAttention-2 prefill over the paged cache vs `reference.prefill_attention` (float64), on small odd
 shapes: chunks starting mid-context, lengths off the tile grid, scattered blocks of sizes 1/3/5/16/32,
 GQA 1/2/4/8, head dims 16..256, and tile configs small enough to give many tiles per sequence."""
+
 from __future__ import annotations
 
 import math
@@ -26,9 +27,9 @@ CASES = [  # dtype, block_size, Hq, Hk, D, (BLOCK_M, BLOCK_N)
     (F32, 5, 8, 1, 128, (16, 16)),
     (BF16, 1, 8, 1, 64, (16, 16)),
     (BF16, 3, 4, 4, 128, (32, 16)),
-    (BF16, 16, 4, 2, 16, (16, 16)),   # pages hold whole tiles: one table entry per tile
-    (BF16, 32, 8, 2, 32, (16, 16)),   # two tiles per page
-    (BF16, 16, 8, 2, 32, (16, 32)),   # two pages per tile
+    (BF16, 16, 4, 2, 16, (16, 16)),  # pages hold whole tiles: one table entry per tile
+    (BF16, 32, 8, 2, 32, (16, 16)),  # two tiles per page
+    (BF16, 16, 8, 2, 32, (16, 32)),  # two pages per tile
     (F16, 3, 8, 4, 64, (32, 32)),
     (F32, 16, 4, 2, 256, (16, 16)),
 ]
@@ -40,15 +41,19 @@ def run_case(dtype, block_size, hq, hk, d, cfg, layout, device, seed=0, return_l
     k_cache, v_cache, tables = make_paged_cache(list(seq_lens), hk, d, block_size, dtype, device, gen, **kw)
     q, cu = packed_queries(list(q_lens), hq, d, dtype, device, gen)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    scale = d ** -0.5
-    out, lse = prefill_attention_fwd(q, k_cache, v_cache, cu, sl, tables, scale, max(q_lens),
-                                     return_lse=return_lse, config=cfg)
+    scale = d**-0.5
+    out, lse = prefill_attention_fwd(
+        q, k_cache, v_cache, cu, sl, tables, scale, max(q_lens), return_lse=return_lse, config=cfg
+    )
     ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, sl, tables, scale)
     return out, ref, lse, (q, k_cache, v_cache, cu, sl, tables, scale)
 
 
-@pytest.mark.parametrize("dtype,block_size,hq,hk,d,tiles", CASES,
-                         ids=[f"{str(c[0])[6:]}-bs{c[1]}-g{c[2] // c[3]}-d{c[4]}-m{c[5][0]}n{c[5][1]}" for c in CASES])
+@pytest.mark.parametrize(
+    "dtype,block_size,hq,hk,d,tiles",
+    CASES,
+    ids=[f"{str(c[0])[6:]}-bs{c[1]}-g{c[2] // c[3]}-d{c[4]}-m{c[5][0]}n{c[5][1]}" for c in CASES],
+)
 def test_prefill_matches_reference(dtype, block_size, hq, hk, d, tiles, device):
     cfg = PrefillConfig(tiles[0], tiles[1], 4, 2)
     out, ref, _, _ = run_case(dtype, block_size, hq, hk, d, cfg, LAYOUT, device)
@@ -71,14 +76,16 @@ def test_default_config_and_ops_table(device):
 
 def test_shared_prefix_blocks(device):
     """Sequences reading the same physical blocks (prefix-cache hits)."""
-    out, ref, _, _ = run_case(BF16, 4, 4, 2, 32, PrefillConfig(16, 16, 4, 2),
-                              [(20, 20), (9, 25), (16, 40)], device, seed=2, share_prefix=3)
+    out, ref, _, _ = run_case(
+        BF16, 4, 4, 2, 32, PrefillConfig(16, 16, 4, 2), [(20, 20), (9, 25), (16, 40)], device, seed=2, share_prefix=3
+    )
     assert_close(out, ref, BF16)
 
 
 def test_logsumexp_output(device):
     out, ref, lse, (q, k_cache, v_cache, cu, sl, tables, scale) = run_case(
-        F32, 3, 4, 2, 32, PrefillConfig(16, 16, 4, 2), LAYOUT, device, seed=3, return_lse=True)
+        F32, 3, 4, 2, 32, PrefillConfig(16, 16, 4, 2), LAYOUT, device, seed=3, return_lse=True
+    )
     assert_close(out, ref, F32)
     expect = torch.full_like(lse, float("nan"), dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[1]
@@ -109,8 +116,17 @@ def test_random_layouts(data, device):
     hk, group = data.draw(st.sampled_from([1, 2])), data.draw(st.sampled_from([1, 2, 4]))
     tiles = data.draw(st.sampled_from([(16, 16), (32, 16), (16, 32)]))
     dtype = data.draw(st.sampled_from([F32, BF16]))
-    out, ref, _, _ = run_case(dtype, block_size, hk * group, hk, 16, PrefillConfig(*tiles, 4, 2),
-                              layout, device, seed=data.draw(st.integers(0, 2**16)))
+    out, ref, _, _ = run_case(
+        dtype,
+        block_size,
+        hk * group,
+        hk,
+        16,
+        PrefillConfig(*tiles, 4, 2),
+        layout,
+        device,
+        seed=data.draw(st.integers(0, 2**16)),
+    )
     assert_close(out, ref, dtype)
 
 
@@ -123,5 +139,4 @@ def test_rejects_bad_arguments(device):
     with pytest.raises(ValueError, match="power of two"):
         prefill_attention_fwd(q, cache, cache, cu, sl, bt, 0.1)
     with pytest.raises(TypeError):
-        prefill_attention_fwd(q.double()[..., :16], cache[..., :16].double(), cache[..., :16].double(),
-                              cu, sl, bt, 0.1)
+        prefill_attention_fwd(q.double()[..., :16], cache[..., :16].double(), cache[..., :16].double(), cu, sl, bt, 0.1)

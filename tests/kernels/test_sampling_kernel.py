@@ -1,5 +1,6 @@
 """The fused greedy/Gumbel sampling kernel: greedy equals argmax; sampling follows softmax(z/T);
 a (seed, logits) pair always gives the same token, wherever the row sits in the batch."""
+
 import math
 
 import pytest

@@ -5,6 +5,7 @@ ending at the row's end see its prefixes (the last row sees all of it).
 Rows: tiny-vllm's stress rows (ordinary; all maxima tied; one spike of 50 among 0.001s; all
 negative) at length 16 and at a few thousand keys; scores near 1e4, whose exponentials overflow
 float32 unless the running max is subtracted first; and zero-length decode rows."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,7 @@ from tinyvllm.kernels.decode_attention import DecodeConfig, decode_attention_fwd
 from tinyvllm.kernels.prefill_attention import PrefillConfig, prefill_attention_fwd
 
 D, HQ, HK = 16, 4, 2
-SCALE = D ** -0.5
+SCALE = D**-0.5
 
 
 def score_row(kind: str, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -45,8 +46,9 @@ def crafted(kind, n, dtype, device, block_size=16, seed=0):
     kv = torch.zeros(2, n, HK, D, dtype=torch.float64)
     kv[0, :, :, 0] = (s / SCALE)[:, None]
     kv[1] = torch.randn(n, HK, D, generator=gen, dtype=torch.float64)
-    k_cache, v_cache, tables = make_paged_cache([n], HK, D, block_size, dtype, device,
-                                                torch.Generator(device=device).manual_seed(seed), kv=kv)
+    k_cache, v_cache, tables = make_paged_cache(
+        [n], HK, D, block_size, dtype, device, torch.Generator(device=device).manual_seed(seed), kv=kv
+    )
     return k_cache, v_cache, tables
 
 
@@ -69,8 +71,7 @@ def test_decode_rows(kind, n, dtype, device):
     q = torch.zeros(1, HQ, D, dtype=dtype, device=device)
     q[..., 0] = 1
     sl = torch.tensor([n], dtype=torch.int32, device=device)
-    out = decode_attention_fwd(q, k_cache, v_cache, sl, tables, SCALE, n,
-                               config=DecodeConfig(64, 4, 2, 4, 1))
+    out = decode_attention_fwd(q, k_cache, v_cache, sl, tables, SCALE, n, config=DecodeConfig(64, 4, 2, 4, 1))
     ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), sl, tables, SCALE)
     assert_close(out, ref, dtype, factor=tolerance(kind, dtype) / TOL[dtype])
 
@@ -84,8 +85,9 @@ def test_prefill_rows(kind, n, dtype, device):
     q[..., 0] = 1
     cu = torch.tensor([0, q_len], dtype=torch.int32, device=device)
     sl = torch.tensor([n], dtype=torch.int32, device=device)
-    out, _ = prefill_attention_fwd(q, k_cache, v_cache, cu, sl, tables, SCALE, q_len,
-                                   config=PrefillConfig(16, 64, 4, 2))
+    out, _ = prefill_attention_fwd(
+        q, k_cache, v_cache, cu, sl, tables, SCALE, q_len, config=PrefillConfig(16, 64, 4, 2)
+    )
     ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, sl, tables, SCALE)
     assert_close(out, ref, dtype, factor=tolerance(kind, dtype) / TOL[dtype])
 

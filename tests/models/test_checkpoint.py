@@ -28,15 +28,40 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_presets_match_meta_configs() -> None:
-    llama3_rope = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+    llama3_rope = {
+        "rope_type": "llama3",
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     expected = {
-        "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                             head_dim=64, tie_word_embeddings=True, rope_scaling={**llama3_rope, "factor": 32.0}),
-        "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                             head_dim=128, tie_word_embeddings=True, rope_scaling={**llama3_rope, "factor": 32.0}),
-        "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                             head_dim=128, tie_word_embeddings=False, rope_scaling={**llama3_rope, "factor": 8.0}),
+        "llama-3.2-1b": dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            head_dim=64,
+            tie_word_embeddings=True,
+            rope_scaling={**llama3_rope, "factor": 32.0},
+        ),
+        "llama-3.2-3b": dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            head_dim=128,
+            tie_word_embeddings=True,
+            rope_scaling={**llama3_rope, "factor": 32.0},
+        ),
+        "llama-3.1-8b": dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            head_dim=128,
+            tie_word_embeddings=False,
+            rope_scaling={**llama3_rope, "factor": 8.0},
+        ),
     }
     for name, fields in expected.items():
         config = PRESETS[name]
@@ -47,7 +72,12 @@ def test_presets_match_meta_configs() -> None:
         assert (config["bos_token_id"], config["eos_token_id"]) == (128000, [128001, 128008, 128009])
         assert config["torch_dtype"] == "bfloat16" and config["hidden_act"] == "silu"
     tiny = PRESETS["tiny"]
-    assert (tiny["vocab_size"], tiny["hidden_size"], tiny["intermediate_size"], tiny["num_hidden_layers"]) == (512, 64, 128, 2)
+    assert (tiny["vocab_size"], tiny["hidden_size"], tiny["intermediate_size"], tiny["num_hidden_layers"]) == (
+        512,
+        64,
+        128,
+        2,
+    )
     assert (tiny["num_attention_heads"], tiny["num_key_value_heads"], tiny["head_dim"]) == (4, 2, 16)
     assert tiny["tie_word_embeddings"] and tiny["torch_dtype"] == "float32"
     assert tiny["rope_scaling"]["rope_type"] == "llama3" and tiny["max_position_embeddings"] == 2048
@@ -106,8 +136,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def untied_sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = make_config(tie_word_embeddings=False, vocab_size=1024)
-    return write_dummy_checkpoint(tmp_path_factory.mktemp("ckpt") / "untied", config, seed=3, dtype="bfloat16",
-                                  max_shard_bytes=60_000)
+    return write_dummy_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "untied", config, seed=3, dtype="bfloat16", max_shard_bytes=60_000
+    )
 
 
 @pytest.mark.parametrize("which", ["tiny_dir", "untied_sharded_dir"])
@@ -120,8 +151,9 @@ def test_transformers_loads_checkpoint(request: pytest.FixtureRequest, which: st
     # transformers 5 folds the legacy rope_scaling + rope_theta into config.rope_parameters
     rope = model.config.rope_parameters
     assert rope["rope_type"] == "llama3" and rope["rope_theta"] == config["rope_theta"]
-    assert {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")} == {
-        k: v for k, v in config["rope_scaling"].items() if k != "rope_type"}
+    assert {
+        k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    } == {k: v for k, v in config["rope_scaling"].items() if k != "rope_type"}
     assert model.model.rotary_emb.rope_type == "llama3"
     if which == "tiny_dir":  # by hand: head_dim 16, theta 1e4; wavelength < 64 kept, > 256 divided by 8
         inv_freq = model.model.rotary_emb.inv_freq
@@ -132,7 +164,11 @@ def test_transformers_loads_checkpoint(request: pytest.FixtureRequest, which: st
     assert set(ours) == {name for name, _ in weight_shapes(config)}
     assert ("lm_head.weight" in ours) != config["tie_word_embeddings"]
     for name, param in model.state_dict().items():
-        expected = ours["model.embed_tokens.weight"] if name == "lm_head.weight" and config["tie_word_embeddings"] else ours[name]
+        expected = (
+            ours["model.embed_tokens.weight"]
+            if name == "lm_head.weight" and config["tie_word_embeddings"]
+            else ours[name]
+        )
         assert torch.equal(param, expected), name
     logits = model(torch.tensor([[config["bos_token_id"], 5, 6, 7]])).logits
     assert logits.shape == (1, 4, config["vocab_size"]) and torch.isfinite(logits).all()
@@ -187,20 +223,36 @@ def test_generation_config_and_tokenizer_files(untied_sharded_dir: Path) -> None
     ours = Tokenizer.from_pretrained(untied_sharded_dir)
     hf = transformers.AutoTokenizer.from_pretrained(untied_sharded_dir)
     assert ours.vocab_size == len(hf) == 1024 and hf.model_max_length == 2048
-    assert hf.convert_ids_to_tokens([768, 769, 776, 777]) == ["<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]
+    assert hf.convert_ids_to_tokens([768, 769, 776, 777]) == [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|eom_id|>",
+        "<|eot_id|>",
+    ]
     assert (ours.bos_token_id, ours.eos_token_id) == (hf.bos_token_id, hf.eos_token_id) == (768, 777)
     text = "Return the value of the argument, 😀 in 中文."
     assert ours.encode(text) == hf.encode(text) and ours.encode(text)[0] == 768
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}]
-    assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_tokenizer_layout_at_llama3_ids_and_fillers() -> None:
     tok = dummy_tokenizer.build_tokenizer(128256)
     assert tok.get_vocab_size() == 128256
-    llama3 = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128004: "<|finetune_right_pad_id|>",
-              128006: "<|start_header_id|>", 128007: "<|end_header_id|>", 128008: "<|eom_id|>", 128009: "<|eot_id|>",
-              128010: "<|python_tag|>", 128011: "<|reserved_special_token_3|>", 128255: "<|reserved_special_token_247|>"}
+    llama3 = {
+        128000: "<|begin_of_text|>",
+        128001: "<|end_of_text|>",
+        128004: "<|finetune_right_pad_id|>",
+        128006: "<|start_header_id|>",
+        128007: "<|end_header_id|>",
+        128008: "<|eom_id|>",
+        128009: "<|eot_id|>",
+        128010: "<|python_tag|>",
+        128011: "<|reserved_special_token_3|>",
+        128255: "<|reserved_special_token_247|>",
+    }
     assert {i: tok.id_to_token(i) for i in llama3} == llama3
     # no holes: every regular id is a token that decodes to text (fillers included)
     vocab = tok.get_vocab(with_added_tokens=False)
@@ -231,8 +283,11 @@ def test_write_rejects_bad_input(tmp_path: Path) -> None:
 
 def test_safetensors_writer_round_trip(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
-    tensors = {"a": torch.randn(7, 3, generator=g), "b.x": torch.randn(5, generator=g).to(torch.bfloat16),
-               "c": torch.randn(4, 9, 2, generator=g).to(torch.float16)}
+    tensors = {
+        "a": torch.randn(7, 3, generator=g),
+        "b.x": torch.randn(5, generator=g).to(torch.bfloat16),
+        "c": torch.randn(4, 9, 2, generator=g).to(torch.float16),
+    }
     specs = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
     with SafetensorsWriter(tmp_path / "t.safetensors", specs, {"format": "pt"}) as w:
         for name, t in tensors.items():

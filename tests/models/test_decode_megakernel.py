@@ -12,6 +12,7 @@ real shape.
 Tolerances as in test_fused_decode.py (float32: order of the sums only; bfloat16: 8-bit roundings of
 every product output, 4e-2 with 3× margin, against 0.27–1.1 for a skipped norm or residual).
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,10 +20,17 @@ import logging
 import pytest
 import torch
 
-from tinyvllm.kernels.decode_megakernel import (PIPELINE_BYTES, MegakernelConfig, Workspace, max_programs,
-                                                phase_d_chunks, unit_rows, unit_tile)
-from tinyvllm.models.attention_metadata import AttnMetadata
 from tests.models.test_fused_decode import backends, build, device_for
+from tinyvllm.kernels.decode_megakernel import (
+    PIPELINE_BYTES,
+    MegakernelConfig,
+    Workspace,
+    max_programs,
+    phase_d_chunks,
+    unit_rows,
+    unit_tile,
+)
+from tinyvllm.models.attention_metadata import AttnMetadata
 
 BLOCK = 4
 NUM_BLOCKS = 80
@@ -42,13 +50,26 @@ def step(seq_len: int, slot_valid: bool = True, device: torch.device = torch.dev
     pos = seq_len - 1
     slot = int(table[pos // BLOCK]) * BLOCK + pos % BLOCK if slot_valid else -1
     meta = AttnMetadata(
-        slot_mapping=torch.tensor([slot]), num_decode_tokens=1,
+        slot_mapping=torch.tensor([slot]),
+        num_decode_tokens=1,
         decode_seq_lens=torch.tensor([seq_len], dtype=torch.int32),
-        decode_block_tables=table[None, :], max_decode_seq_len=seq_len, num_prefills=0,
-        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32), prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
-        prefill_block_tables=table[None, :0], max_prefill_q_len=0, max_prefill_seq_len=0)
-    for name in ("slot_mapping", "decode_seq_lens", "decode_block_tables", "prefill_cu_seqlens_q",
-                 "prefill_seq_lens", "prefill_block_tables"):
+        decode_block_tables=table[None, :],
+        max_decode_seq_len=seq_len,
+        num_prefills=0,
+        prefill_cu_seqlens_q=torch.zeros(1, dtype=torch.int32),
+        prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
+        prefill_block_tables=table[None, :0],
+        max_prefill_q_len=0,
+        max_prefill_seq_len=0,
+    )
+    for name in (
+        "slot_mapping",
+        "decode_seq_lens",
+        "decode_block_tables",
+        "prefill_cu_seqlens_q",
+        "prefill_seq_lens",
+        "prefill_block_tables",
+    ):
         setattr(meta, name, getattr(meta, name).to(device))
     return torch.tensor([seq_len * 7 % 512], device=device), torch.tensor([pos], device=device), meta
 
@@ -72,26 +93,43 @@ WIDE = {"hidden_size": 512, "intermediate_size": 256}  # phase D's tensor-core t
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_len,splits,tile,stages,ace_stages,prefetch,preload,dot_d,overrides",
-                         [(1, 1, 16384, 3, 3, True, True, True, {}), (13, 1, 256, 3, 3, True, True, True, {}),
-                          (300, 3, 256, 4, 2, True, True, True, {}),
-                          (150, 2, 16384, 3, 3, True, True, True, {}),
-                          (300, 11, 256, 3, 3, True, True, True, {}),
-                          (64, 1, 256, 3, 3, True, True, True, {}), (65, 2, 256, 3, 3, True, True, True, {}),
-                          (13, 1, 256, 1, 1, False, False, True, {}),
-                          (150, 2, 16384, 3, 3, False, False, True, {}),
-                          (300, 3, 256, 1, 1, True, True, True, {}),
-                          # phase D's two schemes: tensor cores (tiles of 1–4 chunks a row) and thread sums
-                          (150, 2, 16384, 3, 3, True, True, False, {}), (13, 1, 1024, 3, 3, True, True, True, {}),
-                          (40, 2, 16384, 3, 3, True, True, True, WIDE), (40, 2, 16384, 1, 1, False, True, True, WIDE)])
-def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, ace_stages, prefetch, preload,
-                                             dot_d, overrides):
+@pytest.mark.parametrize(
+    "seq_len,splits,tile,stages,ace_stages,prefetch,preload,dot_d,overrides",
+    [
+        (1, 1, 16384, 3, 3, True, True, True, {}),
+        (13, 1, 256, 3, 3, True, True, True, {}),
+        (300, 3, 256, 4, 2, True, True, True, {}),
+        (150, 2, 16384, 3, 3, True, True, True, {}),
+        (300, 11, 256, 3, 3, True, True, True, {}),
+        (64, 1, 256, 3, 3, True, True, True, {}),
+        (65, 2, 256, 3, 3, True, True, True, {}),
+        (13, 1, 256, 1, 1, False, False, True, {}),
+        (150, 2, 16384, 3, 3, False, False, True, {}),
+        (300, 3, 256, 1, 1, True, True, True, {}),
+        # phase D's two schemes: tensor cores (tiles of 1–4 chunks a row) and thread sums
+        (150, 2, 16384, 3, 3, True, True, False, {}),
+        (13, 1, 1024, 3, 3, True, True, True, {}),
+        (40, 2, 16384, 3, 3, True, True, True, WIDE),
+        (40, 2, 16384, 1, 1, False, True, True, WIDE),
+    ],
+)
+def test_megakernel_equals_reference_forward(
+    dtype, seq_len, splits, tile, stages, ace_stages, prefetch, preload, dot_d, overrides
+):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
-    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=ace_stages,
-                                                    e_stages=ace_stages, prefetch=prefetch, preload_kv=preload,
-                                                    dot_d=dot_d))
+    model.enable_decode_megakernel(
+        MegakernelConfig(
+            tile=tile,
+            stages=stages,
+            ace_stages=ace_stages,
+            e_stages=ace_stages,
+            prefetch=prefetch,
+            preload_kv=preload,
+            dot_d=dot_d,
+        )
+    )
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == mk.weights.down[1].data_ptr()  # views, no copy
@@ -117,9 +155,15 @@ def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stage
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_len,splits,tile,stages,prefetch,overrides",
-                         [(300, 11, 256, 3, True, {}), (65, 2, 256, 3, True, {"num_hidden_layers": 5}),
-                          (13, 1, 16384, 1, False, {}), (40, 2, 16384, 3, True, WIDE)])
+@pytest.mark.parametrize(
+    "seq_len,splits,tile,stages,prefetch,overrides",
+    [
+        (300, 11, 256, 3, True, {}),
+        (65, 2, 256, 3, True, {"num_hidden_layers": 5}),
+        (13, 1, 16384, 1, False, {}),
+        (40, 2, 16384, 3, True, WIDE),
+    ],
+)
 def test_megakernel_split_o_equals_reference(dtype, seq_len, splits, tile, stages, prefetch, overrides):
     """Phase C split by KV group (`split_o`): each unit merges its group's attention partials itself
     (runs of 16 and 4 slots) and adds its products to float32 sums by atomics; phase D adds them to the
@@ -129,8 +173,9 @@ def test_megakernel_split_o_equals_reference(dtype, seq_len, splits, tile, stage
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
-    model.enable_decode_megakernel(MegakernelConfig(tile=tile, stages=stages, ace_stages=stages, e_stages=stages,
-                                                    prefetch=prefetch, split_o=True))
+    model.enable_decode_megakernel(
+        MegakernelConfig(tile=tile, stages=stages, ace_stages=stages, e_stages=stages, prefetch=prefetch, split_o=True)
+    )
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     ids, positions, meta = step(seq_len, device=device)

@@ -4,6 +4,7 @@ Its predictions are confident (a trained model, unlike the random dummies), so g
 token is a sharp check: a wrong RoPE band, GQA grouping or norm would change the text within a few tokens.
 The parity tests skip only when the weights are absent from the checkout (before the model is trained).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -26,9 +27,10 @@ DOC_SEPARATOR = "\n<|end_of_text|>\n"
 NUM_PROMPTS = 8
 PROMPT_TOKENS = 64  # <|begin_of_text|> + 63 tokens of held-out text
 MAX_NEW = 64
-needs_weights = pytest.mark.skipif(not demo_model_available(),
-                                   reason=f"the demo model's weights are not in {DEMO_MODEL_DIR} "
-                                          "(scripts/train_demo_model.py writes them)")
+needs_weights = pytest.mark.skipif(
+    not demo_model_available(),
+    reason=f"the demo model's weights are not in {DEMO_MODEL_DIR} (scripts/train_demo_model.py writes them)",
+)
 
 
 def validation_paragraphs() -> list[str]:
@@ -64,12 +66,19 @@ def test_demo_is_the_default_model(llm):
 def test_greedy_generation_matches_transformers(llm, prompts):
     hf = transformers.LlamaForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
-                                                         use_tqdm=False)]
+    ours = [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    ]
     for prompt, got in zip(prompts, ours):
         ids = torch.tensor([prompt])
-        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        want = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         assert got == want
 
 
@@ -88,8 +97,17 @@ def test_main_command_prints_english(capsys):
 @needs_weights
 def test_shipped_files_and_card():
     files = {p.name: p.stat().st_size for p in DEMO_MODEL_DIR.iterdir()}
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "README.md", "LICENSE", "loss.png", "training_log.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+        "LICENSE",
+        "loss.png",
+        "training_log.json",
+    ):
         assert name in files, name
     assert sum(files.values()) <= 25 * 10**6
     log = json.loads((DEMO_MODEL_DIR / "training_log.json").read_text())

@@ -12,6 +12,7 @@ interpreter, which truncates fp32 → bf16 where torch rounds to nearest), and f
 weight gives 0.27, a lost residual 1.1, a wrong eps 0.6. The exact rounding order is checked
 elementwise in tests/kernels/test_gemv.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,9 @@ def device_for(backend: str) -> torch.device:
     return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
 
 
-def build(backend: str, dtype: torch.dtype, device: torch.device, max_positions: int = 64,
-          **overrides) -> LlamaForCausalLM:
+def build(
+    backend: str, dtype: torch.dtype, device: torch.device, max_positions: int = 64, **overrides
+) -> LlamaForCausalLM:
     """The 2-layer `tiny` preset (config.json `overrides` applied) with random weights, norms ≠ 1."""
     config = ModelConfig.from_dict(make_config("tiny", **{"num_hidden_layers": 2, **overrides}))
     with torch.device(device):
@@ -66,11 +68,18 @@ def batch(kind: str, device: torch.device):
         positions = [n - 1 for n in seq_lens]
         slots = [int(tables[b, p // BLOCK]) * BLOCK + p % BLOCK for b, p in enumerate(positions)]
         meta = AttnMetadata(
-            slot_mapping=torch.tensor(slots, dtype=i64), num_decode_tokens=3,
-            decode_seq_lens=torch.tensor(seq_lens, dtype=i32), decode_block_tables=tables,
-            max_decode_seq_len=max(seq_lens), num_prefills=0, prefill_cu_seqlens_q=torch.zeros(1, dtype=i32),
-            prefill_seq_lens=torch.zeros(0, dtype=i32), prefill_block_tables=tables[:0],
-            max_prefill_q_len=0, max_prefill_seq_len=0)
+            slot_mapping=torch.tensor(slots, dtype=i64),
+            num_decode_tokens=3,
+            decode_seq_lens=torch.tensor(seq_lens, dtype=i32),
+            decode_block_tables=tables,
+            max_decode_seq_len=max(seq_lens),
+            num_prefills=0,
+            prefill_cu_seqlens_q=torch.zeros(1, dtype=i32),
+            prefill_seq_lens=torch.zeros(0, dtype=i32),
+            prefill_block_tables=tables[:0],
+            max_prefill_q_len=0,
+            max_prefill_seq_len=0,
+        )
     else:
         dec_tables = torch.tensor([[0, 1, 2]], dtype=i32)
         pre_tables = torch.tensor([[3, 4, 5]], dtype=i32)
@@ -78,13 +87,26 @@ def batch(kind: str, device: torch.device):
         slots = [int(dec_tables[0, 9 // BLOCK]) * BLOCK + 9 % BLOCK]
         slots += [int(pre_tables[0, p // BLOCK]) * BLOCK + p % BLOCK for p in positions[1:]]
         meta = AttnMetadata(
-            slot_mapping=torch.tensor(slots, dtype=i64), num_decode_tokens=1,
-            decode_seq_lens=torch.tensor([10], dtype=i32), decode_block_tables=dec_tables,
-            max_decode_seq_len=10, num_prefills=1, prefill_cu_seqlens_q=torch.tensor([0, 6], dtype=i32),
-            prefill_seq_lens=torch.tensor([9], dtype=i32), prefill_block_tables=pre_tables,
-            max_prefill_q_len=6, max_prefill_seq_len=9)
-    for name in ("slot_mapping", "decode_seq_lens", "decode_block_tables", "prefill_cu_seqlens_q",
-                 "prefill_seq_lens", "prefill_block_tables"):
+            slot_mapping=torch.tensor(slots, dtype=i64),
+            num_decode_tokens=1,
+            decode_seq_lens=torch.tensor([10], dtype=i32),
+            decode_block_tables=dec_tables,
+            max_decode_seq_len=10,
+            num_prefills=1,
+            prefill_cu_seqlens_q=torch.tensor([0, 6], dtype=i32),
+            prefill_seq_lens=torch.tensor([9], dtype=i32),
+            prefill_block_tables=pre_tables,
+            max_prefill_q_len=6,
+            max_prefill_seq_len=9,
+        )
+    for name in (
+        "slot_mapping",
+        "decode_seq_lens",
+        "decode_block_tables",
+        "prefill_cu_seqlens_q",
+        "prefill_seq_lens",
+        "prefill_block_tables",
+    ):
         setattr(meta, name, getattr(meta, name).to(device))
     T = len(positions)
     ids = torch.randint(0, 512, (T,), generator=torch.Generator().manual_seed(T)).to(device)
@@ -95,8 +117,10 @@ def caches(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) ->
     c = model.config
     gen = torch.Generator().manual_seed(1)
     shape = (10, c.num_key_value_heads, BLOCK, c.head_dim)
-    return [tuple(torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
-            for _ in range(c.num_hidden_layers)]
+    return [
+        tuple(torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        for _ in range(c.num_hidden_layers)
+    ]
 
 
 def run(model, fused: bool, ids, positions, meta, kv):

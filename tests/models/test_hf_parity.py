@@ -4,6 +4,7 @@ Greedy `LLM.generate` over a batch must equal transformers' greedy `generate` of
 token for token, under every scheduling regime (preemption, chunked prefill, odd block sizes), and
 teacher-forced logits must agree within float32 rounding.
 """
+
 from __future__ import annotations
 
 import random
@@ -11,9 +12,9 @@ import random
 import pytest
 import torch
 
+from tests.helpers import chunked_logits
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
-from tests.helpers import chunked_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,14 +27,22 @@ CONFIGS = {
     # GQA ratio 1, head dim 16, tied, llama3 rope scaling
     "mha_d16_tied_llama3": dict(num_attention_heads=4, num_key_value_heads=4, hidden_size=64),
     # GQA ratio 4, head dim 32, untied, no rope scaling
-    "gqa4_d32_untied_norope": dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=256,
-                                   tie_word_embeddings=False, rope_scaling=None, rope_theta=500000.0),
+    "gqa4_d32_untied_norope": dict(
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        hidden_size=256,
+        tie_word_embeddings=False,
+        rope_scaling=None,
+        rope_theta=500000.0,
+    ),
     # GQA ratio 8, head dim 64, tied, llama3 scaling, 3 layers
-    "gqa8_d64_tied_llama3": dict(num_attention_heads=8, num_key_value_heads=1, hidden_size=512,
-                                 intermediate_size=256, num_hidden_layers=3),
+    "gqa8_d64_tied_llama3": dict(
+        num_attention_heads=8, num_key_value_heads=1, hidden_size=512, intermediate_size=256, num_hidden_layers=3
+    ),
     # GQA ratio 2, head dim 16, untied, llama3 scaling, other vocab size
-    "gqa2_d16_untied_vocab1000": dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
-                                      tie_word_embeddings=False, vocab_size=1000),
+    "gqa2_d16_untied_vocab1000": dict(
+        num_attention_heads=4, num_key_value_heads=2, hidden_size=64, tie_word_embeddings=False, vocab_size=1000
+    ),
 }
 
 
@@ -55,9 +64,15 @@ def make_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int
 def hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
     """transformers' own greedy generate, EOS disabled, one prompt alone."""
     ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -77,14 +92,17 @@ def run_ours(path, prompts, **engine_kwargs) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("regime", [
-    dict(),  # everything fits, one prefill step for the whole batch
-    dict(block_size=1),
-    dict(block_size=7),  # divides none of the prompt lengths
-    dict(max_num_batched_tokens=16),  # every prompt but the first is chunked
-    dict(num_gpu_blocks_override=12, block_size=8, max_model_len=96),  # 96 slots for 5 requests: preemption
-    dict(max_num_seqs=2, enable_prefix_caching=False),
-])
+@pytest.mark.parametrize(
+    "regime",
+    [
+        dict(),  # everything fits, one prefill step for the whole batch
+        dict(block_size=1),
+        dict(block_size=7),  # divides none of the prompt lengths
+        dict(max_num_batched_tokens=16),  # every prompt but the first is chunked
+        dict(num_gpu_blocks_override=12, block_size=8, max_model_len=96),  # 96 slots for 5 requests: preemption
+        dict(max_num_seqs=2, enable_prefix_caching=False),
+    ],
+)
 def test_greedy_generate_matches_transformers(checkpoint, expected, regime):
     path, _, _ = checkpoint
     prompts, want = expected
@@ -148,16 +166,21 @@ def test_prefix_caching_changes_no_token(checkpoint):
     want = [hf_greedy(hf, p, 12) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     results = {}
-    for name, kwargs in {"off": dict(enable_prefix_caching=False),
-                         "on": dict(),
-                         "on_tight": dict(num_gpu_blocks_override=16, max_model_len=64, max_num_batched_tokens=24)
-                         }.items():
+    for name, kwargs in {
+        "off": dict(enable_prefix_caching=False),
+        "on": dict(),
+        "on_tight": dict(num_gpu_blocks_override=16, max_model_len=64, max_num_batched_tokens=24),
+    }.items():
         llm = LLM(model=str(path), device="cpu", dtype="float32", block_size=4, **kwargs)
         # Two rounds: the second finds the first's blocks in the cache (or evicted, when tight).
-        outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                              params, use_tqdm=False)]
-        outs2 = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                               params, use_tqdm=False)]
+        outs = [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        ]
+        outs2 = [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        ]
         results[name] = (outs, outs2, llm.get_metrics())
     for name, (outs, outs2, m) in results.items():
         assert outs == want and outs2 == want, name

@@ -5,6 +5,7 @@ starts an engine (mode "process": MPAsyncLLMEngine, the default of `tinyvllm ser
 spawned process; "thread": AsyncLLMEngine around an LLMEngine built here) and an app, and serves it on
 a free port. `server` is the shared default one, in both modes (module tests reuse it).
 """
+
 from __future__ import annotations
 
 import socket
@@ -19,14 +20,14 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-import uvicorn  # noqa: E402
+import uvicorn
 
-from tinyvllm.engine.args import EngineArgs  # noqa: E402
-from tinyvllm.engine.llm_engine import LLMEngine  # noqa: E402
-from tinyvllm.entrypoints.async_engine import AsyncLLMEngine, EngineClient  # noqa: E402
-from tinyvllm.entrypoints.mp_engine import MPAsyncLLMEngine  # noqa: E402
-from tinyvllm.entrypoints.server import ServerArgs, build_app  # noqa: E402
-from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint  # noqa: E402
+from tinyvllm.engine.args import EngineArgs
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.entrypoints.async_engine import AsyncLLMEngine, EngineClient
+from tinyvllm.entrypoints.mp_engine import MPAsyncLLMEngine
+from tinyvllm.entrypoints.server import ServerArgs, build_app
+from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 
 MODEL_NAME = "tiny"
 ENGINE_DEFAULTS = dict(device="cpu", max_model_len=256, num_gpu_blocks_override=512, max_num_batched_tokens=512)
@@ -83,15 +84,21 @@ def start_server(engine: EngineClient, api_key: str | None = None) -> LiveServer
 def make_server(model_dir) -> Iterator[Callable[..., LiveServer]]:
     started: list[LiveServer] = []
 
-    def make(mode: str = "process", max_waiting_requests: int | None = None, api_key: str | None = None,
-             engine_factory=None, **engine_kw) -> LiveServer:
+    def make(
+        mode: str = "process",
+        max_waiting_requests: int | None = None,
+        api_key: str | None = None,
+        engine_factory=None,
+        **engine_kw,
+    ) -> LiveServer:
         args = EngineArgs(model=str(model_dir), **{**ENGINE_DEFAULTS, **engine_kw})
         if mode == "thread":
             core = engine_factory(args) if engine_factory is not None else LLMEngine(args)
             engine: EngineClient = AsyncLLMEngine(core, max_waiting_requests=max_waiting_requests).start()
         else:
-            engine = MPAsyncLLMEngine(args, max_waiting_requests=max_waiting_requests,
-                                      engine_factory=engine_factory).start(timeout=120)
+            engine = MPAsyncLLMEngine(
+                args, max_waiting_requests=max_waiting_requests, engine_factory=engine_factory
+            ).start(timeout=120)
         live = start_server(engine, api_key)
         started.append(live)
         return live

@@ -1,4 +1,5 @@
 """Engines that fail on purpose, built by a picklable factory (it runs in the engine process too)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,6 +20,7 @@ def failing_engine(args: Any, after_steps: int = 5) -> Any:
             if calls > after_steps:
                 raise RuntimeError("injected device failure")
             return real_step()
+
         return step
 
     engine.step = failing(engine.step)

@@ -1,6 +1,7 @@
 """Both engine clients without HTTP (the engine on a thread, and in a process of its own): one bad
 request fails alone, aborts free blocks, a slow reader gets merged deltas, shutdown fails what is left
 and leaves no process behind."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,7 +44,7 @@ def test_a_bad_request_fails_only_its_caller(engine):
 
     async def bad() -> str:
         with pytest.raises(RequestRejected) as e:
-            await engine.add_request("bad", [1, 2, 10 ** 6], params)
+            await engine.add_request("bad", [1, 2, 10**6], params)
         return str(e.value)
 
     async def main():
@@ -65,8 +66,10 @@ def test_abort_and_early_exit_free_the_blocks(engine):
         async for _ in engine.generate("b", "hello", params):
             break  # leaving the generator aborts too
         for _ in range(200):
-            if engine.stats["num_free_kv_blocks"] == engine.stats["num_kv_blocks"] and \
-                    engine.stats["num_requests_running"] == 0:
+            if (
+                engine.stats["num_free_kv_blocks"] == engine.stats["num_kv_blocks"]
+                and engine.stats["num_requests_running"] == 0
+            ):
                 return True
             await asyncio.sleep(0.01)
         return False

@@ -1,4 +1,5 @@
 """`tinyvllm bench serve`: the workload is WORKLOADS.md's, and a short run against the live server works."""
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,27 @@ def test_workload_is_the_throughput_set():
 
 def test_short_run_against_the_live_server(server, tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "6", "--input-len", "5:20",
-               "--output-len", "4:12", "--max-token-id", "500", "--request-rate", "50", "inf",
-               "--result-file", str(out)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "5:20",
+            "--output-len",
+            "4:12",
+            "--max-token-id",
+            "500",
+            "--request-rate",
+            "50",
+            "inf",
+            "--result-file",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["model"] == "tiny" and [r["request_rate"] for r in report["runs"]] == [50.0, "inf"]
@@ -42,7 +61,24 @@ def test_short_run_against_the_live_server(server, tmp_path, capsys):
 
 def test_failures_are_counted(server, tmp_path):
     out = tmp_path / "r.json"
-    rc = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "2", "--input-len", "5:20",
-               "--output-len", "4:12", "--max-token-id", "100000", "--no-warmup", "--result-file", str(out)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "5:20",
+            "--output-len",
+            "4:12",
+            "--max-token-id",
+            "100000",
+            "--no-warmup",
+            "--result-file",
+            str(out),
+        ]
+    )
     run = json.loads(out.read_text())["runs"][0]
     assert rc == 3 and run["failed"] == 2 and "HTTP 400" in run["errors"][0]

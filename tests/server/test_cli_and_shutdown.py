@@ -1,6 +1,7 @@
 """`tinyvllm serve` as a process: graceful shutdown on SIGTERM/SIGINT (in-flight stream finishes, exit 0,
 no engine process left behind, also when the server is killed); a failed start is exit status 1; the
 engine and the CLI work without the server extra."""
+
 from __future__ import annotations
 
 import json
@@ -52,9 +53,28 @@ def _start_serve(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
     """`tinyvllm serve` in a session of its own (a terminal's Ctrl-C reaches the whole group); waits
     until /health answers."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", str(model_dir), "--device", "cpu",
-           "--port", str(port), "--max-model-len", "512", "--num-gpu-blocks-override", "256",
-           "--served-model-name", "tiny", "--shutdown-timeout", "60", "--uvicorn-log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tinyvllm.entrypoints.cli",
+        "serve",
+        str(model_dir),
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+        "--num-gpu-blocks-override",
+        "256",
+        "--served-model-name",
+        "tiny",
+        "--shutdown-timeout",
+        "60",
+        "--uvicorn-log-level",
+        "warning",
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -70,8 +90,9 @@ def _start_serve(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("sig, mode", [(signal.SIGTERM, "process"), (signal.SIGINT, "process"),
-                                       (signal.SIGTERM, "thread")])
+@pytest.mark.parametrize(
+    "sig, mode", [(signal.SIGTERM, "process"), (signal.SIGINT, "process"), (signal.SIGTERM, "thread")]
+)
 def test_signal_lets_the_in_flight_stream_finish_then_exits_0(model_dir, sig, mode):
     """SIGTERM to the server process, or SIGINT to its whole process group (Ctrl-C in a terminal):
     the stream in flight finishes, the engine process stops, the server exits 0."""
@@ -114,9 +135,23 @@ def test_the_engine_process_does_not_outlive_a_killed_server(model_dir):
 
 
 def test_an_engine_that_cannot_start_is_exit_status_1(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", str(tmp_path / "nothing"),
-                          "--device", "cpu", "--port", str(_free_port())],
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tinyvllm.entrypoints.cli",
+            "serve",
+            str(tmp_path / "nothing"),
+            "--device",
+            "cpu",
+            "--port",
+            str(_free_port()),
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1 and "the engine could not start" in out.stderr, out.stderr[-2000:]
 
 
@@ -135,7 +170,12 @@ def test_engine_and_cli_need_no_server_extra(tmp_path):
         assert main(["serve", "dummy:tiny"]) == 1
         print("OK")
     """)
-    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(REPO)},
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr
     assert "pip install 'tinyvllm[server]'" in out.stderr

@@ -1,4 +1,5 @@
 """Every error case in OpenAI's JSON shape with its status code, through raw httpx; none stops the engine."""
+
 from __future__ import annotations
 
 import httpx
@@ -17,47 +18,53 @@ def _error(resp: httpx.Response, status: int) -> dict:
     return err
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
-    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
-    ("/v1/completions", {"prompt": "x", "top_k": -3}, "top_k"),
-    ("/v1/completions", {"prompt": "x", "min_p": 2}, "min_p"),
-    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
-    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
-    ("/v1/completions", {"prompt": "x", "n": 1000}, "n"),
-    ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 0}, "n"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, "min_tokens"),
-    ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
-    ("/v1/completions", {"prompt": "x", "stop": 5}, "stop"),
-    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "x", "seed": 2 ** 70}, "seed"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
-    ("/v1/completions", {"prompt": [1, 2, 100000]}, "prompt"),
-    ("/v1/completions", {"prompt": [[1], [-1]]}, "prompt"),
-    ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": "", "add_special_tokens": False}, "prompt"),
-    ("/v1/completions", {"prompt": None}, "prompt"),
-    ("/v1/completions", {}, "prompt"),
-    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages.0.role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages.0.content"),
-    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 7 * 7 }}"}, "chat_template"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
-    ("/detokenize", {"tokens": [10 ** 6]}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "top_k": -3}, "top_k"),
+        ("/v1/completions", {"prompt": "x", "min_p": 2}, "min_p"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 1000}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 2, "temperature": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": 5}, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("/v1/completions", {"prompt": [1, 2, 100000]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1], [-1]]}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": "", "add_special_tokens": False}, "prompt"),
+        ("/v1/completions", {"prompt": None}, "prompt"),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages.0.role"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content",
+        ),
+        ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 7 * 7 }}"}, "chat_template"),
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+    ],
+)
 def test_invalid_field_is_a_400_naming_it(server, path, body, param):
     err = _error(httpx.post(server.url + path, json=body, timeout=30), 400)
     assert err["param"] == param, err
@@ -65,15 +72,21 @@ def test_invalid_field_is_a_400_naming_it(server, path, body, param):
 
 def test_malformed_bodies_are_400s(server):
     for content in (b"{not json", b"[1, 2]", b"", b'"a string"'):
-        _error(httpx.post(server.url + "/v1/completions", content=content,
-                          headers={"content-type": "application/json"}), 400)
+        _error(
+            httpx.post(server.url + "/v1/completions", content=content, headers={"content-type": "application/json"}),
+            400,
+        )
 
 
 def test_too_long_prompt_gives_both_numbers(server):
     err = _error(httpx.post(server.url + "/v1/completions", json={"prompt": [1] * (LIMIT + 5)}), 400)
     assert str(LIMIT) in err["message"] and str(LIMIT + 5) in err["message"] and err["param"] == "prompt"
-    err = _error(httpx.post(server.url + "/v1/chat/completions",
-                            json={"messages": [{"role": "user", "content": "word " * 400}]}), 400)
+    err = _error(
+        httpx.post(
+            server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 400}]}
+        ),
+        400,
+    )
     assert str(LIMIT) in err["message"] and err["param"] == "messages"
     err = _error(httpx.post(server.url + "/v1/completions", json={"prompt": [1] * 10, "max_tokens": LIMIT}), 400)
     assert str(LIMIT) in err["message"] and "10" in err["message"] and err["param"] == "max_tokens"

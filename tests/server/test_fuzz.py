@@ -1,5 +1,6 @@
 """Schema fuzzing: schemathesis draws bodies from the app's own OpenAPI document, both ones that fit it
 and ones that do not; no request may yield a 5xx, and the engine must be healthy afterwards."""
+
 from __future__ import annotations
 
 import httpx
@@ -12,8 +13,11 @@ from schemathesis import GenerationMode  # noqa: E402
 
 POST = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize")]
 GET = [("GET", "/v1/models"), ("GET", "/version"), ("GET", "/health"), ("GET", "/metrics")]
-CASES = ([(m, p, GenerationMode.POSITIVE, 60) for m, p in POST] + [(m, p, GenerationMode.NEGATIVE, 60) for m, p in POST]
-         + [(m, p, GenerationMode.POSITIVE, 3) for m, p in GET])  # GETs take no parameters: nothing to violate
+CASES = (
+    [(m, p, GenerationMode.POSITIVE, 60) for m, p in POST]
+    + [(m, p, GenerationMode.NEGATIVE, 60) for m, p in POST]
+    + [(m, p, GenerationMode.POSITIVE, 3) for m, p in GET]
+)  # GETs take no parameters: nothing to violate
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +33,14 @@ def api_schema(fuzz_server):
 @pytest.mark.parametrize("method, path, mode, examples", CASES, ids=lambda x: str(x))
 def test_no_request_is_a_server_error(api_schema, fuzz_server, method, path, mode, examples):
     @given(case=api_schema[path][method].as_strategy(mode))
-    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
     def check(case):
         response = case.call(base_url=fuzz_server.url, timeout=60)
-        assert response.status_code < 500, \
+        assert response.status_code < 500, (
             f"{case.method} {case.path} {case.body!r} -> {response.status_code} {response.text[:500]}"
+        )
 
     check()
 
@@ -44,19 +50,38 @@ def test_still_healthy_after_fuzzing(fuzz_server):
     assert not fuzz_server.engine.is_dead
 
 
-_EXTREME_FLOATS = st.one_of(st.floats(allow_nan=False, allow_infinity=False),
-                            st.sampled_from([0.0, 1e-30, 1e-5, 0.009, 1.0, 2.0, 1e30, -0.0, -1e-30]))
-_EXTREME_INTS = st.one_of(st.integers(-(2 ** 70), 2 ** 70),
-                          st.sampled_from([-1, 0, 1, 2, 20, 21, 127, 128, 511, 512, 2 ** 63 - 1, 2 ** 64 - 1, -(2 ** 63)]))
-SAMPLING = st.fixed_dictionaries({}, optional={
-    "temperature": _EXTREME_FLOATS, "top_p": _EXTREME_FLOATS, "min_p": _EXTREME_FLOATS,
-    "repetition_penalty": _EXTREME_FLOATS, "presence_penalty": _EXTREME_FLOATS,
-    "frequency_penalty": _EXTREME_FLOATS, "top_k": _EXTREME_INTS, "seed": _EXTREME_INTS,
-    "n": st.integers(1, 8), "max_tokens": st.one_of(st.none(), st.integers(1, 70)), "min_tokens": _EXTREME_INTS,
-    "logprobs": st.integers(0, 21), "stop_token_ids": st.lists(_EXTREME_INTS, max_size=3),
-    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3), "ignore_eos": st.booleans(),
-    "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(), "stream": st.booleans(),
-    "echo": st.booleans()})
+_EXTREME_FLOATS = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([0.0, 1e-30, 1e-5, 0.009, 1.0, 2.0, 1e30, -0.0, -1e-30]),
+)
+_EXTREME_INTS = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([-1, 0, 1, 2, 20, 21, 127, 128, 511, 512, 2**63 - 1, 2**64 - 1, -(2**63)]),
+)
+SAMPLING = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": _EXTREME_FLOATS,
+        "top_p": _EXTREME_FLOATS,
+        "min_p": _EXTREME_FLOATS,
+        "repetition_penalty": _EXTREME_FLOATS,
+        "presence_penalty": _EXTREME_FLOATS,
+        "frequency_penalty": _EXTREME_FLOATS,
+        "top_k": _EXTREME_INTS,
+        "seed": _EXTREME_INTS,
+        "n": st.integers(1, 8),
+        "max_tokens": st.one_of(st.none(), st.integers(1, 70)),
+        "min_tokens": _EXTREME_INTS,
+        "logprobs": st.integers(0, 21),
+        "stop_token_ids": st.lists(_EXTREME_INTS, max_size=3),
+        "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+        "ignore_eos": st.booleans(),
+        "include_stop_str_in_output": st.booleans(),
+        "skip_special_tokens": st.booleans(),
+        "stream": st.booleans(),
+        "echo": st.booleans(),
+    },
+)
 
 
 @given(fields=SAMPLING, prompt=st.one_of(st.text(max_size=40), st.lists(st.integers(0, 511), min_size=1, max_size=70)))

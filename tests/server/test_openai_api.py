@@ -1,4 +1,5 @@
 """Happy paths through the official `openai` client against a live server on loopback."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,26 +42,42 @@ def test_models_health_version(server, client):
 
 
 def test_completion_streamed_equals_non_streamed(client):
-    kw = dict(model=MODEL_NAME, prompt="The list type", max_tokens=20, temperature=0.9, seed=3,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL_NAME,
+        prompt="The list type",
+        max_tokens=20,
+        temperature=0.9,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
     full = client.completions.create(**kw)
     assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 20 and full.usage.total_tokens == full.usage.prompt_tokens + 20
-    texts, reasons, usage = _stream_text(client.completions.create(**kw, stream=True,
-                                                                   stream_options={"include_usage": True}))
+    texts, reasons, usage = _stream_text(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     assert texts == {0: full.choices[0].text} and reasons == {0: "length"}
     assert usage.model_dump() == full.usage.model_dump()
 
 
 def test_chat_streamed_equals_non_streamed(client):
-    kw = dict(model=MODEL_NAME, messages=[{"role": "system", "content": "Be brief."},
-                                          {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-              max_completion_tokens=16, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL_NAME,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        ],
+        max_completion_tokens=16,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(**kw)
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
     assert full.usage.completion_tokens == 16
-    texts, reasons, usage = _stream_text(client.chat.completions.create(**kw, stream=True,
-                                                                        stream_options={"include_usage": True}))
+    texts, reasons, usage = _stream_text(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     assert texts == {0: full.choices[0].message.content} and reasons == {0: "length"}
     assert usage.model_dump() == full.usage.model_dump()
 
@@ -71,47 +88,76 @@ def test_n_stop_and_vllm_extras(client):
     assert len(text) > 6
     stop = text[4:6]
     cut = client.completions.create(**greedy, stop=[stop]).choices[0]
-    assert cut.text == text[:text.index(stop)] and cut.finish_reason == "stop"
-    many = client.completions.create(model=MODEL_NAME, prompt="Once", n=3, max_tokens=8, seed=5, temperature=1.0,
-                                     extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1,
-                                                 "ignore_eos": True, "min_tokens": 4})
+    assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+    many = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Once",
+        n=3,
+        max_tokens=8,
+        seed=5,
+        temperature=1.0,
+        extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 4},
+    )
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
     assert many.usage.completion_tokens == 24
-    streamed, _, _ = _stream_text(client.completions.create(
-        model=MODEL_NAME, prompt="Once", n=3, max_tokens=8, seed=5, temperature=1.0, stream=True,
-        extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 4}))
+    streamed, _, _ = _stream_text(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt="Once",
+            n=3,
+            max_tokens=8,
+            seed=5,
+            temperature=1.0,
+            stream=True,
+            extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 4},
+        )
+    )
     assert streamed == {c.index: c.text for c in many.choices}
 
 
 def test_token_id_prompts_batches_and_stop_token_ids(server, client):
-    ids = client.completions.create(model=MODEL_NAME, prompt=[[1, 2, 3], [4, 5]], max_tokens=6, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    ids = client.completions.create(
+        model=MODEL_NAME, prompt=[[1, 2, 3], [4, 5]], max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
     tok = httpx.post(server.url + "/tokenize", json={"prompt": "hello"}).json()
-    out = client.completions.create(model=MODEL_NAME, prompt=tok["tokens"], max_tokens=6, temperature=0,
-                                    logprobs=0, extra_body={"ignore_eos": True})
-    same = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=6, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=tok["tokens"], max_tokens=6, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+    )
+    same = client.completions.create(
+        model=MODEL_NAME, prompt="hello", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].text == same.choices[0].text
     third = out.choices[0].logprobs.tokens[2]
-    stop_id = httpx.post(server.url + "/tokenize",
-                         json={"prompt": third, "add_special_tokens": False}).json()["tokens"]
+    stop_id = httpx.post(server.url + "/tokenize", json={"prompt": third, "add_special_tokens": False}).json()["tokens"]
     if len(stop_id) == 1:  # a token that is its own text: stopping on its id ends before three tokens
-        stopped = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=6, temperature=0,
-                                            extra_body={"ignore_eos": True, "stop_token_ids": stop_id})
+        stopped = client.completions.create(
+            model=MODEL_NAME,
+            prompt="hello",
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True, "stop_token_ids": stop_id},
+        )
         assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= 3
 
 
 def test_logprobs_shapes(client):
-    comp = client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=5, temperature=0, logprobs=3,
-                                     extra_body={"ignore_eos": True})
+    comp = client.completions.create(
+        model=MODEL_NAME, prompt="abc", max_tokens=5, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) >= 3 and top[tok] == val and val == max(top.values())  # greedy: the top token
-    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
-                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
-                                          extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.logprob == c.top_logprobs[0].logprob for c in content)
@@ -131,8 +177,15 @@ def test_64_concurrent_streams_match_llm_generate(server, model_dir):
     seeds = list(range(100, 164))
 
     async def one(client: openai.AsyncOpenAI, prompt: str, seed: int) -> tuple[str, str]:
-        stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=1.0,
-                                                 seed=seed, stream=True, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=6,
+            temperature=1.0,
+            seed=seed,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         text, reason = "", None
         async for chunk in stream:
             for c in chunk.choices:
@@ -147,22 +200,31 @@ def test_64_concurrent_streams_match_llm_generate(server, model_dir):
     got = asyncio.run(run_all())
     llm = LLM(model=str(model_dir), **ENGINE_DEFAULTS)
     defaults = llm.get_default_sampling_params()  # generation_config.json's top_p, as the server uses
-    want = llm.generate(prompts, [defaults.replace(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True)
-                                  for s in seeds], use_tqdm=False)
+    want = llm.generate(
+        prompts,
+        [defaults.replace(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in seeds],
+        use_tqdm=False,
+    )
     assert got == [(w.outputs[0].text, "length") for w in want]
 
 
 def test_metrics_count_a_streamed_request(server, client):
     """TTFT, ITL and e2e histograms and the token counters, computed from the per-step deltas and stats."""
-    names = ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-             "vllm:e2e_request_latency_seconds_count", "vllm:generation_tokens_total", "vllm:prompt_tokens_total")
+    names = (
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:generation_tokens_total",
+        "vllm:prompt_tokens_total",
+    )
 
     def counts() -> list[float]:
         return [server.metric(n) if n in httpx.get(server.url + "/metrics").text else 0.0 for n in names]
 
     before = counts()
-    stream = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=5, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     assert [c.choices[0].finish_reason for c in stream][-1] == "length"
     after = counts()
     assert [a - b for a, b in zip(after, before)] == [1, 4, 1, 5, 3]
@@ -175,8 +237,15 @@ def test_choices_that_finish_at_different_steps_stream_one_finish_each(client, m
     params = llm.get_default_sampling_params().replace(n=2, max_tokens=12, temperature=1.0, seed=21, ignore_eos=True)
     first, second = llm.generate([[3, 4, 5]], params, use_tqdm=False)[0].outputs
     stop = next(t for t in first.token_ids[2:8] if t not in second.token_ids and t not in first.token_ids[:2])
-    kw = dict(model=MODEL_NAME, prompt=[3, 4, 5], n=2, max_tokens=12, temperature=1.0, seed=21,
-              extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    kw = dict(
+        model=MODEL_NAME,
+        prompt=[3, 4, 5],
+        n=2,
+        max_tokens=12,
+        temperature=1.0,
+        seed=21,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop]},
+    )
     full = client.completions.create(**kw)
     assert {c.index: c.finish_reason for c in full.choices} == {0: "stop", 1: "length"}
     finishes: list[tuple[int, str]] = []

@@ -7,6 +7,7 @@ stop in one completion, FINAL_ONLY, special tokens, stop token ids, logprobs, a 
 stop late); the live server equals `LLM.generate`; a stop string frees the request's KV blocks; the
 API-side modules import no torch.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,7 +57,7 @@ def _boundary_stop(engine: LLMEngine, ids: list[int]) -> str:
     for k in range(1, len(ids)):
         cut = texts[k]
         if cut and not cut.endswith(FFFD) and len(cut) < len(text) and text.startswith(cut):
-            stop = text[len(cut) - 1:len(cut) + 1]
+            stop = text[len(cut) - 1 : len(cut) + 1]
             if FFFD not in stop and text.index(stop) == len(cut) - 1:
                 return stop
     raise AssertionError(f"no stop string spanning tokens in {text!r}")
@@ -70,7 +71,7 @@ def _multibyte_stop(engine: LLMEngine, ids: list[int]) -> str:
         if texts[k].endswith(FFFD):
             i = len(texts[k].rstrip(FFFD))
             if i + 1 < len(text) and not text[i].isascii() and text[i] != FFFD and text[i + 1] != FFFD:
-                return text[i:i + 2]
+                return text[i : i + 2]
     raise AssertionError(f"no split multi-byte character in {text!r}")
 
 
@@ -104,8 +105,16 @@ def _run(engine: LLMEngine, prompt: str, params: SamplingParams, lag: int = 0) -
     assert not engine.scheduler.requests  # everything ended and freed its blocks
     if params.output_kind is FINAL_ONLY:
         merged = merge_deltas([(*d, None, None) for d in got])
-        got = [("r", merged.finished, [(o.index, o.text, o.token_ids, o.logprobs, o.cumulative_logprob,
-                                        o.finish_reason, o.stop_reason) for o in merged.outputs])]
+        got = [
+            (
+                "r",
+                merged.finished,
+                [
+                    (o.index, o.text, o.token_ids, o.logprobs, o.cumulative_logprob, o.finish_reason, o.stop_reason)
+                    for o in merged.outputs
+                ],
+            )
+        ]
     return ref, got
 
 
@@ -140,8 +149,11 @@ def test_n2_stop_in_one_completion_only(engine):
     params = SEEDED.replace(n=2, seed=21, max_tokens=24)
     first, second = _generate(engine, "hello", params).outputs
     text0, text1 = first.text, second.text
-    stop = next(text0[i:i + 2] for i in range(2, len(text0) - 2)
-                if FFFD not in text0[i:i + 2] and text0[i:i + 2] not in text1)
+    stop = next(
+        text0[i : i + 2]
+        for i in range(2, len(text0) - 2)
+        if FFFD not in text0[i : i + 2] and text0[i : i + 2] not in text1
+    )
     for lag in (0, 3):
         ref, got = _run(engine, "hello", params.replace(stop=[stop], logprobs=1), lag)
         assert ref == got
@@ -149,8 +161,10 @@ def test_n2_stop_in_one_completion_only(engine):
         assert finals == {0: "stop", 1: "length"}
 
 
-@pytest.mark.parametrize("case", ["final-only", "final-only-stop", "special-tokens", "stop-token-id",
-                                  "stop-token-id-included", "plain-delta"])
+@pytest.mark.parametrize(
+    "case",
+    ["final-only", "final-only-stop", "special-tokens", "stop-token-id", "stop-token-id-included", "plain-delta"],
+)
 def test_other_output_kinds_and_stopping_rules(engine, case):
     params = GREEDY
     ids = _generate(engine, FOX, GREEDY).outputs[0].token_ids
@@ -163,10 +177,14 @@ def test_other_output_kinds_and_stopping_rules(engine, case):
         params = GREEDY.replace(skip_special_tokens=False, stop=[stop])
     elif case.startswith("stop-token-id"):
         # a token with text of its own, first sampled after a few others: the text must lose it
-        token = next(t for k, t in enumerate(ids) if k >= 2 and t not in ids[:k]
-                     and engine.tokenizer.decode([t]) not in ("", FFFD))
-        params = GREEDY.replace(stop_token_ids=[token], stop=["never matches"],
-                                include_stop_str_in_output=case.endswith("included"))
+        token = next(
+            t
+            for k, t in enumerate(ids)
+            if k >= 2 and t not in ids[:k] and engine.tokenizer.decode([t]) not in ("", FFFD)
+        )
+        params = GREEDY.replace(
+            stop_token_ids=[token], stop=["never matches"], include_stop_str_in_output=case.endswith("included")
+        )
     ref, got = _run(engine, FOX, params)
     assert ref == got
     if case == "final-only":
@@ -195,21 +213,32 @@ def test_server_stop_strings_equal_llm_generate(server, llm, engine):
     defaults = llm.get_default_sampling_params()
     greedy_ids = _generate(engine, FOX, GREEDY).outputs[0].token_ids
     seeded_ids = _generate(engine, "Once upon", SEEDED).outputs[0].token_ids
-    cases = [(FOX, dict(temperature=0, max_tokens=40), [_boundary_stop(engine, greedy_ids)]),
-             ("Once upon", dict(temperature=1.0, seed=3, max_tokens=30), [_multibyte_stop(engine, seeded_ids)]),
-             ("hello", dict(temperature=1.0, seed=21, max_tokens=24, n=2), None)]
+    cases = [
+        (FOX, dict(temperature=0, max_tokens=40), [_boundary_stop(engine, greedy_ids)]),
+        ("Once upon", dict(temperature=1.0, seed=3, max_tokens=30), [_multibyte_stop(engine, seeded_ids)]),
+        ("hello", dict(temperature=1.0, seed=21, max_tokens=24, n=2), None),
+    ]
     for prompt, kw, stop in cases:
         if stop is None:  # n=2: a string of completion 0 that completion 1 never produces
-            first, second = llm.generate([prompt], defaults.replace(**kw, ignore_eos=True),
-                                         use_tqdm=False)[0].outputs
-            stop = [next(first.text[i:i + 2] for i in range(2, len(first.text) - 2)
-                         if FFFD not in first.text[i:i + 2] and first.text[i:i + 2] not in second.text)]
+            first, second = llm.generate([prompt], defaults.replace(**kw, ignore_eos=True), use_tqdm=False)[0].outputs
+            stop = [
+                next(
+                    first.text[i : i + 2]
+                    for i in range(2, len(first.text) - 2)
+                    if FFFD not in first.text[i : i + 2] and first.text[i : i + 2] not in second.text
+                )
+            ]
         for include in (False, True):
             params = defaults.replace(**kw, stop=stop, include_stop_str_in_output=include, ignore_eos=True)
             (want,) = llm.generate([prompt], params, use_tqdm=False)
             expected = {o.index: (o.text, o.finish_reason, o.stop_reason) for o in want.outputs}
-            request = dict(model=MODEL_NAME, prompt=prompt, stop=stop, **kw,
-                           extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
+            request = dict(
+                model=MODEL_NAME,
+                prompt=prompt,
+                stop=stop,
+                **kw,
+                extra_body={"ignore_eos": True, "include_stop_str_in_output": include},
+            )
             full = client.completions.create(**request)
             assert {c.index: (c.text, c.finish_reason, c.stop_reason) for c in full.choices} == expected
             assert full.usage.completion_tokens == sum(len(o.token_ids) for o in want.outputs)
@@ -224,16 +253,18 @@ def test_a_stop_string_frees_the_requests_blocks(server, engine):
     stop = _boundary_stop(engine, ids[:40])
     total = server.metric("tinyvllm:kv_cache_blocks")
     before = server.metric("vllm:generation_tokens_total")
-    out = httpx.post(server.url + "/v1/completions", timeout=60, json=dict(
-        model=MODEL_NAME, prompt=FOX, max_tokens=200, temperature=0, stop=[stop], ignore_eos=True)).json()
+    out = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        json=dict(model=MODEL_NAME, prompt=FOX, max_tokens=200, temperature=0, stop=[stop], ignore_eos=True),
+    ).json()
     (choice,) = out["choices"]
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
     used = out["usage"]["completion_tokens"]
     assert used < 40
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if (server.metric("tinyvllm:kv_cache_free_blocks") == total
-                and server.metric("vllm:num_requests_running") == 0):
+        if server.metric("tinyvllm:kv_cache_free_blocks") == total and server.metric("vllm:num_requests_running") == 0:
             break
         time.sleep(0.02)
     assert server.metric("tinyvllm:kv_cache_free_blocks") == total
@@ -242,9 +273,11 @@ def test_a_stop_string_frees_the_requests_blocks(server, engine):
 
 
 def test_the_api_side_imports_no_torch():
-    code = ("import sys, tinyvllm.entrypoints.output_processor, tinyvllm.entrypoints.async_engine, "
-            "tinyvllm.entrypoints.mp_engine, tinyvllm.entrypoints.serving_completions, "
-            "tinyvllm.entrypoints.serving_chat; sys.exit(1 if 'torch' in sys.modules else 0)")
+    code = (
+        "import sys, tinyvllm.entrypoints.output_processor, tinyvllm.entrypoints.async_engine, "
+        "tinyvllm.entrypoints.mp_engine, tinyvllm.entrypoints.serving_completions, "
+        "tinyvllm.entrypoints.serving_chat; sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -258,6 +291,7 @@ def test_a_final_only_stream_with_stop_strings_yields_one_output(model_dir, engi
     want = _generate(engine, FOX, params)
     client = AsyncLLMEngine(LLMEngine(EngineArgs(model=str(model_dir), **ENGINE_DEFAULTS))).start()
     try:
+
         async def main():
             return [o async for o in client.generate("f", FOX, params)]
 

@@ -1,5 +1,6 @@
 """A full waiting queue is a 503 with Retry-After; a client that goes away aborts its request at once
 and every KV block returns to the pool (seen through /metrics); a dead engine is a 503 everywhere."""
+
 from __future__ import annotations
 
 import functools
@@ -15,8 +16,14 @@ import pytest
 from .conftest import MODEL_NAME
 from .faults import failing_engine
 
-LONG = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 1.0,
-        "ignore_eos": True, "stream": True}
+LONG = {
+    "model": MODEL_NAME,
+    "prompt": "Once upon a time",
+    "max_tokens": 2000,
+    "temperature": 1.0,
+    "ignore_eos": True,
+    "stream": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +42,11 @@ def _wait_until(predicate, timeout: float = 10.0) -> bool:
 
 
 def _pool_is_free(live) -> bool:
-    return (live.metric("tinyvllm:kv_cache_free_blocks") == live.metric("tinyvllm:kv_cache_blocks")
-            and live.metric("vllm:num_requests_running") == 0 and live.metric("vllm:num_requests_waiting") == 0)
+    return (
+        live.metric("tinyvllm:kv_cache_free_blocks") == live.metric("tinyvllm:kv_cache_blocks")
+        and live.metric("vllm:num_requests_running") == 0
+        and live.metric("vllm:num_requests_waiting") == 0
+    )
 
 
 def _first_event(resp: httpx.Response) -> str:
@@ -56,20 +66,24 @@ def test_full_queue_is_a_503_with_retry_after(slow_server):
                 refused = httpx.post(slow_server.url + "/v1/completions", json={**LONG, "stream": False})
                 assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
                 assert refused.json()["error"]["code"] == 503
-                chat = httpx.post(slow_server.url + "/v1/chat/completions", json={
-                    "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+                chat = httpx.post(
+                    slow_server.url + "/v1/chat/completions",
+                    json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+                )
                 assert chat.status_code == 503
     assert _wait_until(lambda: _pool_is_free(slow_server))
 
 
 def test_streaming_disconnect_aborts_and_frees_every_block(slow_server):
-    aborted = slow_server.metric('vllm:request_success_total{finished_reason="abort",model_name="tiny"}') \
-        if "abort" in httpx.get(slow_server.url + "/metrics").text else 0.0
-    with slow_server.client() as c:
-        with c.stream("POST", "/v1/completions", json=LONG) as resp:
-            assert _first_event(resp)
-            assert slow_server.metric("tinyvllm:kv_cache_free_blocks") < slow_server.metric("tinyvllm:kv_cache_blocks")
-            started = time.monotonic()
+    aborted = (
+        slow_server.metric('vllm:request_success_total{finished_reason="abort",model_name="tiny"}')
+        if "abort" in httpx.get(slow_server.url + "/metrics").text
+        else 0.0
+    )
+    with slow_server.client() as c, c.stream("POST", "/v1/completions", json=LONG) as resp:
+        assert _first_event(resp)
+        assert slow_server.metric("tinyvllm:kv_cache_free_blocks") < slow_server.metric("tinyvllm:kv_cache_blocks")
+        started = time.monotonic()
         # leaving the block closes the connection mid-stream
     assert _wait_until(lambda: _pool_is_free(slow_server), timeout=5)
     assert time.monotonic() - started < 3.0  # sooner than the 2000 tokens take; the abort count proves it
@@ -108,7 +122,9 @@ def test_killed_engine_process_is_a_503_and_fails_in_flight_requests(make_server
         lines = resp.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         pending = pool.submit(non_streaming)
-        assert _wait_until(lambda: live.metric("vllm:num_requests_running") + live.metric("vllm:num_requests_waiting") == 2)
+        assert _wait_until(
+            lambda: live.metric("vllm:num_requests_running") + live.metric("vllm:num_requests_waiting") == 2
+        )
         os.kill(pid, signal.SIGKILL)
         events = [first] + [line for line in lines if line.startswith("data: ")]
         other = pending.result()

@@ -1,5 +1,6 @@
 """The SSE fast path: chunks built from templates are byte-identical to `sse(dict)`, and merged
 Delta tuples carry what OutputAccumulator would."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,31 +23,45 @@ def test_chunks_match_sse_of_the_dict(include_usage, text, ending):
     lp = {"tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": [{"a": -0.5}], "text_offset": [0]}
     for logprobs in (None, lp):
         choice = {"index": 3, "text": text, "logprobs": logprobs, "finish_reason": ending[0], "stop_reason": ending[1]}
-        assert fmt.chunk(completion_choice_json(3, text, logprobs, *ending)) == sse({**head, "choices": [choice], **extra})
+        assert fmt.chunk(completion_choice_json(3, text, logprobs, *ending)) == sse(
+            {**head, "choices": [choice], **extra}
+        )
         delta = {"content": text} if text else {}
-        choice = {"index": 3, "delta": delta, "logprobs": logprobs, "finish_reason": ending[0], "stop_reason": ending[1]}
+        choice = {
+            "index": 3,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": ending[0],
+            "stop_reason": ending[1],
+        }
         assert fmt.chunk(chat_choice_json(3, text, logprobs, *ending)) == sse({**head, "choices": [choice], **extra})
 
 
 def test_merge_deltas_matches_the_accumulator():
     lp = {1: Logprob(-0.1, 1)}
-    deltas = [("r", False, [(1, "b", [5], None, -1.0, None, None), (0, "a", [4], [lp], -0.5, None, None)], None, 3),
-              ("r", False, [(0, "c", [6], [lp], -0.7, None, None)], None, None),
-              ("r", True, [(0, "", [7], [lp], -0.9, "stop", 7), (1, "d", [8], None, -2.0, "length", None)], None, None)]
+    deltas = [
+        ("r", False, [(1, "b", [5], None, -1.0, None, None), (0, "a", [4], [lp], -0.5, None, None)], None, 3),
+        ("r", False, [(0, "c", [6], [lp], -0.7, None, None)], None, None),
+        ("r", True, [(0, "", [7], [lp], -0.9, "stop", 7), (1, "d", [8], None, -2.0, "length", None)], None, None),
+    ]
     for k in range(1, len(deltas) + 1):
         merged = merge_deltas(deltas[:k])
         want = OutputAccumulator("r").extend(deltas[:k]).output()
         assert merged[0] == "r" and merged[1] == want.finished and merged[4] == want.num_cached_tokens
         got = [(c[0], c[1], list(c[2]), c[3], c[4], c[5], c[6]) for c in merged[2]]
-        assert got == [(o.index, o.text, o.token_ids, o.logprobs, o.cumulative_logprob, o.finish_reason,
-                        o.stop_reason) for o in want.outputs]
+        assert got == [
+            (o.index, o.text, o.token_ids, o.logprobs, o.cumulative_logprob, o.finish_reason, o.stop_reason)
+            for o in want.outputs
+        ]
 
 
 def test_merge_deltas_one_completion():
     lp = {1: Logprob(-0.1, 1)}
-    deltas = [("r", False, [(0, "a", [4], None, None, None, None)], None, 3),
-              ("r", False, [(0, "b", [5, 6], [lp, lp], -0.5, None, None)], None, None),
-              ("r", True, [(0, "", [7], [lp], -0.9, "stop", 7)], "oops", None)]
+    deltas = [
+        ("r", False, [(0, "a", [4], None, None, None, None)], None, 3),
+        ("r", False, [(0, "b", [5, 6], [lp, lp], -0.5, None, None)], None, None),
+        ("r", True, [(0, "", [7], [lp], -0.9, "stop", 7)], "oops", None),
+    ]
     assert merge_deltas(deltas) == ("r", True, [(0, "ab", [4, 5, 6, 7], [lp, lp, lp], -0.9, "stop", 7)], "oops", 3)
 
 
@@ -63,5 +78,6 @@ def test_observe_many_equals_repeated_observe():
         for _ in range(count):
             b.observe(value)
     samples = {m.name: [(s.name[1:], s.labels, s.value) for s in m.samples] for m in registry.collect()}
-    assert [(n, lab, round(v, 9)) for n, lab, v in samples["a"] if n != "_created"] == \
-        [(n, lab, round(v, 9)) for n, lab, v in samples["b"] if n != "_created"]
+    assert [(n, lab, round(v, 9)) for n, lab, v in samples["a"] if n != "_created"] == [
+        (n, lab, round(v, 9)) for n, lab, v in samples["b"] if n != "_created"
+    ]

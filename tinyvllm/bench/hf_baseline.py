@@ -1,4 +1,5 @@
 """Hugging Face transformers' `generate` on the same checkpoint: the anchor measured in the same run."""
+
 from __future__ import annotations
 
 import time
@@ -39,19 +40,21 @@ def hf_latency(model, prompt: list[int], output_len: int, device: torch.device) 
 
 
 @torch.no_grad()
-def hf_static_batch(model, prompts: list[list[int]], max_tokens: list[int], temperature: float,
-                    device: torch.device) -> dict[str, float]:
+def hf_static_batch(
+    model, prompts: list[list[int]], max_tokens: list[int], temperature: float, device: torch.device
+) -> dict[str, float]:
     """One static batch, left-padded to the longest prompt, generating the longest max_tokens for every
     row; only each request's own max_tokens count as useful output."""
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.int64, device=device)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, device=device)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p, device=device)
+        mask[i, width - len(p) :] = 1
     n = max(max_tokens)
-    sample = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else \
-        dict(do_sample=False)
+    sample = (
+        dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else dict(do_sample=False)
+    )
     model.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=2, pad_token_id=0, **sample)
     _sync(device)
     start = time.perf_counter()
@@ -59,5 +62,9 @@ def hf_static_batch(model, prompts: list[list[int]], max_tokens: list[int], temp
     _sync(device)
     elapsed = time.perf_counter() - start
     useful = sum(max_tokens)
-    return {"seconds": elapsed, "output_tokens": useful, "output_tokens_per_s": useful / elapsed,
-            "num_requests": len(prompts)}
+    return {
+        "seconds": elapsed,
+        "output_tokens": useful,
+        "output_tokens_per_s": useful / elapsed,
+        "num_requests": len(prompts),
+    }

@@ -1,4 +1,5 @@
 """`tinyvllm bench latency`: batch 1, 128 prompt tokens, 512 greedy output tokens (WORKLOADS.md)."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="also break a batch-1 decode step down by kernel class")
-    p.add_argument("--baseline-output-len", type=int, default=128,
-                   help="tokens transformers generates (its rate is per token; fewer saves time)")
+    p.add_argument(
+        "--baseline-output-len",
+        type=int,
+        default=128,
+        help="tokens transformers generates (its rate is per token; fewer saves time)",
+    )
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 Each prints a table (ours, Hugging Face transformers when `--baseline hf`, their ratio, the hardware
 floor from the ceilings measured at the start of the run) and writes JSON to benchmarks/results/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ def _warm_up(llm: LLM, w: Workload | None = None) -> None:
     a new specialisation (tile config, split count, arguments divisible by 16), and a fresh machine
     otherwise pays seconds of compilation inside the timed run (measured on the H200: 14.0k vs 42.3k
     output tokens/s for the throughput workload, cold vs warm Triton cache)."""
-    llm.generate({"prompt_token_ids": list(range(1, 65))}, SamplingParams(max_tokens=16, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        {"prompt_token_ids": list(range(1, 65))}, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     if w is not None:
         vocab = llm.llm_engine.model_config.vocab_size
         head = Workload(w.prompts[:16], [4] * min(16, len(w.prompts)), w.temperature)
@@ -73,8 +75,11 @@ def triton_compiles() -> dict[str, int]:
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         for name, obj in vars(module).items():
             if isinstance(obj, triton.runtime.jit.JITFunction):
-                n = sum(len(c[0]) for c in getattr(obj, "device_caches", {}).values()
-                        if isinstance(c, tuple) and isinstance(c[0], dict))
+                n = sum(
+                    len(c[0])
+                    for c in getattr(obj, "device_caches", {}).values()
+                    if isinstance(c, tuple) and isinstance(c[0], dict)
+                )
                 if n:
                     counts[f"{info.name}.{name}"] = n
     return counts
@@ -98,8 +103,9 @@ def _profile(ns: argparse.Namespace, llm: LLM, w: Workload, device: torch.device
     return profile_steps(llm, w, ns.out_dir, png_name=png)
 
 
-def _timed_generate(llm: LLM, prompts: list[dict], params: Any, use_tqdm: bool = False
-                    ) -> tuple[list[RequestOutput], float, dict[str, int], dict[str, Any]]:
+def _timed_generate(
+    llm: LLM, prompts: list[dict], params: Any, use_tqdm: bool = False
+) -> tuple[list[RequestOutput], float, dict[str, int], dict[str, Any]]:
     """llm.generate timed: (outputs, seconds, Triton kernels compiled meanwhile, where the engine
     steps' time went: tinyvllm.engine.step_timing.summarize)."""
     timer = llm.llm_engine.step_timer
@@ -141,8 +147,13 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         out = outs[0]
         m = out.metrics
         n = len(out.outputs[0].token_ids)
-        runs.append({"ttft_s": _ttft(out), "decode_tokens_per_s": (n - 1) / (m.finished_time - m.first_token_time),
-                     "e2e_s": m.finished_time - m.arrival_time})
+        runs.append(
+            {
+                "ttft_s": _ttft(out),
+                "decode_tokens_per_s": (n - 1) / (m.finished_time - m.first_token_time),
+                "e2e_s": m.finished_time - m.arrival_time,
+            }
+        )
     ours = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     costs = ModelCosts.of(llm.llm_engine.model_config)
     floor = latency_floor(costs, ns.input_len, ns.output_len, ceil) if ceil else None
@@ -151,14 +162,30 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         rows.append(("transformers", f"{hf['decode_tokens_per_s']:.1f}", f"{hf['ttft_s'] * 1e3:.1f}"))
         rows.append(("ratio ours/hf", f"{ours['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.1f}x", ""))
     if floor:
-        rows.append(("floor (weights/bandwidth)", f"{floor['decode_tokens_per_s']:.0f}", f"{floor['ttft_s'] * 1e3:.2f}"))
+        rows.append(
+            ("floor (weights/bandwidth)", f"{floor['decode_tokens_per_s']:.0f}", f"{floor['ttft_s'] * 1e3:.2f}")
+        )
         rows.append(("ours / floor", f"{ours['decode_tokens_per_s'] / floor['decode_tokens_per_s']:.2f}", ""))
-    print_table(f"latency: batch 1, {ns.input_len} in, {ns.output_len} out, greedy ({ns.model})", rows,
-                ("", "decode tok/s", "TTFT ms"))
+    print_table(
+        f"latency: batch 1, {ns.input_len} in, {ns.output_len} out, greedy ({ns.model})",
+        rows,
+        ("", "decode tok/s", "TTFT ms"),
+    )
     profile = _profile(ns, llm, w, device, "latency_step_breakdown.png")
-    result = {"workload": "latency", "model": ns.model, "input_len": ns.input_len, "output_len": ns.output_len,
-              "ours": ours, "runs": runs, "steps_last_run": steps, "hf": hf, "floor": floor, "ceilings": ceil.__dict__ if ceil else None,
-              "profile": profile, "engine_args": vars(_engine_args(ns))}
+    result = {
+        "workload": "latency",
+        "model": ns.model,
+        "input_len": ns.input_len,
+        "output_len": ns.output_len,
+        "ours": ours,
+        "runs": runs,
+        "steps_last_run": steps,
+        "hf": hf,
+        "floor": floor,
+        "ceilings": ceil.__dict__ if ceil else None,
+        "profile": profile,
+        "engine_args": vars(_engine_args(ns)),
+    }
     write_json(ns.name or "latency", result, ns.out_dir)
     return result
 
@@ -180,31 +207,52 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(**vars(_engine_args(ns)))
     _warm_up(llm, w)
     outs, elapsed, compiled, steps = _timed_generate(
-        llm, _prompts(w, llm.llm_engine.model_config.vocab_size), _params(w), use_tqdm=True)
+        llm, _prompts(w, llm.llm_engine.model_config.vocab_size), _params(w), use_tqdm=True
+    )
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == w.num_output_tokens, (produced, w.num_output_tokens)
-    ours = {"seconds": elapsed, "output_tokens": produced, "output_tokens_per_s": produced / elapsed,
-            "total_tokens_per_s": (produced + sum(map(len, w.prompts))) / elapsed,
-            "num_preemptions": llm.get_metrics()["num_preemptions"], "triton_compiles_in_timed_run": compiled,
-            "steps": steps}
+    ours = {
+        "seconds": elapsed,
+        "output_tokens": produced,
+        "output_tokens_per_s": produced / elapsed,
+        "total_tokens_per_s": (produced + sum(map(len, w.prompts))) / elapsed,
+        "num_preemptions": llm.get_metrics()["num_preemptions"],
+        "triton_compiles_in_timed_run": compiled,
+        "steps": steps,
+    }
     costs = ModelCosts.of(llm.llm_engine.model_config)
     floor = throughput_floor(costs, [len(p) for p in w.prompts], w.max_tokens, ceil) if ceil else None
     rows = [("tinyvllm", f"{ours['output_tokens_per_s']:.0f}", f"{elapsed:.2f}")]
     if hf:
-        rows.append((f"transformers ({hf['num_requests']} req, static batch)", f"{hf['output_tokens_per_s']:.0f}",
-                     f"{hf['seconds']:.2f}"))
+        rows.append(
+            (
+                f"transformers ({hf['num_requests']} req, static batch)",
+                f"{hf['output_tokens_per_s']:.0f}",
+                f"{hf['seconds']:.2f}",
+            )
+        )
         rows.append(("ratio ours/hf", f"{ours['output_tokens_per_s'] / hf['output_tokens_per_s']:.1f}x", ""))
     if floor:
         rows.append(("floor", f"{floor['output_tokens_per_s']:.0f}", f"{floor['seconds']:.2f}"))
         rows.append(("ours / floor", f"{ours['output_tokens_per_s'] / floor['output_tokens_per_s']:.2f}", ""))
-    print_table(f"throughput: {len(w.prompts)} requests, {produced} output tokens ({ns.model})", rows,
-                ("", "output tok/s", "seconds"))
+    print_table(
+        f"throughput: {len(w.prompts)} requests, {produced} output tokens ({ns.model})",
+        rows,
+        ("", "output tok/s", "seconds"),
+    )
     if compiled:
         print(f"warning: Triton compiled kernel variants inside the timed run: {compiled}")
     profile = _profile(ns, llm, w, device, "throughput_step_breakdown.png")
-    result = {"workload": "throughput", "model": ns.model, "ours": ours, "hf": hf, "floor": floor,
-              "ceilings": ceil.__dict__ if ceil else None, "profile": profile,
-              "engine_args": vars(_engine_args(ns))}
+    result = {
+        "workload": "throughput",
+        "model": ns.model,
+        "ours": ours,
+        "hf": hf,
+        "floor": floor,
+        "ceilings": ceil.__dict__ if ceil else None,
+        "profile": profile,
+        "engine_args": vars(_engine_args(ns)),
+    }
     write_json(ns.name or "throughput", result, ns.out_dir)
     return result
 
@@ -218,30 +266,58 @@ def run_shared_prefix(ns: argparse.Namespace) -> dict[str, Any]:
         _warm_up(llm, shared_prefix_workload(16, seed=1))  # other tokens: nothing of the timed run is cached
         before = llm.get_metrics()
         outs, elapsed, compiled, steps = _timed_generate(
-            llm, _prompts(w, llm.llm_engine.model_config.vocab_size), _params(w))
+            llm, _prompts(w, llm.llm_engine.model_config.vocab_size), _params(w)
+        )
         ttfts = [_ttft(o) for o in outs]
         m = llm.get_metrics()
         results["on" if caching else "off"] = {
-            "seconds": elapsed, "mean_ttft_s": statistics.fmean(ttfts), "p50_ttft_s": statistics.median(ttfts),
+            "seconds": elapsed,
+            "mean_ttft_s": statistics.fmean(ttfts),
+            "p50_ttft_s": statistics.median(ttfts),
             "prefix_cache_hit_tokens": m["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
             "prefix_cache_queried_tokens": m["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"],
-            "triton_compiles_in_timed_run": compiled, "steps": steps}
+            "triton_compiles_in_timed_run": compiled,
+            "steps": steps,
+        }
         if caching:
             device = torch.device("cuda" if torch.cuda.is_available() and ns.device != "cpu" else "cpu")
             results["on"]["profile"] = _profile(ns, llm, w, device, "shared_prefix_step_breakdown.png")
         del llm, outs  # free this engine's KV cache before the next one sizes its own
         _free()
     on, off = results["on"], results["off"]
-    rows = [(k, f"{v['seconds']:.2f}", f"{v['mean_ttft_s'] * 1e3:.0f}", f"{v['p50_ttft_s'] * 1e3:.0f}",
-             f"{v['prefix_cache_hit_tokens']}/{v['prefix_cache_queried_tokens']}",
-             str(sum(v["triton_compiles_in_timed_run"].values()))) for k, v in results.items()]
-    rows.append(("off / on", f"{off['seconds'] / on['seconds']:.1f}x", f"{off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x",
-                 f"{off['p50_ttft_s'] / on['p50_ttft_s']:.1f}x", "", ""))
-    print_table(f"shared-prefix: {len(w.prompts)} requests, 1024-token shared prefix + 64, 128 out ({ns.model})",
-                rows, ("prefix caching", "seconds", "mean TTFT ms", "p50 TTFT ms", "hit/queried tokens",
-                       "Triton compiles (timed)"))
-    result = {"workload": "shared-prefix", "model": ns.model, **results,
-              "speedup_total": off["seconds"] / on["seconds"], "speedup_mean_ttft": off["mean_ttft_s"] / on["mean_ttft_s"]}
+    rows = [
+        (
+            k,
+            f"{v['seconds']:.2f}",
+            f"{v['mean_ttft_s'] * 1e3:.0f}",
+            f"{v['p50_ttft_s'] * 1e3:.0f}",
+            f"{v['prefix_cache_hit_tokens']}/{v['prefix_cache_queried_tokens']}",
+            str(sum(v["triton_compiles_in_timed_run"].values())),
+        )
+        for k, v in results.items()
+    ]
+    rows.append(
+        (
+            "off / on",
+            f"{off['seconds'] / on['seconds']:.1f}x",
+            f"{off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x",
+            f"{off['p50_ttft_s'] / on['p50_ttft_s']:.1f}x",
+            "",
+            "",
+        )
+    )
+    print_table(
+        f"shared-prefix: {len(w.prompts)} requests, 1024-token shared prefix + 64, 128 out ({ns.model})",
+        rows,
+        ("prefix caching", "seconds", "mean TTFT ms", "p50 TTFT ms", "hit/queried tokens", "Triton compiles (timed)"),
+    )
+    result = {
+        "workload": "shared-prefix",
+        "model": ns.model,
+        **results,
+        "speedup_total": off["seconds"] / on["seconds"],
+        "speedup_mean_ttft": off["mean_ttft_s"] / on["mean_ttft_s"],
+    }
     write_json(ns.name or "shared_prefix", result, ns.out_dir)
     return result
 
@@ -253,7 +329,11 @@ def add_common_cli_args(p: argparse.ArgumentParser) -> None:
 
     add_engine_cli_args(p)
     p.set_defaults(model="dummy:llama-3.2-1b", dtype="bfloat16")
-    p.add_argument("--baseline", choices=["none", "hf"], default="none",
-                   help="also run Hugging Face transformers' generate on the same weights")
+    p.add_argument(
+        "--baseline",
+        choices=["none", "hf"],
+        default="none",
+        help="also run Hugging Face transformers' generate on the same weights",
+    )
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--name", default=None, help="JSON file name (default: the workload's)")

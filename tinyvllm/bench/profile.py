@@ -4,6 +4,7 @@ The workload's requests are prefilled, then `steps` decode steps are timed witho
 time per step) and `steps` more with it (device time per kernel). Device time is classified by kernel
 name; whatever of the wall time no kernel covers is host/launch gap. Writes a PNG bar chart.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,7 +19,10 @@ from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 _CATEGORIES = [
     ("decoder layers (megakernel)", re.compile(r"megakernel", re.I)),
-    ("attention", re.compile(r"attention|attn|flash|_fwd|decode_kernel|prefill_kernel|prefix_kernel|merge_kernel", re.I)),
+    (
+        "attention",
+        re.compile(r"attention|attn|flash|_fwd|decode_kernel|prefill_kernel|prefix_kernel|merge_kernel", re.I),
+    ),
     ("GEMM", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitk|sm90_|score_bounds|pruned_product", re.I)),
     ("sampling", re.compile(r"sample|argmax|topk|sort", re.I)),
     ("copies", re.compile(r"memcpy|memset", re.I)),
@@ -35,7 +39,7 @@ def classify(name: str) -> str:
 def short_name(name: str, width: int = 48) -> str:
     """A kernel or copy name cut to something a table can hold (templates' arguments dropped)."""
     name = name.split("(")[0].split("<")[0].strip() or name
-    return name if len(name) <= width else name[:width - 1] + "…"
+    return name if len(name) <= width else name[: width - 1] + "…"
 
 
 def device_gaps(activities: list[tuple[str, float, float]], steps: int) -> list[tuple[str, float]]:
@@ -84,10 +88,16 @@ def profile_steps(llm, w: Workload, out_dir: str | None, png_name: str, steps: i
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
-    ids = [engine.add_request(None, {"prompt_token_ids": p},
-                              SamplingParams(temperature=w.temperature, max_tokens=10_000, ignore_eos=True,
-                                             output_kind=RequestOutputKind.FINAL_ONLY))  # as LLM.generate
-           for p in w.prompts]
+    ids = [
+        engine.add_request(
+            None,
+            {"prompt_token_ids": p},
+            SamplingParams(
+                temperature=w.temperature, max_tokens=10_000, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+            ),
+        )  # as LLM.generate
+        for p in w.prompts
+    ]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()
     batch = len(engine.scheduler.running)
@@ -109,16 +119,25 @@ def profile_steps(llm, w: Workload, out_dir: str | None, png_name: str, steps: i
     kernel_ms = sum(per_category.values())
     per_category["host/launch gaps"] = max(0.0, wall * 1e3 - kernel_ms)
     gaps = device_gaps(_device_activities(prof), steps)
-    result = {"batch": batch, "wall_ms_per_step": wall * 1e3, "ms_per_step": per_category,
-              "gaps_us_per_step": gaps[:12],
-              "top_kernels": [(e.key, getattr(e, "self_device_time_total", 0) / 1e3 / steps)
-                              for e in sorted(prof.key_averages(),
-                                              key=lambda e: -getattr(e, "self_device_time_total", 0))[:15]]}
+    result = {
+        "batch": batch,
+        "wall_ms_per_step": wall * 1e3,
+        "ms_per_step": per_category,
+        "gaps_us_per_step": gaps[:12],
+        "top_kernels": [
+            (e.key, getattr(e, "self_device_time_total", 0) / 1e3 / steps)
+            for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))[:15]
+        ],
+    }
     _plot(result, Path(out_dir or "benchmarks/results") / png_name)
-    print(f"decode step at batch {batch}: {wall * 1e3:.2f} ms wall; " +
-          ", ".join(f"{k} {v:.2f} ms" for k, v in per_category.items()))
-    print("idle device time per step, by the activities around it: " +
-          "; ".join(f"{label} {us:.1f} µs" for label, us in gaps[:8]))
+    print(
+        f"decode step at batch {batch}: {wall * 1e3:.2f} ms wall; "
+        + ", ".join(f"{k} {v:.2f} ms" for k, v in per_category.items())
+    )
+    print(
+        "idle device time per step, by the activities around it: "
+        + "; ".join(f"{label} {us:.1f} µs" for label, us in gaps[:8])
+    )
     return result
 
 

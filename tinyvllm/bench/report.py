@@ -1,4 +1,5 @@
 """Printing a table and writing JSON: every benchmark reports the same way."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -15,8 +16,11 @@ RESULTS_DIR = Path("benchmarks/results")
 
 
 def environment() -> dict[str, Any]:
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
     try:
         import triton
 
@@ -33,8 +37,12 @@ def _git_head() -> str | None:
     """The checkout's commit. A copy of the working tree on another machine may carry a stale `.git`:
     whoever starts the run there passes the real one in TINYVLLM_GIT_COMMIT."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 

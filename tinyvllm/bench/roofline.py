@@ -7,6 +7,7 @@ head; the embedding lookup is no product), KV bytes per token κ = layers · 2 �
     (Σ c_i · κ): it cannot beat max(FLOPs / matmul rate, bytes / copy bandwidth);
   * a prefill is compute-bound: FLOPs / matmul rate.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ def matmul_rate(device: torch.device, n: int = 8192) -> float:
     """bf16 n³ matrix product rate through torch in FLOP/s (random data: zeros run faster)."""
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n ** 3 / (_time_ms(lambda: a @ b) * 1e-3)
+    return 2 * n**3 / (_time_ms(lambda: a @ b) * 1e-3)
 
 
 def measure_ceilings(device: torch.device) -> Ceilings:
@@ -69,13 +70,19 @@ class ModelCosts:
     attn_flops_per_ctx_token: int  # 4·Hq·D·layers: attention FLOPs per query token per context token
 
     @classmethod
-    def of(cls, c: ModelConfig, bytes_per_param: int = 2) -> "ModelCosts":
-        per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size \
+    def of(cls, c: ModelConfig, bytes_per_param: int = 2) -> ModelCosts:
+        per_layer = (
+            c.hidden_size * (c.q_size + 2 * c.kv_size)
+            + c.q_size * c.hidden_size
             + 3 * c.hidden_size * c.intermediate_size
+        )
         matmul = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size
-        return cls(matmul_params=matmul, weight_bytes=c.num_parameters() * bytes_per_param,
-                   kv_bytes_per_token=c.num_hidden_layers * 2 * c.kv_size * bytes_per_param,
-                   attn_flops_per_ctx_token=4 * c.num_hidden_layers * c.q_size)
+        return cls(
+            matmul_params=matmul,
+            weight_bytes=c.num_parameters() * bytes_per_param,
+            kv_bytes_per_token=c.num_hidden_layers * 2 * c.kv_size * bytes_per_param,
+            attn_flops_per_ctx_token=4 * c.num_hidden_layers * c.q_size,
+        )
 
 
 def decode_step_floor(costs: ModelCosts, contexts: list[int], ceil: Ceilings) -> float:
@@ -94,12 +101,12 @@ def prefill_floor(costs: ModelCosts, prompt_lens: list[int], ceil: Ceilings) -> 
 def latency_floor(costs: ModelCosts, prompt_len: int, output_len: int, ceil: Ceilings) -> dict[str, float]:
     """Batch 1: time to first token (prefill) and decode tokens per second."""
     decode = sum(decode_step_floor(costs, [prompt_len + t], ceil) for t in range(1, output_len))
-    return {"ttft_s": prefill_floor(costs, [prompt_len], ceil),
-            "decode_tokens_per_s": (output_len - 1) / decode}
+    return {"ttft_s": prefill_floor(costs, [prompt_len], ceil), "decode_tokens_per_s": (output_len - 1) / decode}
 
 
-def throughput_floor(costs: ModelCosts, prompt_lens: list[int], max_tokens: list[int],
-                     ceil: Ceilings) -> dict[str, float]:
+def throughput_floor(
+    costs: ModelCosts, prompt_lens: list[int], max_tokens: list[int], ceil: Ceilings
+) -> dict[str, float]:
     """All requests decode together after one prefill; step t serves those with more than t outputs
     (the first output comes from the prefill)."""
     total = prefill_floor(costs, prompt_lens, ceil)

@@ -1,4 +1,5 @@
 """`tinyvllm bench shared-prefix`: 256 requests sharing a 1,024-token prefix, prefix caching on vs off."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
     add_common_cli_args(p)
     p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--profile", action="store_true",
-                   help="also break a decode step (prefix caching on) down by kernel class")
+    p.add_argument(
+        "--profile", action="store_true", help="also break a decode step (prefix caching on) down by kernel class"
+    )
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
 """`tinyvllm bench throughput`: the 256-request offline workload (WORKLOADS.md), output tokens/s."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
     add_common_cli_args(p)
     p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--baseline-requests", type=int, default=32,
-                   help="transformers runs the first N requests as one padded static batch")
+    p.add_argument(
+        "--baseline-requests",
+        type=int,
+        default=32,
+        help="transformers runs the first N requests as one padded static batch",
+    )
     p.add_argument("--profile", action="store_true", help="also break a decode step down by kernel class")
 
 

@@ -1,4 +1,5 @@
 """The benchmark workloads, drawn exactly as WORKLOADS.md defines them."""
+
 from __future__ import annotations
 
 import random
@@ -32,8 +33,9 @@ def latency_workload(prompt_len: int = 128, output_len: int = 512, seed: int = 0
     return Workload([[rng.randint(0, 10000) for _ in range(prompt_len)]], [output_len], temperature=0.0)
 
 
-def shared_prefix_workload(num_requests: int = 256, prefix_len: int = 1024, suffix_len: int = 64,
-                           output_len: int = 128, seed: int = 0) -> Workload:
+def shared_prefix_workload(
+    num_requests: int = 256, prefix_len: int = 1024, suffix_len: int = 64, output_len: int = 128, seed: int = 0
+) -> Workload:
     """256 requests sharing a 1,024-token prefix, each adding 64 tokens of its own; 128 greedy outputs."""
     rng = random.Random(seed)
     prefix = [rng.randint(0, 10000) for _ in range(prefix_len)]

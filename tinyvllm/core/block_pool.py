@@ -13,12 +13,12 @@ worst a colliding block goes uncached. That check is what lets H be Python's 64-
 block) rather than a cryptographic one (BLAKE2b: 1.0 µs, 17 ms for the 17k blocks of the shared-prefix
 workload's admissions); vLLM, which trusts its hashes, needs SHA-256 instead.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-
 
 _ROOT_HASH = 0x6C62272E07BB0142  # the parent of a sequence's first block
 
@@ -114,8 +114,7 @@ class BlockPool:
                 else:
                     self._free.append(block_id)
 
-    def cache_block(self, block_id: int, block_hash: int, parent_hash: int | None,
-                    token_ids: Sequence[int]) -> None:
+    def cache_block(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> None:
         """Register a full, computed block under its hash. If another block already holds that content,
         this one stays unregistered (it is freed normally when its holders let go)."""
         if not self.enable_caching:
@@ -133,7 +132,8 @@ class BlockPool:
             return None
         block = self.blocks[block_id]
         if block.parent_hash != parent_hash or block.token_ids != (
-                token_ids if isinstance(token_ids, list) else list(token_ids)):
+            token_ids if isinstance(token_ids, list) else list(token_ids)
+        ):
             return None  # a hash collision: treat as a miss
         return block_id
 
@@ -162,14 +162,15 @@ class BlockPool:
         assert not free & evictable, "a block is both free and cached-evictable"
         for block in self.blocks:
             expected = holders.get(block.block_id, 0)
-            assert block.ref_cnt == expected, (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} but {expected} holders")
+            assert block.ref_cnt == expected, f"block {block.block_id}: ref_cnt {block.ref_cnt} but {expected} holders"
             if expected:
                 assert block.block_id not in free and block.block_id not in evictable, (
-                    f"block {block.block_id} is in use and free")
+                    f"block {block.block_id} is in use and free"
+                )
             else:
                 assert (block.block_id in free) != (block.block_id in evictable), (
-                    f"block {block.block_id} is unreferenced but neither free nor evictable")
+                    f"block {block.block_id} is unreferenced but neither free nor evictable"
+                )
             if block.block_id in evictable:
                 assert block.block_hash is not None
             if block.block_hash is not None:

@@ -2,6 +2,7 @@
 
 Token t of a request lives in block `block_table[t // block_size]`, at offset `t % block_size`.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,7 @@ def _common_blocks(a: list[int], b: list[int], max_blocks: int, block_size: int)
     lo, hi = 0, max_blocks - 1  # agreement holds at lo, fails at hi + 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid * block_size] == b[:mid * block_size]:
+        if a[: mid * block_size] == b[: mid * block_size]:
             lo = mid
         else:
             hi = mid - 1
@@ -85,7 +86,7 @@ class KVCacheManager:
         # Then one pass: each block's hash is computed (once per request) just before its lookup, and
         # the walk stops at the first miss; later blocks' hashes wait until they are offered to the cache.
         for i in range(start, max_blocks):
-            block_tokens = tokens[i * bs:(i + 1) * bs]
+            block_tokens = tokens[i * bs : (i + 1) * bs]
             if i < len(hashes):
                 block_hash = hashes[i]
             else:
@@ -105,8 +106,7 @@ class KVCacheManager:
             self.pool.stats.queried_tokens += request.num_tokens
             self.pool.stats.hit_tokens += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: Sequence[int] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens` (plus the
         cached prefix blocks being adopted). Returns False, changing nothing, if the pool is short."""
         table = self.block_tables.setdefault(request.request_id, [])
@@ -153,8 +153,7 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(start, num_full):
             parent = request.block_hashes[i - 1] if i else None
-            self.pool.cache_block(table[i], request.block_hashes[i], parent,
-                                  request.token_ids[i * bs:(i + 1) * bs])
+            self.pool.cache_block(table[i], request.block_hashes[i], parent, request.token_ids[i * bs : (i + 1) * bs])
         self.num_registered_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -167,4 +166,4 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         for i in range(len(hashes), request.num_tokens // bs):
-            hashes.append(hash_block(hashes[i - 1] if i else None, request.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[i - 1] if i else None, request.token_ids[i * bs : (i + 1) * bs]))

@@ -1,10 +1,10 @@
 """The contracts between the scheduler and the model runner. Plain data, no torch."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
 
 PLACEHOLDER = -1  # a token id not yet known on the host
 

@@ -3,6 +3,7 @@
 Never imports torch. The sampling parameters travel with the request but the core reads only the
 token-level stopping rules from them (resolved into plain fields at construction).
 """
+
 from __future__ import annotations
 
 import enum
@@ -81,8 +82,10 @@ class Request:
 
     def has_room_to_grow(self, max_model_len: int) -> bool:
         """Whether another output token may be scheduled, counting the ones in flight."""
-        return (self.num_output_tokens + self.num_pending_outputs < self.max_tokens
-                and self.num_total_tokens < max_model_len)
+        return (
+            self.num_output_tokens + self.num_pending_outputs < self.max_tokens
+            and self.num_total_tokens < max_model_len
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,6 +10,7 @@ Each step (vLLM v1's shape, no separate prefill phase):
      blocks) while the budget, `max_num_seqs` and the free blocks allow; a prompt longer than the
      budget is split into chunks over several steps.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -52,12 +53,16 @@ class Scheduler:
         if n == 0:
             return "the prompt is empty; at least one token is needed"
         if n >= limit:
-            return (f"the prompt has {n} tokens, but this model allows at most {limit} tokens in total "
-                    f"(prompt plus output), so the prompt must have at most {limit - 1} tokens")
+            return (
+                f"the prompt has {n} tokens, but this model allows at most {limit} tokens in total "
+                f"(prompt plus output), so the prompt must have at most {limit - 1} tokens"
+            )
         pool = self.kv_cache.pool
         if blocks_needed(n + 1, self.kv_cache.block_size) > pool.num_blocks:
-            return (f"the prompt has {n} tokens, but the whole KV cache holds only "
-                    f"{pool.num_blocks * self.kv_cache.block_size} tokens")
+            return (
+                f"the prompt has {n} tokens, but the whole KV cache holds only "
+                f"{pool.num_blocks * self.kv_cache.block_size} tokens"
+            )
         return None
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
@@ -120,8 +125,7 @@ class Scheduler:
                 scheduled[request.request_id] = (request, n, False)
                 budget -= n
 
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending_outputs:
                 break  # preempted while a step was sampling for it: wait for that token
@@ -148,9 +152,12 @@ class Scheduler:
 
         sequences = [self._scheduled_sequence(r, n, is_new) for r, n, is_new in scheduled.values()]
         released, self._released = frozenset(self._released), set()
-        return SchedulerOutput(sequences=sequences,
-                               num_batched_tokens=self.config.max_num_batched_tokens - budget,
-                               released_request_ids=released, num_preempted=preempted)
+        return SchedulerOutput(
+            sequences=sequences,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            released_request_ids=released,
+            num_preempted=preempted,
+        )
 
     def _scheduled_sequence(self, request: Request, n: int, is_new: bool) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -159,16 +166,25 @@ class Scheduler:
         if n == 1:  # a decode: its input is the last known token, or the one still being sampled
             token_ids = [known[start]] if start < len(known) else [PLACEHOLDER]
         else:
-            token_ids = known[start:start + n]
+            token_ids = known[start : start + n]
             if len(token_ids) < n:
                 token_ids += [PLACEHOLDER] * (n - len(token_ids))
         sample = start + n == len(known) + request.num_pending_outputs
         output_index = len(request.output_token_ids) + request.num_pending_outputs
         if sample:
             request.num_pending_outputs += 1
-        return ScheduledSequence(request.request_id, token_ids, start,
-                                 self.kv_cache.block_tables.get(request.request_id, ()), sample, is_new,
-                                 request.sampling_params, len(request.prompt_token_ids), known, output_index)
+        return ScheduledSequence(
+            request.request_id,
+            token_ids,
+            start,
+            self.kv_cache.block_tables.get(request.request_id, ()),
+            sample,
+            is_new,
+            request.sampling_params,
+            len(request.prompt_token_ids),
+            known,
+            output_index,
+        )
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: free everything, go back to the front of the queue."""
@@ -181,8 +197,9 @@ class Scheduler:
         self.waiting.appendleft(request)
         self._released.add(request.request_id)
 
-    def update_from_output(self, output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[tuple[Request, list[int]]]:
+    def update_from_output(
+        self, output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[tuple[Request, list[int]]]:
         """Append the sampled tokens, register newly full blocks in the prefix cache, and apply the
         token-level stopping rules. Returns (request, new token ids) for every request that got a token,
         finished ones included (their status says so)."""
@@ -201,9 +218,11 @@ class Scheduler:
             if request is None:
                 continue  # finished or aborted while the step ran: its token is dropped
             # Inlined test of cache_full_blocks' common case (no block filled up): one call saved a row.
-            if (caching and request.status is running_status
-                    and min(request.num_computed_tokens, len(request.token_ids)) // bs
-                    > registered.get(seq.request_id, 0)):
+            if (
+                caching
+                and request.status is running_status
+                and min(request.num_computed_tokens, len(request.token_ids)) // bs > registered.get(seq.request_id, 0)
+            ):
                 kv_cache.cache_full_blocks(request)
             if token is None:
                 continue

@@ -1,4 +1,5 @@
 """Engine options, with vLLM's names, shared by `LLM`, the CLI and the server."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,9 @@ def default_model() -> str:
 
     if demo_model_available():
         return DEFAULT_MODEL
-    logger.warning("the demo model's weights are not installed; using %s (random weights: its text is "
-                   "noise)", FALLBACK_MODEL)
+    logger.warning(
+        "the demo model's weights are not installed; using %s (random weights: its text is noise)", FALLBACK_MODEL
+    )
     return FALLBACK_MODEL
 
 
@@ -55,7 +57,7 @@ class EngineArgs:
     # greedy or temperature-only samples from an int8 copy of the LM head (vocab × hidden bytes more
     # memory) and the few rows it cannot rule out: the same tokens (kernels/lm_head_bounds.py)
 
-    def replace(self, **changes) -> "EngineArgs":
+    def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -67,9 +69,12 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add one flag per EngineArgs field, spelled as vLLM spells it (--max-num-seqs, ...)."""
     d = EngineArgs()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="model directory, demo or dummy:<preset> (default: %s, the small model shipped with "
-                        "tinyvllm)" % DEFAULT_MODEL)
+    g.add_argument(
+        "--model",
+        default=None,
+        help="model directory, demo or dummy:<preset> (default: %s, the small model shipped with "
+        "tinyvllm)" % DEFAULT_MODEL,
+    )
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--device", default=d.device)
@@ -86,18 +91,34 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule step N+1 before reading step N's tokens (default: on for CUDA)")
-    g.add_argument("--fused-gemv", action=argparse.BooleanOptionalAction, default=d.fused_gemv,
-                   help="batch-1 decode steps through our matrix-vector kernels, with SwiGLU and the "
-                        "residual adds folded in (default: on; see docs/perf.md)")
-    g.add_argument("--decode-megakernel", action=argparse.BooleanOptionalAction, default=d.decode_megakernel,
-                   help="on CUDA, run a decode step of one sequence through all layers in one kernel launch "
-                        "(default: on for hidden sizes up to 2048, where it was measured faster; docs/perf.md)")
-    g.add_argument("--pruned-lm-head", action=argparse.BooleanOptionalAction, default=d.pruned_lm_head,
-                   help="on CUDA with CUDA graphs, sample a batch-1 decode step (greedy or temperature only) "
-                        "from an int8 copy of the LM head and the few rows it cannot rule out: the same "
-                        "tokens, about half the LM head's bytes, vocab × hidden bytes more memory (default: on)")
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 before reading step N's tokens (default: on for CUDA)",
+    )
+    g.add_argument(
+        "--fused-gemv",
+        action=argparse.BooleanOptionalAction,
+        default=d.fused_gemv,
+        help="batch-1 decode steps through our matrix-vector kernels, with SwiGLU and the "
+        "residual adds folded in (default: on; see docs/perf.md)",
+    )
+    g.add_argument(
+        "--decode-megakernel",
+        action=argparse.BooleanOptionalAction,
+        default=d.decode_megakernel,
+        help="on CUDA, run a decode step of one sequence through all layers in one kernel launch "
+        "(default: on for hidden sizes up to 2048, where it was measured faster; docs/perf.md)",
+    )
+    g.add_argument(
+        "--pruned-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=d.pruned_lm_head,
+        help="on CUDA with CUDA graphs, sample a batch-1 decode step (greedy or temperature only) "
+        "from an int8 copy of the LM head and the few rows it cannot rule out: the same "
+        "tokens, about half the LM head's bytes, vocab × hidden bytes more memory (default: on)",
+    )
 
 
 def engine_args_from_cli(ns: argparse.Namespace) -> EngineArgs:

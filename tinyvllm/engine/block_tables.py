@@ -3,6 +3,7 @@
 A request's blocks only ever grow at the end (until it is released), so a step copies just the new
 block ids; a batch's table is then one fancy-indexed gather instead of a Python loop over rows.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -39,8 +40,10 @@ class BlockTableRows:
         want = len(seq.block_ids)
         if want > have:  # most decode steps add no block: nothing to copy
             if want > self.table.shape[1]:
-                raise ValueError(f"request {seq.request_id} needs {want} blocks, more than the "
-                                 f"{self.table.shape[1]} that max_model_len allows")
+                raise ValueError(
+                    f"request {seq.request_id} needs {want} blocks, more than the "
+                    f"{self.table.shape[1]} that max_model_len allows"
+                )
             self.table[row, have:want] = seq.block_ids[have:want]
             entry[1] = want
         return row

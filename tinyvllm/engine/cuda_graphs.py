@@ -27,6 +27,7 @@ an event: the copy kernels outside the graph and the device's idle time at their
 reads the LM head at one byte per weight (`LlamaForCausalLM.sample_pruned`, kernels/lm_head_bounds.py:
 the same ids, no logits), for the steps whose every row that sampler serves.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,11 +62,23 @@ class DecodeGraphs:
     `pruned_lm_head`: the `runs_io` buckets also get graphs that sample through the model's pruned LM head
     (module docstring), where the model can (`can_sample_pruned`)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], *, batch_sizes: list[int],
-                 max_blocks_per_seq: int, max_seq_len: int, device: torch.device,
-                 resolve_placeholders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-                 max_num_seqs: int = 0, cascade_batch_sizes: list[int] = (), sample_in_graph: bool = False,
-                 io_max_rows: int = 0, sample_in_lm_head: bool = True, pruned_lm_head: bool = False) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        *,
+        batch_sizes: list[int],
+        max_blocks_per_seq: int,
+        max_seq_len: int,
+        device: torch.device,
+        resolve_placeholders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+        max_num_seqs: int = 0,
+        cascade_batch_sizes: list[int] = (),
+        sample_in_graph: bool = False,
+        io_max_rows: int = 0,
+        sample_in_lm_head: bool = True,
+        pruned_lm_head: bool = False,
+    ) -> None:
         self.model = model
         self.sample_in_lm_head = sample_in_lm_head
         self.io_max_rows = io_max_rows if sample_in_graph else 0
@@ -81,16 +94,16 @@ class DecodeGraphs:
         # Two host twins, used alternately: a pinned buffer must not be rewritten before its copy has
         # run. Every graph step samples, so it records an event after its copy (in stream order), and
         # the engine waits for step N's event before it launches step N+2.
-        self._host_arenas = [InputArena(n, max_blocks_per_seq, torch.device("cpu"), pin_memory=pin)
-                             for _ in range(2)]
+        self._host_arenas = [InputArena(n, max_blocks_per_seq, torch.device("cpu"), pin_memory=pin) for _ in range(2)]
         self._num_host_arenas_used = 0
         # The buckets that load their own inputs have an arena (and twins) of their own, io_max_rows rows:
         # a step's bytes start with its per-row regions, whose size is the arena's row count.
         rows = self.io_max_rows
         self.pruned_lm_head = pruned_lm_head and sample_in_lm_head and rows == 1 and model.can_sample_pruned(1)
         self.io_arena = InputArena(rows, max_blocks_per_seq, device) if rows else None
-        self._io_host_arenas = [InputArena(rows, max_blocks_per_seq, torch.device("cpu"), pin_memory=pin)
-                                for _ in range(2 if rows else 0)]
+        self._io_host_arenas = [
+            InputArena(rows, max_blocks_per_seq, torch.device("cpu"), pin_memory=pin) for _ in range(2 if rows else 0)
+        ]
         self._num_io_arenas_used = 0
         # The previous step's sampled ids, where the graphs' placeholder gather reads them; the graphs'
         # sampler writes its ids here.
@@ -112,8 +125,9 @@ class DecodeGraphs:
         """Whether bucket `bs`'s graphs copy their own inputs and ids (module docstring)."""
         return bs <= self.io_max_rows
 
-    def _run(self, bs: int, cascade: bool, twin: int | None = None,
-             pruned: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _run(
+        self, bs: int, cascade: bool, twin: int | None = None, pruned: bool = False
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The step's device work over the arena; `twin`: first load it from that host twin, and
         write the sampled ids back there too; `pruned`: sample through the pruned LM head (no logits)."""
         a = self.arena if twin is None else self.io_arena
@@ -131,16 +145,18 @@ class DecodeGraphs:
             self.model.sample_pruned(hidden, a.temperatures[:bs], a.seeds[:bs], self.last_sampled[:bs], host_ids)
             return None, self.last_sampled[:bs]
         if self.sample_in_graph and self.sample_in_lm_head:
-            logits = self.model.compute_logits_sampled(hidden, a.temperatures[:bs], a.seeds[:bs],
-                                                       self.last_sampled[:bs], host_ids)
+            logits = self.model.compute_logits_sampled(
+                hidden, a.temperatures[:bs], a.seeds[:bs], self.last_sampled[:bs], host_ids
+            )
             return logits, self.last_sampled[:bs]
         logits = self.model.compute_logits(hidden, dtype=None)
         if not self.sample_in_graph:
             return logits, None
         from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
-        return logits, sample_greedy_or_gumbel(logits, a.temperatures[:bs], a.seeds[:bs],
-                                               out=self.last_sampled[:bs], host_out=host_ids)
+        return logits, sample_greedy_or_gumbel(
+            logits, a.temperatures[:bs], a.seeds[:bs], out=self.last_sampled[:bs], host_out=host_ids
+        )
 
     def _keys(self) -> list[tuple[int, bool, int | None, bool]]:
         """Every graph to capture, largest bucket first."""
@@ -167,10 +183,16 @@ class DecodeGraphs:
                 self.graphs[key] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.warning("captured CUDA graphs for decode batch sizes %s (with cascade attention too: %s; "
-                       "loading their own inputs: up to %d rows; pruned LM head: %s) in %.1f s "
-                       "(enforce_eager=True turns this off)", self.batch_sizes, self.cascade_batch_sizes,
-                       self.io_max_rows, self.pruned_lm_head, time.perf_counter() - start)
+        logger.warning(
+            "captured CUDA graphs for decode batch sizes %s (with cascade attention too: %s; "
+            "loading their own inputs: up to %d rows; pruned LM head: %s) in %.1f s "
+            "(enforce_eager=True turns this off)",
+            self.batch_sizes,
+            self.cascade_batch_sizes,
+            self.io_max_rows,
+            self.pruned_lm_head,
+            time.perf_counter() - start,
+        )
 
     def next_arenas(self, bs: int) -> tuple[InputArena, InputArena]:
         """(host twin, device arena) to pack the next graph step of bucket `bs` into: the `runs_io`
@@ -202,7 +224,7 @@ class DecodeGraphs:
         """Make `last_sampled` start with the previous step's sampled ids (a step with placeholder
         inputs reads them there): one device copy, unless a graph's sampler already wrote them."""
         if not self.holds_previous_samples(prev_sampled):
-            self.last_sampled[:prev_sampled.shape[0]].copy_(prev_sampled, non_blocking=True)
+            self.last_sampled[: prev_sampled.shape[0]].copy_(prev_sampled, non_blocking=True)
 
     def replay(self, bs: int, cascade: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the graph of bucket `bs` (`cascade`: its cascade-attention graph; `bs` must then be a
@@ -211,8 +233,9 @@ class DecodeGraphs:
         With `sample_in_graph`, the sampled ids of rows past the step's sampled rows mean nothing."""
         return self._replay((bs, cascade, None, False))
 
-    def replay_io(self, bs: int, cascade: bool, host: InputArena, nbytes: int,
-                  pruned: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def replay_io(
+        self, bs: int, cascade: bool, host: InputArena, nbytes: int, pruned: bool = False
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """For a `runs_io` bucket: record that the step packed into `host` (a twin from
         `next_arenas`) needs its first `nbytes` bytes, replay the graph that loads them from that
         twin, and return (logits, sampled ids on the device, the same ids in the twin's pinned

@@ -9,6 +9,7 @@ this replaces a per-row Python loop that cost ~0.5 ms of host time per step on t
 The temperatures reach the device only when an eager step first asks for them: a decode graph step
 writes the host values into its input arena, which reaches the device in the step's one copy.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,9 +31,13 @@ def step_seed(seed: int, output_index: int) -> int:
 
 def is_plain(params) -> bool:
     """Sampling the fused kernel handles: greedy or temperature only, no penalties, no logprobs."""
-    return (params.logprobs is None and params.presence_penalty == 0 and params.frequency_penalty == 0
-            and params.repetition_penalty == 1 and (params.is_greedy or (
-                params.top_p == 1 and params.top_k == 0 and params.min_p == 0)))
+    return (
+        params.logprobs is None
+        and params.presence_penalty == 0
+        and params.frequency_penalty == 0
+        and params.repetition_penalty == 1
+        and (params.is_greedy or (params.top_p == 1 and params.top_k == 0 and params.min_p == 0))
+    )
 
 
 @dataclass
@@ -62,19 +67,21 @@ class FusedSamplingPlan:
     def build(cls, seqs: Sequence[ScheduledSequence], request_ids: list[str]) -> FusedSamplingPlan:
         params = [s.sampling_params for s in seqs]
         plain_rows = [i for i, p in enumerate(params) if is_plain(p)]
-        return cls(request_ids=request_ids, plain_rows=plain_rows,
-                   host_temperatures=np.array([0.0 if p.is_greedy else p.temperature for p in params],
-                                              dtype=np.float32),
-                   seeded=[(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.is_greedy],
-                   min_tokens=[(i, p.min_tokens) for i, p in enumerate(params) if p.min_tokens],
-                   index={rid: i for i, rid in enumerate(request_ids)})
+        return cls(
+            request_ids=request_ids,
+            plain_rows=plain_rows,
+            host_temperatures=np.array([0.0 if p.is_greedy else p.temperature for p in params], dtype=np.float32),
+            seeded=[(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.is_greedy],
+            min_tokens=[(i, p.min_tokens) for i, p in enumerate(params) if p.min_tokens],
+            index={rid: i for i, rid in enumerate(request_ids)},
+        )
 
     def device_temperatures(self, device: torch.device, staging: torch.Tensor) -> torch.Tensor:
         """The temperatures [N] float32 on `device`, copied on the first call through `staging` (a host
         float32 buffer of at least N elements, pinned on CUDA, that must not be rewritten before the
         copy has run: the caller alternates two) and kept for the plan's later steps."""
         if self._device_temperatures is None:
-            temps = staging[:len(self.request_ids)]
+            temps = staging[: len(self.request_ids)]
             temps.numpy()[:] = self.host_temperatures
             self._device_temperatures = temps.to(device, non_blocking=True, copy=True)
         return self._device_temperatures

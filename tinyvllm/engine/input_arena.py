@@ -18,6 +18,7 @@ buckets): `copy_words`, the number of leading 32-bit words a step needs copied (
 `set_copy_words`, read by the graph's load kernel from the pinned twin), and `sampled_ids`, where that
 graph's sampler writes the step's ids into the pinned twin (never copied in).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,10 +38,20 @@ def _align(nbytes: int) -> int:
 def _regions(n: int, max_blocks_per_seq: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(name, dtype, shape) of each region, in layout order."""
     i64, i32 = torch.int64, torch.int32
-    return [("copy_words", i32, (1,)), ("input_ids", i64, (n,)), ("positions", i64, (n,)),
-            ("slot_mapping", i64, (n,)), ("placeholder_src", i64, (n,)), ("seeds", i64, (n,)),
-            ("temperatures", torch.float32, (n,)), ("seq_lens", i32, (n,)), ("prefix_len", i32, (1,)),
-            ("block_tables", i32, (n, max_blocks_per_seq)), ("row_index", i64, (n,)), ("sampled_ids", i64, (n,))]
+    return [
+        ("copy_words", i32, (1,)),
+        ("input_ids", i64, (n,)),
+        ("positions", i64, (n,)),
+        ("slot_mapping", i64, (n,)),
+        ("placeholder_src", i64, (n,)),
+        ("seeds", i64, (n,)),
+        ("temperatures", torch.float32, (n,)),
+        ("seq_lens", i32, (n,)),
+        ("prefix_len", i32, (1,)),
+        ("block_tables", i32, (n, max_blocks_per_seq)),
+        ("row_index", i64, (n,)),
+        ("sampled_ids", i64, (n,)),
+    ]
 
 
 @dataclass(frozen=True)
@@ -65,8 +76,7 @@ class InputArena:
     views in `arrays`. Starts with every row padding: ids, positions, lengths 0, slots and placeholder
     sources −1, block tables 0; `copy_words` covers every region up to the block tables' end."""
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, device: torch.device,
-                 pin_memory: bool = False) -> None:
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, device: torch.device, pin_memory: bool = False) -> None:
         self.max_rows = max_rows
         self.max_blocks_per_seq = max_blocks_per_seq
         offsets: dict[str, int] = {}
@@ -79,7 +89,7 @@ class InputArena:
         views = {}
         for name, dtype, shape in _regions(max_rows, max_blocks_per_seq):
             start = offsets[name]
-            views[name] = self.buffer[start:start + int(np.prod(shape)) * dtype.itemsize].view(dtype).view(shape)
+            views[name] = self.buffer[start : start + int(np.prod(shape)) * dtype.itemsize].view(dtype).view(shape)
         self._table_offset = offsets["block_tables"]
         self.input_ids: torch.Tensor = views["input_ids"]
         self.positions: torch.Tensor = views["positions"]
@@ -122,8 +132,16 @@ class InputArena:
         block tables; `cascade`: with the arena's prefix length)."""
         empty = self.seq_lens[:0]
         return AttnMetadata(
-            slot_mapping=self.slot_mapping[:rows], num_decode_tokens=rows, decode_seq_lens=self.seq_lens[:rows],
-            decode_block_tables=self.block_tables[:rows], max_decode_seq_len=max_seq_len,
-            num_prefills=0, prefill_cu_seqlens_q=self.seq_lens[:1], prefill_seq_lens=empty,
-            prefill_block_tables=self.block_tables[:0], max_prefill_q_len=0, max_prefill_seq_len=0,
-            decode_prefix_len=self.prefix_len if cascade else None)
+            slot_mapping=self.slot_mapping[:rows],
+            num_decode_tokens=rows,
+            decode_seq_lens=self.seq_lens[:rows],
+            decode_block_tables=self.block_tables[:rows],
+            max_decode_seq_len=max_seq_len,
+            num_prefills=0,
+            prefill_cu_seqlens_q=self.seq_lens[:1],
+            prefill_seq_lens=empty,
+            prefill_block_tables=self.block_tables[:0],
+            max_prefill_q_len=0,
+            max_prefill_seq_len=0,
+            decode_prefix_len=self.prefix_len if cascade else None,
+        )

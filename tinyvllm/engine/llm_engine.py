@@ -11,6 +11,7 @@ or one child of it (`abort_child`) when a stop string matches there
 Its engine core steps with `step_deltas()`: the same step, its outputs as wire Delta tuples, built
 directly (no RequestOutput) for such token-id requests.
 """
+
 from __future__ import annotations
 
 import gc
@@ -46,8 +47,14 @@ logger = logging.getLogger(__name__)
 PromptType = str | Sequence[int] | dict
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Sampling defaults a checkpoint's generation_config.json may set (vLLM's "generation config" defaults).
-_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -115,8 +122,7 @@ class _Sequence:
     lone_token_deltas: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.lone_token_deltas = (_wants_token_deltas(self.params)
-                                  and self.request.request_id == self.parent_id)
+        self.lone_token_deltas = _wants_token_deltas(self.params) and self.request.request_id == self.parent_id
 
 
 @dataclass
@@ -147,15 +153,27 @@ class LLMEngine:
         backend = default_backend(self.device.type) if args.kernel_backend == "auto" else args.kernel_backend
         self.eos_token_ids = self._eos_token_ids()
 
-        self.runner = ModelRunner(self.model_config, model_dir=str(self.model_dir), device=self.device,
-                                  dtype=self.dtype, kernel_backend=backend, load_format=args.load_format,
-                                  seed=args.seed, eos_token_ids=self.eos_token_ids, show_progress=show_progress,
-                                  fused_gemv=args.fused_gemv, decode_megakernel=args.decode_megakernel,
-                                  pruned_lm_head=args.pruned_lm_head and not args.enforce_eager)
-        cache_config = CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                                   num_gpu_blocks_override=args.num_gpu_blocks_override,
-                                   cpu_kv_cache_bytes=args.kv_cache_memory_bytes or (1 << 30),
-                                   enable_prefix_caching=args.enable_prefix_caching)
+        self.runner = ModelRunner(
+            self.model_config,
+            model_dir=str(self.model_dir),
+            device=self.device,
+            dtype=self.dtype,
+            kernel_backend=backend,
+            load_format=args.load_format,
+            seed=args.seed,
+            eos_token_ids=self.eos_token_ids,
+            show_progress=show_progress,
+            fused_gemv=args.fused_gemv,
+            decode_megakernel=args.decode_megakernel,
+            pruned_lm_head=args.pruned_lm_head and not args.enforce_eager,
+        )
+        cache_config = CacheConfig(
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            cpu_kv_cache_bytes=args.kv_cache_memory_bytes or (1 << 30),
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
         budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if args.kv_cache_memory_bytes is not None and args.num_gpu_blocks_override is None:
             num_blocks = max(1, args.kv_cache_memory_bytes // self.runner.bytes_per_block(args.block_size))
@@ -164,19 +182,26 @@ class LLMEngine:
         max_model_len = self._max_model_len(num_blocks * args.block_size)
         if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
             budget = max(budget, max_model_len)
-        self.scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-                                                max_model_len=max_model_len,
-                                                enable_chunked_prefill=args.enable_chunked_prefill)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+        )
         self.cache_config = cache_config
         self.num_blocks = num_blocks
-        self.runner.initialize(num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
-                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-                               cuda_graphs=not args.enforce_eager)
+        self.runner.initialize(
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=budget,
+            cuda_graphs=not args.enforce_eager,
+        )
         # Async scheduling: on CUDA, step N+1 is scheduled and launched before step N's tokens are read,
         # so the host's work overlaps the device's. Requests with penalties need every token of their
         # history at sampling time; while one is live, steps run one at a time.
-        self.async_scheduling = (self.device.type == "cuda" if args.async_scheduling is None
-                                 else args.async_scheduling)
+        self.async_scheduling = self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self.step_timer = StepTimer()  # set keep_log to see where each step's time went
         self._wait_s = 0.0  # time blocked on the device inside the current step's _process calls
@@ -195,15 +220,23 @@ class LLMEngine:
         # hundred steps (measured: ~0.5 ms per batch-256 step on the development CPU).
         gc.collect()
         gc.freeze()
-        logger.info("engine ready: %s on %s (%s, %s kernels), %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_dir, self.device, self.dtype, backend, num_blocks, args.block_size, max_model_len)
+        logger.info(
+            "engine ready: %s on %s (%s, %s kernels), %d KV blocks of %d tokens, max_model_len %d",
+            self.model_dir,
+            self.device,
+            self.dtype,
+            backend,
+            num_blocks,
+            args.block_size,
+            max_model_len,
+        )
 
     # ------------------------------------------------------------------ configuration helpers
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
         gen_eos = self.generation_config.get("eos_token_id")
         for source in (self.tokenizer.eos_token_id, gen_eos, list(self.model_config.eos_token_ids)):
-            for i in (source if isinstance(source, list) else [source]):
+            for i in source if isinstance(source, list) else [source]:
                 if i is not None and i not in ids:
                     ids.append(int(i))
         return tuple(ids)
@@ -216,14 +249,19 @@ class LLMEngine:
         if asked > limit:
             raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings ({limit})")
         if asked > cache_tokens:
-            raise ValueError(f"max_model_len={asked} exceeds what the KV cache holds ({cache_tokens} tokens); "
-                             f"lower max_model_len or give the cache more memory")
+            raise ValueError(
+                f"max_model_len={asked} exceeds what the KV cache holds ({cache_tokens} tokens); "
+                f"lower max_model_len or give the cache more memory"
+            )
         return asked
 
     def _default_sampling_params(self) -> SamplingParams:
         """SamplingParams() overridden by the sampling fields of generation_config.json, as vLLM does."""
-        changes = {ours: self.generation_config[theirs] for theirs, ours in _GENERATION_DEFAULTS.items()
-                   if theirs in self.generation_config}
+        changes = {
+            ours: self.generation_config[theirs]
+            for theirs, ours in _GENERATION_DEFAULTS.items()
+            if theirs in self.generation_config
+        }
         if not self.generation_config.get("do_sample", True):
             changes["temperature"] = 0.0
         try:
@@ -256,13 +294,18 @@ class LLMEngine:
         if not isinstance(ids, (list, tuple)) or not set(map(type, ids)) <= {int}:
             raise TypeError("prompt_token_ids must be a list of integers")
         vocab = self.model_config.vocab_size
-        if ids and not (0 <= min(ids) and max(ids) < vocab):
+        if ids and not (min(ids) >= 0 and max(ids) < vocab):
             bad = next(i for i in ids if not 0 <= i < vocab)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         return list(ids)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
         """Queue a request; returns its id. Malformed input raises ValueError/TypeError and queues
         nothing. A well-formed request that can never run (prompt too long) finishes at once: its
         RequestOutput, with `error` set and finish_reason "error", comes out of the next `step()`."""
@@ -287,14 +330,27 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 child_params = params.replace(seed=params.seed + index)
             request = Request(
-                request_id=request_id if params.n == 1 else f"{index}_{request_id}", prompt_token_ids=token_ids,
-                max_tokens=max_tokens, sampling_params=child_params, min_tokens=params.min_tokens,
+                request_id=request_id if params.n == 1 else f"{index}_{request_id}",
+                prompt_token_ids=token_ids,
+                max_tokens=max_tokens,
+                sampling_params=child_params,
+                min_tokens=params.min_tokens,
                 eos_token_ids=frozenset() if params.ignore_eos else frozenset(self.eos_token_ids),
-                stop_token_ids=frozenset(params.stop_token_ids), arrival_time=arrival_time)
-            parent.children.append(_Sequence(request, request_id, index, child_params, self._detokenizer(
-                child_params, token_ids), logprobs=[] if params.logprobs is not None else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None,
-                holdback=self._holdback(child_params)))
+                stop_token_ids=frozenset(params.stop_token_ids),
+                arrival_time=arrival_time,
+            )
+            parent.children.append(
+                _Sequence(
+                    request,
+                    request_id,
+                    index,
+                    child_params,
+                    self._detokenizer(child_params, token_ids),
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                    holdback=self._holdback(child_params),
+                )
+            )
         if not self.scheduler.add_request(parent.children[0].request):
             parent.error = parent.children[0].request.error
             for c in parent.children:
@@ -315,9 +371,14 @@ class LLMEngine:
         """Incremental only when text is needed before the end (stop strings, streamed outputs)."""
         if not params.detokenize or (params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop):
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                                      spaces_between_special_tokens=params.spaces_between_special_tokens,
-                                      stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests (by the ids add_request returned); their blocks return to the pool at once."""
@@ -399,8 +460,16 @@ class LLMEngine:
             self._in_flight = None
         if self.step_timer.keep_log:
             t4 = clock()
-            self.step_timer.record(StepRecord(sched.num_batched_tokens, len(sched.sequences), t2 - t1, t3 - t2,
-                                              (t1 - t0) + (t4 - t3) - self._wait_s, self._wait_s))
+            self.step_timer.record(
+                StepRecord(
+                    sched.num_batched_tokens,
+                    len(sched.sequences),
+                    t2 - t1,
+                    t3 - t2,
+                    (t1 - t0) + (t4 - t3) - self._wait_s,
+                    self._wait_s,
+                )
+            )
         return outputs
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
@@ -468,10 +537,25 @@ class LLMEngine:
                 # request that runs was not rejected (rejections never reach _parents).
                 token_ids, start = request.output_token_ids, seq.num_sent_tokens
                 seq.num_sent_tokens = len(token_ids)
-                outputs.append((rid, finished, [(0, "", token_ids[start:],
-                                                 logprobs[start:] if logprobs is not None else None,
-                                                 seq.cumulative_logprob, status.value if finished else None,
-                                                 request.stop_reason)], None, request.num_cached_tokens))
+                outputs.append(
+                    (
+                        rid,
+                        finished,
+                        [
+                            (
+                                0,
+                                "",
+                                token_ids[start:],
+                                logprobs[start:] if logprobs is not None else None,
+                                seq.cumulative_logprob,
+                                status.value if finished else None,
+                                request.stop_reason,
+                            )
+                        ],
+                        None,
+                        request.num_cached_tokens,
+                    )
+                )
                 if finished:
                     seq.finished_time = now
                     self._drop(self._parents[rid])
@@ -484,8 +568,9 @@ class LLMEngine:
             outputs[place] = self._parent_delta(self._parents[parent_id])
         return [o for o in outputs if o is not None]
 
-    def _read_step(self, sched: SchedulerOutput,
-                   handle: StepHandle) -> tuple[list[tuple[Request, list[int]]], dict[str, Any]]:
+    def _read_step(
+        self, sched: SchedulerOutput, handle: StepHandle
+    ) -> tuple[list[tuple[Request, list[int]]], dict[str, Any]]:
         """Wait for a launched step, hand its tokens to the scheduler (stop rules applied) and count
         them: (the scheduler's (request, new token ids) per request that got a token, the sampled
         logprobs entry by request id when the step computed logprobs)."""
@@ -500,8 +585,7 @@ class LLMEngine:
         self.num_generation_tokens += len(updated)  # one token each
         return updated, logprobs_by_id
 
-    def _update_child(self, seq: _Sequence, new_ids: list[int], logprobs_by_id: dict[str, Any],
-                      now: float) -> bool:
+    def _update_child(self, seq: _Sequence, new_ids: list[int], logprobs_by_id: dict[str, Any], now: float) -> bool:
         """Record a child's new tokens: first-token time, logprobs, text (which may end it on a stop
         string), finish time. Returns whether its request has an output this step (DELTA and
         CUMULATIVE requests: every step; FINAL_ONLY: when a child finished)."""
@@ -526,8 +610,13 @@ class LLMEngine:
         params = parent.children[0].params
         delta = None
         if _wants_token_deltas(params):
-            delta = (parent.request_id, finished, [self._completion_delta(c) for c in parent.children],
-                     parent.error, parent.children[0].request.num_cached_tokens)
+            delta = (
+                parent.request_id,
+                finished,
+                [self._completion_delta(c) for c in parent.children],
+                parent.error,
+                parent.children[0].request.num_cached_tokens,
+            )
         elif finished or params.output_kind is not RequestOutputKind.FINAL_ONLY:
             delta = encode_outputs([self._make_output(parent)])[0]
         if finished:
@@ -542,8 +631,15 @@ class LLMEngine:
         token_ids, start = r.output_token_ids, c.num_sent_tokens
         c.num_sent_tokens = len(token_ids)
         logprobs = c.logprobs
-        return (c.index, "", token_ids[start:], logprobs[start:] if logprobs is not None else None,
-                c.cumulative_logprob, r.status.finish_reason, r.stop_reason)
+        return (
+            c.index,
+            "",
+            token_ids[start:],
+            logprobs[start:] if logprobs is not None else None,
+            c.cumulative_logprob,
+            r.status.finish_reason,
+            r.stop_reason,
+        )
 
     def _drop(self, parent: _Parent) -> None:
         """Forget a finished request."""
@@ -552,8 +648,9 @@ class LLMEngine:
 
     def _detokenize(self, seq: _Sequence, new_ids: list[int]) -> None:
         request = seq.request
-        stopped_by_token = (request.status == RequestStatus.FINISHED_STOPPED
-                            and not seq.params.include_stop_str_in_output)
+        stopped_by_token = (
+            request.status == RequestStatus.FINISHED_STOPPED and not seq.params.include_stop_str_in_output
+        )
         if seq.detokenizer is None:
             if request.is_finished and seq.params.detokenize:
                 ids = request.output_token_ids[:-1] if stopped_by_token else request.output_token_ids
@@ -581,10 +678,22 @@ class LLMEngine:
         outs = [self._completion(c) for c in parent.children]
         first = parent.children[0].request
         finished = parent.finished
-        metrics = RequestMetrics(parent.arrival_time, first.first_scheduled_time, first.first_token_time,
-                                 max((c.finished_time or 0.0) for c in parent.children) if finished else None)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs, finished,
-                             first.num_cached_tokens, parent.error, metrics)
+        metrics = RequestMetrics(
+            parent.arrival_time,
+            first.first_scheduled_time,
+            first.first_token_time,
+            max((c.finished_time or 0.0) for c in parent.children) if finished else None,
+        )
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outs,
+            finished,
+            first.num_cached_tokens,
+            parent.error,
+            metrics,
+        )
 
     def _completion(self, c: _Sequence) -> CompletionOutput:
         r = c.request
@@ -593,17 +702,18 @@ class LLMEngine:
         if c.detokenizer is not None:
             text = c.detokenizer.output_text
             if c.holdback and not status._finished:
-                text = text[:len(text) - c.holdback]
+                text = text[: len(text) - c.holdback]
         token_ids, logprobs = r.output_token_ids, c.logprobs
         if c.params.output_kind is RequestOutputKind.DELTA:
-            text, c.num_sent_chars = text[c.num_sent_chars:], len(text)
-            token_ids, start, c.num_sent_tokens = token_ids[c.num_sent_tokens:], c.num_sent_tokens, len(token_ids)
+            text, c.num_sent_chars = text[c.num_sent_chars :], len(text)
+            token_ids, start, c.num_sent_tokens = token_ids[c.num_sent_tokens :], c.num_sent_tokens, len(token_ids)
             logprobs = logprobs[start:] if logprobs is not None else None
         else:
             token_ids = list(token_ids)
             logprobs = list(logprobs) if logprobs is not None else None
-        return CompletionOutput(c.index, text, token_ids, c.cumulative_logprob, logprobs,
-                                status.finish_reason, r.stop_reason)
+        return CompletionOutput(
+            c.index, text, token_ids, c.cumulative_logprob, logprobs, status.finish_reason, r.stop_reason
+        )
 
     @staticmethod
     def _holdback(params: SamplingParams) -> int:

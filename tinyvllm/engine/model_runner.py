@@ -16,6 +16,7 @@ is the replay and an event. With `pruned_lm_head` (the engine's default on CUDA)
 every row the fused sampler serves replay graphs that sample from an int8 copy of the LM head and the rows
 it cannot rule out, without logits (kernels/lm_head_bounds.py: the same ids).
 """
+
 from __future__ import annotations
 
 import logging
@@ -94,9 +95,10 @@ class StepHandle:
         logprobs = None
         if self.logprobs is not None:
             rows = self.logprobs.to_lists(self.num_logprobs)
-            per_row = [None if r is None else
-                       [(tok, lp, r[2] if k == 0 else k) for k, (tok, lp) in enumerate(zip(r[0], r[1]))]
-                       for r in rows]
+            per_row = [
+                None if r is None else [(tok, lp, r[2] if k == 0 else k) for k, (tok, lp) in enumerate(zip(r[0], r[1]))]
+                for r in rows
+            ]
             if self.logprob_rows is not None:
                 covered = per_row
                 per_row = [None] * len(ids)
@@ -107,26 +109,53 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, *, model_dir: str, device: torch.device,
-                 dtype: torch.dtype, kernel_backend: str, load_format: str = "auto", seed: int = 0,
-                 eos_token_ids: Sequence[int] = (), show_progress: bool = False, fused_gemv: bool = True,
-                 decode_megakernel: bool | None = None, pruned_lm_head: bool = False) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        model_dir: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        kernel_backend: str,
+        load_format: str = "auto",
+        seed: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        show_progress: bool = False,
+        fused_gemv: bool = True,
+        decode_megakernel: bool | None = None,
+        pruned_lm_head: bool = False,
+    ) -> None:
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.kernel_backend = kernel_backend
         self.ops = get_ops(kernel_backend)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.model = build_model(model_config, self.ops, model_dir=model_dir, device=device, dtype=dtype,
-                                 max_positions=model_config.max_position_embeddings,
-                                 load_format=load_format, seed=seed, show_progress=show_progress,
-                                 fuse_small_batches=fused_gemv)
+        self.model = build_model(
+            model_config,
+            self.ops,
+            model_dir=model_dir,
+            device=device,
+            dtype=dtype,
+            max_positions=model_config.max_position_embeddings,
+            load_format=load_format,
+            seed=seed,
+            show_progress=show_progress,
+            fuse_small_batches=fused_gemv,
+        )
         if wants_megakernel(decode_megakernel, device.type, model_config.hidden_size):
             self._enable_megakernel()
         # The int8 copy of the LM head is made before the memory profile, which then counts it; only the
         # batch-1 decode graphs use it (engine/cuda_graphs.py), so `pruned_lm_head` asks for graphs too.
-        if (pruned_lm_head and device.type == "cuda" and kernel_backend == "triton" and fused_gemv
-                and GRAPH_IO_MAX_ROWS == 1 and SAMPLE_IN_LM_HEAD and model_config.hidden_size % 4 == 0):
+        if (
+            pruned_lm_head
+            and device.type == "cuda"
+            and kernel_backend == "triton"
+            and fused_gemv
+            and GRAPH_IO_MAX_ROWS == 1
+            and SAMPLE_IN_LM_HEAD
+            and model_config.hidden_size % 4 == 0
+        ):
             self.model.enable_pruned_lm_head()
         self.sampler = Sampler()
         self.batch_generator = torch.Generator(device=device).manual_seed(seed)
@@ -178,7 +207,8 @@ class ModelRunner:
                 f"no memory left for the KV cache: weights and activations take {peak / 2**30:.1f} GiB "
                 f"of the {total * cache.gpu_memory_utilization / 2**30:.1f} GiB allowed by "
                 f"gpu_memory_utilization={cache.gpu_memory_utilization}; raise it or lower "
-                f"max_num_batched_tokens")
+                f"max_num_batched_tokens"
+            )
         return int(free_for_cache // per_block)
 
     @torch.no_grad()
@@ -196,12 +226,17 @@ class ModelRunner:
         pages = -(-num_tokens // block_size)
         meta = AttnMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-            num_decode_tokens=0, decode_seq_lens=torch.zeros(0, dtype=i32, device=dev),
-            decode_block_tables=torch.zeros(0, 1, dtype=i32, device=dev), max_decode_seq_len=0,
-            num_prefills=1, prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=i32, device=dev),
+            num_decode_tokens=0,
+            decode_seq_lens=torch.zeros(0, dtype=i32, device=dev),
+            decode_block_tables=torch.zeros(0, 1, dtype=i32, device=dev),
+            max_decode_seq_len=0,
+            num_prefills=1,
+            prefill_cu_seqlens_q=torch.tensor([0, num_tokens], dtype=i32, device=dev),
             prefill_seq_lens=torch.tensor([num_tokens], dtype=i32, device=dev),
             prefill_block_tables=torch.zeros(1, pages, dtype=i32, device=dev),
-            max_prefill_q_len=num_tokens, max_prefill_seq_len=num_tokens)
+            max_prefill_q_len=num_tokens,
+            max_prefill_seq_len=num_tokens,
+        )
         positions = torch.arange(num_tokens, device=dev) % self.model.max_positions
         hidden = self.model(ids, positions, meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[:1].expand(max_num_seqs, -1).contiguous())
@@ -222,32 +257,55 @@ class ModelRunner:
         buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(buffer[i, 0], buffer[i, 1]) for i in range(c.num_hidden_layers)]
 
-    def initialize(self, *, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                   max_num_batched_tokens: int, cuda_graphs: bool) -> None:
+    def initialize(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        cuda_graphs: bool,
+    ) -> None:
         """Allocate the cache and the input staging; capture the decode graphs (CUDA only)."""
         self.allocate_kv_cache(num_blocks, block_size)
         max_blocks = -(-max_model_len // block_size)
         cascade = (CASCADE_MIN_BATCH, CASCADE_MIN_PREFIX, CASCADE_ALIGN) if self.kernel_backend == "triton" else None
-        self.builder = StepInputBuilder(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                                        max_num_seqs=max_num_seqs, max_blocks_per_seq=max_blocks,
-                                        device=self.device, cascade=cascade)
+        self.builder = StepInputBuilder(
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=max_blocks,
+            device=self.device,
+            cascade=cascade,
+        )
         pin = self.device.type == "cuda"
-        self._host_bufs = [{"ids": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
-                            "temps": torch.zeros(max_num_seqs, dtype=torch.float32, pin_memory=pin),
-                            "seeds": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
-                            "rows": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin)}
-                           for _ in range(2)]
+        self._host_bufs = [
+            {
+                "ids": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
+                "temps": torch.zeros(max_num_seqs, dtype=torch.float32, pin_memory=pin),
+                "seeds": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
+                "rows": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
+            }
+            for _ in range(2)
+        ]
         if cuda_graphs and self.device.type == "cuda":
             sizes = graph_batch_sizes(max_num_seqs)
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes=sizes,
-                                       max_blocks_per_seq=max_blocks, max_seq_len=max_model_len,
-                                       device=self.device, resolve_placeholders=self.ops.resolve_placeholders,
-                                       max_num_seqs=max_num_seqs,
-                                       cascade_batch_sizes=[b for b in sizes if b >= CASCADE_MIN_BATCH]
-                                       if cascade else [], sample_in_graph=self.kernel_backend == "triton",
-                                       io_max_rows=GRAPH_IO_MAX_ROWS if self.kernel_backend == "triton" else 0,
-                                       sample_in_lm_head=SAMPLE_IN_LM_HEAD,
-                                       pruned_lm_head=self.model.lm_head_rows is not None)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                batch_sizes=sizes,
+                max_blocks_per_seq=max_blocks,
+                max_seq_len=max_model_len,
+                device=self.device,
+                resolve_placeholders=self.ops.resolve_placeholders,
+                max_num_seqs=max_num_seqs,
+                cascade_batch_sizes=[b for b in sizes if b >= CASCADE_MIN_BATCH] if cascade else [],
+                sample_in_graph=self.kernel_backend == "triton",
+                io_max_rows=GRAPH_IO_MAX_ROWS if self.kernel_backend == "triton" else 0,
+                sample_in_lm_head=SAMPLE_IN_LM_HEAD,
+                pruned_lm_head=self.model.lm_head_rows is not None,
+            )
             self.graphs.capture()
 
     # ------------------------------------------------------------------ one step
@@ -271,7 +329,7 @@ class ModelRunner:
         fused = plan.fused_rows(seqs) if self.kernel_backend == "triton" else []
         seeds = None
         if fused:
-            seeds = bufs["seeds"][:len(seqs)]
+            seeds = bufs["seeds"][: len(seqs)]
             plan.seeds(seqs, self._rng, seeds.numpy())
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[inputs.logits_indices], dtype=None)
@@ -294,8 +352,9 @@ class ModelRunner:
         over in one copy, replay, then sample the rows the in-graph sampler does not serve."""
         graphs = self.graphs
         host, device = graphs.next_arenas(bucket)
-        inputs = self.builder.build(sched, pad_decodes_to=bucket, prev_sample_index=self._prev_index,
-                                    host_arena=host, device_arena=device)
+        inputs = self.builder.build(
+            sched, pad_decodes_to=bucket, prev_sample_index=self._prev_index, host_arena=host, device_arena=device
+        )
         bufs = self._next_host_bufs()
         seqs = inputs.sampled
         n = len(seqs)
@@ -311,8 +370,9 @@ class ModelRunner:
         graph_ids = None
         if graphs.runs_io(bucket):
             # every row served by the in-graph sampler: no logits needed, the pruned LM head's graph if any
-            logits, presampled, graph_ids = graphs.replay_io(bucket, inputs.prefix_len > 0, host, inputs.arena_bytes,
-                                                             pruned=len(fused) == n)
+            logits, presampled, graph_ids = graphs.replay_io(
+                bucket, inputs.prefix_len > 0, host, inputs.arena_bytes, pruned=len(fused) == n
+            )
         else:
             graphs.load_inputs(host, inputs.arena_bytes, by_kernel=self._copies_by_kernel(n))
             logits, presampled = graphs.replay(bucket, cascade=inputs.prefix_len > 0)
@@ -329,9 +389,17 @@ class ModelRunner:
         self._num_launched += 1
         return bufs
 
-    def _finish(self, seqs: list[ScheduledSequence], sample_order: list[int], plan: FusedSamplingPlan,
-                sampled: torch.Tensor, logprobs: LogprobsTensors | None, logprob_rows: list[int] | None,
-                bufs: dict[str, torch.Tensor], graph_ids: torch.Tensor | None = None) -> StepHandle:
+    def _finish(
+        self,
+        seqs: list[ScheduledSequence],
+        sample_order: list[int],
+        plan: FusedSamplingPlan,
+        sampled: torch.Tensor,
+        logprobs: LogprobsTensors | None,
+        logprob_rows: list[int] | None,
+        bufs: dict[str, torch.Tensor],
+        graph_ids: torch.Tensor | None = None,
+    ) -> StepHandle:
         """Keep this step's sampled ids for the next step's placeholders, enqueue their copy to the host
         (and an event after it, on CUDA), and return the step's handle. `graph_ids`: the same ids, already
         being written into pinned host memory by the step's graph (no copy)."""
@@ -341,9 +409,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             host = graph_ids
             if host is None:
-                host = bufs["ids"][:sampled.shape[0]]
-                if (self._copies_by_kernel(sampled.shape[0]) and sampled.dtype == host.dtype
-                        and sampled.is_contiguous()):
+                host = bufs["ids"][: sampled.shape[0]]
+                if self._copies_by_kernel(sampled.shape[0]) and sampled.dtype == host.dtype and sampled.is_contiguous():
                     from tinyvllm.kernels.host_copy import kernel_copy_
 
                     kernel_copy_(host, sampled)
@@ -372,9 +439,16 @@ class ModelRunner:
             plan = self._plan = FusedSamplingPlan.build(seqs, rids)
         return plan
 
-    def _sample(self, logits: torch.Tensor | None, seqs: list[ScheduledSequence], plan: FusedSamplingPlan,
-                fused: list[int], seeds: torch.Tensor | None, presampled: torch.Tensor | None,
-                bufs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, LogprobsTensors | None, list[int] | None]:
+    def _sample(
+        self,
+        logits: torch.Tensor | None,
+        seqs: list[ScheduledSequence],
+        plan: FusedSamplingPlan,
+        fused: list[int],
+        seeds: torch.Tensor | None,
+        presampled: torch.Tensor | None,
+        bufs: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, LogprobsTensors | None, list[int] | None]:
         """Sampled ids [N], logprobs, and the rows the logprobs cover (None: all).
 
         Each row goes to the sampler its own parameters call for, whatever shares its batch: the fused
@@ -391,8 +465,9 @@ class ModelRunner:
         if presampled is None:
             from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
-            presampled = sample_greedy_or_gumbel(logits, plan.device_temperatures(self.device, bufs["temps"]),
-                                                 seeds.to(self.device, non_blocking=True))
+            presampled = sample_greedy_or_gumbel(
+                logits, plan.device_temperatures(self.device, bufs["temps"]), seeds.to(self.device, non_blocking=True)
+            )
         if len(fused) == n:
             return presampled, None, None
         fused_set = set(fused)
@@ -400,7 +475,7 @@ class ModelRunner:
         rows = bufs["rows"]
         rows.numpy()[:n] = fused + other
         rows_dev = rows[:n].to(self.device, non_blocking=True)
-        f_idx, o_idx = rows_dev[:len(fused)], rows_dev[len(fused):]
+        f_idx, o_idx = rows_dev[: len(fused)], rows_dev[len(fused) :]
         sampled = torch.empty(n, dtype=torch.int64, device=logits.device)
         sampled[f_idx] = presampled[f_idx]
         out = self._sample_full(logits[o_idx], [seqs[i] for i in other])
@@ -427,7 +502,12 @@ class ModelRunner:
             banned = frozenset(params.stop_token_ids) | self.eos_token_ids
         # Token lists are copied only for the penalties that read them.
         uses_output = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
-        prompt = seq.all_token_ids[:seq.prompt_len] if params.repetition_penalty != 1 else ()
-        output = seq.all_token_ids[seq.prompt_len:] if uses_output else ()  # bans are decided above
-        return SamplingRow(params=params, prompt_token_ids=prompt, output_token_ids=output,
-                           generator=generator, min_tokens_banned_ids=banned)
+        prompt = seq.all_token_ids[: seq.prompt_len] if params.repetition_penalty != 1 else ()
+        output = seq.all_token_ids[seq.prompt_len :] if uses_output else ()  # bans are decided above
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=prompt,
+            output_token_ids=output,
+            generator=generator,
+            min_tokens_banned_ids=banned,
+        )

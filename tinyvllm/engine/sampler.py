@@ -75,9 +75,7 @@ class LogprobsTensors:
         ranks = self.selected_token_ranks.tolist()
         if len(num_logprobs) != len(ids):
             raise ValueError(f"num_logprobs has {len(num_logprobs)} entries for {len(ids)} rows.")
-        return [
-            None if k is None else (ids[i][: k + 1], lps[i][: k + 1], ranks[i]) for i, k in enumerate(num_logprobs)
-        ]
+        return [None if k is None else (ids[i][: k + 1], lps[i][: k + 1], ranks[i]) for i, k in enumerate(num_logprobs)]
 
 
 @dataclasses.dataclass
@@ -171,7 +169,9 @@ def apply_penalties(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Ten
     return logits
 
 
-def sample_random(logits: torch.Tensor, tensors: SamplingTensors, batch_generator: torch.Generator | None) -> torch.Tensor:
+def sample_random(
+    logits: torch.Tensor, tensors: SamplingTensors, batch_generator: torch.Generator | None
+) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, softmax, exponential race (module doc, step 5).
 
     ``logits`` is float32 [B, V] and is modified in place. Greedy rows of a mixed batch go

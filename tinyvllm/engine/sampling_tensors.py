@@ -115,9 +115,7 @@ class SamplingTensors:
         return None
 
     @classmethod
-    def from_rows(
-        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
-    ) -> SamplingTensors:
+    def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str) -> SamplingTensors:
         """Build the tensors of one step. Raises ValueError on inconsistent rows.
 
         Host work is O(B + tokens read for penalties); the device receives at most two
@@ -176,10 +174,7 @@ class SamplingTensors:
             index_parts["output"] = _flat_indices([r.output_token_ids for r in rows], V, "output_token_ids")
         if use_rep:
             index_parts["prompt"] = _flat_indices([r.prompt_token_ids for r in rows], V, "prompt_token_ids")
-        bans = [
-            sorted(r.min_tokens_banned_ids) if len(r.output_token_ids) < r.params.min_tokens else []
-            for r in rows
-        ]
+        bans = [sorted(r.min_tokens_banned_ids) if len(r.output_token_ids) < r.params.min_tokens else [] for r in rows]
         if any(bans):
             index_parts["ban"] = _flat_indices(bans, V, "min_tokens_banned_ids")
 
@@ -266,4 +261,3 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
-

@@ -13,6 +13,7 @@ arena (engine/input_arena.py: the static tensors the graphs read, in one byte bu
 copies the used prefix of that arena to the device in ONE copy. Its placeholder inputs are not resolved
 by the caller: the arena's `placeholder_src` tells the graph which rows to gather.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +44,7 @@ class StepInputs:
     arena_bytes: int = 0  # graph steps: the leading bytes of the host arena to copy to the device arena
 
 
-def shared_prefix_len(table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, block_size: int,
-                      align: int) -> int:
+def shared_prefix_len(table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, block_size: int, align: int) -> int:
     """The cascade prefix of a decode batch: the most leading keys that every row keeps in the same
     cache blocks, short of each row's last key (its own new token), rounded down to `align` keys.
 
@@ -59,8 +59,9 @@ def shared_prefix_len(table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray,
     return k * block_size // align * align
 
 
-def placeholder_sources(decodes: list[ScheduledSequence], ids: np.ndarray,
-                        prev_sample_index: dict[str, int] | None) -> tuple[list[int], list[int]]:
+def placeholder_sources(
+    decodes: list[ScheduledSequence], ids: np.ndarray, prev_sample_index: dict[str, int] | None
+) -> tuple[list[int], list[int]]:
     """The decode rows whose input id (`ids`, one per decode row) is PLACEHOLDER, and for each one its
     row in the previous step's sampled ids (`prev_sample_index`: request id -> that row)."""
     rows: list[int] = []
@@ -103,9 +104,16 @@ class StepInputBuilder:
     """Args: `cascade`: (minimum decode rows, minimum shared keys, alignment) at which a decode-only
     step's shared prefix is handed to cascade attention (`AttnMetadata.decode_prefix_len`); None: never."""
 
-    def __init__(self, *, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_blocks_per_seq: int, device: torch.device,
-                 cascade: tuple[int, int, int] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        cascade: tuple[int, int, int] | None = None,
+    ) -> None:
         self.block_size = block_size
         self.device = device
         self.cascade = cascade
@@ -127,9 +135,14 @@ class StepInputBuilder:
         prefix_len = shared_prefix_len(table, rows, seq_lens, self.block_size, self.cascade[2])
         return prefix_len if prefix_len >= self.cascade[1] else 0
 
-    def build(self, sched: SchedulerOutput, pad_decodes_to: int | None = None,
-              prev_sample_index: dict[str, int] | None = None, host_arena: InputArena | None = None,
-              device_arena: InputArena | None = None) -> StepInputs:
+    def build(
+        self,
+        sched: SchedulerOutput,
+        pad_decodes_to: int | None = None,
+        prev_sample_index: dict[str, int] | None = None,
+        host_arena: InputArena | None = None,
+        device_arena: InputArena | None = None,
+    ) -> StepInputs:
         """Pack one step. With `pad_decodes_to` (a decode-only step replayed as a CUDA graph), the
         token arrays get padded rows that write nowhere (slot −1) and attend to nothing (length 0).
         `prev_sample_index` maps request ids to their row in the previous step's sampled ids, for the
@@ -159,7 +172,7 @@ class StepInputBuilder:
         # alignment, so a region that were aligned in one step and not in the next would compile a
         # second variant of every kernel reading it (in the middle of a run).
         T2 = _round2(T)
-        ids, pos, slots = a64[0:T], a64[T2:T2 + T], a64[2 * T2:2 * T2 + T]
+        ids, pos, slots = a64[0:T], a64[T2 : T2 + T], a64[2 * T2 : 2 * T2 + T]
         rows = [self.tables.update(s) for s in ordered]
         drows = np.asarray(rows[:D], dtype=np.int64)
         table = self.tables.table
@@ -171,27 +184,27 @@ class StepInputBuilder:
             pos[:D] = dpos
             slots[:D] = table[drows, dpos // bs].astype(np.int64) * bs + dpos % bs
             ph_rows, ph_src = placeholder_sources(decodes, ids[:D], prev_sample_index)
-        if T > num_tokens:  # padding rows
+        if num_tokens < T:  # padding rows
             ids[num_tokens:], pos[num_tokens:], slots[num_tokens:] = 0, 0, -1
         row = D
         last_rows = list(range(D))
         for s, r in zip(prefills, rows[D:]):
             n = s.num_new_tokens
             p = np.arange(s.num_computed_tokens, s.num_computed_tokens + n)
-            ids[row:row + n] = s.token_ids
-            pos[row:row + n] = p
-            slots[row:row + n] = table[r, p // bs].astype(np.int64) * bs + p % bs
+            ids[row : row + n] = s.token_ids
+            pos[row : row + n] = p
+            slots[row : row + n] = table[r, p // bs].astype(np.int64) * bs + p % bs
             row += n
             last_rows.append(row - 1)
         sampled_rows = [i for i, s in enumerate(ordered) if s.sample]
         N = len(sampled_rows)
         o_rows = 3 * T2
-        a64[o_rows:o_rows + N] = [last_rows[i] for i in sampled_rows]
+        a64[o_rows : o_rows + N] = [last_rows[i] for i in sampled_rows]
         K = len(ph_rows)
         o_ph_rows = o_rows + _round2(N)
         o_ph_src = o_ph_rows + _round2(K)
-        a64[o_ph_rows:o_ph_rows + K] = ph_rows
-        a64[o_ph_src:o_ph_src + K] = ph_src
+        a64[o_ph_rows : o_ph_rows + K] = ph_rows
+        a64[o_ph_src : o_ph_src + K] = ph_src
         n64 = o_ph_src + K
 
         # ---- int32 region: decode lens [Dp] | prefill lens [P] | cu [P+1] | decode table | prefill table
@@ -202,22 +215,22 @@ class StepInputBuilder:
         o_plens = o_dlens + _round4(Dp)
         o_cu = o_plens + _round4(P)
         o_dtab = o_cu + _round4(P + 1)
-        dlens = a32[o_dlens:o_dlens + Dp]
+        dlens = a32[o_dlens : o_dlens + Dp]
         if D:
             dlens[:D] = pos[:D] + 1
         dlens[D:] = 0
-        plens = a32[o_plens:o_plens + P]
+        plens = a32[o_plens : o_plens + P]
         plens[:] = [s.context_len for s in prefills]
-        cu = a32[o_cu:o_cu + P + 1]
+        cu = a32[o_cu : o_cu + P + 1]
         cu[0] = 0
         np.cumsum([s.num_new_tokens for s in prefills], out=cu[1:])
         dwidth = max(1, -(-int(dlens[:D].max(initial=0)) // bs))
         o_ptab = o_dtab + _round4(D * dwidth)
         if D:
-            a32[o_dtab:o_dtab + D * dwidth].reshape(D, dwidth)[:] = table[drows, :dwidth]
+            a32[o_dtab : o_dtab + D * dwidth].reshape(D, dwidth)[:] = table[drows, :dwidth]
         pwidth = max(1, max((-(-s.context_len // bs) for s in prefills), default=1))
         if P:
-            a32[o_ptab:o_ptab + P * pwidth].reshape(P, pwidth)[:] = table[np.asarray(rows[D:]), :pwidth]
+            a32[o_ptab : o_ptab + P * pwidth].reshape(P, pwidth)[:] = table[np.asarray(rows[D:]), :pwidth]
         n32 = o_ptab + P * pwidth
         prefix_len = 0 if prefills else self._cascade_prefix(table, drows, dlens[:D])
         o_prefix = _round4(n32)
@@ -231,18 +244,18 @@ class StepInputBuilder:
             stage.dev32[:n32].copy_(stage.host32[:n32], non_blocking=True)
         d64, d32 = stage.dev64, stage.dev32
         meta = AttnMetadata(
-            slot_mapping=d64[2 * T2:2 * T2 + T],
+            slot_mapping=d64[2 * T2 : 2 * T2 + T],
             num_decode_tokens=Dp,
-            decode_seq_lens=d32[o_dlens:o_dlens + Dp],
-            decode_block_tables=d32[o_dtab:o_dtab + D * dwidth].view(D, dwidth),
+            decode_seq_lens=d32[o_dlens : o_dlens + Dp],
+            decode_block_tables=d32[o_dtab : o_dtab + D * dwidth].view(D, dwidth),
             max_decode_seq_len=int(dlens.max(initial=0)),
             num_prefills=P,
-            prefill_cu_seqlens_q=d32[o_cu:o_cu + P + 1],
-            prefill_seq_lens=d32[o_plens:o_plens + P],
-            prefill_block_tables=d32[o_ptab:o_ptab + P * pwidth].view(P, pwidth),
+            prefill_cu_seqlens_q=d32[o_cu : o_cu + P + 1],
+            prefill_seq_lens=d32[o_plens : o_plens + P],
+            prefill_block_tables=d32[o_ptab : o_ptab + P * pwidth].view(P, pwidth),
             max_prefill_q_len=max((s.num_new_tokens for s in prefills), default=0),
             max_prefill_seq_len=int(plens.max(initial=0)),
-            decode_prefix_len=d32[o_prefix:o_prefix + 1] if prefix_len else None,
+            decode_prefix_len=d32[o_prefix : o_prefix + 1] if prefix_len else None,
         )
         if not prefills and N == D:  # decode-only: rows are in the scheduler's order, all sampled
             sample_order = list(range(N))
@@ -250,18 +263,27 @@ class StepInputBuilder:
             rank = {id(ordered[i]): j for j, i in enumerate(sampled_rows)}
             sample_order = [rank[id(s)] for s in seqs if s.sample]
         return StepInputs(
-            input_ids=d64[0:T], positions=d64[T2:T2 + T], meta=meta, logits_indices=d64[o_rows:o_rows + N],
+            input_ids=d64[0:T],
+            positions=d64[T2 : T2 + T],
+            meta=meta,
+            logits_indices=d64[o_rows : o_rows + N],
             sampled=[ordered[i] for i in sampled_rows],
             sample_order=sample_order,
-            placeholder_rows=d64[o_ph_rows:o_ph_rows + K] if K else None,
-            placeholder_src=d64[o_ph_src:o_ph_src + K] if K else None,
+            placeholder_rows=d64[o_ph_rows : o_ph_rows + K] if K else None,
+            placeholder_src=d64[o_ph_src : o_ph_src + K] if K else None,
             num_decodes=D,
             num_placeholders=K,
             prefix_len=prefix_len,
         )
 
-    def _build_into_arena(self, sched: SchedulerOutput, bucket: int, prev_sample_index: dict[str, int] | None,
-                          host: InputArena, device: InputArena) -> StepInputs:
+    def _build_into_arena(
+        self,
+        sched: SchedulerOutput,
+        bucket: int,
+        prev_sample_index: dict[str, int] | None,
+        host: InputArena,
+        device: InputArena,
+    ) -> StepInputs:
         """Pack a decode-only step whose every row samples, padded to `bucket` rows, into the host
         arena `host` (its numpy views); the returned inputs view the device arena `device`, valid once
         the caller has copied `arena_bytes` leading bytes of `host` into it.
@@ -276,8 +298,7 @@ class StepInputBuilder:
         seqs = sched.sequences
         D = len(seqs)
         if not (sched.num_batched_tokens == D and 0 < D <= bucket <= host.max_rows):
-            raise ValueError(f"not a decode-only step of 1..{bucket} rows: {D} rows, "
-                             f"{sched.num_batched_tokens} tokens")
+            raise ValueError(f"not a decode-only step of 1..{bucket} rows: {D} rows, {sched.num_batched_tokens} tokens")
         if not all(s.sample for s in seqs):
             raise ValueError("every row of a graph step must sample")
         bs = self.block_size
@@ -301,8 +322,16 @@ class StepInputBuilder:
         prefix_len = self._cascade_prefix(table, rows, a.seq_lens[:D])
         a.prefix_len[0] = prefix_len
         return StepInputs(
-            input_ids=device.input_ids[:bucket], positions=device.positions[:bucket],
+            input_ids=device.input_ids[:bucket],
+            positions=device.positions[:bucket],
             meta=device.decode_meta(bucket, max_len, cascade=prefix_len > 0),
-            logits_indices=device.row_index[:D], sampled=list(seqs), sample_order=list(range(D)),
-            placeholder_rows=None, placeholder_src=None, num_decodes=D, num_placeholders=len(ph_rows),
-            prefix_len=prefix_len, arena_bytes=host.bytes_through(D, width))
+            logits_indices=device.row_index[:D],
+            sampled=list(seqs),
+            sample_order=list(range(D)),
+            placeholder_rows=None,
+            placeholder_src=None,
+            num_decodes=D,
+            num_placeholders=len(ph_rows),
+            prefix_len=prefix_len,
+            arena_bytes=host.bytes_through(D, width),
+        )

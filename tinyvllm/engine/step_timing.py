@@ -7,6 +7,7 @@ idled for part of it) and one with a large wait was device-bound. Recording cost
 step; the per-step log is kept only when asked for (`StepTimer(keep_log=True)`), since a server runs
 for ever.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -67,10 +68,15 @@ def summarize(log: list[StepRecord]) -> dict[str, Any]:
         out[kind] = {
             "steps": len(recs),
             "mean_batch": statistics.fmean(r.num_seqs for r in recs),
-            "mean_ms": {name: 1e3 * statistics.fmean(getattr(r, f"{name}_s") for r in recs)
-                        for name in ("schedule", "launch", "process", "wait", "host", "wall")},
-            "total_s": {"host": sum(r.host_s for r in recs), "wait": sum(r.wait_s for r in recs),
-                        "wall": sum(r.wall_s for r in recs)},
+            "mean_ms": {
+                name: 1e3 * statistics.fmean(getattr(r, f"{name}_s") for r in recs)
+                for name in ("schedule", "launch", "process", "wait", "host", "wall")
+            },
+            "total_s": {
+                "host": sum(r.host_s for r in recs),
+                "wait": sum(r.wait_s for r in recs),
+                "wall": sum(r.wall_s for r in recs),
+            },
             "host_bound_fraction": sum(r.wait_s < 1e-4 for r in recs) / len(recs),
         }
     return out
@@ -81,8 +87,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = []
     for kind, s in summary.items():
         ms = s["mean_ms"]
-        lines.append(f"{kind:>7}: {s['steps']} steps, batch {s['mean_batch']:.0f}, host {ms['host']:.2f} ms "
-                     f"(schedule {ms['schedule']:.2f}, launch {ms['launch']:.2f}, process {ms['process']:.2f}), "
-                     f"wait {ms['wait']:.2f} ms, {s['total_s']['wall']:.2f} s in all, "
-                     f"{100 * s['host_bound_fraction']:.0f}% of steps host-bound")
+        lines.append(
+            f"{kind:>7}: {s['steps']} steps, batch {s['mean_batch']:.0f}, host {ms['host']:.2f} ms "
+            f"(schedule {ms['schedule']:.2f}, launch {ms['launch']:.2f}, process {ms['process']:.2f}), "
+            f"wait {ms['wait']:.2f} ms, {s['total_s']['wall']:.2f} s in all, "
+            f"{100 * s['host_bound_fraction']:.0f}% of steps host-bound"
+        )
     return "\n".join(lines)

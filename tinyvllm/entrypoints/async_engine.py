@@ -26,6 +26,7 @@ request, or that completion of it, in the core), then hands each loop its stream
 crashed process), the engine is dead (`is_dead`): every in-flight stream raises EngineDeadError and
 so does every later `add_request`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -76,8 +77,13 @@ class EngineInfo:
 
     @classmethod
     def of(cls, engine: Any) -> EngineInfo:
-        return cls(engine.tokenizer, engine.model_config.vocab_size, engine.scheduler_config.max_model_len,
-                   engine.default_sampling_params, str(engine.model_dir))
+        return cls(
+            engine.tokenizer,
+            engine.model_config.vocab_size,
+            engine.scheduler_config.max_model_len,
+            engine.default_sampling_params,
+            str(engine.model_dir),
+        )
 
 
 class StatsListener(Protocol):
@@ -99,9 +105,17 @@ class RequestStream:
     - FINAL_ONLY: one output, the finished one (the stream accumulates the Deltas, if several).
     """
 
-    def __init__(self, request_id: str, client: EngineClient, loop: asyncio.AbstractEventLoop,
-                 output_kind: RequestOutputKind, prompt: str | None, prompt_token_ids: list[int],
-                 arrival_time: float, processor: RequestProcessor | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        client: EngineClient,
+        loop: asyncio.AbstractEventLoop,
+        output_kind: RequestOutputKind,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        arrival_time: float,
+        processor: RequestProcessor | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -224,8 +238,9 @@ class EngineClient:
         """Have `listener` called after every step and abort (the metrics)."""
         self._listeners = (*self._listeners, listener)  # a new tuple: readers never see it change
 
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
+    ) -> RequestStream:
         """Queue a request; returns its stream once the core has accepted it.
 
         Raises:
@@ -257,8 +272,9 @@ class EngineClient:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; aborts the request if the caller stops early (or is cancelled)."""
         stream = await self.add_request(request_id, prompt, params, arrival_time)
         try:
@@ -329,8 +345,11 @@ class EngineClient:
     def _on_deltas(self, deltas: Sequence[Delta], now: float) -> None:
         with self._lock:
             streams = self._streams
-            found = [(stream, d) for d in deltas  # Delta-shaped tuples: (request_id, finished, ...)
-                     if (stream := streams.get(d[0])) is not None]  # else aborted meanwhile
+            found = [
+                (stream, d)
+                for d in deltas  # Delta-shaped tuples: (request_id, finished, ...)
+                if (stream := streams.get(d[0])) is not None
+            ]  # else aborted meanwhile
         processed = []
         for stream, d in found:  # outside the lock: detokenizing a step takes a while
             processor = stream._processor
@@ -419,7 +438,7 @@ class AsyncLLMEngine(EngineClient):
         try:
             self._core.run(self._recv, self._handle)
             self._die(RuntimeError("the engine was shut down"))
-        except BaseException as e:  # noqa: BLE001 -- any failure ends the loop; callers must hear of it
+        except BaseException as e:
             logger.exception("engine loop died")
             self._die(e)
 

@@ -6,6 +6,7 @@ To add one, write a module with
     run(ns: argparse.Namespace) -> int                the exit status
 that imports its heavy dependencies inside `run`, and name it in BENCHMARKS.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     names = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     for name, module_name in BENCHMARKS.items():
         module = importlib.import_module(module_name)
-        p = names.add_parser(name, help=module.HELP, description=module.__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = names.add_parser(
+            name, help=module.HELP, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         module.add_cli_args(p)
         p.set_defaults(func=module.run)

@@ -12,6 +12,7 @@ run can measure); prints a table and writes JSON.
 The client is aiohttp (as vLLM's benchmark_serving): its per-event cost is a fraction of httpx's, which
 capped a single client process near 17k streamed tokens/s on a development CPU. No torch, no openai client.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="default: the first model of /v1/models")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
-                   help="requests per second, one run per value (inf: all at once)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[math.inf],
+        help="requests per second, one run per value (inf: all at once)",
+    )
     p.add_argument("--num-prompts", type=int, default=256, help="the first N requests of the set")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
     p.add_argument("--workload", default="throughput", choices=["throughput"])
@@ -50,10 +56,14 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=_range, default=(100, 1024), metavar="MIN:MAX")
     p.add_argument("--max-token-id", type=int, default=10000, help="prompt ids are randint(0, this)")
     p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sent with every request (default 1.0: the throughput set samples at temperature 0.6 "
-                        "without top-p, as the offline bench does; without it a server applies the model's "
-                        "generation_config.json defaults, top_p 0.9 for Llama 3.x Instruct)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sent with every request (default 1.0: the throughput set samples at temperature 0.6 "
+        "without top-p, as the offline bench does; without it a server applies the model's "
+        "generation_config.json defaults, top_p 0.9 for Llama 3.x Instruct)",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
@@ -63,9 +73,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-detailed", action="store_true", help="keep per-request timings in the JSON")
 
 
-def throughput_workload(num_prompts: int = 256, input_len: tuple[int, int] = (100, 1024),
-                        output_len: tuple[int, int] = (100, 1024), max_token_id: int = 10000,
-                        ) -> list[tuple[list[int], int]]:
+def throughput_workload(
+    num_prompts: int = 256,
+    input_len: tuple[int, int] = (100, 1024),
+    output_len: tuple[int, int] = (100, 1024),
+    max_token_id: int = 10000,
+) -> list[tuple[list[int], int]]:
     """(prompt token ids, max_tokens) of WORKLOADS.md's `throughput` set, drawn in its order (all prompts,
     then all max_tokens, for max(256, num_prompts) requests), the first `num_prompts` of them."""
     rng = random.Random(0)
@@ -119,13 +132,14 @@ async def send_one(client: Any, url: str, body: dict, prompt_len: int) -> Reques
         result.latency = time.perf_counter() - start
         if result.error is None and not finished:
             result.error = "the stream ended without a finish_reason"
-    except Exception as e:  # noqa: BLE001 -- a failed request is a figure, not a crash
+    except Exception as e:
         result.error = f"{type(e).__name__}: {e}"
     return result
 
 
-async def run_rate(client: Any, url: str, model: str, workload: list[tuple[list[int], int]], rate: float,
-                   ns: argparse.Namespace) -> tuple[list[RequestResult], float, float]:
+async def run_rate(
+    client: Any, url: str, model: str, workload: list[tuple[list[int], int]], rate: float, ns: argparse.Namespace
+) -> tuple[list[RequestResult], float, float]:
     """All requests, arriving as a Poisson process at `rate` (inf: all at t = 0); returns the results,
     the wall time and the time of the last arrival."""
     arrivals = random.Random(ns.seed)
@@ -150,8 +164,16 @@ async def run_rate(client: Any, url: str, model: str, workload: list[tuple[list[
 
 
 def _body(model: str, prompt: list[int], max_tokens: int, ns: argparse.Namespace) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": ns.temperature,
-            "top_p": ns.top_p, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -162,6 +184,7 @@ def _stats(values: list[float]) -> dict[str, float]:
 
     def pct(p: float) -> float:
         return xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))]
+
     return {"mean": statistics.fmean(xs), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
 
@@ -176,27 +199,41 @@ def summarize(results: list[RequestResult], duration: float, rate: float, last_a
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     errors = sorted({r.error for r in results if not r.ok})[:5]
     bound = out_tokens / last_arrival if math.isfinite(rate) and last_arrival > 0 else None
-    return {"request_rate": rate if math.isfinite(rate) else "inf", "duration_s": duration,
-            "completed": len(ok), "failed": len(results) - len(ok), "errors": errors,
-            "input_tokens": in_tokens, "output_tokens": out_tokens,
-            "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
-            "last_arrival_s": last_arrival, "arrival_bound_output_throughput": bound,
-            "total_token_throughput": (in_tokens + out_tokens) / duration,
-            "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpot),
-            "itl_ms": _stats([g for r in ok for g in r.itl]), "e2el_ms": _stats([r.latency for r in ok])}
+    return {
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "last_arrival_s": last_arrival,
+        "arrival_bound_output_throughput": bound,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats(tpot),
+        "itl_ms": _stats([g for r in ok for g in r.itl]),
+        "e2el_ms": _stats([r.latency for r in ok]),
+    }
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'rate':>6} {'ok':>5} {'fail':>5} {'time s':>8} {'last arr s':>10} {'req/s':>7} {'out tok/s':>10} "
-            f"{'bound tok/s':>11} "
-            + " ".join(f"{m + ' ' + q:>11}" for m in ("TTFT", "TPOT", "ITL") for q in ("mean", "p50", "p90", "p99")))
+    head = (
+        f"{'rate':>6} {'ok':>5} {'fail':>5} {'time s':>8} {'last arr s':>10} {'req/s':>7} {'out tok/s':>10} "
+        f"{'bound tok/s':>11} "
+        + " ".join(f"{m + ' ' + q:>11}" for m in ("TTFT", "TPOT", "ITL") for q in ("mean", "p50", "p90", "p99"))
+    )
     print(head)
     for r in rows:
         cells = [f"{r[m][q]:11.1f}" for m in ("ttft_ms", "tpot_ms", "itl_ms") for q in ("mean", "p50", "p90", "p99")]
         bound = r["arrival_bound_output_throughput"]
-        print(f"{str(r['request_rate']):>6} {r['completed']:>5} {r['failed']:>5} {r['duration_s']:8.1f} "
-              f"{r['last_arrival_s']:10.2f} {r['request_throughput']:7.2f} {r['output_throughput']:10.1f} "
-              f"{'-' if bound is None else f'{bound:.1f}':>11} " + " ".join(cells))
+        print(
+            f"{r['request_rate']!s:>6} {r['completed']:>5} {r['failed']:>5} {r['duration_s']:8.1f} "
+            f"{r['last_arrival_s']:10.2f} {r['request_throughput']:7.2f} {r['output_throughput']:10.1f} "
+            f"{'-' if bound is None else f'{bound:.1f}':>11} " + " ".join(cells)
+        )
     print("(latencies in ms; bound tok/s: output tokens / last arrival, the most a run at that rate can show)")
 
 
@@ -204,9 +241,12 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
     import aiohttp
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
-    async with aiohttp.ClientSession(base_url=ns.base_url, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=ns.timeout),
-                                     connector=aiohttp.TCPConnector(limit=0)) as client:
+    async with aiohttp.ClientSession(
+        base_url=ns.base_url,
+        headers=headers,
+        timeout=aiohttp.ClientTimeout(total=ns.timeout),
+        connector=aiohttp.TCPConnector(limit=0),
+    ) as client:
         async with client.get("/v1/models") as resp:
             resp.raise_for_status()
             models = await resp.json()
@@ -225,18 +265,29 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
             if ns.save_detailed:
                 row["requests"] = [asdict(r) for r in results]
             runs.append(row)
-    return {"workload": "serving", "base_url": ns.base_url, "model": model, "server_models": models["data"],
-            "server_version": version,
-            "num_prompts": ns.num_prompts, "seed": ns.seed, "input_len": ns.input_len, "output_len": ns.output_len,
-            "max_token_id": ns.max_token_id, "temperature": ns.temperature, "top_p": ns.top_p,
-            "max_concurrency": ns.max_concurrency,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": runs}
+    return {
+        "workload": "serving",
+        "base_url": ns.base_url,
+        "model": model,
+        "server_models": models["data"],
+        "server_version": version,
+        "num_prompts": ns.num_prompts,
+        "seed": ns.seed,
+        "input_len": ns.input_len,
+        "output_len": ns.output_len,
+        "max_token_id": ns.max_token_id,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "max_concurrency": ns.max_concurrency,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "runs": runs,
+    }
 
 
 def run(ns: argparse.Namespace) -> int:
     try:
         report = asyncio.run(_main(ns))
-    except Exception as e:  # noqa: BLE001 -- unreachable server, bad model name, failed warm-up
+    except Exception as e:
         print(f"tinyvllm bench serve: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print_table(report["runs"])

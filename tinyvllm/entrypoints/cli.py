@@ -1,4 +1,5 @@
 """`tinyvllm` command line: generate | chat | make-dummy (serve and bench plug in as sub-commands)."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,15 @@ def add_sampling_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def sampling_params_from_cli(ns: argparse.Namespace, defaults):
     changes = {"max_tokens": ns.max_tokens, "n": ns.n, "ignore_eos": ns.ignore_eos}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
         if getattr(ns, name) is not None:
             changes[name] = getattr(ns, name)
     if ns.sampling_seed is not None:
@@ -44,9 +52,18 @@ def sampling_params_from_cli(ns: argparse.Namespace, defaults):
 def _print_outputs(outputs, as_json: bool) -> None:
     for out in outputs:
         if as_json:
-            print(json.dumps({"prompt": out.prompt, "error": out.error,
-                              "outputs": [{"text": o.text, "token_ids": o.token_ids,
-                                           "finish_reason": o.finish_reason} for o in out.outputs]}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": out.prompt,
+                        "error": out.error,
+                        "outputs": [
+                            {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+                            for o in out.outputs
+                        ],
+                    }
+                )
+            )
             continue
         if out.error:
             print(f"[error] {out.error}", file=sys.stderr)

@@ -9,6 +9,7 @@ logprobs concatenated; the latest finish_reason, stop_reason and cumulative logp
 event carries every token since the previous one. Accumulating all of a request's Deltas gives its
 cumulative output (what a CUMULATIVE request would have returned after the same step).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -43,14 +44,23 @@ class Delta(NamedTuple):
 def encode_outputs(outputs: Sequence[RequestOutput]) -> list[tuple]:
     """The engine's DELTA (or FINAL_ONLY) RequestOutputs as Delta-shaped plain tuples (prompt and
     metrics left out)."""
-    return [(o.request_id, o.finished,
-             [(c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason)
-              for c in o.outputs],
-             o.error, o.num_cached_tokens) for o in outputs]
+    return [
+        (
+            o.request_id,
+            o.finished,
+            [
+                (c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason)
+                for c in o.outputs
+            ],
+            o.error,
+            o.num_cached_tokens,
+        )
+        for o in outputs
+    ]
 
 
 class _Completion:
-    __slots__ = ("index", "texts", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason")
+    __slots__ = ("cumulative_logprob", "finish_reason", "index", "logprobs", "stop_reason", "texts", "token_ids")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -61,8 +71,15 @@ class _Completion:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
-    def add(self, text: str, token_ids: list[int], logprobs: list | None, cumulative_logprob: float | None,
-            finish_reason: str | None, stop_reason: int | str | None) -> None:
+    def add(
+        self,
+        text: str,
+        token_ids: list[int],
+        logprobs: list | None,
+        cumulative_logprob: float | None,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+    ) -> None:
         if text:
             self.texts.append(text)
         self.token_ids.extend(token_ids)
@@ -75,10 +92,15 @@ class _Completion:
         self.stop_reason = stop_reason
 
     def output(self) -> CompletionOutput:
-        return CompletionOutput(index=self.index, text="".join(self.texts), token_ids=list(self.token_ids),
-                                cumulative_logprob=self.cumulative_logprob,
-                                logprobs=list(self.logprobs) if self.logprobs is not None else None,
-                                finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        return CompletionOutput(
+            index=self.index,
+            text="".join(self.texts),
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
 
 
 class OutputAccumulator:
@@ -89,8 +111,13 @@ class OutputAccumulator:
             (Deltas do not carry them).
     """
 
-    def __init__(self, request_id: str, prompt: str | None = None, prompt_token_ids: Sequence[int] = (),
-                 arrival_time: float | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] = (),
+        arrival_time: float | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
@@ -103,8 +130,10 @@ class OutputAccumulator:
     def add(self, delta: tuple | RequestOutput) -> None:
         """Add a Delta(-shaped tuple) or a delta RequestOutput."""
         if isinstance(delta, RequestOutput):
-            completions: Iterable[tuple] = [(c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob,
-                                            c.finish_reason, c.stop_reason) for c in delta.outputs]
+            completions: Iterable[tuple] = [
+                (c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason)
+                for c in delta.outputs
+            ]
             finished, error, cached = delta.finished, delta.error, delta.num_cached_tokens
         else:
             _, finished, completions, error, cached = delta
@@ -127,10 +156,16 @@ class OutputAccumulator:
 
     def output(self) -> RequestOutput:
         metrics = RequestMetrics(arrival_time=self.arrival_time) if self.arrival_time is not None else None
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             outputs=[self._completions[i].output() for i in sorted(self._completions)],
-                             finished=self.finished, num_cached_tokens=self.num_cached_tokens, error=self.error,
-                             metrics=metrics)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[self._completions[i].output() for i in sorted(self._completions)],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            error=self.error,
+            metrics=metrics,
+        )
 
 
 def merge_deltas(deltas: Sequence[tuple | RequestOutput], **request_fields) -> RequestOutput:

@@ -38,6 +38,7 @@ tokens. After an abort, Deltas the core had already sent for the request may sti
 side drops them. Replies go out before the step runs, so a rejection reaches the caller
 without waiting for a (possibly long) step.
 """
+
 from __future__ import annotations
 
 import time
@@ -103,8 +104,13 @@ class EngineCore:
         limit = self.max_waiting_requests
         waiting = len(self.engine.scheduler.waiting)
         if limit is not None and waiting >= limit:
-            return (request_id, 503, f"the server is overloaded: {waiting} requests are waiting "
-                                     f"(--max-waiting-requests {limit}); retry later", None)
+            return (
+                request_id,
+                503,
+                f"the server is overloaded: {waiting} requests are waiting "
+                f"(--max-waiting-requests {limit}); retry later",
+                None,
+            )
         try:
             ids = None
             if not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):

@@ -14,6 +14,7 @@ after each step; the latency histograms are fed from the step's Deltas by `Laten
   vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds
   vllm:request_success_total{finished_reason}                counter
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
@@ -25,25 +26,77 @@ from prometheus_client.registry import Collector
 
 from tinyvllm.entrypoints.deltas import Delta
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class EngineStatsCollector(Collector):
     """Gauges and counters read from `stats()` (the engine's `get_metrics()` snapshot) at scrape time."""
 
-    _GAUGES = (("vllm:num_requests_running", "num_requests_running", "Requests running on the engine."),
-               ("vllm:num_requests_waiting", "num_requests_waiting", "Requests waiting to be scheduled."),
-               ("vllm:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks held (0..1)."),
-               ("tinyvllm:kv_cache_blocks", "num_kv_blocks", "KV-cache blocks in the pool."),
-               ("tinyvllm:kv_cache_free_blocks", "num_free_kv_blocks", "KV-cache blocks free or reusable."))
-    _COUNTERS = (("vllm:prefix_cache_queries", "prefix_cache_queried_tokens", "Prompt tokens looked up."),
-                 ("vllm:prefix_cache_hits", "prefix_cache_hit_tokens", "Prompt tokens found in the cache."),
-                 ("vllm:num_preemptions", "num_preemptions", "Preemptions (recomputations)."),
-                 ("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens prefilled."),
-                 ("vllm:generation_tokens", "generation_tokens", "Tokens generated."))
+    _GAUGES = (
+        ("vllm:num_requests_running", "num_requests_running", "Requests running on the engine."),
+        ("vllm:num_requests_waiting", "num_requests_waiting", "Requests waiting to be scheduled."),
+        ("vllm:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks held (0..1)."),
+        ("tinyvllm:kv_cache_blocks", "num_kv_blocks", "KV-cache blocks in the pool."),
+        ("tinyvllm:kv_cache_free_blocks", "num_free_kv_blocks", "KV-cache blocks free or reusable."),
+    )
+    _COUNTERS = (
+        ("vllm:prefix_cache_queries", "prefix_cache_queried_tokens", "Prompt tokens looked up."),
+        ("vllm:prefix_cache_hits", "prefix_cache_hit_tokens", "Prompt tokens found in the cache."),
+        ("vllm:num_preemptions", "num_preemptions", "Preemptions (recomputations)."),
+        ("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens prefilled."),
+        ("vllm:generation_tokens", "generation_tokens", "Tokens generated."),
+    )
 
     def __init__(self, stats: Callable[[], dict[str, float]], model_name: str) -> None:
         self._stats = stats
@@ -70,14 +123,29 @@ class LatencyRecorder:
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         labels = ["model_name"]
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              registry=registry, buckets=_LATENCY_BUCKETS).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", labels,
-                             registry=registry, buckets=_ITL_BUCKETS).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
-                             registry=registry, buckets=_LATENCY_BUCKETS).labels(model_name)
-        self.success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                               ["model_name", "finished_reason"], registry=registry)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency.", labels, registry=registry, buckets=_ITL_BUCKETS
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.success = Counter(
+            "vllm:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
         self._model = model_name
         self._last: dict[tuple[str, int], float] = {}  # (request, index) -> time of its latest token
 

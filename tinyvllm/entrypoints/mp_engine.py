@@ -20,6 +20,7 @@ marks the engine dead. The engine process ignores SIGINT (a Ctrl-C in the termin
 process group; the API process drains in-flight requests, then stops the engine) and exits when its
 command pipe closes, so it never outlives the API process.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,8 +57,13 @@ class MPAsyncLLMEngine(EngineClient):
         show_progress: show the model-loading progress bar.
     """
 
-    def __init__(self, engine_args: Any, max_waiting_requests: int | None = None,
-                 engine_factory: EngineFactory | None = None, show_progress: bool = False) -> None:
+    def __init__(
+        self,
+        engine_args: Any,
+        max_waiting_requests: int | None = None,
+        engine_factory: EngineFactory | None = None,
+        show_progress: bool = False,
+    ) -> None:
         super().__init__(max_waiting_requests)
         self.engine_args = engine_args
         self._factory = engine_factory
@@ -91,9 +97,20 @@ class MPAsyncLLMEngine(EngineClient):
         ctx = multiprocessing.get_context("spawn")
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         out_recv, out_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=run_engine_process, name="tinyvllm-engine-core", daemon=True,
-                                 args=(self.engine_args, self.max_waiting_requests, self._factory,
-                                       self._show_progress, logging.getLogger().level, cmd_recv, out_send))
+        self._proc = ctx.Process(
+            target=run_engine_process,
+            name="tinyvllm-engine-core",
+            daemon=True,
+            args=(
+                self.engine_args,
+                self.max_waiting_requests,
+                self._factory,
+                self._show_progress,
+                logging.getLogger().level,
+                cmd_recv,
+                out_send,
+            ),
+        )
         _grow_pipe(out_recv)
         self._proc.start()
         cmd_recv.close()  # the child's ends: closing ours lets each side see the other's death as EOF
@@ -107,8 +124,9 @@ class MPAsyncLLMEngine(EngineClient):
         except BaseException:
             self._kill()
             raise
-        self.info = EngineInfo(tokenizer, info["vocab_size"], info["max_model_len"],
-                               info["default_sampling_params"], info["model_dir"])
+        self.info = EngineInfo(
+            tokenizer, info["vocab_size"], info["max_model_len"], info["default_sampling_params"], info["model_dir"]
+        )
         self._reader.start()
         self._sender.start()
         return self
@@ -175,7 +193,7 @@ class MPAsyncLLMEngine(EngineClient):
                 self._to_core.send(batch)
             except (OSError, ValueError):  # the engine process is gone: the reader reports it
                 return
-            except BaseException as e:  # noqa: BLE001 -- e.g. a prompt that does not pickle: fail loudly
+            except BaseException as e:
                 logger.exception("could not send commands to the engine process")
                 self._die(e)
                 self._kill()
@@ -197,7 +215,7 @@ class MPAsyncLLMEngine(EngineClient):
                 self._handle(message)
         except (EOFError, OSError):
             pass
-        except BaseException as e:  # noqa: BLE001 -- a bug in dispatching: fail loudly, not silently
+        except BaseException as e:
             logger.exception("the engine reader thread failed")
             error = e
             self._kill()  # nobody reads its outputs any more
@@ -252,23 +270,39 @@ def _leave_a_core_to_the_server() -> None:
     torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
 
 
-def run_engine_process(engine_args: Any, max_waiting_requests: int | None, factory: EngineFactory | None,
-                       show_progress: bool, log_level: int, commands: Connection, out: Connection) -> None:
+def run_engine_process(
+    engine_args: Any,
+    max_waiting_requests: int | None,
+    factory: EngineFactory | None,
+    show_progress: bool,
+    log_level: int,
+    commands: Connection,
+    out: Connection,
+) -> None:
     """Main of the engine process: build the engine, report ("ready", info, stats), run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when the engine stops
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
         _leave_a_core_to_the_server()
         engine = factory(engine_args) if factory is not None else _build_engine(engine_args, show_progress)
-    except BaseException as e:  # noqa: BLE001 -- reported to the API process, which exits with it
+    except BaseException as e:
         logger.exception("could not build the engine")
         out.send(("failed", f"{type(e).__name__}: {e}"))
         sys.exit(1)
     info = EngineInfo.of(engine)
-    out.send(("ready", {"tokenizer": str(getattr(engine_args, "tokenizer", None) or info.model_dir),
-                        "vocab_size": info.vocab_size, "max_model_len": info.max_model_len,
-                        "default_sampling_params": info.default_sampling_params, "model_dir": info.model_dir},
-              dict(engine.get_metrics())))
+    out.send(
+        (
+            "ready",
+            {
+                "tokenizer": str(getattr(engine_args, "tokenizer", None) or info.model_dir),
+                "vocab_size": info.vocab_size,
+                "max_model_len": info.max_model_len,
+                "default_sampling_params": info.default_sampling_params,
+                "model_dir": info.model_dir,
+            },
+            dict(engine.get_metrics()),
+        )
+    )
     core = EngineCore(engine, max_waiting_requests)
 
     def recv(block: bool) -> list[tuple] | None:
@@ -284,7 +318,7 @@ def run_engine_process(engine_args: Any, max_waiting_requests: int | None, facto
 
     try:
         core.run(recv, out.send)
-    except BaseException as e:  # noqa: BLE001 -- the API process marks the engine dead with this message
+    except BaseException as e:
         logger.exception("engine loop died")
         try:
             out.send(("dead", f"{type(e).__name__}: {e}"))

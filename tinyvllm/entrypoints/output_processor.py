@@ -26,6 +26,7 @@ request is done, else ("abort", request_id, index) for that completion alone.
 
 This module imports no torch (it runs in the API process).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -56,18 +57,37 @@ def core_params(params: SamplingParams) -> SamplingParams:
 class _CompletionText:
     """Text state of one completion; see the module docstring."""
 
-    __slots__ = ("detokenizer", "decode", "skip_special_tokens", "include_stop", "holdback", "sent",
-                 "finished", "cumulative_logprob", "finish_reason", "stop_reason")
+    __slots__ = (
+        "cumulative_logprob",
+        "decode",
+        "detokenizer",
+        "finish_reason",
+        "finished",
+        "holdback",
+        "include_stop",
+        "sent",
+        "skip_special_tokens",
+        "stop_reason",
+    )
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 incremental: bool) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams, incremental: bool
+    ) -> None:
         self.include_stop = params.include_stop_str_in_output
         self.skip_special_tokens = params.skip_special_tokens
         self.decode = tokenizer.decode
-        self.detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output) if incremental else None
+        self.detokenizer = (
+            IncrementalDetokenizer(
+                tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            if incremental
+            else None
+        )
         # LLMEngine._holdback: characters withheld from unfinished text.
         self.holdback = 0 if self.include_stop else max((len(s) for s in params.stop), default=1) - 1
         self.sent = 0  # characters of text sent so far
@@ -76,8 +96,9 @@ class _CompletionText:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
-    def add(self, token_ids: list[int], finish_reason: str | None,
-            stop_reason: int | str | None) -> tuple[str, str | None, int | str | None]:
+    def add(
+        self, token_ids: list[int], finish_reason: str | None, stop_reason: int | str | None
+    ) -> tuple[str, str | None, int | str | None]:
         """The core's news for this completion -> (new text, finish_reason, stop_reason), as the engine
         would have reported them; marks the completion finished when it is."""
         finished = finish_reason is not None
@@ -94,8 +115,8 @@ class _CompletionText:
                 finish_reason, stop_reason, finished = "stop", stop_str, True
             text = det.output_text
             if self.holdback and not finished:
-                text = text[:len(text) - self.holdback]
-            text, self.sent = text[self.sent:], len(text)
+                text = text[: len(text) - self.holdback]
+            text, self.sent = text[self.sent :], len(text)
         if finished:
             self.finished = True
             self.finish_reason, self.stop_reason = finish_reason, stop_reason
@@ -137,14 +158,24 @@ class RequestProcessor:
         if states is None:
             states = self._completions = [
                 _CompletionText(self.tokenizer, prompt_token_ids, self.params, self._incremental)
-                for _ in range(self.params.n)]
+                for _ in range(self.params.n)
+            ]
         out = []
         stopped_here: list[int] = []  # completions a stop string ended while the core still runs them
         for index, _, token_ids, logprobs, cumulative_logprob, finish_reason, stop_reason in completions:
             state = states[index]
             if state.finished:
-                out.append((index, "", [], [] if logprobs is not None else None, state.cumulative_logprob,
-                            state.finish_reason, state.stop_reason))
+                out.append(
+                    (
+                        index,
+                        "",
+                        [],
+                        [] if logprobs is not None else None,
+                        state.cumulative_logprob,
+                        state.finish_reason,
+                        state.stop_reason,
+                    )
+                )
                 continue
             state.cumulative_logprob = cumulative_logprob
             text, reason, stop = state.add(token_ids, finish_reason, stop_reason)

@@ -5,6 +5,7 @@ keep working. Types are checked here; values (ranges, combinations) are checked 
 `SamplingParams` and by `tinyvllm.entrypoints.serving`, before anything reaches the engine.
 Responses are plain dicts built in `serving.py` (the shapes are documented there).
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal

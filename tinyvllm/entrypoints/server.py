@@ -11,6 +11,7 @@ engine has died), GET /metrics (Prometheus), POST /tokenize, POST /detokenize, G
 Errors are OpenAI-shaped JSON (`tinyvllm.entrypoints.errors`); with an API key set, /v1/* need
 `Authorization: Bearer KEY`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,7 @@ import tinyvllm
 from tinyvllm.entrypoints.async_engine import AsyncLLMEngine, EngineClient
 from tinyvllm.entrypoints.errors import APIError, error_body
 from tinyvllm.entrypoints.metrics import make_registry
-from tinyvllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           TokenizeRequest)
+from tinyvllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tinyvllm.entrypoints.serving import ServingContext
 from tinyvllm.entrypoints.serving_chat import create_chat_completion, render_chat
 from tinyvllm.entrypoints.serving_completions import create_completion
@@ -72,9 +72,18 @@ def build_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        data = [{"id": name, "object": "model", "created": args.created, "owned_by": "tinyvllm",
-                 "root": args.model_root or name, "parent": None, "max_model_len": ctx.max_model_len}
-                for name in ctx.served_model_names]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": args.created,
+                "owned_by": "tinyvllm",
+                "root": args.model_root or name,
+                "parent": None,
+                "max_model_len": ctx.max_model_len,
+            }
+            for name in ctx.served_model_names
+        ]
         return {"object": "list", "data": data}
 
     @app.get("/health")
@@ -96,9 +105,13 @@ def build_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         text = body.prompt
         if body.messages is not None:
-            text = render_chat(ctx, body.messages, add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message,
-                               template_kwargs=body.chat_template_kwargs)
+            text = render_chat(
+                ctx,
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
+            )
         ids = ctx.tokenizer.encode(text, add_special_tokens=body.add_special_tokens and body.messages is None)
         strs = ctx.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
@@ -198,15 +211,22 @@ def run_server(ns: argparse.Namespace) -> int:
         engine = AsyncLLMEngine(core, max_waiting_requests=ns.max_waiting_requests).start()
     else:
         try:
-            engine = MPAsyncLLMEngine(engine_args, max_waiting_requests=ns.max_waiting_requests,
-                                      show_progress=True).start()
+            engine = MPAsyncLLMEngine(
+                engine_args, max_waiting_requests=ns.max_waiting_requests, show_progress=True
+            ).start()
         except EngineStartError as e:
             print(f"tinyvllm serve: the engine could not start: {e}", file=sys.stderr)
             return 1
     names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL]
     app = build_app(engine, ServerArgs(names, api_key=ns.api_key, model_root=engine.info.model_dir))
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                            timeout_graceful_shutdown=ns.shutdown_timeout, timeout_keep_alive=ns.keep_alive_timeout)
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.uvicorn_log_level,
+        timeout_graceful_shutdown=ns.shutdown_timeout,
+        timeout_keep_alive=ns.keep_alive_timeout,
+    )
     try:
         with _signals_end_the_server():
             uvicorn.Server(config).run()

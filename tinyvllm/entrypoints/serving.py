@@ -5,6 +5,7 @@ detection), logprobs and usage in OpenAI's shapes, and the SSE response.
 Every check raises `APIError(400, message, param)` naming the offending field, so that bad input never
 reaches the engine (whose own ValueError/TypeError would still come back as a 400).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,9 +29,23 @@ from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
 
 
 @dataclass
@@ -68,15 +83,24 @@ class ServingContext:
         if num_prompt == 0:
             raise APIError(400, "the prompt is empty; at least one token is needed", param)
         if num_prompt >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request "
-                                f"has {num_prompt} input tokens. Please reduce the length of the input.", param)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {num_prompt} input tokens. Please reduce the length of the input.",
+                param,
+            )
         if max_tokens is not None and num_prompt + max_tokens > limit:
-            raise APIError(400, f"'{max_tokens_param}' is too large: {max_tokens}. This model's maximum context "
-                                f"length is {limit} tokens and your request has {num_prompt} input tokens "
-                                f"({max_tokens} > {limit} - {num_prompt}).", max_tokens_param)
+            raise APIError(
+                400,
+                f"'{max_tokens_param}' is too large: {max_tokens}. This model's maximum context "
+                f"length is {limit} tokens and your request has {num_prompt} input tokens "
+                f"({max_tokens} > {limit} - {num_prompt}).",
+                max_tokens_param,
+            )
 
-    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        renames: dict[str, str]) -> SamplingParams:
+    def sampling_params(
+        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None, renames: dict[str, str]
+    ) -> SamplingParams:
         """SamplingParams from the request's fields over the model's defaults; errors name the field
         as the client spelled it (`renames`: SamplingParams name -> request name). The engine sends
         DELTA outputs: each carries only what a step added."""
@@ -87,8 +111,9 @@ class ServingContext:
         if req.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported", "prompt_logprobs")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}",
-                           renames.get("logprobs", "logprobs"))
+            raise APIError(
+                400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", renames.get("logprobs", "logprobs")
+            )
         changes = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
         changes.update(n=req.n, max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA)
         try:
@@ -111,15 +136,21 @@ def now_s() -> int:
 
 
 # ---------------------------------------------------------------------- queueing and reading
-async def add_all(ctx: ServingContext, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                  params: SamplingParams, arrival_time: float) -> list[RequestStream]:
+async def add_all(
+    ctx: ServingContext,
+    request_id: str,
+    prompts: list[tuple[str | None, list[int]]],
+    params: SamplingParams,
+    arrival_time: float,
+) -> list[RequestStream]:
     """Queue every prompt (ids `request_id-i`), all or none: on a rejection the others are aborted."""
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await ctx.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids},
-                                                        params, arrival_time))
+            streams.append(
+                await ctx.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, params, arrival_time)
+            )
     except RequestRejected as e:
         for s in streams:
             s.abort()
@@ -146,7 +177,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, tuple
             async for delta in stream.deltas():
                 queue.put_nowait((i, delta))
             queue.put_nowait((i, None))
-        except BaseException as e:  # noqa: BLE001 -- handed to the reader
+        except BaseException as e:
             queue.put_nowait((i, e))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
@@ -168,6 +199,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, tuple
 async def final_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
     """The finished output of each stream (its deltas accumulated); aborts them all if the client
     disconnects first."""
+
     async def collect() -> list[RequestOutput]:
         totals = [OutputAccumulator(s.request_id, s.prompt, s.prompt_token_ids) for s in streams]
         async for i, out in merged(streams):
@@ -250,32 +282,41 @@ class ChunkFormat:
     def __init__(self, head: dict, include_usage: bool) -> None:
         encoded = json.dumps(head, separators=(",", ":"), ensure_ascii=False)
         self.prefix = f'data: {encoded[:-1]},"choices":['
-        self.suffix = ']' + (',"usage":null' if include_usage else "") + "}\n\n"
+        self.suffix = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
 
     def chunk(self, choice_json: str) -> str:
         return self.prefix + choice_json + self.suffix
 
 
-def completion_choice_json(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                           stop_reason: int | str | None) -> str:
+def completion_choice_json(
+    index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None
+) -> str:
     """A streamed /v1/completions choice: {index, text, logprobs, finish_reason, stop_reason}."""
-    return (f'{{"index":{index},"text":{_encode_str(text)},"logprobs":{to_json(logprobs)},'
-            f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}')
+    return (
+        f'{{"index":{index},"text":{_encode_str(text)},"logprobs":{to_json(logprobs)},'
+        f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}'
+    )
 
 
-def chat_choice_json(index: int, content: str, logprobs: dict | None, finish_reason: str | None,
-                     stop_reason: int | str | None) -> str:
+def chat_choice_json(
+    index: int, content: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None
+) -> str:
     """A streamed chat choice: {index, delta: {content} ({} when content is empty), logprobs,
     finish_reason, stop_reason}."""
     delta = f'{{"content":{_encode_str(content)}}}' if content else "{}"
-    return (f'{{"index":{index},"delta":{delta},"logprobs":{to_json(logprobs)},'
-            f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}')
+    return (
+        f'{{"index":{index},"delta":{delta},"logprobs":{to_json(logprobs)},'
+        f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}'
+    )
 
 
 # ---------------------------------------------------------------------- usage and logprobs
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def finite(x: float) -> float:
@@ -289,9 +330,11 @@ def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked[:k]
 
 
-def chat_logprobs(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob]],
-                  k: int) -> dict[str, list]:
+def chat_logprobs(
+    ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob]], k: int
+) -> dict[str, list]:
     """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+
     def item(tid: int, lp: Logprob) -> dict:
         text = ctx.token_text(tid)
         return {"token": text, "logprob": finite(lp.logprob), "bytes": list(text.encode())}
@@ -302,8 +345,9 @@ def chat_logprobs(ctx: ServingContext, token_ids: list[int], entries: list[dict[
     return {"content": content}
 
 
-def completion_logprobs(ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob]],
-                        k: int, offset: int) -> dict[str, list]:
+def completion_logprobs(
+    ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob]], k: int, offset: int
+) -> dict[str, list]:
     """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, entry in zip(token_ids, entries):

@@ -7,6 +7,7 @@ chunks (one per new piece of text; a client that reads slowly gets fewer, larger
 one carrying finish_reason; then the usage chunk (stream_options.include_usage) and
 `data: [DONE]`. Tool definitions reach the chat template; tool calls are not parsed out of the text.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,9 +20,22 @@ from starlette.responses import JSONResponse, Response
 
 from tinyvllm.entrypoints.errors import APIError
 from tinyvllm.entrypoints.protocol import ChatCompletionRequest, ChatMessage
-from tinyvllm.entrypoints.serving import (SSE_DONE, ChunkFormat, SSEResponse, ServingContext, add_all,
-                                          chat_choice_json, chat_logprobs, final_outputs, merged, new_id, now_s,
-                                          sse, sse_error, usage)
+from tinyvllm.entrypoints.serving import (
+    SSE_DONE,
+    ChunkFormat,
+    ServingContext,
+    SSEResponse,
+    add_all,
+    chat_choice_json,
+    chat_logprobs,
+    final_outputs,
+    merged,
+    new_id,
+    now_s,
+    sse,
+    sse_error,
+    usage,
+)
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
@@ -37,37 +51,57 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             texts = []
             for part in m.content:
                 if isinstance(part, dict):
-                    raise APIError(400, f"content part of type {part.get('type')!r} is not supported; "
-                                        f"only text parts are", f"messages.{i}.content")
+                    raise APIError(
+                        400,
+                        f"content part of type {part.get('type')!r} is not supported; only text parts are",
+                        f"messages.{i}.content",
+                    )
                 texts.append(part.text)
             d["content"] = "\n".join(texts)
         out.append(d)
     return out
 
 
-def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool,
-                continue_final_message: bool, tools: list | None = None, chat_template: str | None = None,
-                template_kwargs: dict | None = None) -> str:
+def render_chat(
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: list | None = None,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> str:
     """The prompt text of a conversation. Errors of the template (it rejects the messages) are 400s."""
     if continue_final_message and add_generation_prompt:
-        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
-                       "continue_final_message")
+        raise APIError(
+            400, "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
+        )
     named = ctx.tokenizer.chat_template if isinstance(ctx.tokenizer.chat_template, dict) else {}
     if chat_template is not None and chat_template not in named:
-        raise APIError(400, f"chat_template must name one of the model's templates {sorted(named)}; "
-                            f"templates sent in requests are not run", "chat_template")
+        raise APIError(
+            400,
+            f"chat_template must name one of the model's templates {sorted(named)}; "
+            f"templates sent in requests are not run",
+            "chat_template",
+        )
     msgs = message_dicts(messages)
     try:
-        text = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools,
-                                                 chat_template=chat_template, **(template_kwargs or {}))
-    except Exception as e:  # noqa: BLE001 -- a template can fail in many ways on odd messages
+        text = ctx.tokenizer.apply_chat_template(
+            msgs,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template=chat_template,
+            **(template_kwargs or {}),
+        )
+    except Exception as e:
         logger.info("chat template rejected a request: %s", e)
         raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
     if continue_final_message:
         last = msgs[-1].get("content") or ""
         cut = text.rfind(last) if last else -1
         if cut >= 0:
-            text = text[:cut + len(last)]
+            text = text[: cut + len(last)]
     return text
 
 
@@ -79,9 +113,15 @@ def _validate(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[str, lis
         raise APIError(400, "only tool_choice none or auto is supported", "tool_choice")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-    text = render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
-                       continue_final_message=req.continue_final_message, tools=req.tools,
-                       chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs)
+    text = render_chat(
+        ctx,
+        req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        tools=req.tools,
+        chat_template=req.chat_template,
+        template_kwargs=req.chat_template_kwargs,
+    )
     ids = ctx.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -108,28 +148,52 @@ def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, o: CompletionOutp
     return chat_logprobs(ctx, o.token_ids, o.logprobs or [], req.top_logprobs or 0)
 
 
-def _response(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, prompt: str,
-              final: RequestOutput) -> dict:
+def _response(
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str, prompt: str, final: RequestOutput
+) -> dict:
     choices = []
     for o in final.outputs:
         content = (prompt if req.echo else "") + o.text
-        choices.append({"index": o.index, "message": {"role": "assistant", "content": content},
-                        "logprobs": _logprobs(ctx, req, o), "finish_reason": o.finish_reason,
-                        "stop_reason": o.stop_reason})
+        choices.append(
+            {
+                "index": o.index,
+                "message": {"role": "assistant", "content": content},
+                "logprobs": _logprobs(ctx, req, o),
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+        )
     completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-    return {"id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.model_name,
-            "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens)}
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": now_s(),
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage(len(final.prompt_token_ids), completion_tokens),
+    }
 
 
-async def _events(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, prompt: str,
-                  num_prompt_tokens: int, streams: list) -> AsyncIterator[str]:
+async def _events(
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str, prompt: str, num_prompt_tokens: int, streams: list
+) -> AsyncIterator[str]:
     head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.model_name}
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     extra = {"usage": None} if include_usage else {}
     fmt = ChunkFormat(head, include_usage)
     first = {"role": "assistant", "content": prompt if req.echo else ""}
-    yield "".join(sse({**head, "choices": [{"index": index, "delta": first, "logprobs": None, "finish_reason": None,
-                                            "stop_reason": None}], **extra}) for index in range(req.n))
+    yield "".join(
+        sse(
+            {
+                **head,
+                "choices": [
+                    {"index": index, "delta": first, "logprobs": None, "finish_reason": None, "stop_reason": None}
+                ],
+                **extra,
+            }
+        )
+        for index in range(req.n)
+    )
     completion_tokens = [0] * req.n
     done = [False] * req.n
     try:
@@ -143,11 +207,13 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
                 if not text and not finished and not (req.logprobs and token_ids):
                     continue  # no visible text yet (a partial character, a held-back stop prefix)
                 lp = chat_logprobs(ctx, token_ids, logprobs or [], req.top_logprobs or 0) if req.logprobs else None
-                chunks.append(fmt.chunk(chat_choice_json(i, text, lp, finish_reason, stop_reason if finished else None)))
+                chunks.append(
+                    fmt.chunk(chat_choice_json(i, text, lp, finish_reason, stop_reason if finished else None))
+                )
             if chunks:
                 yield chunks[0] if len(chunks) == 1 else "".join(chunks)
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, sum(completion_tokens))})
-    except Exception as e:  # noqa: BLE001 -- the engine died mid-stream: tell the client in-band
+    except Exception as e:
         yield sse_error(e)
     yield SSE_DONE

@@ -6,6 +6,7 @@ completion j of prompt i. Streaming sends one chunk per new piece of text (same 
 the delta; a client that reads slowly gets fewer, larger pieces), the finish_reason on a choice's last chunk, then, with stream_options.include_usage, a
 chunk with `choices: []` and the usage, and finally `data: [DONE]`.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,9 +17,22 @@ from starlette.responses import JSONResponse, Response
 
 from tinyvllm.entrypoints.errors import APIError
 from tinyvllm.entrypoints.protocol import CompletionRequest
-from tinyvllm.entrypoints.serving import (SSE_DONE, ChunkFormat, SSEResponse, ServingContext, add_all,
-                                          completion_choice_json, completion_logprobs, final_outputs, merged,
-                                          new_id, now_s, sse, sse_error, usage)
+from tinyvllm.entrypoints.serving import (
+    SSE_DONE,
+    ChunkFormat,
+    ServingContext,
+    SSEResponse,
+    add_all,
+    completion_choice_json,
+    completion_logprobs,
+    final_outputs,
+    merged,
+    new_id,
+    now_s,
+    sse,
+    sse_error,
+    usage,
+)
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
@@ -76,28 +90,43 @@ def _prompt_text(ctx: ServingContext, prompt: Prompt) -> str:
     return prompt[0] if prompt[0] is not None else ctx.tokenizer.decode(prompt[1])
 
 
-def _response(ctx: ServingContext, req: CompletionRequest, request_id: str, prompts: list[Prompt],
-              finals: list[RequestOutput]) -> dict:
+def _response(
+    ctx: ServingContext, req: CompletionRequest, request_id: str, prompts: list[Prompt], finals: list[RequestOutput]
+) -> dict:
     choices = []
     for i, out in enumerate(finals):
         for o in out.outputs:
             text = (_prompt_text(ctx, prompts[i]) if req.echo else "") + o.text
-            lp = (completion_logprobs(ctx, o.token_ids, o.logprobs or [], req.logprobs, 0)
-                  if req.logprobs is not None else None)
+            lp = (
+                completion_logprobs(ctx, o.token_ids, o.logprobs or [], req.logprobs, 0)
+                if req.logprobs is not None
+                else None
+            )
             choices.append(_choice(i * req.n + o.index, text, lp, o))
     completion_tokens = sum(len(o.token_ids) for out in finals for o in out.outputs)
-    return {"id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.model_name,
-            "choices": choices, "usage": usage(sum(len(p[1]) for p in prompts), completion_tokens)}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": now_s(),
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage(sum(len(p[1]) for p in prompts), completion_tokens),
+    }
 
 
 def _choice(index: int, text: str, logprobs: dict | None, o: CompletionOutput | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs,
-            "finish_reason": o.finish_reason if o is not None else None,
-            "stop_reason": o.stop_reason if o is not None else None}
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": o.finish_reason if o is not None else None,
+        "stop_reason": o.stop_reason if o is not None else None,
+    }
 
 
-async def _events(ctx: ServingContext, req: CompletionRequest, request_id: str, prompts: list[Prompt],
-                  streams: list) -> AsyncIterator[str]:
+async def _events(
+    ctx: ServingContext, req: CompletionRequest, request_id: str, prompts: list[Prompt], streams: list
+) -> AsyncIterator[str]:
     head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.model_name}
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     fmt = ChunkFormat(head, include_usage)
@@ -126,13 +155,14 @@ async def _events(ctx: ServingContext, req: CompletionRequest, request_id: str, 
                     text = _prompt_text(ctx, prompts[i]) + text
                 if finished:
                     done.add(index)
-                chunks.append(fmt.chunk(completion_choice_json(index, text, lp, finish_reason,
-                                                               stop_reason if finished else None)))
+                chunks.append(
+                    fmt.chunk(completion_choice_json(index, text, lp, finish_reason, stop_reason if finished else None))
+                )
             if chunks:
                 yield chunks[0] if len(chunks) == 1 else "".join(chunks)
         if include_usage:
             prompt_tokens = sum(len(p[1]) for p in prompts)
             yield sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens.values()))})
-    except Exception as e:  # noqa: BLE001 -- the engine died mid-stream: tell the client in-band
+    except Exception as e:
         yield sse_error(e)
     yield SSE_DONE

@@ -4,6 +4,7 @@
 kernels (CUDA, or the CPU under TRITON_INTERPRET=1). Both have exactly the signatures documented in
 `tinyvllm.kernels.reference`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,10 +35,18 @@ def get_ops(backend: str) -> Ops:
         from tinyvllm.kernels import triton_ops as m  # imports triton lazily
     else:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {list(BACKENDS)}")
-    return Ops(name=backend, rms_norm=m.rms_norm, add_rms_norm=m.add_rms_norm, rope=m.rope,
-               write_kv_cache=m.write_kv_cache, prefill_attention=m.prefill_attention,
-               decode_attention=m.decode_attention, silu_and_mul=m.silu_and_mul,
-               fused_gemv=m.fused_gemv, resolve_placeholders=m.resolve_placeholders)
+    return Ops(
+        name=backend,
+        rms_norm=m.rms_norm,
+        add_rms_norm=m.add_rms_norm,
+        rope=m.rope,
+        write_kv_cache=m.write_kv_cache,
+        prefill_attention=m.prefill_attention,
+        decode_attention=m.decode_attention,
+        silu_and_mul=m.silu_and_mul,
+        fused_gemv=m.fused_gemv,
+        resolve_placeholders=m.resolve_placeholders,
+    )
 
 
 def default_backend(device_type: str) -> str:

@@ -12,6 +12,7 @@ Invariant that keeps -inf out of the arithmetic: the first tile a row sees conta
 it may attend to (key 0 for prefill rows, the split's first key for decode), so m_i is finite after
 it and a later fully-masked row of a tile gives p = exp2(−inf) = 0, α = 1.
 """
+
 from __future__ import annotations
 
 import triton
@@ -45,8 +46,17 @@ def _dot_pv(p, v, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _kv_rows(bt_row_ptr, start, offs_n, kv_end, stride_kb, stride_kt,
-             BLOCK_SIZE: tl.constexpr, PAGE_TILE: tl.constexpr, MASKED: tl.constexpr):
+def _kv_rows(
+    bt_row_ptr,
+    start,
+    offs_n,
+    kv_end,
+    stride_kb,
+    stride_kt,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """int64 offsets of the cache rows holding positions start + offs_n of one sequence (one KV head).
 
     PAGE_TILE: the tile lies inside one page (BLOCK_SIZE % BLOCK_N == 0 and start % BLOCK_N == 0), so
@@ -67,11 +77,29 @@ def _kv_rows(bt_row_ptr, start, offs_n, kv_end, stride_kb, stride_kt,
 
 
 @triton.jit
-def _attn_inner(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, lo, hi, kv_end, qk_scale,
-                stride_kb, stride_kt,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                PAGE_TILE: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
-                IEEE: tl.constexpr):
+def _attn_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    k_ptr,
+    v_ptr,
+    bt_row_ptr,
+    lo,
+    hi,
+    kv_end,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    MASKED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Fold keys lo .. hi-1 (lo a multiple of BLOCK_N) into (acc, l_i, m_i).
 
     q: [M, HEAD_DIM]; q_pos: [M] absolute positions of the rows; k_ptr/v_ptr: the caches offset to
@@ -82,8 +110,7 @@ def _attn_inner(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, lo, hi, kv_en
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
-        rows = _kv_rows(bt_row_ptr, start, offs_n, kv_end, stride_kb, stride_kt,
-                        BLOCK_SIZE, PAGE_TILE, MASKED)
+        rows = _kv_rows(bt_row_ptr, start, offs_n, kv_end, stride_kb, stride_kt, BLOCK_SIZE, PAGE_TILE, MASKED)
         kv_ptrs = rows[:, None] + offs_d[None, :]
         if MASKED:
             kv_valid = (start + offs_n) < kv_end

@@ -2,6 +2,7 @@
 
 Nothing here touches a device at import time; device properties are read on first use and cached.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,7 +27,7 @@ def is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -74,8 +75,9 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride()})")
 
 
-def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                          **index_tensors: torch.Tensor) -> tuple[int, int]:
+def check_paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, **index_tensors: torch.Tensor
+) -> tuple[int, int]:
     """The checks both attention launchers share: q [rows, Hq, D] against caches [N, Hk, bs, D] of q's
     dtype, D a power of two in 16..256, Hq a multiple of Hk, a positive scale, integer index tensors on
     q's device, unit-stride last dimensions. Returns (Hk, block_size)."""

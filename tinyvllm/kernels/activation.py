@@ -3,6 +3,7 @@
 in float32 (float64 for float64 inputs), rounded to x's dtype. Elementwise and memory-bound: each
 input element read once, each output written once. Grid: (rows, F / BLOCK).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,6 +41,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((rows, F), dtype=x.dtype, device=x.device)
     if rows and F:
         block = min(1024, triton.next_power_of_2(F))
-        _silu_and_mul_kernel[(rows, cdiv(F, block))](x2, y, F, x2.stride(0), y.stride(0),
-                                                    BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[(rows, cdiv(F, block))](x2, y, F, x2.stride(0), y.stride(0), BLOCK=block, num_warps=4)
     return y.reshape(out_shape)

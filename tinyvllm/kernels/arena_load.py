@@ -15,6 +15,7 @@ block tables took 83 µs on the H200). A CTA barrier orders the copy of the ids 
 stores. With this kernel first and the sampler's host write last (kernels/sampling.py), a batch-1 decode
 step is one graph launch: no copy kernels or copy-engine hand-overs around it (docs/perf.md, v15).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,19 @@ _REST = 1024
 
 
 @triton.jit(do_not_specialize=["capacity", "rows"])
-def _load_arena_kernel(dst_ptr, src_ptr, capacity, ids_ptr, ph_src_host_ptr, sampled_ptr, rows,
-                       BLOCK: tl.constexpr, REST: tl.constexpr, ROWS: tl.constexpr, RESOLVE: tl.constexpr):
+def _load_arena_kernel(
+    dst_ptr,
+    src_ptr,
+    capacity,
+    ids_ptr,
+    ph_src_host_ptr,
+    sampled_ptr,
+    rows,
+    BLOCK: tl.constexpr,
+    REST: tl.constexpr,
+    ROWS: tl.constexpr,
+    RESOLVE: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK)
     n = tl.load(src_ptr)
     first = tl.load(src_ptr + offs, mask=offs < capacity)
@@ -50,8 +62,14 @@ def _load_arena_kernel(dst_ptr, src_ptr, capacity, ids_ptr, ph_src_host_ptr, sam
         tl.store(ids_ptr + r, token.to(ids_ptr.dtype.element_ty), mask=take)
 
 
-def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, placeholder_src: torch.Tensor,
-               sampled: torch.Tensor, block: int | None = None) -> None:
+def load_arena(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    input_ids: torch.Tensor,
+    placeholder_src: torch.Tensor,
+    sampled: torch.Tensor,
+    block: int | None = None,
+) -> None:
     """dst[:n] ← src[:n] with n = src.view(int32)[0] words, then the placeholder gather over the rows of
     `input_ids` (module docstring). `dst`, `src`: uint8 arenas of one size, 4-byte aligned (`src` pinned
     on CUDA, or both host tensors under the interpreter); `input_ids` [rows] int64 and `placeholder_src`
@@ -61,8 +79,10 @@ def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, pl
     Enqueued on the current stream; the host must not rewrite `src` before it has run (the contract of
     an asynchronous copy)."""
     if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.shape != src.shape or dst.dim() != 1:
-        raise ValueError(f"load_arena: arenas must be uint8 vectors of one size, got {tuple(src.shape)} "
-                         f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}")
+        raise ValueError(
+            f"load_arena: arenas must be uint8 vectors of one size, got {tuple(src.shape)} "
+            f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}"
+        )
     if dst.numel() % 4 or dst.data_ptr() % 4 or src.data_ptr() % 4:
         raise ValueError("load_arena: arenas must be whole, aligned 32-bit words")
     if src.is_cuda or (dst.is_cuda and not src.is_pinned()):
@@ -81,8 +101,19 @@ def load_arena(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor, pl
     if rows and not 0 <= src_start <= src_start + 8 * rows <= dst.numel():
         raise ValueError("load_arena: placeholder_src must be a view of the destination")
     # the gather reads the sources from the host twin, in the same round trip as its block's words
-    ph_src_host = src[src_start:src_start + 8 * rows].view(placeholder_src.dtype) if rows else src
+    ph_src_host = src[src_start : src_start + 8 * rows].view(placeholder_src.dtype) if rows else src
     d, s = dst.view(torch.int32), src.view(torch.int32)
-    _load_arena_kernel[(1,)](d, s, d.numel(), input_ids, ph_src_host, sampled, rows, BLOCK=block,
-                             REST=max(block, _REST), ROWS=next_power_of_2(max(rows, 1)), RESOLVE=rows > 0,
-                             num_warps=4)
+    _load_arena_kernel[(1,)](
+        d,
+        s,
+        d.numel(),
+        input_ids,
+        ph_src_host,
+        sampled,
+        rows,
+        BLOCK=block,
+        REST=max(block, _REST),
+        ROWS=next_power_of_2(max(rows, 1)),
+        RESOLVE=rows > 0,
+        num_warps=4,
+    )

@@ -17,6 +17,7 @@ design is about bytes and about keeping enough loads in flight:
   * A tile is BLOCK_N tokens (several pages of 16), its page ids read once per tile from the block
     table, its K and V rows gathered and software-pipelined (num_stages) so loads stay in flight.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -44,21 +45,17 @@ class DecodeConfig(NamedTuple):
 
 # From the sweep of bench_decode_attention.py on the H200 (docs/perf.md): 64-key tiles (4 pages of 16)
 # with 2 warps and 3 stages, about 4 programs per SM.
-DEFAULT_CONFIG = DecodeConfig(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4,
-                              min_tiles_per_split=1)
+DEFAULT_CONFIG = DecodeConfig(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4, min_tiles_per_split=1)
 
 # Candidates the GPU benchmark sweeps (`bench_decode_attention.py --sweep`).
 CANDIDATE_CONFIGS: list[DecodeConfig] = [
-    DecodeConfig(n, w, s, p, 1)
-    for n in (64, 128)
-    for w in (2, 4)
-    for s in (2, 3)
-    for p in (2, 4, 8)
+    DecodeConfig(n, w, s, p, 1) for n in (64, 128) for w in (2, 4) for s in (2, 3) for p in (2, 4, 8)
 ]
 
 
-def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, sms: int,
-                   cfg: DecodeConfig = DEFAULT_CONFIG) -> int:
+def num_splits_for(
+    batch: int, num_kv_heads: int, max_seq_len: int, sms: int, cfg: DecodeConfig = DEFAULT_CONFIG
+) -> int:
     """Splits per (sequence, KV head): enough programs for `programs_per_sm` per SM, but no split
     shorter than `min_tiles_per_split` tiles, and no empty splits for the longest sequence."""
     tiles = max(1, cdiv(max_seq_len, cfg.block_n))
@@ -70,13 +67,39 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, sms: int,
 # Values that vary from step to step (split count, block-table width) are not specialised on: each new
 # value class (1, a multiple of 16, other) would otherwise compile another kernel mid-run.
 @triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_bt"])
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                   seq_lens_ptr, block_tables_ptr, prefix_len_ptr, qk_scale,
-                   stride_qb, stride_qh, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
-                   stride_kb, stride_kh, stride_kt, stride_bt,
-                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_TILE: tl.constexpr,
-                   SPLIT: tl.constexpr, CASCADE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    prefix_len_ptr,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    CASCADE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Program (split, KV head, sequence): keys [start + split·chunk, ...) of the sequence, where start
     is 0, or with CASCADE the shared prefix's length (`_prefix_kernel` covers the keys before it)."""
     split = tl.program_id(0)
@@ -96,8 +119,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ls
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + offs_g
     g_valid = offs_g < GROUP
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_valid[:, None], other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_valid[:, None], other=0.0)
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + (seq_len - 1)
 
     kv_off = kvh.to(tl.int64) * stride_kh
@@ -105,12 +127,52 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ls
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr + kv_off, v_cache_ptr + kv_off,
-                                bt_row_ptr, lo, hi_full, hi, qk_scale, stride_kb, stride_kt,
-                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_TILE, False, UPCAST, IEEE)
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr + kv_off, v_cache_ptr + kv_off,
-                                bt_row_ptr, hi_full, hi, hi, qk_scale, stride_kb, stride_kt,
-                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_TILE, True, UPCAST, IEEE)
+    acc, l_i, m_i = _attn_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_cache_ptr + kv_off,
+        v_cache_ptr + kv_off,
+        bt_row_ptr,
+        lo,
+        hi_full,
+        hi,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_SIZE,
+        PAGE_TILE,
+        False,
+        UPCAST,
+        IEEE,
+    )
+    acc, l_i, m_i = _attn_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_cache_ptr + kv_off,
+        v_cache_ptr + kv_off,
+        bt_row_ptr,
+        hi_full,
+        hi,
+        hi,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_SIZE,
+        PAGE_TILE,
+        True,
+        UPCAST,
+        IEEE,
+    )
     empty = l_i == 0.0  # no keys in this split (or a zero-length sequence)
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     if SPLIT:
@@ -120,18 +182,45 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ls
         # part_o [B, Hq, splits, D] is part_lse [B, Hq, splits] with HEAD_DIM values per entry
         tl.store(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_valid[:, None])
     else:
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_valid[:, None],
+        )
 
 
 @triton.jit(do_not_specialize=["B", "slot", "stride_pb", "stride_ph", "stride_bt"])
-def _prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_o_ptr, part_lse_ptr, seq_lens_ptr, block_tables_ptr,
-                   prefix_len_ptr, qk_scale, B, slot,
-                   stride_qb, stride_qh, stride_pb, stride_ph, stride_ps, stride_kb, stride_kh, stride_kt,
-                   stride_bt,
-                   GROUP: tl.constexpr, G_PAD: tl.constexpr, SEQS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_TILE: tl.constexpr,
-                   UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _prefix_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    prefix_len_ptr,
+    qk_scale,
+    B,
+    slot,
+    stride_qb,
+    stride_qh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_bt,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    SEQS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Cascade attention's shared part: program (KV head, chunk of SEQS sequences) attends the
     SEQS·GROUP query rows of its chunk to keys [0, prefix_len), which every sequence of the batch holds
     in the same cache blocks (those of row 0 of the block table). A prefix of P keys is thus read once
@@ -151,17 +240,38 @@ def _prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_o_ptr, part_lse_ptr, se
     live = seq_len > 0
     offs_d = tl.arange(0, HEAD_DIM)
     seq64 = seq.to(tl.int64)
-    q = tl.load(q_ptr + seq64[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=live[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + seq64[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=live[:, None], other=0.0
+    )
     prefix_len = tl.load(prefix_len_ptr)
     kv_off = kvh.to(tl.int64) * stride_kh
     m_i = tl.full([M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, HEAD_DIM], dtype=tl.float32)
     q_pos = tl.full([M], 0, tl.int32) + prefix_len  # every row sees the whole prefix
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr + kv_off, v_cache_ptr + kv_off,
-                                block_tables_ptr, 0, prefix_len, prefix_len, qk_scale, stride_kb, stride_kt,
-                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_TILE, False, UPCAST, IEEE)
+    acc, l_i, m_i = _attn_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_cache_ptr + kv_off,
+        v_cache_ptr + kv_off,
+        block_tables_ptr,
+        0,
+        prefix_len,
+        prefix_len,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_SIZE,
+        PAGE_TILE,
+        False,
+        UPCAST,
+        IEEE,
+    )
     empty = (l_i == 0.0) | (seq_len <= 0)
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
@@ -171,9 +281,19 @@ def _prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_o_ptr, part_lse_ptr, se
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph"])
-def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
-                  stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-                  BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _merge_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_ob,
+    stride_oh,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     """out = Σ_s 2^(lse_s − m) o_s / Σ_s 2^(lse_s − m), m the running max; splits read BLOCK_S at a
     time (one compiled kernel for every split count)."""
     h = tl.program_id(0)
@@ -191,8 +311,7 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: 2^-inf = 0 below
         alpha = tl.math.exp2(m - safe)
         w = tl.math.exp2(lse - safe)
-        o = tl.load(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None],
-                    other=0.0)
+        o = tl.load(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None], other=0.0)
         num = num * alpha + tl.sum(w[:, None] * o, 0)
         den = den * alpha + tl.sum(w, 0)
         m = m_new
@@ -200,10 +319,19 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                         max_seq_len: int | None = None, *, config: DecodeConfig | None = None,
-                         num_splits: int | None = None, prefix_len: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+    *,
+    config: DecodeConfig | None = None,
+    num_splits: int | None = None,
+    prefix_len: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Launcher: checks, chooses the number of splits, launches the split kernel (and the merge).
 
     `prefix_len` (cascade attention): a device int32 tensor of one element, P, meaning that the first
@@ -213,12 +341,13 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     sequence, merged by logsumexp; P = 0 is allowed (nothing is shared). Read on the device, so a
     CUDA graph captured with it serves any P.
     """
-    Hk, block_size = check_paged_attention(q, k_cache, v_cache, scale, seq_lens=seq_lens,
-                                           block_tables=block_tables)
+    Hk, block_size = check_paged_attention(q, k_cache, v_cache, scale, seq_lens=seq_lens, block_tables=block_tables)
     B, Hq, D = q.shape
     if seq_lens.shape != (B,) or block_tables.dim() != 2 or block_tables.shape[0] != B:
-        raise ValueError(f"q {tuple(q.shape)}, seq_lens {tuple(seq_lens.shape)} and block_tables "
-                         f"{tuple(block_tables.shape)} disagree on the batch size")
+        raise ValueError(
+            f"q {tuple(q.shape)}, seq_lens {tuple(seq_lens.shape)} and block_tables "
+            f"{tuple(block_tables.shape)} disagree on the batch size"
+        )
 
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:
@@ -231,44 +360,117 @@ def decode_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if num_splits is None:
         num_splits = num_splits_for(B, Hk, max_seq_len, num_sms(q.device), cfg)
     group = Hq // Hk
-    common = dict(GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=D,
-                  BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
-                  PAGE_TILE=block_size % cfg.block_n == 0, UPCAST=upcast_dot(q.device),
-                  IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(
+        GROUP=group,
+        BLOCK_G=max(16, next_power_of_2(group)),
+        HEAD_DIM=D,
+        BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=block_size,
+        PAGE_TILE=block_size % cfg.block_n == 0,
+        UPCAST=upcast_dot(q.device),
+        IEEE=q.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     grid = (num_splits, Hk, B)
     cascade = prefix_len is not None
     if num_splits == 1 and not cascade:
-        _decode_kernel[grid](q, k_cache, v_cache, out, out, out, seq_lens, block_tables, seq_lens, scale * LOG2E,
-                             q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *strides,
-                             SPLIT=False, CASCADE=False, **common)
+        _decode_kernel[grid](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            out,
+            out,
+            seq_lens,
+            block_tables,
+            seq_lens,
+            scale * LOG2E,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            0,
+            0,
+            0,
+            *strides,
+            SPLIT=False,
+            CASCADE=False,
+            **common,
+        )
         return out
     slots = num_splits + cascade  # the prefix's partial result goes into the last slot
     part_o = torch.empty((B, Hq, slots, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, slots), dtype=torch.float32, device=q.device)
     part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
-    _decode_kernel[grid](q, k_cache, v_cache, out, part_o, part_lse, seq_lens, block_tables,
-                         prefix_len if cascade else seq_lens, scale * LOG2E,
-                         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *part_strides, *strides,
-                         SPLIT=True, CASCADE=cascade, **common)
+    _decode_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_o,
+        part_lse,
+        seq_lens,
+        block_tables,
+        prefix_len if cascade else seq_lens,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *part_strides,
+        *strides,
+        SPLIT=True,
+        CASCADE=cascade,
+        **common,
+    )
     if cascade:
         g_pad = next_power_of_2(group)
         seqs = max(1, CASCADE_ROWS // g_pad)
         _prefix_kernel[(Hk, cdiv(B, seqs))](
-            q, k_cache, v_cache, part_o, part_lse, seq_lens, block_tables, prefix_len, scale * LOG2E, B,
-            num_splits, q.stride(0), q.stride(1), *part_strides, *strides,
-            GROUP=group, G_PAD=g_pad, SEQS=seqs, HEAD_DIM=D, BLOCK_N=CASCADE_ALIGN, BLOCK_SIZE=block_size,
-            PAGE_TILE=block_size % CASCADE_ALIGN == 0, UPCAST=upcast_dot(q.device),
-            IEEE=q.dtype == torch.float32, num_warps=4, num_stages=3)
-    _merge_kernel[(Hq, B)](part_o, part_lse, out, slots, *part_strides,
-                           out.stride(0), out.stride(1),
-                           BLOCK_S=16, HEAD_DIM=D, num_warps=4)
+            q,
+            k_cache,
+            v_cache,
+            part_o,
+            part_lse,
+            seq_lens,
+            block_tables,
+            prefix_len,
+            scale * LOG2E,
+            B,
+            num_splits,
+            q.stride(0),
+            q.stride(1),
+            *part_strides,
+            *strides,
+            GROUP=group,
+            G_PAD=g_pad,
+            SEQS=seqs,
+            HEAD_DIM=D,
+            BLOCK_N=CASCADE_ALIGN,
+            BLOCK_SIZE=block_size,
+            PAGE_TILE=block_size % CASCADE_ALIGN == 0,
+            UPCAST=upcast_dot(q.device),
+            IEEE=q.dtype == torch.float32,
+            num_warps=4,
+            num_stages=3,
+        )
+    _merge_kernel[(Hq, B)](
+        part_o, part_lse, out, slots, *part_strides, out.stride(0), out.stride(1), BLOCK_S=16, HEAD_DIM=D, num_warps=4
+    )
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                     max_seq_len: int | None = None, prefix_len: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+    prefix_len: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The reference's signature (see `reference.decode_attention`): q [B, Hq, D] → out [B, Hq, D]."""
-    return decode_attention_fwd(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len,
-                                prefix_len=prefix_len)
+    return decode_attention_fwd(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len, prefix_len=prefix_len)

@@ -81,6 +81,7 @@ checks the compiled kernel's occupancy before the first launch), and nothing els
 concurrently (the engine uses one stream). On the CPU interpreter programs run one after another, so
 the grid is one program there; that one program then does every unit itself.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -171,7 +172,12 @@ def _wait_asm(count_ptr, target):
         "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.ne.u32 p, t, 0; @p bra $$done_${:uid}; "
         "$$spin_${:uid}: ld.acquire.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra $$spin_${:uid}; "
         "$$done_${:uid}: bar.sync 0; }",
-        "=r,l,r", [count_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r",
+        [count_ptr, target],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -234,8 +240,9 @@ def _normed(r_ptr, o_ptr, w_ptr, H, eps, BH: tl.constexpr, SPLIT_O: tl.constexpr
 # Only the padding columns are masked: every caller loops over valid units (u < n_units), and the rows
 # per unit divide the matrix's rows (`unit_rows`).
 @triton.jit
-def _qkv_tile(w_ptr, layer, u, H: tl.constexpr, NQKV: tl.constexpr, D: tl.constexpr,
-              RQ: tl.constexpr, BH: tl.constexpr):
+def _qkv_tile(
+    w_ptr, layer, u, H: tl.constexpr, NQKV: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr, BH: tl.constexpr
+):
     """Unit u of phase A: rows head·D + j0 + [0, RQ) and their partners + D/2, as [RQ, 2, BH]."""
     UPH: tl.constexpr = D // 2 // RQ
     head = u // UPH
@@ -258,8 +265,7 @@ def _rows_tile(w_ptr, layer, u, N: tl.constexpr, K: tl.constexpr, R: tl.constexp
 
 
 @triton.jit
-def _gate_up_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr,
-                  BH: tl.constexpr):
+def _gate_up_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr):
     """Unit u of phase D: gate rows u·RG + [0, RG) and the matching up rows (+ F), as [RG, 2, BH]."""
     gate_rows = u * RG + tl.arange(0, RG)[:, None, None]
     rows = gate_rows + tl.arange(0, 2)[None, :, None] * F
@@ -270,8 +276,23 @@ def _gate_up_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.cons
 
 # ---------------------------------------------------------------------------------------------- phases
 @triton.jit
-def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
-              HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RQ: tl.constexpr):
+def _qkv_unit(
+    w,
+    a,
+    c,
+    s,
+    u,
+    slot,
+    kv_off,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    stride_head,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    RQ: tl.constexpr,
+):
     """Unit u of phase A from its tile w [RQ, 2, BH] (`_qkv_tile`), the normed input a [1, 1, BH] and
     the RoPE factors c, s [RQ] of its rows: y = round(W a); q and k rotated, (y₁, y₂) → (y₁c − y₂s,
     y₂c + y₁s); q to the scratch vector, k and v into the cache row kv_off (slot −1: nowhere)."""
@@ -298,11 +319,37 @@ def _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head,
 
 
 @triton.jit
-def _qkv_phase(layer, pid, P, r_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
-               stride_blk, stride_head, eps, bar_ptr, b, trace_ptr,
-               H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-               RQ: tl.constexpr, BH: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr,
-               TRACE: tl.constexpr, ASM: tl.constexpr):
+def _qkv_phase(
+    layer,
+    pid,
+    P,
+    r_ptr,
+    n1_ptr,
+    wqkv_ptr,
+    cos_sin_ptr,
+    pos,
+    slot,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    stride_blk,
+    stride_head,
+    eps,
+    bar_ptr,
+    b,
+    trace_ptr,
+    H: tl.constexpr,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    RQ: tl.constexpr,
+    BH: tl.constexpr,
+    PIPE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    TRACE: tl.constexpr,
+    ASM: tl.constexpr,
+):
     """Phase A, starting with the wait of barrier b (see the kernel's docstring for PIPE and PREFETCH)."""
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
@@ -337,8 +384,17 @@ def _keys_per_split(seq_len, num_splits, KEYS: tl.constexpr):
 
 
 @triton.jit
-def _first_tile_rows(pid, bt_ptr, seq_len, num_splits, stride_blk, HK: tl.constexpr, D: tl.constexpr,
-                     BS: tl.constexpr, KEYS: tl.constexpr):
+def _first_tile_rows(
+    pid,
+    bt_ptr,
+    seq_len,
+    num_splits,
+    stride_blk,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    KEYS: tl.constexpr,
+):
     """Cache-row offsets [KEYS] (within a layer's K or V, head 0) of the first key tile of this program's
     first attention unit (unit `pid`): the same pages in every layer, so read from the block table once
     per launch."""
@@ -350,8 +406,9 @@ def _first_tile_rows(pid, bt_ptr, seq_len, num_splits, stride_blk, HK: tl.conste
 
 
 @triton.jit
-def _preload_kv(pid, k_ptr, v_ptr, rows, seq_len, num_splits, stride_head,
-                HK: tl.constexpr, D: tl.constexpr, KEYS: tl.constexpr):
+def _preload_kv(
+    pid, k_ptr, v_ptr, rows, seq_len, num_splits, stride_head, HK: tl.constexpr, D: tl.constexpr, KEYS: tl.constexpr
+):
     """The first key tile of this program's first attention unit (unit `pid`; `rows` from
     `_first_tile_rows`), every key but the newest: those were written by earlier steps, so they load
     while phase A's barrier is still closing. Returns (K [KEYS, D], V [KEYS, D]). The newest key's row is
@@ -365,8 +422,25 @@ def _preload_kv(pid, k_ptr, v_ptr, rows, seq_len, num_splits, stride_head,
 
 
 @triton.jit
-def _attn_first_tile(acc, l_i, m_i, q, q_pos, kp, vp, rows, k_head_ptr, v_head_ptr, lo, seq_len, qk_scale,
-                     D: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _attn_first_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    kp,
+    vp,
+    rows,
+    k_head_ptr,
+    v_head_ptr,
+    lo,
+    seq_len,
+    qk_scale,
+    D: tl.constexpr,
+    KEYS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """`_attn_inner`'s masked step over keys lo .. lo+KEYS−1 from a preloaded tile (`_preload_kv`), its
     newest key's row read now, from L2 (it was written in phase A, possibly by another SM)."""
     keys = lo + tl.arange(0, KEYS)
@@ -386,8 +460,7 @@ def _attn_first_tile(acc, l_i, m_i, q, q_pos, kp, vp, rows, k_head_ptr, v_head_p
 
 
 @triton.jit
-def _merge_partials(part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                    SM: tl.constexpr):
+def _merge_partials(part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SM: tl.constexpr):
     """The attention output [G, D] of KV head kvh's query heads from its num_splits partials (acc [D],
     m, l per query head; m in the log2 domain; `_store_partial`'s layout, SM slots a run):
     Σₛ 2^(mₛ−M) accₛ / Σₛ 2^(mₛ−M) lₛ with M = maxₛ mₛ; 0 where no split had keys. Each thread loads the
@@ -416,8 +489,9 @@ def _merge_partials(part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.constexpr
 
 
 @triton.jit
-def _store_partial(part_ptr, kvh, split, acc, m, l, rows_g, HK: tl.constexpr, G: tl.constexpr,
-                   D: tl.constexpr, SM: tl.constexpr):
+def _store_partial(
+    part_ptr, kvh, split, acc, m, l, rows_g, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SM: tl.constexpr
+):
     """One split's partial (acc [BG, D], m, l [BG]; rows ≥ G are padding) at its slot of the split-minor
     layout, SM slots a run: acc[kvh, g, d, split], then m[kvh, g, split], then l[kvh, g, split]."""
     real = rows_g < G
@@ -438,12 +512,40 @@ def _trace_attention(trace_ptr, pid, layer, tb, k: tl.constexpr, t):
 
 
 @triton.jit
-def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_splits, part_ptr, tickets_ptr,
-                     attn_ptr, stride_blk, stride_head, qk_scale, kp, vp, rows_pre, trace_ptr, tb,
-                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                     KEYS: tl.constexpr, SM: tl.constexpr, BG: tl.constexpr,
-                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr, TRACE: tl.constexpr,
-                     SPLIT_O: tl.constexpr):
+def _attention_phase(
+    pid,
+    P,
+    layer,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_len,
+    num_splits,
+    part_ptr,
+    tickets_ptr,
+    attn_ptr,
+    stride_blk,
+    stride_head,
+    qk_scale,
+    kp,
+    vp,
+    rows_pre,
+    trace_ptr,
+    tb,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    KEYS: tl.constexpr,
+    SM: tl.constexpr,
+    BG: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    TRACE: tl.constexpr,
+    SPLIT_O: tl.constexpr,
+):
     """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
     FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
     PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`. The last split of a
@@ -457,8 +559,12 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
     for u in range(pid, HK * num_splits, P):
         kvh = u // num_splits
         split = u % num_splits
-        q = tl.load(q_ptr + (kvh * G + rows_g)[:, None] * D + d[None, :], mask=(rows_g < G)[:, None], other=0.0,
-                    cache_modifier=".cg")
+        q = tl.load(
+            q_ptr + (kvh * G + rows_g)[:, None] * D + d[None, :],
+            mask=(rows_g < G)[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         q_pos = tl.full([BG], 0, tl.int32) + seq_len  # the new token sees every key
         m = tl.full([BG], float("-inf"), tl.float32)
         l = tl.zeros([BG], tl.float32)
@@ -469,12 +575,49 @@ def _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, num_sp
         if PRELOAD:
             if u == pid:
                 if lo < hi:
-                    acc, l, m = _attn_first_tile(acc, l, m, q, q_pos, kp, vp, rows_pre, k_ptr + kvh * stride_head,
-                                                 v_ptr + kvh * stride_head, lo, seq_len, qk_scale, D, KEYS, UPCAST,
-                                                 IEEE)
+                    acc, l, m = _attn_first_tile(
+                        acc,
+                        l,
+                        m,
+                        q,
+                        q_pos,
+                        kp,
+                        vp,
+                        rows_pre,
+                        k_ptr + kvh * stride_head,
+                        v_ptr + kvh * stride_head,
+                        lo,
+                        seq_len,
+                        qk_scale,
+                        D,
+                        KEYS,
+                        UPCAST,
+                        IEEE,
+                    )
                 start = lo + KEYS
-        acc, l, m = _attn_inner(acc, l, m, q, q_pos, k_ptr + kvh * stride_head, v_ptr + kvh * stride_head, bt_ptr,
-                                start, hi, hi, qk_scale, stride_blk, D, D, KEYS, BS, False, True, UPCAST, IEEE)
+        acc, l, m = _attn_inner(
+            acc,
+            l,
+            m,
+            q,
+            q_pos,
+            k_ptr + kvh * stride_head,
+            v_ptr + kvh * stride_head,
+            bt_ptr,
+            start,
+            hi,
+            hi,
+            qk_scale,
+            stride_blk,
+            D,
+            D,
+            KEYS,
+            BS,
+            False,
+            True,
+            UPCAST,
+            IEEE,
+        )
         if TRACE:
             if u == pid:
                 _trace_attention(trace_ptr, pid, layer, tb, 0, _now(pid))
@@ -515,9 +658,27 @@ def _residual_unit(w, a, res, u, out_ptr, N: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, trace_ptr,
-                    N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, MAXU: tl.constexpr,
-                    PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr):
+def _residual_phase(
+    layer,
+    pid,
+    P,
+    x_ptr,
+    w_ptr,
+    r_ptr,
+    out_ptr,
+    bar_ptr,
+    b,
+    trace_ptr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    R: tl.constexpr,
+    BK: tl.constexpr,
+    MAXU: tl.constexpr,
+    PIPE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    TRACE: tl.constexpr,
+    ASM: tl.constexpr,
+):
     """out ← round(round(W x) + r) over the units of W [N, K] (phases C and E; out may be r), starting
     with the wait of barrier b. The residual rows of all of this program's units (at most MAXU) are read
     once after the wait, not by the loop: the pipeline's loads are issued ahead of the wait and may be
@@ -548,8 +709,9 @@ def _residual_phase(layer, pid, P, x_ptr, w_ptr, r_ptr, out_ptr, bar_ptr, b, tra
 
 
 @triton.jit
-def _group_attention(part_ptr, g, num_splits, dtype: tl.constexpr, HK: tl.constexpr, G: tl.constexpr,
-                     D: tl.constexpr, SM: tl.constexpr):
+def _group_attention(
+    part_ptr, g, num_splits, dtype: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SM: tl.constexpr
+):
     """KV group g's attention output [G, D] merged from its split partials (`_merge_partials`, runs of
     4 slots at ≤ 4 splits, else SM, as `_store_partial` laid them out), rounded to dtype."""
     if num_splits <= 4:
@@ -560,10 +722,28 @@ def _group_attention(part_ptr, g, num_splits, dtype: tl.constexpr, HK: tl.conste
 
 
 @triton.jit
-def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, b, trace_ptr,
-                   H: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, RO: tl.constexpr,
-                   SM: tl.constexpr, PIPE: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr,
-                   ASM: tl.constexpr):
+def _o_group_phase(
+    layer,
+    pid,
+    P,
+    part_ptr,
+    num_splits,
+    wo_ptr,
+    o_ptr,
+    bar_ptr,
+    b,
+    trace_ptr,
+    H: tl.constexpr,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    RO: tl.constexpr,
+    SM: tl.constexpr,
+    PIPE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    TRACE: tl.constexpr,
+    ASM: tl.constexpr,
+):
     """Phase C split along K by KV group (SPLIT_O), starting with the wait of barrier b: unit (group g, rows
     c·RO + [0, RO)) adds W_o[rows, g's G·D columns] · o_g to the float32 sums o[rows] by atomics (phase D
     adds them to the residual: `_residual_at`; they are zero before the phase), o_g being the attention
@@ -610,10 +790,33 @@ def _o_group_phase(layer, pid, P, part_ptr, num_splits, wo_ptr, o_ptr, bar_ptr, 
 
 
 @triton.jit
-def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b, trace_ptr,
-                   H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, BH: tl.constexpr, STAGES: tl.constexpr,
-                   PREFETCH: tl.constexpr, TRACE: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-                   CW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SPLIT_O: tl.constexpr):
+def _gate_up_phase(
+    layer,
+    pid,
+    P,
+    r_ptr,
+    o_ptr,
+    n2_ptr,
+    wgu_ptr,
+    act_ptr,
+    eps,
+    bar_ptr,
+    b,
+    trace_ptr,
+    H: tl.constexpr,
+    F: tl.constexpr,
+    RG: tl.constexpr,
+    BH: tl.constexpr,
+    STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    TRACE: tl.constexpr,
+    ASM: tl.constexpr,
+    DOT: tl.constexpr,
+    CW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    SPLIT_O: tl.constexpr,
+):
     """Phase D, starting with the wait of barrier b; with DOT on the tensor cores (`_gate_up_dot_unit`);
     with SPLIT_O its input is the residual plus phase C's sums o (`_residual_at`)."""
     NC: tl.constexpr = BH // CW
@@ -651,8 +854,9 @@ def _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, b
 
 
 @triton.jit
-def _gate_up_dot_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, NC: tl.constexpr,
-                      CW: tl.constexpr):
+def _gate_up_dot_tile(
+    w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr
+):
     """Unit u of phase D as [2·RG·NC, CW]: row n is chunk n mod NC (columns c·CW + [0, CW)) of weight row
     n // NC, the rows being RG gate rows u·RG + [0, RG) then the matching up rows (+ F)."""
     n = tl.arange(0, 2 * RG * NC)
@@ -664,8 +868,18 @@ def _gate_up_dot_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.
 
 
 @triton.jit
-def _normed_chunks(r_ptr, o_ptr, w_ptr, H, eps, M: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr,
-                   BH: tl.constexpr, SPLIT_O: tl.constexpr):
+def _normed_chunks(
+    r_ptr,
+    o_ptr,
+    w_ptr,
+    H,
+    eps,
+    M: tl.constexpr,
+    NC: tl.constexpr,
+    CW: tl.constexpr,
+    BH: tl.constexpr,
+    SPLIT_O: tl.constexpr,
+):
     """RMSNorm(r; w) of the residual (`_residual_at`) as [M, CW]: row c < NC holds columns c·CW + [0, CW),
     rows from NC on are zero (the A operand of `_gate_up_dot_unit`); `_normed`'s roundings."""
     rstd = _rstd(r_ptr, o_ptr, H, eps, BH, SPLIT_O)
@@ -679,8 +893,9 @@ def _normed_chunks(r_ptr, o_ptr, w_ptr, H, eps, M: tl.constexpr, NC: tl.constexp
 
 
 @triton.jit
-def _gate_up_dot_unit(w, a, u, act_ptr, RG: tl.constexpr, NC: tl.constexpr, M: tl.constexpr,
-                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _gate_up_dot_unit(
+    w, a, u, act_ptr, RG: tl.constexpr, NC: tl.constexpr, M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr
+):
     """Unit u of phase D from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input
     as [M, CW] chunks (`_normed_chunks`) gives every chunk of the input against every chunk of every row;
     row r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`."""
@@ -708,19 +923,69 @@ def _gate_up_unit(w, a, u, act_ptr, RG: tl.constexpr):
 
 # ---------------------------------------------------------------------------------------------- kernel
 @triton.jit(do_not_specialize=["num_layers", "num_splits", "layer_stride", "v_offset"])
-def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
-                       emb_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, n1_ptr, n2_ptr, nf_ptr, cos_sin_ptr,
-                       kv_ptr, layer_stride, v_offset, stride_blk, stride_head,
-                       r_ptr, r2_ptr, osum_ptr, q_ptr, attn_ptr, act_ptr, part_ptr, tickets_ptr, bar_ptr, out_ptr,
-                       trace_ptr,
-                       num_layers, num_splits, eps, scale,
-                       H: tl.constexpr, F: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
-                       BS: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
-                       RD: tl.constexpr, KEYS: tl.constexpr, SM: tl.constexpr,
-                       BG: tl.constexpr, MAXU_C: tl.constexpr, MAXU_E: tl.constexpr,
-                       TRACE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                       PIPE: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, ASM: tl.constexpr,
-                       DOT_D: tl.constexpr, CW: tl.constexpr, SPLIT_O: tl.constexpr, E_PIPE: tl.constexpr):
+def _decode_megakernel(
+    ids_ptr,
+    pos_ptr,
+    slot_ptr,
+    seq_len_ptr,
+    bt_ptr,
+    emb_ptr,
+    wqkv_ptr,
+    wo_ptr,
+    wgu_ptr,
+    wd_ptr,
+    n1_ptr,
+    n2_ptr,
+    nf_ptr,
+    cos_sin_ptr,
+    kv_ptr,
+    layer_stride,
+    v_offset,
+    stride_blk,
+    stride_head,
+    r_ptr,
+    r2_ptr,
+    osum_ptr,
+    q_ptr,
+    attn_ptr,
+    act_ptr,
+    part_ptr,
+    tickets_ptr,
+    bar_ptr,
+    out_ptr,
+    trace_ptr,
+    num_layers,
+    num_splits,
+    eps,
+    scale,
+    H: tl.constexpr,
+    F: tl.constexpr,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    RQ: tl.constexpr,
+    RO: tl.constexpr,
+    RG: tl.constexpr,
+    RD: tl.constexpr,
+    KEYS: tl.constexpr,
+    SM: tl.constexpr,
+    BG: tl.constexpr,
+    MAXU_C: tl.constexpr,
+    MAXU_E: tl.constexpr,
+    TRACE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    STAGES: tl.constexpr,
+    PIPE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    ASM: tl.constexpr,
+    DOT_D: tl.constexpr,
+    CW: tl.constexpr,
+    SPLIT_O: tl.constexpr,
+    E_PIPE: tl.constexpr,
+):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     BH: tl.constexpr = triton.next_power_of_2(H)
@@ -760,37 +1025,178 @@ def _decode_megakernel(ids_ptr, pos_ptr, slot_ptr, seq_len_ptr, bt_ptr,
         x_ptr = r_ptr  # phase A's input: the residual stream, or the embedding row in layer 0
         if layer == 0:
             x_ptr = emb_ptr + tok * H
-        _qkv_phase(layer, pid, P, x_ptr, n1_ptr, wqkv_ptr, cos_sin_ptr, pos, slot, q_ptr, k_ptr, v_ptr,
-                   stride_blk, stride_head, eps, bar_ptr, b, trace_ptr, H, HQ, HK, D, BS, RQ, BH, PIPE, PREFETCH,
-                   TRACE, ASM)
+        _qkv_phase(
+            layer,
+            pid,
+            P,
+            x_ptr,
+            n1_ptr,
+            wqkv_ptr,
+            cos_sin_ptr,
+            pos,
+            slot,
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            stride_blk,
+            stride_head,
+            eps,
+            bar_ptr,
+            b,
+            trace_ptr,
+            H,
+            HQ,
+            HK,
+            D,
+            BS,
+            RQ,
+            BH,
+            PIPE,
+            PREFETCH,
+            TRACE,
+            ASM,
+        )
         _arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
         if PRELOAD:
             kp, vp = _preload_kv(pid, k_ptr, v_ptr, rows_pre, seq_len, splits, stride_head, HK, D, KEYS)
         else:
             kp, vp = 0, 0
         _end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
-        _attention_phase(pid, P, layer, q_ptr, k_ptr, v_ptr, bt_ptr, seq_len, splits, part_ptr, tickets_ptr,
-                         attn_ptr, stride_blk, stride_head, scale * 1.4426950408889634, kp, vp, rows_pre,
-                         trace_ptr, 3 + 5 * num_layers + 3 * layer, HQ, HK, D, BS, KEYS, SM, BG,
-                         UPCAST, IEEE, PRELOAD, TRACE, SPLIT_O)
+        _attention_phase(
+            pid,
+            P,
+            layer,
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            bt_ptr,
+            seq_len,
+            splits,
+            part_ptr,
+            tickets_ptr,
+            attn_ptr,
+            stride_blk,
+            stride_head,
+            scale * 1.4426950408889634,
+            kp,
+            vp,
+            rows_pre,
+            trace_ptr,
+            3 + 5 * num_layers + 3 * layer,
+            HQ,
+            HK,
+            D,
+            BS,
+            KEYS,
+            SM,
+            BG,
+            UPCAST,
+            IEEE,
+            PRELOAD,
+            TRACE,
+            SPLIT_O,
+        )
         _arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
         o_ptr = osum_ptr + (layer % 2) * H  # SPLIT_O: this layer's sums (zeroed in phase E two layers back)
         if SPLIT_O:
-            _o_group_phase(layer, pid, P, part_ptr, splits, wo_ptr, o_ptr, bar_ptr, b + 2, trace_ptr,
-                           H, HQ, HK, D, RO, SM, PIPE, PREFETCH, TRACE, ASM)
+            _o_group_phase(
+                layer,
+                pid,
+                P,
+                part_ptr,
+                splits,
+                wo_ptr,
+                o_ptr,
+                bar_ptr,
+                b + 2,
+                trace_ptr,
+                H,
+                HQ,
+                HK,
+                D,
+                RO,
+                SM,
+                PIPE,
+                PREFETCH,
+                TRACE,
+                ASM,
+            )
         else:
-            _residual_phase(layer, pid, P, attn_ptr, wo_ptr, r_ptr, r_ptr, bar_ptr, b + 2, trace_ptr, H, QD, RO, BQ,
-                            MAXU_C, PIPE, PREFETCH, TRACE, ASM)
+            _residual_phase(
+                layer,
+                pid,
+                P,
+                attn_ptr,
+                wo_ptr,
+                r_ptr,
+                r_ptr,
+                bar_ptr,
+                b + 2,
+                trace_ptr,
+                H,
+                QD,
+                RO,
+                BQ,
+                MAXU_C,
+                PIPE,
+                PREFETCH,
+                TRACE,
+                ASM,
+            )
         _arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
-        _gate_up_phase(layer, pid, P, r_ptr, o_ptr, n2_ptr, wgu_ptr, act_ptr, eps, bar_ptr, b + 3, trace_ptr,
-                       H, F, RG, BH, STAGES, PREFETCH, TRACE, ASM, DOT_D, CW, UPCAST, IEEE, SPLIT_O)
+        _gate_up_phase(
+            layer,
+            pid,
+            P,
+            r_ptr,
+            o_ptr,
+            n2_ptr,
+            wgu_ptr,
+            act_ptr,
+            eps,
+            bar_ptr,
+            b + 3,
+            trace_ptr,
+            H,
+            F,
+            RG,
+            BH,
+            STAGES,
+            PREFETCH,
+            TRACE,
+            ASM,
+            DOT_D,
+            CW,
+            UPCAST,
+            IEEE,
+            SPLIT_O,
+        )
         if SPLIT_O:  # the residual after attention, for phase E (r itself is read by every program in D)
             if pid == P - 1:  # a program with the fewest phase-D units
                 tl.store(r2_ptr + cols, _residual_at(r_ptr, o_ptr, cols, cols < H, True), mask=cols < H)
         _arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         e_res_ptr = r2_ptr if SPLIT_O else r_ptr  # SPLIT_O: the residual after attention, stored in phase D
-        _residual_phase(layer, pid, P, act_ptr, wd_ptr, e_res_ptr, r_ptr, bar_ptr, b + 4, trace_ptr, H, F, RD, BF,
-                        MAXU_E, E_PIPE, PREFETCH, TRACE, ASM)
+        _residual_phase(
+            layer,
+            pid,
+            P,
+            act_ptr,
+            wd_ptr,
+            e_res_ptr,
+            r_ptr,
+            bar_ptr,
+            b + 4,
+            trace_ptr,
+            H,
+            F,
+            RD,
+            BF,
+            MAXU_E,
+            E_PIPE,
+            PREFETCH,
+            TRACE,
+            ASM,
+        )
         if SPLIT_O:
             if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2
                 tl.store(o_ptr + cols, tl.zeros([BH], tl.float32), mask=cols < H)
@@ -828,21 +1234,27 @@ class Workspace:
     Allocated once; captured graphs point at it. The context of each KV head is cut into `num_splits`
     parts (default: as many as fill the programs)."""
 
-    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device, programs: int,
-                 num_splits: int | None = None) -> None:
+    def __init__(
+        self, shape: ModelShape, dtype: torch.dtype, device: torch.device, programs: int, num_splits: int | None = None
+    ) -> None:
         s = shape
         self.programs = programs
         self.num_splits = num_splits or max(1, min(MAX_SPLITS, programs // s.num_kv_heads))
         group = s.num_heads // s.num_kv_heads
         z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
-        self.r, self.q, self.attn, self.act = z(s.hidden), z(s.num_heads * s.head_dim), \
-            z(s.num_heads * s.head_dim), z(s.intermediate)
+        self.r, self.q, self.attn, self.act = (
+            z(s.hidden),
+            z(s.num_heads * s.head_dim),
+            z(s.num_heads * s.head_dim),
+            z(s.intermediate),
+        )
         # split phase C (`MegakernelConfig.split_o`): the residual after attention, and the float32 sums of
         # W_o·attention of two consecutive layers (zero between launches)
         self.r2, self.o_sums = z(s.hidden), z(2 * s.hidden, torch.float32)
         # split-minor partials (`_store_partial`): runs of at least 4 slots, a power of two
-        self.partials = z(s.num_kv_heads * max(4, next_power_of_2(self.num_splits)) * group * (s.head_dim + 2),
-                          torch.float32)
+        self.partials = z(
+            s.num_kv_heads * max(4, next_power_of_2(self.num_splits)) * group * (s.head_dim + 2), torch.float32
+        )
         self.tickets = z(s.num_kv_heads, torch.int32)
         self.barrier = z(2, torch.int32)
         self.trace = torch.zeros(1, dtype=torch.int64, device=device)  # grown by a traced launch
@@ -867,6 +1279,7 @@ def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
     """(RQ, RO, RG, RD): rows per unit of phases A (per half-head), C, D (gate rows) and E, each a
     power of two giving ~`tile` weight elements per unit."""
     bh = next_power_of_2(shape.hidden)
+
     def dividing(r: int, n: int) -> int:  # the largest power of two ≤ r that divides n
         r = max(1, _pow2_at_most(max(1, r)))
         while n % r:
@@ -911,11 +1324,22 @@ def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
     return tile
 
 
-def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                          seq_lens: torch.Tensor, block_table: torch.Tensor, weights: StackedWeights,
-                          cos_sin: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                          shape: ModelShape, eps: float, scale: float, workspace: Workspace,
-                          config: MegakernelConfig = MegakernelConfig(), trace: bool = False) -> torch.Tensor:
+def decode_megakernel_fwd(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    weights: StackedWeights,
+    cos_sin: torch.Tensor,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    shape: ModelShape,
+    eps: float,
+    scale: float,
+    workspace: Workspace,
+    config: MegakernelConfig = MegakernelConfig(),
+    trace: bool = False,
+) -> torch.Tensor:
     """One decode token of one sequence through every layer → the final-normed hidden state [1, H].
 
     input_ids, positions, slot_mapping: [1] (int64); seq_lens: [1] int32, the context including the new
@@ -938,8 +1362,13 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     for i, (k, v) in enumerate(kv_caches):
         if k.data_ptr() != k0.data_ptr() + i * layer_stride * elem or v.data_ptr() != k.data_ptr() + v_offset * elem:
             raise ValueError("the layers' KV caches must be views of one buffer at a fixed stride")
-    for name, t in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slot_mapping),
-                    ("seq_lens", seq_lens), ("block_table", block_table)):
+    for name, t in (
+        ("input_ids", input_ids),
+        ("positions", positions),
+        ("slot_mapping", slot_mapping),
+        ("seq_lens", seq_lens),
+        ("block_table", block_table),
+    ):
         check_int(name, t)
     if block_size & (block_size - 1):
         raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
@@ -958,22 +1387,72 @@ def decode_megakernel_fwd(input_ids: torch.Tensor, positions: torch.Tensor, slot
     if trace and ws.trace.numel() != TRACE_BASE + ws.programs * TRACE_BLOCK:
         ws.trace = torch.zeros(TRACE_BASE + ws.programs * TRACE_BLOCK, dtype=torch.int64, device=input_ids.device)
     args = (
-        input_ids, positions, slot_mapping, seq_lens, block_table,
-        weights.embed, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm1, weights.norm2,
-        weights.norm_final, cos_sin, k0, layer_stride, v_offset, k0.stride(0), k0.stride(1),
-        ws.r, ws.r2, ws.o_sums, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace,
-        num_layers, ws.num_splits, eps, scale)
+        input_ids,
+        positions,
+        slot_mapping,
+        seq_lens,
+        block_table,
+        weights.embed,
+        weights.qkv,
+        weights.o,
+        weights.gate_up,
+        weights.down,
+        weights.norm1,
+        weights.norm2,
+        weights.norm_final,
+        cos_sin,
+        k0,
+        layer_stride,
+        v_offset,
+        k0.stride(0),
+        k0.stride(1),
+        ws.r,
+        ws.r2,
+        ws.o_sums,
+        ws.q,
+        ws.attn,
+        ws.act,
+        ws.partials,
+        ws.tickets,
+        ws.barrier,
+        out,
+        ws.trace,
+        num_layers,
+        ws.num_splits,
+        eps,
+        scale,
+    )
     kwargs = dict(
-        H=shape.hidden, F=shape.intermediate, HQ=shape.num_heads, HK=shape.num_kv_heads, D=shape.head_dim,
-        BS=block_size, RQ=rq, RO=ro_split if config.split_o else ro, RG=rg, RD=rd, KEYS=ATTN_KEYS,
+        H=shape.hidden,
+        F=shape.intermediate,
+        HQ=shape.num_heads,
+        HK=shape.num_kv_heads,
+        D=shape.head_dim,
+        BS=block_size,
+        RQ=rq,
+        RO=ro_split if config.split_o else ro,
+        RG=rg,
+        RD=rd,
+        KEYS=ATTN_KEYS,
         SM=max(4, next_power_of_2(ws.num_splits)),
         BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
-        UPCAST=upcast_dot(input_ids.device), IEEE=weights.qkv.dtype == torch.float32, TRACE=trace and cuda,
+        UPCAST=upcast_dot(input_ids.device),
+        IEEE=weights.qkv.dtype == torch.float32,
+        TRACE=trace and cuda,
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
-        STAGES=config.stages, PIPE=config.ace_stages, PREFETCH=config.prefetch, ASM=cuda,
-        PRELOAD=config.preload_kv, DOT_D=dot_d, CW=cw, SPLIT_O=config.split_o, E_PIPE=config.e_stages,
-        num_warps=config.num_warps, num_stages=1)
+        STAGES=config.stages,
+        PIPE=config.ace_stages,
+        PREFETCH=config.prefetch,
+        ASM=cuda,
+        PRELOAD=config.preload_kv,
+        DOT_D=dot_d,
+        CW=cw,
+        SPLIT_O=config.split_o,
+        E_PIPE=config.e_stages,
+        num_warps=config.num_warps,
+        num_stages=1,
+    )
     if cuda and config.programs_per_sm > 1:
         kwargs["maxnreg"] = max_registers(config)
     if cuda and ws.programs > num_sms(input_ids.device) and not ws.resident_checked:  # a grid too large would hang
@@ -1000,7 +1479,6 @@ def max_registers(config: MegakernelConfig) -> int:
     return min(255, 65536 // (config.programs_per_sm * config.num_warps * 32) // 8 * 8)
 
 
-
 def check_resident(compiled, config: MegakernelConfig) -> None:
     """Raise unless `programs_per_sm` copies of the compiled kernel fit on one SM at once (a grid barrier
     with a program left waiting for a free SM would never open)."""
@@ -1009,5 +1487,7 @@ def check_resident(compiled, config: MegakernelConfig) -> None:
     shared = compiled.metadata.shared
     fits = min(65536 // max(1, regs), 2048 // threads, (228 << 10) // max(1, shared + 1024))
     if fits < config.programs_per_sm:
-        raise RuntimeError(f"decode megakernel: {config.programs_per_sm} programs per SM do not fit "
-                           f"({compiled.n_regs} registers × {threads} threads, {shared} B shared): {fits} do")
+        raise RuntimeError(
+            f"decode megakernel: {config.programs_per_sm} programs per SM do not fit "
+            f"({compiled.n_regs} registers × {threads} threads, {shared} B shared): {fits} do"
+        )

@@ -35,6 +35,7 @@ keeping enough weight bytes in flight on every SM:
 Tile sizes, warps, stages and the split come from `default_config` (a heuristic on M, N, K and the SM
 count); `fused_gemv_fwd(..., config=GemvConfig(...))` overrides it (`bench_gemv.py --sweep`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,8 +45,17 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import (cdiv, check_dim, check_float, check_last_dim_contiguous, check_same_device,
-                                      is_power_of_2, next_power_of_2, num_sms, upcast_dot)
+from tinyvllm.kernels._launch import (
+    cdiv,
+    check_dim,
+    check_float,
+    check_last_dim_contiguous,
+    check_same_device,
+    is_power_of_2,
+    next_power_of_2,
+    num_sms,
+    upcast_dot,
+)
 from tinyvllm.kernels.sampling import _best_of_block, reduce_partials, sampling_tile
 
 MAX_ROWS = 16  # rows of x per call: decode batches; beyond this a GEMM is the right kernel
@@ -63,8 +73,9 @@ class GemvConfig(NamedTuple):
     use_dot: bool  # tl.dot with M padded to 16 instead of FMAs (needs block_n ≥ 16, block_k ≥ 16)
 
 
-def choose_split(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, norm: bool,
-                 programs_per_sm: int = 4) -> int:
+def choose_split(
+    M: int, N: int, K: int, sms: int, block_n: int, block_k: int, norm: bool, programs_per_sm: int = 4
+) -> int:
     """Smallest power-of-two split giving ≥ programs_per_sm · sms programs, with every split at least
     two K tiles long and, for the RMSNorm prologue (each program reads x's M·K values once more),
     no more programs than N / M, so those re-reads stay below the weight bytes."""
@@ -171,8 +182,22 @@ def _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, H
 
 
 @triton.jit
-def _sample_epilogue(y, offs_n, offs_m, mask_n, M, N, pid_n, temp_ptr, seed_ptr, part_val_ptr, part_idx_ptr,
-                     out_dtype: tl.constexpr, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
+def _sample_epilogue(
+    y,
+    offs_n,
+    offs_m,
+    mask_n,
+    M,
+    N,
+    pid_n,
+    temp_ptr,
+    seed_ptr,
+    part_val_ptr,
+    part_idx_ptr,
+    out_dtype: tl.constexpr,
+    TILE: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+):
     """The fused sampler's first half over this program's logits y [BLOCK_N, BLOCK_M] (as stored:
     rounded to out_dtype): each row's best (value, index) into the partials [M, programs], as the
     sampler's partial kernel finds them (sampling.py: same noise, same ties)."""
@@ -180,20 +205,47 @@ def _sample_epilogue(y, offs_n, offs_m, mask_n, M, N, pid_n, temp_ptr, seed_ptr,
     num_blocks = tl.num_programs(0)
     for m in range(0, M):
         zm = tl.sum(tl.where(offs_m[None, :] == m, z, 0.0), axis=1)
-        top, idx = _best_of_block(zm, offs_n, mask_n, tl.load(temp_ptr + m), tl.load(seed_ptr + m), N, TILE,
-                                  FAST_LOG)
+        top, idx = _best_of_block(zm, offs_n, mask_n, tl.load(temp_ptr + m), tl.load(seed_ptr + m), N, TILE, FAST_LOG)
         tl.store(part_val_ptr + m * num_blocks + pid_n, top)
         tl.store(part_idx_ptr + m * num_blocks + pid_n, idx)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every batch size on a path
-def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
-                 M, N, K, k_per_split, eps, stride_xm, stride_wn, stride_rm, stride_om,
-                 temp_ptr, seed_ptr, part_val_ptr, part_idx_ptr,
-                 MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 SAMPLE: tl.constexpr, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    nw_ptr,
+    res_ptr,
+    out_ptr,
+    ws_ptr,
+    tickets_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    eps,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_om,
+    temp_ptr,
+    seed_ptr,
+    part_val_ptr,
+    part_idx_ptr,
+    MODE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    TILE: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -229,8 +281,7 @@ def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
             full = mask_k[None, :] & (offs_n[:, None] >= 0)
             a = _load_a(x_ptr, nw_ptr, cols, full, full, rstd, K, MODE)
         else:
-            a = _load_a(x_rows, nw_ptr, k[None, :], mask_m[:, None] & mask_k[None, :], mask_k[None, :], rstd,
-                        K, MODE)
+            a = _load_a(x_rows, nw_ptr, k[None, :], mask_m[:, None] & mask_k[None, :], mask_k[None, :], rstd, K, MODE)
         if USE_DOT:
             if UPCAST:  # CPU interpreter only: see _launch.upcast_dot
                 acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
@@ -253,8 +304,22 @@ def _gemv_kernel(x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, ws_ptr, tickets_ptr,
     if not SPLIT:
         _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL)
         if SAMPLE:  # plain products only (the launcher checks): the logits are round(y)
-            _sample_epilogue(y, offs_n, offs_m, mask_n, M, N, pid_n, temp_ptr, seed_ptr, part_val_ptr,
-                             part_idx_ptr, out_ptr.dtype.element_ty, TILE, FAST_LOG)
+            _sample_epilogue(
+                y,
+                offs_n,
+                offs_m,
+                mask_n,
+                M,
+                N,
+                pid_n,
+                temp_ptr,
+                seed_ptr,
+                part_val_ptr,
+                part_idx_ptr,
+                out_ptr.dtype.element_ty,
+                TILE,
+                FAST_LOG,
+            )
     else:
         # Workspace [splits, M, N] fp32. Publish this split's partial, then take a ticket: the barrier
         # orders every thread's stores before the (gpu-scope, acq_rel) atomic of the CTA's one thread.
@@ -302,11 +367,16 @@ class GemvSampling(NamedTuple):
 
 
 def _check_sampling(s: GemvSampling, M: int, x: torch.Tensor) -> None:
-    for name, t, dtype in (("temperature", s.temperature, torch.float32), ("seeds", s.seeds, torch.int64),
-                           ("ids", s.ids, torch.int64)):
+    for name, t, dtype in (
+        ("temperature", s.temperature, torch.float32),
+        ("seeds", s.seeds, torch.int64),
+        ("ids", s.ids, torch.int64),
+    ):
         if t.shape != (M,) or t.dtype != dtype or not t.is_contiguous() or t.device != x.device:
-            raise ValueError(f"sampling.{name} must be [{M}] contiguous {dtype} on {x.device}, got "
-                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+            raise ValueError(
+                f"sampling.{name} must be [{M}] contiguous {dtype} on {x.device}, got "
+                f"{tuple(t.shape)} {t.dtype} on {t.device}"
+            )
     h = s.host_ids
     if h is not None:
         if h.shape != (M,) or h.dtype != torch.int64 or not h.is_contiguous():
@@ -315,8 +385,13 @@ def _check_sampling(s: GemvSampling, M: int, x: torch.Tensor) -> None:
             raise ValueError("sampling.host_ids must be pinned host memory")
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, silu_mul: bool,
-           residual: torch.Tensor | None) -> tuple[int, int, int]:
+def _check(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    silu_mul: bool,
+    residual: torch.Tensor | None,
+) -> tuple[int, int, int]:
     """Validate the arguments; returns (M, N, K)."""
     check_dim("x", x, 2)
     check_dim("weight", weight, 2)
@@ -335,13 +410,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
     tensors = {"x": x, "weight": weight}
     if norm_weight is not None:
         if norm_weight.shape != (K,) or norm_weight.dtype != x.dtype:
-            raise ValueError(f"norm_weight must be [{K}] in {x.dtype}, got {tuple(norm_weight.shape)} "
-                             f"{norm_weight.dtype}")
+            raise ValueError(
+                f"norm_weight must be [{K}] in {x.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}"
+            )
         tensors["norm_weight"] = norm_weight
     if residual is not None:
         if residual.shape != (M, N) or residual.dtype != x.dtype:
-            raise ValueError(f"residual must be [{M}, {N}] in {x.dtype}, got {tuple(residual.shape)} "
-                             f"{residual.dtype}")
+            raise ValueError(f"residual must be [{M}, {N}] in {x.dtype}, got {tuple(residual.shape)} {residual.dtype}")
         check_last_dim_contiguous("residual", residual)
         tensors["residual"] = residual
     check_same_device(**tensors)
@@ -357,9 +432,17 @@ def _check_config(cfg: GemvConfig) -> None:
         raise ValueError(f"tl.dot needs block_n ≥ 16 and block_k ≥ 16: {cfg}")
 
 
-def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
-                   eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
-                   config: GemvConfig | None = None, sampling: GemvSampling | None = None) -> torch.Tensor:
+def fused_gemv_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    sampling: GemvSampling | None = None,
+) -> torch.Tensor:
     """Launcher: checks, picks the config (or takes `config`), launches one kernel. → out [M, N].
     `sampling` (plain products only: the LM head): also sample every row's id from out (`GemvSampling`)."""
     M, N, K = _check(x, weight, norm_weight, silu_mul, residual)
@@ -390,22 +473,52 @@ def fused_gemv_fwd(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.
         parts_val = torch.empty((M, n_blocks), dtype=torch.float32, device=x.device)
         parts_idx = torch.empty((M, n_blocks), dtype=torch.int32, device=x.device)
     _gemv_kernel[(n_blocks, split)](
-        x, weight, norm_weight if norm else x, residual if residual is not None else out, out, ws, tickets,
-        M, N, K, k_per_split, eps, x.stride(0), weight.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0),
+        x,
+        weight,
+        norm_weight if norm else x,
+        residual if residual is not None else out,
+        out,
+        ws,
+        tickets,
+        M,
+        N,
+        K,
+        k_per_split,
+        eps,
+        x.stride(0),
+        weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
         *((s.temperature, s.seeds, parts_val, parts_idx) if s is not None else (out,) * 4),
-        MODE=mode, HAS_RESIDUAL=residual is not None, SPLIT=split > 1, BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, EVEN_K=split * k_per_split == K,
-        UPCAST=upcast_dot(x.device), IEEE=x.dtype == torch.float32,
-        SAMPLE=s is not None, TILE=sampling_tile(), FAST_LOG=x.is_cuda,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        MODE=mode,
+        HAS_RESIDUAL=residual is not None,
+        SPLIT=split > 1,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        USE_DOT=cfg.use_dot,
+        EVEN_K=split * k_per_split == K,
+        UPCAST=upcast_dot(x.device),
+        IEEE=x.dtype == torch.float32,
+        SAMPLE=s is not None,
+        TILE=sampling_tile(),
+        FAST_LOG=x.is_cuda,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     if s is not None:
         reduce_partials(parts_val, parts_idx, N, s.ids, s.host_ids)
     return out
 
 
-def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
-               eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+def fused_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The reference's signature (see `reference.fused_gemv`): x [M ≤ 16, K or 2K], W [N, K] → [M, N]."""
     return fused_gemv_fwd(x, weight, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
-

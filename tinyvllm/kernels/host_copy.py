@@ -18,6 +18,7 @@ before the copy has run, and reads a pinned destination only after an event reco
 completed (a kernel's writes to mapped host memory are visible to the host once it has synchronised
 with the kernel's completion).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,4 +73,3 @@ def kernel_copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     with torch.cuda.device(device) if other_device else contextlib.nullcontext():  # launches go to the current one
         _copy_kernel[(cdiv(d.numel(), _BLOCK),)](d, s, d.numel(), BLOCK=_BLOCK, num_warps=4)
     return dst
-

@@ -6,21 +6,35 @@ qkv output); caches: [num_blocks, Hk, block_size, D]. One program per token move
 K and of V (pure data movement: 2·T·Hk·D elements read and written). Offsets are int64: a layer's
 cache can hold more than 2³¹ elements.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import (check_dim, check_int, check_same_device, is_power_of_2,
-                                      next_power_of_2)
+from tinyvllm.kernels._launch import check_dim, check_int, check_same_device, is_power_of_2, next_power_of_2
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, Hk,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cb, stride_ch, stride_cs, block_size,
-                     BLOCK_H: tl.constexpr, D: tl.constexpr):
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    Hk,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    block_size,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -36,8 +50,9 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, Hk,
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """cache[slot // bs, :, slot % bs] = k[t] (and v) for every t with slot_mapping[t] >= 0."""
     for name, t in (("k", k), ("v", v)):
         check_dim(name, t, 3)
@@ -59,7 +74,22 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
             raise ValueError(f"{name} must be contiguous in its last dimension")
     if T == 0:
         return
-    _write_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, Hk,
-                           k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[2],
-                           BLOCK_H=next_power_of_2(Hk), D=D, num_warps=4)
+    _write_kv_kernel[(T,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        Hk,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.shape[2],
+        BLOCK_H=next_power_of_2(Hk),
+        D=D,
+        num_warps=4,
+    )

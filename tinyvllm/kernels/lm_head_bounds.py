@@ -31,6 +31,7 @@ sum of 2,048 products errs by at most ~2⁻¹³ ‖w_i‖₂ ‖h‖₂ in the w
 For Llama-3.2-1B's LM head (128,256 × 2,048) the passes read 263 MB plus the kept rows, against 525 MB
 (docs/perf.md, v23).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -43,7 +44,7 @@ from tinyvllm.kernels._launch import cdiv, is_power_of_2, num_sms, upcast_dot
 from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, _check_sampling, default_config
 from tinyvllm.kernels.sampling import _best_of_block, _log2, _noise_at, reduce_partials, sampling_tile
 
-ROUNDING_SLACK = 2.0 ** -10  # relative to ‖w_i‖₂ ‖h‖₂: both fp32 sums' rounding (module docstring)
+ROUNDING_SLACK = 2.0**-10  # relative to ‖w_i‖₂ ‖h‖₂: both fp32 sums' rounding (module docstring)
 
 
 class QuantizedRows(NamedTuple):
@@ -74,25 +75,26 @@ def quantize_rows(weight: torch.Tensor, chunk_rows: int = 8192) -> QuantizedRows
     """The int8 copy of `weight` [N, K] (any float dtype, K a multiple of 4) on its device, `chunk_rows`
     rows at a time (the float64 residuals of a chunk are its only large temporary)."""
     if weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] % 4:
-        raise ValueError(f"weight must be a 2-D float tensor with a multiple of 4 columns, got "
-                         f"{tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(
+            f"weight must be a 2-D float tensor with a multiple of 4 columns, got {tuple(weight.shape)} {weight.dtype}"
+        )
     N, K = weight.shape
     packed = torch.empty((N, K // 4), dtype=torch.int32, device=weight.device)
     scale = torch.empty(N, dtype=torch.float32, device=weight.device)
     slack = torch.empty(N, dtype=torch.float32, device=weight.device)
     for r0 in range(0, N, chunk_rows):
-        w = weight[r0:r0 + chunk_rows].double()
+        w = weight[r0 : r0 + chunk_rows].double()
         s = (w.abs().amax(dim=1) / 127.0).float()  # the scale the kernel multiplies by, in float32
         safe = torch.where(s > 0, s, torch.ones_like(s)).double()
         q = torch.clamp(torch.round(w / safe[:, None]), -127, 127)
         q = torch.where(s[:, None] > 0, q, torch.zeros_like(q))
         err = (w - s.double()[:, None] * q).norm(dim=1)
-        bound = (err + ROUNDING_SLACK * w.norm(dim=1)) * (1 + 2.0 ** -40)
+        bound = (err + ROUNDING_SLACK * w.norm(dim=1)) * (1 + 2.0**-40)
         b32 = bound.float()
         b32 = torch.where(b32.double() < bound, torch.nextafter(b32, torch.full_like(b32, float("inf"))), b32)
-        packed[r0:r0 + chunk_rows] = pack_rows(q.to(torch.int8))
-        scale[r0:r0 + chunk_rows] = s
-        slack[r0:r0 + chunk_rows] = b32
+        packed[r0 : r0 + chunk_rows] = pack_rows(q.to(torch.int8))
+        scale[r0 : r0 + chunk_rows] = s
+        slack[r0 : r0 + chunk_rows] = b32
     return QuantizedRows(packed, scale, slack)
 
 
@@ -121,10 +123,25 @@ def default_bounds_config(device: torch.device) -> BoundsConfig:
 
 
 @triton.jit
-def _score_bounds_kernel(x_ptr, p_ptr, scale_ptr, slack_ptr, temp_ptr, seed_ptr, hi_ptr, lo_max_ptr, hi_max_ptr,
-                         N, K4, stride_pn,
-                         BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr, TILE: tl.constexpr,
-                         FAST_LOG: tl.constexpr):
+def _score_bounds_kernel(
+    x_ptr,
+    p_ptr,
+    scale_ptr,
+    slack_ptr,
+    temp_ptr,
+    seed_ptr,
+    hi_ptr,
+    lo_max_ptr,
+    hi_max_ptr,
+    N,
+    K4,
+    stride_pn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    STAGES: tl.constexpr,
+    TILE: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+):
     """Program p: rows [p·BLOCK_N, (p+1)·BLOCK_N) → hi per row, lo_max[p], hi_max[p] (module docstring)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,7 +172,7 @@ def _score_bounds_kernel(x_ptr, p_ptr, scale_ptr, slack_ptr, temp_ptr, seed_ptr,
             acc += q * h
     y = tl.sum(acc, axis=1)
 
-    h_norm = tl.sqrt(tl.sum(ss, axis=0)) * (1.0 + 2.0 ** -12)  # its own rounding, generously
+    h_norm = tl.sqrt(tl.sum(ss, axis=0)) * (1.0 + 2.0**-12)  # its own rounding, generously
     a_row = y * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
     d = tl.load(slack_ptr + offs_n, mask=mask_n, other=0.0) * h_norm
     z_hi = (a_row + d).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounding is monotone
@@ -167,7 +184,7 @@ def _score_bounds_kernel(x_ptr, p_ptr, scale_ptr, slack_ptr, temp_ptr, seed_ptr,
         inv_t = 1.0 / temperature
         s_hi = z_hi * inv_t + g
         s_lo = z_lo * inv_t + g
-        ulps = (tl.abs(z_hi * inv_t) + tl.abs(z_lo * inv_t) + tl.abs(g)) * (2.0 ** -16)
+        ulps = (tl.abs(z_hi * inv_t) + tl.abs(z_lo * inv_t) + tl.abs(g)) * (2.0**-16)
         s_hi = s_hi + ulps
         s_lo = s_lo - ulps
     else:
@@ -180,11 +197,32 @@ def _score_bounds_kernel(x_ptr, p_ptr, scale_ptr, slack_ptr, temp_ptr, seed_ptr,
 
 
 @triton.jit
-def _pruned_product_kernel(x_ptr, w_ptr, hi_ptr, lo_max_ptr, hi_max_ptr, num_blocks, temp_ptr, seed_ptr,
-                           part_val_ptr, part_idx_ptr, N, K, stride_wn,
-                           BOUND_N: tl.constexpr, SUBS: tl.constexpr, NB_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-                           UPCAST: tl.constexpr, IEEE: tl.constexpr, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
+def _pruned_product_kernel(
+    x_ptr,
+    w_ptr,
+    hi_ptr,
+    lo_max_ptr,
+    hi_max_ptr,
+    num_blocks,
+    temp_ptr,
+    seed_ptr,
+    part_val_ptr,
+    part_idx_ptr,
+    N,
+    K,
+    stride_wn,
+    BOUND_N: tl.constexpr,
+    SUBS: tl.constexpr,
+    NB_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    TILE: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+):
     """Program p: the kept blocks of rank p, p + P, ... (module docstring, pass 2), each as gemv.py's
     one-row plain product over [BLOCK_N, BLOCK_K] tiles (SUBS = max(1, BOUND_N / BLOCK_N) of them per
     block, rows outside the block masked), then the best (value, index) of the program's rows into the
@@ -224,8 +262,11 @@ def _pruned_product_kernel(x_ptr, w_ptr, hi_ptr, lo_max_ptr, hi_max_ptr, num_blo
                     mask_k = k < K
                 w = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
                 if USE_DOT:
-                    a = tl.load(x_ptr + offs_m[:, None] * 0 + k[None, :],
-                                mask=(offs_m[:, None] < 1) & mask_k[None, :], other=0.0)
+                    a = tl.load(
+                        x_ptr + offs_m[:, None] * 0 + k[None, :],
+                        mask=(offs_m[:, None] < 1) & mask_k[None, :],
+                        other=0.0,
+                    )
                     if UPCAST:
                         acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
                     elif IEEE:
@@ -250,8 +291,13 @@ def _pruned_product_kernel(x_ptr, w_ptr, hi_ptr, lo_max_ptr, hi_max_ptr, num_blo
     tl.store(part_idx_ptr + pid, best_idx)
 
 
-def score_bounds(x: torch.Tensor, rows: QuantizedRows, temperature: torch.Tensor, seeds: torch.Tensor,
-                 config: BoundsConfig | None = None) -> ScoreBounds:
+def score_bounds(
+    x: torch.Tensor,
+    rows: QuantizedRows,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    config: BoundsConfig | None = None,
+) -> ScoreBounds:
     """Pass 1 for the one row x [1, K] (the LM head's input), temperature [1] float32 (0: greedy) and
     seeds [1] int64, as the fused sampler takes them."""
     packed, scale, slack = rows
@@ -268,14 +314,37 @@ def score_bounds(x: torch.Tensor, rows: QuantizedRows, temperature: torch.Tensor
     lo_max = torch.empty(programs, dtype=torch.float32, device=x.device)
     hi_max = torch.empty(programs, dtype=torch.float32, device=x.device)
     _score_bounds_kernel[(programs,)](
-        x, packed, scale, slack, temperature, seeds, hi, lo_max, hi_max, N, K4, packed.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_C=min(cfg.block_c, triton.next_power_of_2(K4)), STAGES=cfg.num_stages,
-        TILE=sampling_tile(), FAST_LOG=x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x,
+        packed,
+        scale,
+        slack,
+        temperature,
+        seeds,
+        hi,
+        lo_max,
+        hi_max,
+        N,
+        K4,
+        packed.stride(0),
+        BLOCK_N=cfg.block_n,
+        BLOCK_C=min(cfg.block_c, triton.next_power_of_2(K4)),
+        STAGES=cfg.num_stages,
+        TILE=sampling_tile(),
+        FAST_LOG=x.is_cuda,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return ScoreBounds(hi, lo_max, hi_max, cfg.block_n)
 
 
-def sample_pruned(x: torch.Tensor, weight: torch.Tensor, rows: QuantizedRows, sampling: GemvSampling,
-                  config: BoundsConfig | None = None, product: GemvConfig | None = None) -> None:
+def sample_pruned(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rows: QuantizedRows,
+    sampling: GemvSampling,
+    config: BoundsConfig | None = None,
+    product: GemvConfig | None = None,
+) -> None:
     """The fused sampler's id for the one row x [1, K] of x Wᵀ (W = `weight` [N, K], `rows` its int8 copy)
     into `sampling.ids` (and `host_ids`): the id `fused_gemv_fwd(x, weight, sampling=sampling)` draws
     with its product's config `product` (default: gemv.py's for this shape), from pass 1 and the product
@@ -293,11 +362,31 @@ def sample_pruned(x: torch.Tensor, weight: torch.Tensor, rows: QuantizedRows, sa
     vals = torch.empty((1, cfg.programs), dtype=torch.float32, device=x.device)
     idxs = torch.empty((1, cfg.programs), dtype=torch.int32, device=x.device)
     _pruned_product_kernel[(cfg.programs,)](
-        x, weight, bounds.hi, bounds.lo_max, bounds.hi_max, nb, sampling.temperature, sampling.seeds,
-        vals, idxs, N, K, weight.stride(0),
-        BOUND_N=cfg.block_n, SUBS=max(1, cfg.block_n // prod.block_n), NB_POW2=triton.next_power_of_2(nb),
-        BLOCK_N=prod.block_n, BLOCK_K=prod.block_k,
-        USE_DOT=prod.use_dot, EVEN_K=K % prod.block_k == 0, UPCAST=upcast_dot(x.device),
-        IEEE=x.dtype == torch.float32, TILE=sampling_tile(), FAST_LOG=x.is_cuda,
-        num_warps=prod.num_warps, num_stages=prod.num_stages)
+        x,
+        weight,
+        bounds.hi,
+        bounds.lo_max,
+        bounds.hi_max,
+        nb,
+        sampling.temperature,
+        sampling.seeds,
+        vals,
+        idxs,
+        N,
+        K,
+        weight.stride(0),
+        BOUND_N=cfg.block_n,
+        SUBS=max(1, cfg.block_n // prod.block_n),
+        NB_POW2=triton.next_power_of_2(nb),
+        BLOCK_N=prod.block_n,
+        BLOCK_K=prod.block_k,
+        USE_DOT=prod.use_dot,
+        EVEN_K=K % prod.block_k == 0,
+        UPCAST=upcast_dot(x.device),
+        IEEE=x.dtype == torch.float32,
+        TILE=sampling_tile(),
+        FAST_LOG=x.is_cuda,
+        num_warps=prod.num_warps,
+        num_stages=prod.num_stages,
+    )
     reduce_partials(vals, idxs, N, sampling.ids, sampling.host_ids)

@@ -5,6 +5,7 @@ the device. A decode CUDA graph starts with this kernel: row i takes `sampled[sr
 `src[i] >= 0` and keeps its input id where `src[i] < 0` (not a placeholder, or a padded row). Pure data
 movement: n source indices read, at most n ids gathered and written. Grid: (n / BLOCK,).
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,5 +42,4 @@ def resolve_placeholders(input_ids: torch.Tensor, placeholder_src: torch.Tensor,
         raise ValueError(f"placeholder_src has {placeholder_src.shape[0]} rows, input_ids {n}")
     if n == 0:
         return
-    _resolve_placeholders_kernel[(cdiv(n, _BLOCK),)](input_ids, placeholder_src, sampled, n, BLOCK=_BLOCK,
-                                                     num_warps=4)
+    _resolve_placeholders_kernel[(cdiv(n, _BLOCK),)](input_ids, placeholder_src, sampled, n, BLOCK=_BLOCK, num_warps=4)

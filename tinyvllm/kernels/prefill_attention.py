@@ -18,6 +18,7 @@ Key tiles are gathered through the block table (`block_tables[s, pos // block_si
 holds whole tiles (block_size % BLOCK_N == 0) one table entry serves a tile.
 Optionally stores the logsumexp  lse[h, row] = log Σ_j exp(scale · q·k_j)  (natural log, float32).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -67,19 +68,42 @@ def default_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int | None =
     if max_seqlen_q is not None and max_seqlen_q <= SHORT_Q:
         cfg = SHORT_CONFIGS.get(head_dim, cfg)
     if dtype == torch.float32:  # 4-byte tiles: halve them to stay inside shared memory
-        cfg = cfg._replace(block_m=max(16, cfg.block_m // 2), block_n=max(16, cfg.block_n // 2),
-                           num_stages=min(cfg.num_stages, 2))
+        cfg = cfg._replace(
+            block_m=max(16, cfg.block_m // 2), block_n=max(16, cfg.block_n // 2), num_stages=min(cfg.num_stages, 2)
+        )
     return cfg
 
 
 @triton.jit(do_not_specialize=["stride_lse_h", "stride_bt"])  # they vary per step: see decode_attention
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-                    cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_h,
-                    stride_kb, stride_kh, stride_kt, stride_bt,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_TILE: tl.constexpr,
-                    STORE_LSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    lse_ptr,
+    cu_seqlens_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_lse_h,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) tiles first
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -95,8 +119,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     row_valid = offs_m < q_len
     q_pos = ctx + offs_m
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None], other=0.0)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_valid[:, None], other=0.0)
 
     kv_off = (h // GROUP).to(tl.int64) * stride_kh
     k_ptr = k_cache_ptr + kv_off
@@ -108,41 +131,95 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # 1. Off the diagonal: keys 0 .. ctx + start_m are visible to every row of the tile.
     hi_full = ((ctx + start_m + 1) // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, 0, hi_full,
-                                seq_len, qk_scale, stride_kb, stride_kt, HEAD_DIM, BLOCK_N,
-                                BLOCK_SIZE, PAGE_TILE, False, UPCAST, IEEE)
+    acc, l_i, m_i = _attn_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_ptr,
+        v_ptr,
+        bt_row_ptr,
+        0,
+        hi_full,
+        seq_len,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_SIZE,
+        PAGE_TILE,
+        False,
+        UPCAST,
+        IEEE,
+    )
     # 2. On the diagonal: up to the last row's position, masked.
     hi = tl.minimum(ctx + start_m + BLOCK_M, seq_len)
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row_ptr, hi_full, hi,
-                                seq_len, qk_scale, stride_kb, stride_kt, HEAD_DIM, BLOCK_N,
-                                BLOCK_SIZE, PAGE_TILE, True, UPCAST, IEEE)
+    acc, l_i, m_i = _attn_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_ptr,
+        v_ptr,
+        bt_row_ptr,
+        hi_full,
+        hi,
+        seq_len,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_SIZE,
+        PAGE_TILE,
+        True,
+        UPCAST,
+        IEEE,
+    )
 
     out = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None],
+    )
     if STORE_LSE:
         lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634  # back from log2 to natural log
         tl.store(lse_ptr + h * stride_lse_h + rows, lse, mask=row_valid)
 
 
-def prefill_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                          block_tables: torch.Tensor, scale: float, max_seqlen_q: int | None = None,
-                          *, return_lse: bool = False, config: PrefillConfig | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prefill_attention_fwd(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    *,
+    return_lse: bool = False,
+    config: PrefillConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launcher: checks, picks the tile config, launches. Returns (out [Tq, Hq, D], lse [Hq, Tq] | None).
 
     `max_seqlen_q` sizes the grid, so it must be at least the longest chunk (None: computed, which
     synchronises with the device). `scale` must be positive (the unmasked tiles take the row max
     before scaling). Rows past cu_seqlens_q[-1] are left unwritten, as in the reference.
     """
-    Hk, block_size = check_paged_attention(q, k_cache, v_cache, scale, cu_seqlens_q=cu_seqlens_q,
-                                           seq_lens=seq_lens, block_tables=block_tables)
+    Hk, block_size = check_paged_attention(
+        q, k_cache, v_cache, scale, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables
+    )
     Tq, Hq, D = q.shape
     S = seq_lens.shape[0]
     if cu_seqlens_q.shape != (S + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != S:
-        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, seq_lens {tuple(seq_lens.shape)} and "
-                         f"block_tables {tuple(block_tables.shape)} disagree on the number of sequences")
+        raise ValueError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, seq_lens {tuple(seq_lens.shape)} and "
+            f"block_tables {tuple(block_tables.shape)} disagree on the number of sequences"
+        )
 
     out = torch.empty((Tq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device) if return_lse else None
@@ -153,25 +230,59 @@ def prefill_attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     cfg = config or default_config(D, q.dtype, max_seqlen_q)
     grid = (cdiv(max_seqlen_q, cfg.block_m), Hq, S)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, lse if lse is not None else out,
-        cu_seqlens_q, seq_lens, block_tables, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
-        PAGE_TILE=block_size % cfg.block_n == 0, STORE_LSE=return_lse,
-        UPCAST=upcast_dot(q.device), IEEE=q.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        q,
+        k_cache,
+        v_cache,
+        out,
+        lse if lse is not None else out,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=Hq // Hk,
+        HEAD_DIM=D,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=block_size,
+        PAGE_TILE=block_size % cfg.block_n == 0,
+        STORE_LSE=return_lse,
+        UPCAST=upcast_dot(q.device),
+        IEEE=q.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return out, lse
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, max_seqlen_q: int | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
     """The reference's signature (see `reference.prefill_attention`): q [Tq, Hq, D] → out [Tq, Hq, D]."""
-    out, _ = prefill_attention_fwd(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                                   max_seqlen_q)
+    out, _ = prefill_attention_fwd(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q)
     return out
 
 
-__all__ = ["prefill_attention", "prefill_attention_fwd", "PrefillConfig", "DEFAULT_CONFIGS",
-           "CANDIDATE_CONFIGS", "default_config"]
+__all__ = [
+    "CANDIDATE_CONFIGS",
+    "DEFAULT_CONFIGS",
+    "PrefillConfig",
+    "default_config",
+    "prefill_attention",
+    "prefill_attention_fwd",
+]

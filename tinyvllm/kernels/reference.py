@@ -6,6 +6,7 @@ KV cache per layer `[num_blocks, Hk, block_size, D]` for K and the same for V. T
 lives at slot `block_table[t // block_size] * block_size + t % block_size`.
 Arithmetic is in float32 (float64 when the inputs are float64); outputs are in the input dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,15 +24,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add and RMSNorm: r' = round(x + residual); returns (rms_norm(r'), r')."""
     new_residual = (x.to(_acc_dtype(x)) + residual.to(_acc_dtype(x))).to(x.dtype)
     return rms_norm(new_residual, weight, eps), new_residual
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-         cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding, rotate-half (GPT-NeoX) layout as in Hugging Face Llama, in place on q and k.
 
     For each head vector x = [x1, x2] (halves of D/2) at position p, with c = cos_sin[p, :D/2] and
@@ -48,8 +51,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return q, k
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store token t's K/V at cache slot `slot_mapping[t]`; a negative slot (a padded row) writes
     nothing. k, v: [T, Hk, D]; caches: [num_blocks, Hk, block_size, D]."""
     block_size = k_cache.shape[2]
@@ -68,8 +72,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return blocks.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-            scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal softmax attention of queries at absolute positions q_positions over keys 0..len(k)-1.
     q: [n, Hq, D], k/v: [L, Hk, D] → [n, Hq, D] in the accumulation dtype."""
     acc = _acc_dtype(q)
@@ -84,9 +87,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torc
     return torch.einsum("hqk,khd->qhd", probs, vf)
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, max_seqlen_q: int | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
     """Causal attention for prompt chunks over the paged cache (FlashAttention-2's function).
 
     Sequence s owns query rows cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1 (q_len_s rows) and has seq_lens[s]
@@ -110,9 +120,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                     max_seq_len: int | None = None, prefix_len: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+    prefix_len: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query token per sequence, at the last position of its context:
         out[b] = softmax(scale · q_b Kᵀ[0..L_b−1]) V[0..L_b−1],  L_b = seq_lens[b].
     A row with seq_lens[b] == 0 (a padded row) outputs zeros.
@@ -125,7 +142,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             continue
         k = gather_kv(k_cache, block_tables[b], length)
         v = gather_kv(v_cache, block_tables[b], length)
-        out[b] = _attend(q[b:b + 1], k, v, torch.tensor([length - 1]), scale)[0].to(q.dtype)
+        out[b] = _attend(q[b : b + 1], k, v, torch.tensor([length - 1]), scale)[0].to(q.dtype)
     return out
 
 
@@ -137,8 +154,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (g * torch.sigmoid(g) * u).to(x.dtype)
 
 
-def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
-               eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+def fused_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A matrix product of a few rows (decode) with the ops around it fused in; "round" is to x's dtype.
 
         a = x                               plain;                         x: [M, K]

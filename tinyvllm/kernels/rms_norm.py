@@ -7,6 +7,7 @@ Normalization", eq. 4), in Hugging Face LlamaRMSNorm's rounding order:
 All arithmetic in float32 (float64 for float64 inputs). One program per row: the row is read once,
 reduced in registers and written once, so the kernel moves the fewest bytes (memory-bound).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,9 +20,21 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, H, eps,
-                     stride_x, stride_res, stride_y, stride_res_out,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    res_out_ptr,
+    H,
+    eps,
+    stride_x,
+    stride_res,
+    stride_y,
+    stride_res_out,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -40,8 +53,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, H, eps,
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     check_dim("x", x, 2)
     check_float("x", x, _DTYPES)
     check_float("weight", weight, _DTYPES)
@@ -63,10 +77,21 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     block_h = next_power_of_2(H)
     num_warps = 4 if block_h <= 2048 else 8 if block_h <= 8192 else 16
     _rms_norm_kernel[(T,)](
-        x, residual if residual is not None else x, weight, y, res_out if res_out is not None else y,
-        H, eps, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        x,
+        residual if residual is not None else x,
+        weight,
+        y,
+        res_out if res_out is not None else y,
+        H,
+        eps,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        y.stride(0),
         res_out.stride(0) if res_out is not None else 0,
-        HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, num_warps=num_warps)
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_H=block_h,
+        num_warps=num_warps,
+    )
     return y, res_out
 
 
@@ -76,8 +101,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """r' = round(x + residual); returns (rms_norm(r'), r'), both new tensors; inputs are not modified."""
     y, res_out = _launch(x, residual, weight, eps)
     return y, res_out

@@ -8,21 +8,27 @@ s = cos_sin[p, D/2:] (Llama 3's scaled frequencies are already in the table):
 q: [T, Hq, D] and k: [T, Hk, D] may be strided views (the model passes slices of the fused qkv
 output); one program per token rotates all its query and key heads, reading its table row once.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import (check_dim, check_float, check_int, check_same_device,
-                                      is_power_of_2, next_power_of_2)
+from tinyvllm.kernels._launch import (
+    check_dim,
+    check_float,
+    check_int,
+    check_same_device,
+    is_power_of_2,
+    next_power_of_2,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, stride_d, num_heads, c, s,
-                  BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+def _rotate_heads(x_ptr, stride_h, stride_d, num_heads, c, s, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
     """Rotate the [num_heads, D] rows at x_ptr (one token) in place; c, s: [HALF] float32."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
@@ -38,10 +44,25 @@ def _rotate_heads(x_ptr, stride_h, stride_d, num_heads, c, s,
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, Hq, Hk,
-                 stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_cs,
-                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
-                 FP64: tl.constexpr):
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    Hq,
+    Hk,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_cs,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    HALF: tl.constexpr,
+    FP64: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dims = tl.arange(0, HALF)
@@ -53,8 +74,9 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, Hq, Hk,
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, stride_kd, Hk, c, s, BLOCK_HK, HALF)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-         cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q [T, Hq, D] and k [T, Hk, D] (any strides); positions [T] int; cos_sin [max_pos, D]."""
     check_dim("q", q, 3)
     check_dim("k", k, 3)
@@ -75,7 +97,20 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     Hk = k.shape[1]
     block_hq, block_hk = next_power_of_2(Hq), next_power_of_2(Hk)
     num_warps = 4 if block_hq * D <= 4096 else 8
-    _rope_kernel[(T,)](q, k, positions, cos_sin, Hq, Hk, *q.stride(), *k.stride(), cos_sin.stride(0),
-                       BLOCK_HQ=block_hq, BLOCK_HK=block_hk, HALF=D // 2,
-                       FP64=q.dtype == torch.float64, num_warps=num_warps)
+    _rope_kernel[(T,)](
+        q,
+        k,
+        positions,
+        cos_sin,
+        Hq,
+        Hk,
+        *q.stride(),
+        *k.stride(),
+        cos_sin.stride(0),
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        HALF=D // 2,
+        FP64=q.dtype == torch.float64,
+        num_warps=num_warps,
+    )
     return q, k

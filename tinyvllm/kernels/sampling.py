@@ -8,6 +8,7 @@ Row b with temperature T_b:
 Ties resolve to the lowest index. Reads B·V logits once and writes B ids; the torch sampler handles the
 rows that need top-k, top-p, min-p, penalties or logprobs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,9 @@ def _log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _best_of_quarter(row_ptr, q_start, end, noise, inv_t, greedy, best_val, best_idx,
-                     QUARTER: tl.constexpr, FAST_LOG: tl.constexpr):
+def _best_of_quarter(
+    row_ptr, q_start, end, noise, inv_t, greedy, best_val, best_idx, QUARTER: tl.constexpr, FAST_LOG: tl.constexpr
+):
     """Fold indices [q_start, q_start + QUARTER) into the running per-lane best (strict >: a lane
     keeps its earliest index on ties, and quarters arrive in index order)."""
     offs = q_start + tl.arange(0, QUARTER)
@@ -72,8 +74,19 @@ def _best_of_block(z, offs, valid, temperature, seed, V, TILE: tl.constexpr, FAS
 
 
 @triton.jit(do_not_specialize=["CHUNK", "NUM_SPLITS"])  # one compile whatever the batch
-def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, val_ptr, idx_ptr, V, CHUNK,
-                           NUM_SPLITS, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
+def _sample_partial_kernel(
+    logits_ptr,
+    stride_row,
+    temperature_ptr,
+    seed_ptr,
+    val_ptr,
+    idx_ptr,
+    V,
+    CHUNK,
+    NUM_SPLITS,
+    BLOCK: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+):
     """Program (row, split): the best (value, index) among indices [split·CHUNK, (split+1)·CHUNK).
 
     A tile of BLOCK indices takes its noise from one Philox call per lane: `rand4x` keyed by
@@ -99,14 +112,18 @@ def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, va
             n3 = n0
         else:
             n0, n1, n2, n3 = tl.rand4x(seed, start // 4 + tl.arange(0, QUARTER))
-        best_val, best_idx = _best_of_quarter(row_ptr, start, end, n0, inv_t, greedy, best_val, best_idx,
-                                              QUARTER, FAST_LOG)
-        best_val, best_idx = _best_of_quarter(row_ptr, start + QUARTER, end, n1, inv_t, greedy, best_val,
-                                              best_idx, QUARTER, FAST_LOG)
-        best_val, best_idx = _best_of_quarter(row_ptr, start + 2 * QUARTER, end, n2, inv_t, greedy, best_val,
-                                              best_idx, QUARTER, FAST_LOG)
-        best_val, best_idx = _best_of_quarter(row_ptr, start + 3 * QUARTER, end, n3, inv_t, greedy, best_val,
-                                              best_idx, QUARTER, FAST_LOG)
+        best_val, best_idx = _best_of_quarter(
+            row_ptr, start, end, n0, inv_t, greedy, best_val, best_idx, QUARTER, FAST_LOG
+        )
+        best_val, best_idx = _best_of_quarter(
+            row_ptr, start + QUARTER, end, n1, inv_t, greedy, best_val, best_idx, QUARTER, FAST_LOG
+        )
+        best_val, best_idx = _best_of_quarter(
+            row_ptr, start + 2 * QUARTER, end, n2, inv_t, greedy, best_val, best_idx, QUARTER, FAST_LOG
+        )
+        best_val, best_idx = _best_of_quarter(
+            row_ptr, start + 3 * QUARTER, end, n3, inv_t, greedy, best_val, best_idx, QUARTER, FAST_LOG
+        )
     top = tl.max(best_val, axis=0)
     # Lowest index among the lanes holding the maximum (an empty split offers −inf at index V).
     idx = tl.min(tl.where(best_val == top, best_idx, V), axis=0)
@@ -115,8 +132,9 @@ def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, va
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
-def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, host_ptr, V, NUM_SPLITS, MAX_SPLITS: tl.constexpr,
-                          HOST_OUT: tl.constexpr):
+def _sample_reduce_kernel(
+    val_ptr, idx_ptr, out_ptr, host_ptr, V, NUM_SPLITS, MAX_SPLITS: tl.constexpr, HOST_OUT: tl.constexpr
+):
     """Row b: the split holding the largest value; the lowest index among equal values. With HOST_OUT
     the id is also written to `host_ptr` (pinned host memory, through its mapped address)."""
     row = tl.program_id(0)
@@ -134,6 +152,7 @@ def _sample_reduce_kernel(val_ptr, idx_ptr, out_ptr, host_ptr, V, NUM_SPLITS, MA
 
 _BLOCK = 2048
 
+
 def sampling_tile() -> int:
     """The tile by which the sampler lays out its noise (see `_noise_at`): kernels that fuse the sampler
     elsewhere pass it to `_best_of_block` to draw the same tokens."""
@@ -149,9 +168,14 @@ def num_splits(batch: int, vocab: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(4 * num_sms(device), max(batch, 1)), triton.cdiv(vocab, _BLOCK), _MAX_SPLITS))
 
 
-def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                            out: torch.Tensor | None = None, splits: int | None = None,
-                            host_out: torch.Tensor | None = None) -> torch.Tensor:
+def sample_greedy_or_gumbel(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    out: torch.Tensor | None = None,
+    splits: int | None = None,
+    host_out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits [B, V] (row-contiguous, any float dtype), temperature [B] float32 (0 = greedy), seeds [B]
     int64 → sampled ids [B] int64. Same (logits, T, seed) → same token, whatever the batch or `splits`.
     `host_out` [B] int64, pinned host memory on CUDA: the ids are written there too, by the same kernel
@@ -176,18 +200,39 @@ def sample_greedy_or_gumbel(logits: torch.Tensor, temperature: torch.Tensor, see
         S = triton.cdiv(V, chunk)
         vals = torch.empty(B, S, dtype=torch.float32, device=logits.device)
         idxs = torch.empty(B, S, dtype=torch.int32, device=logits.device)
-        _sample_partial_kernel[(B, S)](logits, logits.stride(0), temperature, seeds, vals, idxs, V, chunk, S,
-                                       BLOCK=_BLOCK, FAST_LOG=logits.is_cuda, num_warps=8)
+        _sample_partial_kernel[(B, S)](
+            logits,
+            logits.stride(0),
+            temperature,
+            seeds,
+            vals,
+            idxs,
+            V,
+            chunk,
+            S,
+            BLOCK=_BLOCK,
+            FAST_LOG=logits.is_cuda,
+            num_warps=8,
+        )
         reduce_partials(vals, idxs, V, out, host_out)
     return out
 
 
-def reduce_partials(vals: torch.Tensor, idxs: torch.Tensor, V: int, out: torch.Tensor,
-                    host_out: torch.Tensor | None = None) -> None:
+def reduce_partials(
+    vals: torch.Tensor, idxs: torch.Tensor, V: int, out: torch.Tensor, host_out: torch.Tensor | None = None
+) -> None:
     """out[b] (and host_out[b]) ← the index of row b's best partial: vals [B, S] float32 and idxs [B, S]
     int32 are each split's (value, index), from the partial kernel or a kernel that fuses it (gemv.py)."""
     B, S = vals.shape
     max_splits = max(_MAX_SPLITS, triton.next_power_of_2(S))  # one compile for every split count below 64
-    _sample_reduce_kernel[(B,)](vals, idxs, out, out if host_out is None else host_out, V, S,
-                                MAX_SPLITS=max_splits, HOST_OUT=host_out is not None,
-                                num_warps=1 if max_splits <= _MAX_SPLITS else 4)
+    _sample_reduce_kernel[(B,)](
+        vals,
+        idxs,
+        out,
+        out if host_out is None else host_out,
+        V,
+        S,
+        MAX_SPLITS=max_splits,
+        HOST_OUT=host_out is not None,
+        num_warps=1 if max_splits <= _MAX_SPLITS else 4,
+    )

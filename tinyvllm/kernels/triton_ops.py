@@ -3,6 +3,7 @@
 Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (slow; for tests). Importing this module needs
 `triton` but no device.
 """
+
 from __future__ import annotations
 
 from tinyvllm.kernels.activation import silu_and_mul
@@ -14,5 +15,14 @@ from tinyvllm.kernels.prefill_attention import prefill_attention
 from tinyvllm.kernels.rms_norm import add_rms_norm, rms_norm
 from tinyvllm.kernels.rope import rope
 
-__all__ = ["rms_norm", "add_rms_norm", "rope", "write_kv_cache", "prefill_attention",
-           "decode_attention", "silu_and_mul", "fused_gemv", "resolve_placeholders"]
+__all__ = [
+    "add_rms_norm",
+    "decode_attention",
+    "fused_gemv",
+    "prefill_attention",
+    "resolve_placeholders",
+    "rms_norm",
+    "rope",
+    "silu_and_mul",
+    "write_kv_cache",
+]

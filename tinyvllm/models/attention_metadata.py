@@ -1,10 +1,10 @@
 """How one packed batch maps onto the paged KV cache; built by the runner, read by attention."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
 
 CASCADE_ALIGN = 64  # a cascade prefix (AttnMetadata.decode_prefix_len) is a multiple of this many keys
 

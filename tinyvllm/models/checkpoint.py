@@ -53,8 +53,11 @@ def _llama3(**fields: Any) -> dict[str, Any]:
         "pretraining_tp": 1,
         "rms_norm_eps": 1e-05,
         "rope_scaling": {
-            "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-            "original_max_position_embeddings": 8192, "rope_type": "llama3",
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
         },
         "rope_theta": 500000.0,
         "tie_word_embeddings": True,
@@ -69,29 +72,55 @@ def _llama3(**fields: Any) -> dict[str, Any]:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": _llama3(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, head_dim=64,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        head_dim=64,
     ),
     "llama-3.2-3b": _llama3(
-        hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24, head_dim=128,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        head_dim=128,
     ),
     "llama-3.1-8b": _llama3(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, head_dim=128,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        head_dim=128,
         tie_word_embeddings=False,
         rope_scaling={
-            "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-            "original_max_position_embeddings": 8192, "rope_type": "llama3",
+            "factor": 8.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
         },
     ),
     # Test/demo model. Its RoPE (theta 1e4, head_dim 16, original length 256) puts frequencies in
     # all three llama3 bands: kept (wavelength < 64), smoothed (64..256) and divided by 8 (> 256).
     "tiny": _llama3(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rope_theta=10000.0,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
         rope_scaling={
-            "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-            "original_max_position_embeddings": 256, "rope_type": "llama3",
+            "factor": 8.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 256,
+            "rope_type": "llama3",
         },
-        torch_dtype="float32", **special_token_ids(512),
+        torch_dtype="float32",
+        **special_token_ids(512),
     ),
 }
 """HF config.json dicts by name; read-only (:func:`make_config` returns copies to modify)."""
@@ -122,8 +151,11 @@ def make_config(base: str = "tiny", **overrides: Any) -> dict[str, Any]:
         for key, value in special_token_ids(overrides["vocab_size"]).items():
             config[key] = overrides.get(key, value)
     if ("hidden_size" in overrides or "num_attention_heads" in overrides) and "head_dim" not in overrides:
-        overrides = {**overrides, "head_dim": overrides.get("hidden_size", config["hidden_size"])
-                     // overrides.get("num_attention_heads", config["num_attention_heads"])}
+        overrides = {
+            **overrides,
+            "head_dim": overrides.get("hidden_size", config["hidden_size"])
+            // overrides.get("num_attention_heads", config["num_attention_heads"]),
+        }
     config.update(copy.deepcopy(overrides))
     check_config(config)
     return config
@@ -131,8 +163,17 @@ def make_config(base: str = "tiny", **overrides: Any) -> dict[str, Any]:
 
 def check_config(config: dict[str, Any]) -> None:
     """Raise ValueError unless ``config`` is a Llama config this module can write."""
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "tie_word_embeddings", "bos_token_id", "eos_token_id")
+    required = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    )
     missing = [k for k in required if config.get(k) is None]
     if missing:
         raise ValueError(f"config lacks {missing}")
@@ -143,13 +184,16 @@ def check_config(config: dict[str, Any]) -> None:
     if config_dtype(config) not in DTYPES:
         raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)}, got {config_dtype(config)!r}")
     if config["vocab_size"] < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 byte tokens + 256 special tokens), "
-                         f"got {config['vocab_size']}")
+        raise ValueError(
+            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 byte tokens + 256 special tokens), got {config['vocab_size']}"
+        )
     layout = special_token_ids(config["vocab_size"])
     got = {k: config[k] for k in layout}
     if got != layout:
-        raise ValueError(f"bos/eos ids {got} do not match the tokenizer's special-token layout {layout}; "
-                         "build the config with make_config(vocab_size=...)")
+        raise ValueError(
+            f"bos/eos ids {got} do not match the tokenizer's special-token layout {layout}; "
+            "build the config with make_config(vocab_size=...)"
+        )
 
 
 def config_dtype(config: dict[str, Any]) -> str | None:
@@ -191,8 +235,9 @@ def num_parameters(config: dict[str, Any]) -> int:
     return sum(math.prod(shape) for _, shape in weight_shapes(config))
 
 
-def random_weight_chunks(name: str, shape: tuple[int, ...], *, seed: int, init_std: float,
-                         dtype: torch.dtype) -> Iterator[torch.Tensor]:
+def random_weight_chunks(
+    name: str, shape: tuple[int, ...], *, seed: int, init_std: float, dtype: torch.dtype
+) -> Iterator[torch.Tensor]:
     """The dummy weight ``name`` as row chunks: N(0, init_std), or 1 + N(0, 0.1) for norms.
 
     Deterministic: a generator seeded from (seed, name) draws float32 rows in fixed-size
@@ -276,23 +321,33 @@ def write_dummy_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "generation_config.json", {
-        "bos_token_id": config["bos_token_id"], "do_sample": True, "eos_token_id": config["eos_token_id"],
-        "temperature": 0.6, "top_p": 0.9,
-    })
+    _write_json(
+        out_dir / "generation_config.json",
+        {
+            "bos_token_id": config["bos_token_id"],
+            "do_sample": True,
+            "eos_token_id": config["eos_token_id"],
+            "temperature": 0.6,
+            "top_p": 0.9,
+        },
+    )
     write_tokenizer_files(out_dir, config["vocab_size"], config["max_position_embeddings"])
     _write_weights(out_dir, config, seed=seed, init_std=init_std, max_shard_bytes=max_shard_bytes, progress=progress)
     return out_dir
 
 
-def _write_weights(out_dir: Path, config: dict[str, Any], *, seed: int, init_std: float,
-                   max_shard_bytes: int, progress: bool | None) -> None:
+def _write_weights(
+    out_dir: Path, config: dict[str, Any], *, seed: int, init_std: float, max_shard_bytes: int, progress: bool | None
+) -> None:
     torch_dtype = DTYPES[config_dtype(config)]
     shapes = weight_shapes(config)
     sizes = [tensor_nbytes(shape, torch_dtype) for _, shape in shapes]
     shards = _plan_shards(sizes, max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    )
     show = progress if progress is not None else sum(sizes) > _PROGRESS_MIN_BYTES
     with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="dummy weights", disable=not show) as bar:
         for file_name, indices in zip(names, shards):
@@ -300,12 +355,15 @@ def _write_weights(out_dir: Path, config: dict[str, Any], *, seed: int, init_std
             with SafetensorsWriter(out_dir / file_name, specs, {"format": "pt"}) as writer:
                 for k in indices:
                     name, shape = shapes[k]
-                    writer.write(name, random_weight_chunks(name, shape, seed=seed, init_std=init_std, dtype=torch_dtype))
+                    writer.write(
+                        name, random_weight_chunks(name, shape, seed=seed, init_std=init_std, dtype=torch_dtype)
+                    )
                     bar.update(sizes[k])
     if len(shards) > 1:
         weight_map = {shapes[k][0]: file_name for file_name, indices in zip(names, shards) for k in indices}
-        _write_json(out_dir / "model.safetensors.index.json",
-                    {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map})
+        _write_json(
+            out_dir / "model.safetensors.index.json", {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        )
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -346,11 +404,13 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
     """
     if model == DEMO_MODEL:
         if not demo_model_available():
-            raise ValueError(f"the demo model's files are not in this installation ({DEMO_MODEL_DIR}); "
-                             "train them with scripts/train_demo_model.py, or pass a model directory")
+            raise ValueError(
+                f"the demo model's files are not in this installation ({DEMO_MODEL_DIR}); "
+                "train them with scripts/train_demo_model.py, or pass a model directory"
+            )
         return DEMO_MODEL_DIR
     if model.startswith("dummy:"):
-        preset = model[len("dummy:"):]
+        preset = model[len("dummy:") :]
         if preset not in PRESETS:
             raise ValueError(f"unknown dummy preset {preset!r}; presets: {', '.join(sorted(PRESETS))}")
         target = Path(cache_dir if cache_dir is not None else default_cache_dir()) / preset

@@ -40,15 +40,73 @@ LLAMA3_SPLIT_PATTERN = (
 # Standard-library modules whose docstrings form the training text: ``<name>.py`` or
 # ``<name>/__init__.py`` under the stdlib directory (a missing one is skipped).
 CORPUS_MODULES = (
-    "argparse", "ast", "base64", "bisect", "calendar", "collections/__init__", "configparser",
-    "contextlib", "copy", "csv", "dataclasses", "datetime", "difflib", "doctest", "enum",
-    "fractions", "ftplib", "functools", "gettext", "glob", "gzip", "heapq", "hmac", "http/client",
-    "http/server", "imaplib", "inspect", "ipaddress", "json/__init__", "json/decoder", "locale",
-    "logging/__init__", "mailbox", "optparse", "pathlib", "pdb", "pickle", "pprint", "pydoc",
-    "queue", "random", "sched", "shlex", "shutil", "smtplib", "socket", "ssl", "statistics",
-    "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize",
-    "trace", "traceback", "typing", "unittest/case", "urllib/parse", "uuid", "warnings",
-    "weakref", "_pydecimal", "_pyio", "_strptime",
+    "argparse",
+    "ast",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections/__init__",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "difflib",
+    "doctest",
+    "enum",
+    "fractions",
+    "ftplib",
+    "functools",
+    "gettext",
+    "glob",
+    "gzip",
+    "heapq",
+    "hmac",
+    "http/client",
+    "http/server",
+    "imaplib",
+    "inspect",
+    "ipaddress",
+    "json/__init__",
+    "json/decoder",
+    "locale",
+    "logging/__init__",
+    "mailbox",
+    "optparse",
+    "pathlib",
+    "pdb",
+    "pickle",
+    "pprint",
+    "pydoc",
+    "queue",
+    "random",
+    "sched",
+    "shlex",
+    "shutil",
+    "smtplib",
+    "socket",
+    "ssl",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "trace",
+    "traceback",
+    "typing",
+    "unittest/case",
+    "urllib/parse",
+    "uuid",
+    "warnings",
+    "weakref",
+    "_pydecimal",
+    "_pyio",
+    "_strptime",
 )
 
 CHAT_TEMPLATE = (
@@ -74,9 +132,17 @@ assistant header when ``add_generation_prompt``. Content may be a string or Open
 def special_tokens() -> list[str]:
     """The 256 special tokens in Llama 3's order (offset i sits at id ``V - 256 + i``)."""
     named = [
-        "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-        "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
-        "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>",
+        "<|finetune_right_pad_id|>",
+        "<|reserved_special_token_2|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eom_id|>",
+        "<|eot_id|>",
+        "<|python_tag|>",
     ]
     reserved = [f"<|reserved_special_token_{i}|>" for i in range(3, 3 + NUM_SPECIAL_TOKENS - len(named))]
     return named + reserved
@@ -109,10 +175,12 @@ def training_corpus() -> tuple[str, ...]:
 
 
 def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]
+    )
 
 
 def train_bpe(texts: Iterable[str], max_tokens: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -123,7 +191,9 @@ def train_bpe(texts: Iterable[str], max_tokens: int) -> tuple[dict[str, int], li
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = _pre_tokenizer()
     trainer = trainers.BpeTrainer(
-        vocab_size=max_tokens, min_frequency=2, show_progress=False,
+        vocab_size=max_tokens,
+        min_frequency=2,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer)
@@ -159,7 +229,9 @@ def build_tokenizer(vocab_size: int, corpus: Sequence[str] | None = None) -> Tok
         ValueError: ``vocab_size`` < 512 (256 bytes + 256 special tokens).
     """
     if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 byte tokens + 256 special tokens), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 byte tokens + 256 special tokens), got {vocab_size}"
+        )
     num_regular = vocab_size - NUM_SPECIAL_TOKENS
     vocab, merges = _train_bpe(num_regular) if corpus is None else train_bpe(corpus, num_regular)
     vocab = dict(vocab)
@@ -173,18 +245,21 @@ def build_tokenizer(vocab_size: int, corpus: Sequence[str] | None = None) -> Tok
     specials = special_tokens()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     bos = specials[0]
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, num_regular)]
-        ),
-    ])
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, num_regular)]
+            ),
+        ]
+    )
     assert tok.token_to_id(specials[-1]) == vocab_size - 1
     return tok
 
 
-def write_tokenizer_files(out_dir: Path, vocab_size: int, model_max_length: int,
-                          corpus: Sequence[str] | None = None) -> Tokenizer:
+def write_tokenizer_files(
+    out_dir: Path, vocab_size: int, model_max_length: int, corpus: Sequence[str] | None = None
+) -> Tokenizer:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``out_dir``;
     return the tokenizer. ``corpus``: as in :func:`build_tokenizer`.
 
@@ -195,8 +270,14 @@ def write_tokenizer_files(out_dir: Path, vocab_size: int, model_max_length: int,
     tok.save(str(out_dir / "tokenizer.json"))
     base = vocab_size - NUM_SPECIAL_TOKENS
     added = {
-        str(base + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                        "single_word": False, "special": True}
+        str(base + i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for i, t in enumerate(special_tokens())
     }
     config = {
@@ -209,7 +290,9 @@ def write_tokenizer_files(out_dir: Path, vocab_size: int, model_max_length: int,
         "model_max_length": model_max_length,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     special_map = {"bos_token": config["bos_token"], "eos_token": config["eos_token"]}
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n", encoding="utf-8")
     return tok

@@ -26,6 +26,7 @@ With `enable_decode_megakernel()` (the engine's default on CUDA up to hidden siz
 one sequence runs all layers and the final norm in one kernel launch instead (models/llama_megakernel.py),
 with the same maths and roundings as the fused path.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 class MegakernelDoesNotFit(RuntimeError):
     """The compiled decode megakernel needs more of an SM (shared memory) than this GPU gives one program."""
 
+
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, Hk, block_size, D]
 FUSED_MAX_TOKENS = 1  # default: batches up to this many token rows take the fused matrix-vector path
 
@@ -57,17 +59,19 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                meta: AttnMetadata, kv_cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
         # x: [T, H] → [T, H]
         return self.o_proj(self.attend(self.qkv_proj(x), positions, cos_sin, meta, kv_cache))
 
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-               meta: AttnMetadata, kv_cache: KVCache) -> torch.Tensor:
+    def attend(
+        self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
         """qkv [T, q_size + 2·kv_size] → RoPE, K/V into the cache, attention → [T, q_size]."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -80,13 +84,27 @@ class LlamaAttention(nn.Module):
         out = torch.empty_like(q)
         D = meta.num_decode_tokens
         if D:
-            out[:D] = self.ops.decode_attention(q[:D], k_cache, v_cache, meta.decode_seq_lens,
-                                                meta.decode_block_tables, self.scale,
-                                                meta.max_decode_seq_len, meta.decode_prefix_len)
+            out[:D] = self.ops.decode_attention(
+                q[:D],
+                k_cache,
+                v_cache,
+                meta.decode_seq_lens,
+                meta.decode_block_tables,
+                self.scale,
+                meta.max_decode_seq_len,
+                meta.decode_prefix_len,
+            )
         if D < T:
-            out[D:] = self.ops.prefill_attention(q[D:], k_cache, v_cache, meta.prefill_cu_seqlens_q,
-                                                 meta.prefill_seq_lens, meta.prefill_block_tables,
-                                                 self.scale, meta.max_prefill_q_len)
+            out[D:] = self.ops.prefill_attention(
+                q[D:],
+                k_cache,
+                v_cache,
+                meta.prefill_cu_seqlens_q,
+                meta.prefill_seq_lens,
+                meta.prefill_block_tables,
+                self.scale,
+                meta.max_prefill_q_len,
+            )
         return out.reshape(T, self.q_size)
 
 
@@ -108,8 +126,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, residual stream): with a residual, adds it first (fused)."""
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps), x
@@ -124,16 +141,23 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttnMetadata,
+        kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, cos_sin, meta, kv_cache)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-    def forward_fused(self, r: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                      meta: AttnMetadata, kv_cache: KVCache) -> torch.Tensor:
+    def forward_fused(
+        self, r: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
         """The small-batch path (module docstring): residual stream r [T, H] → the next layer's."""
         gemv = self.self_attn.ops.fused_gemv
         attn, mlp = self.self_attn, self.mlp
@@ -154,8 +178,9 @@ class LlamaForCausalLM(nn.Module):
     docstring); both can be changed on an existing model (before capturing CUDA graphs).
     """
 
-    def __init__(self, config: ModelConfig, ops: Ops, max_positions: int, dtype: torch.dtype,
-                 fuse_small_batches: bool = True) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: Ops, max_positions: int, dtype: torch.dtype, fuse_small_batches: bool = True
+    ) -> None:
         super().__init__()
         self.config = config
         self.ops = ops
@@ -164,10 +189,12 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions
         # Given its weight, nn.Embedding skips its random init: on the meta device that init would import
         # torch._dynamo (seconds of start-up on a CPU) for values the loader overwrites anyway.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, dtype)
-                                    for _ in range(config.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -194,8 +221,9 @@ class LlamaForCausalLM(nn.Module):
     def init_rope_table(self) -> None:
         """Fill the float32 [max_positions, D] cos/sin table on the model's device."""
         c = self.config
-        self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, self.max_positions,
-                                     device=self.embed_tokens.weight.device)
+        self.cos_sin = cos_sin_table(
+            c.head_dim, c.rope_theta, c.rope_scaling, self.max_positions, device=self.embed_tokens.weight.device
+        )
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -203,11 +231,11 @@ class LlamaForCausalLM(nn.Module):
 
     def uses_fused_path(self, num_rows: int) -> bool:
         """Whether a batch of `num_rows` token rows (or hidden rows, for the logits) is fused."""
-        return (self.fuse_small_batches and self.ops.fused_gemv is not None
-                and 0 < num_rows <= self.fused_max_tokens)
+        return self.fuse_small_batches and self.ops.fused_gemv is not None and 0 < num_rows <= self.fused_max_tokens
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, kv_caches: list[KVCache]
+    ) -> torch.Tensor:
         # input_ids, positions: [T] → hidden: [T, H]
         if self.decode_megakernel is not None and input_ids.shape[0] == 1 and meta.num_decode_tokens == 1:
             try:
@@ -235,8 +263,14 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.lm_head_weight)
         return logits if dtype is None else logits.to(dtype)
 
-    def compute_logits_sampled(self, hidden: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                               ids: torch.Tensor, host_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits_sampled(
+        self,
+        hidden: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        ids: torch.Tensor,
+        host_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`compute_logits(hidden, dtype=None)`, and every row's id drawn by the fused greedy/Gumbel
         sampler (kernels/sampling.py; temperature [N] float32, 0 = greedy, seeds [N] int64) into `ids`
         [N] int64 and, when given, `host_ids` (pinned). Where the fused Triton product computes the
@@ -246,8 +280,7 @@ class LlamaForCausalLM(nn.Module):
         if self.uses_fused_path(hidden.shape[0]) and self.ops.name == "triton":
             from tinyvllm.kernels.gemv import GemvSampling, fused_gemv_fwd
 
-            return fused_gemv_fwd(hidden, self.lm_head_weight,
-                                  sampling=GemvSampling(temperature, seeds, ids, host_ids))
+            return fused_gemv_fwd(hidden, self.lm_head_weight, sampling=GemvSampling(temperature, seeds, ids, host_ids))
         from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
         logits = self.compute_logits(hidden, dtype=None)
@@ -256,11 +289,16 @@ class LlamaForCausalLM(nn.Module):
 
     def can_sample_pruned(self, num_rows: int) -> bool:
         """Whether `sample_pruned` serves a batch of `num_rows` hidden rows (one, with the int8 copy)."""
-        return (num_rows == 1 and self.lm_head_rows is not None and self.ops.name == "triton"
-                and self.uses_fused_path(1))
+        return num_rows == 1 and self.lm_head_rows is not None and self.ops.name == "triton" and self.uses_fused_path(1)
 
-    def sample_pruned(self, hidden: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                      ids: torch.Tensor, host_ids: torch.Tensor | None = None) -> None:
+    def sample_pruned(
+        self,
+        hidden: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        ids: torch.Tensor,
+        host_ids: torch.Tensor | None = None,
+    ) -> None:
         """`compute_logits_sampled`'s ids for one row without its logits: the int8 copy bounds every
         row's score and the product runs over the few rows that can hold the sampled id
         (kernels/lm_head_bounds.py: the same id, bit for bit, from ~half the LM head's bytes)."""
@@ -269,5 +307,4 @@ class LlamaForCausalLM(nn.Module):
         from tinyvllm.kernels.gemv import GemvSampling
         from tinyvllm.kernels.lm_head_bounds import sample_pruned
 
-        sample_pruned(hidden, self.lm_head_weight, self.lm_head_rows,
-                      GemvSampling(temperature, seeds, ids, host_ids))
+        sample_pruned(hidden, self.lm_head_weight, self.lm_head_rows, GemvSampling(temperature, seeds, ids, host_ids))

@@ -8,6 +8,7 @@ is then called in place of the layer loop for a decode step of one sequence:
 
 The result equals the fused small-batch path of models/llama.py up to the order of the float32 sums.
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,16 +16,28 @@ import copy
 import torch
 from triton.runtime.errors import OutOfResources
 
-from tinyvllm.kernels.decode_megakernel import (MegakernelConfig, ModelShape, StackedWeights, Workspace,
-                                                decode_megakernel_fwd, max_programs, unsupported_reason)
+from tinyvllm.kernels.decode_megakernel import (
+    MegakernelConfig,
+    ModelShape,
+    StackedWeights,
+    Workspace,
+    decode_megakernel_fwd,
+    max_programs,
+    unsupported_reason,
+)
 from tinyvllm.models.attention_metadata import AttnMetadata
 from tinyvllm.models.llama import MegakernelDoesNotFit
 
 
 def model_shape(model) -> ModelShape:
     c = model.config
-    return ModelShape(hidden=c.hidden_size, intermediate=c.intermediate_size, num_heads=c.num_attention_heads,
-                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+    return ModelShape(
+        hidden=c.hidden_size,
+        intermediate=c.intermediate_size,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+    )
 
 
 def megakernel_unsupported(model) -> str | None:
@@ -58,34 +71,55 @@ class LlamaDecodeMegakernel:
                 down=_stack([m.down_proj.weight for m in mlp]),
                 norm1=_stack([layer.input_layernorm.weight for layer in layers]),
                 norm2=_stack([layer.post_attention_layernorm.weight for layer in layers]),
-                norm_final=model.norm.weight)
+                norm_final=model.norm.weight,
+            )
         self.model = model
         self.shape = model_shape(model)
         self.eps = model.config.rms_norm_eps
-        self.scale = self.shape.head_dim ** -0.5
+        self.scale = self.shape.head_dim**-0.5
         self.config = config
         device = self.weights.qkv.device
         self.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device, config))
 
-    def variant(self, config: MegakernelConfig, num_splits: int | None = None) -> "LlamaDecodeMegakernel":
+    def variant(self, config: MegakernelConfig, num_splits: int | None = None) -> LlamaDecodeMegakernel:
         """The same stacked weights under another launch configuration (benchmarks), own workspace
         (`num_splits` context splits per KV head; None: the default)."""
         other = copy.copy(self)
         other.config = config
         device = self.weights.qkv.device
-        other.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device, config),
-                                    num_splits)
+        other.workspace = Workspace(
+            self.shape, self.weights.qkv.dtype, device, max_programs(device, config), num_splits
+        )
         return other
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], trace: bool = False) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        trace: bool = False,
+    ) -> torch.Tensor:
         """A decode step of one sequence (meta.num_decode_tokens == 1) → final hidden state [1, H].
         `trace`: record the phase timer in workspace.trace (see decode_megakernel_fwd). Raises
         MegakernelDoesNotFit, before launching anything, where the compiled kernel needs more shared memory
         than the GPU has (Triton checks at the first launch; the model then runs the layers one by one)."""
         try:
-            return decode_megakernel_fwd(input_ids, positions, meta.slot_mapping, meta.decode_seq_lens,
-                                         meta.decode_block_tables[0], self.weights, self.model.cos_sin, kv_caches,
-                                         self.shape, self.eps, self.scale, self.workspace, self.config, trace)
+            return decode_megakernel_fwd(
+                input_ids,
+                positions,
+                meta.slot_mapping,
+                meta.decode_seq_lens,
+                meta.decode_block_tables[0],
+                self.weights,
+                self.model.cos_sin,
+                kv_caches,
+                self.shape,
+                self.eps,
+                self.scale,
+                self.workspace,
+                self.config,
+                trace,
+            )
         except OutOfResources as e:
             raise MegakernelDoesNotFit(f"{e} (MegakernelConfig {self.config})") from e

@@ -4,6 +4,7 @@ The name map is explicit: every Hugging Face tensor name maps to one of our para
 fused projections, the rows it fills. Anything missing, unexpected or mis-shaped is an error that names
 the tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,23 +39,24 @@ class Target:
 def weight_name_map(config: ModelConfig) -> dict[str, Target]:
     """Hugging Face tensor name → our parameter (and row range, for the fused QKV and gate/up)."""
     q, kv, f = config.q_size, config.kv_size, config.intermediate_size
-    names = {"model.embed_tokens.weight": Target("embed_tokens.weight"),
-             "model.norm.weight": Target("norm.weight")}
+    names = {"model.embed_tokens.weight": Target("embed_tokens.weight"), "model.norm.weight": Target("norm.weight")}
     if not config.tie_word_embeddings:
         names["lm_head.weight"] = Target("lm_head.weight")
     for i in range(config.num_hidden_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
-        names.update({
-            f"{hf}.self_attn.q_proj.weight": Target(f"{ours}.self_attn.qkv_proj.weight", 0, q),
-            f"{hf}.self_attn.k_proj.weight": Target(f"{ours}.self_attn.qkv_proj.weight", q, kv),
-            f"{hf}.self_attn.v_proj.weight": Target(f"{ours}.self_attn.qkv_proj.weight", q + kv, kv),
-            f"{hf}.self_attn.o_proj.weight": Target(f"{ours}.self_attn.o_proj.weight"),
-            f"{hf}.mlp.gate_proj.weight": Target(f"{ours}.mlp.gate_up_proj.weight", 0, f),
-            f"{hf}.mlp.up_proj.weight": Target(f"{ours}.mlp.gate_up_proj.weight", f, f),
-            f"{hf}.mlp.down_proj.weight": Target(f"{ours}.mlp.down_proj.weight"),
-            f"{hf}.input_layernorm.weight": Target(f"{ours}.input_layernorm.weight"),
-            f"{hf}.post_attention_layernorm.weight": Target(f"{ours}.post_attention_layernorm.weight"),
-        })
+        names.update(
+            {
+                f"{hf}.self_attn.q_proj.weight": Target(f"{ours}.self_attn.qkv_proj.weight", 0, q),
+                f"{hf}.self_attn.k_proj.weight": Target(f"{ours}.self_attn.qkv_proj.weight", q, kv),
+                f"{hf}.self_attn.v_proj.weight": Target(f"{ours}.self_attn.qkv_proj.weight", q + kv, kv),
+                f"{hf}.self_attn.o_proj.weight": Target(f"{ours}.self_attn.o_proj.weight"),
+                f"{hf}.mlp.gate_proj.weight": Target(f"{ours}.mlp.gate_up_proj.weight", 0, f),
+                f"{hf}.mlp.up_proj.weight": Target(f"{ours}.mlp.gate_up_proj.weight", f, f),
+                f"{hf}.mlp.down_proj.weight": Target(f"{ours}.mlp.down_proj.weight"),
+                f"{hf}.input_layernorm.weight": Target(f"{ours}.input_layernorm.weight"),
+                f"{hf}.post_attention_layernorm.weight": Target(f"{ours}.post_attention_layernorm.weight"),
+            }
+        )
     return names
 
 
@@ -98,15 +100,19 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, show_progress: 
         if target is None:
             if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
                 continue
-            raise ValueError(f"unexpected tensor {name!r} in {path.name}: it has no place in a "
-                             f"{config.architecture} with this config")
+            raise ValueError(
+                f"unexpected tensor {name!r} in {path.name}: it has no place in a "
+                f"{config.architecture} with this config"
+            )
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint (again in {path.name})")
         param = params[target.param]
-        dest = param if target.start is None else param[target.start:target.start + target.rows]
+        dest = param if target.start is None else param[target.start : target.start + target.rows]
         if tuple(tensor.shape) != tuple(dest.shape):
-            raise ValueError(f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "
-                             f"but the config implies {tuple(dest.shape)}")
+            raise ValueError(
+                f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "
+                f"but the config implies {tuple(dest.shape)}"
+            )
         dest.copy_(tensor)
         seen.add(name)
         bar.update(1)
@@ -129,9 +135,19 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) ->
             param.copy_(values)
 
 
-def build_model(config: ModelConfig, ops: Ops, *, model_dir: str | Path, device: torch.device,
-                dtype: torch.dtype, max_positions: int, load_format: str = "auto", seed: int = 0,
-                show_progress: bool = False, fuse_small_batches: bool = True) -> LlamaForCausalLM:
+def build_model(
+    config: ModelConfig,
+    ops: Ops,
+    *,
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
+    show_progress: bool = False,
+    fuse_small_batches: bool = True,
+) -> LlamaForCausalLM:
     """Construct on the meta device, materialise on `device`, then load (or randomise) the weights.
     `fuse_small_batches`: see LlamaForCausalLM."""
     if load_format not in LOAD_FORMATS:

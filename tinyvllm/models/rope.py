@@ -1,4 +1,5 @@
 """Rotary position tables, with Llama 3's frequency-dependent scaling."""
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,9 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) ->
     return torch.where(medium, blended, scaled)
 
 
-def cos_sin_table(head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
+def cos_sin_table(
+    head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos(p·f) in the first half of each row, sin(p·f) in the second."""
     inv_freq = inv_frequencies(head_dim, theta, scaling)
     positions = torch.arange(max_positions, dtype=torch.float32)

@@ -49,7 +49,11 @@ class SafetensorsWriter:
         offset = 0
         for name, shape, dtype in self._specs:
             nbytes = tensor_nbytes(shape, dtype)
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
@@ -68,7 +72,9 @@ class SafetensorsWriter:
             data = chunk.detach().contiguous().cpu().view(torch.uint8).numpy()
             self._file.write(data.data)
             written += data.nbytes
-        assert written == tensor_nbytes(shape, dtype), f"{name}: wrote {written} bytes, declared {tensor_nbytes(shape, dtype)}"
+        assert written == tensor_nbytes(shape, dtype), (
+            f"{name}: wrote {written} bytes, declared {tensor_nbytes(shape, dtype)}"
+        )
         self._next += 1
 
     def close(self) -> None:
@@ -78,7 +84,9 @@ class SafetensorsWriter:
     def __enter__(self) -> SafetensorsWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:
