@@ -223,7 +223,7 @@ def build_model(device: torch.device, max_positions: int):
 
 def model_check(device, batches: list[int], ctx: int, copy_bw: float) -> list[dict]:
     """Whole decode steps (layers + final norm + LM head) of the 1B shape, fused vs unfused."""
-    from tinyvllm.models.attention_metadata import AttnMetadata
+    from tinyvllm.kernels.attention_metadata import AttnMetadata
 
     block = 16
     model = build_model(device, ctx + 16)

@@ -35,8 +35,8 @@ from common import (
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import get_ops
+from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.kernels.decode_megakernel import MegakernelConfig
-from tinyvllm.models.attention_metadata import AttnMetadata
 from tinyvllm.models.checkpoint import make_config
 from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel
 from tinyvllm.models.loader import build_model

@@ -19,8 +19,8 @@ import torch
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import get_ops
+from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.kernels.decode_megakernel import MegakernelConfig
-from tinyvllm.models.attention_metadata import AttnMetadata
 from tinyvllm.models.checkpoint import make_config
 from tinyvllm.models.loader import build_model
 

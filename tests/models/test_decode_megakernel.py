@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.models.test_fused_decode import backends, build, device_for
+from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.kernels.decode_megakernel import (
     PIPELINE_BYTES,
     MegakernelConfig,
@@ -30,7 +31,6 @@ from tinyvllm.kernels.decode_megakernel import (
     unit_rows,
     unit_tile,
 )
-from tinyvllm.models.attention_metadata import AttnMetadata
 
 BLOCK = 4
 NUM_BLOCKS = 80

@@ -22,7 +22,7 @@ import torch
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import get_ops
-from tinyvllm.models.attention_metadata import AttnMetadata
+from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.models.checkpoint import make_config
 from tinyvllm.models.llama import FUSED_MAX_TOKENS, LlamaForCausalLM
 

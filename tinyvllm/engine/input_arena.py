@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tinyvllm.models.attention_metadata import AttnMetadata
+from tinyvllm.kernels.attention_metadata import AttnMetadata
 
 _ALIGN = 16
 

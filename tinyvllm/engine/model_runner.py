@@ -34,7 +34,7 @@ from tinyvllm.engine.sampler import LogprobsTensors, Sampler
 from tinyvllm.engine.sampling_tensors import SamplingRow, SamplingTensors
 from tinyvllm.engine.step_inputs import StepInputBuilder
 from tinyvllm.kernels import get_ops
-from tinyvllm.models.attention_metadata import CASCADE_ALIGN
+from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN
 from tinyvllm.models.llama import KVCache
 from tinyvllm.models.loader import build_model
 
@@ -216,7 +216,7 @@ class ModelRunner:
         """Peak memory of one prompt of `num_tokens` tokens (the largest step) plus logits and sampling
         temporaries for `max_num_seqs` rows and the decode graphs' logits buffer. The cache is one
         block that every page of the block table points at; nothing is written to it."""
-        from tinyvllm.models.attention_metadata import AttnMetadata
+        from tinyvllm.kernels.attention_metadata import AttnMetadata
 
         self.allocate_kv_cache(1, block_size)
         dev, i32 = self.device, torch.int32

@@ -24,7 +24,7 @@ import torch
 from tinyvllm.core.outputs import PLACEHOLDER, ScheduledSequence, SchedulerOutput
 from tinyvllm.engine.block_tables import BlockTableRows
 from tinyvllm.engine.input_arena import InputArena
-from tinyvllm.models.attention_metadata import AttnMetadata
+from tinyvllm.kernels.attention_metadata import AttnMetadata
 
 
 @dataclass

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from tinyvllm.kernels._flash import _attn_inner
 from tinyvllm.kernels._launch import cdiv, check_paged_attention, next_power_of_2, num_sms, upcast_dot
-from tinyvllm.models.attention_metadata import CASCADE_ALIGN  # the tile of both kernels
+from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN  # the tile of both kernels
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256

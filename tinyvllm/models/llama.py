@@ -37,7 +37,7 @@ from torch.nn import functional as F
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import Ops
-from tinyvllm.models.attention_metadata import AttnMetadata
+from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.models.rope import cos_sin_table
 
 logger = logging.getLogger(__name__)

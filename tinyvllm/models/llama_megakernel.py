@@ -16,6 +16,7 @@ import copy
 import torch
 from triton.runtime.errors import OutOfResources
 
+from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.kernels.decode_megakernel import (
     MegakernelConfig,
     ModelShape,
@@ -25,7 +26,6 @@ from tinyvllm.kernels.decode_megakernel import (
     max_programs,
     unsupported_reason,
 )
-from tinyvllm.models.attention_metadata import AttnMetadata
 from tinyvllm.models.llama import MegakernelDoesNotFit
 
 

@@ -1,4 +1,4 @@
-"""How one packed batch maps onto the paged KV cache; built by the runner, read by attention."""
+"""The kernels' input contract: how one packed batch maps onto the paged KV cache (built by the runner)."""
 
 from __future__ import annotations
 
