@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from tinyvllm.engine.sampler import Sampler
-from tinyvllm.engine.sampling_tensors import SamplingRow, SamplingTensors, make_generator
+from tinyvllm.sampling.sampler import Sampler
+from tinyvllm.sampling.tensors import SamplingRow, SamplingTensors, make_generator
 from tinyvllm.sampling_params import SamplingParams
 
 CONFIGS = {

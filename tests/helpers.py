@@ -26,8 +26,8 @@ def chunked_logits(engine, prompt: list[int], chunks: list[int]) -> torch.Tensor
             is_new=start == 0,
         )
         inputs = runner.builder.build(SchedulerOutput([seq], n))
-        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches)
-        logits.append(runner.model.compute_logits(hidden))
+        hidden = runner.executor.hidden_states(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches)
+        logits.append(runner.executor.lm_head.logits(hidden))
         start += n
     return torch.cat(logits)
 

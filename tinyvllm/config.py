@@ -229,3 +229,58 @@ class SchedulerConfig:
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """ceil(num_tokens / block_size)."""
     return math.ceil(num_tokens / block_size)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the model runner executes a step: which execution path serves which step shape.
+
+    Every field is an `EngineArgs` field of the same name; the defaults are the engine's (docs/perf.md
+    gives the measurements behind each threshold). Fields that only matter on CUDA are ignored elsewhere.
+
+    Attributes:
+        fused_gemv: steps of at most `fused_max_tokens` token rows run the decoder through our
+            matrix-vector kernels, with SwiGLU and the residual adds folded in.
+        fused_max_tokens: the largest step (token rows) the fused matrix-vector path serves (1..16).
+        decode_megakernel: a decode step of one sequence runs every layer in one kernel launch (CUDA and
+            the Triton backend only); None: on for hidden sizes up to `megakernel_max_hidden`.
+        megakernel_max_hidden: the largest hidden size the megakernel is on for by default.
+        pruned_lm_head: batch-1 decode graph steps whose sampling is greedy or temperature only draw their
+            token from an int8 copy of the LM head that bounds every row's score, plus the few rows it
+            cannot rule out (the same token; vocab × hidden bytes more memory).
+        cuda_graphs: capture decode steps as CUDA graphs (EngineArgs.enforce_eager turns them off).
+        sample_in_lm_head: graph steps find the fused sampler's per-block bests inside the LM head's
+            kernel where that kernel is our fused product.
+        graph_io_max_rows: graph buckets of at most this many rows load their own inputs and write their
+            own sampled ids (a step is one graph launch); 0 turns it off.
+        kernel_copy_max_rows: steps of at most this many sampled rows move their inputs and sampled ids by
+            kernels reading pinned host memory instead of copy-engine copies.
+        cascade_min_batch: decode-only steps of at least this many rows may use cascade attention.
+        cascade_min_prefix: ... when their rows share at least this many leading keys in the same blocks.
+    """
+
+    fused_gemv: bool = True
+    fused_max_tokens: int = 1
+    decode_megakernel: bool | None = None
+    megakernel_max_hidden: int = 2048
+    pruned_lm_head: bool = True
+    cuda_graphs: bool = True
+    sample_in_lm_head: bool = True
+    graph_io_max_rows: int = 1
+    kernel_copy_max_rows: int = 8
+    cascade_min_batch: int = 96
+    cascade_min_prefix: int = 256
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.fused_max_tokens <= 16:
+            raise ValueError(
+                f"fused_max_tokens must be in [1, 16] (the fused kernels' row limit), got {self.fused_max_tokens}"
+            )
+        if self.graph_io_max_rows not in (0, 1):
+            raise ValueError(
+                f"graph_io_max_rows must be 0 or 1 (one program loads a row), got {self.graph_io_max_rows}"
+            )
+        for name in ("megakernel_max_hidden", "kernel_copy_max_rows", "cascade_min_batch", "cascade_min_prefix"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")

@@ -2,7 +2,7 @@
 
 Pure Python (no torch) so that the scheduler, the server schema and the tests
 can build and validate parameters anywhere. The sampler
-(:mod:`tinyvllm.engine.sampler`) turns a batch of these into device tensors.
+(:mod:`tinyvllm.sampling.sampler`) turns a batch of these into device tensors.
 
 Normalisations done in ``__post_init__`` (all as vLLM does):
 

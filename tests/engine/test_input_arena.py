@@ -246,7 +246,7 @@ def _llm(
         return llm, None
     sizes = graph_batch_sizes(8)
     runner.graphs = _EagerGraphs(
-        runner.model,
+        runner.executor,
         runner.kv_caches,
         batch_sizes=sizes,
         max_blocks_per_seq=runner.builder.tables.max_blocks_per_seq,

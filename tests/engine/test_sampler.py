@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from tinyvllm.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p
-from tinyvllm.engine.sampling_tensors import SamplingRow, SamplingTensors, make_generator
+from tinyvllm.sampling.sampler import Sampler, apply_penalties, apply_top_k_top_p
+from tinyvllm.sampling.tensors import SamplingRow, SamplingTensors, make_generator
 from tinyvllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

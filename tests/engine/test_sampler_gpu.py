@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyvllm.engine.sampler import Sampler
-from tinyvllm.engine.sampling_tensors import SamplingRow, SamplingTensors, make_generator
+from tinyvllm.sampling.sampler import Sampler
+from tinyvllm.sampling.tensors import SamplingRow, SamplingTensors, make_generator
 from tinyvllm.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

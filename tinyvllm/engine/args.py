@@ -1,11 +1,22 @@
-"""Engine options, with vLLM's names, shared by `LLM`, the CLI and the server."""
+"""Engine options with vLLM's names: the one configuration surface of `LLM`, the CLI and the server.
+
+`EngineArgs` is flat, as vLLM's is, so `LLM(model, **kwargs)` takes its fields as keyword arguments.
+Each field carries its help text; `add_engine_cli_args` generates one flag per field from them
+(`max_num_seqs` → `--max-num-seqs`, a bool → `--flag/--no-flag`), so a new field is a new flag. The
+engine turns the fields into the typed configs it passes down (`runner_config()`; the cache and
+scheduler configs are sized by the engine, which needs the model's memory profile first).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
-from dataclasses import dataclass
+import types
+import typing
+from dataclasses import dataclass, field
+
+from tinyvllm.config import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,35 +38,68 @@ def default_model() -> str:
     return FALLBACK_MODEL
 
 
+def _opt(default, help: str, choices: tuple | None = None, cli: bool = True):
+    """A field with its CLI help (and choices); `cli=False` keeps it out of the generated flags."""
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+
+
+_RUNNER = {f.name for f in dataclasses.fields(RunnerConfig)}
+
+
 @dataclass
 class EngineArgs:
-    """Everything needed to build an engine. `None` means "derive it" (see each field)."""
+    """Everything needed to build an engine. `None` means "derive it" (each field's help says how)."""
 
-    model: str | None = None  # a Hugging Face model directory, "demo" or "dummy:<preset>"; None: default_model()
-    tokenizer: str | None = None  # directory with tokenizer.json; None: the model's
-    dtype: str = "auto"  # auto (the checkpoint's), bfloat16, float16, float32
-    device: str = "auto"  # auto (cuda if available), cpu, cuda, cuda:N
-    kernel_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch, triton
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 8192 (at least max_model_len without chunking)
-    max_model_len: int | None = None  # None: min(max_position_embeddings, what the KV cache holds)
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None  # KV cache budget; on the CPU the default is 1 GiB
-    load_format: str = "auto"  # auto/safetensors, or dummy (random weights, config only)
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    enforce_eager: bool = False  # no CUDA graphs
-    async_scheduling: bool | None = None  # overlap host work with the device; None: on for CUDA
-    fused_gemv: bool = True  # batch-1 decode through our matrix-vector kernels with the residual adds and
-    # SwiGLU folded in (models/llama.py; measured 897 vs 845 tok/s on the H200, docs/perf.md)
-    decode_megakernel: bool | None = None  # on CUDA, a decode step of one sequence runs every layer in one
-    # kernel launch (kernels/decode_megakernel.py); None: where it was measured faster (hidden ≤ 2048)
-    pruned_lm_head: bool = True  # on CUDA with CUDA graphs, a decode step of one sequence whose sampling is
-    # greedy or temperature-only samples from an int8 copy of the LM head (vocab × hidden bytes more
-    # memory) and the few rows it cannot rule out: the same tokens (kernels/lm_head_bounds.py)
+    model: str | None = _opt(None, "model directory (Hugging Face format), demo or dummy:<preset> (default: demo)")
+    tokenizer: str | None = _opt(None, "directory with tokenizer.json (default: the model's)")
+    dtype: str = _opt(
+        "auto", "weights and activations dtype (auto: the checkpoint's)", ("auto", "bfloat16", "float16", "float32")
+    )
+    device: str = _opt("auto", "auto (cuda if available), cpu, cuda or cuda:N")
+    kernel_backend: str = _opt(
+        "auto", "auto: Triton on CUDA, the torch reference elsewhere", ("auto", "torch", "triton")
+    )
+    block_size: int = _opt(16, "tokens per KV cache block")
+    max_num_seqs: int = _opt(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = _opt(
+        None, "token budget of one step (default: 8192, at least max_model_len without chunked prefill)"
+    )
+    max_model_len: int | None = _opt(None, "longest sequence (default: the model's limit or what the cache holds)")
+    gpu_memory_utilization: float = _opt(0.9, "fraction of the GPU's memory the engine may take")
+    num_gpu_blocks_override: int | None = _opt(None, "KV cache blocks, instead of sizing the cache from memory")
+    kv_cache_memory_bytes: int | None = _opt(None, "KV cache budget in bytes (default on the CPU: 1 GiB)")
+    load_format: str = _opt(
+        "auto", "auto/safetensors, or dummy (random weights, config only)", ("auto", "safetensors", "dummy")
+    )
+    seed: int = _opt(0, "seed of the engine's random state (dummy weights, unseeded sampling)")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV cache blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps")
+    enforce_eager: bool = _opt(False, "no CUDA graphs")
+    async_scheduling: bool | None = _opt(
+        None, "schedule step N+1 before reading step N's tokens (default: on for CUDA)"
+    )
+    # Execution paths (RunnerConfig); docs/perf.md has the measurements behind the defaults.
+    fused_gemv: bool = _opt(
+        True, "small decode steps through our matrix-vector kernels, with SwiGLU and the residual adds folded in"
+    )
+    fused_max_tokens: int = _opt(1, "largest step (token rows, 1-16) the fused matrix-vector path serves")
+    decode_megakernel: bool | None = _opt(
+        None,
+        "on CUDA, a decode step of one sequence runs every layer in one kernel launch "
+        "(default: on up to hidden size --megakernel-max-hidden)",
+    )
+    megakernel_max_hidden: int = _opt(2048, "largest hidden size the decode megakernel is on for by default")
+    pruned_lm_head: bool = _opt(
+        True,
+        "on CUDA with CUDA graphs, sample a batch-1 decode step (greedy or temperature only) from an "
+        "int8 copy of the LM head and the few rows it cannot rule out: the same tokens, vocab x hidden bytes "
+        "more memory",
+    )
+    sample_in_lm_head: bool = _opt(True, "decode graphs sample inside the LM head's fused kernel")
+    graph_io_max_rows: int = _opt(1, "graph buckets of up to this many rows (0 or 1) load their own inputs")
+    kernel_copy_max_rows: int = _opt(8, "steps of up to this many rows copy inputs and ids by kernels")
+    cascade_min_batch: int = _opt(96, "decode steps of at least this many rows may use cascade attention")
+    cascade_min_prefix: int = _opt(256, "shared prefix (keys) from which cascade attention is used")
 
     def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)
@@ -64,61 +108,34 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    def runner_config(self, device_type: str) -> RunnerConfig:
+        """The runner's typed config; CUDA graphs only on CUDA and without `enforce_eager`."""
+        values = {name: getattr(self, name) for name in _RUNNER if name != "cuda_graphs"}
+        return RunnerConfig(**values, cuda_graphs=device_type == "cuda" and not self.enforce_eager)
+
 
 def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per EngineArgs field, spelled as vLLM spells it (--max-num-seqs, ...)."""
-    d = EngineArgs()
-    g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="model directory, demo or dummy:<preset> (default: %s, the small model shipped with "
-        "tinyvllm)" % DEFAULT_MODEL,
-    )
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
-    g.add_argument("--device", default=d.device)
-    g.add_argument("--kernel-backend", default=d.kernel_backend, choices=["auto", "torch", "triton"])
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "dummy"])
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule step N+1 before reading step N's tokens (default: on for CUDA)",
-    )
-    g.add_argument(
-        "--fused-gemv",
-        action=argparse.BooleanOptionalAction,
-        default=d.fused_gemv,
-        help="batch-1 decode steps through our matrix-vector kernels, with SwiGLU and the "
-        "residual adds folded in (default: on; see docs/perf.md)",
-    )
-    g.add_argument(
-        "--decode-megakernel",
-        action=argparse.BooleanOptionalAction,
-        default=d.decode_megakernel,
-        help="on CUDA, run a decode step of one sequence through all layers in one kernel launch "
-        "(default: on for hidden sizes up to 2048, where it was measured faster; docs/perf.md)",
-    )
-    g.add_argument(
-        "--pruned-lm-head",
-        action=argparse.BooleanOptionalAction,
-        default=d.pruned_lm_head,
-        help="on CUDA with CUDA graphs, sample a batch-1 decode step (greedy or temperature only) "
-        "from an int8 copy of the LM head and the few rows it cannot rule out: the same "
-        "tokens, about half the LM head's bytes, vocab × hidden bytes more memory (default: on)",
-    )
+    """Add one flag per EngineArgs field, spelled as vLLM spells it (`--max-num-seqs`, ...)."""
+    hints = typing.get_type_hints(EngineArgs)
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineArgs):
+        if not f.metadata.get("cli", True):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text)
+
+
+def _base_type(hint) -> type:
+    """`int | None` → int; `bool` → bool."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0]
+    return hint
 
 
 def engine_args_from_cli(ns: argparse.Namespace) -> EngineArgs:

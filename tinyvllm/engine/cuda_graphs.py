@@ -21,11 +21,11 @@ Buckets of at most `io_max_rows` rows (with `sample_in_graph`) instead do their 
 arena of their own (io_max_rows rows, so that a step's bytes are a few hundred): two graphs per bucket,
 one per host twin, each starting with a kernel that copies the step's bytes from that pinned twin and
 gathers the placeholders (kernels/arena_load.py) and ending with a sampler that also writes the ids into
-the twin's `sampled_ids` (kernels/sampling.py). A batch-1 step is then one graph launch and
-an event: the copy kernels outside the graph and the device's idle time at their hand-overs go
-(docs/perf.md, v15). With `pruned_lm_head` those buckets get a second pair of graphs whose sampler
-reads the LM head at one byte per weight (`LlamaForCausalLM.sample_pruned`, kernels/lm_head_bounds.py:
-the same ids, no logits), for the steps whose every row that sampler serves.
+the twin's `sampled_ids` (kernels/sampling.py). A batch-1 step is then one graph launch and an event,
+without copy kernels outside the graph and the device's idle time at their hand-overs. With
+`pruned_lm_head` those buckets get a second pair of graphs whose sampler reads the LM head at one byte per
+weight (`LMHead.sample_pruned`, kernels/lm_head_bounds.py: the same ids, no logits), for the steps whose
+every row that sampler serves.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from collections.abc import Callable
 import torch
 
 from tinyvllm.engine.input_arena import InputArena
-from tinyvllm.models.llama import KVCache, LlamaForCausalLM
+from tinyvllm.engine.paths.executor import ModelExecutor
+from tinyvllm.models.llama import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -52,19 +53,31 @@ def graph_batch_sizes(max_num_seqs: int, limit: int = 256) -> list[int]:
 
 
 class DecodeGraphs:
-    """Args: `resolve_placeholders`: the ops table's placeholder gather (kernels.placeholders, or the torch
-    reference); `max_num_seqs`: the most rows a step samples (sizes `last_sampled`, which any step's
-    sampled ids may be copied into); `cascade_batch_sizes`: buckets that also get a cascade-attention
-    graph (decode rows that share a prefix attend it once per chunk of rows; the prefix length is in the
-    arena, so one graph serves any length); `io_max_rows`: buckets that load their own inputs (module
-    docstring); `sample_in_lm_head`: with `sample_in_graph`, the sampler inside the LM head's kernel
-    where the model's fused product computes the logits (`LlamaForCausalLM.compute_logits_sampled`);
-    `pruned_lm_head`: the `runs_io` buckets also get graphs that sample through the model's pruned LM head
-    (module docstring), where the model can (`can_sample_pruned`)."""
+    """The captured decode graphs of one engine and their input arenas (module docstring).
+
+    Args:
+        executor: runs the model and its LM head by the paths the runner configured.
+        kv_caches: the per-layer K/V cache tensors the graphs read and write.
+        batch_sizes: the buckets, one graph (or more, below) each.
+        max_blocks_per_seq, max_seq_len: size the arena's block tables and the attention launch.
+        resolve_placeholders: the ops table's placeholder gather (kernels.placeholders, or the torch
+            reference).
+        max_num_seqs: the most rows a step samples (sizes `last_sampled`, which any step's sampled ids
+            may be copied into).
+        cascade_batch_sizes: buckets that also get a cascade-attention graph (decode rows that share a
+            prefix attend it once per chunk of rows; the prefix length is in the arena, so one graph
+            serves any length).
+        sample_in_graph: the graphs end with the fused greedy/Gumbel sampler.
+        io_max_rows: buckets that load their own inputs (module docstring).
+        sample_in_lm_head: with `sample_in_graph`, the sampler inside the LM head's kernel where the LM
+            head's fused product computes the logits (`LMHead.logits_sampled`).
+        pruned_lm_head: the `runs_io` buckets also get graphs that sample through the pruned LM head
+            (module docstring), where the LM head can (`LMHead.can_sample_pruned`).
+    """
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        executor: ModelExecutor,
         kv_caches: list[KVCache],
         *,
         batch_sizes: list[int],
@@ -79,7 +92,7 @@ class DecodeGraphs:
         sample_in_lm_head: bool = True,
         pruned_lm_head: bool = False,
     ) -> None:
-        self.model = model
+        self.executor = executor
         self.sample_in_lm_head = sample_in_lm_head
         self.io_max_rows = io_max_rows if sample_in_graph else 0
         self.sample_in_graph = sample_in_graph
@@ -99,7 +112,9 @@ class DecodeGraphs:
         # The buckets that load their own inputs have an arena (and twins) of their own, io_max_rows rows:
         # a step's bytes start with its per-row regions, whose size is the arena's row count.
         rows = self.io_max_rows
-        self.pruned_lm_head = pruned_lm_head and sample_in_lm_head and rows == 1 and model.can_sample_pruned(1)
+        self.pruned_lm_head = (
+            pruned_lm_head and sample_in_lm_head and rows == 1 and executor.lm_head.can_sample_pruned(1)
+        )
         self.io_arena = InputArena(rows, max_blocks_per_seq, device) if rows else None
         self._io_host_arenas = [
             InputArena(rows, max_blocks_per_seq, torch.device("cpu"), pin_memory=pin) for _ in range(2 if rows else 0)
@@ -139,17 +154,16 @@ class DecodeGraphs:
 
             load_arena(a.buffer, host.buffer, a.input_ids[:bs], a.placeholder_src[:bs], self.last_sampled)
         meta = a.decode_meta(bs, self.max_seq_len, cascade)
-        hidden = self.model(a.input_ids[:bs], a.positions[:bs], meta, self.kv_caches)
+        hidden = self.executor.hidden_states(a.input_ids[:bs], a.positions[:bs], meta, self.kv_caches)
+        lm_head = self.executor.lm_head
         host_ids = None if host is None else host.sampled_ids[:bs]
         if pruned:
-            self.model.sample_pruned(hidden, a.temperatures[:bs], a.seeds[:bs], self.last_sampled[:bs], host_ids)
+            lm_head.sample_pruned(hidden, a.temperatures[:bs], a.seeds[:bs], self.last_sampled[:bs], host_ids)
             return None, self.last_sampled[:bs]
         if self.sample_in_graph and self.sample_in_lm_head:
-            logits = self.model.compute_logits_sampled(
-                hidden, a.temperatures[:bs], a.seeds[:bs], self.last_sampled[:bs], host_ids
-            )
+            logits = lm_head.logits_sampled(hidden, a.temperatures[:bs], a.seeds[:bs], self.last_sampled[:bs], host_ids)
             return logits, self.last_sampled[:bs]
-        logits = self.model.compute_logits(hidden, dtype=None)
+        logits = lm_head.logits(hidden, dtype=None)
         if not self.sample_in_graph:
             return logits, None
         from tinyvllm.kernels.sampling import sample_greedy_or_gumbel

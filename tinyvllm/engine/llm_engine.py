@@ -155,6 +155,7 @@ class LLMEngine:
 
         self.runner = ModelRunner(
             self.model_config,
+            args.runner_config(self.device.type),
             model_dir=str(self.model_dir),
             device=self.device,
             dtype=self.dtype,
@@ -163,9 +164,6 @@ class LLMEngine:
             seed=args.seed,
             eos_token_ids=self.eos_token_ids,
             show_progress=show_progress,
-            fused_gemv=args.fused_gemv,
-            decode_megakernel=args.decode_megakernel,
-            pruned_lm_head=args.pruned_lm_head and not args.enforce_eager,
         )
         cache_config = CacheConfig(
             block_size=args.block_size,
@@ -196,7 +194,6 @@ class LLMEngine:
             max_model_len=max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=budget,
-            cuda_graphs=not args.enforce_eager,
         )
         # Async scheduling: on CUDA, step N+1 is scheduled and launched before step N's tokens are read,
         # so the host's work overlaps the device's. Requests with penalties need every token of their

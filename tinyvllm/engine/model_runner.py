@@ -1,6 +1,8 @@
 """Runs scheduled steps on the device: inputs → forward → logits → sampled ids.
 
-Owns the model, the KV cache tensors, the step-input staging, the decode CUDA graphs and the samplers.
+Owns the model, the KV cache tensors, the step-input staging, the decode CUDA graphs and the step's
+sampling. Which path computes a step (layer loop, fused small batch, megakernel, pruned LM head) is the
+runner's choice, made through `ModelExecutor` (engine/paths/) from the step's shape and `RunnerConfig`.
 `launch(step)` only enqueues work and returns a handle; `handle.result()` waits for that step's sampled
 ids, one small device-to-host copy. The engine can therefore schedule and launch step N+1 before it
 reads step N's tokens: a decode input that is still on the device (PLACEHOLDER) is gathered there from
@@ -8,10 +10,10 @@ the previous step's sampled ids (by an index copy on eager steps, inside the gra
 
 A decode graph step's stream work outside its graph: the one host-to-device copy of its input arena
 (cuda_graphs.py), the replay, the copy of the sampled ids to the host and an event (both copies are
-kernels for steps of at most KERNEL_COPY_MAX_ROWS rows, kernels/host_copy.py); plus one device
+kernels for steps of at most `kernel_copy_max_rows` rows, kernels/host_copy.py); plus one device
 copy of the previous step's sampled ids when the step has placeholder inputs and no graph's sampler
 left those ids in `DecodeGraphs.last_sampled` (the previous step was eager, or partly full-sampled).
-Buckets of at most GRAPH_IO_MAX_ROWS rows do both copies inside their graph: their steps' stream work
+Buckets of at most `graph_io_max_rows` rows do both copies inside their graph: their steps' stream work
 is the replay and an event. With `pruned_lm_head` (the engine's default on CUDA) those buckets' steps whose
 every row the fused sampler serves replay graphs that sample from an int8 copy of the LM head and the rows
 it cannot rule out, without logits (kernels/lm_head_bounds.py: the same ids).
@@ -23,56 +25,22 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from tinyvllm.config import CacheConfig, ModelConfig
+from tinyvllm.config import CacheConfig, ModelConfig, RunnerConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from tinyvllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from tinyvllm.engine.fused_sampling import FusedSamplingPlan, step_seed
-from tinyvllm.engine.sampler import LogprobsTensors, Sampler
-from tinyvllm.engine.sampling_tensors import SamplingRow, SamplingTensors
+from tinyvllm.engine.paths.executor import ModelExecutor
 from tinyvllm.engine.step_inputs import StepInputBuilder
 from tinyvllm.kernels import get_ops
-from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN
+from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN, AttnMetadata
 from tinyvllm.models.llama import KVCache
 from tinyvllm.models.loader import build_model
+from tinyvllm.sampling.fused_plan import FusedSamplingPlan
+from tinyvllm.sampling.sampler import LogprobsTensors
+from tinyvllm.sampling.step_sampler import StepSampler
 
 logger = logging.getLogger(__name__)
-
-# Cascade attention (kernels.decode_attention) for decode-only steps of at least this many rows whose
-# rows share at least this many leading keys in the same blocks: below that, the second kernel and the
-# merge cost more than the shared keys' repeated reads (H200, 1,024 shared + 128 own keys, one layer:
-# 0.74x at batch 32, 1.04x at 64, 1.19x at 128, 1.45x at 256; benchmarks/kernels/bench_cascade.py).
-CASCADE_MIN_BATCH = 96
-CASCADE_MIN_PREFIX = 256
-# The decode megakernel is on by default only up to the size it was measured faster at (Llama 3.2 1B,
-# hidden 2048: 1,120 against 886 tok/s on the H200, docs/perf.md v7). Larger models keep the layer loop
-# unless asked: it has not been measured at their shapes.
-MEGAKERNEL_MAX_HIDDEN = 2048
-# Steps of at most this many sampled rows move their inputs and sampled ids by kernels that reach the
-# pinned host buffers directly (kernels/host_copy.py) instead of copy-engine copies, whose hand-overs with
-# the compute engine left the device idle ~21 µs per batch-1 step on the H200 (docs/perf.md, v13). Larger
-# steps keep the copy engines: their inputs grow with the batch and their steps are long.
-KERNEL_COPY_MAX_ROWS = 8
-# Graph buckets of at most this many rows load their own inputs and write their own ids (a kernel at each
-# end of the graph, cuda_graphs.py): a step is then one graph launch, without the copy kernels around it
-# and the device's idle time at their hand-overs (docs/perf.md, v15). Batch 1 only: the load is one
-# program (one PCIe round trip for a row's few hundred bytes; several rows' full-width block tables
-# would take one round trip per 4 KB). 0 turns it off.
-GRAPH_IO_MAX_ROWS = 1
-# Decode graphs find the sampler's per-block bests inside the LM head's kernel where it is the fused product
-# (models/llama.py, compute_logits_sampled): the sampler's partial kernel and a boundary fewer per step,
-# ~1 µs by the profile, within the run-to-run spread of tok/s (docs/perf.md, v15).
-SAMPLE_IN_LM_HEAD = True
-
-
-def wants_megakernel(requested: bool | None, device_type: str, hidden_size: int) -> bool:
-    """Whether to try the decode megakernel: only on CUDA; `requested` None means up to
-    MEGAKERNEL_MAX_HIDDEN (the model may still be one it cannot serve: see megakernel_unsupported)."""
-    if device_type != "cuda" or requested is False:
-        return False
-    return requested is True or hidden_size <= MEGAKERNEL_MAX_HIDDEN
 
 
 @dataclass
@@ -109,9 +77,24 @@ class StepHandle:
 
 
 class ModelRunner:
+    """Builds the model and runs the engine's steps on the device (module docstring).
+
+    Args:
+        model_config: the model's shape.
+        runner_config: which execution paths are on (EngineArgs.runner_config()).
+        model_dir: the checkpoint's directory.
+        device, dtype: where and in what the model runs.
+        kernel_backend: "triton" or "torch" (kernels/__init__.py).
+        load_format: "auto"/"safetensors", or "dummy" for random weights.
+        seed: seeds dummy weights and the sampler's random state.
+        eos_token_ids: banned while a request is shorter than its min_tokens.
+        show_progress: show the weight-loading progress bar.
+    """
+
     def __init__(
         self,
         model_config: ModelConfig,
+        runner_config: RunnerConfig,
         *,
         model_dir: str,
         device: torch.device,
@@ -121,16 +104,13 @@ class ModelRunner:
         seed: int = 0,
         eos_token_ids: Sequence[int] = (),
         show_progress: bool = False,
-        fused_gemv: bool = True,
-        decode_megakernel: bool | None = None,
-        pruned_lm_head: bool = False,
     ) -> None:
         self.model_config = model_config
+        self.config = runner_config
         self.device = device
         self.dtype = dtype
         self.kernel_backend = kernel_backend
         self.ops = get_ops(kernel_backend)
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.model = build_model(
             model_config,
             self.ops,
@@ -141,26 +121,12 @@ class ModelRunner:
             load_format=load_format,
             seed=seed,
             show_progress=show_progress,
-            fuse_small_batches=fused_gemv,
         )
-        if wants_megakernel(decode_megakernel, device.type, model_config.hidden_size):
-            self._enable_megakernel()
-        # The int8 copy of the LM head is made before the memory profile, which then counts it; only the
-        # batch-1 decode graphs use it (engine/cuda_graphs.py), so `pruned_lm_head` asks for graphs too.
-        if (
-            pruned_lm_head
-            and device.type == "cuda"
-            and kernel_backend == "triton"
-            and fused_gemv
-            and GRAPH_IO_MAX_ROWS == 1
-            and SAMPLE_IN_LM_HEAD
-            and model_config.hidden_size % 4 == 0
-        ):
-            self.model.enable_pruned_lm_head()
-        self.sampler = Sampler()
-        self.batch_generator = torch.Generator(device=device).manual_seed(seed)
-        self._rng = np.random.default_rng(seed)  # seeds of unseeded requests for the fused sampler
-        self._plan: FusedSamplingPlan | None = None  # the last sampled batch's rows (see fused_sampling)
+        # Built before the memory profile, which then counts the megakernel's workspace and the pruned LM
+        # head's int8 copy.
+        self.executor = ModelExecutor(self.model, runner_config, device.type)
+        triton = kernel_backend == "triton"
+        self.sampler = StepSampler(model_config.vocab_size, device, seed, eos_token_ids, fused_kernel=triton)
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.builder: StepInputBuilder | None = None
@@ -173,18 +139,6 @@ class ModelRunner:
         self._num_launched = 0
 
     # ------------------------------------------------------------------ KV cache and set-up
-    def _enable_megakernel(self) -> None:
-        """One-launch decode of a single sequence (models/llama_megakernel.py), where the model allows it.
-        Runs before the memory profile, so the weights' restacking leaves no freed copies behind."""
-        from tinyvllm.models.llama_megakernel import megakernel_unsupported
-
-        reason = megakernel_unsupported(self.model)
-        if reason is not None:
-            logger.info("decode megakernel off: %s", reason)
-            return
-        self.model.enable_decode_megakernel()
-        torch.cuda.empty_cache()
-
     def bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -216,8 +170,6 @@ class ModelRunner:
         """Peak memory of one prompt of `num_tokens` tokens (the largest step) plus logits and sampling
         temporaries for `max_num_seqs` rows and the decode graphs' logits buffer. The cache is one
         block that every page of the block table points at; nothing is written to it."""
-        from tinyvllm.kernels.attention_metadata import AttnMetadata
-
         self.allocate_kv_cache(1, block_size)
         dev, i32 = self.device, torch.int32
         torch.cuda.synchronize(dev)
@@ -238,8 +190,8 @@ class ModelRunner:
             max_prefill_seq_len=num_tokens,
         )
         positions = torch.arange(num_tokens, device=dev) % self.model.max_positions
-        hidden = self.model(ids, positions, meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden[:1].expand(max_num_seqs, -1).contiguous())
+        hidden = self.executor.hidden_states(ids, positions, meta, self.kv_caches)
+        logits = self.executor.lm_head.logits(hidden[:1].expand(max_num_seqs, -1).contiguous())
         graph_logits = torch.empty_like(logits)  # the decode graphs keep their own logits buffer
         probs = torch.softmax(logits, -1)  # the torch sampler's largest temporaries
         del probs, graph_logits, logits, hidden
@@ -265,12 +217,13 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        cuda_graphs: bool,
     ) -> None:
         """Allocate the cache and the input staging; capture the decode graphs (CUDA only)."""
         self.allocate_kv_cache(num_blocks, block_size)
         max_blocks = -(-max_model_len // block_size)
-        cascade = (CASCADE_MIN_BATCH, CASCADE_MIN_PREFIX, CASCADE_ALIGN) if self.kernel_backend == "triton" else None
+        cfg = self.config
+        triton = self.kernel_backend == "triton"
+        cascade = (cfg.cascade_min_batch, cfg.cascade_min_prefix, CASCADE_ALIGN) if triton else None
         self.builder = StepInputBuilder(
             block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -289,10 +242,10 @@ class ModelRunner:
             }
             for _ in range(2)
         ]
-        if cuda_graphs and self.device.type == "cuda":
+        if self.config.cuda_graphs and self.device.type == "cuda":
             sizes = graph_batch_sizes(max_num_seqs)
             self.graphs = DecodeGraphs(
-                self.model,
+                self.executor,
                 self.kv_caches,
                 batch_sizes=sizes,
                 max_blocks_per_seq=max_blocks,
@@ -300,11 +253,11 @@ class ModelRunner:
                 device=self.device,
                 resolve_placeholders=self.ops.resolve_placeholders,
                 max_num_seqs=max_num_seqs,
-                cascade_batch_sizes=[b for b in sizes if b >= CASCADE_MIN_BATCH] if cascade else [],
+                cascade_batch_sizes=[b for b in sizes if b >= cfg.cascade_min_batch] if cascade else [],
                 sample_in_graph=self.kernel_backend == "triton",
-                io_max_rows=GRAPH_IO_MAX_ROWS if self.kernel_backend == "triton" else 0,
-                sample_in_lm_head=SAMPLE_IN_LM_HEAD,
-                pruned_lm_head=self.model.lm_head_rows is not None,
+                io_max_rows=cfg.graph_io_max_rows if triton else 0,
+                sample_in_lm_head=cfg.sample_in_lm_head,
+                pruned_lm_head=self.executor.lm_head.rows is not None,
             )
             self.graphs.capture()
 
@@ -320,20 +273,20 @@ class ModelRunner:
         if inputs.placeholder_rows is not None:
             inputs.input_ids[inputs.placeholder_rows] = self._prev_sampled[inputs.placeholder_src]
         if not inputs.sampled:
-            self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+            self.executor.hidden_states(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
             self._prev_sampled, self._prev_index = None, {}
             return StepHandle(None, None, [], None, [])
         bufs = self._next_host_bufs()
         seqs = inputs.sampled
-        plan = self._row_plan(sched, seqs)
-        fused = plan.fused_rows(seqs) if self.kernel_backend == "triton" else []
+        plan = self.sampler.plan(sched, seqs)
+        fused = self.sampler.fused_rows(plan, seqs)
         seeds = None
         if fused:
             seeds = bufs["seeds"][: len(seqs)]
-            plan.seeds(seqs, self._rng, seeds.numpy())
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices], dtype=None)
-        sampled, logprobs, logprob_rows = self._sample(logits, seqs, plan, fused, seeds, None, bufs)
+            self.sampler.draw_seeds(plan, seqs, seeds.numpy())
+        hidden = self.executor.hidden_states(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        logits = self.executor.lm_head.logits(hidden[inputs.logits_indices], dtype=None)
+        sampled, logprobs, logprob_rows = self.sampler.sample(logits, seqs, plan, fused, seeds, None, bufs)
         return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs)
 
     def _graph_bucket(self, sched: SchedulerOutput) -> int | None:
@@ -358,12 +311,12 @@ class ModelRunner:
         bufs = self._next_host_bufs()
         seqs = inputs.sampled
         n = len(seqs)
-        plan = self._row_plan(sched, seqs)
-        fused = plan.fused_rows(seqs) if self.kernel_backend == "triton" else []
+        plan = self.sampler.plan(sched, seqs)
+        fused = self.sampler.fused_rows(plan, seqs)
         seeds = None
         if fused:
             seeds = host.seeds[:n]
-            plan.seeds(seqs, self._rng, host.arrays.seeds)
+            self.sampler.draw_seeds(plan, seqs, host.arrays.seeds)
             host.arrays.temperatures[:n] = plan.host_temperatures
         if inputs.num_placeholders:
             graphs.feed_previous_samples(self._prev_sampled)
@@ -378,7 +331,7 @@ class ModelRunner:
             logits, presampled = graphs.replay(bucket, cascade=inputs.prefix_len > 0)
         logits = None if logits is None else logits[:n]
         presampled = presampled[:n] if fused and graphs.sample_in_graph else None
-        sampled, logprobs, logprob_rows = self._sample(logits, seqs, plan, fused, seeds, presampled, bufs)
+        sampled, logprobs, logprob_rows = self.sampler.sample(logits, seqs, plan, fused, seeds, presampled, bufs)
         # The graph's own copy of the ids holds the step's tokens when its sampler served every row.
         graph_ids = graph_ids[:n] if graph_ids is not None and len(fused) == n else None
         return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs, graph_ids)
@@ -427,87 +380,6 @@ class ModelRunner:
         return StepHandle(host, event, sample_order, logprobs, num_logprobs, logprob_rows)
 
     def _copies_by_kernel(self, rows: int) -> bool:
-        """Whether a step of `rows` sampled rows moves its inputs and ids by kernels (KERNEL_COPY_MAX_ROWS)."""
-        return self.kernel_backend == "triton" and self.device.type == "cuda" and rows <= KERNEL_COPY_MAX_ROWS
-
-    def _row_plan(self, sched: SchedulerOutput, seqs: list[ScheduledSequence]) -> FusedSamplingPlan:
-        """The previous step's plan when the sampled rows are the same requests in the same order and
-        none left the running set since (a request id may be reused only after its request left)."""
-        rids = [s.request_id for s in seqs]
-        plan = self._plan
-        if plan is None or sched.released_request_ids or plan.request_ids != rids:
-            plan = self._plan = FusedSamplingPlan.build(seqs, rids)
-        return plan
-
-    def _sample(
-        self,
-        logits: torch.Tensor | None,
-        seqs: list[ScheduledSequence],
-        plan: FusedSamplingPlan,
-        fused: list[int],
-        seeds: torch.Tensor | None,
-        presampled: torch.Tensor | None,
-        bufs: dict[str, torch.Tensor],
-    ) -> tuple[torch.Tensor, LogprobsTensors | None, list[int] | None]:
-        """Sampled ids [N], logprobs, and the rows the logprobs cover (None: all).
-
-        Each row goes to the sampler its own parameters call for, whatever shares its batch: the fused
-        kernel for the `fused` rows (greedy or temperature only, no token still banned by min_tokens;
-        `seeds`: their host seeds, drawn by the caller), the full sampler for the rest. A seeded request
-        therefore draws the same tokens alone or in any batch (the two samplers draw differently from
-        the same seed). `presampled`: the fused kernel's ids for every row, already computed inside the
-        decode graph (the kernel samples each row on its own, so they equal a separate launch's); `logits`
-        is None only when it serves every row (a pruned LM head's graph computes no logits)."""
-        n = len(seqs)
-        if not fused:
-            out = self._sample_full(logits, seqs)
-            return out.sampled_token_ids, out.logprobs, None
-        if presampled is None:
-            from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
-
-            presampled = sample_greedy_or_gumbel(
-                logits, plan.device_temperatures(self.device, bufs["temps"]), seeds.to(self.device, non_blocking=True)
-            )
-        if len(fused) == n:
-            return presampled, None, None
-        fused_set = set(fused)
-        other = [i for i in range(n) if i not in fused_set]
-        rows = bufs["rows"]
-        rows.numpy()[:n] = fused + other
-        rows_dev = rows[:n].to(self.device, non_blocking=True)
-        f_idx, o_idx = rows_dev[: len(fused)], rows_dev[len(fused) :]
-        sampled = torch.empty(n, dtype=torch.int64, device=logits.device)
-        sampled[f_idx] = presampled[f_idx]
-        out = self._sample_full(logits[o_idx], [seqs[i] for i in other])
-        sampled[o_idx] = out.sampled_token_ids
-        return sampled, out.logprobs, other
-
-    def _sample_full(self, logits: torch.Tensor, seqs: list[ScheduledSequence]):
-        """The full sampler (penalties, top-k/p, min-p, logprobs, min_tokens bans) over these rows."""
-        rows = [self._sampling_row(s) for s in seqs]
-        tensors = SamplingTensors.from_rows(rows, self.model_config.vocab_size, self.device)
-        return self.sampler(logits, tensors, self.batch_generator)
-
-    def _banned(self, seq: ScheduledSequence) -> bool:
-        return seq.output_index < seq.sampling_params.min_tokens
-
-    def _sampling_row(self, seq: ScheduledSequence) -> SamplingRow:
-        params = seq.sampling_params
-        generator = None
-        if params.seed is not None and not params.is_greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(step_seed(params.seed, seq.output_index))
-        banned: frozenset[int] = frozenset()
-        if self._banned(seq):  # EOS is banned even with ignore_eos, as in vLLM
-            banned = frozenset(params.stop_token_ids) | self.eos_token_ids
-        # Token lists are copied only for the penalties that read them.
-        uses_output = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
-        prompt = seq.all_token_ids[: seq.prompt_len] if params.repetition_penalty != 1 else ()
-        output = seq.all_token_ids[seq.prompt_len :] if uses_output else ()  # bans are decided above
-        return SamplingRow(
-            params=params,
-            prompt_token_ids=prompt,
-            output_token_ids=output,
-            generator=generator,
-            min_tokens_banned_ids=banned,
-        )
+        """Whether a step of `rows` sampled rows moves its inputs and ids by kernels (`kernel_copy_max_rows`)."""
+        triton_on_cuda = self.kernel_backend == "triton" and self.device.type == "cuda"
+        return triton_on_cuda and rows <= self.config.kernel_copy_max_rows

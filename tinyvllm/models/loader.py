@@ -146,14 +146,12 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     show_progress: bool = False,
-    fuse_small_batches: bool = True,
 ) -> LlamaForCausalLM:
-    """Construct on the meta device, materialise on `device`, then load (or randomise) the weights.
-    `fuse_small_batches`: see LlamaForCausalLM."""
+    """Construct on the meta device, materialise on `device`, then load (or randomise) the weights."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {list(LOAD_FORMATS)}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, ops, max_positions, dtype, fuse_small_batches)
+        model = LlamaForCausalLM(config, ops, max_positions, dtype)
     model = model.to_empty(device=device)
     model.init_rope_table()
     if load_format == "dummy":

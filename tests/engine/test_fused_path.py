@@ -1,5 +1,5 @@
-"""The fused small-batch forward (fused_gemv with RMSNorm / SwiGLU / residual folded in, T ≤ 16 rows)
-against the unfused forward of the same model, on a decode batch and on a mixed decode + prefill-chunk
+"""The fused small-batch path (engine/paths/fused.py: fused_gemv with RMSNorm / SwiGLU / residual folded
+in, T ≤ 16 rows) against the unfused forward of the same model, on a decode batch and on a mixed decode + prefill-chunk
 batch, with both ops tables.
 
 The torch table's fused_gemv is literally the unfused op sequence (reference.fused_gemv), so there the
@@ -20,11 +20,12 @@ import os
 import pytest
 import torch
 
-from tinyvllm.config import ModelConfig
+from tinyvllm.config import ModelConfig, RunnerConfig
+from tinyvllm.engine.paths.executor import ModelExecutor
 from tinyvllm.kernels import get_ops
 from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.models.checkpoint import make_config
-from tinyvllm.models.llama import FUSED_MAX_TOKENS, LlamaForCausalLM
+from tinyvllm.models.llama import LlamaForCausalLM
 
 BLOCK = 4
 
@@ -46,7 +47,6 @@ def build(
     with torch.device(device):
         model = LlamaForCausalLM(config, get_ops(backend), max_positions, dtype)
     model.init_rope_table()
-    model.fused_max_tokens = 16  # every row count the kernels serve, not only the engine's default of 1
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -83,7 +83,7 @@ def batch(kind: str, device: torch.device):
     else:
         dec_tables = torch.tensor([[0, 1, 2]], dtype=i32)
         pre_tables = torch.tensor([[3, 4, 5]], dtype=i32)
-        positions = [9] + list(range(3, 9))  # the chunk: tokens 3..8 of a sequence with 9 tokens
+        positions = [9, *range(3, 9)]  # the chunk: tokens 3..8 of a sequence with 9 tokens
         slots = [int(dec_tables[0, 9 // BLOCK]) * BLOCK + 9 % BLOCK]
         slots += [int(pre_tables[0, p // BLOCK]) * BLOCK + p % BLOCK for p in positions[1:]]
         meta = AttnMetadata(
@@ -123,12 +123,21 @@ def caches(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) ->
     ]
 
 
+def executor(model: LlamaForCausalLM, fused: bool) -> ModelExecutor:
+    """The runner's path choice with the fused path on for every row count the kernels serve (16, not
+    only the engine's default of 1), or off."""
+    return ModelExecutor(
+        model, RunnerConfig(fused_gemv=fused, fused_max_tokens=16), model.embed_tokens.weight.device.type
+    )
+
+
 def run(model, fused: bool, ids, positions, meta, kv):
-    model.fuse_small_batches = fused
+    paths = executor(model, fused)
+    assert paths.uses_fused_path(len(ids)) == fused
     kv = [(k.clone(), v.clone()) for k, v in kv]
     with torch.no_grad():
-        hidden = model(ids, positions, meta, kv)
-        logits = model.compute_logits(hidden, dtype=None)
+        hidden = paths.hidden_states(ids, positions, meta, kv)
+        logits = paths.lm_head.logits(hidden, dtype=None)
     return hidden, logits, kv
 
 
@@ -139,7 +148,6 @@ def test_fused_small_batch_equals_unfused(backend, dtype, kind):
     device = device_for(backend)
     model = build(backend, dtype, device)
     ids, positions, meta = batch(kind, device)
-    assert model.uses_fused_path(len(ids))
     kv = caches(model, dtype, device)
     h0, l0, kv0 = run(model, False, ids, positions, meta, kv)
     h1, l1, kv1 = run(model, True, ids, positions, meta, kv)
@@ -156,8 +164,10 @@ def test_fused_small_batch_equals_unfused(backend, dtype, kind):
 
 def test_fused_path_only_for_small_batches():
     model = build("torch", torch.float32, torch.device("cpu"))
-    model.fused_max_tokens = FUSED_MAX_TOKENS
-    assert model.uses_fused_path(1) and model.uses_fused_path(FUSED_MAX_TOKENS)
-    assert not model.uses_fused_path(FUSED_MAX_TOKENS + 1) and not model.uses_fused_path(0)
-    model.fuse_small_batches = False
-    assert not model.uses_fused_path(1)
+    default = RunnerConfig().fused_max_tokens
+    paths = ModelExecutor(model, RunnerConfig(), "cpu")
+    assert paths.uses_fused_path(1) and paths.uses_fused_path(default)
+    assert not paths.uses_fused_path(default + 1) and not paths.uses_fused_path(0)
+    assert paths.lm_head.is_fused(default) and not paths.lm_head.is_fused(default + 1)
+    off = ModelExecutor(model, RunnerConfig(fused_gemv=False), "cpu")
+    assert not off.uses_fused_path(1) and not off.lm_head.is_fused(1)

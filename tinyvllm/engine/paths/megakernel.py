@@ -1,12 +1,12 @@
-"""The batch-1 decode forward of a `LlamaForCausalLM` as one kernel launch (kernels/decode_megakernel.py).
+"""The megakernel path: a decode step of one sequence as one kernel launch (kernels/decode_megakernel).
 
-`LlamaDecodeMegakernel(model)` restacks the layers' weights into one [L, ...] tensor per kind (the
+`DecodeMegakernel(model)` restacks the layers' weights into one [L, ...] tensor per kind (the
 layers' parameters become views of it, so no second copy stays), allocates the kernel's workspace, and
 is then called in place of the layer loop for a decode step of one sequence:
 
     hidden = megakernel(input_ids, positions, meta, kv_caches)    # [1, H], final norm applied
 
-The result equals the fused small-batch path of models/llama.py up to the order of the float32 sums.
+The result equals the fused small-batch path (paths/fused.py) up to the order of the float32 sums.
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ from tinyvllm.kernels.decode_megakernel import (
     max_programs,
     unsupported_reason,
 )
-from tinyvllm.models.llama import MegakernelDoesNotFit
+from tinyvllm.models.llama import LlamaForCausalLM
 
 
-def model_shape(model) -> ModelShape:
+class MegakernelDoesNotFit(RuntimeError):
+    """The compiled decode megakernel needs more of an SM (shared memory) than this GPU gives one program."""
+
+
+def model_shape(model: LlamaForCausalLM) -> ModelShape:
     c = model.config
     return ModelShape(
         hidden=c.hidden_size,
@@ -40,7 +44,7 @@ def model_shape(model) -> ModelShape:
     )
 
 
-def megakernel_unsupported(model) -> str | None:
+def megakernel_unsupported(model: LlamaForCausalLM) -> str | None:
     """Why the megakernel cannot run this model (None: it can)."""
     if model.ops.name != "triton":
         return f"the {model.ops.name!r} kernel backend"
@@ -57,8 +61,9 @@ def _stack(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return stacked
 
 
-class LlamaDecodeMegakernel:
-    def __init__(self, model, config: MegakernelConfig = MegakernelConfig()) -> None:
+class DecodeMegakernel:
+    def __init__(self, model: LlamaForCausalLM, config: MegakernelConfig | None = None) -> None:
+        config = config or MegakernelConfig()
         layers = model.layers
         attn = [layer.self_attn for layer in layers]
         mlp = [layer.mlp for layer in layers]
@@ -81,7 +86,7 @@ class LlamaDecodeMegakernel:
         device = self.weights.qkv.device
         self.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device, config))
 
-    def variant(self, config: MegakernelConfig, num_splits: int | None = None) -> LlamaDecodeMegakernel:
+    def variant(self, config: MegakernelConfig, num_splits: int | None = None) -> DecodeMegakernel:
         """The same stacked weights under another launch configuration (benchmarks), own workspace
         (`num_splits` context splits per KV head; None: the default)."""
         other = copy.copy(self)
@@ -103,7 +108,7 @@ class LlamaDecodeMegakernel:
         """A decode step of one sequence (meta.num_decode_tokens == 1) → final hidden state [1, H].
         `trace`: record the phase timer in workspace.trace (see decode_megakernel_fwd). Raises
         MegakernelDoesNotFit, before launching anything, where the compiled kernel needs more shared memory
-        than the GPU has (Triton checks at the first launch; the model then runs the layers one by one)."""
+        than the GPU has (Triton checks at the first launch; the runner then runs the layers one by one)."""
         try:
             return decode_megakernel_fwd(
                 input_ids,

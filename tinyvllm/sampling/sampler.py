@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tinyvllm.engine.sampling_tensors import TOPK_FAST_PATH_MAX_K, SamplingTensors
+from tinyvllm.sampling.tensors import TOPK_FAST_PATH_MAX_K, SamplingTensors
 
 _NEG_INF = float("-inf")
 

@@ -2,7 +2,7 @@
 
 The engine describes each row it samples this step with a :class:`SamplingRow`;
 :meth:`SamplingTensors.from_rows` turns the rows into the few device tensors the
-:class:`~tinyvllm.engine.sampler.Sampler` needs, once per step.
+:class:`~tinyvllm.sampling.sampler.Sampler` needs, once per step.
 
 Only what some row uses is built (a field is ``None`` otherwise), so a batch of
 plain requests costs one small host-to-device copy. Everything is assembled in
@@ -59,7 +59,7 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 @dataclasses.dataclass
 class SamplingTensors:
-    """Per-step device tensors for :class:`~tinyvllm.engine.sampler.Sampler` (B rows, V vocab).
+    """Per-step device tensors for :class:`~tinyvllm.sampling.sampler.Sampler` (B rows, V vocab).
 
     A tensor field is ``None`` when no row of the batch uses the feature; neutral rows of a
     tensor that exists hold the neutral value (temperature 1, top_k V, top_p 1, min_p 0,

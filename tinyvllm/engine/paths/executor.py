@@ -1,0 +1,96 @@
+"""Which path computes a step's hidden states and logits: chosen from the step's shape and the config.
+
+| step                                      | hidden states                     | logits / sampled ids          |
+|-------------------------------------------|-----------------------------------|-------------------------------|
+| decode, one sequence, megakernel on       | paths/megakernel.py (one launch)  | LM head, fused product        |
+| ≤ `fused_max_tokens` rows, `fused_gemv`   | paths/fused.py                    | LM head, fused product        |
+| anything else                             | the model's layer loop            | LM head, cuBLAS               |
+
+Batch-1 decode graph steps may sample through the pruned LM head instead (paths/lm_head.py). Every path
+computes the model's maths with the model's parameters; they differ only in the order of float32 sums.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tinyvllm.config import RunnerConfig
+from tinyvllm.engine.paths.fused import fused_forward
+from tinyvllm.engine.paths.lm_head import LMHead
+from tinyvllm.kernels.attention_metadata import AttnMetadata
+from tinyvllm.models.llama import KVCache, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def wants_megakernel(config: RunnerConfig, device_type: str, hidden_size: int) -> bool:
+    """Whether to try the decode megakernel: only on CUDA; `decode_megakernel=None` means up to
+    `megakernel_max_hidden` (the model may still be one it cannot serve: see megakernel_unsupported)."""
+    if device_type != "cuda" or config.decode_megakernel is False:
+        return False
+    return config.decode_megakernel is True or hidden_size <= config.megakernel_max_hidden
+
+
+class ModelExecutor:
+    """Runs a model by the path each step's shape calls for (module docstring).
+
+    Build it after the weights are loaded: the megakernel restacks the layer weights and the pruned LM
+    head copies the LM head's, so both happen here, before the runner profiles memory.
+
+    Args:
+        model: the loaded model.
+        config: the runner's configuration (which paths are on, and their thresholds).
+        device_type: "cuda" or "cpu"; the megakernel and the pruned LM head are CUDA paths.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, config: RunnerConfig, device_type: str) -> None:
+        self.model = model
+        self.ops = model.ops
+        self.fused_max_tokens = config.fused_max_tokens if config.fused_gemv and model.ops.fused_gemv else 0
+        self.megakernel = None
+        if wants_megakernel(config, device_type, model.config.hidden_size):
+            self.megakernel = self._build_megakernel()
+        # The int8 copy serves only the batch-1 decode graphs that load their own inputs and sample inside
+        # the LM head (engine/cuda_graphs.py).
+        pruned = (
+            config.pruned_lm_head
+            and config.cuda_graphs
+            and device_type == "cuda"
+            and config.graph_io_max_rows == 1
+            and config.sample_in_lm_head
+            and model.config.hidden_size % 4 == 0
+        )
+        self.lm_head = LMHead(model.lm_head_weight, model.ops, self.fused_max_tokens, pruned=pruned)
+
+    def _build_megakernel(self):
+        from tinyvllm.engine.paths.megakernel import DecodeMegakernel, megakernel_unsupported
+
+        reason = megakernel_unsupported(self.model)
+        if reason is not None:
+            logger.info("decode megakernel off: %s", reason)
+            return None
+        megakernel = DecodeMegakernel(self.model)
+        torch.cuda.empty_cache()  # the restacking leaves the layers' old storage behind
+        return megakernel
+
+    def uses_fused_path(self, num_rows: int) -> bool:
+        """Whether a step of `num_rows` token rows runs the fused small-batch path."""
+        return 0 < num_rows <= self.fused_max_tokens
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, kv_caches: list[KVCache]
+    ) -> torch.Tensor:
+        """input_ids, positions [T] → final hidden states [T, H], by the step's path."""
+        if self.megakernel is not None and input_ids.shape[0] == 1 and meta.num_decode_tokens == 1:
+            from tinyvllm.engine.paths.megakernel import MegakernelDoesNotFit
+
+            try:
+                return self.megakernel(input_ids, positions, meta, kv_caches)
+            except MegakernelDoesNotFit as e:  # raised before anything ran: the other paths from now on
+                logger.warning("decode megakernel off: %s", e)
+                self.megakernel = None
+        if self.uses_fused_path(input_ids.shape[0]):
+            return fused_forward(self.model, input_ids, positions, meta, kv_caches)
+        return self.model(input_ids, positions, meta, kv_caches)
