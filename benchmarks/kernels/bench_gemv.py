@@ -416,7 +416,7 @@ def main() -> None:
                 ("err", "logits diff", ".1e"),
             ],
         )
-    json_path, png_path = common.output_paths(args.out, "gemv")
+    json_path, png_path = common.output_paths(args.out, "gemv_sweep" if args.sweep else "gemv")
     common.write_json(
         json_path,
         {
