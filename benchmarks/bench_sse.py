@@ -17,8 +17,9 @@ one's top 20 by total time.
     python -m benchmarks.bench_sse [--client httpx|raw] [--concurrency 256] [--max-tokens 512]
                                    [--profile] [--label NAME]
 
-`httpx` is what `tinyvllm bench serve` uses; `raw` is a minimal asyncio HTTP/1.1 client (far less
-client CPU, so on a small machine the server is less starved). Linux only (/proc).
+`httpx` is a common Python client; `raw` is a minimal asyncio HTTP/1.1 client (far less client CPU, so
+on a small machine the server is less starved). Linux only (/proc). Writes sse_<label>_cpu.json, the
+label by default `paced<N>ms` or `unpaced`.
 """
 
 from __future__ import annotations
