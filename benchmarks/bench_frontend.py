@@ -1,20 +1,22 @@
 """Host cost of streamed outputs, split between the engine core and the API side, on this CPU.
 
-`tinyvllm serve` streams DELTA outputs. Before, the engine core detokenized them (and matched stop
-strings) itself; now it runs server requests token ids only (`output_processor.core_params`) and the
-API process detokenizes. This measures, for one batch-`B` decode step with the model runner stubbed
-out as in bench_host_step.py (step-input packing kept, random sampled ids):
+`tinyvllm serve` streams DELTA outputs. Its engine core runs server requests as token ids only
+(`output_processor.core_params`), and the API process detokenizes and matches stop strings. This
+measures, for one batch-`B` decode step with the model runner stubbed out as in bench_host_step.py
+(step-input packing kept, random sampled ids):
 
 (a) the engine core's host ms per step: the step, its Deltas and pickling the "out" message (what
-    the core process does per step), for the server's params as they reached the core before
-    (DELTA, detokenize) and as they do now (core_params: DELTA, token ids only), the latter both
-    through `encode_outputs(engine.step())` (RequestOutputs built, then converted) and through
-    `engine.step_deltas()` (the core's path: Delta tuples built directly); and, as the floor,
-    FINAL_ONLY token ids (no per-step outputs at all);
+    the core process does per step), for the server's params with detokenization left in the core
+    ("before" in the JSON: DELTA, detokenize) and as the core gets them ("after": core_params, token
+    ids only), the latter both through `encode_outputs(engine.step())` (RequestOutputs built, then
+    converted) and through `engine.step_deltas()` ("fast": the core's path, Delta tuples built
+    directly); and, as the floor, FINAL_ONLY token ids (no per-step outputs at all);
 (b) the API side's ms per step for the token-id Deltas: `RequestProcessor.process` of every request
     (detokenize, stop strings) and the per-stream merge (`OutputAccumulator`, as RequestStream does).
 
     python -m benchmarks.bench_frontend --batch 64 256 --steps 200 [--repeat 3] [--stop STR ...]
+
+Writes frontend_<gpu or cpu>.json.
 """
 
 from __future__ import annotations
@@ -101,65 +103,49 @@ def api_side_ms(batch: int, params: SamplingParams, steps_deltas: list[list[tupl
     return process_s / n * 1e3, merge_s / n * 1e3
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, nargs="+", default=[256])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--stop", nargs="*", default=[], help="stop strings of every request (none by default)")
-    p.add_argument(
-        "--repeat", type=int, default=3, help="runs of each core configuration, interleaved; the fastest is reported"
+def measure_batch(batch: int, steps: int, repeat: int, stop: list[str]) -> dict:
+    server = SamplingParams(
+        temperature=0.6, max_tokens=steps + 100, ignore_eos=True, stop=stop, output_kind=RequestOutputKind.DELTA
+    )  # what serving.py asks for
+    token_ids = core_params(server)
+    runs = best_core_runs(
+        batch,
+        steps,
+        repeat,
+        {
+            "before": (server, False),
+            "after": (token_ids, False),
+            "fast": (token_ids, True),
+            "final_only": (token_ids.replace(output_kind=RequestOutputKind.FINAL_ONLY), False),  # the floor
+        },
     )
-    p.add_argument("--out-dir", default="benchmarks/results")
-    ns = p.parse_args()
-    torch.set_num_threads(1)
-    rows = []
-    for batch in ns.batch:
-        server = SamplingParams(
-            temperature=0.6,
-            max_tokens=ns.steps + 100,
-            ignore_eos=True,
-            stop=ns.stop,
-            output_kind=RequestOutputKind.DELTA,
-        )  # what serving.py asks for
-        token_ids = core_params(server)
-        runs = best_core_runs(
-            batch,
-            ns.steps,
-            ns.repeat,
-            {
-                "before": (server, False),
-                "after": (token_ids, False),
-                "fast": (token_ids, True),
-                # the floor: no per-step outputs at all
-                "final_only": (token_ids.replace(output_kind=RequestOutputKind.FINAL_ONLY), False),
-            },
-        )
-        (before_step, before_core, _), (after_step, after_core, deltas) = runs["before"], runs["after"]
-        (fast_step, fast_core, fast_deltas), (final_step, final_core, _) = runs["fast"], runs["final_only"]
-        assert fast_deltas == deltas, "step_deltas() differs from encode_outputs(step())"
-        process, merge = api_side_ms(batch, server, deltas)
-        rows.append(
-            {
-                "batch": batch,
-                "steps": ns.steps,
-                "repeat": ns.repeat,
-                "stop": ns.stop,
-                "core_step_ms_before": before_step,
-                "core_ms_before": before_core,
-                "core_step_ms_after": after_step,
-                "core_ms_after": after_core,
-                "core_step_ms_fast": fast_step,
-                "core_ms_fast": fast_core,
-                "core_fast_over_final_only": fast_core / final_core,
-                "core_step_ms_final_only": final_step,
-                "core_ms_final_only": final_core,
-                "api_process_ms": process,
-                "api_merge_ms": merge,
-                "api_ms": process + merge,
-            }
-        )
+    (before_step, before_core, _), (after_step, after_core, deltas) = runs["before"], runs["after"]
+    (fast_step, fast_core, fast_deltas), (final_step, final_core, _) = runs["fast"], runs["final_only"]
+    assert fast_deltas == deltas, "step_deltas() differs from encode_outputs(step())"
+    process, merge = api_side_ms(batch, server, deltas)
+    return {
+        "batch": batch,
+        "steps": steps,
+        "repeat": repeat,
+        "stop": stop,
+        "core_step_ms_before": before_step,
+        "core_ms_before": before_core,
+        "core_step_ms_after": after_step,
+        "core_ms_after": after_core,
+        "core_step_ms_fast": fast_step,
+        "core_ms_fast": fast_core,
+        "core_fast_over_final_only": fast_core / final_core,
+        "core_step_ms_final_only": final_step,
+        "core_ms_final_only": final_core,
+        "api_process_ms": process,
+        "api_merge_ms": merge,
+        "api_ms": process + merge,
+    }
+
+
+def print_rows(rows: list[dict]) -> None:
     print(
-        f"{'batch':>5} | {'core before (DELTA+detok)':>25} | {'core token ids, step()':>22} | "
+        f"{'batch':>5} | {'core, detok in core':>25} | {'core token ids, step()':>22} | "
         f"{'core token ids, step_deltas()':>29} | {'core FINAL_ONLY':>15} | "
         f"{'API detok+stop':>14} | {'API merge':>9} | {'API total':>9}"
     )
@@ -174,6 +160,21 @@ def main() -> None:
     print(
         "ms per decode step; 'all' = the step + its Deltas (encode_outputs, or step_deltas' own) + pickling the message"
     )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[256])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--stop", nargs="*", default=[], help="stop strings of every request (none by default)")
+    p.add_argument(
+        "--repeat", type=int, default=3, help="runs of each core configuration, interleaved; the fastest is reported"
+    )
+    p.add_argument("--out-dir", default="benchmarks/results")
+    ns = p.parse_args()
+    torch.set_num_threads(1)
+    rows = [measure_batch(batch, ns.steps, ns.repeat, ns.stop) for batch in ns.batch]
+    print_rows(rows)
     json_path, _ = output_paths(ns.out_dir, "frontend")
     write_json(json_path, {"rows": rows, "model": "dummy:tiny", "device": "cpu (runner stubbed)"})
 

@@ -5,7 +5,9 @@ long as the GPU's step; this measures it on whatever CPU runs it. The model runn
 by the real step-input packing plus random sampled ids, so what is timed is everything the host does
 per step except the kernel launches themselves.
 
-    python benchmarks/bench_host_step.py --batch 256 --steps 200 [--profile]
+    python -m benchmarks.bench_host_step --batch 256 --steps 200 [--profile]
+
+Writes host_step_<gpu or cpu>.json (the machine whose CPU ran it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Time the sampler per configuration: host time of SamplingTensors.from_rows, device time of Sampler.
 
-    python benchmarks/bench_sampler.py [--device cuda] [--vocab 128256] [--out results/sampler.json]
+    python -m benchmarks.bench_sampler [--device cuda] [--vocab 128256] [--out-dir DIR]
 
 Prints one line per (configuration, batch size) with medians and the 10/90% quantiles
 over the repetitions, and the memory traffic of one [B, V] float32 pass as a yardstick.
@@ -9,12 +9,14 @@ over the repetitions, and the memory traffic of one [B, V] float32 pass as a yar
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_json
+from tinyvllm.bench.report import device_tag
 from tinyvllm.sampling.sampler import Sampler
 from tinyvllm.sampling.tensors import SamplingRow, SamplingTensors, make_generator
 from tinyvllm.sampling_params import SamplingParams
@@ -87,7 +89,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out-dir", default="benchmarks/results", help="writes sampler_<gpu>.json there")
     args = parser.parse_args()
     device = torch.device(args.device)
     results = []
@@ -100,9 +102,10 @@ def main() -> None:
                   f"(p10 {r['sampler_ms']['p10']:.3f}, p90 {r['sampler_ms']['p90']:.3f})  "
                   f"from_rows {r['from_rows_ms']['median']:7.3f} ms  peak {r['peak_extra_mib'] or 0:7.0f} MiB  "
               f"[one fp32 pass ~{pass_ms:.3f} ms]", flush=True)  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": str(device), "torch": torch.__version__, "results": results}, f, indent=1)
+    tag = device_tag() if device.type == "cuda" else "cpu"
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / f"sampler_{tag}.json", {"device": str(device), "torch": torch.__version__, "results": results})
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ one's top 20 by total time.
     python -m benchmarks.bench_sse [--client httpx|raw] [--concurrency 256] [--max-tokens 512]
                                    [--profile] [--label NAME]
 
-`httpx` is what `tinyvllm bench serve` uses; `raw` is a minimal asyncio HTTP/1.1 client (far less
-client CPU, so on a small machine the server is less starved). Linux only (/proc).
+`httpx` is a common Python client; `raw` is a minimal asyncio HTTP/1.1 client (far less client CPU, so
+on a small machine the server is less starved). Linux only (/proc). Writes sse_<label>_cpu.json, the
+label by default `paced<N>ms` or `unpaced`.
 """
 
 from __future__ import annotations
@@ -415,7 +416,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--step-ms", type=float, default=0.0, help="sleep per fake step (0: paced by the API side)")
     p.add_argument("--profile", action="store_true", help="also a cProfile run per endpoint (top 20)")
-    p.add_argument("--label", default="cpu", help="names the result file: sse_<label>.json")
+    p.add_argument(
+        "--label", default=None, help="names the result file sse_<label>_cpu.json (default: paced<N>ms or unpaced)"
+    )
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     p.add_argument("--tokenizer", help=argparse.SUPPRESS)
@@ -439,7 +442,8 @@ def main(argv: list[str] | None = None) -> None:
     _print(rows)
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"sse_{ns.label}.json"
+    label = ns.label or (f"paced{ns.step_ms:g}ms" if ns.step_ms else "unpaced")
+    path = out / f"sse_{label}_cpu.json"
     path.write_text(
         json.dumps(
             {

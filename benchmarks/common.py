@@ -110,11 +110,16 @@ def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]
     print(line, flush=True)
 
 
-def output_paths(out_dir: str | None, name: str) -> tuple[Path, Path]:
+def output_paths(out_dir: str | Path | None, name: str) -> tuple[Path, Path]:
+    """Where a bench writes its JSON and plot: `<out_dir>/<name>_<gpu>.json` and `.png` (e.g.
+    benchmarks/results/gemv_h200.json), `<name>_cpu` without CUDA. A later run on the same GPU replaces
+    the files; its predecessors stay in git."""
+    from tinyvllm.bench.report import device_tag
+
     d = Path(out_dir) if out_dir else RESULTS_DIR
     d.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return d / f"{name}-{stamp}.json", d / f"{name}-{stamp}.png"
+    stem = f"{name}_{device_tag()}"
+    return d / f"{stem}.json", d / f"{stem}.png"
 
 
 def write_json(path: Path, payload: dict) -> None:

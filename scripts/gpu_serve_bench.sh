@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The `serving` workload on the GPU: start `tinyvllm serve` on the 1B-shape checkpoint (engine in its own
 # process, the default), then `tinyvllm bench serve` at request rates 4, 16, 64 per second and inf (all
-# requests at t = 0); JSON into $1. COMPARE_THREAD=1 then repeats rates 64 and inf against a server whose
-# engine runs on a thread of the server process (--engine-in-thread, the old design), for an A/B on the
-# same machine (one more server start, ~1 min more). A smoke test on a CPU:
+# requests at t = 0); JSON into $1 as serving_<label>_<gpu>.json (serving_rate64_h200.json, ...).
+# COMPARE_THREAD=1 then repeats rates 64 and inf against a server whose engine runs on a thread of the
+# server process (--engine-in-thread), for an A/B on the same machine (one more server start, ~1 min
+# more). A smoke test on a CPU:
 #   MODEL=dummy:tiny SERVE_ARGS="--device cpu --dtype float32 --max-model-len 512" \
 #   BENCH_ARGS="--input-len 5:20 --output-len 4:16 --max-token-id 500" bash scripts/gpu_serve_bench.sh /tmp/r
 set -u
@@ -13,6 +14,7 @@ MODEL=${MODEL:-dummy:llama-3.2-1b}
 SERVE_ARGS=${SERVE_ARGS:---dtype bfloat16 --max-model-len 4096}
 BENCH_ARGS=${BENCH_ARGS:-}
 cli() { python3 -m tinyvllm.entrypoints.cli "$@"; }
+GPU=${GPU:-$(python3 -c "from tinyvllm.bench.report import device_tag; print(device_tag())" 2>/dev/null || echo gpu)}
 SERVER=
 
 start_server() {  # start_server LOG EXTRA_FLAGS...
@@ -48,7 +50,7 @@ stop_server() {  # SIGINT, as Ctrl-C would; the server drains, stops its engine 
 bench() {  # bench RATE NUM_PROMPTS LABEL
   # shellcheck disable=SC2086
   cli bench serve --base-url "http://127.0.0.1:$PORT" --request-rate "$1" --num-prompts "$2" \
-    --result-dir "$RES" --label "$3" $BENCH_ARGS
+    --result-dir "$RES" --label "$3" --result-file "$RES/serving_$3_$GPU.json" $BENCH_ARGS
 }
 
 rc=0

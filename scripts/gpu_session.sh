@@ -37,6 +37,9 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
   return $rc
 }
 CLI="python3 -m tinyvllm.entrypoints.cli"  # a command, not a shell function: `timeout` runs it
+# The GPU's short name in result files (<bench>_<gpu>.json, e.g. latency_h200.json), as the benches name them.
+GPU=$(python3 -c "from tinyvllm.bench.report import device_tag; print(device_tag())" 2>/dev/null || echo gpu)
+export GPU
 
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
@@ -68,11 +71,11 @@ step cascade_bench 90 python3 benchmarks/kernels/bench_cascade.py --out "$RES"
 step gemv_bench 150 python3 benchmarks/kernels/bench_gemv.py --models 1b --out "$RES"
 step gemv_sweep 170 python3 benchmarks/kernels/bench_gemv.py --no-model --sweep --sweep-m 1 --out "$RES"
 step megakernel_tests ${MKT_LIMIT:-240} python3 -m pytest -q -x tests/models/test_decode_megakernel.py tests/gpu/test_megakernel_gpu.py -p no:cacheprovider
-step stream_bench ${STREAM_LIMIT:-300} python3 benchmarks/kernels/bench_stream.py ${STREAM_ARGS:-} --out "$RES/stream.json"
+step stream_bench ${STREAM_LIMIT:-300} python3 benchmarks/kernels/bench_stream.py ${STREAM_ARGS:-} --out "$RES"
 step megakernel_bench 300 python3 benchmarks/kernels/bench_megakernel.py ${MK_ARGS:-} --out "$RES"
 step host_step 60 python3 -m benchmarks.bench_host_step --batch 1 64 256 --steps 200 --out-dir "$RES"
-# The megakernel's warp-stall profile per source line (Nsight Compute; docs/perf.md v12): one launch at
-# 640 keys, its SASS page, and the line table of the cubin in Triton's cache that matches it.
+# The megakernel's warp-stall profile per source line (Nsight Compute): one launch at 640 keys, its SASS
+# page, and the line table of the cubin in Triton's cache that matches it.
 ncu_profile() {
   local ncu=${NCU:-/usr/local/cuda/bin/ncu} rep=$WORK/mk_ncu
   "$ncu" --clock-control none --kernel-name regex:decode_megakernel --launch-skip 2 --launch-count 1 \
@@ -86,9 +89,9 @@ row = next(r for r in csv.reader(open(sys.argv[1])) if len(r) > 14 and r[12] == 
 print(float(row[14].replace(',', '')) * {'us': 1, 'ms': 1e3, 'ns': 1e-3}[row[13]])" "$RES/ncu_megakernel_details.csv")
   python3 scripts/ncu_lines.py --sass-csv "$RES/ncu_megakernel_sass.csv.gz" --duration-us "$us" --cubin \
     "$(python3 -c 'import os; print(os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache")))')"/*/_decode_megakernel.cubin \
-    --per 16 --top 30 --json "$RES/ncu_megakernel_lines.json"
+    --per 16 --top 30 --json "$RES/ncu_megakernel_lines_$GPU.json"
 }
-export -f ncu_profile; export WORK RES
+export -f ncu_profile; export WORK RES GPU
 if [[ " $STEPS " == *" ncu "* ]]; then step ncu 240 bash -c ncu_profile; fi  # only when named
 
 if [ -n "$TRAIN_PID" ]; then
@@ -101,13 +104,14 @@ bench() {  # bench NAME LIMIT ARGS...
   step "$name" "$limit" $CLI bench "$@" --out-dir "$RES"
   case $? in
     0|98|99|124|137) ;;  # done, not asked for, skipped, or out of time: a retry would not finish either
-    *) step "${name}_eager" "$limit" $CLI bench "$@" --out-dir "$RES" --name "${name}_eager" \
+    *) step "${name}_eager" "$limit" $CLI bench "$@" --out-dir "$RES" --name "${name}_eager_$GPU" \
          --enforce-eager --no-async-scheduling ;;
   esac
 }
 bench latency 120 latency --baseline hf --profile
-bench latency_no_megakernel 90 latency --no-decode-megakernel --name latency_no_megakernel
-bench latency_unfused 90 latency --no-fused-gemv --no-decode-megakernel --name latency_unfused
+bench latency_no_pruned_lm_head 90 latency --no-pruned-lm-head --name "latency_no_pruned_lm_head_$GPU"
+bench latency_no_megakernel 90 latency --no-decode-megakernel --name "latency_no_megakernel_$GPU"
+bench latency_unfused 90 latency --no-fused-gemv --no-decode-megakernel --name "latency_unfused_$GPU"
 bench throughput 200 throughput --profile --max-model-len 4096 --baseline hf --baseline-requests 16
 bench shared_prefix 150 shared-prefix --max-model-len 4096 --profile
 if [ -z "${SKIP_SERVE:-}" ] && wanted serve && python3 -c "import fastapi, uvicorn" 2>/dev/null; then

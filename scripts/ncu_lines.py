@@ -13,8 +13,8 @@ runs of opcodes, and the lines are approximate).
 A sample is one warp seen in one state; with every warp resident for the whole kernel, a line's share
 of all samples is its share of the programs' time, so share × duration / `per` is the mean µs per
 `per` (e.g. per layer) that a program spends on that line: issuing it or stalled at it (a stall is
-charged to the instruction that waits, e.g. the one after a CTA barrier). docs/perf.md (v12) reads the
-decode megakernel's profile this way.
+charged to the instruction that waits, e.g. the one after a CTA barrier). docs/perf.md reads the decode
+megakernel's profile this way (`STEPS=ncu bash scripts/gpu_session.sh` runs the whole chain).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def opcode(text: str) -> str:
 
 
 def read_csv(path: str) -> tuple[list[str], list[list[str]]]:
-    raw = gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
-    with raw:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as raw:
         rows = list(csv.reader(io.StringIO(raw.read())))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     return rows[start], rows[start + 1 :]

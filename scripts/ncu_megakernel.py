@@ -5,7 +5,7 @@
 
 Builds the random-weight model and the benchmark's KV cache (benchmarks/kernels/bench_megakernel.py),
 then runs `--launches` megakernel steps (the decoder layers and final norm of one token, no LM head),
-so that a profiler can sample where the kernel's warps stall (docs/perf.md, v12). Prints the mean
+so that a profiler can sample where the kernel's warps stall (scripts/ncu_lines.py). Prints the mean
 step time of the launches as CUDA events see them (meaningless under a profiler's replay).
 """
 

@@ -15,9 +15,9 @@ the same seed; the run whose best validation loss is lowest is kept, at its best
 
 Writes into ``--out`` (default ``tinyvllm/models/demo``): config.json, generation_config.json,
 model.safetensors (bf16), tokenizer.json, tokenizer_config.json, special_tokens_map.json, loss.png,
-training_log.json, the model card README.md and LICENSE (the corpus's PSF License Agreement). When ``$OUT`` is set, also writes there
-``demo_model.tar`` (all of those files; split into ``demo_model.tar.partNN`` of < 15 MB when larger),
-loss.png and training_log.json.
+training_log.json, the model card README.md and LICENSE (the corpus's PSF License Agreement). When ``$OUT``
+is set, also writes there ``demo_model.tar`` (all of those files; split into ``demo_model.tar.partNN`` of
+< 15 MB when larger), loss.png and training_log.json.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ The `shared-prefix` workload's decode: B sequences whose first `prefix` keys sit
 then `suffix` keys each. Both kernels timed as CUDA-graph replays (one layer: 32 query / 8 KV heads,
 head dim 64, bf16, block 16); floors: the bytes each must read at the copy bandwidth (plain decode
 re-reads the prefix per sequence unless L2 serves it; cascade reads it once per 16 sequences).
+Writes cascade_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -30,6 +31,46 @@ from common import (
 
 from tinyvllm.kernels.decode_attention import decode_attention_fwd
 
+HQ, HK, D, BS = 32, 8, 64, 16
+
+
+def measure_batch(batch: int, prefix: int, suffix: int, copy: float, dev) -> dict:
+    """Plain and cascade decode attention for `batch` rows sharing `prefix` keys (in the same blocks),
+    then `suffix` keys each in blocks of their own, shuffled."""
+    ctx = prefix + suffix
+    shared_blocks, own = prefix // BS, -(-suffix // BS)
+    num_blocks = shared_blocks + batch * own + 1
+    k = torch.randn(num_blocks, HK, BS, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    tables = torch.empty(batch, shared_blocks + own, dtype=torch.int32, device=dev)
+    tables[:, :shared_blocks] = torch.arange(shared_blocks, dtype=torch.int32, device=dev)
+    own_blocks = shared_blocks + torch.randperm(batch * own, device=dev).view(batch, own)
+    tables[:, shared_blocks:] = own_blocks.to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
+    p = torch.tensor([prefix], dtype=torch.int32, device=dev)
+
+    def plain():
+        return decode_attention_fwd(q, k, v, lens, tables, D**-0.5, ctx)
+
+    def cascade():
+        return decode_attention_fwd(q, k, v, lens, tables, D**-0.5, ctx, prefix_len=p)
+
+    ref, out = plain().float(), cascade().float()
+    t_plain, t_casc = bench_graph([plain]) * 1e3, bench_graph([cascade]) * 1e3
+    kv_row = 2 * HK * D * 2  # K and V bytes of one token
+    unique = (prefix + batch * suffix) * kv_row
+    every = batch * ctx * kv_row
+    return {
+        "batch": batch,
+        "plain_us": t_plain,
+        "cascade_us": t_casc,
+        "speedup": t_plain / t_casc,
+        "floor_unique_us": unique / (copy / 2) * 1e6,
+        "floor_all_us": every / (copy / 2) * 1e6,
+        "rel_diff": ((ref - out).norm() / ref.norm()).item(),
+    }
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,42 +81,7 @@ def main() -> None:
     ns = ap.parse_args()
     dev = require_cuda()
     copy = copy_bandwidth(dev)
-    hq, hk, d, bs = 32, 8, 64, 16
-    rows = []
-    for batch in ns.batches:
-        ctx = ns.prefix + ns.suffix
-        shared_blocks = ns.prefix // bs
-        own = -(-ns.suffix // bs)
-        num_blocks = shared_blocks + batch * own + 1
-        k = torch.randn(num_blocks, hk, bs, d, device=dev, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        tables = torch.empty(batch, shared_blocks + own, dtype=torch.int32, device=dev)
-        tables[:, :shared_blocks] = torch.arange(shared_blocks, dtype=torch.int32, device=dev)
-        tables[:, shared_blocks:] = shared_blocks + torch.randperm(batch * own, device=dev).view(batch, own).to(
-            torch.int32
-        )
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-        q = torch.randn(batch, hq, d, device=dev, dtype=torch.bfloat16)
-        p = torch.tensor([ns.prefix], dtype=torch.int32, device=dev)
-        plain = decode_attention_fwd(q, k, v, lens, tables, d**-0.5, ctx)
-        cascade = decode_attention_fwd(q, k, v, lens, tables, d**-0.5, ctx, prefix_len=p)
-        err = ((plain.float() - cascade.float()).norm() / plain.float().norm()).item()
-        t_plain = bench_graph([lambda: decode_attention_fwd(q, k, v, lens, tables, d**-0.5, ctx)]) * 1e3
-        t_casc = bench_graph([lambda: decode_attention_fwd(q, k, v, lens, tables, d**-0.5, ctx, prefix_len=p)]) * 1e3
-        kv_row = 2 * hk * d * 2  # K and V bytes of one token
-        unique = (ns.prefix + batch * ns.suffix) * kv_row
-        every = batch * ctx * kv_row
-        rows.append(
-            {
-                "batch": batch,
-                "plain_us": t_plain,
-                "cascade_us": t_casc,
-                "speedup": t_plain / t_casc,
-                "floor_unique_us": unique / (copy / 2) * 1e6,
-                "floor_all_us": every / (copy / 2) * 1e6,
-                "rel_diff": err,
-            }
-        )
+    rows = [measure_batch(batch, ns.prefix, ns.suffix, copy, dev) for batch in ns.batches]
     print_table(
         f"decode attention, {ns.prefix} shared + {ns.suffix} own keys, one layer",
         rows,
@@ -90,10 +96,8 @@ def main() -> None:
         ],
     )
     json_path, _ = output_paths(ns.out, "cascade")
-    write_json(
-        json_path,
-        {"device": device_info(dev), "copy_bw": copy, "prefix": ns.prefix, "suffix": ns.suffix, "results": rows},
-    )
+    payload = {"device": device_info(dev), "copy_bw": copy, "prefix": ns.prefix, "suffix": ns.suffix, "results": rows}
+    write_json(json_path, payload)
 
 
 if __name__ == "__main__":

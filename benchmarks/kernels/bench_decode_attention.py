@@ -1,4 +1,4 @@
-"""The `decode-attention` workload (WORKLOADS.md): one query token per sequence, paged KV cache (block
+"""The `decode-attention` workload (docs/workloads.md): one query token per sequence, paged KV cache (block
 16), 32 query / 8 KV heads, head dim 64, bf16, batch {1, 16, 64, 256} × context {512, 2k, 8k, 32k}.
 
 Decode is bound by memory bandwidth, so the figure is GB/s of K/V + Q + O moved, and its fraction of
@@ -10,6 +10,8 @@ ends up) and in order; the baselines get contiguous [B, Hk, L, D] K/V: SDPA flas
     python benchmarks/kernels/bench_decode_attention.py            # the workload (~2 min)
     python benchmarks/kernels/bench_decode_attention.py --quick    # 4 shapes
     python benchmarks/kernels/bench_decode_attention.py --sweep    # also try the candidate configs
+
+Writes decode_attention_<gpu>.json and a plot of the fractions, decode_attention_<gpu>.png.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def try_time(name, fn, p: Problem, copy_bw: float, ref, row: dict, graph_fns=Non
         print(f"  {name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
@@ -109,14 +111,88 @@ def main() -> None:
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     ap.add_argument("--quick", action="store_true", help="4 shapes")
     ap.add_argument("--out", default=None, help="directory for the JSON and PNG (default benchmarks/results)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def measure_shape(p: Problem, rotation: list[Problem], copy_bw: float, compiled_flex, device) -> dict:
+    """One shape's row: ours (blocks shuffled and in order), SDPA flash and cuDNN, FlexAttention."""
+    from torch.nn.attention import SDPBackend
+
+    flash, cudnn = SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION
+    splits = num_splits_for(p.batch, HK, p.ctx, num_sms(device), DEFAULT_CONFIG)
+    row = {"batch": p.batch, "ctx": p.ctx, "MB": p.bytes / 1e6, "splits": splits}
+    print(f"batch={p.batch} ctx={p.ctx}: {p.bytes / 1e6:.1f} MB, {splits} splits", flush=True)
+    ref = p.sdpa(flash)().squeeze(2)
+    shuffled = [r.ours(r.tables_shuffled) for r in rotation]
+    try_time("ours_shuffled", p.ours(p.tables_shuffled), p, copy_bw, None, row, shuffled)
+    try_time("ours_in_order", p.ours(p.tables_in_order), p, copy_bw, ref, row)
+    try_time("flash", p.sdpa(flash), p, copy_bw, None, row, [r.sdpa(flash) for r in rotation])
+    try_time("cudnn", p.sdpa(cudnn), p, copy_bw, ref, row, [r.sdpa(cudnn) for r in rotation])
+    if compiled_flex is not None:
+        try_time("flex", p.flex(compiled_flex), p, copy_bw, ref, row)
+    if row.get("ours_shuffled") and row.get("cudnn"):
+        row["ours/cudnn"] = row["ours_shuffled"] / row["cudnn"]
+    return row
+
+
+def sweep_shape(p: Problem, rotation: list[Problem], copy_bw: float, row: dict) -> list[dict]:
+    """Every candidate config on one shape (graph replays); the best goes into `row`."""
+    sweep_rows, best = [], None
+    for c in CANDIDATE_CONFIGS:
+        r: dict = {}
+        try_time(
+            "t", p.ours(p.tables_shuffled, c), p, copy_bw, None, r, [q.ours(q.tables_shuffled, c) for q in rotation]
+        )
+        if not r.get("t"):
+            continue
+        sweep_rows.append(
+            {"batch": p.batch, "ctx": p.ctx, "config": list(c), "frac": r["t_frac"], "graph_frac": r["t_graph_frac"]}
+        )
+        print(f"  sweep {tuple(c)}: {r['t_frac']:.2f} eager, {r['t_graph_frac']:.2f} graph", flush=True)
+        if best is None or r["t_graph_frac"] > best[1]:
+            best = (c, r["t_graph_frac"])
+    if best:
+        print(f"  best config: {tuple(best[0])} at {best[1]:.2f} of copy bandwidth (graph)", flush=True)
+        row["sweep_best"], row["sweep_best_frac"] = list(best[0]), best[1]
+    return sweep_rows
+
+
+COLUMNS = [
+    ("batch", "B", "d"),
+    ("ctx", "ctx", "d"),
+    ("MB", "MB", ".1f"),
+    ("splits", "splits", "d"),
+    ("ours_shuffled_us", "ours us", ".1f"),
+    ("ours_shuffled_frac", "ours shuf", ".2f"),
+    ("ours_in_order_frac", "ours in-order", ".2f"),
+    ("flash_frac", "flash", ".2f"),
+    ("cudnn_frac", "cudnn", ".2f"),
+    ("flex_frac", "flex", ".2f"),
+    ("ours/cudnn", "ours/cudnn", ".2f"),
+    ("ours_shuffled_graph_us", "graph: ours us", ".1f"),
+    ("ours_shuffled_graph_frac", "ours", ".2f"),
+    ("flash_graph_frac", "flash", ".2f"),
+    ("cudnn_graph_frac", "cudnn", ".2f"),
+    ("ours_in_order_err", "err vs sdpa", ".1e"),
+]
+
+
+def plot(png_path, rows: list[dict]) -> None:
+    names = ["ours_shuffled", "ours_in_order", "flash", "cudnn", "flex"]
+    panels = []
+    for batch in sorted({r["batch"] for r in rows}):
+        rs = [r for r in rows if r["batch"] == batch]
+        series = {n: ([r["ctx"] for r in rs], [r.get(f"{n}_frac") for r in rs]) for n in names}
+        panels.append((f"decode, batch {batch}", "context", "fraction of copy bandwidth", series))
+    common.plot_lines(png_path, panels)
+
+
+def main() -> None:
+    args = parse_args()
     shapes = [(b, c) for b in args.batches for c in args.contexts]
     if args.quick:
         shapes = [(1, 32768), (16, 2048), (64, 8192), (256, 512)]
-
     device, info, compiled_flex = common.start(args.no_flex)
-    from torch.nn.attention import SDPBackend
-
     copy_bw = common.copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s", flush=True)
 
@@ -130,95 +206,13 @@ def main() -> None:
         p = Problem(batch, ctx, device)
         # Graph timing rotates over enough input sets to spill the 60 MB L2 several times.
         rotation = [p] + [Problem(batch, ctx, device, seed=i) for i in range(1, min(64, -(-256_000_000 // p.bytes)))]
-        splits = num_splits_for(batch, HK, ctx, num_sms(device), DEFAULT_CONFIG)
-        row = {"batch": batch, "ctx": ctx, "MB": p.bytes / 1e6, "splits": splits}
-        print(f"batch={batch} ctx={ctx}: {p.bytes / 1e6:.1f} MB, {splits} splits", flush=True)
-        ref = p.sdpa(SDPBackend.FLASH_ATTENTION)().squeeze(2)
-        try_time(
-            "ours_shuffled",
-            p.ours(p.tables_shuffled),
-            p,
-            copy_bw,
-            None,
-            row,
-            [r.ours(r.tables_shuffled) for r in rotation],
-        )
-        try_time("ours_in_order", p.ours(p.tables_in_order), p, copy_bw, ref, row)
-        try_time(
-            "flash",
-            p.sdpa(SDPBackend.FLASH_ATTENTION),
-            p,
-            copy_bw,
-            None,
-            row,
-            [r.sdpa(SDPBackend.FLASH_ATTENTION) for r in rotation],
-        )
-        try_time(
-            "cudnn",
-            p.sdpa(SDPBackend.CUDNN_ATTENTION),
-            p,
-            copy_bw,
-            ref,
-            row,
-            [r.sdpa(SDPBackend.CUDNN_ATTENTION) for r in rotation],
-        )
-        if compiled_flex is not None:
-            try_time("flex", p.flex(compiled_flex), p, copy_bw, ref, row)
-        if row.get("ours_shuffled") and row.get("cudnn"):
-            row["ours/cudnn"] = row["ours_shuffled"] / row["cudnn"]
-        rows.append(row)
+        rows.append(measure_shape(p, rotation, copy_bw, compiled_flex, device))
         if args.sweep and (batch, ctx) in SWEEP_SHAPES:
-            best = None
-            for c in CANDIDATE_CONFIGS:
-                r = {}
-                try_time(
-                    "t",
-                    p.ours(p.tables_shuffled, c),
-                    p,
-                    copy_bw,
-                    None,
-                    r,
-                    [q.ours(q.tables_shuffled, c) for q in rotation],
-                )
-                if r.get("t"):
-                    sweep_rows.append(
-                        {
-                            "batch": batch,
-                            "ctx": ctx,
-                            "config": list(c),
-                            "frac": r["t_frac"],
-                            "graph_frac": r["t_graph_frac"],
-                        }
-                    )
-                    print(f"  sweep {tuple(c)}: {r['t_frac']:.2f} eager, {r['t_graph_frac']:.2f} graph", flush=True)
-                    if best is None or r["t_graph_frac"] > best[1]:
-                        best = (c, r["t_graph_frac"])
-            if best:
-                print(f"  best config: {tuple(best[0])} at {best[1]:.2f} of copy bandwidth (graph)", flush=True)
-                row["sweep_best"], row["sweep_best_frac"] = list(best[0]), best[1]
+            sweep_rows += sweep_shape(p, rotation, copy_bw, rows[-1])
         del p, rotation
         torch.cuda.empty_cache()
 
-    cols = [
-        ("batch", "B", "d"),
-        ("ctx", "ctx", "d"),
-        ("MB", "MB", ".1f"),
-        ("splits", "splits", "d"),
-        ("ours_shuffled_us", "ours us", ".1f"),
-        ("ours_shuffled_frac", "ours shuf", ".2f"),
-        ("ours_in_order_frac", "ours in-order", ".2f"),
-        ("flash_frac", "flash", ".2f"),
-        ("cudnn_frac", "cudnn", ".2f"),
-        ("flex_frac", "flex", ".2f"),
-        ("ours/cudnn", "ours/cudnn", ".2f"),
-        ("ours_shuffled_graph_us", "graph: ours us", ".1f"),
-        ("ours_shuffled_graph_frac", "ours", ".2f"),
-        ("flash_graph_frac", "flash", ".2f"),
-        ("cudnn_graph_frac", "cudnn", ".2f"),
-        ("ours_in_order_err", "err vs sdpa", ".1e"),
-    ]
-    if args.sweep:
-        cols.append(("sweep_best_frac", "sweep best", ".2f"))
+    cols = COLUMNS + ([("sweep_best_frac", "sweep best", ".2f")] if args.sweep else [])
     common.print_table(
         f"decode attention, bf16, fraction of copy bandwidth ({copy_bw / 1e12:.2f} TB/s); "
         "eager = do_bench with L2 flushed (host launch cost included where the GPU waits "
@@ -227,30 +221,16 @@ def main() -> None:
         cols,
     )
     json_path, png_path = common.output_paths(args.out, "decode_attention")
-    common.write_json(
-        json_path,
-        {
-            "workload": "decode-attention",
-            "device": info,
-            "copy_bw": copy_bw,
-            "config": list(DEFAULT_CONFIG),
-            "results": rows,
-            "sweep": sweep_rows,
-        },
-    )
-    names = ["ours_shuffled", "ours_in_order", "flash", "cudnn", "flex"]
-    panels = []
-    for batch in sorted({r["batch"] for r in rows}):
-        rs = [r for r in rows if r["batch"] == batch]
-        panels.append(
-            (
-                f"decode, batch {batch}",
-                "context",
-                "fraction of copy bandwidth",
-                {n: ([r["ctx"] for r in rs], [r.get(f"{n}_frac") for r in rs]) for n in names},
-            )
-        )
-    common.plot_lines(png_path, panels)
+    payload = {
+        "workload": "decode-attention",
+        "device": info,
+        "copy_bw": copy_bw,
+        "config": list(DEFAULT_CONFIG),
+        "results": rows,
+        "sweep": sweep_rows,
+    }
+    common.write_json(json_path, payload)
+    plot(png_path, rows)
 
 
 if __name__ == "__main__":

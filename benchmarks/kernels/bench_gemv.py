@@ -18,6 +18,8 @@ at a 1k context, LM head): the fused small-batch path against the unfused one, b
     python benchmarks/kernels/bench_gemv.py --sweep      # also sweep configs (plain kernel, 1B shapes)
     python benchmarks/kernels/bench_gemv.py --quick --no-model --sweep --sweep-fused --sweep-m 1
                                                          # sweep the fused variants the model runs at M = 1
+
+Writes gemv_<gpu>.json and a plot per shape, gemv_<gpu>.png (gemv_sweep_<gpu>.* with --sweep).
 """
 
 from __future__ import annotations
@@ -221,44 +223,44 @@ def build_model(device: torch.device, max_positions: int):
     return model.eval().requires_grad_(False)
 
 
-def model_check(device, batches: list[int], ctx: int, copy_bw: float) -> list[dict]:
-    """Whole decode steps (layers + final norm + LM head) of the 1B shape, fused vs unfused."""
+def decode_batch(model, B: int, ctx: int, device) -> tuple:
+    """Inputs of one decode step of B rows at context `ctx`: ids, positions, attention metadata over an
+    in-order paged cache of 16-key blocks, and that cache's random K/V per layer."""
     from tinyvllm.kernels.attention_metadata import AttnMetadata
 
-    block = 16
+    block, c, i32 = 16, model.config, torch.int32
+    nb = -(-ctx // block)
+    tables = torch.arange(B * nb, device=device, dtype=i32).view(B, nb)
+    slots = tables[:, (ctx - 1) // block].long() * block + (ctx - 1) % block
+    meta = AttnMetadata(
+        slot_mapping=slots,
+        num_decode_tokens=B,
+        decode_seq_lens=torch.full((B,), ctx, dtype=i32, device=device),
+        decode_block_tables=tables,
+        max_decode_seq_len=ctx,
+        num_prefills=0,
+        prefill_cu_seqlens_q=torch.zeros(1, dtype=i32, device=device),
+        prefill_seq_lens=torch.zeros(0, dtype=i32, device=device),
+        prefill_block_tables=tables[:0],
+        max_prefill_q_len=0,
+        max_prefill_seq_len=0,
+    )
+    shape = (B * nb, c.num_key_value_heads, block, c.head_dim)
+    kv = [tuple(torch.randn(shape, device=device, dtype=BF16) for _ in range(2)) for _ in range(c.num_hidden_layers)]
+    ids = torch.randint(0, c.vocab_size, (B,), device=device)
+    pos = torch.full((B,), ctx - 1, device=device)
+    return ids, pos, meta, kv
+
+
+def model_check(device, batches: list[int], ctx: int, copy_bw: float) -> list[dict]:
+    """Whole decode steps (layers + final norm + LM head) of the 1B shape, fused vs unfused."""
     model = build_model(device, ctx + 16)
-    c = model.config
     weight_bytes = sum(
         p.numel() * p.element_size() for n, p in model.named_parameters() if not n.endswith("norm.weight")
     )
     rows = []
     for B in batches:
-        nb = -(-ctx // block)
-        tables = torch.arange(B * nb, device=device, dtype=torch.int32).view(B, nb)
-        slots = tables[:, (ctx - 1) // block].long() * block + (ctx - 1) % block
-        i32 = torch.int32
-        meta = AttnMetadata(
-            slot_mapping=slots,
-            num_decode_tokens=B,
-            decode_seq_lens=torch.full((B,), ctx, dtype=i32, device=device),
-            decode_block_tables=tables,
-            max_decode_seq_len=ctx,
-            num_prefills=0,
-            prefill_cu_seqlens_q=torch.zeros(1, dtype=i32, device=device),
-            prefill_seq_lens=torch.zeros(0, dtype=i32, device=device),
-            prefill_block_tables=tables[:0],
-            max_prefill_q_len=0,
-            max_prefill_seq_len=0,
-        )
-        kv = [
-            tuple(
-                torch.randn(B * nb, c.num_key_value_heads, block, c.head_dim, device=device, dtype=BF16)
-                for _ in range(2)
-            )
-            for _ in range(c.num_hidden_layers)
-        ]
-        ids = torch.randint(0, c.vocab_size, (B,), device=device)
-        pos = torch.full((B,), ctx - 1, device=device)
+        ids, pos, meta, kv = decode_batch(model, B, ctx, device)
 
         def step():
             return model.compute_logits(model(ids, pos, meta, kv), dtype=None)
@@ -327,7 +329,7 @@ def plot(path: Path, rows: list[dict]) -> None:
     print(f"wrote {path}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="values of M (≤ 16)")
     ap.add_argument("--models", nargs="+", default=["1b", "8b"], choices=["1b", "8b"])
@@ -355,7 +357,40 @@ def main() -> None:
         args.batches, args.models = [1, 16], ["1b"]
     if any(not 1 <= m <= 16 for m in args.batches + args.sweep_m + args.model_batches):
         ap.error("M and the model-check batches must be in 1..16 (the fused path's range)")
+    return args
 
+
+COLUMNS = [
+    ("model", "model", "s"),
+    ("proj", "proj", "s"),
+    ("N", "N", "d"),
+    ("K", "K", "d"),
+    ("M", "M", "d"),
+    ("floor_us", "floor us", ".1f"),
+    ("ours_us", "ours us", ".1f"),
+    ("ours_frac", "ours", ".2f"),
+    ("cublas_us", "cuBLAS us", ".1f"),
+    ("cublas_frac", "cuBLAS", ".2f"),
+    ("speedup", "ours/cuBLAS", ".2f"),
+    ("variant", "fused variant", "s"),
+    ("fused_us", "fused us", ".1f"),
+    ("unfused_us", "unfused us", ".1f"),
+    ("fused_speedup", "fused gain", ".2f"),
+    ("err_vs_cublas", "err", ".1e"),
+]
+MODEL_COLUMNS = [
+    ("batch", "B", "d"),
+    ("ctx", "ctx", "d"),
+    ("floor_ms", "floor", ".3f"),
+    ("unfused_ms", "unfused", ".3f"),
+    ("fused_ms", "fused", ".3f"),
+    ("speedup", "gain", ".2f"),
+    ("err", "logits diff", ".1e"),
+]
+
+
+def main() -> None:
+    args = parse_args()
     device = common.require_cuda()
     info = common.device_info(device)
     print(f"{info['gpu']} ({info['sms']} SMs), torch {info['torch']}, triton {info['triton']}", flush=True)
@@ -363,12 +398,8 @@ def main() -> None:
     copy_bw = common.copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s", flush=True)
 
-    rows = [
-        run_shape(model, proj, N, K, variant, M, device, copy_bw)
-        for model, proj, N, K, variant in SHAPES
-        if model in args.models
-        for M in args.batches
-    ]
+    shapes = [s for s in SHAPES if s[0] in args.models]
+    rows = [run_shape(*shape, M, device, copy_bw) for shape in shapes for M in args.batches]
     sweep_rows = []
     if args.sweep:
         for model, proj, N, K, variant in SHAPES:
@@ -378,57 +409,27 @@ def main() -> None:
     model_rows = [] if args.no_model else model_check(device, args.model_batches, args.model_ctx, copy_bw)
     torch.cuda.empty_cache()
 
-    cols = [
-        ("model", "model", "s"),
-        ("proj", "proj", "s"),
-        ("N", "N", "d"),
-        ("K", "K", "d"),
-        ("M", "M", "d"),
-        ("floor_us", "floor us", ".1f"),
-        ("ours_us", "ours us", ".1f"),
-        ("ours_frac", "ours", ".2f"),
-        ("cublas_us", "cuBLAS us", ".1f"),
-        ("cublas_frac", "cuBLAS", ".2f"),
-        ("speedup", "ours/cuBLAS", ".2f"),
-        ("variant", "fused variant", "s"),
-        ("fused_us", "fused us", ".1f"),
-        ("unfused_us", "unfused us", ".1f"),
-        ("fused_speedup", "fused gain", ".2f"),
-        ("err_vs_cublas", "err", ".1e"),
-    ]
     common.print_table(
         f"decode GEMV, bf16, CUDA-graph replay over rotated weights; fraction = weight bytes / "
         f"time / copy bandwidth ({copy_bw / 1e12:.2f} TB/s)",
         rows,
-        cols,
+        COLUMNS,
     )
     if model_rows:
         common.print_table(
-            "decode step of the Llama-3.2-1B shape (16 layers + LM head), ms per step",
-            model_rows,
-            [
-                ("batch", "B", "d"),
-                ("ctx", "ctx", "d"),
-                ("floor_ms", "floor", ".3f"),
-                ("unfused_ms", "unfused", ".3f"),
-                ("fused_ms", "fused", ".3f"),
-                ("speedup", "gain", ".2f"),
-                ("err", "logits diff", ".1e"),
-            ],
+            "decode step of the Llama-3.2-1B shape (16 layers + LM head), ms per step", model_rows, MODEL_COLUMNS
         )
-    json_path, png_path = common.output_paths(args.out, "gemv")
-    common.write_json(
-        json_path,
-        {
-            "workload": "gemv",
-            "device": info,
-            "copy_bw": copy_bw,
-            "results": rows,
-            "sweep": sweep_rows,
-            "model_check": model_rows,
-            "seconds": time.perf_counter() - start,
-        },
-    )
+    json_path, png_path = common.output_paths(args.out, "gemv_sweep" if args.sweep else "gemv")
+    payload = {
+        "workload": "gemv",
+        "device": info,
+        "copy_bw": copy_bw,
+        "results": rows,
+        "sweep": sweep_rows,
+        "model_check": model_rows,
+        "seconds": time.perf_counter() - start,
+    }
+    common.write_json(json_path, payload)
     plot(png_path, rows)
     print(f"total {time.perf_counter() - start:.0f} s")
 

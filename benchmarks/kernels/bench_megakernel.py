@@ -10,6 +10,8 @@ no sampling), as the engine's batch-1 graph runs it:
 The layers alone (without the LM head) are timed too. Floor: the weight bytes read per step (layers,
 LM head) at the copy bandwidth measured at the start. Correctness: each megakernel's hidden state and
 logits against the layered path's (relative error), in bf16 and (`--fp32`, default on) in float32.
+Traced launches give each phase's time per layer (program 0's clock) and every program's arrival at
+each barrier. Writes megakernel_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -43,10 +45,9 @@ from tinyvllm.models.loader import build_model
 
 BLOCK = 16
 C = MegakernelConfig
+# (config, context splits per KV head; None: the config's own): the default, phase D reducing each tile
+# across the threads instead of on the tensor cores (dot_d=False), and both with 4 pipeline stages in D.
 VARIANTS = [(C(), None), (C(dot_d=False), None), (C(stages=4), None), (C(dot_d=False, stages=4), None)]
-# (config, context splits per KV head; None: the default): the default (v10: phase D on the tensor cores;
-# every weight phase pipelined, its first tiles issued before the barrier's wait); v9's phase D (a
-# reduction across the threads per tile); both with 4 pipeline stages in phase D.
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
 B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its unit, ticket, merge, the wait after
 
@@ -263,8 +264,7 @@ def check(
     return rows
 
 
-@torch.no_grad()
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 640, 2048])
     ap.add_argument("--fp32", action=argparse.BooleanOptionalAction, default=True)
@@ -293,53 +293,38 @@ def main() -> None:
         "stages=4,ace_stages=2; repeatable) instead of the other variants",
     )
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
-    ns = ap.parse_args()
-    if ns.splits or ns.warps or ns.variant:
-        VARIANTS[1:] = (
-            [(C(), s) for s in ns.splits]
-            + [(C(num_warps=w), None) for w in ns.warps]
-            + [(parse_config(v), None) for v in ns.variant]
-        )
-    dev = require_cuda()
-    info = device_info(dev)
-    copy = copy_bandwidth(dev)
-    print(f"{info}\ncopy bandwidth {copy / 1e12:.2f} TB/s")
+    return ap.parse_args()
 
-    checks = []
-    if ns.fp32:
-        model, kv = setup(dev, torch.float32, max(ns.contexts))
-        checks += check(model, kv, LlamaDecodeMegakernel(model), ns.contexts, VARIANTS[:2])
-        del model, kv
-        torch.cuda.empty_cache()
-    model, kv = setup(dev, torch.bfloat16, max(ns.contexts))
-    base = LlamaDecodeMegakernel(model)
-    checks += check(model, kv, base, ns.contexts, VARIANTS)
-    print_table(
-        "correctness against the layered path",
-        checks,
-        [
-            ("dtype", "dtype", ""),
-            ("context", "ctx", "d"),
-            ("variant", "variant", ""),
-            ("hidden_rel_err", "hidden err", ".2e"),
-            ("logits_rel_err", "logits err", ".2e"),
-            ("kv_rel_err", "new K/V err", ".2e"),
-            ("argmax_equal", "argmax =", ""),
-            ("rest_of_cache_equal", "rest of cache =", ""),
-        ],
+
+def variants_from(ns: argparse.Namespace) -> list[tuple[MegakernelConfig, int | None]]:
+    """The default first, then either the command line's variants or VARIANTS' others."""
+    if not (ns.splits or ns.warps or ns.variant):
+        return VARIANTS
+    return (
+        [VARIANTS[0]]
+        + [(C(), s) for s in ns.splits]
+        + [(C(num_warps=w), None) for w in ns.warps]
+        + [(parse_config(v), None) for v in ns.variant]
     )
+
+
+def time_steps(model, base, kv, contexts: list[int], variants, copy: float) -> list[dict]:
+    """Step and layer times of the layered path and each variant (CUDA-graph replays), against the floor:
+    the bytes a step must read (layers' weights and K/V, then the LM head) at the copy bandwidth."""
+    dev = kv.device
     layer_bytes = sum(
         t.numel() * t.element_size()
         for t in (base.weights.qkv, base.weights.o, base.weights.gate_up, base.weights.down)
     )
     head_bytes = model.lm_head_weight.numel() * model.lm_head_weight.element_size()
+    cfg = model.config
     rows = []
-    for ctx in ns.contexts:
+    for ctx in contexts:
         ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
-        kv_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * ctx * 64 * 2
+        kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * ctx * cfg.head_dim * kv.element_size()
         floor_layers = (layer_bytes + kv_bytes) / copy * 1e6
         floor_step = floor_layers + head_bytes / copy * 1e6
-        for name, mk in [("layered", None)] + [(name_of(c, sp), base.variant(c, sp)) for c, sp in VARIANTS]:
+        for name, mk in [("layered", None)] + [(name_of(c, sp), base.variant(c, sp)) for c, sp in variants]:
             step_us = bench_graph([lambda mk=mk: run(model, mk, ids, pos, meta, kv)], calls=32, replays=9) * 1e3
             layers_us = (
                 bench_graph([lambda mk=mk: run(model, mk, ids, pos, meta, kv, logits=False)], calls=32, replays=9) * 1e3
@@ -360,69 +345,92 @@ def main() -> None:
     for r in rows:
         lay = next(x for x in rows if x["context"] == r["context"] and x["path"] == "layered")
         r["speedup"] = lay["step_us"] / r["step_us"]
-    traces = []
-    for ctx in ns.contexts:
-        ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
-        for cfg, splits in VARIANTS:
-            traces.append(
-                {
-                    "context": ctx,
-                    "variant": name_of(cfg, splits),
-                    **phase_trace(model, base.variant(cfg, splits), ids, pos, meta, kv),
-                }
-            )
-    programs = []
-    for ctx in ns.contexts:
-        ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
-        for cfg, splits in VARIANTS:
-            programs.append(
-                {
-                    "context": ctx,
-                    "variant": name_of(cfg, splits),
-                    **program_trace(base.variant(cfg, splits), ids, pos, meta, kv),
-                }
-            )
+    return rows
+
+
+def traces(model, base, kv, contexts: list[int], variants) -> tuple[list[dict], list[dict]]:
+    """Program 0's phase times and every program's barrier times, per context and variant."""
+    phases, programs = [], []
+    for ctx in contexts:
+        ids, pos, meta = step_inputs(kv.device, ctx, kv.shape[2])
+        for cfg, splits in variants:
+            mk = base.variant(cfg, splits)
+            head = {"context": ctx, "variant": name_of(cfg, splits)}
+            phases.append({**head, **phase_trace(model, mk, ids, pos, meta, kv)})
+            programs.append({**head, **program_trace(mk, ids, pos, meta, kv)})
             print(programs[-1], flush=True)
+    return phases, programs
+
+
+CHECK_COLUMNS = [
+    ("dtype", "dtype", ""),
+    ("context", "ctx", "d"),
+    ("variant", "variant", ""),
+    ("hidden_rel_err", "hidden err", ".2e"),
+    ("logits_rel_err", "logits err", ".2e"),
+    ("kv_rel_err", "new K/V err", ".2e"),
+    ("argmax_equal", "argmax =", ""),
+    ("rest_of_cache_equal", "rest of cache =", ""),
+]
+PHASE_COLUMNS = (
+    [("context", "ctx", "d"), ("variant", "variant", "")]
+    + [(p + " us", p.split()[0], ".2f") for p in PHASES]
+    + [("B " + p + " us", "B " + p, ".2f") for p in B_PARTS]
+    + [
+        ("layer0_A_from_start_us", "start", ".2f"),
+        ("last_E_to_exit_us", "end", ".2f"),
+        ("total_us", "total", ".1f"),
+    ]
+)
+STEP_COLUMNS = [
+    ("context", "ctx", "d"),
+    ("path", "path", ""),
+    ("step_us", "step µs", ".1f"),
+    ("layers_us", "layers µs", ".1f"),
+    ("tok_per_s", "tok/s", ".0f"),
+    ("speedup", "× layered", ".2f"),
+    ("floor_step_us", "floor µs", ".1f"),
+    ("of_floor", "of floor", ".2f"),
+    ("layers_of_floor", "layers of floor", ".2f"),
+]
+
+
+@torch.no_grad()
+def main() -> None:
+    ns = parse_args()
+    variants = variants_from(ns)
+    dev = require_cuda()
+    info = device_info(dev)
+    copy = copy_bandwidth(dev)
+    print(f"{info}\ncopy bandwidth {copy / 1e12:.2f} TB/s")
+
+    checks = []
+    if ns.fp32:  # float32 shows the schemes' arithmetic apart from bf16 rounding
+        model, kv = setup(dev, torch.float32, max(ns.contexts))
+        checks += check(model, kv, LlamaDecodeMegakernel(model), ns.contexts, variants[:2])
+        del model, kv
+        torch.cuda.empty_cache()
+    model, kv = setup(dev, torch.bfloat16, max(ns.contexts))
+    base = LlamaDecodeMegakernel(model)
+    checks += check(model, kv, base, ns.contexts, variants)
+    print_table("correctness against the layered path", checks, CHECK_COLUMNS)
+
+    rows = time_steps(model, base, kv, ns.contexts, variants, copy)
+    phases, programs = traces(model, base, kv, ns.contexts, variants)
     print_table(
-        "per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)",
-        traces,
-        [("context", "ctx", "d"), ("variant", "variant", "")]
-        + [(p + " us", p.split()[0], ".2f") for p in PHASES]
-        + [("B " + p + " us", "B " + p, ".2f") for p in B_PARTS]
-        + [
-            ("start_to_first_barrier_us", "start", ".2f"),
-            ("last_barrier_to_end_us", "end", ".2f"),
-            ("total_us", "total", ".1f"),
-        ],
+        "per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)", phases, PHASE_COLUMNS
     )
-    print_table(
-        f"batch-1 decode step, llama-3.2-1b shape, bf16 ({info.get('name', '')})",
-        rows,
-        [
-            ("context", "ctx", "d"),
-            ("path", "path", ""),
-            ("step_us", "step µs", ".1f"),
-            ("layers_us", "layers µs", ".1f"),
-            ("tok_per_s", "tok/s", ".0f"),
-            ("speedup", "× layered", ".2f"),
-            ("floor_step_us", "floor µs", ".1f"),
-            ("of_floor", "of floor", ".2f"),
-            ("layers_of_floor", "layers of floor", ".2f"),
-        ],
-    )
+    print_table(f"batch-1 decode step, llama-3.2-1b shape, bf16 ({info['gpu']})", rows, STEP_COLUMNS)
     json_path, _ = output_paths(ns.out, "megakernel")
-    write_json(
-        json_path,
-        {
-            "device": info,
-            "copy_bandwidth": copy,
-            "checks": checks,
-            "timings": rows,
-            "phase_traces": traces,
-            "program_traces": programs,
-        },
-    )
-    print(f"wrote {json_path}")
+    payload = {
+        "device": info,
+        "copy_bandwidth": copy,
+        "checks": checks,
+        "timings": rows,
+        "phase_traces": phases,
+        "program_traces": programs,
+    }
+    write_json(json_path, payload)
 
 
 if __name__ == "__main__":

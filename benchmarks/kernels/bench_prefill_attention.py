@@ -1,4 +1,4 @@
-"""The `prefill-attention` workload (WORKLOADS.md): causal attention forward, batch × L = 16384 tokens,
+"""The `prefill-attention` workload (docs/workloads.md): causal attention forward, batch × L = 16384 tokens,
 hidden 2048 (head dim 64 → 32 heads, 128 → 16 heads), L in 512..16k, bf16; TFLOP/s counting
 4·L²·d·heads·batch / 2.
 
@@ -10,6 +10,8 @@ also checks ours against SDPA's output.
     python benchmarks/kernels/bench_prefill_attention.py                 # the workload (~2-3 min)
     python benchmarks/kernels/bench_prefill_attention.py --quick         # 3 lengths, head dim 64
     python benchmarks/kernels/bench_prefill_attention.py --sweep         # also try every candidate tile config
+
+Writes prefill_attention_<gpu>.json and a plot of the TFLOP/s, prefill_attention_<gpu>.png.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def try_time(name: str, fn, flops: float, ref: torch.Tensor | None, row: dict, r
         row[name] = None
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
@@ -144,62 +146,60 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.head_dims, args.lengths = [64], [1024, 4096, 16384]
-    candidates = CANDIDATE_CONFIGS
     if args.config:
         args.sweep = True
-        candidates = [PrefillConfig(*map(int, c.split(","))) for c in args.config]
+    return args
 
-    device, info, compiled_flex = common.start(args.no_flex)
+
+def measure_shape(p: Problem, block_sizes: list[int], compiled_flex, device, matmul: float) -> tuple[dict, object]:
+    """One shape's row (ours at each page size, SDPA flash and cuDNN, FlexAttention) and the reference
+    output (SDPA flash) the sweep checks against."""
     from torch.nn.attention import SDPBackend
 
-    matmul = common.matmul_tflops(device)
-    print(f"bf16 matmul 8192³: {matmul:.0f} TFLOP/s", flush=True)
+    d, length = p.d, p.length
+    flops = causal_flops(p.batch, p.heads, length, d)
+    cfg = default_config(d, torch.bfloat16, length)
+    row = {"d": d, "L": length, "batch": p.batch, "heads": p.heads, "config": list(cfg)}
+    print(f"d={d} L={length} batch={p.batch} heads={p.heads} config={tuple(cfg)}", flush=True)
+    ref = sdpa_fn(p, SDPBackend.FLASH_ATTENTION)()
+    for bs in block_sizes:
+        if length % bs == 0:
+            try_time(f"ours_bs{bs}", p.ours(bs), flops, ref, row, p.ours_as_bhld)
+    try_time("flash", sdpa_fn(p, SDPBackend.FLASH_ATTENTION), flops, None, row)
+    try_time("cudnn", sdpa_fn(p, SDPBackend.CUDNN_ATTENTION), flops, ref, row)
+    if compiled_flex is not None:
+        try_time("flex", flex_fn(p, compiled_flex, device), flops, ref, row)
+    ours = row.get(f"ours_bs{block_sizes[0]}")
+    for base in ("flash", "cudnn", "flex"):
+        if ours and row.get(base):
+            row[f"ours/{base}"] = ours / row[base]
+    row["ours_best"] = max((row.get(f"ours_bs{b}") or 0) for b in block_sizes) or None
+    row["of_matmul"] = (row["ours_best"] or 0) / matmul
+    return row, ref
 
+
+def sweep_shape(p: Problem, block_size: int, candidates, ref, row: dict) -> list[dict]:
+    """Every candidate tile config on one shape; the fastest correct one goes into `row`."""
+    flops = causal_flops(p.batch, p.heads, p.length, p.d)
+    sweep_rows, best = [], None
+    for c in candidates:
+        r: dict = {}
+        try_time("t", p.ours(block_size, c), flops, ref, r, p.ours_as_bhld)
+        if not r.get("t"):
+            continue
+        ok = r["t_err"] < 2e-2
+        sweep_rows.append({"d": p.d, "L": p.length, "config": list(c), "tflops": r["t"], "err": r["t_err"]})
+        print(f"  sweep {tuple(c)}: {r['t']:.0f} TFLOP/s err {r['t_err']:.1e}{'' if ok else ' WRONG'}", flush=True)
+        if ok and (best is None or r["t"] > best[1]):
+            best = (c, r["t"])
+    if best:
+        print(f"  best config d={p.d} L={p.length}: {tuple(best[0])} at {best[1]:.0f} TFLOP/s", flush=True)
+        row["sweep_best"], row["sweep_best_tflops"] = list(best[0]), best[1]
+    return sweep_rows
+
+
+def report(args: argparse.Namespace, rows: list[dict], matmul: float) -> None:
     bs0 = args.block_sizes[0]
-    rows, sweep_rows = [], []
-    for d in args.head_dims:
-        for length in args.lengths:
-            p = Problem(length, d, device)
-            flops = causal_flops(p.batch, p.heads, length, d)
-            cfg = default_config(d, torch.bfloat16, length)
-            row = {"d": d, "L": length, "batch": p.batch, "heads": p.heads, "config": list(cfg)}
-            print(f"d={d} L={length} batch={p.batch} heads={p.heads} config={tuple(cfg)}", flush=True)
-            ref = sdpa_fn(p, SDPBackend.FLASH_ATTENTION)()
-            for bs in args.block_sizes:
-                if length % bs:
-                    continue
-                try_time(f"ours_bs{bs}", p.ours(bs), flops, ref, row, p.ours_as_bhld)
-            try_time("flash", sdpa_fn(p, SDPBackend.FLASH_ATTENTION), flops, None, row)
-            try_time("cudnn", sdpa_fn(p, SDPBackend.CUDNN_ATTENTION), flops, ref, row)
-            if compiled_flex is not None:
-                try_time("flex", flex_fn(p, compiled_flex, device), flops, ref, row)
-            ours = row.get(f"ours_bs{bs0}")
-            for base in ("flash", "cudnn", "flex"):
-                if ours and row.get(base):
-                    row[f"ours/{base}"] = ours / row[base]
-            row["ours_best"] = max((row.get(f"ours_bs{b}") or 0) for b in args.block_sizes) or None
-            row["of_matmul"] = (row["ours_best"] or 0) / matmul
-            rows.append(row)
-            if args.sweep:
-                best = None
-                for c in candidates:
-                    r = {}
-                    try_time("t", p.ours(bs0, c), flops, ref, r, p.ours_as_bhld)
-                    if r.get("t"):
-                        ok = r["t_err"] < 2e-2
-                        sweep_rows.append({"d": d, "L": length, "config": list(c), "tflops": r["t"], "err": r["t_err"]})
-                        print(
-                            f"  sweep {tuple(c)}: {r['t']:.0f} TFLOP/s err {r['t_err']:.1e}{'' if ok else ' WRONG'}",
-                            flush=True,
-                        )
-                        if ok and (best is None or r["t"] > best[1]):
-                            best = (c, r["t"])
-                if best:
-                    print(f"  best config d={d} L={length}: {tuple(best[0])} at {best[1]:.0f} TFLOP/s", flush=True)
-                    row["sweep_best"], row["sweep_best_tflops"] = list(best[0]), best[1]
-            del p
-            torch.cuda.empty_cache()
-
     cols = [("d", "d", "d"), ("L", "L", "d"), ("batch", "B", "d")]
     cols += [(f"ours_bs{b}", f"ours bs{b}", ".0f") for b in args.block_sizes]
     cols += [
@@ -218,30 +218,47 @@ def main() -> None:
         rows,
         cols,
     )
-    json_path, png_path = common.output_paths(args.out, "prefill_attention")
-    common.write_json(
-        json_path,
-        {
-            "workload": "prefill-attention",
-            "device": info,
-            "matmul_tflops": matmul,
-            "results": rows,
-            "sweep": sweep_rows,
-        },
-    )
-    names = [f"ours_bs{b}" for b in args.block_sizes] + ["flash", "cudnn", "flex"]
+
+
+def plot(png_path, rows: list[dict], head_dims: list[int], block_sizes: list[int]) -> None:
+    names = [f"ours_bs{b}" for b in block_sizes] + ["flash", "cudnn", "flex"]
     panels = []
-    for d in args.head_dims:
+    for d in head_dims:
         rs = [r for r in rows if r["d"] == d]
-        panels.append(
-            (
-                f"causal prefill, head dim {d}",
-                "sequence length",
-                "TFLOP/s",
-                {n: ([r["L"] for r in rs], [r.get(n) for r in rs]) for n in names},
-            )
-        )
+        series = {n: ([r["L"] for r in rs], [r.get(n) for r in rs]) for n in names}
+        panels.append((f"causal prefill, head dim {d}", "sequence length", "TFLOP/s", series))
     common.plot_lines(png_path, panels)
+
+
+def main() -> None:
+    args = parse_args()
+    candidates = [PrefillConfig(*map(int, c.split(","))) for c in args.config] if args.config else CANDIDATE_CONFIGS
+    device, info, compiled_flex = common.start(args.no_flex)
+    matmul = common.matmul_tflops(device)
+    print(f"bf16 matmul 8192³: {matmul:.0f} TFLOP/s", flush=True)
+
+    rows, sweep_rows = [], []
+    for d in args.head_dims:
+        for length in args.lengths:
+            p = Problem(length, d, device)
+            row, ref = measure_shape(p, args.block_sizes, compiled_flex, device, matmul)
+            rows.append(row)
+            if args.sweep:
+                sweep_rows += sweep_shape(p, args.block_sizes[0], candidates, ref, row)
+            del p, ref
+            torch.cuda.empty_cache()
+
+    report(args, rows, matmul)
+    json_path, png_path = common.output_paths(args.out, "prefill_attention")
+    payload = {
+        "workload": "prefill-attention",
+        "device": info,
+        "matmul_tflops": matmul,
+        "results": rows,
+        "sweep": sweep_rows,
+    }
+    common.write_json(json_path, payload)
+    plot(png_path, rows, args.head_dims, args.block_sizes)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 Per (batch, logits dtype, mode): our kernel and the torch anchor (greedy: `argmax`; temperature:
 `argmax(z / T − log(−log u))` with u from `torch.rand`, the same Gumbel-max draw), each timed as CUDA
 graph replays, and the floor: reading B·V logits once at the measured copy bandwidth (read-only, so
-bytes / (copy rate / 2) is generous to us). Writes JSON.
+bytes / (copy rate / 2) is generous to us). Writes sampling_<gpu>.json.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""A small decode step's input and output traffic on the device, by way of doing it: the two copy
-kernels and the placeholder gather around a graph (v13, over the shared 256-row arena) against the
-graph's own arena load (v15, kernels/arena_load.py, over an arena of the step's rows) at several
-first-read sizes, each timed as CUDA-graph replays of back-to-back calls (so each figure includes a
-kernel boundary inside a graph, ~0.3–0.5 µs).
+"""A small decode step's input and output traffic on the device, by way of doing it. Two ways the engine
+has for it: the copy kernels and the placeholder gather around a decode graph (kernels/host_copy.py,
+placeholders.py: the steps of up to 8 rows, over the shared 256-row arena) and the batch-1 graph's own
+arena load (kernels/arena_load.py, over an arena of the step's rows) at several first-read sizes. Each is
+timed as CUDA-graph replays of back-to-back calls, so each figure includes a kernel boundary inside a
+graph (~0.3–0.5 µs).
 
     python benchmarks/kernels/bench_step_io.py [--rows 1 8] [--out DIR]
 
 Arenas as the engine's (engine/input_arena.py) for max_model_len 131,072 (8,192 blocks a row), rows of
-640 tokens; the sources are their pinned host twins. Writes JSON.
+640 tokens; the sources are their pinned host twins. Writes step_io_<gpu>.json.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tinyvllm.bench.report import print_table, write_json
+from tinyvllm.bench.report import device_tag, print_table, write_json
 from tinyvllm.bench.roofline import Ceilings, ModelCosts, latency_floor, measure_ceilings, throughput_floor
 from tinyvllm.bench.workloads import Workload, latency_workload, shared_prefix_workload, throughput_workload
 from tinyvllm.engine.args import EngineArgs, engine_args_from_cli
@@ -94,6 +94,11 @@ def _ceilings(device: torch.device) -> Ceilings | None:
     return measure_ceilings(device) if device.type == "cuda" else None
 
 
+def _tag(ns: argparse.Namespace) -> str:
+    """The machine's part of the default result names: `<workload>_<tag>.json`, e.g. latency_h200.json."""
+    return device_tag() if torch.cuda.is_available() and ns.device != "cpu" else "cpu"
+
+
 def _profile(ns: argparse.Namespace, llm: LLM, w: Workload, device: torch.device, png: str) -> dict | None:
     """With --profile on CUDA: where a decode step's time goes (see tinyvllm.bench.profile)."""
     if not (ns.profile and device.type == "cuda"):
@@ -171,7 +176,7 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         rows,
         ("", "decode tok/s", "TTFT ms"),
     )
-    profile = _profile(ns, llm, w, device, "latency_step_breakdown.png")
+    profile = _profile(ns, llm, w, device, f"latency_step_breakdown_{_tag(ns)}.png")
     result = {
         "workload": "latency",
         "model": ns.model,
@@ -186,7 +191,7 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         "profile": profile,
         "engine_args": vars(_engine_args(ns)),
     }
-    write_json(ns.name or "latency", result, ns.out_dir)
+    write_json(ns.name or f"latency_{_tag(ns)}", result, ns.out_dir)
     return result
 
 
@@ -242,7 +247,7 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     )
     if compiled:
         print(f"warning: Triton compiled kernel variants inside the timed run: {compiled}")
-    profile = _profile(ns, llm, w, device, "throughput_step_breakdown.png")
+    profile = _profile(ns, llm, w, device, f"throughput_step_breakdown_{_tag(ns)}.png")
     result = {
         "workload": "throughput",
         "model": ns.model,
@@ -253,7 +258,7 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         "profile": profile,
         "engine_args": vars(_engine_args(ns)),
     }
-    write_json(ns.name or "throughput", result, ns.out_dir)
+    write_json(ns.name or f"throughput_{_tag(ns)}", result, ns.out_dir)
     return result
 
 
@@ -281,7 +286,7 @@ def run_shared_prefix(ns: argparse.Namespace) -> dict[str, Any]:
         }
         if caching:
             device = torch.device("cuda" if torch.cuda.is_available() and ns.device != "cpu" else "cpu")
-            results["on"]["profile"] = _profile(ns, llm, w, device, "shared_prefix_step_breakdown.png")
+            results["on"]["profile"] = _profile(ns, llm, w, device, f"shared_prefix_step_breakdown_{_tag(ns)}.png")
         del llm, outs  # free this engine's KV cache before the next one sizes its own
         _free()
     on, off = results["on"], results["off"]
@@ -318,7 +323,7 @@ def run_shared_prefix(ns: argparse.Namespace) -> dict[str, Any]:
         "speedup_total": off["seconds"] / on["seconds"],
         "speedup_mean_ttft": off["mean_ttft_s"] / on["mean_ttft_s"],
     }
-    write_json(ns.name or "shared_prefix", result, ns.out_dir)
+    write_json(ns.name or f"shared_prefix_{_tag(ns)}", result, ns.out_dir)
     return result
 
 
@@ -336,4 +341,6 @@ def add_common_cli_args(p: argparse.ArgumentParser) -> None:
         help="also run Hugging Face transformers' generate on the same weights",
     )
     p.add_argument("--out-dir", default="benchmarks/results")
-    p.add_argument("--name", default=None, help="JSON file name (default: the workload's)")
+    p.add_argument(
+        "--name", default=None, help="JSON file name without .json (default: <workload>_<gpu>, e.g. latency_h200)"
+    )

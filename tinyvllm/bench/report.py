@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,25 @@ from typing import Any
 import torch
 
 RESULTS_DIR = Path("benchmarks/results")
+
+_NOT_A_MODEL = {"nvidia", "geforce", "tesla", "quadro"}  # brand words before the model name
+
+
+def device_tag(name: str | None = None) -> str:
+    """A short lowercase name of the machine for result file names (`<bench>_<tag>.json`): the GPU's model,
+    e.g. "NVIDIA H200" → "h200", "NVIDIA GeForce RTX 4090" → "rtx4090", "NVIDIA A100-SXM4-80GB" → "a100";
+    "cpu" without CUDA."""
+    if name is None:
+        if not torch.cuda.is_available():
+            return "cpu"
+        name = torch.cuda.get_device_name()
+    words = [w for w in re.split(r"[\s_-]+", name.lower()) if w and w not in _NOT_A_MODEL]
+    if not words:
+        return "gpu"
+    tag = words[0]
+    if tag in ("rtx", "gtx") and len(words) > 1:  # the series word alone names no card
+        tag += words[1]
+    return re.sub(r"[^a-z0-9]+", "", tag) or "gpu"
 
 
 def environment() -> dict[str, Any]:
