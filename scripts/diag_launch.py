@@ -46,8 +46,8 @@ def main() -> None:
     runner.builder.build = timed(totals, "builder.build", runner.builder.build)
     if runner.graphs is not None:
         runner.graphs.replay = timed(totals, "graphs.replay", runner.graphs.replay)
-    runner._row_plan = timed(totals, "_row_plan", runner._row_plan)
-    runner._sample = timed(totals, "_sample", runner._sample)
+    runner.sampler.plan = timed(totals, "sampler.plan", runner.sampler.plan)
+    runner.sampler.sample = timed(totals, "sampler.sample", runner.sampler.sample)
     runner.launch = timed(totals, "launch (all)", runner.launch)
     vocab = engine.model_config.vocab_size
     prompt = {"prompt_token_ids": [(1000 + i) % vocab for i in range(128)]}

@@ -1,4 +1,4 @@
-"""`tinyvllm bench serve`: the workload is WORKLOADS.md's, and a short run against the live server works."""
+"""`tinyvllm bench serve`: the workload is docs/workloads.md's, and a short run against the live server works."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tinyvllm.entrypoints.cli import main
 
 def test_workload_is_the_throughput_set():
     work = throughput_workload()
-    assert len(work) == 256 and sum(m for _, m in work) == 133_966  # WORKLOADS.md's output-token count
+    assert len(work) == 256 and sum(m for _, m in work) == 133_966  # docs/workloads.md's output-token count
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
     assert [p for p, _ in work] == prompts

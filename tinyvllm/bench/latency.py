@@ -1,4 +1,4 @@
-"""`tinyvllm bench latency`: batch 1, 128 prompt tokens, 512 greedy output tokens (WORKLOADS.md)."""
+"""`tinyvllm bench latency`: batch 1, 128 prompt tokens, 512 greedy output tokens (docs/workloads.md)."""
 
 from __future__ import annotations
 

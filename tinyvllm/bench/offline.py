@@ -46,7 +46,7 @@ def _prompts(w: Workload, vocab_size: int) -> list[dict]:
 
 
 def _warm_up(llm: LLM, w: Workload | None = None) -> None:
-    """One short request (WORKLOADS.md: one warm-up request first), then, when a workload is given, its
+    """One short request (docs/workloads.md: one warm-up request first), then, when a workload is given, its
     first 16 prompts with 4 output tokens each: Triton compiles a kernel variant the first time it meets
     a new specialisation (tile config, split count, arguments divisible by 16), and a fresh machine
     otherwise pays seconds of compilation inside the timed run (measured on the H200: 14.0k vs 42.3k

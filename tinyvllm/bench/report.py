@@ -69,7 +69,7 @@ def _git_head() -> str | None:
 
 def print_table(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = "  ".join("{:<%d}" % w for w in widths)
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
     print(f"\n{title}")
     print(line.format(*header))
     print(line.format(*("-" * w for w in widths)))

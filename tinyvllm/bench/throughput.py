@@ -1,4 +1,4 @@
-"""`tinyvllm bench throughput`: the 256-request offline workload (WORKLOADS.md), output tokens/s."""
+"""`tinyvllm bench throughput`: the 256-request offline workload (docs/workloads.md), output tokens/s."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The benchmark workloads, drawn exactly as WORKLOADS.md defines them."""
+"""The benchmark workloads, drawn exactly as docs/workloads.md defines them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`tinyvllm bench serve`: the `serving` workload of WORKLOADS.md against a running OpenAI-compatible
+"""`tinyvllm bench serve`: the `serving` workload of docs/workloads.md against a running OpenAI-compatible
 server (tinyvllm serve or vllm serve).
 
 Requests are the `throughput` set (random.seed(0); prompts of randint(0, 10000) token ids, randint(100,
@@ -79,7 +79,7 @@ def throughput_workload(
     output_len: tuple[int, int] = (100, 1024),
     max_token_id: int = 10000,
 ) -> list[tuple[list[int], int]]:
-    """(prompt token ids, max_tokens) of WORKLOADS.md's `throughput` set, drawn in its order (all prompts,
+    """(prompt token ids, max_tokens) of docs/workloads.md's `throughput` set, drawn in its order (all prompts,
     then all max_tokens, for max(256, num_prompts) requests), the first `num_prompts` of them."""
     rng = random.Random(0)
     count = max(256, num_prompts)
