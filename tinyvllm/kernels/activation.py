@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import cdiv, check_float, check_last_dim_contiguous
+from tinyvllm.kernels.launch import cdiv, check_float, check_last_dim_contiguous
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -22,12 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import check_int, next_power_of_2
+from tinyvllm.kernels.launch import check_int, next_power_of_2
 
 # Words read in the first round trip: a batch-1 arena's regions and a block table for ~3,400 tokens (the
 # H200's load took 2.6 µs at 128–256 words, 4.0 at 1,024: bench_step_io.py); then REST words a round trip.
-_BLOCK = 256
-_REST = 1024
+FIRST_READ_WORDS = 256
+REST_WORDS = 1024
 
 
 @triton.jit(do_not_specialize=["capacity", "rows"])
@@ -75,7 +75,7 @@ def load_arena(
     on CUDA, or both host tensors under the interpreter); `input_ids` [rows] int64 and `placeholder_src`
     [rows] int64, views of `dst` (the gather reads the sources' twin in `src`; no rows: no gather);
     `sampled` [M] int64 on the device. `block`: the words of the first read (a power of two; default
-    _BLOCK).
+    FIRST_READ_WORDS).
     Enqueued on the current stream; the host must not rewrite `src` before it has run (the contract of
     an asynchronous copy)."""
     if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.shape != src.shape or dst.dim() != 1:
@@ -94,7 +94,7 @@ def load_arena(
     rows = input_ids.shape[0]
     if placeholder_src.shape[0] != rows:
         raise ValueError(f"load_arena: placeholder_src has {placeholder_src.shape[0]} rows, input_ids {rows}")
-    block = block or _BLOCK
+    block = block or FIRST_READ_WORDS
     if block < 16 or block & (block - 1):
         raise ValueError(f"load_arena: block must be a power of two ≥ 16, got {block}")
     src_start = placeholder_src.data_ptr() - dst.data_ptr()
@@ -112,7 +112,7 @@ def load_arena(
         sampled,
         rows,
         BLOCK=block,
-        REST=max(block, _REST),
+        REST=max(block, REST_WORDS),
         ROWS=next_power_of_2(max(rows, 1)),
         RESOLVE=rows > 0,
         num_warps=4,

@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._flash import _attn_inner
-from tinyvllm.kernels._launch import cdiv, check_paged_attention, next_power_of_2, num_sms, upcast_dot
 from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN  # the tile of both kernels
+from tinyvllm.kernels.flash_tiles import attn_inner
+from tinyvllm.kernels.launch import cdiv, check_paged_attention, next_power_of_2, num_sms, upcast_dot
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
@@ -127,7 +127,7 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    acc, l_i, m_i = _attn_inner(
+    acc, l_i, m_i = attn_inner(
         acc,
         l_i,
         m_i,
@@ -150,7 +150,7 @@ def _decode_kernel(
         UPCAST,
         IEEE,
     )
-    acc, l_i, m_i = _attn_inner(
+    acc, l_i, m_i = attn_inner(
         acc,
         l_i,
         m_i,
@@ -249,7 +249,7 @@ def _prefix_kernel(
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, HEAD_DIM], dtype=tl.float32)
     q_pos = tl.full([M], 0, tl.int32) + prefix_len  # every row sees the whole prefix
-    acc, l_i, m_i = _attn_inner(
+    acc, l_i, m_i = attn_inner(
         acc,
         l_i,
         m_i,

@@ -38,7 +38,7 @@ leading units) gained nothing (v19). Phase E's 4 stages are the one depth that g
   A: a unit is RQ rows of a head's first half and their RoPE partners in its second half, so RoPE
      is applied in registers; q goes to a scratch vector, k and v straight into the paged cache.
   B: a unit is (KV head, split of the context) through the FlashAttention-2 inner loop of the other
-     attention kernels (_flash.py: tl.dot over 64-key tiles, log2-domain scores), the GQA group's
+     attention kernels (flash_tiles.py: tl.dot over 64-key tiles, log2-domain scores), the GQA group's
      query heads padded to 16 rows; each writes (m, l, acc) of its keys, split index fastest
      (`_store_partial`). With `split_o` (the default) that is all: phase C's programs merge them. Else
      the last split to arrive at a per-head ticket merges them, each thread reducing its own runs of
@@ -91,8 +91,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._flash import _attn_inner, _dot_pv, _dot_qk
-from tinyvllm.kernels._launch import check_int, next_power_of_2, num_sms, upcast_dot
+from tinyvllm.kernels.flash_tiles import attn_inner, dot_pv, dot_qk
+from tinyvllm.kernels.launch import check_int, next_power_of_2, num_sms, upcast_dot
 
 
 class MegakernelConfig(NamedTuple):
@@ -441,21 +441,21 @@ def _attn_first_tile(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """`_attn_inner`'s masked step over keys lo .. lo+KEYS−1 from a preloaded tile (`_preload_kv`), its
+    """`attn_inner`'s masked step over keys lo .. lo+KEYS−1 from a preloaded tile (`_preload_kv`), its
     newest key's row read now, from L2 (it was written in phase A, possibly by another SM)."""
     keys = lo + tl.arange(0, KEYS)
     newest = (keys == seq_len - 1)[:, None]
     ptrs = rows[:, None] + tl.arange(0, D)[None, :]
     k = tl.where(newest, tl.load(k_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), kp)
     v = tl.where(newest, tl.load(v_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), vp)
-    qk = _dot_qk(q, k, UPCAST, IEEE)
+    qk = dot_qk(q, k, UPCAST, IEEE)
     visible = (keys[None, :] <= q_pos[:, None]) & (keys < seq_len)[None, :]
     qk = tl.where(visible, qk * qk_scale, float("-inf"))
     m_ij = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.math.exp2(qk - m_ij[:, None])
     alpha = tl.math.exp2(m_i - m_ij)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = _dot_pv(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, IEEE)
+    acc = dot_pv(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, IEEE)
     return acc, l_i, m_ij
 
 
@@ -547,7 +547,7 @@ def _attention_phase(
     SPLIT_O: tl.constexpr,
 ):
     """Split-KV attention of the group's G query heads (padded to BG ≥ 16 rows for tl.dot) through the
-    FlashAttention-2 inner loop of the other kernels (_flash.py; scores in the log2 domain). With
+    FlashAttention-2 inner loop of the other kernels (flash_tiles.py; scores in the log2 domain). With
     PRELOAD, (kp, vp, rows_pre) is the first tile of unit `pid` from `_preload_kv`. The last split of a
     KV head to take its ticket merges the head's partials into attn, unless SPLIT_O: then phase C's
     programs merge them (`_o_group_phase`) and this phase only stores them."""
@@ -595,7 +595,7 @@ def _attention_phase(
                         IEEE,
                     )
                 start = lo + KEYS
-        acc, l, m = _attn_inner(
+        acc, l, m = attn_inner(
             acc,
             l,
             m,
@@ -899,7 +899,7 @@ def _gate_up_dot_unit(
     """Unit u of phase D from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input
     as [M, CW] chunks (`_normed_chunks`) gives every chunk of the input against every chunk of every row;
     row r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`."""
-    y_all = _dot_qk(a, w, UPCAST, IEEE)  # [M, 2·RG·NC]
+    y_all = dot_qk(a, w, UPCAST, IEEE)  # [M, 2·RG·NC]
     n = tl.arange(0, 2 * RG * NC)
     mine = tl.sum(tl.where(tl.arange(0, M)[:, None] == (n % NC)[None, :], y_all, 0.0), axis=0)
     y = tl.sum(tl.reshape(mine, [2 * RG, NC]), axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)  # [2·RG]

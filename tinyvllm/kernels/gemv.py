@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import (
+from tinyvllm.kernels.launch import (
     cdiv,
     check_dim,
     check_float,
@@ -56,7 +56,7 @@ from tinyvllm.kernels._launch import (
     num_sms,
     upcast_dot,
 )
-from tinyvllm.kernels.sampling import _best_of_block, reduce_partials, sampling_tile
+from tinyvllm.kernels.sampling import best_of_block, reduce_partials, sampling_tile
 
 MAX_ROWS = 16  # rows of x per call: decode batches; beyond this a GEMM is the right kernel
 FMA_MAX_ROWS = 1  # up to this M, FMAs in registers by default; above, tl.dot with M padded to 16
@@ -205,13 +205,13 @@ def _sample_epilogue(
     num_blocks = tl.num_programs(0)
     for m in range(0, M):
         zm = tl.sum(tl.where(offs_m[None, :] == m, z, 0.0), axis=1)
-        top, idx = _best_of_block(zm, offs_n, mask_n, tl.load(temp_ptr + m), tl.load(seed_ptr + m), N, TILE, FAST_LOG)
+        top, idx = best_of_block(zm, offs_n, mask_n, tl.load(temp_ptr + m), tl.load(seed_ptr + m), N, TILE, FAST_LOG)
         tl.store(part_val_ptr + m * num_blocks + pid_n, top)
         tl.store(part_idx_ptr + m * num_blocks + pid_n, idx)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every batch size on a path
-def _gemv_kernel(
+def gemv_kernel(
     x_ptr,
     w_ptr,
     nw_ptr,
@@ -283,7 +283,7 @@ def _gemv_kernel(
         else:
             a = _load_a(x_rows, nw_ptr, k[None, :], mask_m[:, None] & mask_k[None, :], mask_k[None, :], rstd, K, MODE)
         if USE_DOT:
-            if UPCAST:  # CPU interpreter only: see _launch.upcast_dot
+            if UPCAST:  # CPU interpreter only: see launch.upcast_dot
                 acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
             elif IEEE:
                 acc += tl.dot(w, tl.trans(a), input_precision="ieee")
@@ -344,7 +344,7 @@ _TICKETS: dict[torch.device, list[torch.Tensor]] = {}
 _MIN_TICKETS = 1 << 16
 
 
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
+def split_k_tickets(device: torch.device, n: int) -> torch.Tensor:
     bufs = _TICKETS.setdefault(device, [])
     if not bufs or bufs[-1].numel() < n:
         bufs.append(torch.zeros(max(n, _MIN_TICKETS), dtype=torch.int32, device=device))
@@ -366,7 +366,7 @@ class GemvSampling(NamedTuple):
     host_ids: torch.Tensor | None = None
 
 
-def _check_sampling(s: GemvSampling, M: int, x: torch.Tensor) -> None:
+def check_sampling(s: GemvSampling, M: int, x: torch.Tensor) -> None:
     for name, t, dtype in (
         ("temperature", s.temperature, torch.float32),
         ("seeds", s.seeds, torch.int64),
@@ -425,7 +425,7 @@ def _check(
     return M, N, K
 
 
-def _check_config(cfg: GemvConfig) -> None:
+def check_config(cfg: GemvConfig) -> None:
     if not (is_power_of_2(cfg.block_n) and is_power_of_2(cfg.block_k) and cfg.split_k >= 1):
         raise ValueError(f"block_n and block_k must be powers of two and split_k ≥ 1: {cfg}")
     if cfg.use_dot and (cfg.block_n < 16 or cfg.block_k < 16):
@@ -449,7 +449,7 @@ def fused_gemv_fwd(
     if sampling is not None:
         if norm_weight is not None or silu_mul or residual is not None:
             raise ValueError("fused sampling needs a plain product (the logits)")
-        _check_sampling(sampling, M, x)
+        check_sampling(sampling, M, x)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
@@ -457,14 +457,14 @@ def fused_gemv_fwd(
     cfg = config or default_config(M, N, K, num_sms(x.device), norm=norm)
     if sampling is not None:
         cfg = cfg._replace(split_k=1)  # each program's logits whole, for its partial
-    _check_config(cfg)
+    check_config(cfg)
     block_m = 16 if cfg.use_dot else next_power_of_2(M)
     k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split = cdiv(K, k_per_split) if K else 1
     n_blocks = cdiv(N, cfg.block_n)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        tickets = _tickets(x.device, n_blocks)
+        tickets = split_k_tickets(x.device, n_blocks)
     else:
         ws = tickets = out
     mode = _NORM if norm else _SILU if silu_mul else _PLAIN
@@ -472,7 +472,7 @@ def fused_gemv_fwd(
     if s is not None:
         parts_val = torch.empty((M, n_blocks), dtype=torch.float32, device=x.device)
         parts_idx = torch.empty((M, n_blocks), dtype=torch.int32, device=x.device)
-    _gemv_kernel[(n_blocks, split)](
+    gemv_kernel[(n_blocks, split)](
         x,
         weight,
         norm_weight if norm else x,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import cdiv
+from tinyvllm.kernels.launch import cdiv
 
 _BLOCK = 1024
 

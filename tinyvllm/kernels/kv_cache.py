@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import check_dim, check_int, check_same_device, is_power_of_2, next_power_of_2
+from tinyvllm.kernels.launch import check_dim, check_int, check_same_device, is_power_of_2, next_power_of_2
 
 
 @triton.jit

@@ -40,9 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import cdiv, is_power_of_2, num_sms, upcast_dot
-from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, _check_sampling, default_config
-from tinyvllm.kernels.sampling import _best_of_block, _log2, _noise_at, reduce_partials, sampling_tile
+from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, check_sampling, default_config
+from tinyvllm.kernels.launch import cdiv, is_power_of_2, num_sms, upcast_dot
+from tinyvllm.kernels.sampling import best_of_block, log2, noise_at, reduce_partials, sampling_tile
 
 ROUNDING_SLACK = 2.0**-10  # relative to ‖w_i‖₂ ‖h‖₂: both fp32 sums' rounding (module docstring)
 
@@ -178,9 +178,9 @@ def _score_bounds_kernel(
     z_hi = (a_row + d).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounding is monotone
     z_lo = (a_row - d).to(x_ptr.dtype.element_ty).to(tl.float32)
     temperature = tl.load(temp_ptr)
-    if temperature != 0.0:  # the sampler's f (sampling._best_of_block), then a few ulps wider
-        u = tl.maximum(_noise_at(tl.load(seed_ptr), offs_n, TILE), 1e-20)
-        g = -0.6931471805599453 * _log2(-_log2(u, FAST_LOG), FAST_LOG)
+    if temperature != 0.0:  # the sampler's f (sampling.best_of_block), then a few ulps wider
+        u = tl.maximum(noise_at(tl.load(seed_ptr), offs_n, TILE), 1e-20)
+        g = -0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
         inv_t = 1.0 / temperature
         s_hi = z_hi * inv_t + g
         s_lo = z_lo * inv_t + g
@@ -248,7 +248,7 @@ def _pruned_product_kernel(
             in_blk = (offs_n < blk * BOUND_N + BOUND_N) & (offs_n < N)
             mask_n = in_blk & ~(tl.load(hi_ptr + offs_n, mask=in_blk, other=float("-inf")) < threshold)
             w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-            # gemv.py's _gemv_kernel at M = 1, plain products, no split: the same tiles and sums
+            # gemv.py's gemv_kernel at M = 1, plain products, no split: the same tiles and sums
             if USE_DOT:
                 acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
             else:
@@ -283,7 +283,7 @@ def _pruned_product_kernel(
             else:
                 y = tl.sum(acc, axis=1)
             z = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # the logits as stored, as gemv.py samples them
-            top, idx = _best_of_block(z, offs_n, mask_n, temperature, seed, N, TILE, FAST_LOG)
+            top, idx = best_of_block(z, offs_n, mask_n, temperature, seed, N, TILE, FAST_LOG)
             better = (top > best_val) | ((top == best_val) & (idx < best_idx))
             best_val = tl.where(better, top, best_val)
             best_idx = tl.where(better, idx, best_idx)
@@ -353,7 +353,7 @@ def sample_pruned(
         raise ValueError(f"rows {tuple(rows.packed.shape)} (packed) do not match the weight {tuple(weight.shape)}")
     if weight.dtype != x.dtype or weight.stride(1) != 1:
         raise ValueError(f"weight ({weight.dtype}) must share x's dtype ({x.dtype}) and have contiguous rows")
-    _check_sampling(sampling, 1, x)  # gemv.py's, for its one row
+    check_sampling(sampling, 1, x)  # gemv.py's, for its one row
     cfg = config or default_bounds_config(x.device)
     bounds = score_bounds(x, rows, sampling.temperature, sampling.seeds, cfg)
     N, K = weight.shape

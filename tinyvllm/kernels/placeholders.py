@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import cdiv, check_int, check_same_device
+from tinyvllm.kernels.launch import cdiv, check_int, check_same_device
 
 _BLOCK = 128
 

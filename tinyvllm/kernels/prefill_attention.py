@@ -13,7 +13,7 @@ last rows of a causal sequence see the most keys), which shortens the tail. Per 
   1. keys 0 .. (the tile's first row position), rounded down to BLOCK_N, are visible to every row:
      unmasked tiles;
   2. the tiles on the causal diagonal, up to the tile's last row position: masked tiles;
-  fully masked tiles (beyond the diagonal) are never loaded. Both passes share `_flash._attn_inner`.
+  fully masked tiles (beyond the diagonal) are never loaded. Both passes share `flash_tiles.attn_inner`.
 Key tiles are gathered through the block table (`block_tables[s, pos // block_size]`); when a page
 holds whole tiles (block_size % BLOCK_N == 0) one table entry serves a tile.
 Optionally stores the logsumexp  lse[h, row] = log Σ_j exp(scale · q·k_j)  (natural log, float32).
@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._flash import _attn_inner
-from tinyvllm.kernels._launch import cdiv, check_paged_attention, upcast_dot
+from tinyvllm.kernels.flash_tiles import attn_inner
+from tinyvllm.kernels.launch import cdiv, check_paged_attention, upcast_dot
 
 LOG2E = 1.4426950408889634
 
@@ -131,7 +131,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # 1. Off the diagonal: keys 0 .. ctx + start_m are visible to every row of the tile.
     hi_full = ((ctx + start_m + 1) // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _attn_inner(
+    acc, l_i, m_i = attn_inner(
         acc,
         l_i,
         m_i,
@@ -156,7 +156,7 @@ def _prefill_kernel(
     )
     # 2. On the diagonal: up to the last row's position, masked.
     hi = tl.minimum(ctx + start_m + BLOCK_M, seq_len)
-    acc, l_i, m_i = _attn_inner(
+    acc, l_i, m_i = attn_inner(
         acc,
         l_i,
         m_i,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import check_dim, check_float, check_last_dim_contiguous, next_power_of_2
+from tinyvllm.kernels.launch import check_dim, check_float, check_last_dim_contiguous, next_power_of_2
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import (
+from tinyvllm.kernels.launch import (
     check_dim,
     check_float,
     check_int,

@@ -16,11 +16,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from tinyvllm.kernels._launch import num_sms
+from tinyvllm.kernels.launch import num_sms
 
 
 @triton.jit
-def _log2(x, FAST: tl.constexpr):
+def log2(x, FAST: tl.constexpr):
     """log2(x); on the GPU the SFU's lg2.approx (relative error ~2^-22, ample for sampling noise),
     accurate log2 under the interpreter, which has no libdevice."""
     if FAST:
@@ -41,15 +41,15 @@ def _best_of_quarter(
     if not greedy:
         u = tl.maximum(noise, 1e-20)  # rand is in [0, 1): keep the logarithms finite
         # Gumbel noise −ln(−ln u) = −ln 2 · log2(−log2 u) − ln(ln 2); the constant never moves an argmax.
-        z = z * inv_t - 0.6931471805599453 * _log2(-_log2(u, FAST_LOG), FAST_LOG)
+        z = z * inv_t - 0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
     z = tl.where(mask, z, float("-inf"))
     better = z > best_val
     return tl.where(better, z, best_val), tl.where(better, offs, best_idx)
 
 
 @triton.jit
-def _noise_at(seed, offs, TILE: tl.constexpr):
-    """The uniform draw of logits index `offs` [BLOCK] for `seed`, the one `_sample_partial_kernel` (tiles of
+def noise_at(seed, offs, TILE: tl.constexpr):
+    """The uniform draw of logits index `offs` [BLOCK] for `seed`, the one `sample_partial_kernel` (tiles of
     TILE = its BLOCK) gives it: quarter q of rand4x(seed, tile start / 4 + lane) for the index at
     tile start + q·TILE/4 + lane. For kernels that meet the logits in other blocks (the LM head's, gemv.py)."""
     QUARTER: tl.constexpr = TILE // 4
@@ -61,20 +61,20 @@ def _noise_at(seed, offs, TILE: tl.constexpr):
 
 
 @triton.jit
-def _best_of_block(z, offs, valid, temperature, seed, V, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
+def best_of_block(z, offs, valid, temperature, seed, V, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
     """(value, index) that the sampler's partial kernel would find among the logits z [BLOCK] (float32)
     at indices `offs` (where `valid`) for a row of `temperature` and `seed`: the same noise and
     arithmetic, the lowest index among equal values, (−inf, V) when none is valid."""
     if temperature != 0.0:
-        u = tl.maximum(_noise_at(seed, offs, TILE), 1e-20)
-        z = z * (1.0 / temperature) - 0.6931471805599453 * _log2(-_log2(u, FAST_LOG), FAST_LOG)
+        u = tl.maximum(noise_at(seed, offs, TILE), 1e-20)
+        z = z * (1.0 / temperature) - 0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
     z = tl.where(valid, z, float("-inf"))
     top = tl.max(z, axis=0)
     return top, tl.min(tl.where(z == top, offs, V), axis=0)
 
 
 @triton.jit(do_not_specialize=["CHUNK", "NUM_SPLITS"])  # one compile whatever the batch
-def _sample_partial_kernel(
+def sample_partial_kernel(
     logits_ptr,
     stride_row,
     temperature_ptr,
@@ -132,7 +132,7 @@ def _sample_partial_kernel(
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
-def _sample_reduce_kernel(
+def sample_reduce_kernel(
     val_ptr, idx_ptr, out_ptr, host_ptr, V, NUM_SPLITS, MAX_SPLITS: tl.constexpr, HOST_OUT: tl.constexpr
 ):
     """Row b: the split holding the largest value; the lowest index among equal values. With HOST_OUT
@@ -154,8 +154,8 @@ _BLOCK = 2048
 
 
 def sampling_tile() -> int:
-    """The tile by which the sampler lays out its noise (see `_noise_at`): kernels that fuse the sampler
-    elsewhere pass it to `_best_of_block` to draw the same tokens."""
+    """The tile by which the sampler lays out its noise (see `noise_at`): kernels that fuse the sampler
+    elsewhere pass it to `best_of_block` to draw the same tokens."""
     return _BLOCK
 
 
@@ -200,7 +200,7 @@ def sample_greedy_or_gumbel(
         S = triton.cdiv(V, chunk)
         vals = torch.empty(B, S, dtype=torch.float32, device=logits.device)
         idxs = torch.empty(B, S, dtype=torch.int32, device=logits.device)
-        _sample_partial_kernel[(B, S)](
+        sample_partial_kernel[(B, S)](
             logits,
             logits.stride(0),
             temperature,
@@ -225,7 +225,7 @@ def reduce_partials(
     int32 are each split's (value, index), from the partial kernel or a kernel that fuses it (gemv.py)."""
     B, S = vals.shape
     max_splits = max(_MAX_SPLITS, triton.next_power_of_2(S))  # one compile for every split count below 64
-    _sample_reduce_kernel[(B,)](
+    sample_reduce_kernel[(B,)](
         vals,
         idxs,
         out,

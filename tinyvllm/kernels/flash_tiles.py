@@ -20,9 +20,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _dot_qk(q, k, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def dot_qk(q, k, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """q [M, D] · kᵀ ([N, D] → [D, N]) in float32."""
-    if UPCAST:  # CPU interpreter only: see _launch.upcast_dot
+    if UPCAST:  # CPU interpreter only: see launch.upcast_dot
         q = q.to(tl.float32)
         k = k.to(tl.float32)
     if IEEE:
@@ -33,7 +33,7 @@ def _dot_qk(q, k, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _dot_pv(p, v, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def dot_pv(p, v, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """acc + p [M, N] · v [N, D] in float32."""
     if UPCAST:
         p = p.to(tl.float32)
@@ -77,7 +77,7 @@ def _kv_rows(
 
 
 @triton.jit
-def _attn_inner(
+def attn_inner(
     acc,
     l_i,
     m_i,
@@ -117,7 +117,7 @@ def _attn_inner(
             k = tl.load(k_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + kv_ptrs)
-        qk = _dot_qk(q, k, UPCAST, IEEE)
+        qk = dot_qk(q, k, UPCAST, IEEE)
         if MASKED:
             visible = ((start + offs_n)[None, :] <= q_pos[:, None]) & kv_valid[None, :]
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
@@ -135,6 +135,6 @@ def _attn_inner(
         else:
             v = tl.load(v_ptr + kv_ptrs)
         acc = acc * alpha[:, None]
-        acc = _dot_pv(p.to(v.dtype), v, acc, UPCAST, IEEE)
+        acc = dot_pv(p.to(v.dtype), v, acc, UPCAST, IEEE)
         m_i = m_ij
     return acc, l_i, m_i
