@@ -200,7 +200,7 @@ def test_argument_errors(device):
         fused_gemv_fwd(x, w.half())
     with pytest.raises(ValueError, match="residual"):
         fused_gemv_fwd(x, w, residual=torch.zeros(2, 5, device=device))
-    with pytest.raises(ValueError, match="tl.dot"):
+    with pytest.raises(ValueError, match=r"tl\.dot"):
         fused_gemv_fwd(x, w, config=GemvConfig(8, 16, 1, 4, 2, True))
 
 

@@ -164,7 +164,7 @@ def test_fma_path_streams_without_barriers(facts, variant):
         assert not f["barrier_in_loop"]
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS) + ["plain_sample"])
+@pytest.mark.parametrize("variant", [*VARIANTS, "plain_sample"])
 def test_dot_path_uses_wgmma_and_cp_async(facts, variant):
     f = facts[f"dot/{variant}"]
     assert "error" not in f, f["error"]
