@@ -35,6 +35,7 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
 ):
+    """Program t: token t's K and V rows [Hk, D] into cache slot slot_mapping[t] (none where negative)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:

@@ -19,6 +19,7 @@ _BLOCK = 128
 
 @triton.jit(do_not_specialize=["n"])  # one compile for every graph's batch size
 def _resolve_placeholders_kernel(ids_ptr, src_ptr, sampled_ptr, n, BLOCK: tl.constexpr):
+    """ids[i] = sampled[src[i]] for the BLOCK rows i of this program with i < n and src[i] ≥ 0."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < n
     src = tl.load(src_ptr + rows, mask=in_range, other=-1)

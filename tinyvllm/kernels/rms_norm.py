@@ -35,6 +35,8 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """Program per row: y = w ⊙ round(x / sqrt(mean(x²) + eps)); with HAS_RESIDUAL x is first replaced by
+    round(x + residual), which is also stored (module docstring)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -56,6 +58,7 @@ def _rms_norm_kernel(
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Checks, then one program per row: (y, the new residual or None)."""
     check_dim("x", x, 2)
     check_float("x", x, _DTYPES)
     check_float("weight", weight, _DTYPES)

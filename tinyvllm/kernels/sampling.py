@@ -163,8 +163,8 @@ _MAX_SPLITS = 64  # a power of two; the split count is a runtime value below it,
 
 
 def num_splits(batch: int, vocab: int, device: torch.device) -> int:
-    """Splits per row so that batch × splits programs fill the device about four times over (the
-    per-row loop is long: 63 tiles of 2,048 for a 128k vocabulary), at least one tile per split."""
+    """Splits per row so that batch × splits programs fill the device about four times over (a row is
+    long: 63 tiles of 2,048 for a 128k vocabulary), at least one tile per split."""
     return max(1, min(triton.cdiv(4 * num_sms(device), max(batch, 1)), triton.cdiv(vocab, _BLOCK), _MAX_SPLITS))
 
 
@@ -176,14 +176,24 @@ def sample_greedy_or_gumbel(
     splits: int | None = None,
     host_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits [B, V] (row-contiguous, any float dtype), temperature [B] float32 (0 = greedy), seeds [B]
-    int64 → sampled ids [B] int64. Same (logits, T, seed) → same token, whatever the batch or `splits`.
-    `host_out` [B] int64, pinned host memory on CUDA: the ids are written there too, by the same kernel
-    (readable once an event recorded after this call has completed), so that a decode graph needs no
-    copy after its sampler (engine/cuda_graphs.py).
+    """Each row's greedy or Gumbel-max token (module docstring); the same (logits, T, seed) gives the same
+    token whatever the batch or `splits`.
 
-    Each row is cut into `splits` chunks (default: enough programs to fill the device): one kernel finds
-    every chunk's best (value, index), a second picks each row's best chunk."""
+    Each row is cut into `splits` chunks: one kernel finds every chunk's best (value, index), a second
+    picks each row's best chunk.
+
+    Args:
+        logits: [B, V], any float dtype (made row-contiguous if needed).
+        temperature: [B] float32 (0: greedy); seeds: [B] int64.
+        out: [B] int64 to write the ids into (default: a new tensor).
+        splits: chunks per row (default: enough programs to fill the device).
+        host_out: [B] int64 in pinned host memory (on CUDA): the ids are written there too, by the same
+            kernel (readable once an event recorded after this call has completed), so that a decode
+            graph needs no copy after its sampler (engine/cuda_graphs.py).
+
+    Returns:
+        The sampled ids [B] int64 (`out`).
+    """
     B, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
