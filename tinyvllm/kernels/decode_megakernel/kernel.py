@@ -1,8 +1,10 @@
 """The decode megakernel itself: every decoder layer of one batch-1 decode token in one launch.
 
 The phases are separate @triton.jit functions (qkv_phase.py, attention_phase.py, residual_phases.py,
-gate_up_phase.py); Triton inlines them into this one kernel, so their long argument lists cost nothing
-at run time. The package docstring describes the design.
+gate_up_phase.py), which Triton inlines into this one kernel. The kernel stays one long function: its
+body is the layer loop, each phase followed by its barrier's arrival, in the order the barrier counts
+depend on; its length is the phases' argument lists (a Triton function takes no structs). The package
+docstring describes the design.
 """
 
 from __future__ import annotations
