@@ -27,7 +27,6 @@ import common
 import torch
 import torch.nn.functional as F
 
-from tinyvllm.kernels._launch import num_sms
 from tinyvllm.kernels.decode_attention import (
     CANDIDATE_CONFIGS,
     DEFAULT_CONFIG,
@@ -35,6 +34,7 @@ from tinyvllm.kernels.decode_attention import (
     decode_attention_fwd,
     num_splits_for,
 )
+from tinyvllm.kernels.launch import num_sms
 
 HQ, HK, D, BLOCK = 32, 8, 64, 16
 BATCHES = [1, 16, 64, 256]

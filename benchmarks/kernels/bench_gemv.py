@@ -122,8 +122,8 @@ def time_into(row: dict, name: str, fns: list, p: Problem, copy_bw: float) -> No
 
 
 def run_shape(model: str, proj: str, N: int, K: int, variant: str | None, M: int, device, copy_bw: float) -> dict:
-    from tinyvllm.kernels._launch import num_sms
     from tinyvllm.kernels.gemv import default_config
+    from tinyvllm.kernels.launch import num_sms
 
     p = Problem(N, K, M, variant, device)
     cfg = default_config(M, N, K, num_sms(device))
@@ -163,8 +163,8 @@ def run_shape(model: str, proj: str, N: int, K: int, variant: str | None, M: int
 
 def sweep_shape(proj: str, N: int, K: int, M: int, variant: str | None, device, copy_bw: float) -> list[dict]:
     """Time every candidate config on one shape: the plain kernel, or with `variant` its fused one."""
-    from tinyvllm.kernels._launch import num_sms
     from tinyvllm.kernels.gemv import candidate_configs, default_config
+    from tinyvllm.kernels.launch import num_sms
 
     sms = num_sms(device)
     norm = variant == "norm"

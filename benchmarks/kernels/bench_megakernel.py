@@ -6,7 +6,7 @@ A random-weight `llama-3.2-1b` model (bf16) on the GPU, one sequence whose conte
 `--contexts` keys. Timed as CUDA-graph replays of a whole step (decoder layers + final norm + LM head,
 no sampling), as the engine's batch-1 graph runs it:
   * `layered`: the fused small-batch path (models/llama.py: ~9 kernels per layer);
-  * `mk <tile>/<warps>w/<programs per SM>perSM/<stages>st/<pf|nopf>`: the megakernel per config.
+  * `mk <tile>/<warps>w/<stages>st/ace<stages>/<splitO|ticket>`: the megakernel per config.
 The layers alone (without the LM head) are timed too. Floor: the weight bytes read per step (layers,
 LM head) at the copy bandwidth measured at the start. Correctness: each megakernel's hidden state and
 logits against the layered path's (relative error), in bf16 and (`--fp32`, default on) in float32.
@@ -45,9 +45,9 @@ from tinyvllm.models.loader import build_model
 
 BLOCK = 16
 C = MegakernelConfig
-# (config, context splits per KV head; None: the config's own): the default, phase D reducing each tile
-# across the threads instead of on the tensor cores (dot_d=False), and both with 4 pipeline stages in D.
-VARIANTS = [(C(), None), (C(dot_d=False), None), (C(stages=4), None), (C(dot_d=False, stages=4), None)]
+# (config, context splits per KV head; None: the default): the default; phase C unsplit with the ticket
+# merge (bitwise reproducible); the default with 4 pipeline stages in phase D.
+VARIANTS = [(C(), None), (C(split_o=False), None), (C(stages=4), None)]
 PHASES = ["A norm+qkv+rope", "B attention", "C o+residual", "D norm+gate_up+silu", "E down+residual"]
 B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its unit, ticket, merge, the wait after
 
@@ -55,12 +55,8 @@ B_PARTS = ["unit", "ticket", "merge", "barrier"]  # program 0 in phase B: its un
 NAMED_FIELDS = {
     "tile",
     "num_warps",
-    "programs_per_sm",
     "stages",
-    "prefetch",
     "ace_stages",
-    "preload_kv",
-    "dot_d",
     "split_o",
 }  # spelled out by name_of; any other field is appended as field=value when not its default
 
@@ -72,11 +68,8 @@ def name_of(cfg: MegakernelConfig, splits: int | None = None) -> str:
         f"/{k}={v}" for k, v in cfg._asdict().items() if k not in NAMED_FIELDS and v != C._field_defaults[k]
     )
     return (
-        f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.programs_per_sm}perSM/{cfg.stages}st/{'pf' if cfg.prefetch else 'nopf'}"
-        + f"/ace{cfg.ace_stages}"
-        + ("/kv" if cfg.preload_kv else "")
-        + ("/dotD" if cfg.dot_d else "")
-        + ("/splitO" if cfg.split_o else "")
+        f"mk {cfg.tile}/{cfg.num_warps}w/{cfg.stages}st/ace{cfg.ace_stages}"
+        + ("/splitO" if cfg.split_o else "/ticket")
         + others
         + (f"/{splits}sp" if splits else "")
     )

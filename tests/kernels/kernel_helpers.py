@@ -58,7 +58,7 @@ def make_paged_cache(
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device=gen.device))
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     poison_block = perm.pop()
-    width = max(per_seq + [1]) + 2
+    width = max([*per_seq, 1]) + 2
     tables = torch.full((len(contexts), width), poison_block, dtype=torch.int32)
     blocks_of, slots, src = [], [], []
     offset = 0
@@ -93,5 +93,5 @@ def packed_queries(
     (a slice of a wider fused qkv row). `gen` lives on `device`."""
     total = sum(q_lens)
     wide = torch.randn(total, num_heads + 3, head_dim, generator=gen, device=device).to(dtype)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return wide[:, 1 : num_heads + 1], cu.to(device)

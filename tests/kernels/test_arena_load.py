@@ -6,9 +6,10 @@ host memory read through its mapped address."""
 import pytest
 import torch
 
-from tinyvllm.kernels.arena_load import _BLOCK, _REST, load_arena
+from tinyvllm.kernels.arena_load import FIRST_READ_WORDS, REST_WORDS, load_arena
 
-ARENA_WORDS = _BLOCK + 2 * _REST + 40  # room for copies that need two rounds of the loop after the first read
+# room for copies that need two rounds of the loop after the first read
+ARENA_WORDS = FIRST_READ_WORDS + 2 * REST_WORDS + 40
 
 
 def _arena(device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,8 +21,8 @@ def _arena(device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return src, torch.full((4 * ARENA_WORDS,), 0xA5, dtype=torch.uint8, device=device)
 
 
-@pytest.mark.parametrize("block", [16, _BLOCK])
-@pytest.mark.parametrize("words", [1, 37, _BLOCK, _BLOCK + 1, ARENA_WORDS])
+@pytest.mark.parametrize("block", [16, FIRST_READ_WORDS])
+@pytest.mark.parametrize("words", [1, 37, FIRST_READ_WORDS, FIRST_READ_WORDS + 1, ARENA_WORDS])
 def test_exactly_the_named_words_arrive(device, words, block):
     """n = the header word (word 0, counted in n); words n.. of the destination keep their old bytes.
     No placeholder rows (every source −1), so the copy is all that happens; a first read of `block`

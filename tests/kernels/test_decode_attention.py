@@ -57,7 +57,7 @@ def test_shared_prefix_blocks(device):
 
 
 def test_all_rows_empty(device):
-    out, ref = run_case(F32, 16, 4, 2, 32, 16, 3, [0, 0], device)
+    out, _ = run_case(F32, 16, 4, 2, 32, 16, 3, [0, 0], device)
     assert torch.all(out == 0)
 
 
@@ -103,7 +103,7 @@ def test_cascade_matches_reference(dtype, block_size, hq, hk, d, shared, prefix_
     gen = torch.Generator(device=device).manual_seed(4)
     k_cache, v_cache, tables = make_paged_cache(contexts, hk, d, block_size, dtype, device, gen, share_prefix=shared)
     tables = torch.cat([tables, tables[:1]])  # the padded row: any table, length 0
-    lens = torch.tensor(contexts + [0], dtype=torch.int32, device=device)
+    lens = torch.tensor([*contexts, 0], dtype=torch.int32, device=device)
     q = torch.randn(len(contexts) + 1, hq, d, generator=gen, device=device).to(dtype)
     cfg = DecodeConfig(64, 4, 2, 4, 1)
     p = torch.tensor([prefix_len], dtype=torch.int32, device=device)

@@ -57,13 +57,13 @@ def compile_ptx(
     stages: int,
     sample: bool = False,
 ) -> str:
-    """PTX of _gemv_kernel for sm_90, split-K variant (it contains the unsplit epilogue too); `sample`:
+    """PTX of gemv_kernel for sm_90, split-K variant (it contains the unsplit epilogue too); `sample`:
     unsplit, with the sampler's partials in the epilogue (the LM head's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from tinyvllm.kernels.gemv import _gemv_kernel
+    from tinyvllm.kernels.gemv import gemv_kernel
 
     sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "nw_ptr", "res_ptr", "out_ptr")}
     sig.update(
@@ -101,9 +101,9 @@ def compile_ptx(
         "FAST_LOG": True,
     }
     sig.update({name: "constexpr" for name in consts})
-    attrs = {(_gemv_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
+    attrs = {(gemv_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
     compiled = triton.compile(
-        ASTSource(_gemv_kernel, sig, consts, attrs),
+        ASTSource(gemv_kernel, sig, consts, attrs),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": warps, "num_stages": stages},
     )
@@ -164,7 +164,7 @@ def test_fma_path_streams_without_barriers(facts, variant):
         assert not f["barrier_in_loop"]
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS) + ["plain_sample"])
+@pytest.mark.parametrize("variant", [*VARIANTS, "plain_sample"])
 def test_dot_path_uses_wgmma_and_cp_async(facts, variant):
     f = facts[f"dot/{variant}"]
     assert "error" not in f, f["error"]

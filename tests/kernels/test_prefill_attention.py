@@ -83,7 +83,7 @@ def test_shared_prefix_blocks(device):
 
 
 def test_logsumexp_output(device):
-    out, ref, lse, (q, k_cache, v_cache, cu, sl, tables, scale) = run_case(
+    out, ref, lse, (q, k_cache, _v_cache, cu, sl, tables, scale) = run_case(
         F32, 3, 4, 2, 32, PrefillConfig(16, 16, 4, 2), LAYOUT, device, seed=3, return_lse=True
     )
     assert_close(out, ref, F32)

@@ -86,7 +86,7 @@ def test_the_split_count_never_changes_the_token():
 def test_one_compile_serves_every_batch_size():
     """The split count varies with the batch; it must be a runtime value, or every new batch size would
     compile a kernel in the middle of serving (seen on the H200: 11 s of compiles in a timed run)."""
-    from tinyvllm.kernels.sampling import _sample_partial_kernel, _sample_reduce_kernel
+    from tinyvllm.kernels.sampling import sample_partial_kernel, sample_reduce_kernel
 
     def variants(kernel) -> int:
         cache = getattr(kernel, "device_caches", None) or getattr(kernel, "cache", None)
@@ -94,7 +94,7 @@ def test_one_compile_serves_every_batch_size():
             pytest.skip("this Triton version keeps no inspectable compile cache")
         return sum(len(c[0]) if isinstance(c, tuple) else len(c) for c in cache.values())
 
-    kernels = (_sample_partial_kernel, _sample_reduce_kernel)
+    kernels = (sample_partial_kernel, sample_reduce_kernel)
     before = [variants(k) for k in kernels]  # other tests of this process may have compiled other dtypes
     logits = torch.randn(40, 3000).to(DEV)
     for b, s in ((1, 1), (3, 2), (7, 5), (16, 16), (40, 17)):

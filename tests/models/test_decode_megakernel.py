@@ -1,9 +1,9 @@
-"""The one-launch batch-1 decode (kernels/decode_megakernel.py) against the torch reference forward of
+"""The one-launch batch-1 decode (kernels/decode_megakernel/) against the torch reference forward of
 the same weights: hidden state, logits and the K/V it writes into the paged cache.
 
 On the CPU the interpreter runs the kernel with one program (the barriers then pass at once), so every
-unit of every phase runs in that program; the unit sizes (`tile`) and the number of context splits
-are varied so that the pipelined unit loops (with and without the first tiles ahead of the wait), the
+unit of every phase runs in that program; the unit sizes (`tile`), the pipeline depths and the number
+of context splits are varied so that the unit loops (pipelined or not), both schemes of phase D, the
 multi-tile attention loop and the split merge (runs of 4 and 16 slots; by phase C's programs with
 `split_o`, the default, and by the last split's ticket without) all run. On a GPU the same tests run one
 program per SM (more programs than most phases have units); tests/gpu/test_megakernel_gpu.py checks the
@@ -34,6 +34,7 @@ from tinyvllm.kernels.decode_megakernel import (
 
 BLOCK = 4
 NUM_BLOCKS = 80
+CPU = torch.device("cpu")
 
 
 def kv_buffer(model, dtype: torch.dtype) -> torch.Tensor:
@@ -42,7 +43,7 @@ def kv_buffer(model, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
 
 
-def step(seq_len: int, slot_valid: bool = True, device: torch.device = torch.device("cpu")):
+def step(seq_len: int, slot_valid: bool = True, device: torch.device = CPU):
     """A decode step of one sequence whose context (incl. the new token) is seq_len tokens, its pages
     a shuffled set of the cache's blocks."""
     pages = -(-seq_len // BLOCK)
@@ -94,41 +95,30 @@ WIDE = {"hidden_size": 512, "intermediate_size": 256}  # phase D's tensor-core t
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
-    "seq_len,splits,tile,stages,ace_stages,prefetch,preload,dot_d,overrides",
+    "seq_len,splits,tile,stages,ace_stages,overrides",
     [
-        (1, 1, 16384, 3, 3, True, True, True, {}),
-        (13, 1, 256, 3, 3, True, True, True, {}),
-        (300, 3, 256, 4, 2, True, True, True, {}),
-        (150, 2, 16384, 3, 3, True, True, True, {}),
-        (300, 11, 256, 3, 3, True, True, True, {}),
-        (64, 1, 256, 3, 3, True, True, True, {}),
-        (65, 2, 256, 3, 3, True, True, True, {}),
-        (13, 1, 256, 1, 1, False, False, True, {}),
-        (150, 2, 16384, 3, 3, False, False, True, {}),
-        (300, 3, 256, 1, 1, True, True, True, {}),
-        # phase D's two schemes: tensor cores (tiles of 1–4 chunks a row) and thread sums
-        (150, 2, 16384, 3, 3, True, True, False, {}),
-        (13, 1, 1024, 3, 3, True, True, True, {}),
-        (40, 2, 16384, 3, 3, True, True, True, WIDE),
-        (40, 2, 16384, 1, 1, False, True, True, WIDE),
+        (1, 1, 16384, 3, 3, {}),
+        (13, 1, 256, 3, 3, {}),
+        (300, 3, 256, 4, 2, {}),
+        (150, 2, 16384, 3, 3, {}),
+        (300, 11, 256, 3, 3, {}),
+        (64, 1, 256, 3, 3, {}),
+        (65, 2, 256, 3, 3, {}),
+        (13, 1, 256, 1, 1, {}),
+        (300, 3, 256, 1, 1, {}),
+        # phase D's two schemes: thread sums (tiles below 1024 elements) and the tensor cores (tiles of
+        # 1–4 chunks a row)
+        (13, 1, 1024, 3, 3, {}),
+        (40, 2, 16384, 3, 3, WIDE),
+        (40, 2, 16384, 1, 1, WIDE),
     ],
 )
-def test_megakernel_equals_reference_forward(
-    dtype, seq_len, splits, tile, stages, ace_stages, prefetch, preload, dot_d, overrides
-):
+def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stages, ace_stages, overrides):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
     model.enable_decode_megakernel(
-        MegakernelConfig(
-            tile=tile,
-            stages=stages,
-            ace_stages=ace_stages,
-            e_stages=ace_stages,
-            prefetch=prefetch,
-            preload_kv=preload,
-            dot_d=dot_d,
-        )
+        MegakernelConfig(tile=tile, stages=stages, ace_stages=ace_stages, e_stages=ace_stages)
     )
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
@@ -156,15 +146,15 @@ def test_megakernel_equals_reference_forward(
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
-    "seq_len,splits,tile,stages,prefetch,overrides",
+    "seq_len,splits,tile,stages,overrides",
     [
-        (300, 11, 256, 3, True, {}),
-        (65, 2, 256, 3, True, {"num_hidden_layers": 5}),
-        (13, 1, 16384, 1, False, {}),
-        (40, 2, 16384, 3, True, WIDE),
+        (300, 11, 256, 3, {}),
+        (65, 2, 256, 3, {"num_hidden_layers": 5}),
+        (13, 1, 16384, 1, {}),
+        (40, 2, 16384, 3, WIDE),
     ],
 )
-def test_megakernel_split_o_equals_reference(dtype, seq_len, splits, tile, stages, prefetch, overrides):
+def test_megakernel_split_o_equals_reference(dtype, seq_len, splits, tile, stages, overrides):
     """Phase C split by KV group (`split_o`): each unit merges its group's attention partials itself
     (runs of 16 and 4 slots) and adds its products to float32 sums by atomics; phase D adds them to the
     residual and phase E reads the copy of it that phase D stored. On the CPU's one program every unit's
@@ -174,7 +164,7 @@ def test_megakernel_split_o_equals_reference(dtype, seq_len, splits, tile, stage
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
     model.enable_decode_megakernel(
-        MegakernelConfig(tile=tile, stages=stages, ace_stages=stages, e_stages=stages, prefetch=prefetch, split_o=True)
+        MegakernelConfig(tile=tile, stages=stages, ace_stages=stages, e_stages=stages, split_o=True)
     )
     mk = model.decode_megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
@@ -309,16 +299,15 @@ def test_unit_tile_fits_the_pipeline_in_shared_memory():
 
 
 def test_max_programs_fills_the_sms_unless_capped(monkeypatch):
-    """The grid: programs_per_sm per multiprocessor on CUDA, at most `programs` where that is set and
-    smaller; one program on the CPU interpreter whatever the config."""
-    import tinyvllm.kernels.decode_megakernel as dm
+    """The grid: one program per multiprocessor on CUDA, at most `programs` where that is set and smaller;
+    one program on the CPU interpreter whatever the config."""
+    import tinyvllm.kernels.decode_megakernel.launch as launch
 
-    monkeypatch.setattr(dm, "num_sms", lambda device: 132)
+    monkeypatch.setattr(launch, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     assert max_programs(cuda, MegakernelConfig()) == 132
     assert max_programs(cuda, MegakernelConfig(programs=128)) == 128
-    assert max_programs(cuda, MegakernelConfig(programs_per_sm=2)) == 264
-    assert max_programs(cuda, MegakernelConfig(programs_per_sm=2, programs=300)) == 264
+    assert max_programs(cuda, MegakernelConfig(programs=300)) == 132
     assert max_programs(torch.device("cpu"), MegakernelConfig(programs=128)) == 1
 
 

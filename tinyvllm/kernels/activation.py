@@ -10,13 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import cdiv, check_float, check_last_dim_contiguous
+from tinyvllm.kernels.launch import cdiv, check_float, check_last_dim_contiguous
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, y_ptr, F, stride_x, stride_y, BLOCK: tl.constexpr):
+    """Program (row, column block): y[row, cols] = silu(g) ⊙ u with g = x[row, cols], u = x[row, F + cols]."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F

@@ -9,11 +9,12 @@ Inputs (engine/input_arena.py): `src` the pinned host twin, `dst` the device are
 where `ids` and `ph_src` are the device arena's input ids and placeholder sources and `sampled` the
 previous step's sampled ids on the device (kernels/placeholders.py's gather). The first BLOCK words
 are read in the same PCIe round trip as n (masked by the arena's size, since n is not known yet), and so
-are the placeholder sources, from the host twin; words past BLOCK take one more round trip per REST
-(a single program is meant for small arenas: a batch-1 step's few hundred bytes; 8 rows' full-width
-block tables took 83 µs on the H200). A CTA barrier orders the copy of the ids before the gathered ids'
-stores. With this kernel first and the sampler's host write last (kernels/sampling.py), a batch-1 decode
-step is one graph launch: no copy kernels or copy-engine hand-overs around it (docs/perf.md, v15).
+are the placeholder sources, from the host twin; words past BLOCK take one more round trip per REST.
+One program suits the small arenas of batch-1 steps (a few hundred bytes): a larger arena would pay a
+round trip per REST words (kernels/host_copy.py serves larger steps). A CTA barrier orders the copy of
+the ids before the gathered ids' stores. With this kernel first and the sampler's host write last
+(kernels/sampling.py), a batch-1 decode step is one graph launch, with no copy kernels or copy-engine
+hand-overs around it.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import check_int, next_power_of_2
+from tinyvllm.kernels.launch import check_int, next_power_of_2
 
-# Words read in the first round trip: a batch-1 arena's regions and a block table for ~3,400 tokens (the
-# H200's load took 2.6 µs at 128–256 words, 4.0 at 1,024: bench_step_io.py); then REST words a round trip.
-_BLOCK = 256
-_REST = 1024
+# Words read in the first round trip: a batch-1 arena's regions and a block table of ~3,400 tokens (a wider
+# first read makes the round trip itself longer); then REST words a round trip.
+FIRST_READ_WORDS = 256
+REST_WORDS = 1024
 
 
 @triton.jit(do_not_specialize=["capacity", "rows"])
@@ -44,6 +45,8 @@ def _load_arena_kernel(
     ROWS: tl.constexpr,
     RESOLVE: tl.constexpr,
 ):
+    """dst[0:n] = src[0:n] with n = src[0], then (RESOLVE) ids[i] = sampled[ph_src[i]] for the rows
+    i < rows whose source is ≥ 0 (module docstring); ROWS: rows rounded up to a power of two."""
     offs = tl.arange(0, BLOCK)
     n = tl.load(src_ptr)
     first = tl.load(src_ptr + offs, mask=offs < capacity)
@@ -71,13 +74,19 @@ def load_arena(
     block: int | None = None,
 ) -> None:
     """dst[:n] ← src[:n] with n = src.view(int32)[0] words, then the placeholder gather over the rows of
-    `input_ids` (module docstring). `dst`, `src`: uint8 arenas of one size, 4-byte aligned (`src` pinned
-    on CUDA, or both host tensors under the interpreter); `input_ids` [rows] int64 and `placeholder_src`
-    [rows] int64, views of `dst` (the gather reads the sources' twin in `src`; no rows: no gather);
-    `sampled` [M] int64 on the device. `block`: the words of the first read (a power of two; default
-    _BLOCK).
+    `input_ids` (module docstring).
+
     Enqueued on the current stream; the host must not rewrite `src` before it has run (the contract of
-    an asynchronous copy)."""
+    an asynchronous copy).
+
+    Args:
+        dst, src: uint8 arenas of one size, 4-byte aligned (`src` pinned on CUDA, or both host tensors
+            under the interpreter).
+        input_ids, placeholder_src: [rows] int64, views of `dst` (the gather reads the sources' twin in
+            `src`; no rows: no gather).
+        sampled: [M] int64 on the device, the previous step's sampled ids.
+        block: the words of the first read (a power of two ≥ 16; default FIRST_READ_WORDS).
+    """
     if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.shape != src.shape or dst.dim() != 1:
         raise ValueError(
             f"load_arena: arenas must be uint8 vectors of one size, got {tuple(src.shape)} "
@@ -94,7 +103,7 @@ def load_arena(
     rows = input_ids.shape[0]
     if placeholder_src.shape[0] != rows:
         raise ValueError(f"load_arena: placeholder_src has {placeholder_src.shape[0]} rows, input_ids {rows}")
-    block = block or _BLOCK
+    block = block or FIRST_READ_WORDS
     if block < 16 or block & (block - 1):
         raise ValueError(f"load_arena: block must be a power of two ≥ 16, got {block}")
     src_start = placeholder_src.data_ptr() - dst.data_ptr()
@@ -112,7 +121,7 @@ def load_arena(
         sampled,
         rows,
         BLOCK=block,
-        REST=max(block, _REST),
+        REST=max(block, REST_WORDS),
         ROWS=next_power_of_2(max(rows, 1)),
         RESOLVE=rows > 0,
         num_warps=4,

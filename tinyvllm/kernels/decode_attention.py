@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._flash import _attn_inner
-from tinyvllm.kernels._launch import cdiv, check_paged_attention, next_power_of_2, num_sms, upcast_dot
 from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN  # the tile of both kernels
+from tinyvllm.kernels.flash_tiles import attn_inner
+from tinyvllm.kernels.launch import cdiv, check_paged_attention, next_power_of_2, num_sms, upcast_dot
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
@@ -43,8 +43,8 @@ class DecodeConfig(NamedTuple):
     min_tiles_per_split: int
 
 
-# From the sweep of bench_decode_attention.py on the H200 (docs/perf.md): 64-key tiles (4 pages of 16)
-# with 2 warps and 3 stages, about 4 programs per SM.
+# The best of `bench_decode_attention.py --sweep` on the H200: 64-key tiles (4 pages of 16) with 2 warps
+# and 3 stages, about 4 programs per SM.
 DEFAULT_CONFIG = DecodeConfig(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4, min_tiles_per_split=1)
 
 # Candidates the GPU benchmark sweeps (`bench_decode_attention.py --sweep`).
@@ -127,7 +127,7 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    acc, l_i, m_i = _attn_inner(
+    acc, l_i, m_i = attn_inner(
         acc,
         l_i,
         m_i,
@@ -150,7 +150,7 @@ def _decode_kernel(
         UPCAST,
         IEEE,
     )
-    acc, l_i, m_i = _attn_inner(
+    acc, l_i, m_i = attn_inner(
         acc,
         l_i,
         m_i,
@@ -249,7 +249,7 @@ def _prefix_kernel(
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, HEAD_DIM], dtype=tl.float32)
     q_pos = tl.full([M], 0, tl.int32) + prefix_len  # every row sees the whole prefix
-    acc, l_i, m_i = _attn_inner(
+    acc, l_i, m_i = attn_inner(
         acc,
         l_i,
         m_i,
@@ -319,6 +319,133 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> None:
+    """Validate the arguments (shapes, dtypes, devices, strides)."""
+    check_paged_attention(q, k_cache, v_cache, scale, seq_lens=seq_lens, block_tables=block_tables)
+    B = q.shape[0]
+    if seq_lens.shape != (B,) or block_tables.dim() != 2 or block_tables.shape[0] != B:
+        raise ValueError(
+            f"q {tuple(q.shape)}, seq_lens {tuple(seq_lens.shape)} and block_tables "
+            f"{tuple(block_tables.shape)} disagree on the batch size"
+        )
+
+
+def _launch_splits(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    parts: tuple[torch.Tensor, torch.Tensor] | None,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    prefix_len: torch.Tensor | None,
+    scale: float,
+    num_splits: int,
+    cfg: DecodeConfig,
+) -> None:
+    """`_decode_kernel` on the grid (num_splits, Hk, B): into `out` where `parts` is None (one split, no
+    cascade), else into the partials parts = (part_o, part_lse)."""
+    B, Hq, D = q.shape
+    _, Hk, block_size, _ = k_cache.shape
+    if parts is None:
+        part_o, part_lse, part_strides = out, out, (0, 0, 0)
+    else:
+        part_o, part_lse = parts
+        part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
+    _decode_kernel[(num_splits, Hk, B)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_o,
+        part_lse,
+        seq_lens,
+        block_tables,
+        prefix_len if prefix_len is not None else seq_lens,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *part_strides,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=Hq // Hk,
+        BLOCK_G=max(16, next_power_of_2(Hq // Hk)),
+        HEAD_DIM=D,
+        BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=block_size,
+        PAGE_TILE=block_size % cfg.block_n == 0,
+        SPLIT=parts is not None,
+        CASCADE=prefix_len is not None,
+        UPCAST=upcast_dot(q.device),
+        IEEE=q.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def _launch_prefix(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    prefix_len: torch.Tensor,
+    scale: float,
+    slot: int,
+) -> None:
+    """`_prefix_kernel` on the grid (Hk, chunks of sequences): the shared prefix's partials into `slot`."""
+    B, Hq, D = q.shape
+    _, Hk, block_size, _ = k_cache.shape
+    g_pad = next_power_of_2(Hq // Hk)
+    seqs = max(1, CASCADE_ROWS // g_pad)
+    _prefix_kernel[(Hk, cdiv(B, seqs))](
+        q,
+        k_cache,
+        v_cache,
+        part_o,
+        part_lse,
+        seq_lens,
+        block_tables,
+        prefix_len,
+        scale * LOG2E,
+        B,
+        slot,
+        q.stride(0),
+        q.stride(1),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        part_lse.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=Hq // Hk,
+        G_PAD=g_pad,
+        SEQS=seqs,
+        HEAD_DIM=D,
+        BLOCK_N=CASCADE_ALIGN,
+        BLOCK_SIZE=block_size,
+        PAGE_TILE=block_size % CASCADE_ALIGN == 0,
+        UPCAST=upcast_dot(q.device),
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=3,
+    )
+
+
 def decode_attention_fwd(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -332,130 +459,50 @@ def decode_attention_fwd(
     num_splits: int | None = None,
     prefix_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launcher: checks, chooses the number of splits, launches the split kernel (and the merge).
+    """Paged decode attention of one query token per sequence (module docstring).
 
-    `prefix_len` (cascade attention): a device int32 tensor of one element, P, meaning that the first
-    P keys of every sequence with seq_len > 0 sit in the same cache blocks (block table row 0's), that
-    P is a multiple of the tile size (`CASCADE_ALIGN`) and that every such sequence has seq_len > P.
-    The shared keys are then attended once per chunk of sequences (`_prefix_kernel`) and the rest per
-    sequence, merged by logsumexp; P = 0 is allowed (nothing is shared). Read on the device, so a
-    CUDA graph captured with it serves any P.
+    Args:
+        q: [B, Hq, D]; k_cache, v_cache: [num_blocks, Hk, block_size, D], q's dtype.
+        seq_lens: [B] int32 context lengths (0: a padded row, whose output is zeros).
+        block_tables: [B, max_blocks] int32.
+        scale: the softmax scale, positive.
+        max_seq_len: a bound on seq_lens that sizes the split count (None: the block table's reach).
+        config: tile and split choices (default: DEFAULT_CONFIG).
+        num_splits: splits per (sequence, KV head) (None: `num_splits_for`).
+        prefix_len: cascade attention, a device int32 tensor of one element, P: the first P keys of
+            every sequence with seq_len > 0 sit in the same cache blocks (block table row 0's), P is a
+            multiple of the tile size (`CASCADE_ALIGN`) and every such sequence has seq_len > P. The
+            shared keys are then attended once per chunk of sequences (`_prefix_kernel`) and the rest per
+            sequence, merged by logsumexp; P = 0 is allowed (nothing is shared). Read on the device, so a
+            CUDA graph captured with it serves any P.
+
+    Returns:
+        out [B, Hq, D].
     """
-    Hk, block_size = check_paged_attention(q, k_cache, v_cache, scale, seq_lens=seq_lens, block_tables=block_tables)
+    _check(q, k_cache, v_cache, seq_lens, block_tables, scale)
     B, Hq, D = q.shape
-    if seq_lens.shape != (B,) or block_tables.dim() != 2 or block_tables.shape[0] != B:
-        raise ValueError(
-            f"q {tuple(q.shape)}, seq_lens {tuple(seq_lens.shape)} and block_tables "
-            f"{tuple(block_tables.shape)} disagree on the batch size"
-        )
-
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
     cfg = config or DEFAULT_CONFIG
-    if prefix_len is not None and cfg.block_n != CASCADE_ALIGN:
+    cascade = prefix_len is not None
+    if cascade and cfg.block_n != CASCADE_ALIGN:
         raise ValueError(f"cascade attention needs {CASCADE_ALIGN}-key tiles, the config has {cfg.block_n}")
     if max_seq_len is None:  # no hint: plan for the longest context the block table can address
-        max_seq_len = block_tables.shape[1] * block_size
+        max_seq_len = block_tables.shape[1] * k_cache.shape[2]
     if num_splits is None:
-        num_splits = num_splits_for(B, Hk, max_seq_len, num_sms(q.device), cfg)
-    group = Hq // Hk
-    common = dict(
-        GROUP=group,
-        BLOCK_G=max(16, next_power_of_2(group)),
-        HEAD_DIM=D,
-        BLOCK_N=cfg.block_n,
-        BLOCK_SIZE=block_size,
-        PAGE_TILE=block_size % cfg.block_n == 0,
-        UPCAST=upcast_dot(q.device),
-        IEEE=q.dtype == torch.float32,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
-    grid = (num_splits, Hk, B)
-    cascade = prefix_len is not None
+        num_splits = num_splits_for(B, k_cache.shape[1], max_seq_len, num_sms(q.device), cfg)
     if num_splits == 1 and not cascade:
-        _decode_kernel[grid](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            out,
-            out,
-            seq_lens,
-            block_tables,
-            seq_lens,
-            scale * LOG2E,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            0,
-            0,
-            0,
-            *strides,
-            SPLIT=False,
-            CASCADE=False,
-            **common,
-        )
+        _launch_splits(q, k_cache, v_cache, out, None, seq_lens, block_tables, None, scale, 1, cfg)
         return out
     slots = num_splits + cascade  # the prefix's partial result goes into the last slot
     part_o = torch.empty((B, Hq, slots, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, slots), dtype=torch.float32, device=q.device)
-    part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
-    _decode_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        part_o,
-        part_lse,
-        seq_lens,
-        block_tables,
-        prefix_len if cascade else seq_lens,
-        scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        *part_strides,
-        *strides,
-        SPLIT=True,
-        CASCADE=cascade,
-        **common,
-    )
+    parts = (part_o, part_lse)
+    _launch_splits(q, k_cache, v_cache, out, parts, seq_lens, block_tables, prefix_len, scale, num_splits, cfg)
     if cascade:
-        g_pad = next_power_of_2(group)
-        seqs = max(1, CASCADE_ROWS // g_pad)
-        _prefix_kernel[(Hk, cdiv(B, seqs))](
-            q,
-            k_cache,
-            v_cache,
-            part_o,
-            part_lse,
-            seq_lens,
-            block_tables,
-            prefix_len,
-            scale * LOG2E,
-            B,
-            num_splits,
-            q.stride(0),
-            q.stride(1),
-            *part_strides,
-            *strides,
-            GROUP=group,
-            G_PAD=g_pad,
-            SEQS=seqs,
-            HEAD_DIM=D,
-            BLOCK_N=CASCADE_ALIGN,
-            BLOCK_SIZE=block_size,
-            PAGE_TILE=block_size % CASCADE_ALIGN == 0,
-            UPCAST=upcast_dot(q.device),
-            IEEE=q.dtype == torch.float32,
-            num_warps=4,
-            num_stages=3,
-        )
+        _launch_prefix(q, k_cache, v_cache, part_o, part_lse, seq_lens, block_tables, prefix_len, scale, num_splits)
+    part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
     _merge_kernel[(Hq, B)](
         part_o, part_lse, out, slots, *part_strides, out.stride(0), out.stride(1), BLOCK_S=16, HEAD_DIM=D, num_warps=4
     )

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import (
+from tinyvllm.kernels.launch import (
     cdiv,
     check_dim,
     check_float,
@@ -56,7 +56,7 @@ from tinyvllm.kernels._launch import (
     num_sms,
     upcast_dot,
 )
-from tinyvllm.kernels.sampling import _best_of_block, reduce_partials, sampling_tile
+from tinyvllm.kernels.sampling import best_of_block, reduce_partials, sampling_tile
 
 MAX_ROWS = 16  # rows of x per call: decode batches; beyond this a GEMM is the right kernel
 FMA_MAX_ROWS = 1  # up to this M, FMAs in registers by default; above, tl.dot with M padded to 16
@@ -89,14 +89,14 @@ def choose_split(
     return split
 
 
-# Measured best at M = 1 on the H200 (132 SMs) by `bench_gemv.py --sweep --sweep-m 1`, 2026-11-29, for
-# the Llama-3.2-1B projections (N, K): µs against cuBLAS's in the comment (floor = bytes / 4.25 TB/s).
+# The best of `bench_gemv.py --sweep --sweep-m 1` at M = 1 on the H200 (132 SMs) for the Llama-3.2-1B
+# projections, by (N, K).
 TUNED_M1_H200: dict[tuple[int, int], GemvConfig] = {
-    (3072, 2048): GemvConfig(4, 512, 1, 8, 2, False),  # qkv: 5.5 vs 6.4 (floor 3.0)
-    (2048, 2048): GemvConfig(4, 512, 1, 8, 2, False),  # o: 4.7 vs 6.0 (floor 2.0)
-    (16384, 2048): GemvConfig(32, 128, 1, 4, 3, True),  # gate_up: 18.0 vs 17.9 (floor 15.9)
-    (2048, 8192): GemvConfig(8, 256, 4, 8, 1, False),  # down: 11.7 vs 14.2 (floor 8.0)
-    (128256, 2048): GemvConfig(128, 128, 1, 4, 3, True),  # lm_head: 117.0 vs 121.4 (floor 124.6)
+    (3072, 2048): GemvConfig(4, 512, 1, 8, 2, False),  # qkv
+    (2048, 2048): GemvConfig(4, 512, 1, 8, 2, False),  # o
+    (16384, 2048): GemvConfig(32, 128, 1, 4, 3, True),  # gate_up
+    (2048, 8192): GemvConfig(8, 256, 4, 8, 1, False),  # down
+    (128256, 2048): GemvConfig(128, 128, 1, 4, 3, True),  # lm_head
 }
 H200_SMS = 132
 
@@ -105,13 +105,13 @@ H200_SMS = 132
 def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False) -> GemvConfig:
     """The launch config for x [M, K] and W [N, K] on a device with `sms` multiprocessors.
 
-    Not yet tuned on the GPU (docs/perf.md); the reasoning, checked against the sm_90 code Triton
-    emits (compiled without a GPU): a memory-bound program wants ≥ 16 KB of weight loads in flight
-    per SM. M = 1: [8, 512] bf16 tiles (8 KB per iteration, 16-byte loads) at 4 warps take ~80
-    registers per thread, so ~6 programs share an SM. M ≥ 2: [64, 128] tiles (16 KB) into wgmma
+    The Llama-3.2-1B shapes at M = 1 on the H200 take their tuned configs (TUNED_M1_H200). Elsewhere a
+    heuristic, reasoned from the sm_90 code Triton emits: a memory-bound program wants ≥ 16 KB of weight
+    loads in flight per SM. M = 1: [8, 512] bf16 tiles (8 KB per iteration, 16-byte loads) at 4 warps
+    take ~80 registers per thread, so ~6 programs share an SM. M ≥ 2: [64, 128] tiles (16 KB) into wgmma
     (64 × 16 × 16), 3 stages of cp.async in ~60 KB of shared memory, ~3 programs per SM (the FMA path
     at M = 2 needs 120 registers and reshuffles x through shared memory each tile). Split-K by
-    `choose_split`. Shapes measured on the H200 take their measured best (TUNED_M1_H200)."""
+    `choose_split`."""
     tuned = TUNED_M1_H200.get((N, K)) if M == 1 and sms == H200_SMS and not norm else None
     if tuned is not None:
         return tuned
@@ -205,13 +205,13 @@ def _sample_epilogue(
     num_blocks = tl.num_programs(0)
     for m in range(0, M):
         zm = tl.sum(tl.where(offs_m[None, :] == m, z, 0.0), axis=1)
-        top, idx = _best_of_block(zm, offs_n, mask_n, tl.load(temp_ptr + m), tl.load(seed_ptr + m), N, TILE, FAST_LOG)
+        top, idx = best_of_block(zm, offs_n, mask_n, tl.load(temp_ptr + m), tl.load(seed_ptr + m), N, TILE, FAST_LOG)
         tl.store(part_val_ptr + m * num_blocks + pid_n, top)
         tl.store(part_idx_ptr + m * num_blocks + pid_n, idx)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every batch size on a path
-def _gemv_kernel(
+def gemv_kernel(
     x_ptr,
     w_ptr,
     nw_ptr,
@@ -246,6 +246,11 @@ def _gemv_kernel(
     TILE: tl.constexpr,
     FAST_LOG: tl.constexpr,
 ):
+    """Program (n-block, k-split): out[:, n-block] of a = f(x) [M, K] times W [N, K]ᵀ over the program's
+    K range (module docstring), f by MODE (0 plain, 1 RMSNorm, 2 SwiGLU), plus the residual with
+    HAS_RESIDUAL. SPLIT: the K ranges' fp32 partials go to the workspace and the last split to take the
+    tile's ticket sums them in split order. SAMPLE: the tile's best (value, index) per row into the
+    sampler's partials (`_sample_epilogue`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -283,7 +288,7 @@ def _gemv_kernel(
         else:
             a = _load_a(x_rows, nw_ptr, k[None, :], mask_m[:, None] & mask_k[None, :], mask_k[None, :], rstd, K, MODE)
         if USE_DOT:
-            if UPCAST:  # CPU interpreter only: see _launch.upcast_dot
+            if UPCAST:  # CPU interpreter only: see launch.upcast_dot
                 acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
             elif IEEE:
                 acc += tl.dot(w, tl.trans(a), input_precision="ieee")
@@ -344,7 +349,8 @@ _TICKETS: dict[torch.device, list[torch.Tensor]] = {}
 _MIN_TICKETS = 1 << 16
 
 
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
+def split_k_tickets(device: torch.device, n: int) -> torch.Tensor:
+    """The split-K arrival counters of `device`, at least n of them (zero between launches)."""
     bufs = _TICKETS.setdefault(device, [])
     if not bufs or bufs[-1].numel() < n:
         bufs.append(torch.zeros(max(n, _MIN_TICKETS), dtype=torch.int32, device=device))
@@ -356,9 +362,9 @@ class GemvSampling(NamedTuple):
     the M rows: temperature [M] float32 (0: greedy), seeds [M] int64, the ids into `ids` [M] int64 on
     the device and, when given, `host_ids` [M] int64 in pinned host memory. The same ids as
     `sample_greedy_or_gumbel` over the returned logits: the product's programs find their blocks' bests
-    and the sampler's reduce kernel picks each row's, two kernels instead of three. (Reducing in the
-    product's last program behind an arrival ticket cost the LM head 4.4 µs on the H200, a release and an
-    atomic in each of its 1,002 programs; docs/perf.md, v15.)"""
+    and the sampler's reduce kernel picks each row's, two kernels instead of three. The reduce stays a
+    kernel of its own: reducing in the product's last program would put a release and an atomic ticket
+    in every program of the product (1,002 for the Llama-3.2-1B LM head), which costs more than a launch."""
 
     temperature: torch.Tensor
     seeds: torch.Tensor
@@ -366,7 +372,8 @@ class GemvSampling(NamedTuple):
     host_ids: torch.Tensor | None = None
 
 
-def _check_sampling(s: GemvSampling, M: int, x: torch.Tensor) -> None:
+def check_sampling(s: GemvSampling, M: int, x: torch.Tensor) -> None:
+    """Raise ValueError unless `s` fits M rows of x (shapes, dtypes, device; host_ids pinned)."""
     for name, t, dtype in (
         ("temperature", s.temperature, torch.float32),
         ("seeds", s.seeds, torch.int64),
@@ -425,57 +432,48 @@ def _check(
     return M, N, K
 
 
-def _check_config(cfg: GemvConfig) -> None:
+def check_config(cfg: GemvConfig) -> None:
+    """Raise ValueError for a config the kernel cannot run (tile sizes, split, tl.dot's minimum of 16)."""
     if not (is_power_of_2(cfg.block_n) and is_power_of_2(cfg.block_k) and cfg.split_k >= 1):
         raise ValueError(f"block_n and block_k must be powers of two and split_k ≥ 1: {cfg}")
     if cfg.use_dot and (cfg.block_n < 16 or cfg.block_k < 16):
         raise ValueError(f"tl.dot needs block_n ≥ 16 and block_k ≥ 16: {cfg}")
 
 
-def fused_gemv_fwd(
+def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
-    *,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    silu_mul: bool = False,
-    residual: torch.Tensor | None = None,
-    config: GemvConfig | None = None,
-    sampling: GemvSampling | None = None,
-) -> torch.Tensor:
-    """Launcher: checks, picks the config (or takes `config`), launches one kernel. → out [M, N].
-    `sampling` (plain products only: the LM head): also sample every row's id from out (`GemvSampling`)."""
-    M, N, K = _check(x, weight, norm_weight, silu_mul, residual)
-    if sampling is not None:
-        if norm_weight is not None or silu_mul or residual is not None:
-            raise ValueError("fused sampling needs a plain product (the logits)")
-        _check_sampling(sampling, M, x)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return out
-    norm = norm_weight is not None
-    cfg = config or default_config(M, N, K, num_sms(x.device), norm=norm)
-    if sampling is not None:
-        cfg = cfg._replace(split_k=1)  # each program's logits whole, for its partial
-    _check_config(cfg)
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    silu_mul: bool,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: GemvConfig,
+    sampling: GemvSampling | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`gemv_kernel` on the grid (N / block_n, splits) into `out`. Returns the sampler's partials
+    (values [M, blocks] float32, indices [M, blocks] int32) where `sampling` is given, else None."""
+    M, N = out.shape
+    K = weight.shape[1]
     block_m = 16 if cfg.use_dot else next_power_of_2(M)
     k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split = cdiv(K, k_per_split) if K else 1
     n_blocks = cdiv(N, cfg.block_n)
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        tickets = _tickets(x.device, n_blocks)
+        tickets = split_k_tickets(x.device, n_blocks)
     else:
         ws = tickets = out
-    mode = _NORM if norm else _SILU if silu_mul else _PLAIN
-    s = sampling
+    s, parts = sampling, None
     if s is not None:
-        parts_val = torch.empty((M, n_blocks), dtype=torch.float32, device=x.device)
-        parts_idx = torch.empty((M, n_blocks), dtype=torch.int32, device=x.device)
-    _gemv_kernel[(n_blocks, split)](
+        parts = (
+            torch.empty((M, n_blocks), dtype=torch.float32, device=x.device),
+            torch.empty((M, n_blocks), dtype=torch.int32, device=x.device),
+        )
+    gemv_kernel[(n_blocks, split)](
         x,
         weight,
-        norm_weight if norm else x,
+        norm_weight if norm_weight is not None else x,
         residual if residual is not None else out,
         out,
         ws,
@@ -489,8 +487,8 @@ def fused_gemv_fwd(
         weight.stride(0),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
-        *((s.temperature, s.seeds, parts_val, parts_idx) if s is not None else (out,) * 4),
-        MODE=mode,
+        *((s.temperature, s.seeds, *parts) if s is not None else (out,) * 4),
+        MODE=_NORM if norm_weight is not None else _SILU if silu_mul else _PLAIN,
         HAS_RESIDUAL=residual is not None,
         SPLIT=split > 1,
         BLOCK_M=block_m,
@@ -506,8 +504,50 @@ def fused_gemv_fwd(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if s is not None:
-        reduce_partials(parts_val, parts_idx, N, s.ids, s.host_ids)
+    return parts
+
+
+def fused_gemv_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    sampling: GemvSampling | None = None,
+) -> torch.Tensor:
+    """out = the product of x's transformed rows and Wᵀ, with the residual added (module docstring).
+
+    Args:
+        x: [M ≤ 16, K], or [M, 2K] (gate | up) with `silu_mul`.
+        weight: [N, K] in x's dtype (nn.Linear layout).
+        norm_weight: [K]: RMSNorm x's rows with this weight (and `eps`) first.
+        silu_mul: take silu(gate) ⊙ up of x's halves first.
+        residual: [M, N]: add it to the rounded product.
+        config: tiles, split and launch options (default: `default_config`).
+        sampling: plain products only (the LM head): also sample every row's id from out
+            (`GemvSampling`).
+
+    Returns:
+        out [M, N] in x's dtype.
+    """
+    M, N, K = _check(x, weight, norm_weight, silu_mul, residual)
+    if sampling is not None:
+        if norm_weight is not None or silu_mul or residual is not None:
+            raise ValueError("fused sampling needs a plain product (the logits)")
+        check_sampling(sampling, M, x)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    cfg = config or default_config(M, N, K, num_sms(x.device), norm=norm_weight is not None)
+    if sampling is not None:
+        cfg = cfg._replace(split_k=1)  # each program's logits whole, for its partial
+    check_config(cfg)
+    parts = _launch(x, weight, norm_weight, eps, silu_mul, residual, out, cfg, sampling)
+    if parts is not None:
+        reduce_partials(*parts, N, sampling.ids, sampling.host_ids)
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import check_dim, check_int, check_same_device, is_power_of_2, next_power_of_2
+from tinyvllm.kernels.launch import check_dim, check_int, check_same_device, is_power_of_2, next_power_of_2
 
 
 @triton.jit
@@ -35,6 +35,7 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
 ):
+    """Program t: token t's K and V rows [Hk, D] into cache slot slot_mapping[t] (none where negative)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:

@@ -19,8 +19,8 @@ sum of 2,048 products errs by at most ~2⁻¹³ ‖w_i‖₂ ‖h‖₂ in the w
    bound. The int8 copy is stored as bytes u = q + 128 packed four to an int32 word, word c of a row
    holding columns c, c + K/4, c + K/2, c + 3K/4, and turned into floats without a conversion
    instruction: the word's byte b, or'ed into the bits of 2²³, is the float 2²³ + u, and subtracting
-   2²³ + 128 leaves q exactly (integer and float ops, where int8 → float conversions run at a quarter
-   of their rate: 2.1–2.9 TB/s with them, 3.3 without, docs/perf.md v23).
+   2²³ + 128 leaves q exactly (integer and float ops only: int8 → float conversions run at a quarter of
+   their rate, which would make the pass compute-bound).
 2. `_pruned_product_kernel`: over only the blocks whose largest hi_i reaches t = max_i lo_i, the LM head's
    own product for the rows with hi_i ≥ t, with gemv.py's tiles and arithmetic for one row, then the
    sampler's (value, index) per program. The sampled row j* has S_j* ≥ t, so it is kept, and so is
@@ -28,8 +28,8 @@ sum of 2,048 products errs by at most ~2⁻¹³ ‖w_i‖₂ ‖h‖₂ in the w
    computed as the full product computes it (the same tile shapes and sums: a row's sum does not depend
    on the other rows of its tile), so the id is the unpruned one, bit for bit, whatever the weights;
    only the number of kept rows (pass 2's bytes) depends on them.
-For Llama-3.2-1B's LM head (128,256 × 2,048) the passes read 263 MB plus the kept rows, against 525 MB
-(docs/perf.md, v23).
+For Llama-3.2-1B's LM head (128,256 × 2,048) the passes read 263 MB plus the kept rows, against the
+525 MB of the bf16 weight.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import cdiv, is_power_of_2, num_sms, upcast_dot
-from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, _check_sampling, default_config
-from tinyvllm.kernels.sampling import _best_of_block, _log2, _noise_at, reduce_partials, sampling_tile
+from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, check_sampling, default_config
+from tinyvllm.kernels.launch import cdiv, is_power_of_2, num_sms, upcast_dot
+from tinyvllm.kernels.sampling import best_of_block, log2, noise_at, reduce_partials, sampling_tile
 
 ROUNDING_SLACK = 2.0**-10  # relative to ‖w_i‖₂ ‖h‖₂: both fp32 sums' rounding (module docstring)
 
@@ -118,7 +118,7 @@ class BoundsConfig(NamedTuple):
 
 def default_bounds_config(device: torch.device) -> BoundsConfig:
     if device.type == "cuda":
-        return BoundsConfig(64, 64, 4, 1, 128)  # the best measured on the H200 (docs/perf.md, v23)
+        return BoundsConfig(64, 64, 4, 1, 128)  # the best of a sweep on the H200
     return BoundsConfig(16, 16, 4, 1, 3)
 
 
@@ -142,7 +142,8 @@ def _score_bounds_kernel(
     TILE: tl.constexpr,
     FAST_LOG: tl.constexpr,
 ):
-    """Program p: rows [p·BLOCK_N, (p+1)·BLOCK_N) → hi per row, lo_max[p], hi_max[p] (module docstring)."""
+    """Pass 1, program p: rows [p·BLOCK_N, (p+1)·BLOCK_N) of the packed int8 weight [N, K4] (4 columns a
+    word) against x [4·K4] → each row's upper bound hi, and lo_max[p], hi_max[p] (module docstring)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -156,8 +157,8 @@ def _score_bounds_kernel(
 
     acc = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
     # STAGES > 1: software-pipelined through shared memory (cp.async; Triton pipelines a loop whose loads
-    # feed no tl.dot only when the loop asks for it). Measured 3–4× slower than loads straight into
-    # registers (STAGES = 1), which reach 3.3 TB/s with two or three programs per SM (docs/perf.md, v23).
+    # feed no tl.dot only when the loop asks for it). The default, STAGES = 1, loads straight into
+    # registers, which is faster: two or three programs per SM keep enough loads in flight.
     for c0 in tl.range(0, K4, BLOCK_C, num_stages=STAGES):
         c = c0 + tl.arange(0, BLOCK_C)
         mask_c = c < K4
@@ -178,9 +179,9 @@ def _score_bounds_kernel(
     z_hi = (a_row + d).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounding is monotone
     z_lo = (a_row - d).to(x_ptr.dtype.element_ty).to(tl.float32)
     temperature = tl.load(temp_ptr)
-    if temperature != 0.0:  # the sampler's f (sampling._best_of_block), then a few ulps wider
-        u = tl.maximum(_noise_at(tl.load(seed_ptr), offs_n, TILE), 1e-20)
-        g = -0.6931471805599453 * _log2(-_log2(u, FAST_LOG), FAST_LOG)
+    if temperature != 0.0:  # the sampler's f (sampling.best_of_block), then a few ulps wider
+        u = tl.maximum(noise_at(tl.load(seed_ptr), offs_n, TILE), 1e-20)
+        g = -0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
         inv_t = 1.0 / temperature
         s_hi = z_hi * inv_t + g
         s_lo = z_lo * inv_t + g
@@ -248,7 +249,7 @@ def _pruned_product_kernel(
             in_blk = (offs_n < blk * BOUND_N + BOUND_N) & (offs_n < N)
             mask_n = in_blk & ~(tl.load(hi_ptr + offs_n, mask=in_blk, other=float("-inf")) < threshold)
             w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-            # gemv.py's _gemv_kernel at M = 1, plain products, no split: the same tiles and sums
+            # gemv.py's gemv_kernel at M = 1, plain products, no split: the same tiles and sums
             if USE_DOT:
                 acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
             else:
@@ -283,7 +284,7 @@ def _pruned_product_kernel(
             else:
                 y = tl.sum(acc, axis=1)
             z = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # the logits as stored, as gemv.py samples them
-            top, idx = _best_of_block(z, offs_n, mask_n, temperature, seed, N, TILE, FAST_LOG)
+            top, idx = best_of_block(z, offs_n, mask_n, temperature, seed, N, TILE, FAST_LOG)
             better = (top > best_val) | ((top == best_val) & (idx < best_idx))
             best_val = tl.where(better, top, best_val)
             best_idx = tl.where(better, idx, best_idx)
@@ -298,8 +299,13 @@ def score_bounds(
     seeds: torch.Tensor,
     config: BoundsConfig | None = None,
 ) -> ScoreBounds:
-    """Pass 1 for the one row x [1, K] (the LM head's input), temperature [1] float32 (0: greedy) and
-    seeds [1] int64, as the fused sampler takes them."""
+    """Pass 1 (module docstring) for the one row x [1, K], the LM head's input.
+
+    Args:
+        x: [1, K]; rows: the weight's int8 copy (`quantize_rows`).
+        temperature: [1] float32 (0: greedy); seeds: [1] int64, as the fused sampler takes them.
+        config: tiles and launch options (default: `default_bounds_config`).
+    """
     packed, scale, slack = rows
     N, K4 = packed.shape
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != 4 * K4:
@@ -345,15 +351,22 @@ def sample_pruned(
     config: BoundsConfig | None = None,
     product: GemvConfig | None = None,
 ) -> None:
-    """The fused sampler's id for the one row x [1, K] of x Wᵀ (W = `weight` [N, K], `rows` its int8 copy)
-    into `sampling.ids` (and `host_ids`): the id `fused_gemv_fwd(x, weight, sampling=sampling)` draws
-    with its product's config `product` (default: gemv.py's for this shape), from pass 1 and the product
-    over the rows pass 1 keeps. No logits."""
+    """The fused sampler's id for the one row of x Wᵀ, into `sampling.ids` (and `host_ids`), from pass 1
+    and the product over the rows pass 1 keeps; no logits. It is the id that
+    `fused_gemv_fwd(x, weight, sampling=sampling, config=product)` draws.
+
+    Args:
+        x: [1, K], the LM head's input.
+        weight: [N, K] in x's dtype; rows: its int8 copy (`quantize_rows`).
+        sampling: temperature, seed and outputs of the one row (gemv.GemvSampling).
+        config: pass 1's tiles and pass 2's programs (default: `default_bounds_config`).
+        product: the product's config whose arithmetic pass 2 repeats (default: gemv.py's for this shape).
+    """
     if rows.packed.shape != (weight.shape[0], weight.shape[1] // 4) or weight.shape[1] % 4:
         raise ValueError(f"rows {tuple(rows.packed.shape)} (packed) do not match the weight {tuple(weight.shape)}")
     if weight.dtype != x.dtype or weight.stride(1) != 1:
         raise ValueError(f"weight ({weight.dtype}) must share x's dtype ({x.dtype}) and have contiguous rows")
-    _check_sampling(sampling, 1, x)  # gemv.py's, for its one row
+    check_sampling(sampling, 1, x)  # gemv.py's, for its one row
     cfg = config or default_bounds_config(x.device)
     bounds = score_bounds(x, rows, sampling.temperature, sampling.seeds, cfg)
     N, K = weight.shape

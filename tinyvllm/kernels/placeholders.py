@@ -12,13 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import cdiv, check_int, check_same_device
+from tinyvllm.kernels.launch import cdiv, check_int, check_same_device
 
 _BLOCK = 128
 
 
 @triton.jit(do_not_specialize=["n"])  # one compile for every graph's batch size
 def _resolve_placeholders_kernel(ids_ptr, src_ptr, sampled_ptr, n, BLOCK: tl.constexpr):
+    """ids[i] = sampled[src[i]] for the BLOCK rows i of this program with i < n and src[i] ≥ 0."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < n
     src = tl.load(src_ptr + rows, mask=in_range, other=-1)

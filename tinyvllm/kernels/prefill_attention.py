@@ -13,7 +13,7 @@ last rows of a causal sequence see the most keys), which shortens the tail. Per 
   1. keys 0 .. (the tile's first row position), rounded down to BLOCK_N, are visible to every row:
      unmasked tiles;
   2. the tiles on the causal diagonal, up to the tile's last row position: masked tiles;
-  fully masked tiles (beyond the diagonal) are never loaded. Both passes share `_flash._attn_inner`.
+  fully masked tiles (beyond the diagonal) are never loaded. Both passes share `flash_tiles.attn_inner`.
 Key tiles are gathered through the block table (`block_tables[s, pos // block_size]`); when a page
 holds whole tiles (block_size % BLOCK_N == 0) one table entry serves a tile.
 Optionally stores the logsumexp  lse[h, row] = log Σ_j exp(scale · q·k_j)  (natural log, float32).
@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._flash import _attn_inner
-from tinyvllm.kernels._launch import cdiv, check_paged_attention, upcast_dot
+from tinyvllm.kernels.flash_tiles import attn_inner
+from tinyvllm.kernels.launch import cdiv, check_paged_attention, upcast_dot
 
 LOG2E = 1.4426950408889634
 
@@ -40,8 +40,8 @@ class PrefillConfig(NamedTuple):
     num_stages: int
 
 
-# Per head dim, for 16-bit inputs on the H200 (227 KB of shared memory per SM), from the sweep of
-# bench_prefill_attention.py (docs/perf.md). Shared memory per program ≈ BLOCK_M·D·2 (Q) +
+# Per head dim, for 16-bit inputs on the H200 (227 KB of shared memory per SM): the best of
+# `bench_prefill_attention.py --sweep`. Shared memory per program ≈ BLOCK_M·D·2 (Q) +
 # num_stages · 2·BLOCK_N·D·2 (K and V stages): (128, 128, 8 warps, 3 stages) at D = 128 takes 224 KB.
 # Head dim 128 prefers big tiles for long sequences and small ones (more programs) for short ones.
 DEFAULT_CONFIGS: dict[int, PrefillConfig] = {
@@ -64,6 +64,7 @@ CANDIDATE_CONFIGS: list[PrefillConfig] = [
 
 
 def default_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int | None = None) -> PrefillConfig:
+    """The tile config for this head dim and dtype; chunks of at most SHORT_Q rows take smaller tiles."""
     cfg = DEFAULT_CONFIGS[head_dim]
     if max_seqlen_q is not None and max_seqlen_q <= SHORT_Q:
         cfg = SHORT_CONFIGS.get(head_dim, cfg)
@@ -104,6 +105,9 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    """Program (query tile, head h, sequence s): out[rows] = softmax(scale · q Kᵀ) V for BLOCK_M query rows of
+    head h of sequence s, causal, over the paged cache (FA2 Algorithm 1, §3.1; grid of §3.2). Writes the
+    rows' logsumexp too with STORE_LSE."""
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) tiles first
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -131,7 +135,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # 1. Off the diagonal: keys 0 .. ctx + start_m are visible to every row of the tile.
     hi_full = ((ctx + start_m + 1) // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _attn_inner(
+    acc, l_i, m_i = attn_inner(
         acc,
         l_i,
         m_i,
@@ -156,7 +160,7 @@ def _prefill_kernel(
     )
     # 2. On the diagonal: up to the last row's position, masked.
     hi = tl.minimum(ctx + start_m + BLOCK_M, seq_len)
-    acc, l_i, m_i = _attn_inner(
+    acc, l_i, m_i = attn_inner(
         acc,
         l_i,
         m_i,
@@ -191,7 +195,7 @@ def _prefill_kernel(
         tl.store(lse_ptr + h * stride_lse_h + rows, lse, mask=row_valid)
 
 
-def prefill_attention_fwd(
+def _check(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -199,21 +203,11 @@ def prefill_attention_fwd(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
-    max_seqlen_q: int | None = None,
-    *,
-    return_lse: bool = False,
-    config: PrefillConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launcher: checks, picks the tile config, launches. Returns (out [Tq, Hq, D], lse [Hq, Tq] | None).
-
-    `max_seqlen_q` sizes the grid, so it must be at least the longest chunk (None: computed, which
-    synchronises with the device). `scale` must be positive (the unmasked tiles take the row max
-    before scaling). Rows past cu_seqlens_q[-1] are left unwritten, as in the reference.
-    """
-    Hk, block_size = check_paged_attention(
+) -> None:
+    """Validate the arguments (shapes, dtypes, devices, strides)."""
+    check_paged_attention(
         q, k_cache, v_cache, scale, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables
     )
-    Tq, Hq, D = q.shape
     S = seq_lens.shape[0]
     if cu_seqlens_q.shape != (S + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != S:
         raise ValueError(
@@ -221,14 +215,24 @@ def prefill_attention_fwd(
             f"block_tables {tuple(block_tables.shape)} disagree on the number of sequences"
         )
 
-    out = torch.empty((Tq, Hq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device) if return_lse else None
-    if Tq == 0 or S == 0:
-        return out, lse
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    cfg = config or default_config(D, q.dtype, max_seqlen_q)
-    grid = (cdiv(max_seqlen_q, cfg.block_m), Hq, S)
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    cfg: PrefillConfig,
+) -> None:
+    """Launch `_prefill_kernel` on the grid (query tiles of the longest chunk, heads, sequences)."""
+    _, Hq, D = q.shape
+    _, Hk, block_size, _ = k_cache.shape
+    grid = (cdiv(max_seqlen_q, cfg.block_m), Hq, seq_lens.shape[0])
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -254,12 +258,55 @@ def prefill_attention_fwd(
         BLOCK_N=cfg.block_n,
         BLOCK_SIZE=block_size,
         PAGE_TILE=block_size % cfg.block_n == 0,
-        STORE_LSE=return_lse,
+        STORE_LSE=lse is not None,
         UPCAST=upcast_dot(q.device),
         IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+
+
+def prefill_attention_fwd(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    *,
+    return_lse: bool = False,
+    config: PrefillConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention of packed prompt chunks over the paged cache (module docstring).
+
+    Rows past cu_seqlens_q[-1] are left unwritten, as in the reference.
+
+    Args:
+        q: [Tq, Hq, D] query rows of every chunk, packed.
+        k_cache, v_cache: [num_blocks, Hk, block_size, D], q's dtype.
+        cu_seqlens_q: [S + 1] int32 row offsets of the chunks; seq_lens: [S] int32 context lengths
+            including the chunk; block_tables: [S, max_blocks] int32.
+        scale: the softmax scale, positive (the unmasked tiles take the row max before scaling).
+        max_seqlen_q: the longest chunk (it sizes the grid); None: computed, which synchronises with the
+            device.
+        return_lse: also return the rows' logsumexp (natural log, float32).
+        config: the tile config (default: `default_config`).
+
+    Returns:
+        (out [Tq, Hq, D], lse [Hq, Tq] or None).
+    """
+    _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    Tq, Hq, D = q.shape
+    out = torch.empty((Tq, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device) if return_lse else None
+    if Tq == 0 or seq_lens.shape[0] == 0:
+        return out, lse
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    cfg = config or default_config(D, q.dtype, max_seqlen_q)
+    _launch(q, k_cache, v_cache, out, lse, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, cfg)
     return out, lse
 
 

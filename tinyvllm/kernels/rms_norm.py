@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import check_dim, check_float, check_last_dim_contiguous, next_power_of_2
+from tinyvllm.kernels.launch import check_dim, check_float, check_last_dim_contiguous, next_power_of_2
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -35,6 +35,8 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """Program per row: y = w ⊙ round(x / sqrt(mean(x²) + eps)); with HAS_RESIDUAL x is first replaced by
+    round(x + residual), which is also stored (module docstring)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -56,6 +58,7 @@ def _rms_norm_kernel(
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Checks, then one program per row: (y, the new residual or None)."""
     check_dim("x", x, 2)
     check_float("x", x, _DTYPES)
     check_float("weight", weight, _DTYPES)

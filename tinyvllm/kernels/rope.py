@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels._launch import (
+from tinyvllm.kernels.launch import (
     check_dim,
     check_float,
     check_int,
@@ -63,6 +63,7 @@ def _rope_kernel(
     HALF: tl.constexpr,
     FP64: tl.constexpr,
 ):
+    """Program t: rotate token t's Hq query and Hk key heads in place by its position's cos/sin row."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dims = tl.arange(0, HALF)

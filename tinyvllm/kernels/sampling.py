@@ -16,11 +16,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from tinyvllm.kernels._launch import num_sms
+from tinyvllm.kernels.launch import num_sms
 
 
 @triton.jit
-def _log2(x, FAST: tl.constexpr):
+def log2(x, FAST: tl.constexpr):
     """log2(x); on the GPU the SFU's lg2.approx (relative error ~2^-22, ample for sampling noise),
     accurate log2 under the interpreter, which has no libdevice."""
     if FAST:
@@ -41,15 +41,15 @@ def _best_of_quarter(
     if not greedy:
         u = tl.maximum(noise, 1e-20)  # rand is in [0, 1): keep the logarithms finite
         # Gumbel noise −ln(−ln u) = −ln 2 · log2(−log2 u) − ln(ln 2); the constant never moves an argmax.
-        z = z * inv_t - 0.6931471805599453 * _log2(-_log2(u, FAST_LOG), FAST_LOG)
+        z = z * inv_t - 0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
     z = tl.where(mask, z, float("-inf"))
     better = z > best_val
     return tl.where(better, z, best_val), tl.where(better, offs, best_idx)
 
 
 @triton.jit
-def _noise_at(seed, offs, TILE: tl.constexpr):
-    """The uniform draw of logits index `offs` [BLOCK] for `seed`, the one `_sample_partial_kernel` (tiles of
+def noise_at(seed, offs, TILE: tl.constexpr):
+    """The uniform draw of logits index `offs` [BLOCK] for `seed`, the one `sample_partial_kernel` (tiles of
     TILE = its BLOCK) gives it: quarter q of rand4x(seed, tile start / 4 + lane) for the index at
     tile start + q·TILE/4 + lane. For kernels that meet the logits in other blocks (the LM head's, gemv.py)."""
     QUARTER: tl.constexpr = TILE // 4
@@ -61,20 +61,20 @@ def _noise_at(seed, offs, TILE: tl.constexpr):
 
 
 @triton.jit
-def _best_of_block(z, offs, valid, temperature, seed, V, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
+def best_of_block(z, offs, valid, temperature, seed, V, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
     """(value, index) that the sampler's partial kernel would find among the logits z [BLOCK] (float32)
     at indices `offs` (where `valid`) for a row of `temperature` and `seed`: the same noise and
     arithmetic, the lowest index among equal values, (−inf, V) when none is valid."""
     if temperature != 0.0:
-        u = tl.maximum(_noise_at(seed, offs, TILE), 1e-20)
-        z = z * (1.0 / temperature) - 0.6931471805599453 * _log2(-_log2(u, FAST_LOG), FAST_LOG)
+        u = tl.maximum(noise_at(seed, offs, TILE), 1e-20)
+        z = z * (1.0 / temperature) - 0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
     z = tl.where(valid, z, float("-inf"))
     top = tl.max(z, axis=0)
     return top, tl.min(tl.where(z == top, offs, V), axis=0)
 
 
 @triton.jit(do_not_specialize=["CHUNK", "NUM_SPLITS"])  # one compile whatever the batch
-def _sample_partial_kernel(
+def sample_partial_kernel(
     logits_ptr,
     stride_row,
     temperature_ptr,
@@ -132,7 +132,7 @@ def _sample_partial_kernel(
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
-def _sample_reduce_kernel(
+def sample_reduce_kernel(
     val_ptr, idx_ptr, out_ptr, host_ptr, V, NUM_SPLITS, MAX_SPLITS: tl.constexpr, HOST_OUT: tl.constexpr
 ):
     """Row b: the split holding the largest value; the lowest index among equal values. With HOST_OUT
@@ -154,8 +154,8 @@ _BLOCK = 2048
 
 
 def sampling_tile() -> int:
-    """The tile by which the sampler lays out its noise (see `_noise_at`): kernels that fuse the sampler
-    elsewhere pass it to `_best_of_block` to draw the same tokens."""
+    """The tile by which the sampler lays out its noise (see `noise_at`): kernels that fuse the sampler
+    elsewhere pass it to `best_of_block` to draw the same tokens."""
     return _BLOCK
 
 
@@ -163,8 +163,8 @@ _MAX_SPLITS = 64  # a power of two; the split count is a runtime value below it,
 
 
 def num_splits(batch: int, vocab: int, device: torch.device) -> int:
-    """Splits per row so that batch × splits programs fill the device about four times over (the
-    per-row loop is long: 63 tiles of 2,048 for a 128k vocabulary), at least one tile per split."""
+    """Splits per row so that batch × splits programs fill the device about four times over (a row is
+    long: 63 tiles of 2,048 for a 128k vocabulary), at least one tile per split."""
     return max(1, min(triton.cdiv(4 * num_sms(device), max(batch, 1)), triton.cdiv(vocab, _BLOCK), _MAX_SPLITS))
 
 
@@ -176,14 +176,24 @@ def sample_greedy_or_gumbel(
     splits: int | None = None,
     host_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits [B, V] (row-contiguous, any float dtype), temperature [B] float32 (0 = greedy), seeds [B]
-    int64 → sampled ids [B] int64. Same (logits, T, seed) → same token, whatever the batch or `splits`.
-    `host_out` [B] int64, pinned host memory on CUDA: the ids are written there too, by the same kernel
-    (readable once an event recorded after this call has completed), so that a decode graph needs no
-    copy after its sampler (engine/cuda_graphs.py).
+    """Each row's greedy or Gumbel-max token (module docstring); the same (logits, T, seed) gives the same
+    token whatever the batch or `splits`.
 
-    Each row is cut into `splits` chunks (default: enough programs to fill the device): one kernel finds
-    every chunk's best (value, index), a second picks each row's best chunk."""
+    Each row is cut into `splits` chunks: one kernel finds every chunk's best (value, index), a second
+    picks each row's best chunk.
+
+    Args:
+        logits: [B, V], any float dtype (made row-contiguous if needed).
+        temperature: [B] float32 (0: greedy); seeds: [B] int64.
+        out: [B] int64 to write the ids into (default: a new tensor).
+        splits: chunks per row (default: enough programs to fill the device).
+        host_out: [B] int64 in pinned host memory (on CUDA): the ids are written there too, by the same
+            kernel (readable once an event recorded after this call has completed), so that a decode
+            graph needs no copy after its sampler (engine/cuda_graphs.py).
+
+    Returns:
+        The sampled ids [B] int64 (`out`).
+    """
     B, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -200,7 +210,7 @@ def sample_greedy_or_gumbel(
         S = triton.cdiv(V, chunk)
         vals = torch.empty(B, S, dtype=torch.float32, device=logits.device)
         idxs = torch.empty(B, S, dtype=torch.int32, device=logits.device)
-        _sample_partial_kernel[(B, S)](
+        sample_partial_kernel[(B, S)](
             logits,
             logits.stride(0),
             temperature,
@@ -225,7 +235,7 @@ def reduce_partials(
     int32 are each split's (value, index), from the partial kernel or a kernel that fuses it (gemv.py)."""
     B, S = vals.shape
     max_splits = max(_MAX_SPLITS, triton.next_power_of_2(S))  # one compile for every split count below 64
-    _sample_reduce_kernel[(B,)](
+    sample_reduce_kernel[(B,)](
         vals,
         idxs,
         out,

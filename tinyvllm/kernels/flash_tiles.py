@@ -1,6 +1,6 @@
-"""The FlashAttention-2 inner loop over K/V tiles gathered from the paged cache, shared by the prefill
-and decode kernels (Dao 2023, "FlashAttention-2", Algorithm 1 lines 8-10; notation of the Triton
-fused-attention tutorial: m_i running max, l_i running sum, acc unnormalised output).
+"""The FlashAttention-2 inner loop over K/V tiles gathered from the paged cache, shared by the prefill,
+decode and megakernel attention (Dao 2023, "FlashAttention-2", Algorithm 1 lines 8-10; notation of the
+Triton fused-attention tutorial: m_i running max, l_i running sum, acc unnormalised output).
 
 Scores live in the log2 domain: with qk_scale = scale · log2(e), s = qk_scale · q·k and
 exp(scale · q·k − m) = exp2(s − m₂), so one exp2 per score. Per KV tile of BLOCK_N keys:
@@ -20,9 +20,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _dot_qk(q, k, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """q [M, D] · kᵀ ([N, D] → [D, N]) in float32."""
-    if UPCAST:  # CPU interpreter only: see _launch.upcast_dot
+def dot_qk(q, k, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """q [M, D] · kᵀ ([N, D] → [D, N]) in float32; IEEE: exact float32 products (no TF32).
+
+    UPCAST (CPU interpreter only, see launch.upcast_dot): the operands are cast to float32 first."""
+    if UPCAST:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
     if IEEE:
@@ -33,8 +35,8 @@ def _dot_qk(q, k, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _dot_pv(p, v, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """acc + p [M, N] · v [N, D] in float32."""
+def dot_pv(p, v, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + p [M, N] · v [N, D] in float32 (UPCAST, IEEE as in `dot_qk`)."""
     if UPCAST:
         p = p.to(tl.float32)
         v = v.to(tl.float32)
@@ -61,7 +63,8 @@ def _kv_rows(
 
     PAGE_TILE: the tile lies inside one page (BLOCK_SIZE % BLOCK_N == 0 and start % BLOCK_N == 0), so
     one block-table entry serves it and its rows are contiguous. Otherwise each position looks up
-    its page (the entries of one tile share cache lines, so these loads hit L1).
+    its page (the entries of one tile share cache lines, so these loads hit L1). MASKED: positions from
+    kv_end on read no table entry.
     """
     if PAGE_TILE:
         blk = tl.load(bt_row_ptr + start // BLOCK_SIZE).to(tl.int64)
@@ -77,7 +80,7 @@ def _kv_rows(
 
 
 @triton.jit
-def _attn_inner(
+def attn_inner(
     acc,
     l_i,
     m_i,
@@ -100,11 +103,19 @@ def _attn_inner(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Fold keys lo .. hi-1 (lo a multiple of BLOCK_N) into (acc, l_i, m_i).
+    """Fold keys lo .. hi−1 (lo a multiple of BLOCK_N) into the running (acc, l_i, m_i).
 
-    q: [M, HEAD_DIM]; q_pos: [M] absolute positions of the rows; k_ptr/v_ptr: the caches offset to
-    this KV head. MASKED tiles mask keys ≥ kv_end and keys after a row's position (causal); unmasked
-    tiles must lie wholly below every row's diagonal and below kv_end.
+    Args:
+        acc, l_i, m_i: [M, HEAD_DIM], [M], [M] float32, the state so far (m_i in the log2 domain).
+        q: [M, HEAD_DIM] query rows; q_pos: [M] their absolute positions.
+        k_ptr, v_ptr: the caches offset to this KV head; bt_row_ptr: the sequence's block-table row.
+        kv_end: the sequence's length; keys from it on are masked (MASKED tiles only).
+        qk_scale: softmax scale · log2(e), positive.
+        MASKED: mask keys ≥ kv_end and keys after a row's position (causal). Unmasked tiles must lie
+            wholly below every row's diagonal and below kv_end.
+
+    Returns:
+        The updated (acc, l_i, m_i).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -117,7 +128,7 @@ def _attn_inner(
             k = tl.load(k_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + kv_ptrs)
-        qk = _dot_qk(q, k, UPCAST, IEEE)
+        qk = dot_qk(q, k, UPCAST, IEEE)
         if MASKED:
             visible = ((start + offs_n)[None, :] <= q_pos[:, None]) & kv_valid[None, :]
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
@@ -135,6 +146,6 @@ def _attn_inner(
         else:
             v = tl.load(v_ptr + kv_ptrs)
         acc = acc * alpha[:, None]
-        acc = _dot_pv(p.to(v.dtype), v, acc, UPCAST, IEEE)
+        acc = dot_pv(p.to(v.dtype), v, acc, UPCAST, IEEE)
         m_i = m_ij
     return acc, l_i, m_i

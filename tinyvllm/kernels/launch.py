@@ -1,4 +1,4 @@
-"""Shared launch helpers for the Triton kernels: argument checks, device facts, small arithmetic.
+"""Launch helpers shared by the Triton kernels: argument checks, device facts, small arithmetic.
 
 Nothing here touches a device at import time; device properties are read on first use and cached.
 """
@@ -16,14 +16,17 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def next_power_of_2(n: int) -> int:
+    """The smallest power of two ≥ n (1 for n ≤ 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for positive b."""
     return -(-a // b)
 
 
 def is_power_of_2(n: int) -> bool:
+    """Whether n is a positive power of two."""
     return n > 0 and n & (n - 1) == 0
 
 
@@ -50,27 +53,32 @@ def upcast_dot(device: torch.device) -> bool:
 
 
 def check_float(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
+    """Raise TypeError unless t's dtype is one of `allowed`."""
     if t.dtype not in allowed:
         raise TypeError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in allowed]}")
 
 
 def check_dim(name: str, t: torch.Tensor, ndim: int) -> None:
+    """Raise ValueError unless t has `ndim` dimensions."""
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
+    """Raise ValueError unless every tensor lives on one device."""
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors must share one device, got {devices}")
 
 
 def check_int(name: str, t: torch.Tensor) -> None:
+    """Raise TypeError unless t is int32 or int64."""
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    """Raise ValueError unless t's last dimension has unit stride (or a single element)."""
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride()})")
 

@@ -1,0 +1,293 @@
+"""Phase B of the decode megakernel: o = softmax(scale · q Kᵀ) V over the sequence's cached keys,
+split-KV ("Flash-Decoding") through the FlashAttention-2 inner loop of the other attention kernels
+(flash_tiles.py: tl.dot over KEYS-key tiles, scores in the log2 domain).
+
+A unit is (KV head, split of the context): the GQA group's G query heads (padded to BG ≥ 16 rows for
+tl.dot) against one split's keys, whole KEYS-key tiles of the context, none empty. Each unit stores its
+partial (acc [G, D], m, l [G]) in the split-minor layout of `store_partial`; the merge
+    o = Σₛ 2^(mₛ−M) accₛ / Σₛ 2^(mₛ−M) lₛ,   M = maxₛ mₛ
+is `group_attention`, run by phase C's programs (`split_o`) or by the last split to take its KV head's
+ticket.
+
+A program's first unit takes its first key tile preloaded between phase A's arrival and wait: every key
+but the newest was written by earlier steps (`preload_kv`); the newest, which phase A writes, is read
+after the barrier (`attn_first_tile`). The pages of that tile are the same in every layer, so the block
+table is read for it once per launch (`first_tile_rows`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tinyvllm.kernels.decode_megakernel.grid_sync import now, trace_attention
+from tinyvllm.kernels.flash_tiles import attn_inner, dot_pv, dot_qk
+
+
+@triton.jit
+def keys_per_split(seq_len, num_splits, KEYS: tl.constexpr):
+    """Keys of the context per split: whole KEYS tiles (each split starts at a multiple of KEYS), enough
+    for num_splits of them to cover seq_len."""
+    return tl.cdiv(tl.cdiv(seq_len, KEYS), num_splits) * KEYS
+
+
+@triton.jit
+def first_tile_rows(
+    pid,
+    bt_ptr,
+    seq_len,
+    num_splits,
+    stride_blk,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    KEYS: tl.constexpr,
+):
+    """Cache-row offsets [KEYS] (within a layer's K or V, head 0) of the first key tile of this program's
+    first unit (unit `pid`)."""
+    split = pid % num_splits
+    keys = split * keys_per_split(seq_len, num_splits, KEYS) + tl.arange(0, KEYS)
+    mine = keys * 0 + pid < HK * num_splits
+    blk = tl.load(bt_ptr + keys // BS, mask=(keys < seq_len) & mine, other=0).to(tl.int64)
+    return blk * stride_blk + (keys % BS) * D
+
+
+@triton.jit
+def preload_kv(
+    pid, k_ptr, v_ptr, rows, seq_len, num_splits, stride_head, HK: tl.constexpr, D: tl.constexpr, KEYS: tl.constexpr
+):
+    """The first key tile of this program's first unit (`rows` from `first_tile_rows`), every key but the
+    newest: (K [KEYS, D], V [KEYS, D]). The newest key's row is masked (its cache line is not touched: a
+    D-element row is whole 128-byte lines at D·size ≥ 128) and read after the barrier by `attn_first_tile`."""
+    kvh = pid // num_splits
+    keys = (pid % num_splits) * keys_per_split(seq_len, num_splits, KEYS) + tl.arange(0, KEYS)
+    ptrs = kvh * stride_head + rows[:, None] + tl.arange(0, D)[None, :]
+    old = ((keys < seq_len - 1) & (keys * 0 + pid < HK * num_splits))[:, None]
+    return tl.load(k_ptr + ptrs, mask=old, other=0.0), tl.load(v_ptr + ptrs, mask=old, other=0.0)
+
+
+@triton.jit
+def _attn_first_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    kp,
+    vp,
+    rows,
+    k_head_ptr,
+    v_head_ptr,
+    lo,
+    seq_len,
+    qk_scale,
+    D: tl.constexpr,
+    KEYS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """`attn_inner`'s masked step over keys lo .. lo+KEYS−1 from the preloaded tile (kp, vp), the newest
+    key's row read now from L2 (phase A wrote it, possibly on another SM)."""
+    keys = lo + tl.arange(0, KEYS)
+    newest = (keys == seq_len - 1)[:, None]
+    ptrs = rows[:, None] + tl.arange(0, D)[None, :]
+    k = tl.where(newest, tl.load(k_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), kp)
+    v = tl.where(newest, tl.load(v_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), vp)
+    qk = dot_qk(q, k, UPCAST, IEEE)
+    visible = (keys[None, :] <= q_pos[:, None]) & (keys < seq_len)[None, :]
+    qk = tl.where(visible, qk * qk_scale, float("-inf"))
+    m_ij = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = dot_pv(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, IEEE)
+    return acc, l_i, m_ij
+
+
+@triton.jit
+def _store_partial(
+    part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SM: tl.constexpr
+):
+    """One split's partial (acc [BG, D], m_i, l_i [BG]; rows ≥ G are padding) at its slot of the split-minor
+    layout, runs of SM slots: acc[kvh, g, d, split], then m[kvh, g, split], then l[kvh, g, split]."""
+    real = rows_g < G
+    row = kvh * G + rows_g
+    d = tl.arange(0, D)
+    tl.store(part_ptr + (row[:, None] * D + d[None, :]) * SM + split, acc, mask=real[:, None])
+    tl.store(part_ptr + HK * G * D * SM + row * SM + split, m_i, mask=real)
+    tl.store(part_ptr + HK * G * (D + 1) * SM + row * SM + split, l_i, mask=real)
+
+
+@triton.jit
+def _merge_partials(part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SM: tl.constexpr):
+    """The attention output [G, D] of KV head kvh's query heads from its num_splits partials
+    (`_store_partial`'s layout, runs of SM slots; m in the log2 domain): Σₛ 2^(mₛ−M) accₛ / Σₛ 2^(mₛ−M) lₛ
+    with M = maxₛ mₛ, 0 where no split had keys.
+
+    Each thread loads the SM-long runs of its (query head, column) pairs as 16-byte vectors and reduces
+    them itself, so the merge exchanges nothing between warps. m and l are loaded in the same [G, D, SM]
+    shape (repeated along D) so that every operand shares one layout. The loads are unmasked (a mask
+    would split the vectors): the slots beyond num_splits hold earlier launches' partials or zeros, all
+    finite, and are masked here."""
+    g = tl.arange(0, G)[:, None, None]
+    d = tl.arange(0, D)[None, :, None]
+    sp = tl.arange(0, SM)[None, None, :]
+    have = sp < num_splits
+    row = kvh * G + g  # [G, 1, 1]
+    accs = tl.load(part_ptr + (row * D + d) * SM + sp, cache_modifier=".cg")
+    ms = tl.load(part_ptr + HK * G * D * SM + row * SM + sp + d * 0, cache_modifier=".cg")
+    ls = tl.load(part_ptr + HK * G * (D + 1) * SM + row * SM + sp + d * 0, cache_modifier=".cg")
+    accs = tl.where(have, accs, 0.0)
+    ms = tl.where(have, ms, float("-inf"))
+    ls = tl.where(have, ls, 0.0)
+    mx = tl.max(ms, axis=2)  # [G, D]; −inf where no split had keys
+    wgt = tl.where(ms == float("-inf"), 0.0, tl.math.exp2(ms - mx[:, :, None]))
+    num = tl.sum(wgt * accs, axis=2)
+    den = tl.sum(wgt * ls, axis=2)
+    return tl.where(den > 0, num / den, 0.0)
+
+
+@triton.jit
+def group_attention(
+    part_ptr, g, num_splits, dtype: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SM: tl.constexpr
+):
+    """KV group g's attention output [G, D] merged from its split partials, rounded to dtype. Partials
+    are stored in runs of 4 slots at ≤ 4 splits (a narrower merge), else of SM slots."""
+    if num_splits <= 4:
+        o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, 4)
+    else:
+        o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, SM)
+    return o_g.to(dtype)
+
+
+@triton.jit
+def attention_phase(
+    pid,
+    P,
+    layer,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_len,
+    num_splits,
+    part_ptr,
+    tickets_ptr,
+    attn_ptr,
+    stride_blk,
+    stride_head,
+    qk_scale,
+    kp,
+    vp,
+    rows_pre,
+    trace_ptr,
+    tb,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    KEYS: tl.constexpr,
+    SM: tl.constexpr,
+    BG: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    TRACE: tl.constexpr,
+    SPLIT_O: tl.constexpr,
+):
+    """Phase B of `layer` (the caller has waited at its barrier). (kp, vp, rows_pre): the first tile of
+    unit `pid` from `preload_kv`. With SPLIT_O the units only store their partials (phase C merges them);
+    without, the last split of a KV head to take its ticket merges the head's partials into attn. The
+    tickets only grow within a launch (layer l's last split sees (l + 1)·num_splits − 1): nothing resets
+    them on the merger's critical path."""
+    G: tl.constexpr = HQ // HK
+    g = tl.arange(0, G)
+    rows_g = tl.arange(0, BG)
+    d = tl.arange(0, D)
+    split_keys = keys_per_split(seq_len, num_splits, KEYS)
+    for u in range(pid, HK * num_splits, P):
+        kvh = u // num_splits
+        split = u % num_splits
+        q = tl.load(
+            q_ptr + (kvh * G + rows_g)[:, None] * D + d[None, :],
+            mask=(rows_g < G)[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        q_pos = tl.full([BG], 0, tl.int32) + seq_len  # the new token sees every key
+        m_i = tl.full([BG], float("-inf"), tl.float32)
+        l_i = tl.zeros([BG], tl.float32)
+        acc = tl.zeros([BG, D], tl.float32)
+        lo = split * split_keys
+        hi = tl.minimum(lo + split_keys, seq_len)
+        start = lo
+        if u == pid:  # the preloaded first tile
+            if lo < hi:
+                acc, l_i, m_i = _attn_first_tile(
+                    acc,
+                    l_i,
+                    m_i,
+                    q,
+                    q_pos,
+                    kp,
+                    vp,
+                    rows_pre,
+                    k_ptr + kvh * stride_head,
+                    v_ptr + kvh * stride_head,
+                    lo,
+                    seq_len,
+                    qk_scale,
+                    D,
+                    KEYS,
+                    UPCAST,
+                    IEEE,
+                )
+            start = lo + KEYS
+        acc, l_i, m_i = attn_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            k_ptr + kvh * stride_head,
+            v_ptr + kvh * stride_head,
+            bt_ptr,
+            start,
+            hi,
+            hi,
+            qk_scale,
+            stride_blk,
+            D,
+            D,
+            KEYS,
+            BS,
+            False,
+            True,
+            UPCAST,
+            IEEE,
+        )
+        if TRACE:  # noqa: SIM102 (a constexpr test apart: untraced kernels hold no trace code)
+            if u == pid:
+                trace_attention(trace_ptr, pid, layer, tb, 0, now(pid))
+        m_i = tl.where(l_i > 0, m_i, float("-inf"))  # an empty split
+        if num_splits <= 4:  # runs of 4 slots (a narrow merge) when there are at most 4 splits, else SM
+            _store_partial(part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, 4)
+        else:
+            _store_partial(part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, SM)
+        if SPLIT_O:
+            if TRACE:  # noqa: SIM102 (constexpr tests apart) -- no ticket, no merge: both at the unit's time
+                if u == pid:
+                    t = now(pid)
+                    trace_attention(trace_ptr, pid, layer, tb, 1, t)
+                    trace_attention(trace_ptr, pid, layer, tb, 2, t)
+        else:
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tickets_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+            if TRACE:  # noqa: SIM102 (a constexpr test apart)
+                if u == pid:
+                    trace_attention(trace_ptr, pid, layer, tb, 1, now(ticket))
+            if ticket == (layer + 1) * num_splits - 1:  # the last split of this layer's KV head
+                out = group_attention(part_ptr, kvh, num_splits, attn_ptr.dtype.element_ty, HK, G, D, SM)
+                tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out)
+            if TRACE:  # noqa: SIM102 (a constexpr test apart)
+                if u == pid:
+                    trace_attention(trace_ptr, pid, layer, tb, 2, now(pid))

@@ -1,0 +1,301 @@
+"""Host side of the decode megakernel: its configuration, the model shape it is specialised on, the
+stacked weights and the workspace it reads and writes, and the launcher `decode_megakernel_fwd`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from tinyvllm.kernels.decode_megakernel.grid_sync import TRACE_BASE, TRACE_BLOCK, TRACE_MAX_LAYERS
+from tinyvllm.kernels.decode_megakernel.kernel import decode_megakernel_kernel
+from tinyvllm.kernels.launch import check_int, next_power_of_2, num_sms, upcast_dot
+
+ATTN_KEYS = 64  # keys per attention tile (tl.dot's N), as in the decode attention kernel
+MAX_SPLITS = 16  # context splits per KV head in the attention phase
+PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take (of an H200 SM's 227 KB)
+
+
+class MegakernelConfig(NamedTuple):
+    """Launch choices of the decode megakernel. `split_o=False` selects phase C's ticket merge, which
+    makes a launch bitwise reproducible; the other fields are sizes."""
+
+    tile: int = 16384  # weight elements per unit (a power of two; `unit_tile` may halve it)
+    num_warps: int = 8
+    stages: int = 3  # phase D's software pipeline: this many shared-memory stages (1: none)
+    ace_stages: int = 3  # the same for phases A and C
+    e_stages: int = 4  # the same for phase E: its deeper prologue lands during phase D's tail
+    split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself
+    programs: int = 0  # CUDA: at most this many programs (0: one on every multiprocessor)
+
+
+DEFAULT_CONFIG = MegakernelConfig()
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions the kernel is specialised on."""
+
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def unsupported_reason(shape: ModelShape, dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot serve this model, or None.
+
+    It needs power-of-two head dims ≥ 4, a power-of-two group of query heads per KV head, and activation
+    vectors small enough for one program's registers (hidden ≤ 8192, intermediate ≤ 32768). The KV block
+    size, a power of two, is checked at launch.
+    """
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {dtype}"
+    d, g = shape.head_dim, shape.num_heads // max(1, shape.num_kv_heads)
+    if d < 4 or d & (d - 1) or shape.num_heads % shape.num_kv_heads or g & (g - 1):
+        return f"head_dim {d} / query heads per KV head {g} (need powers of two)"
+    if shape.hidden > 8192 or shape.intermediate > 32768 or shape.num_heads * d > 8192:
+        return "hidden or intermediate size too large for one program's registers"
+    return None
+
+
+@dataclass(frozen=True)
+class StackedWeights:
+    """Every layer's weights of one kind in one tensor, [L, ...] (the layers' parameters are views)."""
+
+    embed: torch.Tensor  # [V, H]
+    qkv: torch.Tensor  # [L, (Hq + 2·Hk)·D, H], rows [q | k | v]
+    o: torch.Tensor  # [L, H, Hq·D]
+    gate_up: torch.Tensor  # [L, 2F, H], rows [gate | up]
+    down: torch.Tensor  # [L, H, F]
+    norm1: torch.Tensor  # [L, H]
+    norm2: torch.Tensor  # [L, H]
+    norm_final: torch.Tensor  # [H]
+
+
+class Workspace:
+    """The buffers of one launch configuration, allocated once (captured CUDA graphs point at them).
+
+    r [H]: the residual stream (the embedding row before layer 0). r2 [H]: with `split_o`, the residual
+    after attention, which phase D stores for phase E. o_sums [2, H] float32: with `split_o`, phase C's
+    sums of W_o·attention for two consecutive layers (each zeroed in the phase E after its last reader).
+    q, attn [Hq·D]: phase A's rotated queries, the ticket merge's attention output. act [F]: phase D's
+    SwiGLU output. partials: phase B's per-split (acc, m, l) in the split-minor layout. tickets [Hk]:
+    the ticket merge's arrival counts. barrier [2]: the grid barrier's arrival count and the leave count.
+    trace: a traced launch's timer readings (grown on first use). The kernel leaves o_sums, tickets and
+    barrier at zero, as the next launch needs them.
+
+    The context of each KV head is cut into at most `num_splits` splits (default: as many as fill the
+    programs).
+    """
+
+    def __init__(
+        self, shape: ModelShape, dtype: torch.dtype, device: torch.device, programs: int, num_splits: int | None = None
+    ) -> None:
+        s = shape
+        self.programs = programs
+        self.num_splits = num_splits or max(1, min(MAX_SPLITS, programs // s.num_kv_heads))
+        group = s.num_heads // s.num_kv_heads
+        z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
+        self.r, self.q, self.attn, self.act = (
+            z(s.hidden),
+            z(s.num_heads * s.head_dim),
+            z(s.num_heads * s.head_dim),
+            z(s.intermediate),
+        )
+        self.r2, self.o_sums = z(s.hidden), z(2 * s.hidden, torch.float32)
+        # split-minor partials: runs of at least 4 slots, a power of two
+        self.partials = z(
+            s.num_kv_heads * max(4, next_power_of_2(self.num_splits)) * group * (s.head_dim + 2), torch.float32
+        )
+        self.tickets = z(s.num_kv_heads, torch.int32)
+        self.barrier = z(2, torch.int32)
+        self.trace = torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
+def unit_rows(shape: ModelShape, tile: int) -> tuple[int, int, int, int]:
+    """(RQ, RO, RG, RD): rows per unit of phases A (per half-head), C (unsplit), D (gate rows) and E, each
+    the largest power of two that divides its matrix's rows and gives about `tile` weight elements."""
+    bh = next_power_of_2(shape.hidden)
+
+    def dividing(r: int, n: int) -> int:  # the largest power of two ≤ r that divides n
+        r = max(1, _pow2_at_most(max(1, r)))
+        while n % r:
+            r //= 2
+        return r
+
+    rq = dividing(min(shape.head_dim // 2, tile // (2 * bh)), shape.head_dim // 2)
+    ro = dividing(tile // next_power_of_2(shape.num_heads * shape.head_dim), shape.hidden)
+    rg = dividing(tile // (2 * bh), shape.intermediate)
+    rd = dividing(tile // next_power_of_2(shape.intermediate), shape.hidden)
+    return rq, ro, rg, rd
+
+
+def split_o_rows(shape: ModelShape, tile: int) -> int:
+    """Rows per unit of the split phase C (units [rows, G·D]): the largest power of two that divides the
+    hidden size and gives at most about `tile` weight elements per unit (at least one row)."""
+    group_cols = shape.num_heads // shape.num_kv_heads * shape.head_dim
+    r = _pow2_at_most(max(1, tile // group_cols))
+    while shape.hidden % r:
+        r //= 2
+    return r
+
+
+def phase_d_chunks(shape: ModelShape, rg: int, elem_bytes: int) -> tuple[int, bool]:
+    """(CW, usable) of phase D on the tensor cores: a weight row is cut into chunks of CW columns (one
+    warp's 16-byte vectors, at most the padded hidden size), at most 32 of them, and the unit's tile
+    [2·RG·chunks, CW] must meet tl.dot's minimum of 16 in every dimension."""
+    bh = next_power_of_2(shape.hidden)
+    cw = min(bh, 32 * 16 // elem_bytes)
+    return cw, bh // cw <= 32 and 2 * rg * (bh // cw) >= 16 and cw >= 16
+
+
+def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
+    """Weight elements per unit: config.tile, halved until the deepest pipeline's stages − 1 tiles in
+    flight fit in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
+    tile, stages = config.tile, max(config.stages, config.ace_stages, config.e_stages)
+    while stages > 1 and tile > 256 and tile * elem_bytes * (stages - 1) > PIPELINE_BYTES:
+        tile //= 2
+    return tile
+
+
+def max_programs(device: torch.device, config: MegakernelConfig = DEFAULT_CONFIG) -> int:
+    """The grid: one program per multiprocessor on CUDA (at most `config.programs` where that is set),
+    so that every program is resident at once; one program on the CPU interpreter, which runs programs
+    one after another."""
+    if device.type != "cuda":
+        return 1
+    full = num_sms(device)
+    return min(full, config.programs) if config.programs > 0 else full
+
+
+def _kv_layout(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], shape: ModelShape) -> tuple[int, int, int]:
+    """(block_size, layer_stride, v_offset) of the layers' caches, which must be views of one buffer:
+    layer l's K at layer 0's K + l·layer_stride elements, its V at its K + v_offset."""
+    k0, v0 = kv_caches[0]
+    _, hk, block_size, d = k0.shape
+    if (hk, d) != (shape.num_kv_heads, shape.head_dim) or k0.stride(-1) != 1 or k0.stride(-2) != d:
+        raise ValueError(f"KV cache {tuple(k0.shape)} does not fit the model shape {shape}")
+    elem = k0.element_size()
+    layer_stride = (kv_caches[1][0].data_ptr() - k0.data_ptr()) // elem if len(kv_caches) > 1 else 0
+    v_offset = (v0.data_ptr() - k0.data_ptr()) // elem
+    for i, (k, v) in enumerate(kv_caches):
+        if k.data_ptr() != k0.data_ptr() + i * layer_stride * elem or v.data_ptr() != k.data_ptr() + v_offset * elem:
+            raise ValueError("the layers' KV caches must be views of one buffer at a fixed stride")
+    if block_size & (block_size - 1):
+        raise ValueError(f"the decode megakernel needs a power-of-two KV block size, got {block_size}")
+    return block_size, layer_stride, v_offset
+
+
+def _constexprs(
+    shape: ModelShape,
+    config: MegakernelConfig,
+    ws: Workspace,
+    block_size: int,
+    weights: StackedWeights,
+    device: torch.device,
+    trace: bool,
+) -> dict:
+    """The kernel's compile-time arguments and launch options for this shape, config and workspace."""
+    elem = weights.qkv.element_size()
+    rq, ro, rg, rd = unit_rows(shape, unit_tile(config, elem))
+    cw, dot_d = phase_d_chunks(shape, rg, elem)
+    cuda = device.type == "cuda"
+    return dict(
+        H=shape.hidden,
+        F=shape.intermediate,
+        HQ=shape.num_heads,
+        HK=shape.num_kv_heads,
+        D=shape.head_dim,
+        BS=block_size,
+        RQ=rq,
+        RO=split_o_rows(shape, unit_tile(config, elem)) if config.split_o else ro,
+        RG=rg,
+        RD=rd,
+        KEYS=ATTN_KEYS,
+        SM=max(4, next_power_of_2(ws.num_splits)),
+        BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
+        UPCAST=upcast_dot(device),
+        IEEE=weights.qkv.dtype == torch.float32,
+        TRACE=trace and cuda,
+        MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
+        MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
+        STAGES=config.stages,
+        PIPE=config.ace_stages,
+        ASM=cuda,
+        DOT_D=dot_d,
+        CW=cw,
+        SPLIT_O=config.split_o,
+        E_PIPE=config.e_stages,
+        num_warps=config.num_warps,
+        num_stages=1,
+    )
+
+
+def decode_megakernel_fwd(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    weights: StackedWeights,
+    cos_sin: torch.Tensor,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    shape: ModelShape,
+    eps: float,
+    scale: float,
+    workspace: Workspace,
+    config: MegakernelConfig = DEFAULT_CONFIG,
+    trace: bool = False,
+) -> torch.Tensor:
+    """One decode token of one sequence through every layer.
+
+    Args:
+        input_ids, positions, slot_mapping: [1] int64; the new token's K/V go to cache slot
+            slot_mapping[0] (−1: nowhere).
+        seq_lens: [1] int32, the context including the new token.
+        block_table: [≥ cdiv(seq_len, block_size)] int32, the sequence's cache blocks.
+        kv_caches: per layer (k, v), each [num_blocks, Hk, block_size, D], views of one buffer at a fixed
+            layer stride (as the model runner allocates them).
+        trace: (CUDA) record the global timer in workspace.trace (grid_sync.py describes the layout).
+
+    Returns:
+        The final-normed hidden state [1, H].
+    """
+    block_size, layer_stride, v_offset = _kv_layout(kv_caches, shape)
+    for name, t in (
+        ("input_ids", input_ids),
+        ("positions", positions),
+        ("slot_mapping", slot_mapping),
+        ("seq_lens", seq_lens),
+        ("block_table", block_table),
+    ):
+        check_int(name, t)
+    if config.stages < 1 or config.ace_stages < 1 or config.e_stages < 1:
+        raise ValueError(f"megakernel config {config}: stages ≥ 1 needed")
+    ws = workspace
+    device = input_ids.device
+    if device.type == "cuda" and ws.programs > num_sms(device):
+        raise ValueError(f"{ws.programs} programs: more than one per multiprocessor may not all be resident")
+    num_layers = weights.qkv.shape[0]
+    if trace and num_layers > TRACE_MAX_LAYERS:
+        raise ValueError(f"a traced launch records at most {TRACE_MAX_LAYERS} layers")
+    if trace and ws.trace.numel() != TRACE_BASE + ws.programs * TRACE_BLOCK:
+        ws.trace = torch.zeros(TRACE_BASE + ws.programs * TRACE_BLOCK, dtype=torch.int64, device=device)
+    out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=device)
+    w = weights
+    decode_megakernel_kernel[(ws.programs,)](
+        *(input_ids, positions, slot_mapping, seq_lens, block_table),
+        *(w.embed, w.qkv, w.o, w.gate_up, w.down, w.norm1, w.norm2, w.norm_final, cos_sin),
+        *(kv_caches[0][0], layer_stride, v_offset, kv_caches[0][0].stride(0), kv_caches[0][0].stride(1)),
+        *(ws.r, ws.r2, ws.o_sums, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace),
+        *(num_layers, ws.num_splits, eps, scale),
+        **_constexprs(shape, config, ws, block_size, weights, device, trace),
+    )
+    return out
