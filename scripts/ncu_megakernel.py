@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "ker
 import torch
 from bench_megakernel import parse_config, run, setup, step_inputs
 
-from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel
+from tinyvllm.engine.paths.megakernel import DecodeMegakernel
 
 
 @torch.no_grad()
@@ -35,7 +35,7 @@ def main() -> None:
     dev = torch.device("cuda")
     model, kv = setup(dev, torch.bfloat16, ns.context)
     cfg = parse_config(ns.variant)
-    mk = LlamaDecodeMegakernel(model).variant(cfg)
+    mk = DecodeMegakernel(model).variant(cfg)
     ids, pos, meta = step_inputs(dev, ns.context, kv.shape[2])
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     run(model, mk, ids, pos, meta, kv, logits=False)  # compile

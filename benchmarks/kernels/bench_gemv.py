@@ -254,6 +254,9 @@ def decode_batch(model, B: int, ctx: int, device) -> tuple:
 
 def model_check(device, batches: list[int], ctx: int, copy_bw: float) -> list[dict]:
     """Whole decode steps (layers + final norm + LM head) of the 1B shape, fused vs unfused."""
+    from tinyvllm.config import RunnerConfig
+    from tinyvllm.engine.paths.executor import ModelExecutor
+
     model = build_model(device, ctx + 16)
     weight_bytes = sum(
         p.numel() * p.element_size() for n, p in model.named_parameters() if not n.endswith("norm.weight")
@@ -261,15 +264,22 @@ def model_check(device, batches: list[int], ctx: int, copy_bw: float) -> list[di
     rows = []
     for B in batches:
         ids, pos, meta, kv = decode_batch(model, B, ctx, device)
-
-        def step():
-            return model.compute_logits(model(ids, pos, meta, kv), dtype=None)
-
         row = {"batch": B, "ctx": ctx, "weights_GB": weight_bytes / 1e9, "floor_ms": weight_bytes / copy_bw * 1e3}
         logits = {}
         with torch.no_grad():
             for mode in ("unfused", "fused"):
-                model.fuse_small_batches = mode == "fused"
+                # the runner's paths with the fused path on for this batch (the kernels serve up to 16 rows)
+                cfg = RunnerConfig(
+                    fused_gemv=mode == "fused",
+                    fused_max_tokens=min(B, 16),
+                    decode_megakernel=False,
+                    pruned_lm_head=False,
+                )
+                paths = ModelExecutor(model, cfg, device.type)
+
+                def step(paths=paths):
+                    return paths.lm_head.logits(paths.hidden_states(ids, pos, meta, kv), dtype=None)
+
                 try:
                     logits[mode] = step().float()
                     row[f"{mode}_ms"] = common.bench_graph([step], calls=8)

@@ -35,12 +35,13 @@ from common import (
     write_json,
 )
 
-from tinyvllm.config import ModelConfig
+from tinyvllm.config import ModelConfig, RunnerConfig
+from tinyvllm.engine.paths.executor import ModelExecutor
+from tinyvllm.engine.paths.megakernel import DecodeMegakernel
 from tinyvllm.kernels import get_ops
 from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.kernels.decode_megakernel import MegakernelConfig
 from tinyvllm.models.checkpoint import make_config
-from tinyvllm.models.llama_megakernel import LlamaDecodeMegakernel
 from tinyvllm.models.loader import build_model
 
 BLOCK = 16
@@ -85,7 +86,7 @@ def parse_config(text: str) -> MegakernelConfig:
     return C(**fields)
 
 
-def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:
+def phase_trace(model, mk: DecodeMegakernel, ids, pos, meta, kv, reps: int = 20) -> dict:
     """Mean ns per phase (program 0's view: its work plus the wait at the barrier that ends the phase),
     averaged over the middle layers (not the first and last, whose ends differ) and `reps` launches,
     from the kernel's global-timer trace; layer 0's phase A from the launch's start and the last layer's
@@ -128,7 +129,7 @@ def phase_trace(model, mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int 
     return out
 
 
-def program_trace(mk: LlamaDecodeMegakernel, ids, pos, meta, kv, reps: int = 10) -> dict:
+def program_trace(mk: DecodeMegakernel, ids, pos, meta, kv, reps: int = 10) -> dict:
     """Every program's view of the barriers (µs, means over layers and `reps` launches): per phase, from
     the barrier that starts it opening (its first program leaving the wait; layer 0's phase A: the
     programs' start) to the median and the last program's arrival at the barrier that ends it, and from
@@ -216,17 +217,19 @@ def step_inputs(dev: torch.device, ctx: int, num_blocks: int):
 
 
 def run(model, mk, ids, pos, meta, kv, logits: bool = True):
-    model.decode_megakernel = mk
+    """One decode step through the megakernel `mk`, or with None the layer-by-layer fused path."""
+    paths = ModelExecutor(model, RunnerConfig(decode_megakernel=False, pruned_lm_head=False), kv.device.type)
+    paths.megakernel = mk
     views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
-    hidden = model(ids, pos, meta, views)
-    return (hidden, model.compute_logits(hidden, dtype=None)) if logits else (hidden, None)
+    hidden = paths.hidden_states(ids, pos, meta, views)
+    return (hidden, paths.lm_head.logits(hidden, dtype=None)) if logits else (hidden, None)
 
 
 @torch.no_grad()
 def check(
     model,
     kv: torch.Tensor,
-    base: LlamaDecodeMegakernel,
+    base: DecodeMegakernel,
     contexts: list[int],
     variants: list[tuple[MegakernelConfig, int | None]],
 ) -> list[dict]:
@@ -400,11 +403,11 @@ def main() -> None:
     checks = []
     if ns.fp32:  # float32 shows the schemes' arithmetic apart from bf16 rounding
         model, kv = setup(dev, torch.float32, max(ns.contexts))
-        checks += check(model, kv, LlamaDecodeMegakernel(model), ns.contexts, variants[:2])
+        checks += check(model, kv, DecodeMegakernel(model), ns.contexts, variants[:2])
         del model, kv
         torch.cuda.empty_cache()
     model, kv = setup(dev, torch.bfloat16, max(ns.contexts))
-    base = LlamaDecodeMegakernel(model)
+    base = DecodeMegakernel(model)
     checks += check(model, kv, base, ns.contexts, variants)
     print_table("correctness against the layered path", checks, CHECK_COLUMNS)
 

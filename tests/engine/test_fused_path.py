@@ -127,7 +127,9 @@ def executor(model: LlamaForCausalLM, fused: bool) -> ModelExecutor:
     """The runner's path choice with the fused path on for every row count the kernels serve (16, not
     only the engine's default of 1), or off."""
     return ModelExecutor(
-        model, RunnerConfig(fused_gemv=fused, fused_max_tokens=16), model.embed_tokens.weight.device.type
+        model,
+        RunnerConfig(fused_gemv=fused, fused_max_tokens=16, pruned_lm_head=False),
+        model.embed_tokens.weight.device.type,
     )
 
 

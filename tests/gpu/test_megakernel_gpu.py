@@ -17,7 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyvllm.config import ModelConfig
+from tinyvllm.config import ModelConfig, RunnerConfig
+from tinyvllm.engine.paths.executor import ModelExecutor
+from tinyvllm.engine.paths.megakernel import DecodeMegakernel
 from tinyvllm.kernels import get_ops
 from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.kernels.decode_megakernel import MegakernelConfig
@@ -83,9 +85,12 @@ def step(ctx: int, num_blocks: int):
 
 
 def forward(model, mk, ids, pos, meta, kv):
-    model.decode_megakernel = mk
-    hidden = model(ids, pos, meta, [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
-    return hidden, model.compute_logits(hidden)
+    """(hidden, float32 logits) of one decode step: through the megakernel `mk`, or with None the
+    layer-by-layer fused path, as the runner's paths pick them."""
+    paths = ModelExecutor(model, RunnerConfig(decode_megakernel=False, pruned_lm_head=False), "cuda")
+    paths.megakernel = mk
+    hidden = paths.hidden_states(ids, pos, meta, [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
+    return hidden, paths.lm_head.logits(hidden)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,8 +102,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_megakernel_equals_layered_path_at_1b_shape(dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
     model, kv = setup(dtype)
-    model.enable_decode_megakernel()
-    mk = model.decode_megakernel
+    mk = DecodeMegakernel(model)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert mk.workspace.programs == sms  # one program per SM
     tol = 1e-5 if dtype == torch.float32 else 4e-2
@@ -120,14 +124,14 @@ def test_megakernel_equals_layered_path_at_1b_shape(dtype):
 @pytest.mark.parametrize("split_o", [True, False], ids=["split_o", "ticket_merge"])
 def test_megakernel_replays_in_a_cuda_graph(split_o):
     model, kv = setup(torch.bfloat16)
-    model.enable_decode_megakernel(MegakernelConfig(split_o=split_o))
+    mk = DecodeMegakernel(model, MegakernelConfig(split_o=split_o))
     ids, pos, meta, _ = step(700, kv.shape[2])
-    eager, _ = forward(model, model.decode_megakernel, ids, pos, meta, kv)
+    eager, _ = forward(model, mk, ids, pos, meta, kv)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        captured, _ = forward(model, model.decode_megakernel, ids, pos, meta, kv)
+        captured, _ = forward(model, mk, ids, pos, meta, kv)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(3):
         graph.replay()
@@ -142,14 +146,12 @@ def test_megakernel_replays_in_a_cuda_graph(split_o):
 @pytest.mark.parametrize("ctx", [65, 129, 700])
 def test_megakernel_launches_are_bitwise_reproducible(ctx):
     """Without `split_o` no float32 atomics order a sum, so every launch must give the same bits: a hand-over
-    between phases that sometimes reads a stale vector (docs/perf.md v22: polled flagged words got 1 in 18
-    and 19 in 30 launches wrong, while every single-launch tolerance check passed) shows up as a launch that
-    differs. Fresh workspaces and a reused one; short contexts, where attention depends most on q."""
+    between phases that sometimes reads a stale vector (one that every single-launch tolerance check passes)
+    shows up as a launch that differs. Fresh workspaces and a reused one; short contexts, where attention depends most on q."""
     model, kv = setup(torch.bfloat16)
     ids, pos, meta, _ = step(ctx, kv.shape[2])
     config = MegakernelConfig(split_o=False)
-    model.enable_decode_megakernel(config)
-    mk = model.decode_megakernel
+    mk = DecodeMegakernel(model, config)
     first, _ = forward(model, mk, ids, pos, meta, kv.clone())
     for launch in range(12):
         if launch % 3 == 0:

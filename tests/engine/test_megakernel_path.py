@@ -9,7 +9,7 @@ multi-tile attention loop and the split merge (runs of 4 and 16 slots; by phase 
 program per SM (more programs than most phases have units); tests/gpu/test_megakernel_gpu.py checks the
 real shape.
 
-Tolerances as in test_fused_decode.py (float32: order of the sums only; bfloat16: 8-bit roundings of
+Tolerances as in test_fused_path.py (float32: order of the sums only; bfloat16: 8-bit roundings of
 every product output, 4e-2 with 3× margin, against 0.27–1.1 for a skipped norm or residual).
 """
 
@@ -20,7 +20,10 @@ import logging
 import pytest
 import torch
 
-from tests.models.test_fused_decode import backends, build, device_for
+from tests.engine.test_fused_path import backends, build, device_for
+from tinyvllm.config import RunnerConfig
+from tinyvllm.engine.paths.executor import ModelExecutor
+from tinyvllm.engine.paths.megakernel import DecodeMegakernel
 from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.kernels.decode_megakernel import (
     PIPELINE_BYTES,
@@ -31,6 +34,7 @@ from tinyvllm.kernels.decode_megakernel import (
     unit_rows,
     unit_tile,
 )
+from tinyvllm.models.llama import LlamaForCausalLM
 
 BLOCK = 4
 NUM_BLOCKS = 80
@@ -79,10 +83,28 @@ def views(buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(buffer[i, 0], buffer[i, 1]) for i in range(buffer.shape[0])]
 
 
-def forward(model, ids, positions, meta, buffer):
+def paths_of(model: LlamaForCausalLM) -> ModelExecutor:
+    """The runner's paths over `model` without the megakernel (the reference's, and the fallback's)."""
+    return ModelExecutor(
+        model, RunnerConfig(decode_megakernel=False, pruned_lm_head=False), model.embed_tokens.weight.device.type
+    )
+
+
+def with_megakernel(model: LlamaForCausalLM, config: MegakernelConfig | None = None) -> ModelExecutor:
+    """The runner's paths over `model` with the decode megakernel on (the runner itself turns it on only
+    on CUDA; here the CPU interpreter runs it too)."""
+    paths = paths_of(model)
+    paths.megakernel = DecodeMegakernel(model, config)
+    return paths
+
+
+def forward(paths: ModelExecutor | LlamaForCausalLM, ids, positions, meta, buffer):
+    """(final hidden state, float32 logits) of one decode step through `paths` (a model: its own paths)."""
+    if isinstance(paths, LlamaForCausalLM):
+        paths = paths_of(paths)
     with torch.no_grad():
-        hidden = model(ids, positions, meta, views(buffer))
-        return hidden, model.compute_logits(hidden, dtype=torch.float32)
+        hidden = paths.hidden_states(ids, positions, meta, views(buffer))
+        return hidden, paths.lm_head.logits(hidden, dtype=torch.float32)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -117,10 +139,10 @@ def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stage
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
-    model.enable_decode_megakernel(
-        MegakernelConfig(tile=tile, stages=stages, ace_stages=ace_stages, e_stages=ace_stages)
+    paths = with_megakernel(
+        model, MegakernelConfig(tile=tile, stages=stages, ace_stages=ace_stages, e_stages=ace_stages)
     )
-    mk = model.decode_megakernel
+    mk = paths.megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == mk.weights.down[1].data_ptr()  # views, no copy
     rg = unit_rows(mk.shape, unit_tile(mk.config, dtype.itemsize))[2]
@@ -129,7 +151,7 @@ def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stage
     ids, positions, meta = step(seq_len, device=device)
     buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)
     h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
-    h, logits = forward(model, ids, positions, meta, buf)
+    h, logits = forward(paths, ids, positions, meta, buf)
     assert h.shape == h_ref.shape and h.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 4e-2
     assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
@@ -163,16 +185,16 @@ def test_megakernel_split_o_equals_reference(dtype, seq_len, splits, tile, stage
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, **overrides)
     model = build("triton", dtype, device, max_positions=512, **overrides)
-    model.enable_decode_megakernel(
-        MegakernelConfig(tile=tile, stages=stages, ace_stages=stages, e_stages=stages, split_o=True)
+    paths = with_megakernel(
+        model, MegakernelConfig(tile=tile, stages=stages, ace_stages=stages, e_stages=stages, split_o=True)
     )
-    mk = model.decode_megakernel
+    mk = paths.megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     ids, positions, meta = step(seq_len, device=device)
     buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)
     h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
     for _ in range(2):  # the second launch finds the sums zeroed by the first
-        h, logits = forward(model, ids, positions, meta, buf)
+        h, logits = forward(paths, ids, positions, meta, buf)
         tol = 1e-5 if dtype == torch.float32 else 4e-2
         assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
         assert int(torch.count_nonzero(mk.workspace.o_sums)) == 0
@@ -189,13 +211,13 @@ def test_megakernel_split_merge_equals_reference(dtype, seq_len, splits):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512)
     model = build("triton", dtype, device, max_positions=512)
-    model.enable_decode_megakernel(MegakernelConfig(tile=256, split_o=False))
-    mk = model.decode_megakernel
+    paths = with_megakernel(model, MegakernelConfig(tile=256, split_o=False))
+    mk = paths.megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     ids, positions, meta = step(seq_len, device=device)
     buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)
     h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
-    h, logits = forward(model, ids, positions, meta, buf)
+    h, logits = forward(paths, ids, positions, meta, buf)
     tol = 1e-5 if dtype == torch.float32 else 4e-2
     assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
 
@@ -206,15 +228,17 @@ def test_megakernel_padded_slot_writes_nothing_and_relaunches():
     gives the same result."""
     device = device_for("triton")
     model = build("triton", torch.float32, device)
-    model.enable_decode_megakernel()
+    paths = with_megakernel(
+        model,
+    )
     ids, positions, meta = step(9, slot_valid=False, device=device)
     buf = kv_buffer(model, torch.float32).to(device)
     before = buf.clone()
-    h1, _ = forward(model, ids, positions, meta, buf)
+    h1, _ = forward(paths, ids, positions, meta, buf)
     assert torch.equal(buf, before)
-    assert int(model.decode_megakernel.workspace.barrier.abs().sum()) == 0
-    assert int(model.decode_megakernel.workspace.tickets.abs().sum()) == 0
-    h2, _ = forward(model, ids, positions, meta, buf)
+    assert int(paths.megakernel.workspace.barrier.abs().sum()) == 0
+    assert int(paths.megakernel.workspace.tickets.abs().sum()) == 0
+    h2, _ = forward(paths, ids, positions, meta, buf)
     assert torch.equal(h1, h2)
 
 
@@ -225,23 +249,25 @@ def test_megakernel_row_without_context_equals_reference():
     device = device_for("triton")
     ref = build("torch", torch.float32, device, max_positions=512)
     model = build("triton", torch.float32, device, max_positions=512)
-    model.enable_decode_megakernel()
+    paths = with_megakernel(
+        model,
+    )
     ids, positions, meta = step(1, slot_valid=False, device=device)
     meta.decode_seq_lens.zero_()
     buf = kv_buffer(ref, torch.float32).to(device)
     h_ref, l_ref = forward(ref, ids, positions, meta, buf.clone())
-    h, logits = forward(model, ids, positions, meta, buf)
+    h, logits = forward(paths, ids, positions, meta, buf)
     assert rel(h, h_ref) <= 1e-5 and rel(logits, l_ref) <= 1e-5
 
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
 def test_megakernel_that_does_not_fit_falls_back_to_the_layers(monkeypatch, caplog):
     """Triton refuses the first launch of a kernel that needs more shared memory than the GPU gives a program
-    (OutOfResources, raised before anything runs; phase E's 4 stages take 98 KB): the model logs why, drops
-    the megakernel and runs the layers one by one, giving the reference's forward."""
+    (OutOfResources, raised before anything runs; phase E's 4 stages take 98 KB): the runner's paths log why,
+    drop the megakernel and run the layers one by one, giving the reference's forward."""
     from triton.runtime.errors import OutOfResources
 
-    import tinyvllm.models.llama_megakernel as llama_megakernel
+    import tinyvllm.engine.paths.megakernel as megakernel_path
 
     def refuse(*args, **kwargs):
         raise OutOfResources(98368, 65536, "shared memory")
@@ -249,42 +275,48 @@ def test_megakernel_that_does_not_fit_falls_back_to_the_layers(monkeypatch, capl
     device = device_for("triton")
     ref = build("torch", torch.float32, device, max_positions=512)
     model = build("triton", torch.float32, device, max_positions=512)
-    model.enable_decode_megakernel()
-    monkeypatch.setattr(llama_megakernel, "decode_megakernel_fwd", refuse)
+    paths = with_megakernel(
+        model,
+    )
+    monkeypatch.setattr(megakernel_path, "decode_megakernel_fwd", refuse)
     ids, positions, meta = step(65, device=device)
     buf_ref, buf = kv_buffer(ref, torch.float32).to(device), kv_buffer(ref, torch.float32).to(device)
     h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
-    with caplog.at_level(logging.WARNING, logger="tinyvllm.models.llama"):
-        h, logits = forward(model, ids, positions, meta, buf)
-    assert model.decode_megakernel is None
+    with caplog.at_level(logging.WARNING, logger="tinyvllm.engine.paths.executor"):
+        h, logits = forward(paths, ids, positions, meta, buf)
+    assert paths.megakernel is None
     assert "decode megakernel off" in caplog.text and "shared memory" in caplog.text
     assert rel(h, h_ref) <= 1e-5 and rel(logits, l_ref) <= 1e-5
 
 
 def test_megakernel_errors_other_than_resources_propagate(monkeypatch):
     """Only a kernel that does not fit the GPU falls back; any other error reaches the caller, megakernel kept."""
-    import tinyvllm.models.llama_megakernel as llama_megakernel
+    import tinyvllm.engine.paths.megakernel as megakernel_path
 
     def broken(*args, **kwargs):
         raise ValueError("a bug")
 
     model = build("triton", torch.float32, torch.device("cpu"))
-    model.enable_decode_megakernel()
-    monkeypatch.setattr(llama_megakernel, "decode_megakernel_fwd", broken)
+    paths = with_megakernel(
+        model,
+    )
+    monkeypatch.setattr(megakernel_path, "decode_megakernel_fwd", broken)
     ids, positions, meta = step(5)
     with pytest.raises(ValueError, match="a bug"):
-        forward(model, ids, positions, meta, kv_buffer(model, torch.float32))
-    assert model.decode_megakernel is not None
+        forward(paths, ids, positions, meta, kv_buffer(model, torch.float32))
+    assert paths.megakernel is not None
 
 
 def test_megakernel_needs_one_kv_buffer():
     model = build("triton", torch.float32, torch.device("cpu"))
-    model.enable_decode_megakernel()
+    paths = with_megakernel(
+        model,
+    )
     ids, positions, meta = step(5)
     buf = kv_buffer(model, torch.float32)
     swapped = [(buf[0, 0], buf[0, 1]), (buf[1, 1], buf[1, 0])]  # layer 1's V before its K: no fixed offset
     with pytest.raises(ValueError, match="one buffer"):
-        model.decode_megakernel(ids, positions, meta, swapped)
+        paths.megakernel(ids, positions, meta, swapped)
 
 
 def test_unit_tile_fits_the_pipeline_in_shared_memory():
@@ -314,7 +346,7 @@ def test_max_programs_fills_the_sms_unless_capped(monkeypatch):
 @pytest.mark.parametrize("config", [MegakernelConfig(stages=0), MegakernelConfig(e_stages=0)], ids=["d", "e"])
 def test_megakernel_rejects_a_config_without_a_pipeline_stage(config):
     model = build("triton", torch.float32, torch.device("cpu"))
-    model.enable_decode_megakernel(config)
+    paths = with_megakernel(model, config)
     ids, positions, meta = step(5)
     with pytest.raises(ValueError, match="stages"):
-        model.decode_megakernel(ids, positions, meta, views(kv_buffer(model, torch.float32)))
+        paths.megakernel(ids, positions, meta, views(kv_buffer(model, torch.float32)))
