@@ -70,7 +70,7 @@ step sampling_bench 90 python3 benchmarks/kernels/bench_sampling.py --out "$RES"
 step cascade_bench 90 python3 benchmarks/kernels/bench_cascade.py --out "$RES"
 step gemv_bench 150 python3 benchmarks/kernels/bench_gemv.py --models 1b --out "$RES"
 step gemv_sweep 170 python3 benchmarks/kernels/bench_gemv.py --no-model --sweep --sweep-m 1 --out "$RES"
-step megakernel_tests ${MKT_LIMIT:-240} python3 -m pytest -q -x tests/engine/test_megakernel_path.py tests/gpu/test_megakernel_gpu.py -p no:cacheprovider
+step megakernel_tests ${MKT_LIMIT:-240} python3 -m pytest -q -x tests/engine/test_megakernel_path.py tests/engine/test_fused_path.py tests/gpu/test_megakernel_gpu.py -p no:cacheprovider
 step stream_bench ${STREAM_LIMIT:-300} python3 benchmarks/kernels/bench_stream.py ${STREAM_ARGS:-} --out "$RES"
 step megakernel_bench 300 python3 benchmarks/kernels/bench_megakernel.py ${MK_ARGS:-} --out "$RES"
 step host_step 60 python3 -m benchmarks.bench_host_step --batch 1 64 256 --steps 200 --out-dir "$RES"
