@@ -265,7 +265,7 @@ def test_tokenizer_layout_at_llama3_ids_and_fillers() -> None:
 def test_tokenizer_training_is_deterministic() -> None:
     first = dummy_tokenizer.build_tokenizer(2048).to_str()
     dummy_tokenizer.training_corpus.cache_clear()
-    dummy_tokenizer._train_bpe.cache_clear()
+    dummy_tokenizer.train_stdlib_bpe.cache_clear()
     assert dummy_tokenizer.build_tokenizer(2048).to_str() == first
     assert len(dummy_tokenizer.training_corpus()) > 1000
 
