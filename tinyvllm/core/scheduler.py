@@ -36,8 +36,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> bool:
-        """Queue a request. One that can never run is finished at once with FINISHED_ERROR and a
-        message in `request.error`; returns whether it was queued."""
+        """Queue a request.
+
+        A request that can never run (an empty prompt, or one too long for the model or the KV
+        cache) is finished at once with FINISHED_ERROR and a message in `request.error`.
+
+        Returns:
+            Whether the request was queued.
+
+        Raises:
+            ValueError: Its request id is in use.
+        """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         error = self._never_fits(request)
@@ -219,8 +228,16 @@ class Scheduler:
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[tuple[Request, list[int]]]:
         """Append the sampled tokens, register newly full blocks in the prefix cache, and apply the
-        token-level stopping rules. Returns (request, new token ids) for every request that got a token,
-        finished ones included (their status says so)."""
+        token-level stopping rules.
+
+        Args:
+            output: The step's schedule.
+            runner_output: Its sampled token ids, one per sequence that samples, in schedule order.
+
+        Returns:
+            (request, new token ids) for every request that got a token, finished ones included
+            (their status says so).
+        """
         sampled = iter(runner_output.sampled_token_ids)
         updated = []
         requests = self.requests
