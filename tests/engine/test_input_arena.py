@@ -52,7 +52,7 @@ def test_layout_is_aligned_and_starts_as_padding():
         arena.block_tables,
         arena.row_index,
     ]
-    for t in tensors + [arena.copy_words, arena.sampled_ids]:
+    for t in [*tensors, arena.copy_words, arena.sampled_ids]:
         assert t.data_ptr() % 16 == 0 and t.untyped_storage().data_ptr() == arena.buffer.data_ptr()
     assert [t.dtype for t in tensors] == [torch.int64] * 5 + [
         torch.float32,
@@ -89,15 +89,15 @@ def _steps() -> list[tuple[SchedulerOutput, dict[str, int] | None, int]]:
     join, leave and grow blocks; placeholders; a shared prefix of 3 blocks (cascade at >= 2 rows);
     fewer rows after more, so the arena's padding rows hold the previous step's values."""
     shared = [50, 51, 52]
-    a = seq("a", PLACEHOLDER, 13, shared + [60])
-    b = seq("b", 9, 14, shared + [61])
-    c = seq("c", PLACEHOLDER, 12, shared + [62])
+    a = seq("a", PLACEHOLDER, 13, [*shared, 60])
+    b = seq("b", 9, 14, [*shared, 61])
+    c = seq("c", PLACEHOLDER, 12, [*shared, 62])
     d = seq("d", 4, 2, [70])
     e = seq("e", PLACEHOLDER, 5, [80, 81])
     return [
         (SchedulerOutput([a, b, c, d, e], 5), {"a": 3, "c": 0, "e": 4, "x": 1}, 8),
         (
-            SchedulerOutput([seq("a", PLACEHOLDER, 14, shared + [60]), seq("c", 8, 13, shared + [62])], 2),
+            SchedulerOutput([seq("a", PLACEHOLDER, 14, [*shared, 60]), seq("c", 8, 13, [*shared, 62])], 2),
             {"a": 1, "c": 0},
             2,
         ),  # both rows share 3 blocks: cascade
@@ -323,7 +323,7 @@ def test_cascade_graph_step_equals_eager(model_dir, reference_llm, io):
     prefix length from the arena: the same greedy tokens as the eager path (`io`: with the graphs
     loading their own inputs), none of them decided by rounding (checked)."""
     shared = [(7 * i) % 200 + 3 for i in range(66)]  # 16 full blocks of 4: 64 keys, one CASCADE_ALIGN
-    prompts = [{"prompt_token_ids": shared + [11 + j]} for j in range(3)]
+    prompts = [{"prompt_token_ids": [*shared, 11 + j]} for j in range(3)]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     assert_greedy_is_decided(reference_llm, prompts, 3)
     results = {}

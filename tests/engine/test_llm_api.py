@@ -253,7 +253,7 @@ def test_prefix_shared_within_one_step(model_dir):
     (12 hit tokens each), and their greedy continuations equal those of an engine without caching (whose
     logits differ by rounding, which decides no greedy token here: checked)."""
     shared = list(range(30, 42))
-    prompts = [{"prompt_token_ids": shared + [t]} for t in (5, 6, 7)]
+    prompts = [{"prompt_token_ids": [*shared, t]} for t in (5, 6, 7)]
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     outs = {}
     for caching in (True, False):
@@ -276,7 +276,7 @@ def test_prefix_cache_hit_count_is_the_hand_computed_one(model_dir):
     p = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     a = list(range(10, 24))
     hits = []
-    for prompt in (a, a[:10] + [50, 51, 52], list(a), a + [60, 61]):
+    for prompt in (a, [*a[:10], 50, 51, 52], list(a), [*a, 60, 61]):
         before = llm.get_metrics()["prefix_cache_hit_tokens"]
         out = llm.generate({"prompt_token_ids": prompt}, p, use_tqdm=False)[0]
         hits.append(llm.get_metrics()["prefix_cache_hit_tokens"] - before)
@@ -335,7 +335,7 @@ def test_cascade_attention_in_the_engine_equals_the_torch_backend(model_dir):
     tiny model qualifies): greedy tokens equal the torch reference backend's, and cascade did run. The
     backends' logits differ by rounding, which decides no greedy token here (checked)."""
     shared = [(7 * i) % 500 + 3 for i in range(70)]  # 4 full blocks of 16 shared, then per-prompt tails
-    prompts = [{"prompt_token_ids": shared + [11 + j, 40 + j]} for j in range(4)]
+    prompts = [{"prompt_token_ids": [*shared, 11 + j, 40 + j]} for j in range(4)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):

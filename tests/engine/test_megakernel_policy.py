@@ -1,5 +1,5 @@
 """When the engine turns the decode megakernel on (engine/model_runner.py): on CUDA only, by default up to
-the hidden size it was measured faster at, on request beyond it, never when turned off."""
+the largest hidden size at which it is faster, on request beyond it, never when turned off."""
 
 from tinyvllm.engine.args import EngineArgs, add_engine_cli_args, engine_args_from_cli
 from tinyvllm.engine.model_runner import MEGAKERNEL_MAX_HIDDEN, wants_megakernel

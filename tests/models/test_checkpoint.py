@@ -121,7 +121,7 @@ def test_make_config_derives_and_validates() -> None:
     ]:
         with pytest.raises(ValueError, match=match):
             make_config(**bad)
-    with pytest.raises(ValueError, match="llama-3.2-1b"):
+    with pytest.raises(ValueError, match=r"llama-3\.2-1b"):
         make_config("llama-9")
 
 
@@ -301,11 +301,11 @@ def test_safetensors_writer_round_trip(tmp_path: Path) -> None:
 
 def test_resolve_model_directory(tiny_dir: Path, tmp_path: Path) -> None:
     assert resolve_model(str(tiny_dir)) == tiny_dir
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(ValueError, match=r"config\.json"):
         resolve_model(str(tmp_path))
     with pytest.raises(ValueError, match="nothing is downloaded"):
         resolve_model("meta-llama/Llama-3.2-1B-Instruct")
-    with pytest.raises(ValueError, match="llama-3.1-8b.*tiny"):
+    with pytest.raises(ValueError, match=r"llama-3\.1-8b.*tiny"):
         resolve_model("dummy:huge")
 
 

@@ -83,7 +83,7 @@ def batch(kind: str, device: torch.device):
     else:
         dec_tables = torch.tensor([[0, 1, 2]], dtype=i32)
         pre_tables = torch.tensor([[3, 4, 5]], dtype=i32)
-        positions = [9] + list(range(3, 9))  # the chunk: tokens 3..8 of a sequence with 9 tokens
+        positions = [9, *range(3, 9)]  # the chunk: tokens 3..8 of a sequence with 9 tokens
         slots = [int(dec_tables[0, 9 // BLOCK]) * BLOCK + 9 % BLOCK]
         slots += [int(pre_tables[0, p // BLOCK]) * BLOCK + p % BLOCK for p in positions[1:]]
         meta = AttnMetadata(

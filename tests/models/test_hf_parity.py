@@ -67,7 +67,7 @@ LENGTHS = [5, 17, 33, 48, 64]
 
 @pytest.fixture(scope="module")
 def expected(checkpoint):
-    path, hf, config = checkpoint
+    _, hf, config = checkpoint
     prompts = make_prompts(config["vocab_size"], LENGTHS)
     return prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts]
 

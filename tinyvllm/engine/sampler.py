@@ -215,7 +215,7 @@ def apply_top_k_top_p(
     becomes one threshold value per row, taken from a sorted copy, so the original is
     masked with one comparison and never scattered back.
     """
-    B, V = logits.shape
+    V = logits.shape[1]
     if top_p is None and top_k is not None and max_top_k <= TOPK_FAST_PATH_MAX_K:
         # Top-k alone: the k-th largest value from one topk of the batch's largest k.
         top_values = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending
