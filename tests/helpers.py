@@ -27,8 +27,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-# One logprob computed twice with another summation order. A logit of the test models (|logit| < 10, where
-# a float32 ulp is ~1e-6) moves by a few ulp, by up to ~2e-5 against transformers for the widest test model
+# One logprob computed twice with another summation order. A logit of the test models (|logit| ≲ 20, where a
+# float32 ulp is ≤ 2e-6) moves by a few ulp, by up to ~2e-5 against transformers for the widest test model
 # (hidden size 512, 3 layers), and a logprob by at most twice its largest logit's move. 1e-4 covers that;
 # a real error is far larger (the logprob of another position, or after temperature or penalties, is off by
 # more than 1e-2).
