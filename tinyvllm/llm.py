@@ -21,9 +21,14 @@ class LLM:
     >>> llm = LLM(model="path/to/Llama-3.2-1B-Instruct")          # doctest: +SKIP
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))     # doctest: +SKIP
 
-    Keyword arguments are `EngineArgs` fields (vLLM's names): dtype, device, block_size, max_num_seqs,
-    max_num_batched_tokens, max_model_len, gpu_memory_utilization, num_gpu_blocks_override,
-    load_format, seed, enable_prefix_caching, enforce_eager, ...
+    Args:
+        model: A Hugging Face model directory, "demo" or "dummy:<preset>"; None: the default model.
+        **kwargs: `EngineArgs` fields (vLLM's names): dtype, device, block_size, max_num_seqs,
+            max_num_batched_tokens, max_model_len, gpu_memory_utilization, num_gpu_blocks_override,
+            load_format, seed, enable_prefix_caching, enforce_eager, ...
+
+    Raises:
+        TypeError: A keyword argument that is not an `EngineArgs` field.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -55,11 +60,26 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete each prompt (a string, a list of token ids, or {"prompt_token_ids": [...]}).
+        """Complete each prompt.
 
-        Returns one RequestOutput per prompt, in input order. Every prompt is validated before any runs:
-        a malformed one raises and nothing is queued. A prompt too long for the model finishes with
-        finish_reason "error" and `error` set; the others run normally.
+        Every prompt is validated before any runs: a malformed one raises and nothing is queued. A
+        prompt too long for the model finishes with finish_reason "error" and `error` set; the others
+        run normally.
+
+        Args:
+            prompts: One prompt or a sequence of them; a prompt is a string, a list of token ids, or a
+                dict with "prompt" (its text) or "prompt_token_ids" or both.
+            sampling_params: One for all prompts or one per prompt; None: the model's defaults
+                (generation_config.json).
+            use_tqdm: Show a progress bar.
+
+        Returns:
+            One finished RequestOutput per prompt, in input order.
+
+        Raises:
+            ValueError: A malformed prompt (e.g. a token id outside the vocabulary), or a number of
+                SamplingParams that is neither one nor one per prompt.
+            TypeError: A prompt or sampling_params of the wrong type.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -77,7 +97,19 @@ class LLM:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the model's chat template, then generate.
+
+        Args:
+            messages: One conversation (a list of {"role": ..., "content": ...}) or a sequence of them.
+            sampling_params: As in `generate`.
+            use_tqdm: Show a progress bar.
+            chat_template: A Jinja template to use instead of the model's.
+            add_generation_prompt: End the prompt with the assistant turn's header.
+            **template_kwargs: Extra variables for the template.
+
+        Returns:
+            One finished RequestOutput per conversation, in input order.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
         prompts = []

@@ -75,7 +75,7 @@ def test_prefix_hit_reuses_blocks_and_counts_references():
     assert m.allocate_slots(a, 10)
     a.num_computed_tokens = 10
     m.cache_full_blocks(a)
-    b = make_request("b", list(range(8)) + [99, 98, 97])
+    b = make_request("b", [*range(8), 99, 98, 97])
     hits = m.find_cached_prefix(b)
     assert hits == m.block_table("a")[:2]
     assert m.allocate_slots(b, b.num_tokens - 8, hits)
@@ -164,12 +164,12 @@ def test_lookup_reuses_the_previous_lookups_shared_blocks_and_agrees_with_a_full
     base = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     computed_and_cached(m, "a", base)
     for rid, tokens in (
-        ("b", base[:8] + [40]),
-        ("c", base[:8] + [41, 42]),
-        ("d", base[:5] + [50, 51, 52]),
+        ("b", [*base[:8], 40]),
+        ("c", [*base[:8], 41, 42]),
+        ("d", [*base[:5], 50, 51, 52]),
         ("e", [1, 2, 3, 4, 5, 6, 7, 8]),
         ("f", [9, 9, 9]),
-        ("g", base[:8] + [43]),
+        ("g", [*base[:8], 43]),
     ):
         r = make_request(rid, tokens)
         hits = m.find_cached_prefix(r)
@@ -179,7 +179,7 @@ def test_lookup_reuses_the_previous_lookups_shared_blocks_and_agrees_with_a_full
         assert r.block_hashes == fresh.block_hashes
         m.find_cached_prefix(make_request("again", tokens))  # leave this prompt as the previous lookup
     a_blocks = m.block_table("a")
-    assert m.find_cached_prefix(make_request("h", base[:8] + [44])) == a_blocks[:4]
+    assert m.find_cached_prefix(make_request("h", [*base[:8], 44])) == a_blocks[:4]
     assert m.find_cached_prefix(make_request("i", base[:7])) == a_blocks[:3]  # num_tokens - 1 caps it
 
 

@@ -1,5 +1,10 @@
 """LLMEngine.step_deltas() against an independent reference: `encode_outputs(step())` of a second,
-identical engine fed the same commands, step by step, for randomized mixes of requests."""
+identical engine fed the same commands, step by step, for randomized mixes of requests.
+
+The deltas, logprobs included, are compared bit for bit: the two engines are built alike and schedule the
+same batches, so every step repeats the same kernel calls on the same shapes and rows, in one process,
+with the same thread count, which gives the same bits (a batch of another shape would not, see
+tests/helpers.py)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ def test_regions_are_16_byte_aligned_and_values_hand_computed():
         for chunk in (2, 3, 5):
             decodes = [seq(f"d{i}", [PLACEHOLDER if i == 1 else 7 + i], 5 + i, [10 + i, 20 + i]) for i in range(n_dec)]
             prefill = seq("p", list(range(100, 100 + chunk)), 1, [1, 2], sample=chunk != 3)
-            sched = SchedulerOutput(decodes + [prefill], n_dec + chunk)
+            sched = SchedulerOutput([*decodes, prefill], n_dec + chunk)
             inputs = builder.build(sched, prev_sample_index={"d1": 6})
             m = inputs.meta
             tensors = [

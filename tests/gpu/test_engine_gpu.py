@@ -3,8 +3,8 @@
 bf16 cannot match an fp32 oracle bit for bit, so the bf16 checks are measured against the oracle's own
 bf16 error: transformers in bf16 vs transformers in fp32 sets the scale. Our logits must be no more than
 twice as far from fp32 as transformers-bf16 is (plus 1e-3), and pick the reference's top-1 token wherever
-the reference is confident beyond that noise. Greedy continuations are compared as vLLM compares them with HF: identical up to
-the first difference, where each side's token must be in the other's top 5.
+the reference is confident beyond that noise. Greedy continuations are compared as vLLM compares them with
+HF: identical up to the first difference, where each side's token must be in the other's top 5.
 Exact equality is asserted in float32 (TF32 off), where batching and preemption must change nothing.
 """
 
@@ -149,9 +149,9 @@ def test_greedy_bf16_close_to_transformers(ckpt):
 
 
 def test_cascade_attention_fp32_equals_plain_decode(ckpt):
-    """100 prompts (cascade needs 96 decode rows) share a 512-token prefix (cached once, then shared blocks): decode steps replay the
-    cascade CUDA graphs. In float32 their greedy tokens equal those of the same engine with cascade
-    attention off, and equal the first prompts generated alone."""
+    """100 prompts (cascade needs 96 decode rows) share a 512-token prefix (cached once, then shared
+    blocks): decode steps replay the cascade CUDA graphs. In float32 their greedy tokens equal those of
+    the same engine with cascade attention off, and equal the first prompts generated alone."""
     torch.backends.cuda.matmul.allow_tf32 = False
     rng = random.Random(5)
     shared = [rng.randrange(1, 120000) for _ in range(512)]

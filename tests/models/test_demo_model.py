@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import hf_greedy
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.engine import args as engine_args
 from tinyvllm.entrypoints.cli import main
@@ -64,22 +65,14 @@ def test_demo_is_the_default_model(llm):
 @needs_weights
 @torch.no_grad()
 def test_greedy_generation_matches_transformers(llm, prompts):
+    """Token for token: `hf_greedy` checks that rounding decides none of transformers' choices."""
     hf = transformers.LlamaForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     ours = [
         o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     ]
     for prompt, got in zip(prompts, ours):
-        ids = torch.tensor([prompt])
-        want = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_NEW,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
-        assert got == want
+        assert got == hf_greedy(hf, prompt, MAX_NEW)
 
 
 @needs_weights

@@ -162,10 +162,10 @@ def test_engine_and_cli_need_no_server_extra(tmp_path):
         for name in ("fastapi", "uvicorn", "prometheus_client", "starlette"):
             sys.modules[name] = None  # import fails
         from tinyvllm import LLM, SamplingParams
-        from tinyvllm.entrypoints.cli import build_parser, main, _subcommands
-        ns = build_parser(_subcommands()).parse_args(["serve", "dummy:tiny", "--port", "1"])
+        from tinyvllm.entrypoints.cli import build_parser, extra_subcommands, main
+        ns = build_parser(extra_subcommands()).parse_args(["serve", "dummy:tiny", "--port", "1"])
         assert ns.model_tag == "dummy:tiny" and ns.port == 1
-        ns = build_parser(_subcommands()).parse_args(["bench", "serve", "--request-rate", "1", "inf"])
+        ns = build_parser(extra_subcommands()).parse_args(["bench", "serve", "--request-rate", "1", "inf"])
         assert ns.request_rate == [1.0, float("inf")]
         assert main(["serve", "dummy:tiny"]) == 1
         print("OK")

@@ -58,19 +58,22 @@ def _first_event(resp: httpx.Response) -> str:
 
 
 def test_full_queue_is_a_503_with_retry_after(slow_server):
-    with slow_server.client() as a, slow_server.client() as b:
-        with a.stream("POST", "/v1/completions", json=LONG) as running:
-            assert running.status_code == 200 and _first_event(running)  # running now
-            with b.stream("POST", "/v1/completions", json=LONG) as waiting:
-                assert waiting.status_code == 200  # accepted: it waits behind the running one
-                refused = httpx.post(slow_server.url + "/v1/completions", json={**LONG, "stream": False})
-                assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
-                assert refused.json()["error"]["code"] == 503
-                chat = httpx.post(
-                    slow_server.url + "/v1/chat/completions",
-                    json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True},
-                )
-                assert chat.status_code == 503
+    with (
+        slow_server.client() as a,
+        slow_server.client() as b,
+        a.stream("POST", "/v1/completions", json=LONG) as running,
+    ):
+        assert running.status_code == 200 and _first_event(running)  # running now
+        with b.stream("POST", "/v1/completions", json=LONG) as waiting:
+            assert waiting.status_code == 200  # accepted: it waits behind the running one
+            refused = httpx.post(slow_server.url + "/v1/completions", json={**LONG, "stream": False})
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+            assert refused.json()["error"]["code"] == 503
+            chat = httpx.post(
+                slow_server.url + "/v1/chat/completions",
+                json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+            )
+            assert chat.status_code == 503
     assert _wait_until(lambda: _pool_is_free(slow_server))
 
 

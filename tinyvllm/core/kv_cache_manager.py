@@ -19,8 +19,8 @@ class _Lookup:
     then. Requests admitted together often share a long prefix (a system prompt): the next lookup
     takes the leading blocks it shares with this one (compared as token lists, in C) from here instead
     of hashing and looking up each block again, valid while no cached block has been evicted since
-    (evicting is the only way a cached block changes contents). Measured for 256 requests sharing
-    1,024 tokens: 50 -> 8 µs per admission on the development CPU."""
+    (evicting is the only way a cached block changes contents). For requests that share 1,024 tokens
+    this makes an admission about six times cheaper."""
 
     token_ids: list[int]
     block_hashes: list[int]
@@ -107,8 +107,16 @@ class KVCacheManager:
             self.pool.stats.hit_tokens += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
-        """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens` (plus the
-        cached prefix blocks being adopted). Returns False, changing nothing, if the pool is short."""
+        """Make room in the request's block table for the tokens a step computes.
+
+        Args:
+            request: The request; its `num_computed_tokens` tokens already have slots.
+            num_new_tokens: The tokens to make room for, after the computed ones and `cached_blocks`.
+            cached_blocks: Cached prefix blocks the request adopts (at admission).
+
+        Returns:
+            Whether the pool had the blocks; when not, nothing is changed.
+        """
         table = self.block_tables.setdefault(request.request_id, [])
         if not cached_blocks and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
             return True  # the common decode step: the last block still has room

@@ -23,6 +23,8 @@ from tinyvllm.core.request import Request, RequestStatus
 
 
 class Scheduler:
+    """Decides each step which requests run and how many of their tokens (module docstring)."""
+
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
@@ -34,8 +36,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> bool:
-        """Queue a request. One that can never run is finished at once with FINISHED_ERROR and a
-        message in `request.error`; returns whether it was queued."""
+        """Queue a request.
+
+        A request that can never run (an empty prompt, or one too long for the model or the KV
+        cache) is finished at once with FINISHED_ERROR and a message in `request.error`.
+
+        Returns:
+            Whether the request was queued.
+
+        Raises:
+            ValueError: Its request id is in use.
+        """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         error = self._never_fits(request)
@@ -89,13 +100,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        """Choose this step's sequences and their token counts (module docstring), and allocate their
+        KV-cache slots."""
         # request id -> (request, tokens this step, newly admitted); insertion order = batch order
         scheduled: dict[str, tuple[Request, int, bool]] = {}
-        preempted = 0
-        kv_cache = self.kv_cache
-        running_status = RequestStatus.RUNNING
+        budget, preempted = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
+        if not preempted:
+            budget = self._admit_waiting(scheduled, budget)
+        sequences = [self._scheduled_sequence(r, n, is_new) for r, n, is_new in scheduled.values()]
+        released, self._released = frozenset(self._released), set()
+        return SchedulerOutput(
+            sequences=sequences,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            released_request_ids=released,
+            num_preempted=preempted,
+        )
 
+    def _runnable(self) -> list[Request]:
+        """The running requests that need a step: those decoding, then those part-way through their prompt."""
         max_len = self.config.max_model_len
         decoding, prefilling = [], []
         for r in self.running:  # the hot loop at large batch: plain attribute reads, no properties
@@ -108,7 +130,15 @@ class Scheduler:
                 # else: every token it may still produce is already in flight
             elif todo > 1:
                 prefilling.append(r)
-        for request in decoding + prefilling:
+        return decoding + prefilling
+
+    def _schedule_running(self, scheduled: dict[str, tuple[Request, int, bool]], budget: int) -> tuple[int, int]:
+        """Give the running requests their tokens within `budget`, preempting the most recently admitted
+        ones where blocks run out; adds them to `scheduled`. Returns (budget left, requests preempted)."""
+        kv_cache = self.kv_cache
+        running_status = RequestStatus.RUNNING
+        preempted = 0
+        for request in self._runnable():
             if budget == 0:
                 break
             if request.status is not running_status:
@@ -124,8 +154,13 @@ class Scheduler:
             else:
                 scheduled[request.request_id] = (request, n, False)
                 budget -= n
+        return budget, preempted
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, scheduled: dict[str, tuple[Request, int, bool]], budget: int) -> int:
+        """Admit waiting requests in arrival order (adopting cached prefix blocks) while the budget,
+        `max_num_seqs` and the free blocks allow; adds them to `scheduled`. Returns the budget left."""
+        kv_cache = self.kv_cache
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending_outputs:
                 break  # preempted while a step was sampling for it: wait for that token
@@ -139,7 +174,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             kv_cache.record_prefix_query(request, num_cached_tokens)
-            request.status = running_status
+            request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached_tokens
@@ -149,15 +184,7 @@ class Scheduler:
             # Offer its prompt blocks now, so that requests admitted later in this same step share
             # them instead of computing the same prefix again (see KVCacheManager.cache_full_blocks).
             kv_cache.cache_full_blocks(request, num_cached_tokens + n)
-
-        sequences = [self._scheduled_sequence(r, n, is_new) for r, n, is_new in scheduled.values()]
-        released, self._released = frozenset(self._released), set()
-        return SchedulerOutput(
-            sequences=sequences,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            released_request_ids=released,
-            num_preempted=preempted,
-        )
+        return budget
 
     def _scheduled_sequence(self, request: Request, n: int, is_new: bool) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -201,8 +228,16 @@ class Scheduler:
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[tuple[Request, list[int]]]:
         """Append the sampled tokens, register newly full blocks in the prefix cache, and apply the
-        token-level stopping rules. Returns (request, new token ids) for every request that got a token,
-        finished ones included (their status says so)."""
+        token-level stopping rules.
+
+        Args:
+            output: The step's schedule.
+            runner_output: Its sampled token ids, one per sequence that samples, in schedule order.
+
+        Returns:
+            (request, new token ids) for every request that got a token, finished ones included
+            (their status says so).
+        """
         sampled = iter(runner_output.sampled_token_ids)
         updated = []
         requests = self.requests

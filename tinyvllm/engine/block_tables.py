@@ -14,6 +14,13 @@ from tinyvllm.core.outputs import ScheduledSequence
 
 
 class BlockTableRows:
+    """A block table of `num_rows` rows (more are added when live requests need them).
+
+    Args:
+        num_rows: Rows to start with.
+        max_blocks_per_seq: Columns: the most blocks a request may hold.
+    """
+
     def __init__(self, num_rows: int, max_blocks_per_seq: int) -> None:
         self.table = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int32)
         self._rows: dict[str, list[int]] = {}  # request id -> [row, number of block ids copied]
@@ -24,13 +31,21 @@ class BlockTableRows:
         return self.table.shape[1]
 
     def release(self, request_ids: Iterable[str]) -> None:
+        """Free the rows of these requests (unknown ids are ignored)."""
         for rid in request_ids:
             entry = self._rows.pop(rid, None)
             if entry is not None:
                 self._free.append(entry[0])
 
     def update(self, seq: ScheduledSequence) -> int:
-        """Bring the request's row up to date with `seq.block_ids`; returns the row index."""
+        """Bring the request's row up to date with `seq.block_ids`.
+
+        Returns:
+            The request's row index.
+
+        Raises:
+            ValueError: The request holds more blocks than a row has columns.
+        """
         entry = self._rows.get(seq.request_id)
         if entry is None:
             if not self._free:

@@ -72,9 +72,17 @@ class ArenaArrays:
 
 
 class InputArena:
-    """One arena (module docstring) of `max_rows` rows on `device`; a host arena (CPU) also has numpy
-    views in `arrays`. Starts with every row padding: ids, positions, lengths 0, slots and placeholder
-    sources −1, block tables 0; `copy_words` covers every region up to the block tables' end."""
+    """One arena (module docstring); a host arena (CPU) also has numpy views in `arrays`.
+
+    Starts with every row padding: ids, positions, lengths 0, slots and placeholder sources −1, block
+    tables 0; `copy_words` covers every region up to the block tables' end.
+
+    Args:
+        max_rows: Rows of every per-row region (the largest graph's batch).
+        max_blocks_per_seq: Block-table width.
+        device: Where the buffer lives: the device arena the graphs read, or the CPU for its host twin.
+        pin_memory: Pin a host arena, so that its copy to the device is asynchronous.
+    """
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int, device: torch.device, pin_memory: bool = False) -> None:
         self.max_rows = max_rows

@@ -100,9 +100,72 @@ class _Staging:
             self.dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
 
 
+@dataclass
+class _Batch:
+    """A step's sequences in row order (decode rows, then prompt chunks) and their block-table rows."""
+
+    decodes: list[ScheduledSequence]
+    prefills: list[ScheduledSequence]
+    ordered: list[ScheduledSequence]  # decodes + prefills
+    table_rows: list[int]  # the block-table row of each sequence of `ordered`
+    decode_table_rows: np.ndarray  # int64, those of the decodes
+    table: np.ndarray  # the block table, read after every row's update
+    sampled_rows: list[int]  # the indices into `ordered` of the sequences that sample
+
+
+@dataclass
+class _Int64Layout:
+    """Where `StepInputBuilder.build` put the int64 regions: element offsets into the staging buffer.
+
+    Regions: ids at 0, positions at `stride`, slots at 2 * `stride` (`tokens` rows each, padding
+    included), then the logits rows, the placeholder rows and their sources.
+    """
+
+    tokens: int
+    stride: int
+    logits_rows: int
+    num_logits_rows: int
+    placeholder_rows: int
+    placeholder_src: int
+    num_placeholders: int
+    end: int  # elements the device needs
+
+
+@dataclass
+class _Int32Layout:
+    """Where `StepInputBuilder.build` put the int32 regions: element offsets into the staging buffer.
+
+    Regions: decode lengths at 0 (`decode_rows`, padding included), prefill lengths, cu_seqlens, the
+    decode block tables (`decode_width` columns), the prefill block tables (`prefill_width` columns), and
+    the cascade prefix length when `prefix_len` is not 0.
+    """
+
+    decode_rows: int
+    prefill_lens: int
+    cu_seqlens: int
+    decode_table: int
+    decode_width: int
+    prefill_table: int
+    prefill_width: int
+    prefix: int
+    prefix_len: int
+    max_decode_seq_len: int
+    max_prefill_seq_len: int
+    end: int  # elements the device needs
+
+
 class StepInputBuilder:
-    """Args: `cascade`: (minimum decode rows, minimum shared keys, alignment) at which a decode-only
-    step's shared prefix is handed to cascade attention (`AttnMetadata.decode_prefix_len`); None: never."""
+    """Packs a SchedulerOutput into the tensors of one forward pass (module docstring).
+
+    Args:
+        block_size: Tokens per KV-cache block.
+        max_num_batched_tokens: The most tokens a step schedules.
+        max_num_seqs: The most sequences a step schedules.
+        max_blocks_per_seq: Block-table width.
+        device: Where the model runs.
+        cascade: (minimum decode rows, minimum shared keys, alignment) at which a decode-only step's
+            shared prefix is handed to cascade attention (`AttnMetadata.decode_prefix_len`); None: never.
+    """
 
     def __init__(
         self,
@@ -143,52 +206,97 @@ class StepInputBuilder:
         host_arena: InputArena | None = None,
         device_arena: InputArena | None = None,
     ) -> StepInputs:
-        """Pack one step. With `pad_decodes_to` (a decode-only step replayed as a CUDA graph), the
-        token arrays get padded rows that write nowhere (slot −1) and attend to nothing (length 0).
-        `prev_sample_index` maps request ids to their row in the previous step's sampled ids, for the
-        PLACEHOLDER inputs of async scheduling.
+        """Pack one step.
 
-        With `host_arena` and `device_arena` (and `pad_decodes_to`): a graph step, packed by
-        `_build_into_arena`; nothing is copied to the device."""
+        Args:
+            sched: The step's scheduled sequences.
+            pad_decodes_to: For a decode-only step replayed as a CUDA graph: the row count to pad to; the
+                padded rows write nowhere (slot −1) and attend to nothing (length 0).
+            prev_sample_index: Request id -> its row in the previous step's sampled ids, for the
+                PLACEHOLDER inputs of async scheduling.
+            host_arena: With `device_arena` (and `pad_decodes_to`): a graph step, packed by
+                `_build_into_arena`; nothing is copied to the device.
+            device_arena: The arena the graph reads.
+
+        Returns:
+            The step's inputs, views of the device copies of the staging buffers.
+        """
         if host_arena is not None:
             assert pad_decodes_to is not None and device_arena is not None
             return self._build_into_arena(sched, pad_decodes_to, prev_sample_index, host_arena, device_arena)
         stage = self._staging[self._step % 2]
         self._step += 1
-        bs = self.block_size
         self.tables.release(sched.released_request_ids)
         seqs = sched.sequences
-        decodes = [s for s in seqs if len(s.token_ids) == 1]
-        prefills = [s for s in seqs if len(s.token_ids) > 1] if len(decodes) < len(seqs) else []
-        ordered = decodes + prefills if prefills else decodes
-        D = len(decodes)
+        batch = self._order_rows(seqs)
+        D, prefills = len(batch.decodes), batch.prefills
         num_tokens = D + sum(len(s.token_ids) for s in prefills)
         T = num_tokens if pad_decodes_to is None else pad_decodes_to
         assert pad_decodes_to is None or (not prefills and pad_decodes_to >= D)
+        l64 = self._pack_int64(stage.np64, batch, T, num_tokens, prev_sample_index)
+        decode_positions = stage.np64[l64.stride : l64.stride + D]
+        l32 = self._pack_int32(stage.np32, batch, decode_positions, D if pad_decodes_to is None else T)
+        if stage.dev64 is not stage.host64:  # to the device: two copies
+            stage.dev64[: l64.end].copy_(stage.host64[: l64.end], non_blocking=True)
+            stage.dev32[: l32.end].copy_(stage.host32[: l32.end], non_blocking=True)
 
-        # ---- int64 region: ids [T] | positions [T] | slots [T] | logits rows [N]
-        a64 = stage.np64
+        d64 = stage.dev64
+        K, N = l64.num_placeholders, l64.num_logits_rows
+        return StepInputs(
+            input_ids=d64[0:T],
+            positions=d64[l64.stride : l64.stride + T],
+            meta=_attention_metadata(l64, l32, stage.dev64, stage.dev32, D, prefills),
+            logits_indices=d64[l64.logits_rows : l64.logits_rows + N],
+            sampled=[batch.ordered[i] for i in batch.sampled_rows],
+            sample_order=_sample_order(seqs, batch),
+            placeholder_rows=d64[l64.placeholder_rows : l64.placeholder_rows + K] if K else None,
+            placeholder_src=d64[l64.placeholder_src : l64.placeholder_src + K] if K else None,
+            num_decodes=D,
+            num_placeholders=K,
+            prefix_len=l32.prefix_len,
+        )
+
+    def _order_rows(self, seqs: list[ScheduledSequence]) -> _Batch:
+        """Put the decode rows first, then the prompt chunks, and update their block-table rows."""
+        decodes = [s for s in seqs if len(s.token_ids) == 1]
+        prefills = [s for s in seqs if len(s.token_ids) > 1] if len(decodes) < len(seqs) else []
+        ordered = decodes + prefills if prefills else decodes
+        rows = [self.tables.update(s) for s in ordered]
+        return _Batch(
+            decodes,
+            prefills,
+            ordered,
+            table_rows=rows,
+            decode_table_rows=np.asarray(rows[: len(decodes)], dtype=np.int64),
+            table=self.tables.table,  # after the updates: a growing table is a new array
+            sampled_rows=[i for i, s in enumerate(ordered) if s.sample],
+        )
+
+    def _pack_int64(
+        self, a64: np.ndarray, batch: _Batch, T: int, num_tokens: int, prev_sample_index: dict[str, int] | None
+    ) -> _Int64Layout:
+        """Write into `a64` the ids, positions and slots of `T` rows (`num_tokens` of the batch, then
+        padding), the logits rows of the sampling sequences, and the placeholder rows and sources."""
         # Every region starts on a 16-byte boundary: Triton specialises pointer arguments on that
         # alignment, so a region that were aligned in one step and not in the next would compile a
         # second variant of every kernel reading it (in the middle of a run).
         T2 = _round2(T)
         ids, pos, slots = a64[0:T], a64[T2 : T2 + T], a64[2 * T2 : 2 * T2 + T]
-        rows = [self.tables.update(s) for s in ordered]
-        drows = np.asarray(rows[:D], dtype=np.int64)
-        table = self.tables.table
+        bs, table, decodes = self.block_size, batch.table, batch.decodes
+        D = len(decodes)
         ph_rows: list[int] = []
         ph_src: list[int] = []
         if D:
             dpos = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=D)
             ids[:D] = [s.token_ids[0] for s in decodes]
             pos[:D] = dpos
-            slots[:D] = table[drows, dpos // bs].astype(np.int64) * bs + dpos % bs
+            slots[:D] = table[batch.decode_table_rows, dpos // bs].astype(np.int64) * bs + dpos % bs
             ph_rows, ph_src = placeholder_sources(decodes, ids[:D], prev_sample_index)
         if num_tokens < T:  # padding rows
             ids[num_tokens:], pos[num_tokens:], slots[num_tokens:] = 0, 0, -1
         row = D
         last_rows = list(range(D))
-        for s, r in zip(prefills, rows[D:]):
+        for s, r in zip(batch.prefills, batch.table_rows[D:]):
             n = s.num_new_tokens
             p = np.arange(s.num_computed_tokens, s.num_computed_tokens + n)
             ids[row : row + n] = s.token_ids
@@ -196,28 +304,26 @@ class StepInputBuilder:
             slots[row : row + n] = table[r, p // bs].astype(np.int64) * bs + p % bs
             row += n
             last_rows.append(row - 1)
-        sampled_rows = [i for i, s in enumerate(ordered) if s.sample]
-        N = len(sampled_rows)
+        N, K = len(batch.sampled_rows), len(ph_rows)
         o_rows = 3 * T2
-        a64[o_rows : o_rows + N] = [last_rows[i] for i in sampled_rows]
-        K = len(ph_rows)
         o_ph_rows = o_rows + _round2(N)
         o_ph_src = o_ph_rows + _round2(K)
+        a64[o_rows : o_rows + N] = [last_rows[i] for i in batch.sampled_rows]
         a64[o_ph_rows : o_ph_rows + K] = ph_rows
         a64[o_ph_src : o_ph_src + K] = ph_src
-        n64 = o_ph_src + K
+        return _Int64Layout(T, T2, o_rows, N, o_ph_rows, o_ph_src, K, end=o_ph_src + K)
 
-        # ---- int32 region: decode lens [Dp] | prefill lens [P] | cu [P+1] | decode table | prefill table
-        a32 = stage.np32
-        Dp = D if pad_decodes_to is None else pad_decodes_to
-        P = len(prefills)
-        o_dlens = 0
-        o_plens = o_dlens + _round4(Dp)
+    def _pack_int32(self, a32: np.ndarray, batch: _Batch, decode_positions: np.ndarray, Dp: int) -> _Int32Layout:
+        """Write into `a32` the decode lengths (`Dp` rows, padding included), the prefill lengths,
+        cu_seqlens, both block tables and the cascade prefix length."""
+        bs, table, prefills, drows = self.block_size, batch.table, batch.prefills, batch.decode_table_rows
+        D, P = len(batch.decodes), len(prefills)
+        o_plens = _round4(Dp)
         o_cu = o_plens + _round4(P)
         o_dtab = o_cu + _round4(P + 1)
-        dlens = a32[o_dlens : o_dlens + Dp]
+        dlens = a32[0:Dp]
         if D:
-            dlens[:D] = pos[:D] + 1
+            dlens[:D] = decode_positions + 1
         dlens[D:] = 0
         plens = a32[o_plens : o_plens + P]
         plens[:] = [s.context_len for s in prefills]
@@ -230,50 +336,26 @@ class StepInputBuilder:
             a32[o_dtab : o_dtab + D * dwidth].reshape(D, dwidth)[:] = table[drows, :dwidth]
         pwidth = max(1, max((-(-s.context_len // bs) for s in prefills), default=1))
         if P:
-            a32[o_ptab : o_ptab + P * pwidth].reshape(P, pwidth)[:] = table[np.asarray(rows[D:]), :pwidth]
-        n32 = o_ptab + P * pwidth
+            a32[o_ptab : o_ptab + P * pwidth].reshape(P, pwidth)[:] = table[np.asarray(batch.table_rows[D:]), :pwidth]
+        end = o_ptab + P * pwidth
         prefix_len = 0 if prefills else self._cascade_prefix(table, drows, dlens[:D])
-        o_prefix = _round4(n32)
+        o_prefix = _round4(end)
         if prefix_len:
             a32[o_prefix] = prefix_len
-            n32 = o_prefix + 1
-
-        # ---- to the device: two copies
-        if stage.dev64 is not stage.host64:
-            stage.dev64[:n64].copy_(stage.host64[:n64], non_blocking=True)
-            stage.dev32[:n32].copy_(stage.host32[:n32], non_blocking=True)
-        d64, d32 = stage.dev64, stage.dev32
-        meta = AttnMetadata(
-            slot_mapping=d64[2 * T2 : 2 * T2 + T],
-            num_decode_tokens=Dp,
-            decode_seq_lens=d32[o_dlens : o_dlens + Dp],
-            decode_block_tables=d32[o_dtab : o_dtab + D * dwidth].view(D, dwidth),
-            max_decode_seq_len=int(dlens.max(initial=0)),
-            num_prefills=P,
-            prefill_cu_seqlens_q=d32[o_cu : o_cu + P + 1],
-            prefill_seq_lens=d32[o_plens : o_plens + P],
-            prefill_block_tables=d32[o_ptab : o_ptab + P * pwidth].view(P, pwidth),
-            max_prefill_q_len=max((s.num_new_tokens for s in prefills), default=0),
-            max_prefill_seq_len=int(plens.max(initial=0)),
-            decode_prefix_len=d32[o_prefix : o_prefix + 1] if prefix_len else None,
-        )
-        if not prefills and N == D:  # decode-only: rows are in the scheduler's order, all sampled
-            sample_order = list(range(N))
-        else:
-            rank = {id(ordered[i]): j for j, i in enumerate(sampled_rows)}
-            sample_order = [rank[id(s)] for s in seqs if s.sample]
-        return StepInputs(
-            input_ids=d64[0:T],
-            positions=d64[T2 : T2 + T],
-            meta=meta,
-            logits_indices=d64[o_rows : o_rows + N],
-            sampled=[ordered[i] for i in sampled_rows],
-            sample_order=sample_order,
-            placeholder_rows=d64[o_ph_rows : o_ph_rows + K] if K else None,
-            placeholder_src=d64[o_ph_src : o_ph_src + K] if K else None,
-            num_decodes=D,
-            num_placeholders=K,
+            end = o_prefix + 1
+        return _Int32Layout(
+            decode_rows=Dp,
+            prefill_lens=o_plens,
+            cu_seqlens=o_cu,
+            decode_table=o_dtab,
+            decode_width=dwidth,
+            prefill_table=o_ptab,
+            prefill_width=pwidth,
+            prefix=o_prefix,
             prefix_len=prefix_len,
+            max_decode_seq_len=int(dlens.max(initial=0)),
+            max_prefill_seq_len=int(plens.max(initial=0)),
+            end=end,
         )
 
     def _build_into_arena(
@@ -335,3 +417,41 @@ class StepInputBuilder:
             prefix_len=prefix_len,
             arena_bytes=host.bytes_through(D, width),
         )
+
+
+def _attention_metadata(
+    l64: _Int64Layout,
+    l32: _Int32Layout,
+    d64: torch.Tensor,
+    d32: torch.Tensor,
+    num_decodes: int,
+    prefills: list[ScheduledSequence],
+) -> AttnMetadata:
+    """The attention metadata of a step packed with layouts `l64` and `l32`, as views of the device
+    buffers `d64` and `d32`."""
+    D, P, Dp = num_decodes, len(prefills), l32.decode_rows
+    o_slots, o_dtab, o_ptab = 2 * l64.stride, l32.decode_table, l32.prefill_table
+    return AttnMetadata(
+        slot_mapping=d64[o_slots : o_slots + l64.tokens],
+        num_decode_tokens=Dp,
+        decode_seq_lens=d32[0:Dp],
+        decode_block_tables=d32[o_dtab : o_dtab + D * l32.decode_width].view(D, l32.decode_width),
+        max_decode_seq_len=l32.max_decode_seq_len,
+        num_prefills=P,
+        prefill_cu_seqlens_q=d32[l32.cu_seqlens : l32.cu_seqlens + P + 1],
+        prefill_seq_lens=d32[l32.prefill_lens : l32.prefill_lens + P],
+        prefill_block_tables=d32[o_ptab : o_ptab + P * l32.prefill_width].view(P, l32.prefill_width),
+        max_prefill_q_len=max((s.num_new_tokens for s in prefills), default=0),
+        max_prefill_seq_len=l32.max_prefill_seq_len,
+        decode_prefix_len=d32[l32.prefix : l32.prefix + 1] if l32.prefix_len else None,
+    )
+
+
+def _sample_order(seqs: list[ScheduledSequence], batch: _Batch) -> list[int]:
+    """For the j-th sampling sequence in scheduler order (`seqs`), its index among the batch's sampled
+    rows (`StepInputs.sample_order`)."""
+    sampled_rows = batch.sampled_rows
+    if not batch.prefills and len(sampled_rows) == len(batch.decodes):  # decode-only, all sampled: in order
+        return list(range(len(sampled_rows)))
+    rank = {id(batch.ordered[i]): j for j, i in enumerate(sampled_rows)}
+    return [rank[id(s)] for s in seqs if s.sample]

@@ -4,13 +4,13 @@ server (tinyvllm serve or vllm serve).
 Requests are the `throughput` set (random.seed(0); prompts of randint(0, 10000) token ids, randint(100,
 1024) long; then max_tokens randint(100, 1024); temperature 0.6, ignore_eos), sent as token-id prompts
 to /v1/completions with stream=True (temperature 0.6 and top_p 1.0 sent explicitly, so that a server's
-generation-config defaults do not change the sampling), arriving as a Poisson process at each --request-rate (inf: all at
-once, as vLLM's bench does), after one warm-up request. Per rate it reports TTFT, TPOT, ITL and end-to-end
-latency (mean, p50, p90, p99, in ms), request and token throughput, failures, and for a finite rate the
-time of the last arrival and output tokens / that time (an upper bound on the output throughput such a
-run can measure); prints a table and writes JSON.
+generation-config defaults do not change the sampling), arriving as a Poisson process at each
+--request-rate (inf: all at once, as vLLM's bench does), after one warm-up request. Per rate it reports
+TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput,
+failures, and for a finite rate the time of the last arrival and output tokens / that time (an upper
+bound on the output throughput such a run can measure); prints a table and writes JSON.
 The client is aiohttp (as vLLM's benchmark_serving): its per-event cost is a fraction of httpx's, which
-capped a single client process near 17k streamed tokens/s on a development CPU. No torch, no openai client.
+caps a single client process near 17k streamed tokens/s on a development CPU. No torch, no openai client.
 """
 
 from __future__ import annotations

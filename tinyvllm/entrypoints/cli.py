@@ -153,15 +153,16 @@ def build_parser(extra: Sequence[Callable[[argparse._SubParsersAction], None]] =
     return parser
 
 
-def _subcommands() -> list[Callable]:
-    """Sub-commands that live in their own modules (each imports its heavy dependencies lazily)."""
+def extra_subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    """The registration functions (for `build_parser`) of the sub-commands that live in their own
+    modules, serve and bench; each module imports its heavy dependencies lazily."""
     from tinyvllm.entrypoints import bench_cli, serve_cli
 
     return [serve_cli.register, bench_cli.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(_subcommands())
+    parser = build_parser(extra_subcommands())
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

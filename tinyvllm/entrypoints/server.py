@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyvllm
@@ -61,6 +61,14 @@ def build_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
     _add_error_handlers(app)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    _add_generation_routes(app, ctx)
+    _add_status_routes(app, ctx, args, registry)
+    _add_tokenizer_routes(app, ctx)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """POST /v1/completions and /v1/chat/completions."""
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -69,6 +77,11 @@ def build_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
+
+
+def _add_status_routes(app: FastAPI, ctx: ServingContext, args: ServerArgs, registry: CollectorRegistry) -> None:
+    """GET /v1/models, /health, /metrics (from `registry`) and /version."""
+    engine = ctx.engine
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -98,6 +111,10 @@ def build_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
     async def version() -> dict:
         return {"version": tinyvllm.__version__}
 
+
+def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """POST /tokenize (a prompt or chat messages) and /detokenize."""
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         ctx.check_model(body.model)
@@ -121,8 +138,6 @@ def build_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
         ctx.check_model(body.model)
         ids = ctx.check_token_ids(body.tokens, "tokens")
         return {"prompt": ctx.tokenizer.decode(ids)}
-
-    return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:

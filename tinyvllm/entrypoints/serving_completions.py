@@ -3,8 +3,9 @@
 Response (OpenAI's): {id: "cmpl-...", object: "text_completion", created, model, choices: [{index, text,
 logprobs, finish_reason, stop_reason}], usage}. A batch of prompts gives choice `i * n + j` for
 completion j of prompt i. Streaming sends one chunk per new piece of text (same object, `text` being
-the delta; a client that reads slowly gets fewer, larger pieces), the finish_reason on a choice's last chunk, then, with stream_options.include_usage, a
-chunk with `choices: []` and the usage, and finally `data: [DONE]`.
+the delta; a client that reads slowly gets fewer, larger pieces), the finish_reason on a choice's last
+chunk, then, with stream_options.include_usage, a chunk with `choices: []` and the usage, and finally
+`data: [DONE]`.
 """
 
 from __future__ import annotations

@@ -304,15 +304,7 @@ def write_dummy_checkpoint(
     Raises:
         ValueError: unknown preset or dtype, invalid config, non-empty ``out_dir``.
     """
-    if isinstance(config, str):
-        config = make_config(config)
-    config = copy.deepcopy(config)
-    if dtype is not None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        config["torch_dtype"] = dtype
-        config.pop("dtype", None)
-    check_config(config)
+    config = _config_to_write(config, dtype)
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     out_dir = Path(out_dir)
@@ -321,19 +313,33 @@ def write_dummy_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     _write_json(out_dir / "config.json", config)
-    _write_json(
-        out_dir / "generation_config.json",
-        {
-            "bos_token_id": config["bos_token_id"],
-            "do_sample": True,
-            "eos_token_id": config["eos_token_id"],
-            "temperature": 0.6,
-            "top_p": 0.9,
-        },
-    )
+    _write_json(out_dir / "generation_config.json", _generation_config(config))
     write_tokenizer_files(out_dir, config["vocab_size"], config["max_position_embeddings"])
     _write_weights(out_dir, config, seed=seed, init_std=init_std, max_shard_bytes=max_shard_bytes, progress=progress)
     return out_dir
+
+
+def _config_to_write(config: str | dict[str, Any], dtype: str | None) -> dict[str, Any]:
+    """A checked copy of the preset or config.json dict ``config``, its dtype set to ``dtype`` if given."""
+    config = make_config(config) if isinstance(config, str) else copy.deepcopy(config)
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        config["torch_dtype"] = dtype
+        config.pop("dtype", None)
+    check_config(config)
+    return config
+
+
+def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json: the config's bos and eos ids, and Llama 3.x Instruct's sampling defaults."""
+    return {
+        "bos_token_id": config["bos_token_id"],
+        "do_sample": True,
+        "eos_token_id": config["eos_token_id"],
+        "temperature": 0.6,
+        "top_p": 0.9,
+    }
 
 
 def _write_weights(

@@ -203,8 +203,9 @@ def train_bpe(texts: Iterable[str], max_tokens: int) -> tuple[dict[str, int], li
 
 
 @lru_cache(maxsize=4)
-def _train_bpe(max_tokens: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """:func:`train_bpe` on the standard-library docstrings (cached: dummy checkpoints reuse it)."""
+def train_stdlib_bpe(max_tokens: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """:func:`train_bpe` on :func:`training_corpus`, the standard-library docstrings (cached: dummy
+    checkpoints reuse it)."""
     return train_bpe(training_corpus(), max_tokens)
 
 
@@ -233,7 +234,7 @@ def build_tokenizer(vocab_size: int, corpus: Sequence[str] | None = None) -> Tok
             f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 byte tokens + 256 special tokens), got {vocab_size}"
         )
     num_regular = vocab_size - NUM_SPECIAL_TOKENS
-    vocab, merges = _train_bpe(num_regular) if corpus is None else train_bpe(corpus, num_regular)
+    vocab, merges = train_stdlib_bpe(num_regular) if corpus is None else train_bpe(corpus, num_regular)
     vocab = dict(vocab)
     fillers = _filler_tokens(set(vocab))
     while len(vocab) < num_regular:

@@ -80,7 +80,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, Path, torch.Tensor]]:
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in list(f.keys()):  # safe_open has keys() but cannot be iterated
                 yield name, path, f.get_tensor(name)
 
 

@@ -57,7 +57,7 @@ class SafetensorsWriter:
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
-        self._file = open(path, "wb")
+        self._file = open(path, "wb")  # noqa: SIM115 (the writer is the context manager: close() closes it)
         self._file.write(len(raw).to_bytes(8, "little"))
         self._file.write(raw)
         self._next = 0

@@ -65,10 +65,19 @@ class LogprobsTensors:
     selected_token_ranks: torch.Tensor
 
     def to_lists(self, num_logprobs: Sequence[int | None]) -> list[tuple[list[int], list[float], int] | None]:
-        """Per row: (token ids, logprobs, rank), cut to the row's ``k + 1`` columns, or None.
+        """The logprobs as host lists, one entry per row.
 
         Copies to the host, so it waits for the device: call it once the step's sampled ids
         are needed on the host anyway.
+
+        Args:
+            num_logprobs: Each row's ``logprobs`` request (k), or None where the row asked for none.
+
+        Returns:
+            Per row: (token ids, logprobs, rank) cut to the row's ``k + 1`` columns, or None.
+
+        Raises:
+            ValueError: ``num_logprobs`` does not have one entry per row.
         """
         ids = self.logprob_token_ids.tolist()
         lps = self.logprobs.tolist()
@@ -100,10 +109,19 @@ class Sampler:
         tensors: SamplingTensors,
         batch_generator: torch.Generator | None = None,
     ) -> SamplerOutput:
-        """Sample ``[B]`` token ids from ``logits`` ``[B, V]`` (any float dtype; not modified).
+        """Sample one token id per row of ``logits``.
 
-        ``batch_generator`` (on ``logits.device``) serves the rows without their own
-        generator; None uses torch's default generator of that device.
+        Args:
+            logits: [B, V], any float dtype; not modified.
+            tensors: The batch's sampling tensors, built for B rows and V tokens on ``logits.device``.
+            batch_generator: On ``logits.device``; serves the rows without their own generator.
+                None: torch's default generator of that device.
+
+        Returns:
+            The [B] sampled ids, and the logprobs when some row asked for them.
+
+        Raises:
+            ValueError: ``logits`` does not fit ``tensors`` or the generator (shape, dtype, device).
         """
         _check_inputs(logits, tensors, batch_generator)
         raw_logprobs = None
@@ -197,7 +215,7 @@ def apply_top_k_top_p(
     becomes one threshold value per row, taken from a sorted copy, so the original is
     masked with one comparison and never scattered back.
     """
-    B, V = logits.shape
+    V = logits.shape[1]
     if top_p is None and top_k is not None and max_top_k <= TOPK_FAST_PATH_MAX_K:
         # Top-k alone: the k-th largest value from one topk of the batch's largest k.
         top_values = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending

@@ -116,10 +116,19 @@ class SamplingTensors:
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str) -> SamplingTensors:
-        """Build the tensors of one step. Raises ValueError on inconsistent rows.
+        """Build the tensors of one step.
 
         Host work is O(B + tokens read for penalties); the device receives at most two
         non-blocking copies.
+
+        Args:
+            rows: The rows sampled this step, in logits-row order.
+            vocab_size: V, the logits' width.
+            device: Where the logits are.
+
+        Raises:
+            ValueError: No rows, a vocab_size below 1, a seeded row without its generator or with one on
+                another device, a token id outside the vocabulary, or ``logprobs`` above V.
         """
         device = torch.device(device)
         if not rows:
@@ -127,74 +136,15 @@ class SamplingTensors:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}.")
         B, V = len(rows), vocab_size
-        types = [r.params.sampling_type for r in rows]
-        greedy = [t is SamplingType.GREEDY for t in types]
+        greedy = [r.params.sampling_type is SamplingType.GREEDY for r in rows]
         all_greedy, all_random = all(greedy), not any(greedy)
-        random_params = [r.params for r, g in zip(rows, greedy) if not g]
-
-        seeded: list[tuple[int, torch.Generator]] = []
-        needs_batch_draw = False
-        for i, (row, g) in enumerate(zip(rows, greedy)):
-            if g:
-                continue
-            if row.generator is None:
-                if row.params.seed is not None:
-                    raise ValueError(f"row {i} has seed={row.params.seed} but no generator; see make_generator().")
-                needs_batch_draw = True
-            else:
-                if not _same_device(row.generator.device, device):
-                    raise ValueError(f"row {i}'s generator is on {row.generator.device}, sampling is on {device}.")
-                seeded.append((i, row.generator))
-
-        # Per-row float32 scalars: one [F, B] block, one copy.
-        columns: dict[str, list[float]] = {}
-        if not all_greedy:
-            columns["temperature"] = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
-        use_top_k = any(0 < p.top_k < V for p in random_params)
-        max_top_k = max((p.top_k for p in random_params if 0 < p.top_k < V), default=0)
-        if use_top_k:
-            columns["top_k"] = [float(r.params.top_k if 0 < r.params.top_k < V else V) for r in rows]
-        if any(p.top_p < 1.0 for p in random_params):
-            columns["top_p"] = [r.params.top_p for r in rows]
-        if any(p.min_p > 0.0 for p in random_params):
-            columns["min_p"] = [r.params.min_p for r in rows]
+        seeded, needs_batch_draw = _random_draws(rows, greedy, device)
         use_rep = any(r.params.repetition_penalty != 1.0 for r in rows)
         use_freq_pres = any(r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in rows)
-        if use_rep:
-            columns["repetition_penalty"] = [r.params.repetition_penalty for r in rows]
-        if use_freq_pres:
-            columns["frequency_penalty"] = [r.params.frequency_penalty for r in rows]
-            columns["presence_penalty"] = [r.params.presence_penalty for r in rows]
-        if not all_greedy and not all_random:
-            columns["is_greedy"] = [float(g) for g in greedy]
-
-        # Flat int64 indices row * V + token: output tokens, prompt tokens, min_tokens bans.
-        index_parts: dict[str, torch.Tensor] = {}
-        if use_rep or use_freq_pres:
-            index_parts["output"] = _flat_indices([r.output_token_ids for r in rows], V, "output_token_ids")
-        if use_rep:
-            index_parts["prompt"] = _flat_indices([r.prompt_token_ids for r in rows], V, "prompt_token_ids")
-        bans = [sorted(r.min_tokens_banned_ids) if len(r.output_token_ids) < r.params.min_tokens else [] for r in rows]
-        if any(bans):
-            index_parts["ban"] = _flat_indices(bans, V, "min_tokens_banned_ids")
-
-        scalars = _to_device(torch.tensor(list(columns.values()), dtype=torch.float32), device) if columns else None
-        col = {name: scalars[j] for j, name in enumerate(columns)} if scalars is not None else {}
-        indices: dict[str, torch.Tensor] = {}
-        if index_parts:
-            flat = _to_device(torch.cat(list(index_parts.values())), device)
-            indices = dict(zip(index_parts, flat.split([t.numel() for t in index_parts.values()])))
-
-        output_counts = prompt_mask = None
-        if "output" in indices:
-            output_counts = torch.zeros(B * V, dtype=torch.float32, device=device)
-            output_counts.index_add_(0, indices["output"], torch.ones_like(indices["output"], dtype=torch.float32))
-            output_counts = output_counts.view(B, V)
-        if "prompt" in indices:
-            prompt_mask = torch.zeros(B * V, dtype=torch.bool, device=device)
-            prompt_mask.index_fill_(0, indices["prompt"], True)
-            prompt_mask = prompt_mask.view(B, V)
-
+        columns, max_top_k = _scalar_columns(rows, greedy, V, use_rep, use_freq_pres)
+        index_parts = _index_parts(rows, V, use_rep, use_freq_pres)
+        col, indices = _copy_to_device(columns, index_parts, device)
+        output_counts, prompt_mask = _penalty_tensors(indices, B, V, device)
         nums = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         if nums and max(nums) > V:
             raise ValueError(f"logprobs={max(nums)} exceeds the vocabulary size {V}.")
@@ -219,6 +169,96 @@ class SamplingTensors:
             needs_batch_draw=needs_batch_draw,
             max_num_logprobs=max(nums) if nums else None,
         )
+
+
+def _random_draws(
+    rows: Sequence[SamplingRow], greedy: list[bool], device: torch.device
+) -> tuple[list[tuple[int, torch.Generator]], bool]:
+    """(row, generator) of every random row with its own generator, and whether some random row draws
+    from the batch generator instead."""
+    seeded: list[tuple[int, torch.Generator]] = []
+    needs_batch_draw = False
+    for i, (row, g) in enumerate(zip(rows, greedy)):
+        if g:
+            continue
+        if row.generator is None:
+            if row.params.seed is not None:
+                raise ValueError(f"row {i} has seed={row.params.seed} but no generator; see make_generator().")
+            needs_batch_draw = True
+        else:
+            if not _same_device(row.generator.device, device):
+                raise ValueError(f"row {i}'s generator is on {row.generator.device}, sampling is on {device}.")
+            seeded.append((i, row.generator))
+    return seeded, needs_batch_draw
+
+
+def _scalar_columns(
+    rows: Sequence[SamplingRow], greedy: list[bool], V: int, use_rep: bool, use_freq_pres: bool
+) -> tuple[dict[str, list[float]], int]:
+    """The per-row float32 scalars that some row uses, by field name (one [F, B] block on the device),
+    and the largest enabled top_k (0 when none)."""
+    random_params = [r.params for r, g in zip(rows, greedy) if not g]
+    columns: dict[str, list[float]] = {}
+    if random_params:
+        columns["temperature"] = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
+    max_top_k = max((p.top_k for p in random_params if 0 < p.top_k < V), default=0)
+    if max_top_k:
+        columns["top_k"] = [float(r.params.top_k if 0 < r.params.top_k < V else V) for r in rows]
+    if any(p.top_p < 1.0 for p in random_params):
+        columns["top_p"] = [r.params.top_p for r in rows]
+    if any(p.min_p > 0.0 for p in random_params):
+        columns["min_p"] = [r.params.min_p for r in rows]
+    if use_rep:
+        columns["repetition_penalty"] = [r.params.repetition_penalty for r in rows]
+    if use_freq_pres:
+        columns["frequency_penalty"] = [r.params.frequency_penalty for r in rows]
+        columns["presence_penalty"] = [r.params.presence_penalty for r in rows]
+    if random_params and len(random_params) < len(rows):  # a mixed batch
+        columns["is_greedy"] = [float(g) for g in greedy]
+    return columns, max_top_k
+
+
+def _index_parts(rows: Sequence[SamplingRow], V: int, use_rep: bool, use_freq_pres: bool) -> dict[str, torch.Tensor]:
+    """Flat CPU int64 indices ``row * V + token`` by use: "output" tokens (any penalty), "prompt"
+    tokens (repetition penalty), "ban" (min_tokens bans of the rows still under min_tokens)."""
+    index_parts: dict[str, torch.Tensor] = {}
+    if use_rep or use_freq_pres:
+        index_parts["output"] = _flat_indices([r.output_token_ids for r in rows], V, "output_token_ids")
+    if use_rep:
+        index_parts["prompt"] = _flat_indices([r.prompt_token_ids for r in rows], V, "prompt_token_ids")
+    bans = [sorted(r.min_tokens_banned_ids) if len(r.output_token_ids) < r.params.min_tokens else [] for r in rows]
+    if any(bans):
+        index_parts["ban"] = _flat_indices(bans, V, "min_tokens_banned_ids")
+    return index_parts
+
+
+def _copy_to_device(
+    columns: dict[str, list[float]], index_parts: dict[str, torch.Tensor], device: torch.device
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The scalar columns and the index parts on ``device``, by name: one copy for each kind."""
+    scalars = _to_device(torch.tensor(list(columns.values()), dtype=torch.float32), device) if columns else None
+    col = {name: scalars[j] for j, name in enumerate(columns)} if scalars is not None else {}
+    indices: dict[str, torch.Tensor] = {}
+    if index_parts:
+        flat = _to_device(torch.cat(list(index_parts.values())), device)
+        indices = dict(zip(index_parts, flat.split([t.numel() for t in index_parts.values()])))
+    return col, indices
+
+
+def _penalty_tensors(
+    indices: dict[str, torch.Tensor], B: int, V: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The [B, V] output-token counts and prompt mask of the penalties, from their flat indices."""
+    output_counts = prompt_mask = None
+    if "output" in indices:
+        output_counts = torch.zeros(B * V, dtype=torch.float32, device=device)
+        output_counts.index_add_(0, indices["output"], torch.ones_like(indices["output"], dtype=torch.float32))
+        output_counts = output_counts.view(B, V)
+    if "prompt" in indices:
+        prompt_mask = torch.zeros(B * V, dtype=torch.bool, device=device)
+        prompt_mask.index_fill_(0, indices["prompt"], True)
+        prompt_mask = prompt_mask.view(B, V)
+    return output_counts, prompt_mask
 
 
 def _flat_indices(token_lists: Sequence[Sequence[int]], vocab_size: int, field: str) -> torch.Tensor:
