@@ -147,7 +147,8 @@ def test_megakernel_replays_in_a_cuda_graph(split_o):
 def test_megakernel_launches_are_bitwise_reproducible(ctx):
     """Without `split_o` no float32 atomics order a sum, so every launch must give the same bits: a hand-over
     between phases that sometimes reads a stale vector (one that every single-launch tolerance check passes)
-    shows up as a launch that differs. Fresh workspaces and a reused one; short contexts, where attention depends most on q."""
+    shows up as a launch that differs. Fresh workspaces and a reused one; short contexts, where attention
+    depends most on q."""
     model, kv = setup(torch.bfloat16)
     ids, pos, meta, _ = step(ctx, kv.shape[2])
     config = MegakernelConfig(split_o=False)

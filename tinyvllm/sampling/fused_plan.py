@@ -5,8 +5,9 @@ A request's temperature and seeding never change, and in steady decoding the bat
 requests in the same order for many steps, so the per-row constants live in a `FusedSamplingPlan`
 keyed by the ordered request ids: when a step's rows equal the previous step's, the plan (and its
 device copy of the temperatures) is reused and only the seeds are drawn, vectorised, instead of a
-per-row Python loop every step. The temperatures reach the device only when an eager step first asks for them: a decode graph step
-writes the host values into its input arena, which reaches the device in the step's one copy.
+per-row Python loop every step. The temperatures reach the device only when an eager step first asks
+for them: a decode graph step writes the host values into its input arena, which reaches the device in
+the step's one copy.
 """
 
 from __future__ import annotations
