@@ -163,11 +163,11 @@ class RequestDelta(msgspec.Struct, gc=False):
 
 
 class _Completion:
-    __slots__ = ("cumulative_logprob", "finish_reason", "index", "logprobs", "stop_reason", "texts", "token_ids")
+    __slots__ = ("cumulative_logprob", "finish_reason", "index", "logprobs", "stop_reason", "text", "token_ids")
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.texts: list[str] = []
+        self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = None
         self.cumulative_logprob: float | None = None
@@ -176,7 +176,7 @@ class _Completion:
 
     def add(self, c: CompletionDelta) -> None:
         if c.text:
-            self.texts.append(c.text)
+            self.text += c.text
         self.token_ids += c.token_ids
         if c.logprobs is not None:
             if self.logprobs is None:
@@ -189,7 +189,7 @@ class _Completion:
     def output(self) -> CompletionOutput:
         return CompletionOutput(
             self.index,
-            "".join(self.texts),
+            self.text,
             list(self.token_ids),
             self.cumulative_logprob,
             list(self.logprobs) if self.logprobs is not None else None,
@@ -246,16 +246,21 @@ class OutputAccumulator:
     def output(self, metrics: RequestMetrics | None = None) -> RequestOutput:
         """The merged RequestOutput; `metrics` default: RequestMetrics(arrival_time), if known."""
         if metrics is None and self.arrival_time is not None:
-            metrics = RequestMetrics(arrival_time=self.arrival_time)
+            metrics = RequestMetrics(self.arrival_time)
+        completions = self._completions
+        if len(completions) == 1:
+            outputs = [c.output() for c in completions.values()]
+        else:
+            outputs = [completions[i].output() for i in sorted(completions)]
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[self._completions[i].output() for i in sorted(self._completions)],
-            finished=self.finished,
-            num_cached_tokens=self.num_cached_tokens,
-            error=self.error,
-            metrics=metrics,
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outputs,
+            self.finished,
+            self.num_cached_tokens,
+            self.error,
+            metrics,
         )
 
 
