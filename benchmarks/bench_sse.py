@@ -1,7 +1,8 @@
 """API-process CPU cost of streaming (SSE): µs per event and per token, on this CPU, no model.
 
-The real `tinyvllm serve` app (build_app + uvicorn, MPAsyncLLMEngine: reader thread, detokenizing
-RequestProcessor, RequestStreams, SSE) runs in a server subprocess; its engine process runs a fake
+The real `tinyvllm serve` app (build_app + uvicorn, MPAsyncLLMEngine: reader thread decoding the
+core's messages and running the output processing, RequestStreams, SSE) runs in a server subprocess;
+its engine process runs a fake
 engine that, once requests are in, returns one token per running request every step, as fast as the
 API side takes them (the output pipe's back-pressure paces it; `--step-ms` sleeps per step instead,
 like a GPU step). `--concurrency` clients stream /v1/completions (a token-id prompt) or
