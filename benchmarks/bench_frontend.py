@@ -88,9 +88,9 @@ def api_side_ms(batch: int, params: SamplingParams, messages: list[bytes]) -> tu
         t0 = time.perf_counter()
         outputs = output_decoder.decode(message).outputs
         t1 = time.perf_counter()
-        processed = process_outputs([(None, states[o.request_id], o) for o in outputs])
+        processed = process_outputs([states[o.request_id] for o in outputs], outputs)
         t2 = time.perf_counter()
-        for _, state, delta in processed:  # one DELTA RequestStream output per request and step
+        for state, delta in processed:  # one DELTA RequestStream output per request and step
             OutputAccumulator(delta.request_id, None, state.prompt_token_ids, 0.0).extend([delta]).output()
         t3 = time.perf_counter()
         decode_s += t1 - t0

@@ -126,7 +126,7 @@ def _run_api_side(engine: LLMEngine, prompt: str, params: SamplingParams, lag: i
     while engine.has_unfinished_requests():
         outputs = engine.core_step()
         if not state.finished:
-            for _, _, delta in process_outputs([(None, state, o) for o in outputs]):
+            for _, delta in process_outputs([state] * len(outputs), outputs):
                 got.append(delta)
             pending += [(step + lag, c) for c in state.aborts]
             state.aborts = ()

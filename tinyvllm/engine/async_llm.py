@@ -355,17 +355,20 @@ class EngineClient:
     def _on_outputs(self, outputs: Sequence[EngineCoreOutput], now: float) -> None:
         with self._lock:
             streams = self._streams
-            found = [
-                (stream, stream.state, out) for out in outputs if (stream := streams.get(out.request_id)) is not None
-            ]  # else aborted meanwhile
-        processed = process_outputs(found)  # outside the lock: detokenizing a step takes a while
+            found = [streams.get(out.request_id) for out in outputs]
+        if None in found:  # aborted meanwhile
+            outputs = [out for out, stream in zip(outputs, found) if stream is not None]
+            found = [stream for stream in found if stream is not None]
+        # Outside the lock: detokenizing a step takes a while.
+        processed = process_outputs([stream.state for stream in found], outputs)
         items = []
         with self._lock:
             streams = self._streams  # again: _die may have replaced it meanwhile
             alive = self.dead_error is None
-            for stream, state, delta in processed:
+            for state, delta in processed:
                 rid = delta.request_id
-                if streams.get(rid) is not stream:
+                stream = streams.get(rid)
+                if stream is None or stream.state is not state:
                     continue  # aborted while we detokenized: the abort is sent and counted already
                 if delta.finished:
                     del streams[rid]

@@ -32,8 +32,8 @@ This module imports no torch (it also runs in the API process).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from tinyvllm.engine.messages import (
     AbortRequest,
@@ -50,7 +50,6 @@ from tinyvllm.tokenizer import IncrementalDetokenizer
 _DELTA = RequestOutputKind.DELTA
 _FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 _NO_ABORTS: tuple = ()
-Key = TypeVar("Key")
 
 
 def streams_every_step(params: SamplingParams) -> bool:
@@ -282,31 +281,25 @@ class RequestState:
 
 
 def process_outputs(
-    items: Iterable[tuple[Key, RequestState, EngineCoreOutput]],
-) -> list[tuple[Key, RequestState, RequestDelta]]:
+    states: Sequence[RequestState], outputs: Sequence[EngineCoreOutput]
+) -> list[tuple[RequestState, RequestDelta]]:
     """One step's core outputs -> one RequestDelta per request that has news, in the order of each
-    request's first output in the step. `items`: (the caller's key for the request, its
-    RequestState, a core output of it)."""
+    request's first output in the step. `states[i]` is the RequestState of `outputs[i]`'s request."""
     results: list[Any] = []
-    groups: dict[int, tuple[int, Key, RequestState, dict[int, CompletionDelta]]] = {}  # n > 1, by id()
-    for key, state, out in items:
+    groups: dict[int, tuple[int, RequestState, dict[int, CompletionDelta]]] = {}  # n > 1, by id()
+    for state, out in zip(states, outputs):
         news = state.add(out)
         if state.n == 1:
-            results.append(
-                (
-                    key,
-                    state,
-                    RequestDelta(state.request_id, state.finished, [news], state.error, state.num_cached_tokens),
-                )
-            )
+            delta = RequestDelta(state.request_id, state.finished, [news], state.error, state.num_cached_tokens)
+            results.append((state, delta))
             continue
         group = groups.get(id(state))
         if group is None:
-            group = groups[id(state)] = (len(results), key, state, {})
+            group = groups[id(state)] = (len(results), state, {})
             results.append(None)
-        group[3][news.index] = news
-    for place, key, state, news_by_index in groups.values():
-        results[place] = (key, state, state.delta(news_by_index))
+        group[2][news.index] = news
+    for place, state, news_by_index in groups.values():
+        results[place] = (state, state.delta(news_by_index))
     return results
 
 
@@ -346,10 +339,13 @@ class OutputProcessor:
         that stop strings matched here ask of the core). Outputs of unknown (aborted) requests are
         dropped."""
         requests = self.requests
-        items = [(None, state, o) for o in outputs if (state := requests.get(o.request_id)) is not None]
+        states = [requests.get(o.request_id) for o in outputs]
+        if None in states:
+            outputs = [o for o, s in zip(outputs, states) if s is not None]
+            states = [s for s in states if s is not None]
         request_outputs = []
         aborts: list[AbortRequest] = []
-        for _, state, delta in process_outputs(items):
+        for state, delta in process_outputs(states, outputs):
             if state.aborts:
                 aborts += state.aborts
                 state.aborts = _NO_ABORTS
