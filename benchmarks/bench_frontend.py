@@ -88,7 +88,7 @@ def api_side_ms(batch: int, params: SamplingParams, messages: list[bytes]) -> tu
         t0 = time.perf_counter()
         outputs = output_decoder.decode(message).outputs
         t1 = time.perf_counter()
-        processed = process_outputs([states[o.request_id] for o in outputs], outputs)
+        processed = list(process_outputs([states[o.request_id] for o in outputs], outputs))
         t2 = time.perf_counter()
         for state, delta in processed:  # one DELTA RequestStream output per request and step
             OutputAccumulator(delta.request_id, None, state.prompt_token_ids, 0.0).extend([delta]).output()

@@ -360,7 +360,7 @@ class EngineClient:
             outputs = [out for out, stream in zip(outputs, found) if stream is not None]
             found = [stream for stream in found if stream is not None]
         # Outside the lock: detokenizing a step takes a while.
-        processed = process_outputs([stream.state for stream in found], outputs)
+        processed = list(process_outputs([stream.state for stream in found], outputs))
         items = []
         with self._lock:
             streams = self._streams  # again: _die may have replaced it meanwhile

@@ -32,14 +32,13 @@ This module imports no torch (it also runs in the API process).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tinyvllm.engine.messages import (
     AbortRequest,
     CompletionDelta,
     EngineCoreOutput,
-    OutputAccumulator,
     RequestDelta,
     RequestTimes,
 )
@@ -59,7 +58,8 @@ def streams_every_step(params: SamplingParams) -> bool:
 
 
 class _CompletionState:
-    """Text state of one completion; see the module docstring."""
+    """Text state of one completion; see the module docstring. With `totals`, it also keeps
+    everything so far (`output()`, for CUMULATIVE and FINAL_ONLY RequestOutputs)."""
 
     __slots__ = (
         "cumulative_logprob",
@@ -70,13 +70,18 @@ class _CompletionState:
         "holdback",
         "include_stop",
         "index",
+        "logprobs",
         "sent",
         "skip_special_tokens",
         "stop_reason",
+        "text",
+        "token_ids",
         "wants_logprobs",
     )
 
-    def __init__(self, index: int, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def __init__(
+        self, index: int, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams, totals: bool
+    ) -> None:
         self.index = index
         self.include_stop = params.include_stop_str_in_output
         self.skip_special_tokens = params.skip_special_tokens
@@ -101,6 +106,9 @@ class _CompletionState:
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.text = ""  # the text so far (kept with totals)
+        self.token_ids: list[int] | None = [] if totals else None
+        self.logprobs: list | None = [] if totals and self.wants_logprobs else None
 
     def add(self, out: EngineCoreOutput) -> CompletionDelta:
         """The core's news for this completion -> its CompletionDelta; marks it finished when it is
@@ -116,6 +124,7 @@ class _CompletionState:
             det = self.detokenizer
             if det is None:  # FINAL_ONLY without stop strings: all ids at once, decoded once
                 text = self.decode(ids, skip_special_tokens=self.skip_special_tokens) if finished else ""
+                self.text = text
             else:
                 stop_str = det.add_tokens(ids) if ids else None
                 if stop_str is None and finished:
@@ -125,7 +134,12 @@ class _CompletionState:
                 text = det.output_text
                 if self.holdback and not finished:
                     text = text[: len(text) - self.holdback]
+                self.text = text
                 text, self.sent = text[self.sent :], len(text)
+        if self.token_ids is not None:
+            self.token_ids += token_ids
+            if self.logprobs is not None and out.new_logprobs:
+                self.logprobs += out.new_logprobs
         self.cumulative_logprob = out.cumulative_logprob
         if finished:
             self.finished = True
@@ -142,6 +156,20 @@ class _CompletionState:
             [],
             [] if self.wants_logprobs else None,
             self.cumulative_logprob,
+            self.finish_reason,
+            self.stop_reason,
+        )
+
+    def output(self) -> CompletionOutput:
+        """Everything so far (needs totals)."""
+        assert self.token_ids is not None
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
+        return CompletionOutput(
+            self.index,
+            self.text,
+            list(self.token_ids),
+            self.cumulative_logprob,
+            logprobs,
             self.finish_reason,
             self.stop_reason,
         )
@@ -181,7 +209,7 @@ class RequestState:
         "prompt_token_ids",
         "request_id",
         "times",
-        "total",
+        "totals",
     )
 
     def __init__(
@@ -192,6 +220,7 @@ class RequestState:
         prompt: str | None = None,
         prompt_token_ids: Sequence[int] = (),
         arrival_time: float | None = None,
+        totals: bool = False,
     ) -> None:
         self.request_id = request_id
         self.params = params
@@ -204,7 +233,7 @@ class RequestState:
         self.num_cached_tokens: int | None = None
         self.times: RequestTimes | None = None  # the first completion's, finished_time the latest
         self.aborts: Sequence[AbortRequest] = _NO_ABORTS  # what to stop in the core; the caller clears it
-        self.total: OutputAccumulator | None = None  # the caller's, for CUMULATIVE and FINAL_ONLY outputs
+        self.totals = totals
         self._tokenizer = tokenizer
         self._completions: list[_CompletionState] | None = None  # built with the first output
 
@@ -214,7 +243,9 @@ class RequestState:
         states = self._completions
         if states is None:
             ids = self.prompt_token_ids
-            states = self._completions = [_CompletionState(i, self._tokenizer, ids, self.params) for i in range(self.n)]
+            states = self._completions = [
+                _CompletionState(i, self._tokenizer, ids, self.params, self.totals) for i in range(self.n)
+            ]
         if out.error is not None:
             return self._fail(out)
         self.num_cached_tokens = out.num_cached_tokens
@@ -270,6 +301,20 @@ class RequestState:
         completions = [news.get(s.index) or s.unchanged() for s in self._completions]
         return RequestDelta(self.request_id, self.finished, completions, self.error, self.num_cached_tokens)
 
+    def output(self) -> RequestOutput:
+        """Everything so far, as a RequestOutput (needs totals)."""
+        assert self._completions is not None
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [c.output() for c in self._completions],
+            self.finished,
+            self.num_cached_tokens,
+            self.error,
+            self.metrics(),
+        )
+
     def metrics(self) -> RequestMetrics | None:
         if self.arrival_time is None:
             return None
@@ -282,25 +327,23 @@ class RequestState:
 
 def process_outputs(
     states: Sequence[RequestState], outputs: Sequence[EngineCoreOutput]
-) -> list[tuple[RequestState, RequestDelta]]:
-    """One step's core outputs -> one RequestDelta per request that has news, in the order of each
-    request's first output in the step. `states[i]` is the RequestState of `outputs[i]`'s request."""
-    results: list[Any] = []
-    groups: dict[int, tuple[int, RequestState, dict[int, CompletionDelta]]] = {}  # n > 1, by id()
+) -> Iterator[tuple[RequestState, RequestDelta]]:
+    """One step's core outputs -> one RequestDelta per request that has news: those of n = 1
+    requests as their outputs are processed (a generator: each can be consumed, and freed, before the
+    next is made), then those of n > 1 requests, once all of the step's outputs are in, in the order
+    of their first outputs. `states[i]` is the RequestState of `outputs[i]`'s request."""
+    groups: dict[int, tuple[RequestState, dict[int, CompletionDelta]]] = {}  # n > 1, by id()
     for state, out in zip(states, outputs):
         news = state.add(out)
         if state.n == 1:
-            delta = RequestDelta(state.request_id, state.finished, [news], state.error, state.num_cached_tokens)
-            results.append((state, delta))
-            continue
-        group = groups.get(id(state))
-        if group is None:
-            group = groups[id(state)] = (len(results), state, {})
-            results.append(None)
-        group[2][news.index] = news
-    for place, state, news_by_index in groups.values():
-        results[place] = (state, state.delta(news_by_index))
-    return results
+            yield state, RequestDelta(state.request_id, state.finished, [news], state.error, state.num_cached_tokens)
+        else:
+            group = groups.get(id(state))
+            if group is None:
+                group = groups[id(state)] = (state, {})
+            group[1][news.index] = news
+    for state, news_by_index in groups.values():
+        yield state, state.delta(news_by_index)
 
 
 class OutputProcessor:
@@ -323,9 +366,8 @@ class OutputProcessor:
         prompt_token_ids: Sequence[int],
         arrival_time: float,
     ) -> None:
-        state = RequestState(request_id, params, self.tokenizer, prompt, prompt_token_ids, arrival_time)
-        if params.output_kind is not _DELTA:
-            state.total = OutputAccumulator(request_id, prompt, prompt_token_ids, arrival_time)
+        totals = params.output_kind is not _DELTA
+        state = RequestState(request_id, params, self.tokenizer, prompt, prompt_token_ids, arrival_time, totals)
         self.requests[request_id] = state
 
     def abort_request(self, request_id: str) -> None:
@@ -360,8 +402,7 @@ class OutputProcessor:
     def _request_output(state: RequestState, delta: RequestDelta) -> RequestOutput | None:
         """The request's RequestOutput for this step's delta, by its output kind (None: a FINAL_ONLY
         request that has not finished)."""
-        total = state.total
-        if total is None:  # DELTA
+        if not state.totals:  # DELTA
             completions = [
                 CompletionOutput(
                     c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason
@@ -378,7 +419,6 @@ class OutputProcessor:
                 delta.error,
                 state.metrics(),
             )
-        total.add(delta)
         if delta.finished or state.params.output_kind is not _FINAL_ONLY:
-            return total.output(state.metrics())
+            return state.output()
         return None
