@@ -1,18 +1,17 @@
 """Host cost of streamed outputs, split between the engine core and the API side, on this CPU.
 
-`tinyvllm serve` streams DELTA outputs. Its engine core runs server requests as token ids only
-(`output_processor.core_params`), and the API process detokenizes and matches stop strings. This
-measures, for one batch-`B` decode step with the model runner stubbed out as in bench_host_step.py
-(step-input packing kept, random sampled ids):
+`tinyvllm serve` streams DELTA outputs: its engine core works in token ids and sends EngineCoreOutputs
+(msgpack); the API process runs the output processing (detokenization, stop strings). This measures,
+for one batch-`B` decode step with the model runner stubbed out as in bench_host_step.py (step-input
+packing kept, random sampled ids):
 
-(a) the engine core's host ms per step: the step, its Deltas and pickling the "out" message (what
-    the core process does per step), for the server's params with detokenization left in the core
-    ("before" in the JSON: DELTA, detokenize) and as the core gets them ("after": core_params, token
-    ids only), the latter both through `encode_outputs(engine.step())` (RequestOutputs built, then
-    converted) and through `engine.step_deltas()` ("fast": the core's path, Delta tuples built
-    directly); and, as the floor, FINAL_ONLY token ids (no per-step outputs at all);
-(b) the API side's ms per step for the token-id Deltas: `RequestProcessor.process` of every request
-    (detokenize, stop strings) and the per-stream merge (`OutputAccumulator`, as RequestStream does).
+(a) the engine core's host ms per step: `engine.core_step()` and encoding its EngineCoreOutputs
+    message (what the core process does per step); beside it, the same step with the output
+    processing in the engine's own process (`engine.step()`: text and RequestOutputs, as the
+    offline LLM runs it), and, as the floor, FINAL_ONLY requests (no per-step outputs at all);
+(b) the API side's ms per step for the core's outputs: decoding the message, the output processing
+    of every request (`process_outputs` over RequestStates) and the per-stream merge
+    (`OutputAccumulator`, as RequestStream does).
 
     python -m benchmarks.bench_frontend --batch 64 256 --steps 200 [--repeat 3] [--stop STR ...]
 
@@ -23,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import pickle
 import time
 
 import torch
 
 from benchmarks.bench_host_step import stubbed_engine
 from benchmarks.common import output_paths, write_json
-from tinyvllm.entrypoints.deltas import OutputAccumulator, encode_outputs
-from tinyvllm.entrypoints.output_processor import RequestProcessor, core_params
+from tinyvllm.engine.messages import EngineCoreOutputs, OutputAccumulator, encoder, output_decoder
+from tinyvllm.engine.output_processor import RequestState, process_outputs
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -44,122 +42,79 @@ def _release_all() -> None:
 
 
 def core_step_ms(
-    batch: int, steps: int, params: SamplingParams, fast: bool = False
-) -> tuple[float, float, list[list[tuple]]]:
-    """(ms of the step alone, ms of step + Deltas + pickle, the Deltas of every timed step). The step
-    is `engine.step()` then `encode_outputs`, or with `fast` `engine.step_deltas()` (Deltas included)."""
+    batch: int, steps: int, params: SamplingParams, in_process: bool = False
+) -> tuple[float, float, list[bytes]]:
+    """(ms of the step alone, ms of step + encoding the message, the messages of every timed step).
+    The step is `engine.core_step()`, or with `in_process` `engine.step()` (no message then)."""
     engine, _ = stubbed_engine(batch, params)
     step_s = total_s = 0.0
-    all_deltas = []
+    messages = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        outputs = engine.step_deltas() if fast else engine.step()
+        outputs = engine.step() if in_process else engine.core_step()
         t1 = time.perf_counter()
-        deltas = outputs if fast else encode_outputs(outputs)
-        pickle.dumps(
-            ("out", [], deltas, dict(engine.get_metrics()), time.monotonic()), protocol=pickle.HIGHEST_PROTOCOL
-        )
+        if not in_process:
+            messages.append(encoder.encode(EngineCoreOutputs(outputs, [], engine.get_metrics(), time.monotonic())))
         t2 = time.perf_counter()
         step_s += t1 - t0
         total_s += t2 - t0
-        all_deltas.append(deltas)
     del engine, outputs
     _release_all()
-    return step_s / steps * 1e3, total_s / steps * 1e3, all_deltas
+    return step_s / steps * 1e3, total_s / steps * 1e3, messages
 
 
 def best_core_runs(
     batch: int, steps: int, repeat: int, configs: dict[str, tuple[SamplingParams, bool]]
 ) -> dict[str, tuple[float, float, list]]:
-    """`core_step_ms(batch, steps, params, fast)` of each named (params, fast), `repeat` times in
-    rounds (so a busy spell of the machine hits every configuration alike): each one's fastest run."""
+    """`core_step_ms(batch, steps, params, in_process)` of each named (params, in_process), `repeat`
+    times in rounds (so a busy spell of the machine hits every configuration alike): each one's
+    fastest run."""
     best: dict[str, tuple[float, float, list]] = {}
     for _ in range(repeat):
-        for name, (params, fast) in configs.items():
-            run = core_step_ms(batch, steps, params, fast)
+        for name, (params, in_process) in configs.items():
+            run = core_step_ms(batch, steps, params, in_process)
             if name not in best or run[1] < best[name][1]:
                 best[name] = run
     return best
 
 
-def api_side_ms(batch: int, params: SamplingParams, steps_deltas: list[list[tuple]]) -> tuple[float, float]:
-    """(ms per step of RequestProcessor.process over the step's Deltas, ms per step of the merge),
-    for the token-id Deltas a core running core_params(params) sent."""
+def api_side_ms(batch: int, params: SamplingParams, messages: list[bytes]) -> tuple[float, float, float]:
+    """(ms per step decoding the core's message, ms per step of the output processing, ms per step of
+    the merge) for the messages a core running `params` sent."""
     engine, prompts = stubbed_engine(batch, params)  # for its tokenizer and the same prompts
-    processors = {rid: RequestProcessor(engine.tokenizer, params) for rid in prompts}
+    states = {rid: RequestState(rid, params, engine.tokenizer, None, ids, 0.0) for rid, ids in prompts.items()}
     del engine
     _release_all()
-    process_s = merge_s = 0.0
-    for deltas in steps_deltas:
+    decode_s = process_s = merge_s = 0.0
+    for message in messages:
         t0 = time.perf_counter()
-        processed = [processors[d[0]].process(d, prompts[d[0]])[0] for d in deltas]
+        outputs = output_decoder.decode(message).outputs
         t1 = time.perf_counter()
-        for d in processed:  # one DELTA RequestStream output per request and step
-            OutputAccumulator(d[0], None, prompts[d[0]], 0.0).extend([d]).output()
+        processed = list(process_outputs([states[o.request_id] for o in outputs], outputs))
         t2 = time.perf_counter()
-        process_s += t1 - t0
-        merge_s += t2 - t1
-    n = len(steps_deltas)
-    return process_s / n * 1e3, merge_s / n * 1e3
-
-
-def measure_batch(batch: int, steps: int, repeat: int, stop: list[str]) -> dict:
-    server = SamplingParams(
-        temperature=0.6, max_tokens=steps + 100, ignore_eos=True, stop=stop, output_kind=RequestOutputKind.DELTA
-    )  # what serving.py asks for
-    token_ids = core_params(server)
-    runs = best_core_runs(
-        batch,
-        steps,
-        repeat,
-        {
-            "before": (server, False),
-            "after": (token_ids, False),
-            "fast": (token_ids, True),
-            "final_only": (token_ids.replace(output_kind=RequestOutputKind.FINAL_ONLY), False),  # the floor
-        },
-    )
-    (before_step, before_core, _), (after_step, after_core, deltas) = runs["before"], runs["after"]
-    (fast_step, fast_core, fast_deltas), (final_step, final_core, _) = runs["fast"], runs["final_only"]
-    assert fast_deltas == deltas, "step_deltas() differs from encode_outputs(step())"
-    process, merge = api_side_ms(batch, server, deltas)
-    return {
-        "batch": batch,
-        "steps": steps,
-        "repeat": repeat,
-        "stop": stop,
-        "core_step_ms_before": before_step,
-        "core_ms_before": before_core,
-        "core_step_ms_after": after_step,
-        "core_ms_after": after_core,
-        "core_step_ms_fast": fast_step,
-        "core_ms_fast": fast_core,
-        "core_fast_over_final_only": fast_core / final_core,
-        "core_step_ms_final_only": final_step,
-        "core_ms_final_only": final_core,
-        "api_process_ms": process,
-        "api_merge_ms": merge,
-        "api_ms": process + merge,
-    }
+        for state, delta in processed:  # one DELTA RequestStream output per request and step
+            OutputAccumulator(delta.request_id, None, state.prompt_token_ids, 0.0).extend([delta]).output()
+        t3 = time.perf_counter()
+        decode_s += t1 - t0
+        process_s += t2 - t1
+        merge_s += t3 - t2
+    n = len(messages)
+    return decode_s / n * 1e3, process_s / n * 1e3, merge_s / n * 1e3
 
 
 def print_rows(rows: list[dict]) -> None:
     print(
-        f"{'batch':>5} | {'core, detok in core':>25} | {'core token ids, step()':>22} | "
-        f"{'core token ids, step_deltas()':>29} | {'core FINAL_ONLY':>15} | "
-        f"{'API detok+stop':>14} | {'API merge':>9} | {'API total':>9}"
+        f"{'batch':>5} | {'core: core_step + encode':>28} | {'core FINAL_ONLY':>15} | {'in process: step()':>18} | "
+        f"{'API decode':>10} | {'API detok+stop':>14} | {'API merge':>9} | {'API total':>9}"
     )
     for r in rows:
         print(
-            f"{r['batch']:5d} | {r['core_step_ms_before']:8.3f} step {r['core_ms_before']:7.3f} all | "
-            f"{r['core_step_ms_after']:6.3f} step {r['core_ms_after']:6.3f} all | "
-            f"{r['core_ms_fast']:6.3f} all ({r['core_fast_over_final_only']:.2f}x floor) | "
-            f"{r['core_ms_final_only']:11.3f} all | "
+            f"{r['batch']:5d} | {r['core_step_ms']:6.3f} step {r['core_ms']:6.3f} all "
+            f"({r['core_over_final_only']:.2f}x) | {r['core_ms_final_only']:11.3f} all | "
+            f"{r['in_process_step_ms']:18.3f} | {r['api_decode_ms']:10.3f} | "
             f"{r['api_process_ms']:14.3f} | {r['api_merge_ms']:9.3f} | {r['api_ms']:9.3f}"
         )
-    print(
-        "ms per decode step; 'all' = the step + its Deltas (encode_outputs, or step_deltas' own) + pickling the message"
-    )
+    print("ms per decode step; 'all' = the step + encoding its EngineCoreOutputs message")
 
 
 def main() -> None:
@@ -173,7 +128,47 @@ def main() -> None:
     p.add_argument("--out-dir", default="benchmarks/results")
     ns = p.parse_args()
     torch.set_num_threads(1)
-    rows = [measure_batch(batch, ns.steps, ns.repeat, ns.stop) for batch in ns.batch]
+    rows = []
+    for batch in ns.batch:
+        server = SamplingParams(
+            temperature=0.6,
+            max_tokens=ns.steps + 100,
+            ignore_eos=True,
+            stop=ns.stop,
+            output_kind=RequestOutputKind.DELTA,
+        )  # what serving.py asks for
+        runs = best_core_runs(
+            batch,
+            ns.steps,
+            ns.repeat,
+            {
+                "core": (server, False),
+                "in_process": (server, True),
+                # the floor: no per-step outputs at all
+                "final_only": (server.replace(output_kind=RequestOutputKind.FINAL_ONLY, stop=[]), False),
+            },
+        )
+        (core_step, core_all, messages), (in_process, _, _) = runs["core"], runs["in_process"]
+        final_step, final_all, _ = runs["final_only"]
+        decode, process, merge = api_side_ms(batch, server, messages)
+        rows.append(
+            {
+                "batch": batch,
+                "steps": ns.steps,
+                "repeat": ns.repeat,
+                "stop": ns.stop,
+                "core_step_ms": core_step,
+                "core_ms": core_all,
+                "core_over_final_only": core_all / final_all,
+                "core_step_ms_final_only": final_step,
+                "core_ms_final_only": final_all,
+                "in_process_step_ms": in_process,
+                "api_decode_ms": decode,
+                "api_process_ms": process,
+                "api_merge_ms": merge,
+                "api_ms": decode + process + merge,
+            }
+        )
     print_rows(rows)
     json_path, _ = output_paths(ns.out_dir, "frontend")
     write_json(json_path, {"rows": rows, "model": "dummy:tiny", "device": "cpu (runner stubbed)"})

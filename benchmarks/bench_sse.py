@@ -1,7 +1,8 @@
 """API-process CPU cost of streaming (SSE): µs per event and per token, on this CPU, no model.
 
-The real `tinyvllm serve` app (build_app + uvicorn, MPAsyncLLMEngine: reader thread, detokenizing
-RequestProcessor, RequestStreams, SSE) runs in a server subprocess; its engine process runs a fake
+The real `tinyvllm serve` app (build_app + uvicorn, MPAsyncLLMEngine: reader thread decoding the
+core's messages and running the output processing, RequestStreams, SSE) runs in a server subprocess;
+its engine process runs a fake
 engine that, once requests are in, returns one token per running request every step, as fast as the
 API side takes them (the output pipe's back-pressure paces it; `--step-ms` sleeps per step instead,
 like a GPU step). `--concurrency` clients stream /v1/completions (a token-id prompt) or
@@ -58,25 +59,6 @@ class FakeArgs:
     step_ms: float = 0.0
 
 
-class _Out:
-    """Duck-typed CompletionOutput / RequestOutput: what `encode_outputs` reads."""
-
-    __slots__ = (
-        "cumulative_logprob",
-        "error",
-        "finish_reason",
-        "finished",
-        "index",
-        "logprobs",
-        "num_cached_tokens",
-        "outputs",
-        "request_id",
-        "stop_reason",
-        "text",
-        "token_ids",
-    )
-
-
 @dataclass
 class _Request:
     request_id: str
@@ -96,8 +78,8 @@ class _Config:
 
 
 class FakeEngine:
-    """The LLMEngine surface EngineCore and EngineInfo use; `step()` (and `step_deltas()`) gives every
-    running request one random regular token (finish_reason "length" at its max_tokens)."""
+    """The LLMEngine surface EngineCore and EngineInfo use; `core_step()` gives every running request
+    one random regular token (finish_reason "length" at its max_tokens)."""
 
     def __init__(self, args: FakeArgs) -> None:
         from tinyvllm.sampling_params import SamplingParams
@@ -120,16 +102,15 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    def add_request(self, request_id: str, prompt: Any, params: Any, arrival_time: float | None = None) -> None:
+    def add_core_request(self, request_id: str, prompt: Any, params: Any, arrival_time: float | None = None) -> None:
         self._requests[request_id] = _Request(request_id, params.max_tokens or 256)
 
-    def abort_request(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+    def abort(self, command: Any) -> None:
+        self._requests.pop(command.request_id, None)
 
-    def abort_child(self, request_id: str, index: int) -> None:
-        self._requests.pop(request_id, None)
+    def core_step(self) -> list:
+        from tinyvllm.engine.messages import EngineCoreOutput, RequestTimes
 
-    def step(self) -> list[_Out]:
         if self._step_s:
             time.sleep(self._step_s)
         outputs = []
@@ -137,23 +118,15 @@ class FakeEngine:
         for r in list(self._requests.values()):
             r.done += 1
             finished = r.done >= r.max_tokens
-            c = _Out()
-            c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob = 0, "", [ids[k & 4095]], None, None
-            c.finish_reason, c.stop_reason = ("length" if finished else None), None
+            times = RequestTimes(0.0, 0.0, 0.0) if finished or r.done == 1 else None
+            outputs.append(
+                EngineCoreOutput(r.request_id, [ids[k & 4095]], 0, 0, "length" if finished else None, times=times)
+            )
             k += 1
-            o = _Out()
-            o.request_id, o.finished, o.outputs, o.error, o.num_cached_tokens = r.request_id, finished, [c], None, None
-            outputs.append(o)
             if finished:
                 del self._requests[r.request_id]
         self._k = k
         return outputs
-
-    def step_deltas(self) -> list[tuple]:
-        """`step()`'s outputs as wire Deltas, as LLMEngine.step_deltas returns them (EngineCore's path)."""
-        from tinyvllm.entrypoints.deltas import encode_outputs
-
-        return encode_outputs(self.step())
 
 
 def fake_engine(args: FakeArgs) -> FakeEngine:
@@ -163,10 +136,10 @@ def fake_engine(args: FakeArgs) -> FakeEngine:
 
 # ---------------------------------------------------------------------- the server process
 def _profiled_engine_class() -> type:
-    from tinyvllm.entrypoints.mp_engine import MPAsyncLLMEngine
+    from tinyvllm.engine.mp_client import MPAsyncLLMEngine
 
     class ProfiledMPAsyncLLMEngine(MPAsyncLLMEngine):
-        """Profiles its reader thread (detokenizing and dispatching Deltas) with per-thread CPU time."""
+        """Profiles its reader thread (decoding, output processing, dispatching) with per-thread CPU time."""
 
         reader_profile: cProfile.Profile | None = None
 
@@ -187,7 +160,7 @@ def serve(port: int, tokenizer_dir: str, vocab_size: int, step_ms: float, profil
     the main and reader threads' merged cProfile stats there."""
     import uvicorn
 
-    from tinyvllm.entrypoints.mp_engine import MPAsyncLLMEngine
+    from tinyvllm.engine.mp_client import MPAsyncLLMEngine
     from tinyvllm.entrypoints.server import ServerArgs, _signals_end_the_server, build_app
 
     cls = _profiled_engine_class() if profile_path else MPAsyncLLMEngine

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass(frozen=True)
-class Logprob:
+
+class Logprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Log-probability of one token under the model's raw distribution, its rank (1 = most likely),
-    and its text."""
+    and its text.
+
+    A msgspec Struct (immutable, compared and hashed by value) so that it travels inside the engine
+    core's outputs as a compact msgpack array.
+    """
 
     logprob: float
     rank: int | None = None

@@ -23,9 +23,9 @@ pytest.importorskip("uvicorn")
 import uvicorn
 
 from tinyvllm.engine.args import EngineArgs
+from tinyvllm.engine.async_llm import AsyncLLMEngine, EngineClient
 from tinyvllm.engine.llm_engine import LLMEngine
-from tinyvllm.entrypoints.async_engine import AsyncLLMEngine, EngineClient
-from tinyvllm.entrypoints.mp_engine import MPAsyncLLMEngine
+from tinyvllm.engine.mp_client import MPAsyncLLMEngine
 from tinyvllm.entrypoints.server import ServerArgs, build_app
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 

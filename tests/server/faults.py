@@ -6,7 +6,7 @@ from typing import Any
 
 
 def failing_engine(args: Any, after_steps: int = 5) -> Any:
-    """An LLMEngine whose step() and step_deltas() raise RuntimeError("injected device failure") after
+    """An LLMEngine whose step() and core_step() raise RuntimeError("injected device failure") after
     `after_steps` steps (of both together)."""
     from tinyvllm.engine.llm_engine import LLMEngine
 
@@ -24,7 +24,7 @@ def failing_engine(args: Any, after_steps: int = 5) -> Any:
         return step
 
     engine.step = failing(engine.step)
-    engine.step_deltas = failing(engine.step_deltas)
+    engine.core_step = failing(engine.core_step)
     return engine
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from tests.helpers import assert_equal_up_to_rounding
 from tinyvllm.engine.args import EngineArgs
+from tinyvllm.engine.async_llm import AsyncLLMEngine, EngineDeadError, RequestRejected
 from tinyvllm.engine.llm_engine import LLMEngine
-from tinyvllm.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError, RequestRejected
-from tinyvllm.entrypoints.mp_engine import EngineStartError, MPAsyncLLMEngine
+from tinyvllm.engine.mp_client import EngineStartError, MPAsyncLLMEngine
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 from .conftest import ENGINE_DEFAULTS

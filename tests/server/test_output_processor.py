@@ -1,16 +1,21 @@
-"""API-side detokenization and stop strings (output_processor) against the engine's own.
+"""Output processing (detokenization, stop strings, output kinds) against a reference computed from
+the tokenizer.
 
-Reference: the same seeded request run by the engine with detokenization on (what the offline `LLM`
-does). Checked: the processed token-id Deltas equal the engine's Deltas step by step (stop strings
+Reference: the request's token ids without stop strings (the same greedy or seeded request), and
+`tokenizer.decode` of their prefixes: a stop string ends a completion at the first token whose prefix
+text contains it, the text is cut before it (after it with include_stop_str_in_output), a stop token's
+text is left out. Checked through both paths: `LLMEngine.step()` and the API side's (the core's
+token-level outputs through RequestStates, with the core hearing of a stop late). Cases: stop strings
 spanning tokens, multi-byte characters split across tokens, include_stop_str_in_output, n=2 with a
-stop in one completion, FINAL_ONLY, special tokens, stop token ids, logprobs, a core that hears of the
-stop late); the live server equals `LLM.generate`; a stop string frees the request's KV blocks; the
-API-side modules import no torch.
+stop in one completion, FINAL_ONLY, special tokens, stop token ids, logprobs. Also: the live server
+equals `LLM.generate`; a stop string frees the request's KV blocks; the API-side modules import no
+torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 import time
@@ -23,8 +28,9 @@ from tests.helpers import assert_equal_up_to_rounding, assert_greedy_is_decided
 from tinyvllm import LLM
 from tinyvllm.engine.args import EngineArgs
 from tinyvllm.engine.llm_engine import LLMEngine
-from tinyvllm.entrypoints.deltas import encode_outputs, merge_deltas
-from tinyvllm.entrypoints.output_processor import RequestProcessor, core_params
+from tinyvllm.engine.messages import CompletionDelta, OutputAccumulator, RequestDelta
+from tinyvllm.engine.output_processor import RequestState, process_outputs
+from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 from .conftest import ENGINE_DEFAULTS, MODEL_NAME
@@ -76,55 +82,99 @@ def _multibyte_stop(engine: LLMEngine, ids: list[int]) -> str:
     raise AssertionError(f"no split multi-byte character in {text!r}")
 
 
-def _run(engine: LLMEngine, prompt: str, params: SamplingParams, lag: int = 0) -> tuple[list, list]:
-    """The request twice in one engine, stepped together: "ref" detokenized by the engine, "core" with
-    `core_params` through a RequestProcessor whose abort commands reach the engine `lag` steps late.
-    Returns (the engine's Deltas, the processed Deltas) as (request_id "r", finished, completions).
-    For FINAL_ONLY with stop strings the core sends DELTA outputs: the processed ones are merged
-    (as RequestStream does) into the one Delta the engine sends.
+def _expected(engine: LLMEngine, ids: list[int], params: SamplingParams) -> tuple:
+    """(text, token ids, finish_reason, stop_reason) of a completion whose token ids without stop
+    strings and stop token ids are `ids` (ignore_eos, min_tokens 0), from tokenizer.decode alone."""
+    include = params.include_stop_str_in_output
+    texts = [
+        engine.tokenizer.decode(ids[:k], skip_special_tokens=params.skip_special_tokens) for k in range(len(ids) + 1)
+    ]
+    end, finish, reason = len(ids), "length", None
+    stop_token = next((k for k, t in enumerate(ids) if t in params.stop_token_ids), None)
+    if stop_token is not None:
+        end, finish, reason = stop_token + 1, "stop", ids[stop_token]
+    seen = end if finish == "length" or include else end - 1  # the stop token's text is never seen
+    for k in range(1, seen + 1):
+        hits = [(texts[k].index(s) + len(s), -len(s), s) for s in params.stop if s in texts[k]]
+        if hits:
+            stop_end, _, stop = min(hits)  # the earliest end; for equal ends the longest
+            cut = stop_end if include else stop_end - len(stop)
+            return texts[k][:cut], ids[:k], "stop", stop
+    return texts[seen], ids[:end], finish, reason
 
-    The two are rows of the same batches, but not the same row: compare them with
-    `assert_equal_up_to_rounding` (tests/helpers.py), as a matrix product may round two rows differently."""
-    engine.add_request("ref", prompt, params)
-    engine.add_request("core", prompt, core_params(params))
-    processor = RequestProcessor(engine.tokenizer, params)
-    prompt_ids = engine.tokenizer.encode(prompt)
-    ref, got, pending = [], [], []
+
+def _final(engine: LLMEngine, deltas: list, n: int) -> list[tuple]:
+    """The merged RequestDeltas of one request as (text, token ids, finish_reason, stop_reason) per
+    completion; checks that each completion's logprobs cover its ids and sum to its cumulative one."""
+    out = OutputAccumulator("r").extend(deltas).output()
+    assert out.finished and len(out.outputs) == n
+    for o in out.outputs:
+        if o.logprobs is not None:
+            assert len(o.logprobs) == len(o.token_ids)
+            total = sum(entry[t].logprob for t, entry in zip(o.token_ids, o.logprobs))
+            assert math.isclose(o.cumulative_logprob, total, rel_tol=1e-9, abs_tol=1e-9)
+    return [(o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in out.outputs]
+
+
+def _run_api_side(engine: LLMEngine, prompt: str, params: SamplingParams, lag: int) -> list:
+    """The request through the core (`add_core_request` / `core_step`) and a RequestState, as the
+    server runs it, the abort commands reaching the core `lag` steps late: its RequestDeltas."""
+    ids = engine.tokenizer.encode(prompt)
+    engine.add_core_request("r", {"prompt": prompt, "prompt_token_ids": ids}, params)
+    state = RequestState("r", params, engine.tokenizer, prompt, ids)
+    got, pending = [], []
     step = 0
     while engine.has_unfinished_requests():
-        for delta in encode_outputs(engine.step()):
-            if delta[0] == "ref":
-                ref.append(("r", *delta[1:3]))
-            elif not processor.finished:
-                out, commands = processor.process(delta, prompt_ids)
-                got.append(("r", *out[1:3]))
-                pending += [(step + lag, c) for c in commands]
+        outputs = engine.core_step()
+        if not state.finished:
+            for _, delta in process_outputs([state] * len(outputs), outputs):
+                got.append(delta)
+            pending += [(step + lag, c) for c in state.aborts]
+            state.aborts = ()
         for _, command in [p for p in pending if p[0] <= step]:
-            if len(command) == 3:
-                engine.abort_child(command[1], command[2])
-            else:
-                engine.abort_request(command[1])
+            engine.abort(command)
         pending = [p for p in pending if p[0] > step]
         step += 1
     assert not engine.scheduler.requests  # everything ended and freed its blocks
+    return got
+
+
+def _run(engine: LLMEngine, prompt: str, params: SamplingParams, lag: int = 0) -> list[tuple]:
+    """The request through `LLMEngine.step()` and through the API side (lag `lag`); both must give
+    the same completions, and each DELTA stream only ever extends its text. Returns them."""
+    engine.add_request("r", prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert not engine.scheduler.requests
+    from_step = _final(engine, [_delta(o) for o in outs], params.n)
     if params.output_kind is FINAL_ONLY:
-        merged = merge_deltas([(*d, None, None) for d in got])
-        got = [
-            (
-                "r",
-                merged.finished,
-                [
-                    (o.index, o.text, o.token_ids, o.logprobs, o.cumulative_logprob, o.finish_reason, o.stop_reason)
-                    for o in merged.outputs
-                ],
-            )
-        ]
-    return ref, got
+        assert len(outs) == 1
+    from_api = _final(engine, _run_api_side(engine, prompt, params, lag), params.n)
+    assert from_step == from_api
+    return from_step
+
+
+def _delta(out: RequestOutput) -> RequestDelta:
+    completions = [
+        CompletionDelta(o.index, o.text, o.token_ids, o.logprobs, o.cumulative_logprob, o.finish_reason, o.stop_reason)
+        for o in out.outputs
+    ]
+    return RequestDelta(out.request_id, out.finished, completions, out.error, out.num_cached_tokens)
 
 
 FOX = "The quick brown fox"  # its greedy text has ASCII characters from different tokens
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, output_kind=DELTA)
 SEEDED = SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True, output_kind=DELTA)
+
+
+def _check(engine: LLMEngine, prompt: str, params: SamplingParams, lag: int = 0) -> list[tuple]:
+    """Run the request both ways (`_run`) and compare each completion with `_expected` of its token
+    ids without stops (the same request with no stop strings and no stop token ids)."""
+    free = _generate(engine, prompt, params.replace(stop=[], stop_token_ids=[]))
+    got = _run(engine, prompt, params, lag)
+    assert got == [_expected(engine, o.token_ids, params) for o in free.outputs]
+    return got
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -133,10 +183,8 @@ def test_stop_string_spanning_tokens(engine, include, lag):
     ids = _generate(engine, FOX, GREEDY).outputs[0].token_ids
     stop = _boundary_stop(engine, ids)
     params = GREEDY.replace(stop=[stop, "never matches"], include_stop_str_in_output=include)
-    ref, got = _run(engine, FOX, params, lag)
-    assert_equal_up_to_rounding(got, ref)
-    assert ref[-1][2][0][5:] == ("stop", stop)
-    assert "".join(d[2][0][1] for d in ref).endswith(stop) == include
+    ((text, token_ids, finish, reason),) = _check(engine, FOX, params, lag)
+    assert (finish, reason) == ("stop", stop) and text.endswith(stop) == include and len(token_ids) < len(ids)
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -145,9 +193,8 @@ def test_stop_string_with_a_multibyte_character_split_across_tokens(engine, incl
     params = SEEDED.replace(max_tokens=max_tokens)
     stop = _multibyte_stop(engine, _generate(engine, prompt, params).outputs[0].token_ids)
     params = params.replace(stop=[stop], include_stop_str_in_output=include, logprobs=2)
-    ref, got = _run(engine, prompt, params, lag=1)
-    assert_equal_up_to_rounding(got, ref)
-    assert ref[-1][2][0][5:] == ("stop", stop)
+    ((_, _, finish, reason),) = _check(engine, prompt, params, lag=1)
+    assert (finish, reason) == ("stop", stop)
 
 
 def test_n2_stop_in_one_completion_only(engine):
@@ -160,10 +207,8 @@ def test_n2_stop_in_one_completion_only(engine):
         if FFFD not in text0[i : i + 2] and text0[i : i + 2] not in text1
     )
     for lag in (0, 3):
-        ref, got = _run(engine, "hello", params.replace(stop=[stop], logprobs=1), lag)
-        assert_equal_up_to_rounding(got, ref)
-        finals = {c[0]: c[5] for c in ref[-1][2]}
-        assert finals == {0: "stop", 1: "length"}
+        got = _check(engine, "hello", params.replace(stop=[stop], logprobs=1), lag)
+        assert [c[2] for c in got] == ["stop", "length"]
 
 
 @pytest.mark.parametrize(
@@ -190,10 +235,15 @@ def test_other_output_kinds_and_stopping_rules(engine, case):
         params = GREEDY.replace(
             stop_token_ids=[token], stop=["never matches"], include_stop_str_in_output=case.endswith("included")
         )
-    ref, got = _run(engine, FOX, params)
-    assert_equal_up_to_rounding(got, ref)
-    if case == "final-only":
-        assert len(ref) == 1
+    ((text, token_ids, finish, reason),) = _check(engine, FOX, params)
+    if case.startswith("stop-token-id"):
+        assert (finish, reason) == ("stop", token_ids[-1]) and token_ids[-1] == token
+        kept = engine.tokenizer.decode(token_ids[:-1])
+        assert text == (engine.tokenizer.decode(token_ids) if case.endswith("included") else kept)
+    elif case in ("final-only", "plain-delta"):
+        assert (text, finish) == (engine.tokenizer.decode(ids), "length")
+    else:
+        assert (finish, reason) == ("stop", stop)
 
 
 # ---------------------------------------------------------------------- through the live server
@@ -283,8 +333,8 @@ def test_a_stop_string_frees_the_requests_blocks(server, engine):
 
 def test_the_api_side_imports_no_torch():
     code = (
-        "import sys, tinyvllm.entrypoints.output_processor, tinyvllm.entrypoints.async_engine, "
-        "tinyvllm.entrypoints.mp_engine, tinyvllm.entrypoints.serving_completions, "
+        "import sys, tinyvllm.engine.output_processor, tinyvllm.engine.messages, tinyvllm.engine.async_llm, "
+        "tinyvllm.engine.mp_client, tinyvllm.entrypoints.serving_completions, "
         "tinyvllm.entrypoints.serving_chat; sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -297,7 +347,7 @@ def test_a_final_only_stream_with_stop_strings_yields_one_output(model_dir, engi
     Two engines compute it: `engine` has FOX's first block cached (earlier tests ran it) and prefills
     only the rest, the new one prefills all of it. Their logprobs differ by rounding; their greedy
     tokens cannot, as no choice is near a tie (tests/helpers.py)."""
-    from tinyvllm.entrypoints.async_engine import AsyncLLMEngine
+    from tinyvllm.engine.async_llm import AsyncLLMEngine
 
     assert_greedy_is_decided(llm, [FOX], 40)
     stop = _boundary_stop(engine, _generate(engine, FOX, GREEDY).outputs[0].token_ids)

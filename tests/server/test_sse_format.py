@@ -1,12 +1,11 @@
 """The SSE fast path: chunks built from templates are byte-identical to `sse(dict)`, and merged
-Delta tuples carry what OutputAccumulator would."""
+RequestDeltas carry what OutputAccumulator would."""
 
 from __future__ import annotations
 
 import pytest
 
-from tinyvllm.entrypoints.async_engine import merge_deltas
-from tinyvllm.entrypoints.deltas import OutputAccumulator
+from tinyvllm.engine.messages import CompletionDelta, OutputAccumulator, RequestDelta, merge_deltas
 from tinyvllm.entrypoints.serving import ChunkFormat, chat_choice_json, completion_choice_json, sse
 from tinyvllm.outputs import Logprob
 
@@ -37,18 +36,26 @@ def test_chunks_match_sse_of_the_dict(include_usage, text, ending):
         assert fmt.chunk(chat_choice_json(3, text, logprobs, *ending)) == sse({**head, "choices": [choice], **extra})
 
 
+def _delta(finished, completions, error=None, cached=None) -> RequestDelta:
+    return RequestDelta("r", finished, [CompletionDelta(*c) for c in completions], error, cached)
+
+
 def test_merge_deltas_matches_the_accumulator():
     lp = {1: Logprob(-0.1, 1)}
     deltas = [
-        ("r", False, [(1, "b", [5], None, -1.0, None, None), (0, "a", [4], [lp], -0.5, None, None)], None, 3),
-        ("r", False, [(0, "c", [6], [lp], -0.7, None, None)], None, None),
-        ("r", True, [(0, "", [7], [lp], -0.9, "stop", 7), (1, "d", [8], None, -2.0, "length", None)], None, None),
+        _delta(False, [(1, "b", [5], None, -1.0, None, None), (0, "a", [4], [lp], -0.5, None, None)], cached=3),
+        _delta(False, [(0, "c", [6], [lp], -0.7, None, None)]),
+        _delta(True, [(0, "", [7], [lp], -0.9, "stop", 7), (1, "d", [8], None, -2.0, "length", None)]),
     ]
     for k in range(1, len(deltas) + 1):
         merged = merge_deltas(deltas[:k])
         want = OutputAccumulator("r").extend(deltas[:k]).output()
-        assert merged[0] == "r" and merged[1] == want.finished and merged[4] == want.num_cached_tokens
-        got = [(c[0], c[1], list(c[2]), c[3], c[4], c[5], c[6]) for c in merged[2]]
+        assert merged.request_id == "r" and merged.finished == want.finished
+        assert merged.num_cached_tokens == want.num_cached_tokens
+        got = [
+            (c.index, c.text, list(c.token_ids), c.logprobs, c.cumulative_logprob, c.finish_reason, c.stop_reason)
+            for c in merged.completions
+        ]
         assert got == [
             (o.index, o.text, o.token_ids, o.logprobs, o.cumulative_logprob, o.finish_reason, o.stop_reason)
             for o in want.outputs
@@ -58,11 +65,11 @@ def test_merge_deltas_matches_the_accumulator():
 def test_merge_deltas_one_completion():
     lp = {1: Logprob(-0.1, 1)}
     deltas = [
-        ("r", False, [(0, "a", [4], None, None, None, None)], None, 3),
-        ("r", False, [(0, "b", [5, 6], [lp, lp], -0.5, None, None)], None, None),
-        ("r", True, [(0, "", [7], [lp], -0.9, "stop", 7)], "oops", None),
+        _delta(False, [(0, "a", [4], None, None, None, None)], cached=3),
+        _delta(False, [(0, "b", [5, 6], [lp, lp], -0.5, None, None)]),
+        _delta(True, [(0, "", [7], [lp], -0.9, "stop", 7)], error="oops"),
     ]
-    assert merge_deltas(deltas) == ("r", True, [(0, "ab", [4, 5, 6, 7], [lp, lp, lp], -0.9, "stop", 7)], "oops", 3)
+    assert merge_deltas(deltas) == _delta(True, [(0, "ab", [4, 5, 6, 7], [lp, lp, lp], -0.9, "stop", 7)], "oops", 3)
 
 
 def test_observe_many_equals_repeated_observe():

@@ -1,15 +1,17 @@
-"""The engine: add_request / step / abort. Owns the scheduler, the model runner and the detokenizers.
+"""The engine: add_request / step / abort. Owns the scheduler, the model runner and the output processor.
 
-One `step()` schedules a batch, runs it, appends the sampled tokens, applies the stopping rules (token
-ids in the scheduler, stop strings here, after detokenizing) and returns a `RequestOutput` for every
-request that changed. Parallel sampling (`n > 1`) runs n child sequences under one request id.
+It works in two layers:
 
-The offline `LLM` has the engine detokenize; `tinyvllm serve` sends it requests with detokenize off and
-no stop strings, detokenizes their token ids in the API process and aborts a request (`abort_request`)
-or one child of it (`abort_child`) when a stop string matches there
-(`tinyvllm.entrypoints.output_processor`, which keeps `_detokenize` and `_completion`'s semantics).
-Its engine core steps with `step_deltas()`: the same step, its outputs as wire Delta tuples, built
-directly (no RequestOutput) for such token-id requests.
+- the core (`add_core_request`, `core_step`): one step schedules a batch, launches it, appends the
+  sampled tokens and applies the token-level stopping rules (EOS, stop token ids, max_tokens,
+  min_tokens: the scheduler's), and returns an `EngineCoreOutput` for every completion that has news
+  (`tinyvllm.engine.messages`). This is what the core loop (`tinyvllm.engine.core`) sends to the API
+  process of `tinyvllm serve`.
+- `add_request` / `step()`: the same, through the output processor that the server uses too
+  (`tinyvllm.engine.output_processor`: detokenization, stop strings, output kinds), giving
+  `RequestOutput`s. A stop string matched there aborts the request (or that completion) here.
+
+Parallel sampling (`n > 1`) runs n child sequences under one request id.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,14 +35,15 @@ from tinyvllm.core.outputs import SchedulerOutput
 from tinyvllm.core.request import Request, RequestStatus
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs, default_model
+from tinyvllm.engine.messages import AbortRequest, EngineCoreOutput, RequestTimes
 from tinyvllm.engine.model_runner import ModelRunner, StepHandle
+from tinyvllm.engine.output_processor import OutputProcessor, streams_every_step
 from tinyvllm.engine.step_timing import StepRecord, StepTimer
-from tinyvllm.entrypoints.deltas import encode_outputs
 from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
-from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
-from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from tinyvllm.outputs import Logprob, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +83,6 @@ def _needs_history(params: SamplingParams) -> bool:
     return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
 
 
-def _wants_token_deltas(params: SamplingParams) -> bool:
-    """Whether a request's outputs are DELTA token ids without text (LLMEngine._completion_delta
-    builds them): detokenize off (so no stop strings either) and the DELTA output kind."""
-    return params.output_kind is RequestOutputKind.DELTA and not params.detokenize
-
-
 def read_generation_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "generation_config.json"
     if not path.is_file():
@@ -104,43 +101,34 @@ class TokenizedPrompt(NamedTuple):
 
 @dataclass
 class _Sequence:
-    """Engine-side state of one child sequence (the scheduler's Request plus text and logprobs)."""
+    """Engine-side state of one child sequence: the scheduler's Request, its logprobs, what was sent."""
 
     request: Request
     parent_id: str
     index: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None  # None: no text, or text decoded once at the end
+    every_step: bool  # outputs after every step (else when it finishes): streams_every_step
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
-    finished_time: float | None = None
-    final_text: str | None = None  # text decoded at finish when there was no incremental detokenizer
-    num_sent_tokens: int = 0  # for DELTA outputs
-    num_sent_chars: int = 0
-    holdback: int = 0  # characters withheld from unfinished text (see LLMEngine._holdback)
-    # The only child of a request whose outputs are token-id Deltas (step_deltas builds them inline).
-    lone_token_deltas: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.lone_token_deltas = _wants_token_deltas(self.params) and self.request.request_id == self.parent_id
+    num_sent_tokens: int = 0  # output tokens already sent in an EngineCoreOutput
 
 
 @dataclass
 class _Parent:
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[_Sequence] = field(default_factory=list)
-    arrival_time: float = 0.0
-    error: str | None = None
+    children: list[_Sequence]
+    num_running: int = field(init=False)  # children whose finishing output has not been made yet
 
-    @property
-    def finished(self) -> bool:
-        return all(c.request.status.is_finished for c in self.children)
+    def __post_init__(self) -> None:
+        self.num_running = len(self.children)
+
+
+def _times(request: Request, finished_time: float | None = None) -> RequestTimes:
+    return RequestTimes(request.first_scheduled_time, request.first_token_time, finished_time)
 
 
 class LLMEngine:
-    """Synchronous engine core: `add_request`, then `step()` until `has_unfinished_requests()` is False."""
+    """Synchronous engine: `add_request`, then `step()` until `has_unfinished_requests()` is False."""
 
     def __init__(self, args: EngineArgs, show_progress: bool = False) -> None:
         self.args = args
@@ -165,6 +153,27 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             show_progress=show_progress,
         )
+        self._init_kv_cache_and_scheduler()
+        self._init_request_state()
+        # Everything built so far (model, tokenizer, graphs, tables) lives as long as the engine: move it
+        # out of the garbage collector's generations, whose full passes otherwise rescan it every few
+        # hundred steps (measured: ~0.5 ms per batch-256 step on the development CPU).
+        gc.collect()
+        gc.freeze()
+        logger.info(
+            "engine ready: %s on %s (%s, %s kernels), %d KV blocks of %d tokens, max_model_len %d",
+            self.model_dir,
+            self.device,
+            self.dtype,
+            backend,
+            self.num_blocks,
+            args.block_size,
+            self.scheduler_config.max_model_len,
+        )
+
+    def _init_kv_cache_and_scheduler(self) -> None:
+        """Size the KV cache (and max_model_len from it), allocate it in the runner, build the scheduler."""
+        args = self.args
         cache_config = CacheConfig(
             block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -195,6 +204,12 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=budget,
         )
+        pool = BlockPool(num_blocks, enable_caching=args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, KVCacheManager(pool, args.block_size))
+
+    def _init_request_state(self) -> None:
+        """Step scheduling, timing and the per-request bookkeeping (empty)."""
+        args = self.args
         # Async scheduling: on CUDA, step N+1 is scheduled and launched before step N's tokens are read,
         # so the host's work overlaps the device's. Requests with penalties need every token of their
         # history at sampling time; while one is live, steps run one at a time.
@@ -203,30 +218,14 @@ class LLMEngine:
         self.step_timer = StepTimer()  # set keep_log to see where each step's time went
         self._wait_s = 0.0  # time blocked on the device inside the current step's _process calls
         self._num_history_requests = 0
-        pool = BlockPool(num_blocks, enable_caching=args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, KVCacheManager(pool, args.block_size))
         self.default_sampling_params = self._default_sampling_params()
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._sequences: dict[str, _Sequence] = {}
         self._parents: dict[str, _Parent] = {}
-        self._pending: list[RequestOutput] = []  # outputs produced outside step() (rejected requests)
+        self._pending: list[EngineCoreOutput] = []  # outputs produced outside a step (rejections, aborts)
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        # Everything built so far (model, tokenizer, graphs, tables) lives as long as the engine: move it
-        # out of the garbage collector's generations, whose full passes otherwise rescan it every few
-        # hundred steps (measured: ~0.5 ms per batch-256 step on the development CPU).
-        gc.collect()
-        gc.freeze()
-        logger.info(
-            "engine ready: %s on %s (%s, %s kernels), %d KV blocks of %d tokens, max_model_len %d",
-            self.model_dir,
-            self.device,
-            self.dtype,
-            backend,
-            num_blocks,
-            args.block_size,
-            max_model_len,
-        )
 
     # ------------------------------------------------------------------ configuration helpers
     def _eos_token_ids(self) -> tuple[int, ...]:
@@ -303,25 +302,74 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Queue a request; returns its id. Malformed input raises ValueError/TypeError and queues
-        nothing. A well-formed request that can never run (prompt too long) finishes at once: its
-        RequestOutput, with `error` set and finish_reason "error", comes out of the next `step()`."""
+        """Queue a request whose outputs come out of `step()` as RequestOutputs; returns its id.
+
+        Malformed input raises ValueError/TypeError and queues nothing. A well-formed request that can
+        never run (prompt too long) finishes at once: its RequestOutput, with `error` set and
+        finish_reason "error", comes out of the next `step()`.
+        """
         params = self.default_sampling_params if params is None else params
+        prompt = self.tokenize_prompt(prompt)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        request_id = self.add_core_request(request_id, prompt, params, arrival_time)
+        self.output_processor.add_request(request_id, params, prompt.text, prompt.token_ids, arrival_time)
+        return request_id
+
+    def add_core_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request whose outputs come out of `core_step()` as EngineCoreOutputs (token ids
+        only; the caller processes them); returns its id. Raises as `add_request` does; a request that
+        can never run gets an EngineCoreOutput with `error` set from the next `core_step()`."""
+        params = self._check_params(self.default_sampling_params if params is None else params)
+        _, token_ids = self.tokenize_prompt(prompt)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        parent = _Parent(request_id, self._children(request_id, token_ids, params, arrival_time))
+        first = parent.children[0].request
+        if not self.scheduler.add_request(first):
+            logger.warning("request %s rejected: %s", request_id, first.error)
+            for c in parent.children:
+                c.request.status = RequestStatus.FINISHED_ERROR
+            self._pending.append(
+                EngineCoreOutput(
+                    request_id, [], finish_reason="error", times=_times(first, time.monotonic()), error=first.error
+                )
+            )
+            return request_id
+        for c in parent.children[1:]:
+            self.scheduler.add_request(c.request)
+        self._parents[request_id] = parent
+        for c in parent.children:
+            self._sequences[c.request.request_id] = c
+            self._num_history_requests += _needs_history(params)
+        return request_id
+
+    def _check_params(self, params: Any) -> SamplingParams:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported by tinyvllm yet")
         if params.logprobs is not None and params.logprobs > self.model_config.vocab_size:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size")
-        text, token_ids = self.tokenize_prompt(prompt)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        parent = _Parent(request_id, text, token_ids, arrival_time=arrival_time)
+        return params
+
+    def _children(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float
+    ) -> list[_Sequence]:
+        """The n child sequences of a request (child i of n > 1 is request `{i}_{request_id}` in the
+        scheduler, seeded with seed + i)."""
         max_tokens = max(1, self.scheduler_config.max_model_len - len(token_ids))
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        every_step = streams_every_step(params)
+        children = []
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
@@ -336,51 +384,26 @@ class LLMEngine:
                 stop_token_ids=frozenset(params.stop_token_ids),
                 arrival_time=arrival_time,
             )
-            parent.children.append(
+            logprobs = params.logprobs is not None
+            children.append(
                 _Sequence(
                     request,
                     request_id,
                     index,
                     child_params,
-                    self._detokenizer(child_params, token_ids),
-                    logprobs=[] if params.logprobs is not None else None,
-                    cumulative_logprob=0.0 if params.logprobs is not None else None,
-                    holdback=self._holdback(child_params),
+                    every_step,
+                    logprobs=[] if logprobs else None,
+                    cumulative_logprob=0.0 if logprobs else None,
                 )
             )
-        if not self.scheduler.add_request(parent.children[0].request):
-            parent.error = parent.children[0].request.error
-            for c in parent.children:
-                c.request.status = RequestStatus.FINISHED_ERROR
-                c.finished_time = time.monotonic()
-            self._pending.append(self._make_output(parent))
-            logger.warning("request %s rejected: %s", request_id, parent.error)
-            return request_id
-        for c in parent.children[1:]:
-            self.scheduler.add_request(c.request)
-        self._parents[request_id] = parent
-        for c in parent.children:
-            self._sequences[c.request.request_id] = c
-            self._num_history_requests += _needs_history(params)
-        return request_id
-
-    def _detokenizer(self, params: SamplingParams, prompt_ids: list[int]) -> IncrementalDetokenizer | None:
-        """Incremental only when text is needed before the end (stop strings, streamed outputs)."""
-        if not params.detokenize or (params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop):
-            return None
-        return IncrementalDetokenizer(
-            self.tokenizer,
-            prompt_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-        )
+        return children
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Abort requests (by the ids add_request returned); their blocks return to the pool at once."""
+        """Abort requests (by the ids add_request returned); their blocks return to the pool at once.
+        They produce no more outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
+            self.output_processor.abort_request(rid)
             parent = self._parents.pop(rid, None)
             if parent is None:
                 continue
@@ -390,22 +413,37 @@ class LLMEngine:
 
     def abort_child(self, request_id: str, index: int) -> None:
         """Abort completion `index` of a request (the caller ended it, e.g. on a stop string it matched
-        itself); its blocks return to the pool at once and it reports finish_reason "abort" from then
-        on. A request left with no running completion is dropped as `abort_request` drops it. Unknown
-        ids and finished completions are ignored."""
+        itself); its blocks return to the pool at once and its finishing output, finish_reason
+        "abort", comes out of the next step. A request left with no running completion is dropped as
+        `abort_request` drops it. Unknown ids and finished completions are ignored."""
         parent = self._parents.get(request_id)
         if parent is None or not 0 <= index < len(parent.children):
             return
         child = parent.children[index]
-        if self.scheduler.finish_requests(child.request.request_id, RequestStatus.FINISHED_ABORTED):
-            child.finished_time = time.monotonic()
-        if parent.finished:
+        if not self.scheduler.finish_requests(child.request.request_id, RequestStatus.FINISHED_ABORTED):
+            return
+        parent.num_running -= 1
+        if parent.num_running == 0:
             self.abort_request(request_id)
+        else:
+            self._pending.append(self._finished_output(child, time.monotonic()))
+
+    def abort(self, command: AbortRequest) -> None:
+        """`abort_request` or `abort_child`, as the command says."""
+        if command.index is None:
+            self.abort_request(command.request_id)
+        else:
+            self.abort_child(command.request_id, command.index)
 
     def _forget(self, parent: _Parent) -> None:
         for c in parent.children:
             if self._sequences.pop(c.request.request_id, None) is not None:
                 self._num_history_requests -= _needs_history(c.params)
+
+    def _drop(self, parent: _Parent) -> None:
+        """Forget a finished request."""
+        del self._parents[parent.request_id]
+        self._forget(parent)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents) or bool(self._pending) or self._in_flight is not None
@@ -416,30 +454,22 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a batch, then process the previous one (async scheduling) or this one.
-        Returns the outputs of every request that changed."""
+        Returns the RequestOutputs of the requests that have one (by their output kinds)."""
+        outputs, aborts = self.output_processor.process_outputs(self.core_step())
+        for command in aborts:  # stop strings matched: stop those completions here too
+            self.abort(command)
+        return outputs
+
+    def core_step(self) -> list[EngineCoreOutput]:
+        """The same step as `step()`, its outputs at the token level: an EngineCoreOutput for every
+        completion with news (see EngineCoreOutput; the requests' output processing is the caller's)."""
         outputs, self._pending = self._pending, []
-        return self._step(self._process, outputs)
-
-    def step_deltas(self) -> list[tuple]:
-        """The same step as `step()`, its outputs as wire Deltas: returns exactly what
-        `encode_outputs(self.step())` would (same order, same tuples) for requests of any kind.
-
-        Requests that need no text from the engine (DELTA output kind, detokenize off: what
-        `tinyvllm serve` sends its core) get their Delta tuple built directly from the engine's
-        state, without a RequestOutput; the others (engine-side text, FINAL_ONLY, CUMULATIVE) go
-        through `_make_output` and `encode_outputs` as in `step()`. RequestMetrics are not built;
-        the requests' timestamps are still recorded."""
-        pending, self._pending = self._pending, []
-        return self._step(self._process_deltas, encode_outputs(pending))
-
-    def _step(self, process: Callable[[SchedulerOutput, StepHandle], list], outputs: list) -> list:
-        """One step (see `step`); `process` turns a launched step into outputs, appended to `outputs`."""
         clock = time.perf_counter
         t0 = clock()
         self._wait_s = 0.0
         overlap = self.async_scheduling and self._num_history_requests == 0
         if not overlap and self._in_flight is not None:
-            outputs += process(*self._in_flight)
+            outputs += self._process(*self._in_flight)
             self._in_flight = None
         t1 = clock()
         sched = self.scheduler.schedule()
@@ -450,22 +480,16 @@ class LLMEngine:
             launched = (sched, self.runner.launch(sched))
         t3 = clock()
         if self._in_flight is not None:
-            outputs += process(*self._in_flight)
+            outputs += self._process(*self._in_flight)
         self._in_flight = launched
         if not overlap and self._in_flight is not None:
-            outputs += process(*self._in_flight)
+            outputs += self._process(*self._in_flight)
             self._in_flight = None
         if self.step_timer.keep_log:
             t4 = clock()
+            host_s = (t1 - t0) + (t4 - t3) - self._wait_s
             self.step_timer.record(
-                StepRecord(
-                    sched.num_batched_tokens,
-                    len(sched.sequences),
-                    t2 - t1,
-                    t3 - t2,
-                    (t1 - t0) + (t4 - t3) - self._wait_s,
-                    self._wait_s,
-                )
+                StepRecord(sched.num_batched_tokens, len(sched.sequences), t2 - t1, t3 - t2, host_s, self._wait_s)
             )
         return outputs
 
@@ -478,92 +502,41 @@ class LLMEngine:
                     req.first_scheduled_time = now
                     self.num_prompt_tokens += req.num_prompt_tokens
 
-    def _process(self, sched: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:
-        """Read a launched step's tokens and turn them into outputs."""
-        updated, logprobs_by_id = self._read_step(sched, handle)
-        now = time.monotonic()
-        changed: dict[str, _Parent] = {}
-        final_only = RequestOutputKind.FINAL_ONLY
-        for request, new_ids in updated:
-            seq = self._sequences[request.request_id]
-            # _update_child inlined (a call per request costs ~4% of a batch-256 final-only step);
-            # test_step_deltas checks that the two agree.
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if seq.logprobs is not None:
-                self._update_logprobs(seq, logprobs_by_id.get(request.request_id))
-            finished = request.status.is_finished
-            if seq.detokenizer is not None or finished:
-                self._detokenize(seq, new_ids)
-                finished = request.status.is_finished  # a stop string may have ended it
-            if finished:
-                seq.finished_time = now
-            if finished or seq.params.output_kind is not final_only:
-                changed[seq.parent_id] = self._parents[seq.parent_id]
-        outputs = []
-        for parent in changed.values():
-            finished = parent.finished
-            if finished or parent.children[0].params.output_kind is not final_only:
-                outputs.append(self._make_output(parent))
-            if finished:
-                self._drop(parent)
-        return outputs
-
-    def _process_deltas(self, sched: SchedulerOutput, handle: StepHandle) -> list[tuple]:
-        """`encode_outputs(self._process(sched, handle))`, with the Deltas of token-id DELTA requests
-        (`_wants_token_deltas`) of one completion built inline, those of other requests once all of
-        their completions are updated (placeholders keep `_process`'s order: a request's output goes
-        where its first changed completion came)."""
+    def _process(self, sched: SchedulerOutput, handle: StepHandle) -> list[EngineCoreOutput]:
+        """Read a launched step's tokens and turn them into EngineCoreOutputs: one per completion that
+        got a token, when it finished or its outputs stream every step."""
         updated, logprobs_by_id = self._read_step(sched, handle)
         now = time.monotonic()
         sequences = self._sequences
-        outputs: list[tuple | None] = []
-        places: dict[str, int] = {}  # parent id -> its placeholder in outputs
-        for request, new_ids in updated:
-            rid = request.request_id
-            seq = sequences[rid]
-            if seq.lone_token_deltas:  # n == 1, token ids, DELTA
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                logprobs = seq.logprobs
-                if logprobs is not None:
-                    self._update_logprobs(seq, logprobs_by_id.get(rid))
-                status = request.status
-                finished = status._finished
-                # _completion_delta inlined (a call per request costs ~3% of the step). Error None: a
-                # request that runs was not rejected (rejections never reach _parents).
+        outputs = []
+        for request, _ in updated:
+            seq = sequences[request.request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            logprobs = seq.logprobs
+            if logprobs is not None:
+                self._update_logprobs(seq, logprobs_by_id.get(request.request_id))
+            if request.status._finished:
+                outputs.append(self._finished_output(seq, now))
+                self._finish_child(seq)
+            elif seq.every_step:
+                # Built inline rather than by a helper: a call per request costs ~3 % of a batch-256 step.
                 token_ids, start = request.output_token_ids, seq.num_sent_tokens
                 seq.num_sent_tokens = len(token_ids)
                 outputs.append(
-                    (
-                        rid,
-                        finished,
-                        [
-                            (
-                                0,
-                                "",
-                                token_ids[start:],
-                                logprobs[start:] if logprobs is not None else None,
-                                seq.cumulative_logprob,
-                                status.value if finished else None,
-                                request.stop_reason,
-                            )
-                        ],
-                        None,
+                    EngineCoreOutput(
+                        seq.parent_id,
+                        token_ids[start:],
                         request.num_cached_tokens,
+                        seq.index,
+                        None,
+                        None,
+                        seq.cumulative_logprob,
+                        logprobs[start:] if logprobs is not None else None,
+                        _times(request) if start == 0 else None,
                     )
                 )
-                if finished:
-                    seq.finished_time = now
-                    self._drop(self._parents[rid])
-            elif self._update_child(seq, new_ids, logprobs_by_id, now) and seq.parent_id not in places:
-                places[seq.parent_id] = len(outputs)
-                outputs.append(None)
-        if not places:
-            return outputs
-        for parent_id, place in places.items():
-            outputs[place] = self._parent_delta(self._parents[parent_id])
-        return [o for o in outputs if o is not None]
+        return outputs
 
     def _read_step(
         self, sched: SchedulerOutput, handle: StepHandle
@@ -582,87 +555,31 @@ class LLMEngine:
         self.num_generation_tokens += len(updated)  # one token each
         return updated, logprobs_by_id
 
-    def _update_child(self, seq: _Sequence, new_ids: list[int], logprobs_by_id: dict[str, Any], now: float) -> bool:
-        """Record a child's new tokens: first-token time, logprobs, text (which may end it on a stop
-        string), finish time. Returns whether its request has an output this step (DELTA and
-        CUMULATIVE requests: every step; FINAL_ONLY: when a child finished)."""
-        request = seq.request
-        if request.first_token_time is None:
-            request.first_token_time = now
-        if seq.logprobs is not None:
-            self._update_logprobs(seq, logprobs_by_id.get(request.request_id))
-        finished = request.status.is_finished
-        if seq.detokenizer is not None or finished:
-            self._detokenize(seq, new_ids)
-            finished = request.status.is_finished  # a stop string may have ended it
-        if finished:
-            seq.finished_time = now
-        return finished or seq.params.output_kind is not RequestOutputKind.FINAL_ONLY
-
-    def _parent_delta(self, parent: _Parent) -> tuple | None:
-        """The Delta tuple of a request one of whose children changed this step (None for an
-        unfinished FINAL_ONLY request), as `encode_outputs` of `_make_output` would give it; drops
-        the request when it finished."""
-        finished = parent.finished
-        params = parent.children[0].params
-        delta = None
-        if _wants_token_deltas(params):
-            delta = (
-                parent.request_id,
-                finished,
-                [self._completion_delta(c) for c in parent.children],
-                parent.error,
-                parent.children[0].request.num_cached_tokens,
-            )
-        elif finished or params.output_kind is not RequestOutputKind.FINAL_ONLY:
-            delta = encode_outputs([self._make_output(parent)])[0]
-        if finished:
-            self._drop(parent)
-        return delta
-
     @staticmethod
-    def _completion_delta(c: _Sequence) -> tuple:
-        """A `_wants_token_deltas` child's CompletionDelta tuple since its last one (what
-        `_completion` returns for it, as a tuple; text is always "")."""
-        r = c.request
-        token_ids, start = r.output_token_ids, c.num_sent_tokens
-        c.num_sent_tokens = len(token_ids)
-        logprobs = c.logprobs
-        return (
-            c.index,
-            "",
-            token_ids[start:],
-            logprobs[start:] if logprobs is not None else None,
-            c.cumulative_logprob,
-            r.status.finish_reason,
-            r.stop_reason,
-        )
-
-    def _drop(self, parent: _Parent) -> None:
-        """Forget a finished request."""
-        del self._parents[parent.request_id]
-        self._forget(parent)
-
-    def _detokenize(self, seq: _Sequence, new_ids: list[int]) -> None:
+    def _finished_output(seq: _Sequence, now: float) -> EngineCoreOutput:
+        """The finishing EngineCoreOutput of a completion: the tokens not sent yet, its finish."""
         request = seq.request
-        stopped_by_token = (
-            request.status == RequestStatus.FINISHED_STOPPED and not seq.params.include_stop_str_in_output
+        token_ids, start = request.output_token_ids, seq.num_sent_tokens
+        seq.num_sent_tokens = len(token_ids)
+        logprobs = seq.logprobs
+        return EngineCoreOutput(
+            seq.parent_id,
+            token_ids[start:],
+            request.num_cached_tokens,
+            seq.index,
+            request.status.finish_reason,
+            request.stop_reason,
+            seq.cumulative_logprob,
+            logprobs[start:] if logprobs is not None else None,
+            _times(request, now),
         )
-        if seq.detokenizer is None:
-            if request.is_finished and seq.params.detokenize:
-                ids = request.output_token_ids[:-1] if stopped_by_token else request.output_token_ids
-                seq.final_text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
-            return
-        ids = new_ids[:-1] if stopped_by_token else new_ids
-        stop_str = seq.detokenizer.add_tokens(ids) if ids else None
-        if stop_str is None and request.is_finished:
-            stop_str = seq.detokenizer.finish()  # flush bytes that never formed a whole character
-        if stop_str is not None:
-            if not request.is_finished:
-                self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
-            else:
-                request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = stop_str
+
+    def _finish_child(self, seq: _Sequence) -> None:
+        """Count a completion's finishing output; drop its request after the last one."""
+        parent = self._parents[seq.parent_id]
+        parent.num_running -= 1
+        if parent.num_running == 0:
+            self._drop(parent)
 
     def _update_logprobs(self, seq: _Sequence, entry: list[tuple[int, float, int]] | None) -> None:
         if seq.logprobs is None or entry is None:
@@ -670,55 +587,6 @@ class LLMEngine:
         decoded = self.tokenizer.convert_ids_to_tokens([t for t, _, _ in entry])
         seq.logprobs.append({t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(entry, decoded)})
         seq.cumulative_logprob += entry[0][1]
-
-    def _make_output(self, parent: _Parent) -> RequestOutput:
-        outs = [self._completion(c) for c in parent.children]
-        first = parent.children[0].request
-        finished = parent.finished
-        metrics = RequestMetrics(
-            parent.arrival_time,
-            first.first_scheduled_time,
-            first.first_token_time,
-            max((c.finished_time or 0.0) for c in parent.children) if finished else None,
-        )
-        return RequestOutput(
-            parent.request_id,
-            parent.prompt,
-            parent.prompt_token_ids,
-            outs,
-            finished,
-            first.num_cached_tokens,
-            parent.error,
-            metrics,
-        )
-
-    def _completion(self, c: _Sequence) -> CompletionOutput:
-        r = c.request
-        text = c.final_text or ""
-        status = r.status
-        if c.detokenizer is not None:
-            text = c.detokenizer.output_text
-            if c.holdback and not status._finished:
-                text = text[: len(text) - c.holdback]
-        token_ids, logprobs = r.output_token_ids, c.logprobs
-        if c.params.output_kind is RequestOutputKind.DELTA:
-            text, c.num_sent_chars = text[c.num_sent_chars :], len(text)
-            token_ids, start, c.num_sent_tokens = token_ids[c.num_sent_tokens :], c.num_sent_tokens, len(token_ids)
-            logprobs = logprobs[start:] if logprobs is not None else None
-        else:
-            token_ids = list(token_ids)
-            logprobs = list(logprobs) if logprobs is not None else None
-        return CompletionOutput(
-            c.index, text, token_ids, c.cumulative_logprob, logprobs, status.finish_reason, r.stop_reason
-        )
-
-    @staticmethod
-    def _holdback(params: SamplingParams) -> int:
-        """Characters withheld from unfinished text: they might still turn into a stop string
-        (none when the stop string is part of the output anyway, as in vLLM)."""
-        if params.include_stop_str_in_output:
-            return 0
-        return max((len(s) for s in params.stop), default=1) - 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's name). Only possible while no request holds blocks;

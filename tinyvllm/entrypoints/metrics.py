@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tinyvllm.entrypoints.deltas import Delta
+from tinyvllm.engine.messages import CompletionDelta, RequestDelta
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -149,15 +149,17 @@ class LatencyRecorder:
         self._model = model_name
         self._last: dict[tuple[str, int], float] = {}  # (request, index) -> time of its latest token
 
-    def on_step(self, items: Sequence[tuple[Any, Delta]], now: float) -> None:
-        """One step's (stream, Delta) pairs; a stream's `arrival_time` is its request's arrival."""
+    def on_step(self, items: Sequence[tuple[Any, RequestDelta]], now: float) -> None:
+        """One step's (stream, RequestDelta) pairs; a stream's `arrival_time` is its request's arrival."""
         last_seen = self._last
         gaps: dict[float, int] = {}  # inter-token gap -> tokens (a step's gaps are mostly one value)
-        for stream, (rid, finished, completions, _, _) in items:
-            for index, _, token_ids, *_ in completions:
-                num = len(token_ids)
+        for stream, delta in items:
+            rid, completions = delta.request_id, delta.completions
+            for c in completions:
+                num = len(c.token_ids)
                 if not num:
                     continue
+                index = c.index
                 key = (rid, index)
                 last = last_seen.get(key)
                 if last is None:
@@ -167,7 +169,7 @@ class LatencyRecorder:
                     gap = (now - last) / num
                     gaps[gap] = gaps.get(gap, 0) + num
                 last_seen[key] = now
-            if finished:
+            if delta.finished:
                 self._finish(stream, rid, completions, now)
         for gap, count in gaps.items():
             observe_many(self.itl, gap, count)
@@ -179,11 +181,11 @@ class LatencyRecorder:
         for _ in request_ids:
             self.success.labels(self._model, "abort").inc()
 
-    def _finish(self, stream: Any, request_id: str, completions: Sequence[tuple], now: float) -> None:
+    def _finish(self, stream: Any, request_id: str, completions: Sequence[CompletionDelta], now: float) -> None:
         for c in completions:
-            self._last.pop((request_id, c[0]), None)
+            self._last.pop((request_id, c.index), None)
         self.e2e.observe(max(0.0, now - stream.arrival_time))
-        reason = completions[0][5] if completions else "error"  # CompletionDelta.finish_reason
+        reason = completions[0].finish_reason if completions else "error"
         self.success.labels(self._model, reason or "error").inc()
 
 

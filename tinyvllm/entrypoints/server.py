@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyvllm
-from tinyvllm.entrypoints.async_engine import AsyncLLMEngine, EngineClient
+from tinyvllm.engine.async_llm import AsyncLLMEngine, EngineClient
 from tinyvllm.entrypoints.errors import APIError, error_body
 from tinyvllm.entrypoints.metrics import make_registry
 from tinyvllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -215,7 +215,7 @@ def run_server(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from tinyvllm.engine.args import DEFAULT_MODEL, engine_args_from_cli
-    from tinyvllm.entrypoints.mp_engine import EngineStartError, MPAsyncLLMEngine
+    from tinyvllm.engine.mp_client import EngineStartError, MPAsyncLLMEngine
 
     engine_args = engine_args_from_cli(ns)
     engine: EngineClient

@@ -21,8 +21,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from tinyvllm.entrypoints.async_engine import EngineClient, RequestRejected, RequestStream
-from tinyvllm.entrypoints.deltas import OutputAccumulator
+from tinyvllm.engine.async_llm import EngineClient, RequestRejected, RequestStream
+from tinyvllm.engine.messages import OutputAccumulator, RequestDelta
 from tinyvllm.entrypoints.errors import APIError, error_json
 from tinyvllm.entrypoints.protocol import SamplingFields
 from tinyvllm.outputs import Logprob, RequestOutput
@@ -163,9 +163,9 @@ async def add_all(
     return streams
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, tuple]]:
-    """(prompt index, Delta-shaped tuple: what arrived since the previous one, see
-    RequestStream.deltas) from every stream as Deltas arrive; errors propagate."""
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(prompt index, RequestDelta: what arrived since the previous one, see RequestStream.deltas)
+    from every stream as they arrive; errors propagate."""
     if len(streams) == 1:
         async for delta in streams[0].deltas():
             yield 0, delta

@@ -199,16 +199,17 @@ async def _events(
     try:
         async for _, delta in merged(streams):  # what arrived since the previous event, merged
             chunks = []
-            for i, text, token_ids, logprobs, _, finish_reason, stop_reason in delta[2]:
+            for c in delta.completions:
+                i, text, token_ids, finish_reason = c.index, c.text, c.token_ids, c.finish_reason
                 if done[i]:
                     continue  # a finished choice of a request whose other choices still run
                 completion_tokens[i] += len(token_ids)
                 finished = done[i] = finish_reason is not None
                 if not text and not finished and not (req.logprobs and token_ids):
                     continue  # no visible text yet (a partial character, a held-back stop prefix)
-                lp = chat_logprobs(ctx, token_ids, logprobs or [], req.top_logprobs or 0) if req.logprobs else None
+                lp = chat_logprobs(ctx, token_ids, c.logprobs or [], req.top_logprobs or 0) if req.logprobs else None
                 chunks.append(
-                    fmt.chunk(chat_choice_json(i, text, lp, finish_reason, stop_reason if finished else None))
+                    fmt.chunk(chat_choice_json(i, text, lp, finish_reason, c.stop_reason if finished else None))
                 )
             if chunks:
                 yield chunks[0] if len(chunks) == 1 else "".join(chunks)

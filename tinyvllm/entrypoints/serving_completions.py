@@ -137,8 +137,9 @@ async def _events(
     try:
         async for i, delta in merged(streams):  # what arrived since the previous event, merged
             chunks = []
-            for c_index, text, token_ids, logprobs, _, finish_reason, stop_reason in delta[2]:
-                index = i * req.n + c_index
+            for c in delta.completions:
+                index = i * req.n + c.index
+                text, token_ids, finish_reason = c.text, c.token_ids, c.finish_reason
                 if index in done:
                     continue  # a finished choice of a request whose other choices still run
                 first = index not in sent_chars
@@ -150,15 +151,14 @@ async def _events(
                 offset = sent_chars.get(index, 0)
                 lp = None
                 if req.logprobs is not None:
-                    lp = completion_logprobs(ctx, token_ids, logprobs or [], req.logprobs, offset)
+                    lp = completion_logprobs(ctx, token_ids, c.logprobs or [], req.logprobs, offset)
                 sent_chars[index] = offset + len(text)
                 if first and req.echo:
                     text = _prompt_text(ctx, prompts[i]) + text
                 if finished:
                     done.add(index)
-                chunks.append(
-                    fmt.chunk(completion_choice_json(index, text, lp, finish_reason, stop_reason if finished else None))
-                )
+                stop_reason = c.stop_reason if finished else None
+                chunks.append(fmt.chunk(completion_choice_json(index, text, lp, finish_reason, stop_reason)))
             if chunks:
                 yield chunks[0] if len(chunks) == 1 else "".join(chunks)
         if include_usage:

@@ -4,7 +4,7 @@ Two clients share the caller side (`EngineClient`) and differ in where the Engin
 
 - `AsyncLLMEngine(engine)`: on a thread of this process, around an already-built LLMEngine (tests
   inject fake or failing engines this way; `tinyvllm serve --engine-in-thread`).
-- `MPAsyncLLMEngine(engine_args)` (`tinyvllm.entrypoints.mp_engine`, the default of `tinyvllm serve`):
+- `MPAsyncLLMEngine(engine_args)` (`tinyvllm.engine.mp_client`, the default of `tinyvllm serve`):
   in a process of its own, so that the engine's Python (scheduling, step inputs, token ids) and the
   server's (detokenizing, HTTP, JSON, SSE) do not share one GIL.
 
@@ -17,19 +17,20 @@ Callers, on any event loop (several loops may share one engine):
 
 `add_request` returns once the core has queued the request, so a rejection (a malformed prompt or
 sampling value, a full waiting queue, a dead engine) reaches the caller before it commits to a
-response. The core runs requests token ids only (`output_processor.core_params`) and sends Deltas
-(`tinyvllm.entrypoints.deltas`) after each step; the thread that receives them (the engine thread,
-or the reader thread of the process client) detokenizes them and matches stop strings (one
-`output_processor.RequestProcessor` per request that wants text; a matched stop string aborts the
-request, or that completion of it, in the core), then hands each loop its streams' Deltas with one
-`loop.call_soon_threadsafe` per step. If the core dies (an exception, a
-crashed process), the engine is dead (`is_dead`): every in-flight stream raises EngineDeadError and
-so does every later `add_request`.
+response. The core works in token ids and sends EngineCoreOutputs after each step
+(`tinyvllm.engine.messages`); the thread that receives them (the engine thread, or the reader thread
+of the process client) runs the output processing (`tinyvllm.engine.output_processor`, one
+RequestState per stream: text, stop strings; a matched stop string aborts the request, or that
+completion of it, in the core), then hands each loop its streams' RequestDeltas with one
+`loop.call_soon_threadsafe` per step. If the core dies (an exception, a crashed process), the engine
+is dead (`is_dead`): every in-flight stream raises EngineDeadError and so does every later
+`add_request`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -38,9 +39,20 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tinyvllm.entrypoints.deltas import Delta, OutputAccumulator
-from tinyvllm.entrypoints.engine_core import EngineCore
-from tinyvllm.entrypoints.output_processor import RequestProcessor, core_params
+from tinyvllm.engine.core import EngineCore
+from tinyvllm.engine.messages import (
+    AbortRequest,
+    AddReply,
+    AddRequest,
+    EngineCommand,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    OutputAccumulator,
+    RequestDelta,
+    Shutdown,
+    merge_deltas,
+)
+from tinyvllm.engine.output_processor import RequestState, process_outputs
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -88,9 +100,10 @@ class EngineInfo:
 
 class StatsListener(Protocol):
     """Called on the thread that receives the core's messages (never on an event loop): after each
-    step with its (stream, Delta) pairs and the step's time, and with the ids of aborted requests."""
+    step with its (stream, RequestDelta) pairs and the step's time, and with the ids of aborted
+    requests."""
 
-    def on_step(self, items: Sequence[tuple[RequestStream, Delta]], now: float) -> None: ...
+    def on_step(self, items: Sequence[tuple[RequestStream, RequestDelta]], now: float) -> None: ...
 
     def on_abort(self, request_ids: Sequence[str]) -> None: ...
 
@@ -99,10 +112,13 @@ class RequestStream:
     """One request's outputs, read on the event loop that added it; iteration ends after the
     finished output. What each output holds follows the request's `output_kind`:
 
-    - DELTA: everything since the previous output. When the reader falls behind, the Deltas that
-      piled up are merged into one output (texts and token ids concatenated).
-    - CUMULATIVE: everything so far (the stream accumulates the Deltas).
-    - FINAL_ONLY: one output, the finished one (the stream accumulates the Deltas, if several).
+    - DELTA: everything since the previous output. When the reader falls behind, the RequestDeltas
+      that piled up are merged into one output (texts and token ids concatenated).
+    - CUMULATIVE: everything so far (the stream accumulates the RequestDeltas).
+    - FINAL_ONLY: one output, the finished one (the stream accumulates the RequestDeltas, if several).
+
+    `state` is the request's output processing, used by the thread that receives the core's
+    messages only.
     """
 
     def __init__(
@@ -110,11 +126,10 @@ class RequestStream:
         request_id: str,
         client: EngineClient,
         loop: asyncio.AbstractEventLoop,
-        output_kind: RequestOutputKind,
+        params: SamplingParams,
         prompt: str | None,
         prompt_token_ids: list[int],
         arrival_time: float,
-        processor: RequestProcessor | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -124,12 +139,12 @@ class RequestStream:
         self._client = client
         self._loop = loop
         self._accepted: asyncio.Future = loop.create_future()
-        self._pending: list[Any] = []  # Deltas, or the error that ends the stream
+        self._pending: list[Any] = []  # RequestDeltas, or the error that ends the stream
         self._waiter: asyncio.Future | None = None
-        self._final_only = output_kind == RequestOutputKind.FINAL_ONLY
-        self._accumulate = self._final_only or output_kind == RequestOutputKind.CUMULATIVE
+        self._final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
+        self._accumulate = self._final_only or params.output_kind == RequestOutputKind.CUMULATIVE
         self._total: OutputAccumulator | None = None  # everything so far, for CUMULATIVE and FINAL_ONLY
-        self._processor = processor  # the core's token ids -> text (used by the receiving thread only)
+        self.state = RequestState(request_id, params, client.info.tokenizer, prompt, prompt_token_ids, arrival_time)
 
     def _accumulator(self) -> OutputAccumulator:
         return OutputAccumulator(self.request_id, self.prompt, self.prompt_token_ids, self.arrival_time)
@@ -153,26 +168,26 @@ class RequestStream:
                 self.finished = True
                 raise error
 
-    async def deltas(self) -> AsyncIterator[tuple]:
-        """The DELTA stream as Delta-shaped tuples (request_id, finished, completions, error,
-        num_cached_tokens), without building RequestOutputs (the SSE path): the Deltas that piled up
-        since the previous one merged into one (`merge_deltas`), completions in index order. Ends
-        after the finished one; raises the error that ends the stream. For DELTA requests only."""
+    async def deltas(self) -> AsyncIterator[RequestDelta]:
+        """The DELTA stream as RequestDeltas, without building RequestOutputs (the SSE path): the
+        RequestDeltas that piled up since the previous one merged into one (`merge_deltas`),
+        completions in index order. Ends after the finished one; raises the error that ends the
+        stream. For DELTA requests only."""
         if self._accumulate:
             raise ValueError("deltas() is for DELTA requests; iterate the stream for the others")
         while not self.finished:
             items, error = await self._take()
             if items:
                 delta = merge_deltas(items)
-                self.finished = delta[1]
+                self.finished = delta.finished
                 yield delta
             if error is not None and not self.finished:
                 self.finished = True
                 raise error
 
     async def _take(self) -> tuple[list[Any], BaseException | None]:
-        """Wait until something is queued; then (every Delta queued before the error, if any; the
-        error that ends the stream, or None). One wake-up takes all that piled up."""
+        """Wait until something is queued; then (every RequestDelta queued before the error, if any;
+        the error that ends the stream, or None). One wake-up takes all that piled up."""
         if not self._pending:
             self._waiter = self._loop.create_future()
             try:
@@ -252,19 +267,16 @@ class EngineClient:
             raise RequestRejected(f"sampling params must be SamplingParams, not {type(params).__name__}")
         request_id = str(request_id)
         loop = asyncio.get_running_loop()
-        kind = params.output_kind
-        processor = RequestProcessor(self.info.tokenizer, params) if params.detokenize else None
-        params = core_params(params)  # token ids only, DELTA (or FINAL_ONLY): the stream accumulates
         text, ids = _prompt_parts(prompt)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        stream = RequestStream(request_id, self, loop, kind, text, ids, arrival_time, processor)
+        stream = RequestStream(request_id, self, loop, params, text, ids, arrival_time)
         with self._lock:
             if self.dead_error is not None:
                 raise self._dead()
             if request_id in self._streams or request_id in self._adding:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._adding[request_id] = stream
-            self._send(("add", request_id, prompt, params, arrival_time))
+            self._send(AddRequest(request_id, prompt, params, arrival_time))
         try:
             await stream._accepted
         except asyncio.CancelledError:
@@ -283,7 +295,7 @@ class EngineClient:
         finally:
             stream.abort()
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: EngineCommand) -> None:
         raise NotImplementedError
 
     def _abort(self, stream: RequestStream) -> None:
@@ -297,7 +309,7 @@ class EngineClient:
             else:
                 return
             if self.dead_error is None:
-                self._send(("abort", rid))
+                self._send(AbortRequest(rid))
         if counted:
             for listener in self._listeners:
                 listener.on_abort([rid])
@@ -306,31 +318,29 @@ class EngineClient:
         return EngineDeadError(f"the engine is not running ({self.dead_error})")
 
     # ------------------------------------------------------------------ the core's messages
-    def _handle(self, message: tuple) -> None:
-        """One message of the core (see engine_core); on the engine thread or the reader thread."""
-        if message[0] != "out":
-            raise ValueError(f"unexpected message from the engine core: {message[0]!r}")
-        _, replies, deltas, stats, now = message
-        self.stats = stats
-        if replies:
-            self._on_replies(replies)
-        if deltas:
-            self._on_deltas(deltas, now)
+    def _handle(self, message: EngineCoreOutputs) -> None:
+        """One message of the core (see tinyvllm.engine.core); on the engine thread or the reader thread."""
+        self.stats = message.stats
+        if message.replies:
+            self._on_replies(message.replies)
+        if message.outputs:
+            self._on_outputs(message.outputs, message.timestamp)
 
-    def _on_replies(self, replies: Sequence[tuple]) -> None:
+    def _on_replies(self, replies: Sequence[AddReply]) -> None:
         answers: list[tuple[RequestStream, BaseException | None]] = []
         aborted = []
         with self._lock:
-            for rid, status, message, prompt_ids in replies:
+            for reply in replies:
+                rid = reply.request_id
                 stream = self._adding.pop(rid, None)
                 if stream is None:
                     continue
-                if status is not None:
-                    error = QueueFullError(message) if status == 503 else RequestRejected(message)
+                if reply.status is not None:
+                    error = QueueFullError(reply.message) if reply.status == 503 else RequestRejected(reply.message)
                     answers.append((stream, error))
                     continue
-                if prompt_ids is not None:
-                    stream.prompt_token_ids = prompt_ids
+                if reply.prompt_token_ids is not None:
+                    stream.prompt_token_ids = stream.state.prompt_token_ids = reply.prompt_token_ids
                 if stream.finished:  # aborted while being added; the abort follows the add
                     aborted.append(rid)
                     continue
@@ -342,35 +352,32 @@ class EngineClient:
         for loop, items in _by_loop(answers).items():
             _call_soon(loop, _resolve_all, items)
 
-    def _on_deltas(self, deltas: Sequence[Delta], now: float) -> None:
+    def _on_outputs(self, outputs: Sequence[EngineCoreOutput], now: float) -> None:
         with self._lock:
             streams = self._streams
-            found = [
-                (stream, d)
-                for d in deltas  # Delta-shaped tuples: (request_id, finished, ...)
-                if (stream := streams.get(d[0])) is not None
-            ]  # else aborted meanwhile
-        processed = []
-        for stream, d in found:  # outside the lock: detokenizing a step takes a while
-            processor = stream._processor
-            commands: Sequence[tuple] = ()
-            if processor is not None:
-                d, commands = processor.process(d, stream.prompt_token_ids)
-            processed.append((stream, d, commands))
+            found = [streams.get(out.request_id) for out in outputs]
+        if None in found:  # aborted meanwhile
+            outputs = [out for out, stream in zip(outputs, found) if stream is not None]
+            found = [stream for stream in found if stream is not None]
+        # Outside the lock: detokenizing a step takes a while.
+        processed = list(process_outputs([stream.state for stream in found], outputs))
         items = []
         with self._lock:
             streams = self._streams  # again: _die may have replaced it meanwhile
             alive = self.dead_error is None
-            for stream, d, commands in processed:
-                rid = d[0]
-                if streams.get(rid) is not stream:
+            for state, delta in processed:
+                rid = delta.request_id
+                stream = streams.get(rid)
+                if stream is None or stream.state is not state:
                     continue  # aborted while we detokenized: the abort is sent and counted already
-                if d[1]:
+                if delta.finished:
                     del streams[rid]
-                items.append((stream, d))
-                if alive:
-                    for command in commands:  # a stop string matched: stop the request in the core
-                        self._send(command)
+                items.append((stream, delta))
+                if state.aborts:  # a stop string matched: stop the request (or completion) in the core
+                    if alive:
+                        for command in state.aborts:
+                            self._send(command)
+                    state.aborts = ()
         for listener in self._listeners:
             listener.on_step(items, now)
         for loop, group in _by_loop(items).items():
@@ -417,13 +424,13 @@ class AsyncLLMEngine(EngineClient):
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         if self._thread.is_alive():
-            self._commands.put(("stop",))
+            self._commands.put(Shutdown())
             self._thread.join(timeout)
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: EngineCommand) -> None:
         self._commands.put(command)
 
-    def _recv(self, block: bool) -> list[tuple]:
+    def _recv(self, block: bool) -> list[EngineCommand]:
         try:
             commands = [self._commands.get() if block else self._commands.get_nowait()]
         except queue.Empty:
@@ -441,54 +448,6 @@ class AsyncLLMEngine(EngineClient):
         except BaseException as e:
             logger.exception("engine loop died")
             self._die(e)
-
-
-def merge_deltas(deltas: Sequence[tuple]) -> tuple:
-    """Consecutive Delta-shaped tuples of one request as one: each completion's texts, token ids and
-    logprobs concatenated, its latest cumulative logprob, finish_reason and stop_reason kept (as
-    OutputAccumulator merges them); finished from the last Delta, error and num_cached_tokens the
-    latest given. Completions in index order."""
-    if len(deltas) == 1:
-        delta = deltas[0]
-        completions = delta[2]
-        if len(completions) > 1 and any(a[0] > b[0] for a, b in zip(completions, completions[1:])):
-            delta = (delta[0], delta[1], sorted(completions, key=_index), delta[3], delta[4])
-        return delta
-    if all(len(d[2]) == 1 for d in deltas) and len({d[2][0][0] for d in deltas}) == 1:  # n = 1
-        error = next((d[3] for d in reversed(deltas) if d[3] is not None), None)
-        cached = next((d[4] for d in reversed(deltas) if d[4] is not None), None)
-        return (deltas[-1][0], deltas[-1][1], [_merge_completion([d[2][0] for d in deltas])], error, cached)
-    by_index: dict[int, list[tuple]] = {}
-    error = cached = None
-    for d in deltas:
-        for c in d[2]:
-            by_index.setdefault(c[0], []).append(c)
-        if d[3] is not None:
-            error = d[3]
-        if d[4] is not None:
-            cached = d[4]
-    last = deltas[-1]
-    return (last[0], last[1], [_merge_completion(by_index[i]) for i in sorted(by_index)], error, cached)
-
-
-def _index(completion: tuple) -> int:
-    return completion[0]
-
-
-def _merge_completion(parts: list[tuple]) -> tuple:
-    """CompletionDelta-shaped tuples of one completion, in order, as one."""
-    if len(parts) == 1:
-        return parts[0]
-    token_ids: list[int] = []
-    logprobs: list | None = None
-    for part in parts:
-        token_ids += part[2]
-        if part[3] is not None:
-            if logprobs is None:
-                logprobs = []
-            logprobs += part[3]
-    last = parts[-1]
-    return (last[0], "".join(p[1] for p in parts), token_ids, logprobs, last[4], last[5], last[6])
 
 
 def _prompt_parts(prompt: Any) -> tuple[str | None, list[int]]:
@@ -510,10 +469,8 @@ def _by_loop(items: Sequence[tuple[RequestStream, Any]]) -> dict[asyncio.Abstrac
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
-    try:
+    with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening any more
         loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        pass  # the caller's loop is closed: nobody is listening any more
 
 
 def _resolve_all(items: list[tuple[RequestStream, BaseException | None]]) -> None:
@@ -534,8 +491,8 @@ def _fail_all(items: list[tuple[RequestStream, BaseException]]) -> None:
             stream._put(error)
 
 
-def _deliver_all(items: list[tuple[RequestStream, Delta]]) -> None:
-    """RequestStream._put of each (stream, Delta), inlined: this runs for every token of a step."""
+def _deliver_all(items: list[tuple[RequestStream, RequestDelta]]) -> None:
+    """RequestStream._put of each (stream, RequestDelta), inlined: this runs for every token of a step."""
     for stream, delta in items:
         stream._pending.append(delta)
         waiter = stream._waiter

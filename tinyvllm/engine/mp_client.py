@@ -3,18 +3,21 @@
 The API process keeps the asyncio app (this module and the app import no torch, and nothing there
 initialises CUDA); the engine process builds the LLMEngine from the EngineArgs (CUDA is initialised
 there only: the process is spawned, not forked) and runs `EngineCore.run`. Two one-way pipes connect
-them (multiprocessing.connection, pickled messages):
+them (multiprocessing.connection):
 
     API process                                        engine process
     event loop --commands--> sender thread  ==pipe==>  EngineCore: apply commands, step,
-    event loop <--call_soon_threadsafe-- reader thread  <==pipe==  send one "out" message per step
+    event loop <--call_soon_threadsafe-- reader thread  <==pipe==  send one EngineCoreOutputs per step
 
-The sender thread batches the commands queued since its last write into one message, so the event
-loop never blocks on a pipe; the reader thread unpickles each message, detokenizes its Deltas (the
-core sends token ids; stop strings are matched here too, and a match sends the core an abort) and
-dispatches them to the streams (`EngineClient._handle`), while the core runs its next step. Messages are listed in `tinyvllm.entrypoints.engine_core`.
+The sender thread batches the commands queued since its last write into one pickled message, so the
+event loop never blocks on a pipe. The engine process answers the start with a pickled EngineReady
+(or EngineFailed); after that each of its messages is an EngineCoreOutputs or EngineDead in msgpack
+(`tinyvllm.engine.messages`: the per-step outputs are the hot path). The reader thread decodes each
+message, runs the output processing of its outputs (the core sends token ids; text and stop strings
+are done here, and a stop string sends the core an abort) and dispatches them to the streams
+(`EngineClient._handle`), while the core runs its next step.
 
-Failures: an exception in the engine loop is sent as ("dead", message) before the process exits
+Failures: an exception in the engine loop is sent as EngineDead before the process exits
 with status 1; a process that vanishes (killed, crashed) closes its pipe. Either way the reader thread
 marks the engine dead. The engine process ignores SIGINT (a Ctrl-C in the terminal reaches the whole
 process group; the API process drains in-flight requests, then stops the engine) and exits when its
@@ -23,6 +26,7 @@ command pipe closes, so it never outlives the API process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -34,8 +38,18 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tinyvllm.entrypoints.async_engine import EngineClient, EngineInfo
-from tinyvllm.entrypoints.engine_core import EngineCore
+from tinyvllm.engine.async_llm import EngineClient, EngineInfo
+from tinyvllm.engine.core import EngineCore
+from tinyvllm.engine.messages import (
+    EngineCommand,
+    EngineCoreOutputs,
+    EngineDead,
+    EngineFailed,
+    EngineReady,
+    Shutdown,
+    encoder,
+    output_decoder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,21 +131,22 @@ class MPAsyncLLMEngine(EngineClient):
         out_send.close()
         self._to_core, self._from_core = cmd_send, out_recv
         try:
-            info = self._wait_until_ready(timeout)
+            ready = self._wait_until_ready(timeout)
             from tinyvllm.tokenizer import Tokenizer
 
-            tokenizer = Tokenizer.from_pretrained(info["tokenizer"])
+            tokenizer = Tokenizer.from_pretrained(ready.tokenizer)
         except BaseException:
             self._kill()
             raise
         self.info = EngineInfo(
-            tokenizer, info["vocab_size"], info["max_model_len"], info["default_sampling_params"], info["model_dir"]
+            tokenizer, ready.vocab_size, ready.max_model_len, ready.default_sampling_params, ready.model_dir
         )
+        self.stats = ready.stats
         self._reader.start()
         self._sender.start()
         return self
 
-    def _wait_until_ready(self, timeout: float | None) -> dict:
+    def _wait_until_ready(self, timeout: float | None) -> EngineReady:
         assert self._from_core is not None and self._proc is not None
         try:
             if not self._from_core.poll(timeout):
@@ -139,10 +154,9 @@ class MPAsyncLLMEngine(EngineClient):
             message = self._from_core.recv()
         except (EOFError, OSError):
             raise EngineStartError(f"the engine process died while starting ({_exit(self._wait(5))})") from None
-        if message[0] == "failed":
-            raise EngineStartError(message[1])
-        _, info, self.stats = message
-        return info
+        if isinstance(message, EngineFailed):
+            raise EngineStartError(message.message)
+        return message
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the engine process (what is in flight fails with EngineDeadError), wait for it and for
@@ -150,7 +164,7 @@ class MPAsyncLLMEngine(EngineClient):
         if self._proc is None:
             return
         self._stopping = True
-        self._commands.put(("stop",))
+        self._commands.put(Shutdown())
         if self._wait(timeout) is None:
             logger.warning("the engine process did not stop within %s s; killing it", timeout)
             self._kill()
@@ -175,12 +189,12 @@ class MPAsyncLLMEngine(EngineClient):
             self._proc.kill()
             self._wait(10)
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: EngineCommand) -> None:
         self._commands.put(command)
 
     # ------------------------------------------------------------------ the two threads
     def _write(self) -> None:
-        """Sender thread: one pipe message per batch of queued commands, until "stop"."""
+        """Sender thread: one pipe message per batch of queued commands, until Shutdown."""
         assert self._to_core is not None
         while True:
             batch = [self._commands.get()]
@@ -198,7 +212,7 @@ class MPAsyncLLMEngine(EngineClient):
                 self._die(e)
                 self._kill()
                 return
-            if any(c[0] == "stop" for c in batch):
+            if any(isinstance(c, Shutdown) for c in batch):
                 return
 
     def _read(self) -> None:
@@ -206,11 +220,12 @@ class MPAsyncLLMEngine(EngineClient):
         assert self._from_core is not None and self._proc is not None
         error: BaseException | None = None
         conn = self._from_core
+        decode = output_decoder.decode
         try:
             while True:
-                message = conn.recv()
-                if message[0] == "dead":
-                    error = RuntimeError(message[1])
+                message = decode(conn.recv_bytes())
+                if isinstance(message, EngineDead):
+                    error = RuntimeError(message.message)
                     break
                 self._handle(message)
         except (EOFError, OSError):
@@ -279,7 +294,7 @@ def run_engine_process(
     commands: Connection,
     out: Connection,
 ) -> None:
-    """Main of the engine process: build the engine, report ("ready", info, stats), run the loop."""
+    """Main of the engine process: build the engine, report EngineReady, run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when the engine stops
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -287,25 +302,22 @@ def run_engine_process(
         engine = factory(engine_args) if factory is not None else _build_engine(engine_args, show_progress)
     except BaseException as e:
         logger.exception("could not build the engine")
-        out.send(("failed", f"{type(e).__name__}: {e}"))
+        out.send(EngineFailed(f"{type(e).__name__}: {e}"))
         sys.exit(1)
     info = EngineInfo.of(engine)
     out.send(
-        (
-            "ready",
-            {
-                "tokenizer": str(getattr(engine_args, "tokenizer", None) or info.model_dir),
-                "vocab_size": info.vocab_size,
-                "max_model_len": info.max_model_len,
-                "default_sampling_params": info.default_sampling_params,
-                "model_dir": info.model_dir,
-            },
+        EngineReady(
+            str(getattr(engine_args, "tokenizer", None) or info.model_dir),
+            info.vocab_size,
+            info.max_model_len,
+            info.default_sampling_params,
+            info.model_dir,
             dict(engine.get_metrics()),
         )
     )
     core = EngineCore(engine, max_waiting_requests)
 
-    def recv(block: bool) -> list[tuple] | None:
+    def recv(block: bool) -> list[EngineCommand] | None:
         try:
             if not block and not commands.poll():
                 return []
@@ -316,12 +328,13 @@ def run_engine_process(
         except (EOFError, OSError):
             return None  # the API process is gone
 
+    def emit(message: EngineCoreOutputs) -> None:
+        out.send_bytes(encoder.encode(message))
+
     try:
-        core.run(recv, out.send)
+        core.run(recv, emit)
     except BaseException as e:
         logger.exception("engine loop died")
-        try:
-            out.send(("dead", f"{type(e).__name__}: {e}"))
-        except (OSError, ValueError):
-            pass
+        with contextlib.suppress(OSError, ValueError):  # the API process is gone
+            out.send_bytes(encoder.encode(EngineDead(f"{type(e).__name__}: {e}")))
         sys.exit(1)
