@@ -75,12 +75,13 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def _edges(src: str, dst: str) -> list[str]:
-    return [f"{a} -> {b}" for a, deps in _graph().items() for b in deps if a.startswith(src) and b.startswith(dst)]
+def _edges(graph: dict[str, set[str]], src: str, dst: str) -> list[str]:
+    return [f"{a} -> {b}" for a, deps in graph.items() for b in deps if a.startswith(src) and b.startswith(dst)]
 
 
 def test_no_import_cycles():
-    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()) or [])
+    cycle = _cycle(_graph())
+    assert cycle is None, " -> ".join(cycle or [])
 
 
 def test_layers_import_only_downwards():
@@ -98,7 +99,8 @@ def test_layers_import_only_downwards():
         ("tinyvllm.sampling", "tinyvllm.entrypoints"),
         ("tinyvllm.sampling", "tinyvllm.engine"),
     ]
-    bad = [edge for src, dst in forbidden for edge in _edges(src, dst)]
+    graph = _graph()
+    bad = [edge for src, dst in forbidden for edge in _edges(graph, src, dst)]
     assert not bad, bad
 
 
