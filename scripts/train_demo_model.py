@@ -46,8 +46,8 @@ from prepare_demo_corpus import read_documents  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tinyvllm.models.checkpoint import make_config, num_parameters, weight_shapes  # noqa: E402
 from tinyvllm.models.dummy_tokenizer import special_token_ids, write_tokenizer_files  # noqa: E402
+from tinyvllm.models.presets import make_config, num_parameters, weight_shapes  # noqa: E402
 
 OUT_PART_BYTES = 15 * 10**6  # files copied to $OUT must stay under 16 MB each
 SAMPLING_DEFAULTS = {"temperature": 0.7, "top_p": 0.9}  # generation_config.json

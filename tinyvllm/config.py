@@ -12,7 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# architecture (config.json `architectures[0]`) → its `model_type`; a family is a set of ModelConfig fields
+# (QKV bias, per-head q/k norm, sliding window) read from config.json by `_family_fields`.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_DTYPES = ("auto", "bfloat16", "float16", "float32")
 _DTYPE_ALIASES = {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
 
@@ -35,7 +44,14 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama 3.x model, read from a Hugging Face `config.json`."""
+    """The shape of a decoder of one of the supported families, read from a Hugging Face `config.json`.
+
+    One decoder serves every family (Llama 3.x, Mistral, Qwen2/2.5, Qwen3); a family differs only in:
+    `qkv_bias` (Qwen2: biases on the q, k and v projections), `qk_norm` (Qwen3: RMSNorm over each head's
+    `head_dim` features of q and k, after the projection and before RoPE) and sliding-window attention
+    (`sliding_window` W on the layers whose `layer_types` entry is "sliding_attention": the query at
+    position p sees keys p − W + 1 .. p).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -53,6 +69,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # one entry per layer (LAYER_TYPES); empty: every layer full attention
 
     def __post_init__(self) -> None:
         positive = (
@@ -76,6 +96,32 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"unsupported layer_types {unknown}; tinyvllm supports {list(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (keys p − W + 1 .. p are visible), or None: full causal."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return "sliding_attention" in self.layer_types
+
+    @property
+    def all_layers_sliding(self) -> bool:
+        """Whether every layer has the window: then K/V older than the window is never read again."""
+        return bool(self.layer_types) and all(t == "sliding_attention" for t in self.layer_types)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -93,6 +139,10 @@ class ModelConfig:
         """Parameter count (embeddings counted once when tied)."""
         h, f, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         mlp = 3 * h * f
         per_layer = attn + mlp + 2 * h
         emb = self.vocab_size * h
@@ -101,18 +151,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a parsed HF config dict; unknown architectures and unsupported options are errors."""
-        archs = cfg.get("architectures")
-        if archs:
-            arch = archs[0]
-        else:
-            arch = "LlamaForCausalLM" if cfg.get("model_type") == "llama" else str(cfg.get("model_type"))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; tinyvllm supports {list(SUPPORTED_ARCHITECTURES)}")
+        arch = _architecture(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; Llama uses 'silu'")
-        for flag in ("attention_bias", "mlp_bias"):
-            if cfg.get(flag):
-                raise ValueError(f"unsupported option {flag}=true; Llama 3.x has no biases")
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} for {arch}; tinyvllm supports 'silu'")
+        family = _family_fields(arch, cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // heads
@@ -140,6 +182,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
+            **family,
         )
 
     @classmethod
@@ -149,6 +192,61 @@ class ModelConfig:
             raise ValueError(f"{model_dir} is not a Hugging Face model directory: no config.json")
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+def _architecture(cfg: dict[str, Any]) -> str:
+    """The config's architecture: `architectures[0]`, or the one of its `model_type`; unknown is an error."""
+    archs = cfg.get("architectures")
+    if archs:
+        if len(archs) != 1:
+            raise ValueError(f"config.json lists {len(archs)} architectures {archs}; expected one")
+        arch = archs[0]
+    else:
+        by_type = {t: a for a, t in ARCHITECTURES.items()}
+        arch = by_type.get(cfg.get("model_type"), f"model_type {cfg.get('model_type')!r}")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; tinyvllm supports {list(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _family_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's family fields for `arch`, read as transformers' own config class reads them; an
+    option that changes the maths and that we do not implement is an error naming it."""
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"unsupported option mlp_bias=true for {arch}; tinyvllm has no MLP biases")
+    if cfg.get("attention_bias"):
+        # Llama and Qwen3 put the bias on all four projections, o_proj included; Qwen2 has no such flag.
+        raise ValueError(
+            f"unsupported option attention_bias=true for {arch}; tinyvllm supports q/k/v biases only as "
+            "Qwen2ForCausalLM has them"
+        )
+    fields: dict[str, Any] = {"qkv_bias": arch == "Qwen2ForCausalLM", "qk_norm": arch == "Qwen3ForCausalLM"}
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "LlamaForCausalLM":
+        window = None
+        default_types = ["full_attention"] * layers
+    elif arch == "MistralForCausalLM":
+        window = cfg.get("sliding_window")
+        default_types = ["sliding_attention" if window is not None else "full_attention"] * layers
+    else:  # Qwen2 / Qwen3: the window applies from layer max_window_layers on, when use_sliding_window
+        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
+        first = int(cfg.get("max_window_layers", 28))
+        default_types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)
+        ]
+    layer_types = cfg.get("layer_types") or default_types
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}; tinyvllm supports {list(LAYER_TYPES)}")
+    if len(layer_types) != layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+    if arch == "LlamaForCausalLM" and "sliding_attention" in layer_types:
+        raise ValueError("unsupported layer_types with sliding_attention for LlamaForCausalLM")
+    fields["sliding_window"] = int(window) if window is not None else None
+    # transformers gives a "sliding_attention" layer no window when sliding_window is null: full attention.
+    sliding = window is not None and "sliding_attention" in layer_types
+    fields["layer_types"] = tuple(layer_types) if sliding else ()
+    return fields
 
 
 def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:

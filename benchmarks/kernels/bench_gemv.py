@@ -52,7 +52,7 @@ SHAPES = [
 ]
 BATCHES = [1, 2, 4, 8, 16]
 ROTATE_BYTES = 256e6  # weight copies per shape: together ≥ 5× the L2
-MODEL_PRESET = "llama-3.2-1b"  # the model check's shape (tinyvllm.models.checkpoint.PRESETS)
+MODEL_PRESET = "llama-3.2-1b"  # the model check's shape (tinyvllm.models.presets.PRESETS)
 EPS = 1e-5
 
 
@@ -206,12 +206,12 @@ def build_model(device: torch.device, max_positions: int):
     """MODEL_PRESET's shape, Triton ops, random weights made on the device (no checkpoint)."""
     from tinyvllm.config import ModelConfig
     from tinyvllm.kernels import get_ops
-    from tinyvllm.models.checkpoint import PRESETS
-    from tinyvllm.models.llama import LlamaForCausalLM
+    from tinyvllm.models.decoder import CausalLM
+    from tinyvllm.models.presets import PRESETS
 
     config = ModelConfig.from_dict(dict(PRESETS[MODEL_PRESET]))
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, get_ops("triton"), max_positions, BF16)
+        model = CausalLM(config, get_ops("triton"), max_positions, BF16)
     model = model.to_empty(device=device)
     model.init_rope_table()
     with torch.no_grad():

@@ -5,7 +5,7 @@
 A random-weight `llama-3.2-1b` model (bf16) on the GPU, one sequence whose context is each of
 `--contexts` keys. Timed as CUDA-graph replays of a whole step (decoder layers + final norm + LM head,
 no sampling), as the engine's batch-1 graph runs it:
-  * `layered`: the fused small-batch path (models/llama.py: ~9 kernels per layer);
+  * `layered`: the fused small-batch path (the layer loop of models/decoder.py: ~9 kernels per layer);
   * `mk <tile>/<warps>w/<stages>st/ace<stages>/<splitO|ticket>`: the megakernel per config.
 The layers alone (without the LM head) are timed too. Floor: the weight bytes read per step (layers,
 LM head) at the copy bandwidth measured at the start. Correctness: each megakernel's hidden state and

@@ -25,7 +25,7 @@ from tinyvllm.engine.paths.executor import ModelExecutor
 from tinyvllm.kernels import get_ops
 from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.models.checkpoint import make_config
-from tinyvllm.models.llama import LlamaForCausalLM
+from tinyvllm.models.decoder import CausalLM
 
 BLOCK = 4
 
@@ -39,13 +39,11 @@ def device_for(backend: str) -> torch.device:
     return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
 
 
-def build(
-    backend: str, dtype: torch.dtype, device: torch.device, max_positions: int = 64, **overrides
-) -> LlamaForCausalLM:
+def build(backend: str, dtype: torch.dtype, device: torch.device, max_positions: int = 64, **overrides) -> CausalLM:
     """The 2-layer `tiny` preset (config.json `overrides` applied) with random weights, norms ≠ 1."""
     config = ModelConfig.from_dict(make_config("tiny", **{"num_hidden_layers": 2, **overrides}))
     with torch.device(device):
-        model = LlamaForCausalLM(config, get_ops(backend), max_positions, dtype)
+        model = CausalLM(config, get_ops(backend), max_positions, dtype)
     model.init_rope_table()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -113,7 +111,7 @@ def batch(kind: str, device: torch.device):
     return ids, torch.tensor(positions, dtype=i64, device=device), meta
 
 
-def caches(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> list:
+def caches(model: CausalLM, dtype: torch.dtype, device: torch.device) -> list:
     c = model.config
     gen = torch.Generator().manual_seed(1)
     shape = (10, c.num_key_value_heads, BLOCK, c.head_dim)
@@ -123,7 +121,7 @@ def caches(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) ->
     ]
 
 
-def executor(model: LlamaForCausalLM, fused: bool) -> ModelExecutor:
+def executor(model: CausalLM, fused: bool) -> ModelExecutor:
     """The runner's path choice with the fused path on for every row count the kernels serve (16, not
     only the engine's default of 1), or off."""
     return ModelExecutor(

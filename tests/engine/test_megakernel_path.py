@@ -34,7 +34,7 @@ from tinyvllm.kernels.decode_megakernel import (
     unit_rows,
     unit_tile,
 )
-from tinyvllm.models.llama import LlamaForCausalLM
+from tinyvllm.models.decoder import CausalLM
 
 BLOCK = 4
 NUM_BLOCKS = 80
@@ -83,14 +83,14 @@ def views(buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(buffer[i, 0], buffer[i, 1]) for i in range(buffer.shape[0])]
 
 
-def paths_of(model: LlamaForCausalLM) -> ModelExecutor:
+def paths_of(model: CausalLM) -> ModelExecutor:
     """The runner's paths over `model` without the megakernel (the reference's, and the fallback's)."""
     return ModelExecutor(
         model, RunnerConfig(decode_megakernel=False, pruned_lm_head=False), model.embed_tokens.weight.device.type
     )
 
 
-def with_megakernel(model: LlamaForCausalLM, config: MegakernelConfig | None = None) -> ModelExecutor:
+def with_megakernel(model: CausalLM, config: MegakernelConfig | None = None) -> ModelExecutor:
     """The runner's paths over `model` with the decode megakernel on (the runner itself turns it on only
     on CUDA; here the CPU interpreter runs it too)."""
     paths = paths_of(model)
@@ -98,9 +98,9 @@ def with_megakernel(model: LlamaForCausalLM, config: MegakernelConfig | None = N
     return paths
 
 
-def forward(paths: ModelExecutor | LlamaForCausalLM, ids, positions, meta, buffer):
+def forward(paths: ModelExecutor | CausalLM, ids, positions, meta, buffer):
     """(final hidden state, float32 logits) of one decode step through `paths` (a model: its own paths)."""
-    if isinstance(paths, LlamaForCausalLM):
+    if isinstance(paths, CausalLM):
         paths = paths_of(paths)
     with torch.no_grad():
         hidden = paths.hidden_states(ids, positions, meta, views(buffer))

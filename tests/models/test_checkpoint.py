@@ -11,14 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tinyvllm.models import checkpoint, dummy_tokenizer
-from tinyvllm.models.checkpoint import (
-    PRESETS,
-    make_config,
-    num_parameters,
-    resolve_model,
-    weight_shapes,
-    write_dummy_checkpoint,
-)
+from tinyvllm.models.checkpoint import resolve_model, write_dummy_checkpoint
+from tinyvllm.models.presets import PRESETS, make_config, num_parameters, weight_shapes
 from tinyvllm.models.safetensors_writer import SafetensorsWriter
 from tinyvllm.tokenizer import Tokenizer
 

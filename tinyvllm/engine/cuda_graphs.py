@@ -38,7 +38,7 @@ import torch
 
 from tinyvllm.engine.input_arena import InputArena
 from tinyvllm.engine.paths.executor import ModelExecutor
-from tinyvllm.models.llama import KVCache
+from tinyvllm.models.decoder import KVCache
 
 logger = logging.getLogger(__name__)
 

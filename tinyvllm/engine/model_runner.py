@@ -34,7 +34,7 @@ from tinyvllm.engine.paths.executor import ModelExecutor
 from tinyvllm.engine.step_inputs import StepInputBuilder
 from tinyvllm.kernels import get_ops
 from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN, AttnMetadata
-from tinyvllm.models.llama import KVCache
+from tinyvllm.models.decoder import KVCache
 from tinyvllm.models.loader import build_model
 from tinyvllm.sampling.fused_plan import FusedSamplingPlan
 from tinyvllm.sampling.sampler import LogprobsTensors

@@ -1,4 +1,4 @@
-"""Build a Llama model and fill it from a Hugging Face checkpoint (safetensors), or with random weights.
+"""Build the decoder and fill it from a Hugging Face checkpoint (safetensors), or with random weights.
 
 The name map is explicit: every Hugging Face tensor name maps to one of our parameters and, for the
 fused projections, the rows it fills. Anything missing, unexpected or mis-shaped is an error that names
@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import Ops
-from tinyvllm.models.llama import LlamaForCausalLM
+from tinyvllm.models.decoder import CausalLM
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # Tensors that some checkpoints carry and that hold nothing we need.
@@ -57,6 +57,17 @@ def weight_name_map(config: ModelConfig) -> dict[str, Target]:
                 f"{hf}.post_attention_layernorm.weight": Target(f"{ours}.post_attention_layernorm.weight"),
             }
         )
+        if config.qkv_bias:
+            names.update(
+                {
+                    f"{hf}.self_attn.q_proj.bias": Target(f"{ours}.self_attn.qkv_proj.bias", 0, q),
+                    f"{hf}.self_attn.k_proj.bias": Target(f"{ours}.self_attn.qkv_proj.bias", q, kv),
+                    f"{hf}.self_attn.v_proj.bias": Target(f"{ours}.self_attn.qkv_proj.bias", q + kv, kv),
+                }
+            )
+        if config.qk_norm:
+            names[f"{hf}.self_attn.q_norm.weight"] = Target(f"{ours}.self_attn.q_norm.weight")
+            names[f"{hf}.self_attn.k_norm.weight"] = Target(f"{ours}.self_attn.k_norm.weight")
     return names
 
 
@@ -85,7 +96,7 @@ def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, Path, torch.Tenso
 
 
 @torch.no_grad()
-def load_weights(model: LlamaForCausalLM, model_dir: str | Path, show_progress: bool = False) -> None:
+def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = False) -> None:
     """Copy every checkpoint tensor into its place (converting dtype, moving to the model's device)."""
     model_dir = Path(model_dir)
     config: ModelConfig = model.config
@@ -124,7 +135,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, show_progress: 
 
 
 @torch.no_grad()
-def init_dummy_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
+def init_dummy_weights(model: CausalLM, seed: int, std: float = 0.02) -> None:
     """Random weights without files: matrices ~ N(0, std²), norm weights 1 (load_format="dummy")."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
@@ -146,12 +157,12 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     show_progress: bool = False,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Construct on the meta device, materialise on `device`, then load (or randomise) the weights."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {list(LOAD_FORMATS)}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, ops, max_positions, dtype)
+        model = CausalLM(config, ops, max_positions, dtype)
     model = model.to_empty(device=device)
     model.init_rope_table()
     if load_format == "dummy":

@@ -20,7 +20,7 @@ from tinyvllm.config import RunnerConfig
 from tinyvllm.engine.paths.fused import fused_forward
 from tinyvllm.engine.paths.lm_head import LMHead
 from tinyvllm.kernels.attention_metadata import AttnMetadata
-from tinyvllm.models.llama import KVCache, LlamaForCausalLM
+from tinyvllm.models.decoder import CausalLM, KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class ModelExecutor:
         device_type: "cuda" or "cpu"; the megakernel and the pruned LM head are CUDA paths.
     """
 
-    def __init__(self, model: LlamaForCausalLM, config: RunnerConfig, device_type: str) -> None:
+    def __init__(self, model: CausalLM, config: RunnerConfig, device_type: str) -> None:
         self.model = model
         self.ops = model.ops
         self.fused_max_tokens = config.fused_max_tokens if config.fused_gemv and model.ops.fused_gemv else 0

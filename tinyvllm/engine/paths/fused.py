@@ -19,11 +19,11 @@ import torch
 from torch.nn import functional as F
 
 from tinyvllm.kernels.attention_metadata import AttnMetadata
-from tinyvllm.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+from tinyvllm.models.decoder import CausalLM, DecoderLayer, KVCache
 
 
 def fused_layer(
-    layer: LlamaDecoderLayer,
+    layer: DecoderLayer,
     r: torch.Tensor,
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
@@ -41,7 +41,7 @@ def fused_layer(
 
 
 def fused_forward(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     meta: AttnMetadata,

@@ -26,14 +26,14 @@ from tinyvllm.kernels.decode_megakernel import (
     max_programs,
     unsupported_reason,
 )
-from tinyvllm.models.llama import LlamaForCausalLM
+from tinyvllm.models.decoder import CausalLM
 
 
 class MegakernelDoesNotFit(RuntimeError):
     """The compiled decode megakernel needs more of an SM (shared memory) than this GPU gives one program."""
 
 
-def model_shape(model: LlamaForCausalLM) -> ModelShape:
+def model_shape(model: CausalLM) -> ModelShape:
     c = model.config
     return ModelShape(
         hidden=c.hidden_size,
@@ -44,7 +44,7 @@ def model_shape(model: LlamaForCausalLM) -> ModelShape:
     )
 
 
-def megakernel_unsupported(model: LlamaForCausalLM) -> str | None:
+def megakernel_unsupported(model: CausalLM) -> str | None:
     """Why the megakernel cannot run this model (None: it can)."""
     if model.ops.name != "triton":
         return f"the {model.ops.name!r} kernel backend"
@@ -62,7 +62,7 @@ def _stack(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 class DecodeMegakernel:
-    def __init__(self, model: LlamaForCausalLM, config: MegakernelConfig | None = None) -> None:
+    def __init__(self, model: CausalLM, config: MegakernelConfig | None = None) -> None:
         config = config or MegakernelConfig()
         layers = model.layers
         attn = [layer.self_attn for layer in layers]

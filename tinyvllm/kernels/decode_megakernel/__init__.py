@@ -1,7 +1,7 @@
 """A whole batch-1 decode token through every decoder layer in one launch (a persistent "megakernel").
 
 The maths. Per layer l, with r the residual stream (the token's embedding row before layer 0), the same
-operations and roundings as the fused small-batch path of models/llama.py ("round" is to the model's
+operations and roundings as the fused small-batch path of models/decoder.py ("round" is to the model's
 dtype):
     A  h = RMSNorm(r; w1[l]);  qkv = round(Wqkv[l] h);  q, k ← RoPE(q, k, pos);  cache[l][slot] ← k, v
     B  o = softmax(scale · q Kᵀ) V over the sequence's cached keys (split-KV, merged by logsumexp)

@@ -1,8 +1,11 @@
-"""Llama 3.x decoder over a packed (varlen) batch and a paged KV cache.
+"""The decoder of every supported family (Llama 3.x, Mistral, Qwen2/2.5, Qwen3) over a packed (varlen)
+batch and a paged KV cache.
 
 Per layer, with r the residual stream:
-    h = RMSNorm(r);  q, k, v = h Wqkv;  q, k ← RoPE(q, k, positions);  cache ← (k, v)
-    r = r + Attention(q, cache) Wo
+    h = RMSNorm(r);  q, k, v = h Wqkv (+ bqkv: Qwen2)
+    q, k ← RMSNorm_head(q), RMSNorm_head(k)   (Qwen3: over each head's head_dim features)
+    q, k ← RoPE(q, k, positions);  cache ← (k, v)
+    r = r + Attention_W(q, cache) Wo          (W: the layer's sliding window, or plain causal)
     h = RMSNorm(r);  r = r + (silu(h Wg) ⊙ h Wu) Wd
 and logits = RMSNorm(r) Wlm (Wlm = Wemb when embeddings are tied).
 
@@ -28,8 +31,22 @@ from tinyvllm.models.rope import cos_sin_table
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, Hk, block_size, D]
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, ops: Ops, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ops = ops
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, residual stream): with a residual, adds it first (fused)."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps), x
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_attention_heads
@@ -37,8 +54,16 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype)
+        self.window = config.attention_window(layer)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        # Ops take `window` only where a layer has one, so full-attention layers call them unchanged.
+        self._window_kw = {} if self.window is None else {"window": self.window}
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
@@ -52,6 +77,9 @@ class LlamaAttention(nn.Module):
         """qkv [T, q_size + 2·kv_size] → RoPE, K/V into the cache, attention → [T, q_size]."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(T * self.num_heads, self.head_dim))[0]
+            k = self.k_norm(k.reshape(T * self.num_kv_heads, self.head_dim))[0]
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
@@ -70,6 +98,7 @@ class LlamaAttention(nn.Module):
                 self.scale,
                 meta.max_decode_seq_len,
                 meta.decode_prefix_len,
+                **self._window_kw,
             )
         if D < T:
             out[D:] = self.ops.prefill_attention(
@@ -81,11 +110,12 @@ class LlamaAttention(nn.Module):
                 meta.prefill_block_tables,
                 self.scale,
                 meta.max_prefill_q_len,
+                **self._window_kw,
             )
         return out.reshape(T, self.q_size)
 
 
-class LlamaMLP(nn.Module):
+class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
         self.ops = ops
@@ -96,25 +126,11 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, ops: Ops, dtype: torch.dtype) -> None:
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype) -> None:
         super().__init__()
-        self.ops = ops
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normed, residual stream): with a residual, adds it first (fused)."""
-        if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps), x
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, ops, dtype)
-        self.mlp = LlamaMLP(config, ops, dtype)
+        self.self_attn = Attention(config, layer, ops, dtype)
+        self.mlp = MLP(config, ops, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
@@ -133,7 +149,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     """The decoder: `forward(input_ids, positions, meta, kv_caches)` → final hidden states [T, H];
     `compute_logits(hidden)` → logits [N, V].
 
@@ -153,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         if config.tie_word_embeddings:
             self.lm_head = None
