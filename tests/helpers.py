@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from tinyvllm.bench.parity import teacher_forced_logits
+
 # One logprob computed twice with another summation order. A logit of the test models (|logit| ≲ 20, where a
 # float32 ulp is ≤ 2e-6) moves by a few ulp, by up to ~2e-5 against transformers for the widest test model
 # (hidden size 512, 3 layers), and a logprob by at most twice its largest logit's move. 1e-4 covers that;
@@ -43,31 +45,10 @@ OUTPUTS_ATOL = 1e-3
 GREEDY_MARGIN = 1e-4
 
 
-@torch.no_grad()
 def chunked_logits(engine, prompt: list[int], chunks: list[int]) -> torch.Tensor:
-    """Run the prompt through the runner chunk by chunk (each chunk reads the previous ones' K/V from
-    the paged cache) and return logits for every position."""
-    from tinyvllm.core.outputs import ScheduledSequence, SchedulerOutput
-
-    assert sum(chunks) == len(prompt)
-    runner = engine.runner
-    bs = runner.block_size
-    blocks = list(range(engine.num_blocks - 1, engine.num_blocks - 1 - (len(prompt) + bs - 1) // bs, -1))
-    logits, start = [], 0
-    for n in chunks:
-        seq = ScheduledSequence(
-            request_id="tf",
-            token_ids=prompt[start : start + n],
-            num_computed_tokens=start,
-            block_ids=blocks,
-            sample=False,
-            is_new=start == 0,
-        )
-        inputs = runner.builder.build(SchedulerOutput([seq], n))
-        hidden = runner.executor.hidden_states(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches)
-        logits.append(runner.executor.lm_head.logits(hidden))
-        start += n
-    return torch.cat(logits)
+    """Logits for every position of `prompt`, run through the runner chunk by chunk (see
+    tinyvllm.bench.parity.teacher_forced_logits)."""
+    return teacher_forced_logits(engine, prompt, chunks)
 
 
 def record_cascade_prefixes(builder) -> list[int | None]:
