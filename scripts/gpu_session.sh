@@ -114,6 +114,12 @@ bench latency_no_megakernel 90 latency --no-decode-megakernel --name "latency_no
 bench latency_unfused 90 latency --no-fused-gemv --no-decode-megakernel --name "latency_unfused_$GPU"
 bench throughput 200 throughput --profile --max-model-len 4096 --baseline hf --baseline-requests 16
 bench shared_prefix 150 shared-prefix --max-model-len 4096 --profile
+# Model families (docs/models.md): Qwen3-0.6B's shape on both workloads beside transformers, and each family's
+# bf16 logit error against transformers' own class (a Mistral-7B prompt longer than its 4,096-token window).
+bench latency_qwen3 150 latency --model dummy:qwen3-0.6b --baseline hf --name "latency_qwen3-0.6b_$GPU"
+bench throughput_qwen3 240 throughput --model dummy:qwen3-0.6b --max-model-len 4096 --baseline hf \
+  --baseline-requests 16 --name "throughput_qwen3-0.6b_$GPU"
+step family_logits ${FAM_LIMIT:-420} python3 benchmarks/family_logits.py ${FAM_ARGS:-} --out "$RES/family_logits_$GPU.json"
 if [ -z "${SKIP_SERVE:-}" ] && wanted serve && python3 -c "import fastapi, uvicorn" 2>/dev/null; then
   step serve 200 bash scripts/gpu_serve_bench.sh "$RES" || true
 fi
