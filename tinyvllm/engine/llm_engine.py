@@ -315,9 +315,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if ids and not (min(ids) >= 0 and max(ids) < vocab):
             pos, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
-            raise ValueError(
-                f"{name}: token id {bad} (at position {pos}) is outside the vocabulary [0, {vocab})"
-            )
+            raise ValueError(f"{name}: token id {bad} (at position {pos}) is outside the vocabulary [0, {vocab})")
         return list(ids)
 
     def add_request(
