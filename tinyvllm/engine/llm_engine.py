@@ -178,14 +178,15 @@ class LLMEngine:
             block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
-            cpu_kv_cache_bytes=args.kv_cache_memory_bytes or (1 << 30),
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             enable_prefix_caching=args.enable_prefix_caching,
         )
         budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if args.kv_cache_memory_bytes is not None and args.num_gpu_blocks_override is None:
-            num_blocks = max(1, args.kv_cache_memory_bytes // self.runner.bytes_per_block(args.block_size))
-        else:
-            num_blocks = self.runner.determine_num_blocks(cache_config, budget, args.max_num_seqs)
+        limit = self.model_config.max_position_embeddings
+        wanted_len = min(args.max_model_len or limit, limit)  # a larger max_model_len raises below
+        size = self.runner.determine_num_blocks(cache_config, budget, args.max_num_seqs, wanted_len)
+        logger.info("KV cache: %s", size.describe(args.block_size))
+        num_blocks = size.num_blocks
         max_model_len = self._max_model_len(num_blocks * args.block_size)
         if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
             budget = max(budget, max_model_len)
