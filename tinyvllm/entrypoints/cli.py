@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from tinyvllm.engine.args import add_engine_cli_args, engine_args_from_cli
+from tinyvllm.sampling_params import SamplingParams
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -93,6 +94,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if not prompts:
         print("tinyvllm generate: give at least one PROMPT or --prompts-file", file=sys.stderr)
         return 2
+    sampling_params_from_cli(ns, SamplingParams())  # bad sampling flags fail before the model loads
     llm = LLM(**vars(engine_args_from_cli(ns)))
     params = sampling_params_from_cli(ns, llm.get_default_sampling_params())
     # Check each prompt on its own, so that one bad prompt does not stop the others.
@@ -126,6 +128,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     and the chat goes on; with --message the command stops and returns 1."""
     from tinyvllm.llm import LLM
 
+    sampling_params_from_cli(ns, SamplingParams())  # bad sampling flags fail before the model loads
     llm = LLM(**vars(engine_args_from_cli(ns)))
     params = sampling_params_from_cli(ns, llm.get_default_sampling_params())
     messages = [{"role": "system", "content": ns.system}] if ns.system else []
