@@ -131,7 +131,8 @@ class LLM:
                 conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, **template_kwargs
             )
             check_text(text, f"the chat prompt rendered from {name} (check template_kwargs)")
-            prompts.append(TokenizedPrompt(text, tok.encode(text, add_special_tokens=False)))
+            ids = tok.encode(text, add_special_tokens=False)
+            prompts.append(self.llm_engine.tokenize_prompt({"prompt": text, "prompt_token_ids": ids}, name))
         return self._run(prompts, params, use_tqdm)
 
     def _params_per_prompt(self, sampling_params: Any, n: int) -> list[SamplingParams]:
@@ -180,11 +181,12 @@ class LLM:
 
 def _prompt_list(prompts: Any) -> tuple[list, list[str]]:
     """`generate`'s prompts as (a list of prompts, the name of each for error messages). A single
-    prompt is a string, a dict or a list whose first item is an int (token ids). Raises
-    TypeError/ValueError for what is neither a prompt nor a sequence of them, or for no prompts."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    prompt is a string, a dict, a TokenizedPrompt or a list whose first item is an int (token ids).
+    Raises TypeError/ValueError for what is neither a prompt nor a sequence of them, or for no prompts."""
+    token_ids = isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    if token_ids or isinstance(prompts, (str, dict, TokenizedPrompt)):
         return [prompts], ["prompt"]
-    if prompts is None or isinstance(prompts, (bytes, int, float)) or not isinstance(prompts, Iterable):
+    if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
         raise TypeError(
             "prompts must be a string, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', "
             f"or a list of these; got {type(prompts).__name__}"
