@@ -158,3 +158,50 @@ def test_valid_values_always_construct(temperature, top_p, top_k, min_p, penalti
     else:
         assert p.temperature >= 0.01
         assert (p.top_p, p.top_k, p.min_p) == (top_p, max(top_k, 0), min_p)
+
+
+FLOAT_FIELDS = ["presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"]
+INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"]
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_every_float_field_rejects_non_finite_values(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+def test_every_float_field_rejects_bools(field):
+    with pytest.raises(TypeError, match=f"{field} must be a number"):
+        SamplingParams(**{field: True})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        (field, value)
+        for field in INT_FIELDS
+        for value in (True, 1.0, 1.5, "1")
+        # vLLM's logprobs=True means 1 (test_normalisations)
+        if not (field in ("logprobs", "prompt_logprobs") and value is True)
+    ],
+)
+def test_every_int_field_rejects_bools_floats_and_strings(field, value):
+    with pytest.raises(TypeError, match=f"{field} must be an int"):
+        SamplingParams(**{field: value})
+
+
+def test_huge_finite_values_are_kept_or_rejected_by_range():
+    """1e308 is finite: a temperature or repetition penalty that large is valid (the sampler computes it
+    at its float32 bound, tests/engine/test_sampler.py); the bounded fields name their range."""
+    assert SamplingParams(temperature=1e308).temperature == 1e308
+    assert SamplingParams(repetition_penalty=1e308).repetition_penalty == 1e308
+    for field, message in [
+        ("top_p", r"top_p must be in \(0, 1\]"),
+        ("min_p", r"min_p must be in \[0, 1\]"),
+        ("presence_penalty", r"presence_penalty must be in \[-2, 2\]"),
+        ("frequency_penalty", r"frequency_penalty must be in \[-2, 2\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**{field: 1e308})

@@ -282,14 +282,17 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 class CacheConfig:
     """The paged KV cache: `num_blocks` blocks of `block_size` token slots per layer.
 
-    `num_blocks` is None until the runner has sized the cache (from `gpu_memory_utilization` on CUDA,
-    `num_gpu_blocks_override` or `cpu_kv_cache_bytes` on the CPU).
+    How many blocks (`tinyvllm.engine.kv_cache_size`): `num_gpu_blocks_override` if set, else
+    `kv_cache_memory_bytes` if set (vLLM's `--kv-cache-memory-bytes`), else on CUDA what
+    `gpu_memory_utilization` of the card leaves, and on the CPU what `max_num_seqs` sequences of
+    `max_model_len` tokens need, at most `cpu_max_memory_fraction` of the machine's memory.
     """
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
-    cpu_kv_cache_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None
+    cpu_max_memory_fraction: float = 0.25
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -299,8 +302,10 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        if self.cpu_kv_cache_bytes < 1:
-            raise ValueError("cpu_kv_cache_bytes must be positive")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.cpu_max_memory_fraction <= 1.0:
+            raise ValueError(f"cpu_max_memory_fraction must be in (0, 1], got {self.cpu_max_memory_fraction}")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -11,6 +11,7 @@ from tinyvllm.engine.args import EngineArgs
 from tinyvllm.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
+from tinyvllm.tokenizer import check_conversation, check_text
 
 Conversation = list[dict[str, Any]]
 
@@ -77,15 +78,14 @@ class LLM:
             One finished RequestOutput per prompt, in input order.
 
         Raises:
-            ValueError: A malformed prompt (e.g. a token id outside the vocabulary), or a number of
-                SamplingParams that is neither one nor one per prompt.
+            ValueError: No prompts, a malformed prompt (text that is not valid Unicode, a token id
+                outside the vocabulary), or a number of SamplingParams that is neither one nor one
+                per prompt. The message names the prompt (``prompts[3]``).
             TypeError: A prompt or sampling_params of the wrong type.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts, names = _prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        tokenized = [self.llm_engine.tokenize_prompt(p) for p in prompts]  # validate all first
+        tokenized = [self.llm_engine.tokenize_prompt(p, name) for p, name in zip(prompts, names)]
         return self._run(tokenized, params, use_tqdm)
 
     def chat(
@@ -99,9 +99,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate.
 
+        Every conversation is checked before any runs (`tinyvllm.tokenizer.check_conversation`):
+        messages are dicts with a known role and a string content (or a list of text parts, joined
+        with newlines as the server does).
+
         Args:
-            messages: One conversation (a list of {"role": ..., "content": ...}) or a sequence of them.
-            sampling_params: As in `generate`.
+            messages: One conversation (a list of {"role": ..., "content": ...}) or a list of them.
+            sampling_params: As in `generate`, one per conversation.
             use_tqdm: Show a progress bar.
             chat_template: A Jinja template to use instead of the model's.
             add_generation_prompt: End the prompt with the assistant turn's header.
@@ -109,29 +113,44 @@ class LLM:
 
         Returns:
             One finished RequestOutput per conversation, in input order.
+
+        Raises:
+            ValueError: An empty list or conversation (the server answers 400 for these too), a
+                message without role or content, an unknown role, text that is not valid Unicode,
+                a template that rejects the messages. The message names the place
+                (``messages[1].content``, or ``messages[2][1].content`` in a list of conversations).
+            TypeError: messages, a message, a role or a content of the wrong type.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations, names = _conversation_list(messages)
+        params = self._params_per_prompt(sampling_params, len(conversations))
         tok = self.llm_engine.tokenizer
         prompts = []
-        for conv in conversations:
+        for conv, name in zip(conversations, names):
+            conv = check_conversation(conv, name)
             text = tok.apply_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, **template_kwargs
             )
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            check_text(text, f"the chat prompt rendered from {name} (check template_kwargs)")
+            ids = tok.encode(text, add_special_tokens=False)
+            prompts.append(self.llm_engine.tokenize_prompt({"prompt": text, "prompt_token_ids": ids}, name))
+        return self._run(prompts, params, use_tqdm)
 
-    def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
+    def _params_per_prompt(self, sampling_params: Any, n: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
-        params = list(sampling_params)
-        if len(params) != n:
-            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one or one per prompt")
-        for p in params:
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(
+                "sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
+                f"not {type(sampling_params).__name__}"
+            )
+        if len(sampling_params) != n:
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; pass one or one per prompt")
+        for i, p in enumerate(sampling_params):
             if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling_params must be SamplingParams, not {type(p).__name__}")
-        return params
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, not {type(p).__name__}")
+        return list(sampling_params)
 
     def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -158,3 +177,35 @@ class LLM:
         finally:
             bar.close()
         return results  # type: ignore[return-value]
+
+
+def _prompt_list(prompts: Any) -> tuple[list, list[str]]:
+    """`generate`'s prompts as (a list of prompts, the name of each for error messages). A single
+    prompt is a string, a dict, a TokenizedPrompt or a list whose first item is an int (token ids).
+    Raises TypeError/ValueError for what is neither a prompt nor a sequence of them, or for no prompts."""
+    token_ids = isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    if token_ids or isinstance(prompts, (str, dict, TokenizedPrompt)):
+        return [prompts], ["prompt"]
+    if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+        raise TypeError(
+            "prompts must be a string, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', "
+            f"or a list of these; got {type(prompts).__name__}"
+        )
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt")
+    return prompts, [f"prompts[{i}]" for i in range(len(prompts))]
+
+
+def _conversation_list(messages: Any) -> tuple[list, list[str]]:
+    """`chat`'s messages as (conversations, the name of each for error messages)."""
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(
+            "messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a list of "
+            f"conversations; got {type(messages).__name__}"
+        )
+    if not messages:
+        raise ValueError("messages is empty; give a conversation with at least one message")
+    if isinstance(messages[0], (list, tuple)):
+        return list(messages), [f"messages[{i}]" for i in range(len(messages))]
+    return [messages], ["messages"]

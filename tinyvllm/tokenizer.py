@@ -37,6 +37,119 @@ SPECIAL_TOKEN_ATTRIBUTES = (
 )
 
 
+def check_text(text: str, what: str) -> None:
+    """Raise ValueError, naming ``what``, when ``text`` is not valid Unicode text.
+
+    The one kind of Python ``str`` that ``tokenizers`` cannot take is one holding a lone
+    surrogate (U+D800..U+DFFF outside a pair): it has no UTF-8 encoding, and the library
+    fails with ``TypeError: TextInputSequence must be str``. Python makes such strings from
+    JSON escapes (``"\\ud800"``) and, for bytes that are not UTF-8, from command-line arguments
+    and files read with ``errors="surrogateescape"`` (U+DC80..U+DCFF). Everything else, NUL,
+    right-to-left marks, combining marks and emoji included, is valid.
+
+    Cost: O(1) for ASCII strings (CPython keeps the flag); otherwise one UTF-8 encode.
+
+    Args:
+        text: the string to check (its type is the caller's to check).
+        what: how the message names it, e.g. ``"prompt 3"`` or ``"messages[1].content"``.
+
+    Raises:
+        ValueError: ``text`` contains a lone surrogate; the message gives its position.
+    """
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = text[e.start]
+        hint = ""
+        if 0xDC80 <= ord(char) <= 0xDCFF:
+            hint = f" (Python's stand-in for the byte 0x{ord(char) - 0xDC00:02x}, which is not valid UTF-8)"
+        raise ValueError(
+            f"{what} contains a lone surrogate at character {e.start} ({char!r}){hint}; text must be valid Unicode"
+        ) from None
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+"""Message roles a conversation may use: OpenAI's, plus Llama 3.x's ``ipython`` (tool results)."""
+
+
+def check_conversation(messages: Any, where: str = "messages") -> list[dict[str, Any]]:
+    """Check one conversation and return it in the form chat templates take.
+
+    A conversation is a non-empty list of message dicts. A message has a ``role`` from
+    :data:`CHAT_ROLES` and a ``content``: a string, or a list of OpenAI text parts
+    (``{"type": "text", "text": ...}``), which are joined with newlines as vLLM's "string"
+    content format does. Only an assistant message with ``tool_calls`` may leave ``content``
+    out (or None). Other keys (``name``, ``tool_calls``, ``tool_call_id``, ...) pass through.
+    Every text is checked with :func:`check_text`.
+
+    Args:
+        messages: the conversation.
+        where: how error messages name it, e.g. ``"messages"`` or ``"messages[2]"``; a message is
+            then ``messages[1]``, its text ``messages[1].content``.
+
+    Returns:
+        New message dicts (the caller's are not modified).
+
+    Raises:
+        TypeError: the conversation is not a list, a message not a dict, a role or content of the
+            wrong type.
+        ValueError: an empty conversation, a missing role or content, an unknown role, a content
+            part that is not text, text that is not valid Unicode.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f"{where} must be a list of message dicts, not {type(messages).__name__}")
+    if not messages:
+        raise ValueError(f"{where} is an empty conversation; it needs at least one message")
+    out = []
+    for i, message in enumerate(messages):
+        name = f"{where}[{i}]"
+        if not isinstance(message, dict):
+            raise TypeError(
+                f"{name} must be a dict with 'role' and 'content', not {type(message).__name__} ({message!r:.60})"
+            )
+        role = message.get("role")
+        if role is None:
+            raise ValueError(f"{name} has no 'role'; expected one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(role, str):
+            raise TypeError(f"{name}.role must be a string, not {type(role).__name__}")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"{name}.role {role!r} is not a known role; expected one of {', '.join(CHAT_ROLES)}")
+        message = dict(message)
+        message["content"] = _message_text(message.get("content"), role, "tool_calls" in message, f"{name}.content")
+        if message["content"] is None:
+            del message["content"]
+        out.append(message)
+    return out
+
+
+def _message_text(content: Any, role: str, has_tool_calls: bool, name: str) -> str | None:
+    """A message's content as one checked string (None: an assistant tool call without content)."""
+    if content is None:
+        if role == "assistant" and has_tool_calls:
+            return None
+        raise ValueError(f"{name} is missing; every message needs a string content (or a list of text parts)")
+    if isinstance(content, str):
+        check_text(content, name)
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise TypeError(f"{name} must be a string or a list of text parts, not {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        part_name = f"{name}[{j}]"
+        if not isinstance(part, dict):
+            raise TypeError(f"{part_name} must be a dict {{'type': 'text', 'text': ...}}, not {type(part).__name__}")
+        if part.get("type") != "text":
+            raise ValueError(f"{part_name} has type {part.get('type')!r}; only text parts are supported")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise TypeError(f"{part_name}.text must be a string, not {type(text).__name__}")
+        check_text(text, f"{part_name}.text")
+        texts.append(text)
+    return "\n".join(texts)
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the special tokens and chat template(s) of one model.
 
@@ -107,9 +220,15 @@ class Tokenizer:
         return cls(backend, special_tokens, load_chat_templates(model_dir, config))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (Llama 3: BOS first)."""
+        """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (Llama 3: BOS first).
+
+        Raises:
+            TypeError: ``text`` is not a str.
+            ValueError: ``text`` is not valid Unicode (:func:`check_text`).
+        """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        check_text(text, "text")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -12,6 +12,7 @@ test is deterministic).
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -390,3 +391,46 @@ def test_bad_rows_raise_value_errors():
     t = SamplingTensors.from_rows([SamplingRow(SamplingParams(), [], [])] * 2, 10, CPU)
     with pytest.raises(ValueError, match="shape"):
         Sampler()(torch.zeros(2, 11), t)
+
+
+# ------------------------------------------------------------------------- extreme scales
+
+
+def test_huge_temperature_samples_uniformly_over_the_tokens_not_banned():
+    """T = 1e308 does not fit float32; the limit of softmax(l / T) as T grows is uniform over the tokens
+    whose logit is finite. Tokens 0 and 5 are banned by min_tokens (-inf): before the clamp they became
+    NaN (-inf / inf). The logits differ by e^15, so a finite small T would be far from uniform."""
+    n = 6000
+    logits = torch.tensor([[0.0, 10.0, -5.0, 3.0, 1.0, 8.0]]).expand(n, -1).contiguous()
+    p = SamplingParams(temperature=1e308, min_tokens=5)
+    rows = [SamplingRow(p, [], [], min_tokens_banned_ids=frozenset({0, 5}))] * n
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = sample(rows, logits, seed=5).sampled_token_ids
+    expected = torch.tensor([0, 1, 1, 1, 1, 0], dtype=torch.float64) / 4
+    assert_matches_distribution(out, expected, vocab_size=6)
+
+
+@pytest.mark.parametrize(
+    "penalty, expected",
+    [
+        # Seen tokens 0 (logit 2), 1 (-1) and 2 (0); token 3 (logit 3) is unseen.
+        (1e308, [2e-20, -1e20, 0.0, 3.0]),  # positive / 1e20, negative * 1e20, zero stays 0 (not 0 * inf)
+        (1e-300, [2e20, -1e-20, 0.0, 3.0]),  # positive / 1e-20 (not / 0)
+    ],
+)
+def test_extreme_repetition_penalty_is_computed_at_its_float32_bound(penalty, expected):
+    logits = torch.tensor([[2.0, -1.0, 0.0, 3.0]])
+    rows = [SamplingRow(SamplingParams(repetition_penalty=penalty), [0, 2], [1])]
+    out = apply_penalties(logits.clone(), SamplingTensors.from_rows(rows, 4, CPU))
+    assert torch.equal(out, torch.tensor([expected], dtype=torch.float32))
+
+
+def test_tiny_repetition_penalty_draws_the_largest_seen_token():
+    """r -> 0 sends the seen positive logits to +inf in proportion: l = 2 beats l = 1 with probability 1.
+    With r = 1e-300 as float32 (0) both were inf and the softmax NaN (whose argmax is token 0)."""
+    n = 500
+    logits = torch.tensor([[1.0, 2.0, 0.0, 3.0]]).expand(n, -1).contiguous()
+    rows = [SamplingRow(SamplingParams(repetition_penalty=1e-300), [0, 1], [])] * n
+    out = sample(rows, logits, seed=2).sampled_token_ids
+    assert out.tolist() == [1] * n

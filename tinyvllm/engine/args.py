@@ -67,7 +67,11 @@ class EngineArgs:
     max_model_len: int | None = _opt(None, "longest sequence (default: the model's limit or what the cache holds)")
     gpu_memory_utilization: float = _opt(0.9, "fraction of the GPU's memory the engine may take")
     num_gpu_blocks_override: int | None = _opt(None, "KV cache blocks, instead of sizing the cache from memory")
-    kv_cache_memory_bytes: int | None = _opt(None, "KV cache budget in bytes (default on the CPU: 1 GiB)")
+    kv_cache_memory_bytes: int | None = _opt(
+        None,
+        "KV cache size in bytes, instead of sizing it (default: on CUDA, what gpu_memory_utilization leaves; on the "
+        "CPU, what max_num_seqs sequences of max_model_len tokens need, at most 1/4 of the memory)",
+    )
     load_format: str = _opt(
         "auto", "auto/safetensors, or dummy (random weights, config only)", ("auto", "safetensors", "dummy")
     )

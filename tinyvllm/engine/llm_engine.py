@@ -43,7 +43,7 @@ from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.tokenizer import Tokenizer
+from tinyvllm.tokenizer import Tokenizer, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -178,14 +178,15 @@ class LLMEngine:
             block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
-            cpu_kv_cache_bytes=args.kv_cache_memory_bytes or (1 << 30),
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             enable_prefix_caching=args.enable_prefix_caching,
         )
         budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if args.kv_cache_memory_bytes is not None and args.num_gpu_blocks_override is None:
-            num_blocks = max(1, args.kv_cache_memory_bytes // self.runner.bytes_per_block(args.block_size))
-        else:
-            num_blocks = self.runner.determine_num_blocks(cache_config, budget, args.max_num_seqs)
+        limit = self.model_config.max_position_embeddings
+        wanted_len = min(args.max_model_len or limit, limit)  # a larger max_model_len raises below
+        size = self.runner.determine_num_blocks(cache_config, budget, args.max_num_seqs, wanted_len)
+        logger.info("KV cache: %s", size.describe(args.block_size))
+        num_blocks = size.num_blocks
         max_model_len = self._max_model_len(num_blocks * args.block_size)
         if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
             budget = max(budget, max_model_len)
@@ -267,32 +268,55 @@ class LLMEngine:
             return SamplingParams()
 
     # ------------------------------------------------------------------ requests
-    def tokenize_prompt(self, prompt: PromptType) -> TokenizedPrompt:
-        """(prompt text or None, token ids), checked. Raises ValueError/TypeError for malformed prompts.
-        The result can be passed to `add_request` as the prompt, which then skips the checks."""
+    def tokenize_prompt(self, prompt: PromptType, name: str = "prompt") -> TokenizedPrompt:
+        """(prompt text or None, token ids), checked; `name` is how error messages call the prompt
+        (e.g. "prompt 3"). The result can be passed to `add_request` as the prompt, which then skips
+        the checks.
+
+        Raises:
+            TypeError: a prompt that is not a string, a list of ints or a dict of them.
+            ValueError: text that is not valid Unicode, a token id outside the vocabulary, a dict
+                without "prompt" or "prompt_token_ids".
+        """
         if isinstance(prompt, TokenizedPrompt):
             return prompt
         if isinstance(prompt, dict):
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"{name}: 'prompt' must be a string, not {type(text).__name__}")
             if "prompt_token_ids" in prompt:
-                return TokenizedPrompt(prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"]))
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                if text is not None:
+                    check_text(text, name)
+                return TokenizedPrompt(text, self._check_token_ids(prompt["prompt_token_ids"], name))
+            if text is None:
+                raise ValueError(
+                    f"{name}: a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (a list of ints)"
+                )
+            prompt = text
         if isinstance(prompt, str):
+            check_text(prompt, name)
             return TokenizedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=True))
         if isinstance(prompt, (list, tuple)):
-            return TokenizedPrompt(None, self._check_token_ids(prompt))
-        raise TypeError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+            return TokenizedPrompt(None, self._check_token_ids(prompt, name))
+        raise TypeError(
+            f"{name} must be a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids', "
+            f"not {type(prompt).__name__}"
+        )
 
-    def _check_token_ids(self, ids: Any) -> list[int]:
+    def _check_token_ids(self, ids: Any, name: str = "prompt") -> list[int]:
         # set(map(type, ...)), min and max run in C: ~10 ns a token (a 1k-token prompt costs 13 µs).
-        if not isinstance(ids, (list, tuple)) or not set(map(type, ids)) <= {int}:
-            raise TypeError("prompt_token_ids must be a list of integers")
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"{name}: prompt_token_ids must be a list of ints, not {type(ids).__name__}")
+        if not set(map(type, ids)) <= {int}:
+            pos, bad = next((i, t) for i, t in enumerate(ids) if type(t) is not int)
+            raise TypeError(
+                f"{name}: prompt_token_ids must be a list of ints; the one at position {pos} is "
+                f"{type(bad).__name__} ({bad!r})"
+            )
         vocab = self.model_config.vocab_size
         if ids and not (min(ids) >= 0 and max(ids) < vocab):
-            bad = next(i for i in ids if not 0 <= i < vocab)
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+            pos, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
+            raise ValueError(f"{name}: token id {bad} (at position {pos}) is outside the vocabulary [0, {vocab})")
         return list(ids)
 
     def add_request(

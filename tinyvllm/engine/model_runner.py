@@ -30,6 +30,14 @@ import torch
 from tinyvllm.config import CacheConfig, ModelConfig, RunnerConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from tinyvllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tinyvllm.engine.kv_cache_size import (
+    KVCacheSize,
+    format_bytes,
+    size_for_work,
+    size_from_blocks,
+    size_from_bytes,
+    total_memory_bytes,
+)
 from tinyvllm.engine.paths.executor import ModelExecutor
 from tinyvllm.engine.step_inputs import StepInputBuilder
 from tinyvllm.kernels import get_ops
@@ -144,15 +152,28 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * elem
 
-    def determine_num_blocks(self, cache: CacheConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-        """How many blocks fit: the override if given; on CUDA, what `gpu_memory_utilization` of the
-        card leaves after weights, a profiling forward of `max_num_batched_tokens` tokens and the
-        sampler's workspace; on the CPU, `cpu_kv_cache_bytes`."""
+    def determine_num_blocks(
+        self, cache: CacheConfig, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
+    ) -> KVCacheSize:
+        """How many blocks, and why (`tinyvllm.engine.kv_cache_size`): the override if given, else
+        `kv_cache_memory_bytes` if given; on CUDA, what `gpu_memory_utilization` of the card leaves
+        after weights, a profiling forward of `max_num_batched_tokens` tokens and the sampler's
+        workspace; on the CPU, what `max_num_seqs` sequences of `max_model_len` tokens need, at most
+        `cpu_max_memory_fraction` of the machine's memory."""
         per_block = self.bytes_per_block(cache.block_size)
         if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
+            return size_from_blocks(cache.num_gpu_blocks_override, per_block)
+        if cache.kv_cache_memory_bytes is not None:
+            return size_from_bytes(cache.kv_cache_memory_bytes, per_block)
         if self.device.type != "cuda":
-            return max(1, cache.cpu_kv_cache_bytes // per_block)
+            return size_for_work(
+                bytes_per_block=per_block,
+                block_size=cache.block_size,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                memory_bytes=total_memory_bytes(),
+                max_memory_fraction=cache.cpu_max_memory_fraction,
+            )
         peak = self._profile_peak_memory(max_num_batched_tokens, max_num_seqs, cache.block_size)
         total = torch.cuda.get_device_properties(self.device).total_memory
         free_for_cache = int(total * cache.gpu_memory_utilization) - peak
@@ -163,7 +184,11 @@ class ModelRunner:
                 f"gpu_memory_utilization={cache.gpu_memory_utilization}; raise it or lower "
                 f"max_num_batched_tokens"
             )
-        return int(free_for_cache // per_block)
+        reason = (
+            f"gpu_memory_utilization {cache.gpu_memory_utilization:g} of {format_bytes(total)}, "
+            f"less {format_bytes(peak)} of weights and activations"
+        )
+        return KVCacheSize(int(free_for_cache // per_block), per_block, reason)
 
     @torch.no_grad()
     def _profile_peak_memory(self, num_tokens: int, max_num_seqs: int, block_size: int) -> int:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from tinyvllm.engine.args import add_engine_cli_args, engine_args_from_cli
+from tinyvllm.sampling_params import SamplingParams
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -49,54 +50,89 @@ def sampling_params_from_cli(ns: argparse.Namespace, defaults):
     return defaults.replace(**changes)
 
 
-def _print_outputs(outputs, as_json: bool) -> None:
-    for out in outputs:
-        if as_json:
-            print(
-                json.dumps(
-                    {
-                        "prompt": out.prompt,
-                        "error": out.error,
-                        "outputs": [
-                            {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
-                            for o in out.outputs
-                        ],
-                    }
-                )
-            )
-            continue
-        if out.error:
-            print(f"[error] {out.error}", file=sys.stderr)
-            continue
-        for o in out.outputs:
-            print(f"{out.prompt or ''}{o.text}")
-            print("-" * 40)
+def _read_prompts(ns: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name for messages, prompt) of the command-line prompts, then of the file's non-blank lines.
+
+    The file is read as UTF-8 with ``surrogateescape``, as Python reads command-line arguments: a line
+    with bytes that are not UTF-8 becomes a prompt that fails alone (with a message naming the byte)."""
+    prompts = [(f"prompt {i + 1}", p) for i, p in enumerate(ns.prompts)]
+    if ns.prompts_file:
+        try:
+            with open(ns.prompts_file, encoding="utf-8", errors="surrogateescape") as f:
+                lines = list(f)
+        except OSError as e:
+            raise ValueError(f"cannot read --prompts-file: {e}") from None
+        for lineno, line in enumerate(lines, 1):
+            if line.strip():
+                prompts.append((f"{ns.prompts_file} line {lineno}", line.rstrip("\n")))
+    return prompts
+
+
+def _print_failure(message: str, error: str, prompt: str, as_json: bool) -> None:
+    """`message` (naming the prompt) on stderr; with --json also the prompt's JSON line with `error`."""
+    print(f"tinyvllm generate: error: {message}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"prompt": prompt, "error": error, "outputs": []}))
+
+
+def _print_output(out, as_json: bool) -> None:
+    if as_json:
+        outputs = [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason} for o in out.outputs]
+        print(json.dumps({"prompt": out.prompt, "error": out.error, "outputs": outputs}))
+        return
+    for o in out.outputs:
+        print(f"{out.prompt or ''}{o.text}")
+        print("-" * 40)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    """Complete every prompt; a prompt that fails (malformed, too long) is reported on stderr and the
+    others still run. Returns 0 when every prompt succeeded, 1 when some failed, 2 for no prompts."""
     from tinyvllm.llm import LLM
 
-    prompts = list(ns.prompts)
-    if ns.prompts_file:
-        with open(ns.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    prompts = _read_prompts(ns)
     if not prompts:
         print("tinyvllm generate: give at least one PROMPT or --prompts-file", file=sys.stderr)
         return 2
+    sampling_params_from_cli(ns, SamplingParams())  # bad sampling flags fail before the model loads
     llm = LLM(**vars(engine_args_from_cli(ns)))
     params = sampling_params_from_cli(ns, llm.get_default_sampling_params())
-    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
-    _print_outputs(outputs, ns.json)
-    return 0
+    # Check each prompt on its own, so that one bad prompt does not stop the others.
+    results: list = []
+    for name, prompt in prompts:
+        try:
+            results.append(llm.llm_engine.tokenize_prompt(prompt, name))
+        except (ValueError, TypeError) as e:
+            results.append(e)
+    valid = [r for r in results if not isinstance(r, Exception)]
+    outputs = iter(llm.generate(valid, params, use_tqdm=len(valid) > 1) if valid else [])
+    failed = 0
+    for (name, prompt), result in zip(prompts, results):
+        if isinstance(result, Exception):
+            _print_failure(str(result), str(result), prompt, ns.json)  # the message names the prompt
+            failed += 1
+            continue
+        out = next(outputs)
+        if out.error:
+            _print_failure(f"{name}: {out.error}", out.error, prompt, ns.json)
+            failed += 1
+        else:
+            _print_output(out, ns.json)
+    if failed:
+        print(f"tinyvllm generate: {failed} of {len(prompts)} prompts failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
+    """Chat turn by turn. A turn that fails is reported on stderr: interactively the turn is dropped
+    and the chat goes on; with --message the command stops and returns 1."""
     from tinyvllm.llm import LLM
 
+    sampling_params_from_cli(ns, SamplingParams())  # bad sampling flags fail before the model loads
     llm = LLM(**vars(engine_args_from_cli(ns)))
     params = sampling_params_from_cli(ns, llm.get_default_sampling_params())
     messages = [{"role": "system", "content": ns.system}] if ns.system else []
-    turns = [ns.message] if ns.message else None
+    turns = list(ns.message) if ns.message else None
     while True:
         if turns is not None:
             if not turns:
@@ -107,8 +143,27 @@ def cmd_chat(ns: argparse.Namespace) -> int:
                 user = input("> ")
             except EOFError:
                 return 0
+            except UnicodeDecodeError as e:
+                print(
+                    f"tinyvllm chat: error: the input is not valid UTF-8 ({e.reason}); type it again", file=sys.stderr
+                )
+                continue
         messages.append({"role": "user", "content": user})
-        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        try:
+            out = llm.chat(messages, params, use_tqdm=False)[0]
+        except (ValueError, TypeError) as e:
+            messages.pop()
+            print(f"tinyvllm chat: error: {e}", file=sys.stderr)
+            if turns is not None:
+                return 1
+            continue
+        if out.error:
+            messages.pop()
+            print(f"tinyvllm chat: error: {out.error}", file=sys.stderr)
+            if turns is not None:
+                return 1
+            continue
+        reply = out.outputs[0].text
         print(reply)
         messages.append({"role": "assistant", "content": reply})
 

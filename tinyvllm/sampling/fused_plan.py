@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tinyvllm.core.outputs import ScheduledSequence
+from tinyvllm.sampling.tensors import float32_scale
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, step) pairs over the seed space
 
@@ -70,7 +71,9 @@ class FusedSamplingPlan:
         return cls(
             request_ids=request_ids,
             plain_rows=plain_rows,
-            host_temperatures=np.array([0.0 if p.is_greedy else p.temperature for p in params], dtype=np.float32),
+            host_temperatures=np.array(
+                [0.0 if p.is_greedy else float32_scale(p.temperature) for p in params], dtype=np.float32
+            ),
             seeded=[(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.is_greedy],
             min_tokens=[(i, p.min_tokens) for i, p in enumerate(params) if p.min_tokens],
             index={rid: i for i, rid in enumerate(request_ids)},

@@ -26,6 +26,24 @@ from tinyvllm.sampling_params import SamplingParams, SamplingType
 TOPK_FAST_PATH_MAX_K = 1024
 """Top-k alone uses ``torch.topk(max_top_k)`` up to this k, a full sort above it."""
 
+FLOAT32_SCALE_LIMIT = 1e20
+"""Largest temperature, and the bounds ``[1 / limit, limit]`` of the repetition penalty, that the
+sampler computes with (see :func:`float32_scale`)."""
+
+
+def float32_scale(value: float) -> float:
+    """A temperature or repetition penalty (> 0, finite, but any size) as the float32 sampler takes it:
+    clamped to ``[1e-20, 1e20]``.
+
+    Beyond those bounds float32 overflows (``1e308`` becomes ``inf``, and ``-inf / inf`` is NaN for a
+    banned token) or underflows (``1e-300`` becomes 0, a division by zero), while the result is
+    already at its limit: with logit differences ``d`` below ``1e12`` the exponents change by less
+    than ``d * 1e-20``, far under float32's resolution of ``2**-24``. So a temperature of ``1e308``
+    samples exactly like ``1e20``: uniformly over the tokens not masked out (``-inf``), the limit of
+    ``softmax(l / T)`` as ``T`` grows.
+    """
+    return min(max(value, 1.0 / FLOAT32_SCALE_LIMIT), FLOAT32_SCALE_LIMIT)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingRow:
@@ -200,7 +218,7 @@ def _scalar_columns(
     random_params = [r.params for r, g in zip(rows, greedy) if not g]
     columns: dict[str, list[float]] = {}
     if random_params:
-        columns["temperature"] = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
+        columns["temperature"] = [1.0 if g else float32_scale(r.params.temperature) for r, g in zip(rows, greedy)]
     max_top_k = max((p.top_k for p in random_params if 0 < p.top_k < V), default=0)
     if max_top_k:
         columns["top_k"] = [float(r.params.top_k if 0 < r.params.top_k < V else V) for r in rows]
@@ -209,7 +227,7 @@ def _scalar_columns(
     if any(p.min_p > 0.0 for p in random_params):
         columns["min_p"] = [r.params.min_p for r in rows]
     if use_rep:
-        columns["repetition_penalty"] = [r.params.repetition_penalty for r in rows]
+        columns["repetition_penalty"] = [float32_scale(r.params.repetition_penalty) for r in rows]
     if use_freq_pres:
         columns["frequency_penalty"] = [r.params.frequency_penalty for r in rows]
         columns["presence_penalty"] = [r.params.presence_penalty for r in rows]
