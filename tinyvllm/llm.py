@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from tinyvllm.chat_template import merge_template_kwargs
 from tinyvllm.engine.args import EngineArgs
 from tinyvllm.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tinyvllm.outputs import RequestOutput
@@ -95,7 +96,8 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
-        **template_kwargs: Any,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate.
 
@@ -105,18 +107,26 @@ class LLM:
             use_tqdm: Show a progress bar.
             chat_template: A Jinja template to use instead of the model's.
             add_generation_prompt: End the prompt with the assistant turn's header.
-            **template_kwargs: Extra variables for the template.
+            tools: Tool JSON schemas for the template.
+            chat_template_kwargs: Extra template variables, e.g. {"enable_thinking": False} for Qwen3; as in
+                vLLM they also override add_generation_prompt and tools.
 
         Returns:
             One finished RequestOutput per conversation, in input order.
+
+        Raises:
+            ValueError: The template rejects a conversation, or chat_template_kwargs names chat_template,
+                tokenize or messages.
+            TypeError: chat_template_kwargs is not a dict.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
+        kwargs = merge_template_kwargs(
+            {"add_generation_prompt": add_generation_prompt, "tools": tools}, chat_template_kwargs
+        )
         prompts = []
         for conv in conversations:
-            text = tok.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, **template_kwargs
-            )
+            text = tok.apply_chat_template(conv, chat_template=chat_template, **kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
