@@ -114,7 +114,7 @@ class Tokenizer:
             value = config.get(name) or special_map.get(name)
             if value:
                 special_tokens[name] = value["content"] if isinstance(value, dict) else str(value)
-        if config.get("tokenizer_class") in _SENTENCEPIECE_CLASSES:
+        if config.get("tokenizer_class") in _SENTENCEPIECE_CLASSES and getattr(backend.model, "byte_fallback", False):
             _sentencepiece_pipeline(backend, config)
         if "add_bos_token" in config or "add_eos_token" in config:
             _bos_eos_post_processor(backend, config, special_tokens)
@@ -191,7 +191,8 @@ _SPACE = "▁"
 
 
 def _sentencepiece_pipeline(backend: tokenizers.Tokenizer, config: dict[str, Any]) -> None:
-    """Give a SentencePiece-converted tokenizer (``LlamaTokenizer`` class: Llama 2, Mistral v0.1) the
+    """Give a SentencePiece-converted tokenizer (``LlamaTokenizer`` class with a byte-fallback BPE: Llama 2,
+    Mistral v0.1; a byte-level BPE mislabelled ``LlamaTokenizer`` is left as its file says) the
     pipeline transformers 5 gives it, whatever tokenizer.json says, so that ids match transformers (and
     vLLM): no normalizer; a Metaspace pre-tokenizer (spaces -> ``▁``) that prepends ``▁`` to every
     text piece between added tokens that does not start with one (tokenizer_config's ``legacy``), to
