@@ -1,16 +1,26 @@
 """Chat templates: find them in a model directory, pick one, render it the way transformers does.
 
-Rendering reproduces ``transformers``' ``apply_chat_template(..., tokenize=False)``: a Jinja
+Rendering reproduces ``transformers``' (5.x) ``apply_chat_template(..., tokenize=False)``: a Jinja
 ``ImmutableSandboxedEnvironment`` with ``trim_blocks``, ``lstrip_blocks``, the ``loopcontrols``
 extension, transformers' ``tojson`` filter (no HTML escaping, ``indent``/``separators``/
-``sort_keys`` options), the ``raise_exception`` and ``strftime_now`` globals and the
-``{% generation %}`` tag (rendered as its body). Templates execute in the sandbox: they cannot
-reach Python internals nor mutate the messages.
+``sort_keys`` options), the ``raise_exception``, ``strftime_now``, ``dict`` and ``namespace`` (no
+underscore attributes) globals and the ``{% generation %}`` tag (rendered as its body). Before
+rendering, as transformers does, each message loses its keys whose value is None (an OpenAI
+``"tool_calls": null`` is a missing key) and a message's reasoning given as ``reasoning_content``,
+``reasoning`` or ``thinking`` is visible under all three names (Qwen3's template reads
+``reasoning_content``). Everything the template sees is rebuilt from plain JSON types.
+Templates execute in the sandbox: they cannot reach Python internals nor mutate the messages.
+
+``chat_template_kwargs`` (vLLM's name, :func:`merge_template_kwargs`) are extra template variables,
+e.g. Qwen3's ``enable_thinking``; they also override the call's ``add_generation_prompt``,
+``tools`` and ``documents``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -20,10 +30,41 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
+import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ChatTemplates = str | dict[str, str]
 """One template, or named ones (``{"default": ..., "tool_use": ...}``)."""
+
+# Names a message's reasoning may come under (transformers' order: the first is what templates read).
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+# chat_template_kwargs that override the render call's own arguments (vLLM merges them over those).
+OVERRIDABLE_KWARGS = frozenset({"add_generation_prompt", "tools", "documents"})
+# chat_template_kwargs that are refused: the template itself is chosen elsewhere (a request must not
+# smuggle one in), and there is no tokenize step here.
+RESERVED_KWARGS = frozenset({"chat_template", "tokenize", "messages", "conversation"})
+
+
+def merge_template_kwargs(arguments: dict[str, Any], chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``arguments`` (the call's ``add_generation_prompt``, ``tools``, ...) overlaid with the user's
+    ``chat_template_kwargs``, as vLLM's ``LLM.chat`` and its chat endpoint do.
+
+    Raises:
+        TypeError: ``chat_template_kwargs`` is not a dict with string keys.
+        ValueError: it names ``chat_template``, ``tokenize``, ``messages`` or ``conversation``.
+    """
+    if chat_template_kwargs is None:
+        return dict(arguments)
+    if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
+        raise TypeError("chat_template_kwargs must be a dict of template variable names to values")
+    reserved = sorted(RESERVED_KWARGS & chat_template_kwargs.keys())
+    if reserved:
+        raise ValueError(
+            f"chat_template_kwargs may not set {reserved}: choose the template with chat_template, "
+            "and pass the messages as messages"
+        )
+    return {**arguments, **chat_template_kwargs}
 
 
 def load_chat_templates(model_dir: Path, tokenizer_config: dict[str, Any]) -> ChatTemplates | None:
@@ -96,22 +137,66 @@ def render_chat_template(
     Raises:
         ValueError: an empty conversation, or the template failed: ``raise_exception`` (the
             template rejects the messages), a sandbox violation, a syntax error.
-        TypeError: ``tools`` is not a list of JSON-schema dicts.
+        TypeError: ``tools`` is not a list of JSON-schema dicts, ``documents`` not a list of dicts, a
+            message not a dict.
     """
     if not messages:
         raise ValueError("cannot apply a chat template to an empty conversation")
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise TypeError("tools must be a list of JSON-schema dicts (callables are not converted)")
+    if documents is not None and not all(isinstance(d, dict) for d in documents):
+        raise TypeError("documents must be a list of dicts")
+    if not all(isinstance(m, Mapping) for m in messages):
+        raise TypeError("each message must be a dict with 'role' and 'content'")
     try:
         return _compile(template).render(
-            messages=messages,
-            tools=tools,
-            documents=documents,
+            messages=template_messages(messages),
+            tools=_plain(tools),
+            documents=_plain(documents),
             add_generation_prompt=add_generation_prompt,
-            **variables,
+            **_plain(variables),
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"chat template failed: {e}") from e
+
+
+def template_messages(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as the template sees them (transformers 5's normalisation): plain copies
+    without the keys whose value is None, the reasoning under every name of
+    :data:`REASONING_FIELDS` when the message has it under one."""
+    out = []
+    for message in messages:
+        m = {k: v for k, v in _plain(message).items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """``value`` rebuilt from JSON types (dict, list, tuple, str, int, float, bool, None); str/int/float
+    subclasses lose their subclass and anything else becomes a ``"<TypeName>"`` placeholder, so the
+    template never touches an object's methods (transformers' ``_plain_template_data``)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # pydantic models
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -143,6 +228,38 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class _TemplateDict:
+    """The ``dict`` global: builds plain dicts, exposes nothing else."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """Jinja's ``namespace`` refusing underscore-prefixed attributes (no route to CPython internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature trick: `namespace(self=...)` works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}"
+            )
+
+
 @lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
     """Compile in transformers' environment; memoized, as a template is rendered once per request."""
@@ -152,6 +269,8 @@ def _compile(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:

@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from tinyvllm.chat_template import merge_template_kwargs
 from tinyvllm.engine.args import EngineArgs
 from tinyvllm.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tinyvllm.outputs import RequestOutput
@@ -95,7 +96,8 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
-        **template_kwargs: Any,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate.
 
@@ -109,7 +111,9 @@ class LLM:
             use_tqdm: Show a progress bar.
             chat_template: A Jinja template to use instead of the model's.
             add_generation_prompt: End the prompt with the assistant turn's header.
-            **template_kwargs: Extra variables for the template.
+            tools: Tool JSON schemas for the template.
+            chat_template_kwargs: Extra template variables, e.g. {"enable_thinking": False} for Qwen3; as in
+                vLLM they also override add_generation_prompt and tools.
 
         Returns:
             One finished RequestOutput per conversation, in input order.
@@ -117,20 +121,23 @@ class LLM:
         Raises:
             ValueError: An empty list or conversation (the server answers 400 for these too), a
                 message without role or content, an unknown role, text that is not valid Unicode,
-                a template that rejects the messages. The message names the place
-                (``messages[1].content``, or ``messages[2][1].content`` in a list of conversations).
-            TypeError: messages, a message, a role or a content of the wrong type.
+                a template that rejects the messages, or chat_template_kwargs naming chat_template,
+                tokenize or messages. The message names the place (``messages[1].content``, or
+                ``messages[2][1].content`` in a list of conversations).
+            TypeError: messages, a message, a role or a content of the wrong type; chat_template_kwargs
+                not a dict.
         """
         conversations, names = _conversation_list(messages)
         params = self._params_per_prompt(sampling_params, len(conversations))
         tok = self.llm_engine.tokenizer
+        kwargs = merge_template_kwargs(
+            {"add_generation_prompt": add_generation_prompt, "tools": tools}, chat_template_kwargs
+        )
         prompts = []
         for conv, name in zip(conversations, names):
             conv = check_conversation(conv, name)
-            text = tok.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, **template_kwargs
-            )
-            check_text(text, f"the chat prompt rendered from {name} (check template_kwargs)")
+            text = tok.apply_chat_template(conv, chat_template=chat_template, **kwargs)
+            check_text(text, f"the chat prompt rendered from {name} (check chat_template_kwargs)")
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append(self.llm_engine.tokenize_prompt({"prompt": text, "prompt_token_ids": ids}, name))
         return self._run(prompts, params, use_tqdm)

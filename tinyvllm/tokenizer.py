@@ -8,6 +8,11 @@
 * :class:`IncrementalDetokenizer` turns a request's generated ids into text token by token,
   never emitting half a UTF-8 character, and cuts the text at stop strings.
 
+A model may have more embedding rows than its tokenizer has tokens (Qwen3: 151,936 rows, 151,669
+tokens), so a model can produce an id the tokenizer lacks. Such an id decodes to the empty string
+everywhere: in :meth:`Tokenizer.decode`, in the detokenizer's text and in :meth:`Tokenizer.token_texts`
+(logprobs). Only :meth:`Tokenizer.convert_ids_to_tokens` (vocabulary strings) refuses it.
+
 Decoding is the raw ``tokenizers`` decode: ``clean_up_tokenization_spaces`` from
 tokenizer_config.json is ignored (as in vLLM's incremental output), so
 ``Tokenizer.decode(ids)`` and the detokenizer's final text always agree.
@@ -15,12 +20,16 @@ tokenizer_config.json is ignored (as in vLLM's incremental output), so
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import tokenizers
+import tokenizers.decoders
+import tokenizers.pre_tokenizers
+import tokenizers.processors
 
 from tinyvllm.chat_template import ChatTemplates, load_chat_templates, render_chat_template, select_chat_template
 
@@ -189,6 +198,7 @@ class Tokenizer:
         special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
         special |= {backend.token_to_id(t) for t in self.special_tokens.values()}
         self.all_special_ids: set[int] = special
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
 
     def _named_id(self, name: str) -> int | None:
         token = self.special_tokens.get(name)
@@ -217,6 +227,10 @@ class Tokenizer:
             value = config.get(name) or special_map.get(name)
             if value:
                 special_tokens[name] = value["content"] if isinstance(value, dict) else str(value)
+        if config.get("tokenizer_class") in _SENTENCEPIECE_CLASSES and getattr(backend.model, "byte_fallback", False):
+            _sentencepiece_pipeline(backend, config)
+        if "add_bos_token" in config or "add_eos_token" in config:
+            _bos_eos_post_processor(backend, config, special_tokens)
         return cls(backend, special_tokens, load_chat_templates(model_dir, config))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -235,6 +249,17 @@ class Tokenizer:
         """Text of ``ids``; bytes that do not form valid UTF-8 decode to U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """The text of each id decoded alone, special tokens included (vLLM's logprob ``decoded_token``:
+        ``" the"``, ``"<|im_end|>"``, U+FFFD for a byte that is part of a character). An id the
+        tokenizer lacks (past its last token, e.g. one of Qwen's padding rows) gives ``""``."""
+        return [self._token_text(i) for i in ids]
+
+    def _decode_one(self, token_id: int) -> str:
+        if not 0 <= token_id < self.vocab_size:
+            return ""
+        return self._backend.decode([token_id], skip_special_tokens=False)
+
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings of ``ids`` (byte-level BPE: ``"Ġthe"`` for ``" the"``)."""
         tokens = []
@@ -251,13 +276,14 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        documents: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> str:
         """Render ``messages`` with the chat template, as ``transformers``' ``apply_chat_template(tokenize=False)``.
 
-        The template sees ``messages``, ``tools``, ``documents`` (None unless passed),
-        ``add_generation_prompt``, the named special tokens (``bos_token``, ``eos_token``, ...)
-        and ``kwargs`` (e.g. ``date_string``), which override the special tokens.
+        The template sees ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the
+        named special tokens (``bos_token``, ``eos_token``, ...) and ``kwargs`` (e.g. ``date_string``,
+        Qwen3's ``enable_thinking``), which override the special tokens.
         ``chat_template`` is a template string or the name of one of the model's templates.
         See :mod:`tinyvllm.chat_template` for the environment.
 
@@ -269,8 +295,49 @@ class Tokenizer:
         template = select_chat_template(self.chat_template, chat_template, tools)
         variables = {**self.special_tokens, **kwargs}
         return render_chat_template(
-            template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            **variables,
         )
+
+
+# transformers 5 builds the text pipeline of these classes itself instead of reading tokenizer.json's.
+_SENTENCEPIECE_CLASSES = frozenset({"LlamaTokenizer", "LlamaTokenizerFast"})
+_SPACE = "▁"
+
+
+def _sentencepiece_pipeline(backend: tokenizers.Tokenizer, config: dict[str, Any]) -> None:
+    """Give a SentencePiece-converted tokenizer (``LlamaTokenizer`` class with a byte-fallback BPE: Llama 2,
+    Mistral v0.1; a byte-level BPE mislabelled ``LlamaTokenizer`` is left as its file says) the
+    pipeline transformers 5 gives it, whatever tokenizer.json says, so that ids match transformers (and
+    vLLM): no normalizer; a Metaspace pre-tokenizer (spaces -> ``▁``) that prepends ``▁`` to every
+    text piece between added tokens that does not start with one (tokenizer_config's ``legacy``), to
+    the first piece only (not legacy, the default), or never (``add_prefix_space: false``); a decoder
+    that maps ``▁`` back, joins byte tokens and drops the prepended space."""
+    add_prefix_space = config.get("add_prefix_space")
+    add_prefix_space = True if add_prefix_space is None else bool(add_prefix_space)
+    scheme = ("always" if config.get("legacy", False) else "first") if add_prefix_space else "never"
+    backend.normalizer = None
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme=scheme, split=False)
+    steps = [tokenizers.decoders.Replace(_SPACE, " "), tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse()]
+    if add_prefix_space:
+        steps.append(tokenizers.decoders.Strip(" ", 1, 0))
+    backend.decoder = tokenizers.decoders.Sequence(steps)
+
+
+def _bos_eos_post_processor(backend: tokenizers.Tokenizer, config: dict[str, Any], special: dict[str, str]) -> None:
+    """tokenizer_config's ``add_bos_token`` / ``add_eos_token`` decide what ``encode`` adds, as in
+    transformers 5 (which rebuilds the post-processor from them): BOS first, EOS last (each only when
+    the tokenizer names one)."""
+    bos = special.get("bos_token") if config.get("add_bos_token") else None
+    eos = special.get("eos_token") if config.get("add_eos_token") else None
+    single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
+    pair = " ".join([single, *([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])])
+    specials = [(t, backend.token_to_id(t)) for t in (bos, eos) if t]
+    backend.post_processor = tokenizers.processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -608,7 +608,7 @@ class LLMEngine:
     def _update_logprobs(self, seq: _Sequence, entry: list[tuple[int, float, int]] | None) -> None:
         if seq.logprobs is None or entry is None:
             return
-        decoded = self.tokenizer.convert_ids_to_tokens([t for t, _, _ in entry])
+        decoded = self.tokenizer.token_texts([t for t, _, _ in entry])  # "" for ids past the tokenizer
         seq.logprobs.append({t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(entry, decoded)})
         seq.cumulative_logprob += entry[0][1]
 

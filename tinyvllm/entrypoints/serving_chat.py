@@ -18,6 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tinyvllm.chat_template import merge_template_kwargs
 from tinyvllm.entrypoints.errors import APIError
 from tinyvllm.entrypoints.protocol import ChatCompletionRequest, ChatMessage
 from tinyvllm.entrypoints.serving import (
@@ -87,13 +88,13 @@ def render_chat(
         )
     msgs = message_dicts(messages)
     try:
-        text = ctx.tokenizer.apply_chat_template(
-            msgs,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            chat_template=chat_template,
-            **(template_kwargs or {}),
+        kwargs = merge_template_kwargs(
+            {"add_generation_prompt": add_generation_prompt, "tools": tools}, template_kwargs
         )
+    except (TypeError, ValueError) as e:
+        raise APIError(400, str(e), "chat_template_kwargs") from None
+    try:
+        text = ctx.tokenizer.apply_chat_template(msgs, chat_template=chat_template, **kwargs)
     except Exception as e:
         logger.info("chat template rejected a request: %s", e)
         raise APIError(400, f"the chat template could not render these messages: {e}", "messages") from None
