@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tinyvllm.models.dummy_tokenizer import write_tokenizer_files
+from tinyvllm.models.dummy_tokenizer import generation_token_ids, write_dummy_tokenizer
 from tinyvllm.models.presets import PRESETS, check_config, config_dtype, make_config, weight_shapes
 from tinyvllm.models.safetensors_writer import SafetensorsWriter, tensor_nbytes
 
@@ -119,7 +119,7 @@ def write_dummy_checkpoint(
 
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", _generation_config(config))
-    write_tokenizer_files(out_dir, config["vocab_size"], config["max_position_embeddings"])
+    write_dummy_tokenizer(out_dir, config)
     _write_weights(out_dir, config, seed=seed, init_std=init_std, max_shard_bytes=max_shard_bytes, progress=progress)
     return out_dir
 
@@ -147,13 +147,10 @@ _SAMPLING_DEFAULTS = {
 
 
 def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
-    """generation_config.json: the config's bos id, its eos ids (Qwen's instruct checkpoints add
-    <|endoftext|> to <|im_end|>), and the family's sampling defaults."""
-    eos = config["eos_token_id"]
+    """generation_config.json: the family's token ids (Qwen's instruct checkpoints add <|endoftext|> to
+    <|im_end|> in the EOS list) and its sampling defaults."""
     model_type = config.get("model_type", "llama")
-    if model_type in ("qwen2", "qwen3") and eos == 151645:
-        eos = [151645, 151643]
-    return {"bos_token_id": config["bos_token_id"], "eos_token_id": eos, **_SAMPLING_DEFAULTS.get(model_type, {})}
+    return {**generation_token_ids(config["vocab_size"], model_type), **_SAMPLING_DEFAULTS.get(model_type, {})}
 
 
 def _write_weights(

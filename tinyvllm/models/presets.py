@@ -242,7 +242,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=32,
         max_position_embeddings=2048,
         torch_dtype="float32",
-        **special_token_ids(512),
+        **special_token_ids(512, "qwen3"),
     ),
     # tiny-qwen2: biases, and a window on layer 1 only (use_sliding_window, max_window_layers 1).
     "tiny-qwen2": _qwen(
@@ -258,7 +258,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=40,
         max_window_layers=1,
         torch_dtype="float32",
-        **special_token_ids(512),
+        **special_token_ids(512, "qwen2"),
     ),
     # tiny-mistral: a window of 40 keys on every layer, a multiple of neither block size nor tile.
     "tiny-mistral": _mistral(
@@ -271,7 +271,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048,
         sliding_window=40,
         torch_dtype="float32",
-        **special_token_ids(512),
+        **special_token_ids(512, "mistral"),
     ),
 }
 """HF config.json dicts by name; read-only (:func:`make_config` returns copies to modify)."""
@@ -294,7 +294,7 @@ def make_config(base: str = "tiny", **overrides: Any) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(config)}")
     if "vocab_size" in overrides:
-        for key, value in special_token_ids(overrides["vocab_size"]).items():
+        for key, value in special_token_ids(overrides["vocab_size"], config.get("model_type", "llama")).items():
             config[key] = overrides.get(key, value)
     if ("hidden_size" in overrides or "num_attention_heads" in overrides) and "head_dim" not in overrides:
         overrides = {
@@ -310,8 +310,8 @@ def make_config(base: str = "tiny", **overrides: Any) -> dict[str, Any]:
 def check_config(config: dict[str, Any]) -> None:
     """Raise ValueError unless ``config`` is a config the dummy writer can write.
 
-    Configs at the full vocabulary of a family (Qwen's 151,936, Mistral's 32,000) keep the family's own
-    special-token ids; smaller vocabularies put them where the dummy tokenizer does (the top 256 ids)."""
+    The bos/eos ids must be where the family's dummy tokenizer puts its special tokens (at the full
+    vocabulary, the family's own ids: Qwen's 151643/151645, Mistral's 1/2)."""
     required = (
         "vocab_size",
         "hidden_size",
@@ -332,13 +332,11 @@ def check_config(config: dict[str, Any]) -> None:
         raise ValueError("attention_bias / mlp_bias are not supported (no family we serve has them)")
     if config_dtype(config) not in DTYPE_NAMES:
         raise ValueError(f"torch_dtype must be one of {sorted(DTYPE_NAMES)}, got {config_dtype(config)!r}")
-    if config["vocab_size"] < MIN_VOCAB_SIZE:
+    if config.get("model_type", "llama") == "llama" and config["vocab_size"] < MIN_VOCAB_SIZE:
         raise ValueError(
             f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 byte tokens + 256 special tokens), got {config['vocab_size']}"
         )
-    if config.get("model_type", "llama") != "llama" and config["vocab_size"] >= 32000:
-        return
-    layout = special_token_ids(config["vocab_size"])
+    layout = special_token_ids(config["vocab_size"], config.get("model_type", "llama"))
     got = {k: config[k] for k in layout}
     if got != layout:
         raise ValueError(
