@@ -64,7 +64,9 @@ class KVCacheManager:
     that carries a prefix-cache hash keeps it and its contents (it goes to the pool's LRU like any freed
     cached block), so later requests still hit it; one whose token ids were not yet known (tokens still
     being sampled) is never offered to the cache. So a running request holds at most the blocks of the
-    W − 1 + m positions a step of m tokens touches (`max_blocks_held`).
+    W − 1 + m positions a step of m tokens touches (`max_blocks_held`). Releasing while the previous
+    step still runs (async scheduling) is safe: that step may still read a released block, but any step
+    that reuses the block, this one included, runs after it (steps run in order on one stream).
     """
 
     def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None) -> None:
