@@ -95,3 +95,12 @@ def packed_queries(
     wide = torch.randn(total, num_heads + 3, head_dim, generator=gen, device=device).to(dtype)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return wide[:, 1 : num_heads + 1], cu.to(device)
+
+
+def free_below_window(tables: torch.Tensor, first_query: list[int], window: int, block_size: int) -> None:
+    """Point, in place, every block-table entry whose block holds only keys below the window of the
+    sequence's first query (position first_query[s]) at the NaN block padding the table. This is what
+    the KV cache may free: block i once (i+1)·bs ≤ c − W + 1."""
+    poison = tables[0, -1].item()  # make_paged_cache pads every row with a NaN block
+    for s, c in enumerate(first_query):
+        tables[s, : max(0, c - window + 1) // block_size] = poison

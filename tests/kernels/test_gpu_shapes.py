@@ -1,6 +1,7 @@
 """Every kernel against the reference at real shapes on CUDA: Llama-3.2-1B (32 query / 8 KV heads,
 head dim 64) and head dim 128; prefill up to 8k tokens in mixed chunks; decode batch 1..256 at
-contexts up to 32k; bf16. The reference runs in float32 on the GPU (TF32 off).
+contexts up to 32k; sliding windows up to 4,096 keys (Mistral 7B); bf16. The reference runs in
+float32 on the GPU (TF32 off).
 
 Tolerance (bf16, relative ‖out − ref‖/‖ref‖ ≤ 1e-2): bf16 output rounding (2⁻⁹ relative on average)
 plus P rounded to bf16 before P·V, as FlashAttention does, give ~3e-3; 1e-2 leaves margin and still
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import assert_close, make_paged_cache, packed_queries
+from kernel_helpers import assert_close, free_below_window, make_paged_cache, packed_queries
 
 from tinyvllm.config import RopeScaling
 from tinyvllm.kernels import reference, triton_ops
-from tinyvllm.kernels.decode_attention import decode_attention_fwd
+from tinyvllm.kernels.decode_attention import DecodeConfig, decode_attention_fwd
 from tinyvllm.kernels.prefill_attention import prefill_attention_fwd
 from tinyvllm.models.rope import cos_sin_table
 
@@ -61,6 +62,82 @@ def test_prefill_real_shapes(hq, hk, d, block_size, layout):
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=CUDA)
     out = triton_ops.prefill_attention(q, k_cache, v_cache, cu, sl, tables, d**-0.5, max(q_lens))
     assert_close(out, ref_prefill(q, k_cache, v_cache, cu, sl, tables, d**-0.5), BF16)
+
+
+# Sliding windows (Mistral 7B: 4,096 keys, head dim 128) over the same layouts, with the blocks the KV
+# cache may free (wholly below the window of a sequence's first query) pointing at a NaN block.
+WINDOW_PREFILL_CASES = [  # Hq, Hk, D, block_size, layout, window
+    (32, 8, 128, 16, MIXED, 4096),
+    (32, 8, 64, 16, MIXED, 1000),  # off the tile grid
+    (32, 8, 128, 5, [(2000, 2500), (3000, 8000)], 777),  # pages off the tile grid
+    (32, 8, 128, 16, [(8192, 8192)], 8192),  # as wide as the context
+]
+
+
+@pytest.mark.parametrize(
+    "hq,hk,d,block_size,layout,window",
+    WINDOW_PREFILL_CASES,
+    ids=[f"d{c[2]}-bs{c[3]}-{sum(q for q, _ in c[4])}rows-w{c[5]}" for c in WINDOW_PREFILL_CASES],
+)
+def test_prefill_window_real_shapes(hq, hk, d, block_size, layout, window):
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    q_lens, seq_lens = zip(*layout)
+    k_cache, v_cache, tables = make_paged_cache(list(seq_lens), hk, d, block_size, BF16, CUDA, gen)
+    q, cu = packed_queries(list(q_lens), hq, d, BF16, CUDA, gen)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=CUDA)
+    free_below_window(tables, [s - n for n, s in layout], window, block_size)
+    out = triton_ops.prefill_attention(q, k_cache, v_cache, cu, sl, tables, d**-0.5, max(q_lens), window=window)
+    ref = reference.prefill_attention(
+        q.float(), k_cache.float(), v_cache.float(), cu, sl, tables, d**-0.5, window=window
+    )
+    assert_close(out, ref, BF16)
+
+
+WINDOW_DECODE_CASES = [  # batch, contexts (None: all equal to max_ctx), max_ctx, window, head dim
+    (1, None, 32768, 4096, 128),
+    (16, "random", 8192, 4096, 128),
+    (256, "random", 4096, 1000, 64),
+    (64, None, 2048, 4096, 128),  # the window covers every context
+]
+
+
+@pytest.mark.parametrize(
+    "batch,kind,max_ctx,window,d",
+    WINDOW_DECODE_CASES,
+    ids=[f"b{c[0]}-{c[1] or 'eq'}-{c[2]}-w{c[3]}-d{c[4]}" for c in WINDOW_DECODE_CASES],
+)
+def test_decode_window_real_shapes(batch, kind, max_ctx, window, d):
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    if kind == "random":
+        contexts = torch.randint(1, max_ctx + 1, (batch,), generator=torch.Generator().manual_seed(4)).tolist()
+        contexts[batch // 2] = 0  # a padded row
+    else:
+        contexts = [max_ctx] * batch
+    k_cache, v_cache, tables = make_paged_cache(contexts, 8, d, 16, BF16, CUDA, gen)
+    free_below_window(tables, [max(c - 1, 0) for c in contexts], window, 16)
+    q = torch.randn(batch, 32, d, generator=gen, device=CUDA).to(BF16)
+    sl = torch.tensor(contexts, dtype=torch.int32, device=CUDA)
+    out = triton_ops.decode_attention(q, k_cache, v_cache, sl, tables, d**-0.5, max(contexts), window=window)
+    ref = reference.decode_attention(q.float(), k_cache.float(), v_cache.float(), sl, tables, d**-0.5, window=window)
+    assert_close(out, ref, BF16)
+
+
+def test_cascade_window_real_shapes():
+    """64 rows sharing a 2,048-key prefix (128 blocks), contexts 2,100..6,000, window 4,096: the prefix
+    lies wholly inside some rows' windows, partly inside others' and below the rest."""
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    contexts = torch.randint(2100, 6001, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    k_cache, v_cache, tables = make_paged_cache(contexts, 8, 128, 16, BF16, CUDA, gen, share_prefix=128)
+    window = 4096
+    q = torch.randn(64, 32, 128, generator=gen, device=CUDA).to(BF16)
+    sl = torch.tensor(contexts, dtype=torch.int32, device=CUDA)
+    p = torch.tensor([2048], dtype=torch.int32, device=CUDA)
+    cfg = DecodeConfig(64, 2, 3, 4, 1)
+    out = decode_attention_fwd(
+        q, k_cache, v_cache, sl, tables, 128**-0.5, max(contexts), config=cfg, prefix_len=p, window=window
+    )
+    ref = reference.decode_attention(q.float(), k_cache.float(), v_cache.float(), sl, tables, 128**-0.5, window=window)
+    assert_close(out, ref, BF16)
 
 
 DECODE_CASES = [  # batch, contexts (None: all equal to max_ctx), max_ctx

@@ -1,6 +1,7 @@
 """Per-request block tables on top of the block pool: slot allocation, prefix lookup, freeing.
 
 Token t of a request lives in block `block_table[t // block_size]`, at offset `t % block_size`.
+Under a sliding window the leading entries of a table may be released (KVCacheManager's docstring).
 """
 
 from __future__ import annotations
@@ -45,14 +46,42 @@ def _common_blocks(a: list[int], b: list[int], max_blocks: int, block_size: int)
 
 
 class KVCacheManager:
-    """Owns every request's block table. Never imports torch."""
+    """Owns every request's block table. Never imports torch.
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    Sliding window (`sliding_window` = W, given when every attention layer of the model attends to at
+    most its last W keys, as in Mistral 7B; None otherwise): a query at position p reads keys
+    max(0, p − W + 1)..p only. A step that computes a request's tokens from position c on (c =
+    `num_computed_tokens`, the cached prefix included) and every later step therefore never read a key
+    below c − W + 1, so before the step block i is released to the pool once its last position is below
+    that:
+        (i + 1) · block_size ≤ c − W + 1,  i.e.  i < max(0, c − W + 1) // block_size.
+    A chunk of a long prompt starting at c keeps the W − 1 keys before it; a preempted request frees
+    everything and starts again from c = 0; at admission, cached prefix blocks wholly below the window
+    of the first computed token are not adopted at all. Released entries stay in the block table with
+    their old ids, so a table keeps the layout above, but the request no longer holds them
+    (`held_blocks`): another request may own and overwrite them, which is harmless because the
+    attention kernels never read a key below a query's window (kernels/flash_tiles.py). A released block
+    that carries a prefix-cache hash keeps it and its contents (it goes to the pool's LRU like any freed
+    cached block), so later requests still hit it; one whose token ids were not yet known (tokens still
+    being sampled) is never offered to the cache. So a running request holds at most the blocks of the
+    W − 1 + m positions a step of m tokens touches (`max_blocks_held`). Releasing while the previous
+    step still runs (async scheduling) is safe: that step may still read a released block, but any step
+    that reuses the block, this one included, runs after it (steps run in order on one stream).
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None) -> None:
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+        ):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
         self.pool = pool
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.block_tables: dict[str, list[int]] = {}
         # request id -> how many of its leading blocks were offered to the prefix cache already
         self.num_registered_blocks: dict[str, int] = {}
+        # request id -> how many of its leading block-table entries it released (sliding window only)
+        self.num_released_blocks: dict[str, int] = {}
         self._last_lookup: _Lookup | None = None  # see find_cached_prefix
 
     @property
@@ -61,6 +90,22 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """The blocks the request holds a reference on: its block table less the released entries."""
+        return self.block_tables.get(request_id, [])[self.num_released_blocks.get(request_id, 0) :]
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once when a step computes at most
+        `max_chunk` of them: all its blocks, or under a sliding window W those of the W − 1 + max_chunk
+        positions c − W + 1 .. c + max_chunk − 1 of one step (an interval of L positions touches at most
+        ⌈(L − 1) / block_size⌉ + 1 blocks)."""
+        bs = self.block_size
+        full = math.ceil(num_tokens / bs)
+        if self.sliding_window is None:
+            return full
+        span = self.sliding_window - 1 + max_chunk
+        return min(full, (span + bs - 2) // bs + 1)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids of the longest cached prefix of the request's tokens, verified token by token.
@@ -115,9 +160,12 @@ class KVCacheManager:
             cached_blocks: Cached prefix blocks the request adopts (at admission).
 
         Returns:
-            Whether the pool had the blocks; when not, nothing is changed.
+            Whether the pool had the blocks; when not, nothing is changed (except, under a sliding
+            window, the release of blocks that have left it, which is due whatever happens next).
         """
         table = self.block_tables.setdefault(request.request_id, [])
+        if self.sliding_window is not None:
+            return self._allocate_sliding(request, num_new_tokens, cached_blocks, table)
         if not cached_blocks and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
             return True  # the common decode step: the last block still has room
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
@@ -136,6 +184,49 @@ class KVCacheManager:
         if num_new_blocks:
             table.extend(self.pool.allocate(num_new_blocks))
         return True
+
+    def _allocate_sliding(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int], table: list[int]
+    ) -> bool:
+        """`allocate_slots` under a sliding window: release the blocks that left the window of the
+        step's first token, adopt only the cached blocks inside it, then allocate (class docstring)."""
+        bs, rid = self.block_size, request.request_id
+        num_computed = request.num_computed_tokens + len(cached_blocks) * bs
+        first_kept = max(0, num_computed - self.sliding_window + 1) // bs  # the first block still read
+        released = self.num_released_blocks.get(rid, 0)
+        if first_kept > released and len(table) > released:
+            self._release(request, table, released, min(first_kept, len(table)))
+        if not cached_blocks and num_computed + num_new_tokens <= len(table) * bs:
+            return True  # the common decode step: the last block still has room
+        num_required = math.ceil((num_computed + num_new_tokens) / bs)
+        num_new_blocks = max(0, num_required - len(table) - len(cached_blocks))
+        skipped = max(0, min(len(cached_blocks), first_kept - len(table)))  # cached, below the window
+        adopted = cached_blocks[skipped:]
+        num_revived = self.pool.count_evictable(adopted)
+        if num_new_blocks > self.pool.num_free_blocks - num_revived:
+            if not table:
+                del self.block_tables[rid]
+            return False
+        if cached_blocks:
+            if skipped:  # entries never held: released from the start
+                self.num_released_blocks[rid] = len(table) + skipped
+            self.pool.touch(adopted)
+            table.extend(cached_blocks)
+            self.num_registered_blocks[rid] = len(table)
+        if num_new_blocks:
+            table.extend(self.pool.allocate(num_new_blocks))
+        return True
+
+    def _release(self, request: Request, table: list[int], start: int, stop: int) -> None:
+        """Drop the request's references on table[start:stop] (blocks that left its window), offering
+        them to the prefix cache first; entries that cannot be offered now never will be."""
+        rid = request.request_id
+        if self.enable_caching:
+            self.cache_full_blocks(request, request.num_computed_tokens)
+            if self.num_registered_blocks.get(rid, 0) < stop:
+                self.num_registered_blocks[rid] = stop
+        self.pool.free(reversed(table[start:stop]))
+        self.num_released_blocks[rid] = stop
 
     def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
         """Offer the request's full blocks among its first `num_tokens` tokens (default: the computed
@@ -168,7 +259,8 @@ class KVCacheManager:
         """Release the request's blocks, tail first (see BlockPool.free)."""
         table = self.block_tables.pop(request.request_id, [])
         self.num_registered_blocks.pop(request.request_id, None)
-        self.pool.free(reversed(table))
+        released = self.num_released_blocks.pop(request.request_id, 0)
+        self.pool.free(reversed(table[released:]))
 
     def _update_block_hashes(self, request: Request) -> None:
         bs = self.block_size

@@ -9,6 +9,8 @@ Each step (vLLM v1's shape, no separate prefill phase):
   3. if nothing was preempted, waiting requests are admitted in arrival order (adopting cached prefix
      blocks) while the budget, `max_num_seqs` and the free blocks allow; a prompt longer than the
      budget is split into chunks over several steps.
+Under a sliding window (the KV cache manager's `sliding_window`) a request's blocks that have left its
+window go back to the pool as it advances, so admission and preemption count only the window's blocks.
 """
 
 from __future__ import annotations
@@ -68,11 +70,23 @@ class Scheduler:
                 f"the prompt has {n} tokens, but this model allows at most {limit} tokens in total "
                 f"(prompt plus output), so the prompt must have at most {limit - 1} tokens"
             )
-        pool = self.kv_cache.pool
-        if blocks_needed(n + 1, self.kv_cache.block_size) > pool.num_blocks:
+        kv_cache = self.kv_cache
+        pool = kv_cache.pool
+        if kv_cache.sliding_window is None:
+            if blocks_needed(n + 1, kv_cache.block_size) > pool.num_blocks:
+                return (
+                    f"the prompt has {n} tokens, but the whole KV cache holds only "
+                    f"{pool.num_blocks * kv_cache.block_size} tokens"
+                )
+            return None
+        # Under a sliding window a request holds only the blocks of its window and the step's chunk.
+        max_chunk = self.config.max_num_batched_tokens if self.config.enable_chunked_prefill else n
+        needed = kv_cache.max_blocks_held(n + 1, max_chunk)
+        if needed > pool.num_blocks:
             return (
-                f"the prompt has {n} tokens, but the whole KV cache holds only "
-                f"{pool.num_blocks * self.kv_cache.block_size} tokens"
+                f"the prompt has {n} tokens and needs up to {needed * kv_cache.block_size} tokens of KV "
+                f"cache at once (the {kv_cache.sliding_window}-token attention window plus a step's "
+                f"chunk), but the whole KV cache holds only {pool.num_blocks * kv_cache.block_size} tokens"
             )
         return None
 

@@ -1,7 +1,8 @@
 """Paged decode attention, one query token per sequence, split-KV ("Flash-Decoding", Dao, Haziza,
 Massa & Sizov 2023) over the FlashAttention-2 inner loop (Dao 2023, Algorithm 1):
 
-    out[b] = softmax(scale · q_b Kᵀ[0..L_b−1]) V[0..L_b−1],   L_b = seq_lens[b];  L_b = 0 → zeros.
+    out[b] = softmax(scale · q_b Kᵀ[lo_b..L_b−1]) V[lo_b..L_b−1],   L_b = seq_lens[b];  L_b = 0 → zeros,
+with lo_b = 0, or lo_b = max(0, L_b − W) under a sliding window of W keys.
 
 Decode reads every K/V byte once and does ~1 FLOP per byte: it is bound by memory bandwidth, so the
 design is about bytes and about keeping enough loads in flight:
@@ -16,6 +17,10 @@ design is about bytes and about keeping enough loads in flight:
     With one split the first kernel writes the output directly and the merge is skipped.
   * A tile is BLOCK_N tokens (several pages of 16), its page ids read once per tile from the block
     table, its K and V rows gathered and software-pipelined (num_stages) so loads stay in flight.
+  * Sliding window (HAS_WINDOW, a constexpr: the causal kernels are compiled without it): the split
+    range starts at the tile holding lo_b, so only the window's ~W/BLOCK_N tiles are read, and the
+    splits are sized for W keys, not the context. Keys below lo_b are never loaded (their blocks may be
+    freed); only the first tile is masked. The merge is unchanged.
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ import triton.language as tl
 
 from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN  # the tile of both kernels
 from tinyvllm.kernels.flash_tiles import attn_inner
-from tinyvllm.kernels.launch import cdiv, check_paged_attention, next_power_of_2, num_sms, upcast_dot
+from tinyvllm.kernels.launch import (
+    cdiv,
+    check_paged_attention,
+    check_window,
+    next_power_of_2,
+    num_sms,
+    upcast_dot,
+)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
@@ -54,11 +66,18 @@ CANDIDATE_CONFIGS: list[DecodeConfig] = [
 
 
 def num_splits_for(
-    batch: int, num_kv_heads: int, max_seq_len: int, sms: int, cfg: DecodeConfig = DEFAULT_CONFIG
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    sms: int,
+    cfg: DecodeConfig = DEFAULT_CONFIG,
+    window: int | None = None,
 ) -> int:
     """Splits per (sequence, KV head): enough programs for `programs_per_sm` per SM, but no split
-    shorter than `min_tiles_per_split` tiles, and no empty splits for the longest sequence."""
-    tiles = max(1, cdiv(max_seq_len, cfg.block_n))
+    shorter than `min_tiles_per_split` tiles, and no empty splits for the longest sequence (whose keys
+    are at most window + BLOCK_N − 1 from its first read tile on, under a sliding window)."""
+    keys = max_seq_len if window is None else min(max_seq_len, window + cfg.block_n - 1)
+    tiles = max(1, cdiv(keys, cfg.block_n))
     want = cdiv(cfg.programs_per_sm * sms, max(1, batch * num_kv_heads))
     splits = max(1, min(want, cdiv(tiles, cfg.min_tiles_per_split), MAX_SPLITS))
     return cdiv(tiles, cdiv(tiles, splits))
@@ -89,6 +108,7 @@ def _decode_kernel(
     stride_kh,
     stride_kt,
     stride_bt,
+    window,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -99,9 +119,11 @@ def _decode_kernel(
     CASCADE: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Program (split, KV head, sequence): keys [start + split·chunk, ...) of the sequence, where start
-    is 0, or with CASCADE the shared prefix's length (`_prefix_kernel` covers the keys before it)."""
+    is 0, or with CASCADE the shared prefix's length (`_prefix_kernel` covers the keys before it), or
+    with HAS_WINDOW at least the tile holding the window's first key seq_len − window."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -110,10 +132,15 @@ def _decode_kernel(
     start = 0
     if CASCADE:
         start = tl.minimum(tl.load(prefix_len_ptr), seq_len)
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(seq_len - window, 0)
+        start = tl.maximum(start, (kv_start // BLOCK_N) * BLOCK_N)
     chunk = tl.cdiv(tl.cdiv(seq_len - start, num_splits), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.maximum(tl.minimum(lo + chunk, seq_len), lo)
     hi_full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
+    lo_full = lo
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -127,6 +154,34 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    if HAS_WINDOW:  # the tile holding the window's first key, in the split that starts there: masked
+        lo_full = tl.minimum(tl.maximum(tl.cdiv(kv_start, BLOCK_N) * BLOCK_N, lo), hi_full)
+        acc, l_i, m_i = attn_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            k_cache_ptr + kv_off,
+            v_cache_ptr + kv_off,
+            bt_row_ptr,
+            lo,
+            lo_full,
+            hi,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_SIZE,
+            PAGE_TILE,
+            True,
+            UPCAST,
+            IEEE,
+            kv_start,
+            window,
+            True,
+        )
     acc, l_i, m_i = attn_inner(
         acc,
         l_i,
@@ -136,7 +191,7 @@ def _decode_kernel(
         k_cache_ptr + kv_off,
         v_cache_ptr + kv_off,
         bt_row_ptr,
-        lo,
+        lo_full,
         hi_full,
         hi,
         qk_scale,
@@ -172,6 +227,9 @@ def _decode_kernel(
         True,
         UPCAST,
         IEEE,
+        kv_start,
+        window,
+        HAS_WINDOW,
     )
     empty = l_i == 0.0  # no keys in this split (or a zero-length sequence)
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
@@ -211,6 +269,7 @@ def _prefix_kernel(
     stride_kh,
     stride_kt,
     stride_bt,
+    window,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     SEQS: tl.constexpr,
@@ -220,6 +279,7 @@ def _prefix_kernel(
     PAGE_TILE: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Cascade attention's shared part: program (KV head, chunk of SEQS sequences) attends the
     SEQS·GROUP query rows of its chunk to keys [0, prefix_len), which every sequence of the batch holds
@@ -227,7 +287,10 @@ def _prefix_kernel(
     per chunk instead of once per sequence, and its scores are a [SEQS·G_PAD, BLOCK_N] matrix product
     (G_PAD: GROUP rounded up to a power of two). Writes each row's normalised partial output and
     logsumexp (log2) into split `slot` for the merge; rows of empty sequences (seq_len 0: graph
-    padding) write an empty split."""
+    padding) write an empty split. With HAS_WINDOW a row sees only the prefix keys from its own window's
+    first key seq_len − window on: the tiles from the chunk's lowest window start to the first tile
+    boundary at or past its highest are masked per row, and the tiles below every row's window are not
+    read (a row whose window starts past the prefix writes an empty split)."""
     kvh = tl.program_id(0)
     chunk = tl.program_id(1)
     M: tl.constexpr = SEQS * G_PAD
@@ -249,6 +312,38 @@ def _prefix_kernel(
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, HEAD_DIM], dtype=tl.float32)
     q_pos = tl.full([M], 0, tl.int32) + prefix_len  # every row sees the whole prefix
+    lo_full = 0
+    if HAS_WINDOW:
+        row_start = tl.maximum(seq_len - window, 0)  # each row's first visible key
+        kv_start = tl.min(tl.where(live, row_start, prefix_len), 0)
+        lo_full = tl.minimum(tl.cdiv(tl.max(tl.where(live, row_start, 0), 0), BLOCK_N) * BLOCK_N, prefix_len)
+        lo_full = tl.maximum(lo_full, (kv_start // BLOCK_N) * BLOCK_N)
+        acc, l_i, m_i = attn_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            seq_len - 1,  # the rows' own positions: past the prefix, so only the window masks
+            k_cache_ptr + kv_off,
+            v_cache_ptr + kv_off,
+            block_tables_ptr,
+            (kv_start // BLOCK_N) * BLOCK_N,
+            lo_full,
+            prefix_len,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_SIZE,
+            PAGE_TILE,
+            True,
+            UPCAST,
+            IEEE,
+            kv_start,
+            window,
+            True,
+        )
     acc, l_i, m_i = attn_inner(
         acc,
         l_i,
@@ -258,7 +353,7 @@ def _prefix_kernel(
         k_cache_ptr + kv_off,
         v_cache_ptr + kv_off,
         block_tables_ptr,
-        0,
+        lo_full,
         prefix_len,
         prefix_len,
         qk_scale,
@@ -349,6 +444,7 @@ def _launch_splits(
     scale: float,
     num_splits: int,
     cfg: DecodeConfig,
+    window: int | None,
 ) -> None:
     """`_decode_kernel` on the grid (num_splits, Hk, B): into `out` where `parts` is None (one split, no
     cascade), else into the partials parts = (part_o, part_lse)."""
@@ -379,6 +475,7 @@ def _launch_splits(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        window or 0,
         GROUP=Hq // Hk,
         BLOCK_G=max(16, next_power_of_2(Hq // Hk)),
         HEAD_DIM=D,
@@ -389,6 +486,7 @@ def _launch_splits(
         CASCADE=prefix_len is not None,
         UPCAST=upcast_dot(q.device),
         IEEE=q.dtype == torch.float32,
+        HAS_WINDOW=window is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -405,6 +503,7 @@ def _launch_prefix(
     prefix_len: torch.Tensor,
     scale: float,
     slot: int,
+    window: int | None,
 ) -> None:
     """`_prefix_kernel` on the grid (Hk, chunks of sequences): the shared prefix's partials into `slot`."""
     B, Hq, D = q.shape
@@ -432,6 +531,7 @@ def _launch_prefix(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        window or 0,
         GROUP=Hq // Hk,
         G_PAD=g_pad,
         SEQS=seqs,
@@ -441,6 +541,7 @@ def _launch_prefix(
         PAGE_TILE=block_size % CASCADE_ALIGN == 0,
         UPCAST=upcast_dot(q.device),
         IEEE=q.dtype == torch.float32,
+        HAS_WINDOW=window is not None,
         num_warps=4,
         num_stages=3,
     )
@@ -458,6 +559,7 @@ def decode_attention_fwd(
     config: DecodeConfig | None = None,
     num_splits: int | None = None,
     prefix_len: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Paged decode attention of one query token per sequence (module docstring).
 
@@ -474,12 +576,16 @@ def decode_attention_fwd(
             multiple of the tile size (`CASCADE_ALIGN`) and every such sequence has seq_len > P. The
             shared keys are then attended once per chunk of sequences (`_prefix_kernel`) and the rest per
             sequence, merged by logsumexp; P = 0 is allowed (nothing is shared). Read on the device, so a
-            CUDA graph captured with it serves any P.
+            CUDA graph captured with it serves any P. With a window, a row reads only the prefix keys
+            inside its window (the others may sit in freed blocks).
+        window: a sliding window of this many keys (row b sees keys max(0, L_b − window)..L_b − 1), or
+            None (all keys; compiled without the window code).
 
     Returns:
         out [B, Hq, D].
     """
     _check(q, k_cache, v_cache, seq_lens, block_tables, scale)
+    check_window(window)
     B, Hq, D = q.shape
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:
@@ -491,17 +597,19 @@ def decode_attention_fwd(
     if max_seq_len is None:  # no hint: plan for the longest context the block table can address
         max_seq_len = block_tables.shape[1] * k_cache.shape[2]
     if num_splits is None:
-        num_splits = num_splits_for(B, k_cache.shape[1], max_seq_len, num_sms(q.device), cfg)
+        num_splits = num_splits_for(B, k_cache.shape[1], max_seq_len, num_sms(q.device), cfg, window)
     if num_splits == 1 and not cascade:
-        _launch_splits(q, k_cache, v_cache, out, None, seq_lens, block_tables, None, scale, 1, cfg)
+        _launch_splits(q, k_cache, v_cache, out, None, seq_lens, block_tables, None, scale, 1, cfg, window)
         return out
     slots = num_splits + cascade  # the prefix's partial result goes into the last slot
     part_o = torch.empty((B, Hq, slots, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, slots), dtype=torch.float32, device=q.device)
     parts = (part_o, part_lse)
-    _launch_splits(q, k_cache, v_cache, out, parts, seq_lens, block_tables, prefix_len, scale, num_splits, cfg)
+    _launch_splits(q, k_cache, v_cache, out, parts, seq_lens, block_tables, prefix_len, scale, num_splits, cfg, window)
     if cascade:
-        _launch_prefix(q, k_cache, v_cache, part_o, part_lse, seq_lens, block_tables, prefix_len, scale, num_splits)
+        _launch_prefix(
+            q, k_cache, v_cache, part_o, part_lse, seq_lens, block_tables, prefix_len, scale, num_splits, window
+        )
     part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
     _merge_kernel[(Hq, B)](
         part_o, part_lse, out, slots, *part_strides, out.stride(0), out.stride(1), BLOCK_S=16, HEAD_DIM=D, num_warps=4
@@ -518,6 +626,9 @@ def decode_attention(
     scale: float,
     max_seq_len: int | None = None,
     prefix_len: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The reference's signature (see `reference.decode_attention`): q [B, Hq, D] → out [B, Hq, D]."""
-    return decode_attention_fwd(q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len, prefix_len=prefix_len)
+    return decode_attention_fwd(
+        q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len, prefix_len=prefix_len, window=window
+    )

@@ -11,6 +11,13 @@ and the caller divides acc by l_i once at the end (FA2 §3.1.1: rescaling deferr
 Invariant that keeps -inf out of the arithmetic: the first tile a row sees contains at least one key
 it may attend to (key 0 for prefill rows, the split's first key for decode), so m_i is finite after
 it and a later fully-masked row of a tile gives p = exp2(−inf) = 0, α = 1.
+
+Sliding window (HAS_WINDOW, a constexpr: without it the code is the plain causal loop): the row at
+position p sees keys p − window + 1 .. p only. Keys below `kv_start` (the lowest key any row of the
+program may see) are neither loaded nor attended: the cache blocks that hold only such keys may have
+been freed and handed to another sequence (core.kv_cache_manager). A row may now see nothing in its
+first tiles, so masked tiles subtract max(m, 0 if m = −inf) instead of m: p = 0 and α = 0 there while
+m_i stays −inf, and the row starts counting at its first visible key.
 """
 
 from __future__ import annotations
@@ -58,20 +65,24 @@ def _kv_rows(
     BLOCK_SIZE: tl.constexpr,
     PAGE_TILE: tl.constexpr,
     MASKED: tl.constexpr,
+    kv_start=0,
+    HAS_WINDOW: tl.constexpr = False,
 ):
     """int64 offsets of the cache rows holding positions start + offs_n of one sequence (one KV head).
 
     PAGE_TILE: the tile lies inside one page (BLOCK_SIZE % BLOCK_N == 0 and start % BLOCK_N == 0), so
     one block-table entry serves it and its rows are contiguous. Otherwise each position looks up
     its page (the entries of one tile share cache lines, so these loads hit L1). MASKED: positions from
-    kv_end on read no table entry.
+    kv_end on (and with HAS_WINDOW below kv_start) read no table entry.
     """
     if PAGE_TILE:
         blk = tl.load(bt_row_ptr + start // BLOCK_SIZE).to(tl.int64)
         rows = blk * stride_kb + ((start % BLOCK_SIZE) + offs_n) * stride_kt
     else:
         pos = start + offs_n
-        if MASKED:
+        if MASKED and HAS_WINDOW:
+            blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=(pos < kv_end) & (pos >= kv_start), other=0)
+        elif MASKED:
             blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos < kv_end, other=0)
         else:
             blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE)
@@ -102,6 +113,9 @@ def attn_inner(
     MASKED: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    kv_start=0,
+    window=0,
+    HAS_WINDOW: tl.constexpr = False,
 ):
     """Fold keys lo .. hi−1 (lo a multiple of BLOCK_N) into the running (acc, l_i, m_i).
 
@@ -111,8 +125,11 @@ def attn_inner(
         k_ptr, v_ptr: the caches offset to this KV head; bt_row_ptr: the sequence's block-table row.
         kv_end: the sequence's length; keys from it on are masked (MASKED tiles only).
         qk_scale: softmax scale · log2(e), positive.
-        MASKED: mask keys ≥ kv_end and keys after a row's position (causal). Unmasked tiles must lie
-            wholly below every row's diagonal and below kv_end.
+        MASKED: mask keys ≥ kv_end and keys after a row's position (causal), and with HAS_WINDOW keys
+            below kv_start or at least `window` before a row's position. Unmasked tiles must lie wholly
+            below every row's diagonal and below kv_end, and inside every row's window.
+        kv_start, window: HAS_WINDOW only (module docstring): keys below kv_start are not loaded, and
+            the row at q_pos sees keys q_pos − window + 1 .. q_pos.
 
     Returns:
         The updated (acc, l_i, m_i).
@@ -121,25 +138,35 @@ def attn_inner(
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
-        rows = _kv_rows(bt_row_ptr, start, offs_n, kv_end, stride_kb, stride_kt, BLOCK_SIZE, PAGE_TILE, MASKED)
+        rows = _kv_rows(
+            bt_row_ptr, start, offs_n, kv_end, stride_kb, stride_kt, BLOCK_SIZE, PAGE_TILE, MASKED, kv_start, HAS_WINDOW
+        )
         kv_ptrs = rows[:, None] + offs_d[None, :]
         if MASKED:
             kv_valid = (start + offs_n) < kv_end
+            if HAS_WINDOW:
+                kv_valid = kv_valid & ((start + offs_n) >= kv_start)
             k = tl.load(k_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + kv_ptrs)
         qk = dot_qk(q, k, UPCAST, IEEE)
         if MASKED:
             visible = ((start + offs_n)[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+            if HAS_WINDOW:
+                visible = visible & ((start + offs_n)[None, :] > (q_pos - window)[:, None])
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            qk = qk - m_ij[:, None]
+            m_sub = m_ij
+            if HAS_WINDOW:  # a row that has seen no key yet: subtract 0, so p = 0 and α = 0 (not NaN)
+                m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            qk = qk - m_sub[:, None]
         else:
             # qk_scale > 0 (checked by the launchers), so max commutes with the scaling: one FMA per score.
             m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             qk = qk * qk_scale - m_ij[:, None]
+            m_sub = m_ij
         p = tl.math.exp2(qk)
-        alpha = tl.math.exp2(m_i - m_ij)
+        alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)

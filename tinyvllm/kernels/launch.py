@@ -83,6 +83,16 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride()})")
 
 
+def check_window(window: int | None) -> None:
+    """Raise unless `window` (a sliding attention window, in keys) is None or a positive int."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+    if window < 1:
+        raise ValueError(f"window must be at least 1 key, got {window}")
+
+
 def check_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, **index_tensors: torch.Tensor
 ) -> tuple[int, int]:

@@ -4,8 +4,9 @@ Faster Attention with Better Parallelism and Work Partitioning", §3.1 algorithm
 Sequence s owns query rows cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1 (q_len rows) and seq_len = seq_lens[s]
 tokens of context in the cache, this chunk's included; its row i sits at position p = seq_len − q_len + i
 (a chunk of a longer prompt, or a prefix-cache hit) and computes
-    out[i] = softmax(scale · q_i Kᵀ[0..p]) V[0..p]
-with query head h reading KV head h // (Hq / Hk) (GQA: K/V are never copied per query head).
+    out[i] = softmax(scale · q_i Kᵀ[lo(p)..p]) V[lo(p)..p],   lo(p) = 0, or max(0, p − W + 1)
+with a sliding window of W keys, with query head h reading KV head h // (Hq / Hk) (GQA: K/V are never
+copied per query head).
 
 Grid (FA2 §3.2): (⌈max_seqlen_q / BLOCK_M⌉, Hq, S): one program per tile of BLOCK_M query rows of one
 head of one sequence, so a single long sequence still fills the GPU. Tiles run heaviest first (the
@@ -14,6 +15,13 @@ last rows of a causal sequence see the most keys), which shortens the tail. Per 
      unmasked tiles;
   2. the tiles on the causal diagonal, up to the tile's last row position: masked tiles;
   fully masked tiles (beyond the diagonal) are never loaded. Both passes share `flash_tiles.attn_inner`.
+With a sliding window W (HAS_WINDOW; the causal kernel is compiled without any of this), the tile's
+rows at positions p_min..p_max see keys from p_min − W + 1 (lowest) and all of them see keys from
+p_max − W + 1 on, so a third pass comes first:
+  0. from the tile holding key p_min − W + 1 up to the first tile boundary at or past p_max − W + 1:
+     masked tiles (per-row window), and pass 1 starts after them.
+Tiles wholly below the lowest row's window are never loaded: the work per query tile is O(W + BLOCK_M)
+keys, not O(p).
 Key tiles are gathered through the block table (`block_tables[s, pos // block_size]`); when a page
 holds whole tiles (block_size % BLOCK_N == 0) one table entry serves a tile.
 Optionally stores the logsumexp  lse[h, row] = log Σ_j exp(scale · q·k_j)  (natural log, float32).
@@ -28,7 +36,7 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.flash_tiles import attn_inner
-from tinyvllm.kernels.launch import cdiv, check_paged_attention, upcast_dot
+from tinyvllm.kernels.launch import cdiv, check_paged_attention, check_window, upcast_dot
 
 LOG2E = 1.4426950408889634
 
@@ -95,6 +103,7 @@ def _prefill_kernel(
     stride_kh,
     stride_kt,
     stride_bt,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -104,10 +113,11 @@ def _prefill_kernel(
     STORE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Program (query tile, head h, sequence s): out[rows] = softmax(scale · q Kᵀ) V for BLOCK_M query rows of
-    head h of sequence s, causal, over the paged cache (FA2 Algorithm 1, §3.1; grid of §3.2). Writes the
-    rows' logsumexp too with STORE_LSE."""
+    head h of sequence s, causal (and inside a `window`-key sliding window with HAS_WINDOW), over the paged
+    cache (FA2 Algorithm 1, §3.1; grid of §3.2). Writes the rows' logsumexp too with STORE_LSE."""
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) tiles first
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -133,8 +143,41 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # 1. Off the diagonal: keys 0 .. ctx + start_m are visible to every row of the tile.
     hi_full = ((ctx + start_m + 1) // BLOCK_N) * BLOCK_N
+    lo_full = 0
+    kv_start = 0
+    if HAS_WINDOW:
+        # 0. The window's lower edge: keys some rows see and others do not. lo_full ∈ [kv_start, hi_full].
+        kv_start = tl.maximum(ctx + start_m - window + 1, 0)  # the lowest key the tile's first row sees
+        p_max = ctx + tl.minimum(start_m + BLOCK_M, q_len) - 1  # the tile's last row
+        lo_full = tl.minimum(tl.cdiv(tl.maximum(p_max - window + 1, 0), BLOCK_N) * BLOCK_N, hi_full)
+        acc, l_i, m_i = attn_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            k_ptr,
+            v_ptr,
+            bt_row_ptr,
+            (kv_start // BLOCK_N) * BLOCK_N,
+            lo_full,
+            seq_len,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_SIZE,
+            PAGE_TILE,
+            True,
+            UPCAST,
+            IEEE,
+            kv_start,
+            window,
+            True,
+        )
+    # 1. Off the diagonal: keys lo_full .. ctx + start_m are visible to every row of the tile.
     acc, l_i, m_i = attn_inner(
         acc,
         l_i,
@@ -144,7 +187,7 @@ def _prefill_kernel(
         k_ptr,
         v_ptr,
         bt_row_ptr,
-        0,
+        lo_full,
         hi_full,
         seq_len,
         qk_scale,
@@ -182,8 +225,13 @@ def _prefill_kernel(
         True,
         UPCAST,
         IEEE,
+        kv_start,
+        window,
+        HAS_WINDOW,
     )
 
+    if HAS_WINDOW:  # a padding row past q_len may see no key at all: keep it finite (it is not stored)
+        l_i = tl.where(row_valid, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -203,11 +251,13 @@ def _check(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    window: int | None,
 ) -> None:
-    """Validate the arguments (shapes, dtypes, devices, strides)."""
+    """Validate the arguments (shapes, dtypes, devices, strides, window)."""
     check_paged_attention(
         q, k_cache, v_cache, scale, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables
     )
+    check_window(window)
     S = seq_lens.shape[0]
     if cu_seqlens_q.shape != (S + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != S:
         raise ValueError(
@@ -228,6 +278,7 @@ def _launch(
     scale: float,
     max_seqlen_q: int,
     cfg: PrefillConfig,
+    window: int | None,
 ) -> None:
     """Launch `_prefill_kernel` on the grid (query tiles of the longest chunk, heads, sequences)."""
     _, Hq, D = q.shape
@@ -252,6 +303,7 @@ def _launch(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        window or 0,
         GROUP=Hq // Hk,
         HEAD_DIM=D,
         BLOCK_M=cfg.block_m,
@@ -261,6 +313,7 @@ def _launch(
         STORE_LSE=lse is not None,
         UPCAST=upcast_dot(q.device),
         IEEE=q.dtype == torch.float32,
+        HAS_WINDOW=window is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -276,6 +329,7 @@ def prefill_attention_fwd(
     scale: float,
     max_seqlen_q: int | None = None,
     *,
+    window: int | None = None,
     return_lse: bool = False,
     config: PrefillConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -291,13 +345,15 @@ def prefill_attention_fwd(
         scale: the softmax scale, positive (the unmasked tiles take the row max before scaling).
         max_seqlen_q: the longest chunk (it sizes the grid); None: computed, which synchronises with the
             device.
+        window: a sliding window of this many keys (the row at p sees keys max(0, p − window + 1)..p),
+            or None (causal; compiled without the window code).
         return_lse: also return the rows' logsumexp (natural log, float32).
         config: the tile config (default: `default_config`).
 
     Returns:
         (out [Tq, Hq, D], lse [Hq, Tq] or None).
     """
-    _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window)
     Tq, Hq, D = q.shape
     out = torch.empty((Tq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device) if return_lse else None
@@ -306,7 +362,7 @@ def prefill_attention_fwd(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     cfg = config or default_config(D, q.dtype, max_seqlen_q)
-    _launch(q, k_cache, v_cache, out, lse, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, cfg)
+    _launch(q, k_cache, v_cache, out, lse, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, cfg, window)
     return out, lse
 
 
@@ -319,9 +375,12 @@ def prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_seqlen_q: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The reference's signature (see `reference.prefill_attention`): q [Tq, Hq, D] → out [Tq, Hq, D]."""
-    out, _ = prefill_attention_fwd(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q)
+    out, _ = prefill_attention_fwd(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, window=window
+    )
     return out
 
 

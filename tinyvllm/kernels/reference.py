@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from tinyvllm.kernels.launch import check_window
+
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -64,24 +66,38 @@ def write_kv_cache(
     v_cache[blocks, :, offsets] = v[valid].to(v_cache.dtype)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence's K or V, contiguous: [length, Hk, D]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
+    """Tokens start..length−1 of one sequence's K or V, contiguous: [length − start, Hk, D]. Only the
+    blocks holding them are read."""
     block_size = cache.shape[2]
-    num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [nb, Hk, bs, D]
-    return blocks.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:length]
+    first, num_blocks = start // block_size, (length + block_size - 1) // block_size
+    blocks = cache[block_table[first:num_blocks].long()]  # [nb, Hk, bs, D]
+    flat = blocks.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])
+    return flat[start - first * block_size : length - first * block_size]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax attention of queries at absolute positions q_positions over keys 0..len(k)-1.
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    k_start: int = 0,
+) -> torch.Tensor:
+    """Causal softmax attention of queries at absolute positions q_positions over the keys at positions
+    k_start..k_start+len(k)−1; with a window W, the query at p sees only keys p−W+1..p.
     q: [n, Hq, D], k/v: [L, Hk, D] → [n, Hq, D] in the accumulation dtype."""
     acc = _acc_dtype(q)
     group = q.shape[1] // k.shape[1]
     kf = k.to(acc).repeat_interleave(group, dim=1)
     vf = v.to(acc).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.to(acc), kf) * scale
-    key_pos = torch.arange(k.shape[0], device=q.device)
-    mask = key_pos[None, :] > q_positions[:, None].to(q.device)  # [n, L]
+    key_pos = torch.arange(k_start, k_start + k.shape[0], device=q.device)
+    q_pos = q_positions[:, None].to(q.device)
+    mask = key_pos[None, :] > q_pos  # [n, L]
+    if window is not None:
+        mask |= key_pos[None, :] <= q_pos - window
     scores = scores.masked_fill(mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, vf)
@@ -96,27 +112,34 @@ def prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_seqlen_q: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for prompt chunks over the paged cache (FlashAttention-2's function).
 
     Sequence s owns query rows cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1 (q_len_s rows) and has seq_lens[s]
     tokens of context in the cache, this chunk's included; its row i sits at absolute position
-    p = seq_lens[s] − q_len_s + i and attends to keys 0..p:
-        out[i] = softmax(scale · q_i Kᵀ[0..p]) V[0..p]
-    Query head h reads KV head h // (Hq / Hk) (grouped-query attention).
-    q: [Tq, Hq, D]; cu_seqlens_q: [S+1] int32; seq_lens: [S] int32; block_tables: [S, max_blocks] int32.
-    `max_seqlen_q` is a launch hint for kernels; ignored here.
+    p = seq_lens[s] − q_len_s + i and attends to keys lo(p)..p:
+        out[i] = softmax(scale · q_i Kᵀ[lo(p)..p]) V[lo(p)..p]
+    with lo(p) = 0 (window None: plain causal) or lo(p) = max(0, p − window + 1) (sliding window: W keys
+    including its own; transformers' `kv_idx > q_idx − sliding_window`). Keys below lo(p) are never
+    read, so the cache blocks that hold only such keys may have been freed and reused (see
+    core.kv_cache_manager). Query head h reads KV head h // (Hq / Hk) (grouped-query attention).
+    q: [Tq, Hq, D]; cu_seqlens_q: [S+1] int32; seq_lens: [S] int32; block_tables: [S, max_blocks] int32;
+    window: a positive int or None. `max_seqlen_q` is a launch hint for kernels; ignored here.
     """
+    check_window(window)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     for s, length in enumerate(seq_lens.tolist()):
         lo, hi = cu[s], cu[s + 1]
         if hi == lo:
             continue
-        k = gather_kv(k_cache, block_tables[s], length)
-        v = gather_kv(v_cache, block_tables[s], length)
-        positions = torch.arange(length - (hi - lo), length)
-        out[lo:hi] = _attend(q[lo:hi], k, v, positions, scale).to(q.dtype)
+        first = length - (hi - lo)  # the chunk's first query position
+        start = 0 if window is None else max(0, first - window + 1)
+        k = gather_kv(k_cache, block_tables[s], length, start)
+        v = gather_kv(v_cache, block_tables[s], length, start)
+        positions = torch.arange(first, length)
+        out[lo:hi] = _attend(q[lo:hi], k, v, positions, scale, window, start).to(q.dtype)
     return out
 
 
@@ -129,20 +152,26 @@ def decode_attention(
     scale: float,
     max_seq_len: int | None = None,
     prefix_len: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence, at the last position of its context:
-        out[b] = softmax(scale · q_b Kᵀ[0..L_b−1]) V[0..L_b−1],  L_b = seq_lens[b].
-    A row with seq_lens[b] == 0 (a padded row) outputs zeros.
-    q: [B, Hq, D]; seq_lens: [B] int32; block_tables: [B, max_blocks] int32. `max_seq_len` is a launch
-    hint for kernels, `prefix_len` a promise that the first keys sit in shared blocks (cascade
-    attention, see decode_attention.decode_attention_fwd); both ignored here: the result is the same."""
+        out[b] = softmax(scale · q_b Kᵀ[lo_b..L_b−1]) V[lo_b..L_b−1],  L_b = seq_lens[b],
+    lo_b = 0 (window None) or max(0, L_b − window) (sliding window: the last `window` keys, as in
+    `prefill_attention`; keys below lo_b are never read). A row with seq_lens[b] == 0 (a padded row)
+    outputs zeros. q: [B, Hq, D]; seq_lens: [B] int32; block_tables: [B, max_blocks] int32; window: a
+    positive int or None. `max_seq_len` is a launch hint for kernels, `prefix_len` a promise that the
+    first keys sit in shared blocks (cascade attention, see decode_attention.decode_attention_fwd);
+    both ignored here: the result is the same."""
+    check_window(window)
     out = torch.zeros_like(q)
     for b, length in enumerate(seq_lens.tolist()):
         if length == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], length)
-        v = gather_kv(v_cache, block_tables[b], length)
-        out[b] = _attend(q[b : b + 1], k, v, torch.tensor([length - 1]), scale)[0].to(q.dtype)
+        start = 0 if window is None else max(0, length - window)
+        k = gather_kv(k_cache, block_tables[b], length, start)
+        v = gather_kv(v_cache, block_tables[b], length, start)
+        pos = torch.tensor([length - 1])
+        out[b] = _attend(q[b : b + 1], k, v, pos, scale, window, start)[0].to(q.dtype)
     return out
 
 
