@@ -59,7 +59,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     [
         dict(),
         dict(block_size=16, max_num_batched_tokens=24),  # chunks of 24 cross the window's edge mid-chunk
-        dict(block_size=7, num_gpu_blocks_override=18, max_model_len=112),  # 126 slots, 244 needed: preemption
+        # 126 slots for 4 requests needing 244 (or, under a window of 40, up to 9 blocks each): preemption
+        dict(block_size=7, num_gpu_blocks_override=18, max_model_len=112, max_num_batched_tokens=16),
     ],
     ids=["plain", "chunked", "preempted_bs7"],
 )
@@ -136,3 +137,25 @@ def test_unsupported_options_are_clear_errors(overrides, message):
 def test_qwen3_attention_bias_is_a_clear_error():
     with pytest.raises(ValueError, match="attention_bias=true for Qwen3ForCausalLM"):
         ModelConfig.from_dict({**PRESETS["tiny-qwen3"], "attention_bias": True})
+
+
+def test_sliding_window_model_runs_past_its_cache(tmp_path):
+    """Every tiny-mistral layer slides (W = 40), so the engine releases blocks that left the window: a
+    300-token prompt generates on a cache of 20 blocks × 4 slots (80 tokens), equal to transformers."""
+    config = make_config("tiny-mistral")
+    write_dummy_checkpoint(tmp_path, config, seed=7, init_std=INIT_STD, dtype="float32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+    (prompt,) = make_prompts(config["vocab_size"], [300], seed=11)
+    llm = LLM(
+        model=str(tmp_path),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks_override=20,
+        max_num_batched_tokens=16,
+        max_model_len=400,
+    )
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(hf.eval(), prompt, MAX_NEW)
+    metrics = llm.get_metrics()
+    assert metrics["num_free_kv_blocks"] == metrics["num_kv_blocks"] == 20

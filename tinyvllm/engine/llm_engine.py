@@ -187,7 +187,17 @@ class LLMEngine:
         size = self.runner.determine_num_blocks(cache_config, budget, args.max_num_seqs, wanted_len)
         logger.info("KV cache: %s", size.describe(args.block_size))
         num_blocks = size.num_blocks
-        max_model_len = self._max_model_len(num_blocks * args.block_size)
+        # Where every layer slides, K/V older than the window is released (core.kv_cache_manager), so a
+        # request holds at most the window's blocks plus one step's chunk: the cache then bounds
+        # max_model_len only if that span does not fit.
+        window = self.model_config.sliding_window if self.model_config.all_layers_sliding else None
+        kv_manager = KVCacheManager(
+            BlockPool(num_blocks, enable_caching=args.enable_prefix_caching), args.block_size, sliding_window=window
+        )
+        cache_tokens = num_blocks * args.block_size
+        if window is not None and kv_manager.max_blocks_held(wanted_len, budget) <= num_blocks:
+            cache_tokens = wanted_len
+        max_model_len = self._max_model_len(cache_tokens)
         if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
             budget = max(budget, max_model_len)
         self.scheduler_config = SchedulerConfig(
@@ -205,8 +215,7 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=budget,
         )
-        pool = BlockPool(num_blocks, enable_caching=args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, KVCacheManager(pool, args.block_size))
+        self.scheduler = Scheduler(self.scheduler_config, kv_manager)
 
     def _init_request_state(self) -> None:
         """Step scheduling, timing and the per-request bookkeeping (empty)."""

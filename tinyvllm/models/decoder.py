@@ -62,8 +62,6 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype)
         else:
             self.q_norm = self.k_norm = None
-        # Ops take `window` only where a layer has one, so full-attention layers call them unchanged.
-        self._window_kw = {} if self.window is None else {"window": self.window}
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
@@ -98,7 +96,7 @@ class Attention(nn.Module):
                 self.scale,
                 meta.max_decode_seq_len,
                 meta.decode_prefix_len,
-                **self._window_kw,
+                window=self.window,
             )
         if D < T:
             out[D:] = self.ops.prefill_attention(
@@ -110,7 +108,7 @@ class Attention(nn.Module):
                 meta.prefill_block_tables,
                 self.scale,
                 meta.max_prefill_q_len,
-                **self._window_kw,
+                window=self.window,
             )
         return out.reshape(T, self.q_size)
 
