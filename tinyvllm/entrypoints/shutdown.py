@@ -8,11 +8,13 @@
 4. After a short flush (`FLUSH_S`), uvicorn closes the listener and the connections; a task still
    stuck (a client that never reads) is cancelled quietly. One summary line is logged.
 
-A second signal skips what is left: the remaining streams end at once and the server exits.
+A second signal skips what is left: the remaining streams end at once (with the same error event)
+and the server exits as soon as they are written (at most uvicorn's 1 s graceful timeout).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -83,9 +85,10 @@ class Drain:
     def summary(self) -> str:
         in_flight = self.in_flight_at_begin or 0
         finished = max(in_flight - self.ended - self.cut, 0)
+        after = (self.ended_at or self.begun_at or 0.0) - (self.begun_at or 0.0)
         return (
             f"shutdown: {in_flight} request(s) in flight at the signal, {finished} finished or closed by the "
-            f"client, {self.ended} stopped with an error after {self.grace_s:g} s, {self.cut} cut; "
+            f"client, {self.ended} stopped with an error after {after:.1f} s, {self.cut} cut; "
             f"{self.refused} new request(s) refused with 503"
         )
 
@@ -101,15 +104,16 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self._captured_signals.append(sig)
-        if self.drain.draining or self.should_exit:
-            self.force_exit = True
-            self.should_exit = True
+        if self.drain.draining:
+            self.should_exit = True  # the next tick ends the streams, uvicorn's shutdown follows
         else:
             self.drain.begin(self.grace_s)
 
     async def on_tick(self, counter: int) -> bool:
         if await super().on_tick(counter):
-            if self.force_exit:
+            if self.drain.draining:
+                self.drain.ended_at = self.drain.ended_at or time.monotonic()
                 self.drain.end_streams(self.drain.streams)
+                await asyncio.sleep(0)  # their error events go out before uvicorn closes the connections
             return True
         return self.drain.step(time.monotonic())
