@@ -370,7 +370,7 @@ FIELD_CASES = [
     ("stop length", {"prompt": "x", "stop": ["a" * 10000]}, "stop"),
     ("logprobs", {"prompt": "x", "logprobs": 10**6}, "logprobs"),
     ("top_logprobs", {"messages": CHAT, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
-    ("tools", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "description": BIG}}]}, "tools"),
+    ("tools", {"messages": CHAT, "tools": [{"type": "function", "function": {"description": BIG}}]}, "tools"),
     ("prompt chars", {"prompt": "a" * 600_000}, "prompt"),
     ("deep JSON (40)", {"prompt": "x", "metadata": json.loads("[" * 40 + "]" * 40)}, "metadata" + ".0" * 31),
 ]  # fmt: skip
