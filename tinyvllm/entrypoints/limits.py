@@ -61,6 +61,22 @@ class ServerLimits:
             raise ValueError("the header and body timeouts must be positive")
 
 
+def limits_from_cli(ns: Any) -> ServerLimits:
+    """ServerLimits from `tinyvllm serve`'s flags (serve_cli.add_limit_cli_args)."""
+    return ServerLimits(
+        max_body_bytes=ns.max_request_body_bytes,
+        max_prompt_chars=ns.max_prompt_chars,
+        max_n=ns.max_n,
+        max_stop_strings=ns.max_stop_strings,
+        max_stop_string_chars=ns.max_stop_string_chars,
+        max_logprobs=ns.max_logprobs,
+        max_tools_bytes=ns.max_tools_bytes,
+        max_json_depth=ns.max_json_depth,
+        header_timeout_s=ns.request_header_timeout,
+        body_timeout_s=ns.request_body_timeout,
+    )
+
+
 def prompt_char_bound(tokenizer: Any, max_model_len: int) -> int | None:
     """The most characters a prompt can have and still fit in `max_model_len` tokens, or None when no
     such bound follows from the tokenizer.

@@ -8,7 +8,7 @@ import os
 import sys
 
 from tinyvllm.engine.args import add_engine_cli_args
-from tinyvllm.entrypoints.limits import ServerLimits
+from tinyvllm.entrypoints.limits import ServerLimits, limits_from_cli
 
 
 def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -104,21 +104,6 @@ def add_limit_cli_args(parser: argparse.ArgumentParser) -> None:
 def _limit_defaults() -> dict:
     limits = ServerLimits()
     return {name: getattr(limits, name) for name in ServerLimits.__dataclass_fields__}
-
-
-def limits_from_cli(ns: argparse.Namespace) -> ServerLimits:
-    return ServerLimits(
-        max_body_bytes=ns.max_request_body_bytes,
-        max_prompt_chars=ns.max_prompt_chars,
-        max_n=ns.max_n,
-        max_stop_strings=ns.max_stop_strings,
-        max_stop_string_chars=ns.max_stop_string_chars,
-        max_logprobs=ns.max_logprobs,
-        max_tools_bytes=ns.max_tools_bytes,
-        max_json_depth=ns.max_json_depth,
-        header_timeout_s=ns.request_header_timeout,
-        body_timeout_s=ns.request_body_timeout,
-    )
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ import tinyvllm
 from tinyvllm.engine.async_llm import AsyncLLMEngine, EngineClient
 from tinyvllm.entrypoints.errors import APIError, error_body
 from tinyvllm.entrypoints.guard import RequestGuard, header_timeout_protocol
-from tinyvllm.entrypoints.limits import ServerLimits, check_prompt_chars
+from tinyvllm.entrypoints.limits import ServerLimits, check_prompt_chars, limits_from_cli
 from tinyvllm.entrypoints.metrics import make_registry
 from tinyvllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tinyvllm.entrypoints.serving import ServingContext
@@ -265,7 +265,6 @@ def run_server(ns: argparse.Namespace) -> int:
 
     from tinyvllm.engine.args import DEFAULT_MODEL, engine_args_from_cli
     from tinyvllm.engine.mp_client import EngineStartError, MPAsyncLLMEngine
-    from tinyvllm.entrypoints.serve_cli import limits_from_cli
 
     engine_args = engine_args_from_cli(ns)
     engine: EngineClient
