@@ -243,7 +243,9 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         check_text(text, "text")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works; encode holds it throughout (seconds for a long
+        # text, during which no other thread of the process runs)
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; bytes that do not form valid UTF-8 decode to U+FFFD."""

@@ -3,6 +3,8 @@ and ones that do not; no request may yield a 5xx, and the engine must be healthy
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -93,4 +95,56 @@ def test_extreme_sampling_values_never_break_the_engine(fuzz_server, fields, pro
     assert resp.status_code in (200, 400), resp.text[:500]
     if resp.status_code == 200 and fields.get("stream"):
         assert resp.text.rstrip().endswith("data: [DONE]") and '"error"' not in resp.text, resp.text[-500:]
+    assert not fuzz_server.engine.is_dead
+
+
+# Strings a careless or hostile client sends: lone surrogates (which JSON can carry as \ud800 escapes
+# but UTF-8 cannot encode), NUL and control characters, bidi overrides, stacks of combining marks,
+# emoji whose bytes span several tokens, noncharacters, astral planes.
+_SURROGATES = st.integers(0xD800, 0xDFFF).map(chr)
+_EDGE_CHARS = st.sampled_from(
+    ["\x00", "\x1b", "\u202e", "\u200f", "\u0301", "\ufeff", "\ufffe", "\U0010ffff", "😀", "👩‍👧"]
+)
+HOSTILE_TEXT = st.lists(st.one_of(st.characters(), _EDGE_CHARS, _SURROGATES), max_size=12).map("".join)
+
+
+def _has_surrogate(text: str) -> bool:
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+
+@given(
+    text=HOSTILE_TEXT,
+    where=st.sampled_from(["prompt", "stop", "chat", "chat_part", "tokenize", "tokenize_chat"]),
+    stream=st.booleans(),
+)
+@settings(max_examples=80, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+def test_hostile_strings_are_served_or_a_400_naming_the_field(fuzz_server, text, where, stream):
+    """Text the tokenizer can take is served; text it cannot (a lone surrogate) is a 400 that names the
+    field, never a 500, and the keep-alive connection stays usable."""
+    msgs = [{"role": "user", "content": text}]
+    path, body, param = {
+        "prompt": ("/v1/completions", {"prompt": text}, "prompt"),
+        "stop": ("/v1/completions", {"prompt": "x", "stop": [text or "s"]}, "stop.0"),
+        "chat": ("/v1/chat/completions", {"messages": msgs}, "messages.0.content"),
+        "chat_part": (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]},
+            "messages.0.content.0.text",
+        ),
+        "tokenize": ("/tokenize", {"prompt": text}, "prompt"),
+        "tokenize_chat": ("/tokenize", {"messages": msgs}, "messages.0.content"),
+    }[where]
+    if path != "/tokenize":
+        body = {**body, "max_tokens": 2, "stream": stream}
+    with httpx.Client(base_url=fuzz_server.url, timeout=60) as client:
+        # json.dumps escapes a lone surrogate as \udXXX, as a JavaScript client would send it
+        resp = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        if _has_surrogate(json.loads(json.dumps(text))):  # (a high + low pair decodes to one character)
+            assert resp.status_code == 400, resp.text[:300]
+            assert resp.json()["error"]["param"] == param, resp.text[:300]
+        else:  # (an empty prompt still has its BOS token)
+            assert resp.status_code == 200, resp.text[:300]
+            if stream and path != "/tokenize":
+                assert resp.text.rstrip().endswith("data: [DONE]") and '"error"' not in resp.text, resp.text[-300:]
+        assert client.get("/health").status_code == 200  # the same connection
     assert not fuzz_server.engine.is_dead

@@ -207,6 +207,13 @@ class RequestStream:
             self.finished = True
             self._client._abort(self)
 
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` (its reader gets what was queued before, then the error) and
+        abort the request. On the stream's loop; nothing happens once it has finished."""
+        if not self.finished:
+            self._client._abort(self)
+            self._put(error)
+
     # ---- called on the stream's loop (through call_soon_threadsafe)
     def _put(self, item: Any) -> None:
         self._pending.append(item)

@@ -8,6 +8,7 @@ import os
 import sys
 
 from tinyvllm.engine.args import add_engine_cli_args
+from tinyvllm.entrypoints.limits import ServerLimits, limits_from_cli
 
 
 def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -35,9 +36,17 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="seconds in-flight requests get to finish after SIGINT/SIGTERM before being aborted",
+        help="after SIGINT/SIGTERM, new requests get 503 and those in flight get this many seconds to "
+        "finish; then each remaining stream ends with an error event and [DONE] (a second signal: now)",
     )
-    g.add_argument("--keep-alive-timeout", type=int, default=5)
+    g.add_argument("--keep-alive-timeout", type=int, default=5, help="seconds an idle connection stays open")
+    g.add_argument(
+        "--tokenizer-pool-size",
+        type=int,
+        default=2,
+        help="threads that parse request bodies, render chat templates and tokenize (off the event loop)",
+    )
+    add_limit_cli_args(parser)
     g.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
@@ -49,6 +58,54 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_limit_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Per-request limits (tinyvllm.entrypoints.limits.ServerLimits); each refusal is a 4xx naming the field."""
+    d = _limit_defaults()
+    g = parser.add_argument_group("request limits")
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=d["max_body_bytes"],
+        help="larger bodies get 413 (a declared Content-Length at once, a chunked body when it passes the limit)",
+    )
+    g.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="prompts (or rendered chats) longer than this get 400 before tokenization; default: "
+        "max_model_len x the longest token's length in bytes (longer cannot fit), 0: no limit",
+    )
+    g.add_argument("--max-n", type=int, default=d["max_n"], help="the largest `n`")
+    g.add_argument("--max-stop-strings", type=int, default=d["max_stop_strings"], help="most strings in `stop`")
+    g.add_argument(
+        "--max-stop-string-chars", type=int, default=d["max_stop_string_chars"], help="longest string in `stop`"
+    )
+    g.add_argument("--max-logprobs", type=int, default=d["max_logprobs"], help="the largest logprobs/top_logprobs")
+    g.add_argument(
+        "--max-tools-bytes", type=int, default=d["max_tools_bytes"], help="largest `tools` (bytes of compact JSON)"
+    )
+    g.add_argument(
+        "--max-json-depth", type=int, default=d["max_json_depth"], help="deepest nesting of objects and arrays"
+    )
+    g.add_argument(
+        "--request-header-timeout",
+        type=float,
+        default=d["header_timeout_s"],
+        help="seconds a request's line and headers may take to arrive (slow clients), then 408 and close",
+    )
+    g.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=d["body_timeout_s"],
+        help="seconds a request's body may take to arrive, then 408 and close",
+    )
+
+
+def _limit_defaults() -> dict:
+    limits = ServerLimits()
+    return {name: getattr(limits, name) for name in ServerLimits.__dataclass_fields__}
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
@@ -57,6 +114,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         ns.model = ns.model_tag
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 1:
         print("tinyvllm serve: --max-waiting-requests must be at least 1", file=sys.stderr)
+        return 2
+    if ns.tokenizer_pool_size < 1:
+        print("tinyvllm serve: --tokenizer-pool-size must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        limits_from_cli(ns)
+    except ValueError as e:
+        print(f"tinyvllm serve: {e}", file=sys.stderr)
         return 2
     try:
         from tinyvllm.entrypoints.server import run_server

@@ -2,9 +2,13 @@
 
 `build_app(engine, args)` makes the app around a started engine client (tests run it on uvicorn in a
 thread); `run_server(ns)` starts the engine process (`MPAsyncLLMEngine`; with `--engine-in-thread`, an
-engine thread in this process instead) and serves until SIGINT/SIGTERM: uvicorn stops accepting,
-in-flight requests get `--shutdown-timeout` seconds to finish (then they are cancelled, which aborts
-them), the engine stops, and the process exits 0.
+engine thread in this process instead) and serves until SIGINT/SIGTERM, then shuts down as
+`tinyvllm.entrypoints.shutdown` describes (new requests 503, in-flight ones get `--shutdown-timeout`
+seconds, then end with an error event), stops the engine and exits 0.
+
+Every request first passes `RequestGuard` (body size and time limits, the drain, internal errors);
+POST bodies are parsed and validated on a worker pool (`ServingContext.parse`, limits in
+`tinyvllm.entrypoints.limits`).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 once the
 engine has died), GET /metrics (Prometheus), POST /tokenize, POST /detokenize, GET /version.
@@ -15,6 +19,7 @@ Errors are OpenAI-shaped JSON (`tinyvllm.entrypoints.errors`); with an API key s
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import secrets
 import signal
@@ -29,16 +34,20 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyvllm
 from tinyvllm.engine.async_llm import AsyncLLMEngine, EngineClient
 from tinyvllm.entrypoints.errors import APIError, error_body
+from tinyvllm.entrypoints.guard import RequestGuard, header_timeout_protocol
+from tinyvllm.entrypoints.limits import ServerLimits, check_prompt_chars, limits_from_cli
 from tinyvllm.entrypoints.metrics import make_registry
 from tinyvllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tinyvllm.entrypoints.serving import ServingContext
 from tinyvllm.entrypoints.serving_chat import create_chat_completion, render_chat
 from tinyvllm.entrypoints.serving_completions import create_completion
+from tinyvllm.entrypoints.shutdown import Drain, GracefulServer
 
 logger = logging.getLogger(__name__)
 
@@ -49,34 +58,64 @@ class ServerArgs:
     api_key: str | None = None
     model_root: str | None = None  # shown as `root` in /v1/models
     created: int = field(default_factory=lambda: int(time.time()))
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    tokenizer_workers: int = 2
 
 
 def build_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
-    """The app for a started engine; the caller owns the engine (starts and shuts it down)."""
+    """The app for a started engine; the caller owns the engine (starts and shuts it down).
+    `app.state.drain` is its shutdown state (`GracefulServer` drives it)."""
     app = FastAPI(title="tinyvllm", version=tinyvllm.__version__)
-    ctx = ServingContext(engine, list(args.served_model_names))
+    drain = Drain()
+    ctx = ServingContext(engine, list(args.served_model_names), args.limits, drain, args.tokenizer_workers)
     registry, recorder = make_registry(lambda: engine.stats, ctx.model_name)
     engine.add_stats_listener(recorder)
     app.state.ctx = ctx
+    app.state.drain = drain
     _add_error_handlers(app)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(RequestGuard, limits=args.limits, drain=drain)  # outermost
     _add_generation_routes(app, ctx)
     _add_status_routes(app, ctx, args, registry)
     _add_tokenizer_routes(app, ctx)
+    _document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
+
+
+def _body(model: type[BaseModel]) -> dict:
+    """openapi_extra of a route that parses its own body (on the worker pool) as `model`."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _document_bodies(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Put the request models in the OpenAPI document's components (routes refer to them by `_body`)."""
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = base()
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     """POST /v1/completions and /v1/chat/completions."""
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(ctx, body, request)
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, await ctx.parse(request, CompletionRequest), request)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(ctx, body, request)
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(ctx, await ctx.parse(request, ChatCompletionRequest), request)
 
 
 def _add_status_routes(app: FastAPI, ctx: ServingContext, args: ServerArgs, registry: CollectorRegistry) -> None:
@@ -115,8 +154,7 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext, args: ServerArgs, regi
 def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
     """POST /tokenize (a prompt or chat messages) and /detokenize."""
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    def tokenize_body(body: TokenizeRequest) -> dict:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
@@ -129,15 +167,24 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext) -> None:
                 continue_final_message=body.continue_final_message,
                 template_kwargs=body.chat_template_kwargs,
             )
+        else:
+            check_prompt_chars(text, ctx.max_prompt_chars, "prompt")
         ids = ctx.tokenizer.encode(text, add_special_tokens=body.add_special_tokens and body.messages is None)
         strs = ctx.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    def detokenize_body(body: DetokenizeRequest) -> dict:
         ctx.check_model(body.model)
         ids = ctx.check_token_ids(body.tokens, "tokens")
         return {"prompt": ctx.tokenizer.decode(ids)}
+
+    @app.post("/tokenize", openapi_extra=_body(TokenizeRequest))
+    async def tokenize(request: Request) -> dict:
+        return await ctx.run(tokenize_body, await ctx.parse(request, TokenizeRequest))
+
+    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> dict:
+        return await ctx.run(detokenize_body, await ctx.parse(request, DetokenizeRequest))
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -150,14 +197,16 @@ def _add_error_handlers(app: FastAPI) -> None:
         message, param = _describe_validation_error(e.errors())
         return JSONResponse(error_body(400, message, param), 400)
 
+    @app.exception_handler(ValidationError)
+    async def invalid_body(_: Request, e: ValidationError) -> JSONResponse:
+        message, param = _describe_validation_error(e.errors(include_url=False))
+        return JSONResponse(error_body(400, message, param), 400)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code, headers=e.headers)
 
-    @app.exception_handler(Exception)
-    async def internal(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("internal error")
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), 500)
+    # Other exceptions: RequestGuard logs them once and answers 500 on a connection that stays open.
 
 
 def _describe_validation_error(errors: Any) -> tuple[str, str | None]:
@@ -233,22 +282,48 @@ def run_server(ns: argparse.Namespace) -> int:
             print(f"tinyvllm serve: the engine could not start: {e}", file=sys.stderr)
             return 1
     names = ns.served_model_name or [engine_args.model or DEFAULT_MODEL]
-    app = build_app(engine, ServerArgs(names, api_key=ns.api_key, model_root=engine.info.model_dir))
+    limits = limits_from_cli(ns)
+    server_args = ServerArgs(
+        names,
+        api_key=ns.api_key,
+        model_root=engine.info.model_dir,
+        limits=limits,
+        tokenizer_workers=ns.tokenizer_pool_size,
+    )
+    app = build_app(engine, server_args)
+    protocol = header_timeout_protocol(limits.header_timeout_s)
     config = uvicorn.Config(
         app,
         host=ns.host,
         port=ns.port,
         log_level=ns.uvicorn_log_level,
-        timeout_graceful_shutdown=ns.shutdown_timeout,
+        timeout_graceful_shutdown=1,  # the drain has already waited --shutdown-timeout
         timeout_keep_alive=ns.keep_alive_timeout,
+        **({"http": protocol} if protocol is not None else {}),
     )
+    _return_freed_memory()
+    server = GracefulServer(config, app.state.drain, ns.shutdown_timeout)
     try:
         with _signals_end_the_server():
-            uvicorn.Server(config).run()
+            server.run()
     finally:
         engine.shutdown()
+    if app.state.drain.draining:
+        logger.warning(app.state.drain.summary())
     logger.info("server stopped")
     return 0
+
+
+def _return_freed_memory() -> None:
+    """Have glibc serve every allocation of 128 KiB or more with its own mmap, so that the memory of
+    a large request body goes back to the system once freed. (glibc otherwise raises this threshold
+    to the largest block freed so far, and later large blocks come from a heap it rarely shrinks.)"""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 128 * 1024)
 
 
 @contextmanager

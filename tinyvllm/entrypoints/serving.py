@@ -1,6 +1,9 @@
-"""What /v1/completions and /v1/chat/completions share: validating a request into (prompt token ids,
-SamplingParams) before anything reaches the engine, queueing it, reading its outputs (with disconnect
-detection), logprobs and usage in OpenAI's shapes, and the SSE response.
+"""What /v1/completions and /v1/chat/completions share: parsing and validating a request into (prompt
+token ids, SamplingParams) before anything reaches the engine, queueing it, reading its outputs (with
+disconnect detection), logprobs and usage in OpenAI's shapes, and the SSE response.
+
+Parsing, chat-template rendering and tokenization run on a small thread pool (`ServingContext.run`),
+never on the event loop, so that one large request does not stall the others (/health included).
 
 Every check raises `APIError(400, message, param)` naming the offending field, so that bad input never
 reaches the engine (whose own ValueError/TypeError would still come back as a 400).
@@ -14,9 +17,10 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -24,11 +28,13 @@ from starlette.responses import StreamingResponse
 from tinyvllm.engine.async_llm import EngineClient, RequestRejected, RequestStream
 from tinyvllm.engine.messages import OutputAccumulator, RequestDelta
 from tinyvllm.entrypoints.errors import APIError, error_json
+from tinyvllm.entrypoints.limits import ServerLimits, check_stop, parse_body, prompt_char_bound
 from tinyvllm.entrypoints.protocol import SamplingFields
+from tinyvllm.entrypoints.shutdown import Drain
 from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+T = TypeVar("T")
 _SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -50,10 +56,14 @@ _SAMPLING_FIELDS = (
 
 @dataclass
 class ServingContext:
-    """Everything a handler needs: the engine, its tokenizer and limits, and the served names."""
+    """Everything a handler needs: the engine, its tokenizer and limits, the served names, the worker
+    pool (`tokenizer_workers` threads) and the shutdown state."""
 
     engine: EngineClient
     served_model_names: list[str]
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    drain: Drain = field(default_factory=Drain)
+    tokenizer_workers: int = 2
 
     def __post_init__(self) -> None:
         info = self.engine.info
@@ -62,6 +72,23 @@ class ServingContext:
         self.max_model_len: int = info.max_model_len
         self.default_params: SamplingParams = info.default_sampling_params
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+        limit = self.limits.max_prompt_chars
+        self.max_prompt_chars: int | None = (
+            prompt_char_bound(self.tokenizer, self.max_model_len) if limit is None else (limit or None)
+        )
+        self.pool = ThreadPoolExecutor(self.tokenizer_workers, thread_name_prefix="tinyvllm-api")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the worker pool (parsing, templates, tokenization: off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def parse(self, request: Request, model: type[T]) -> T:
+        """The request's body as a validated `model`. The body is read in chunks (RequestGuard holds
+        them to the size limit) and not kept on the request, so it is freed once parsed."""
+        chunks = [chunk async for chunk in request.stream()]
+        body = b"".join(chunks)
+        del chunks
+        return await self.run(parse_body, body, model, self.limits.max_json_depth)
 
     @property
     def model_name(self) -> str:
@@ -110,10 +137,14 @@ class ServingContext:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
         if req.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported", "prompt_logprobs")
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        max_logprobs = self.limits.max_logprobs
+        if logprobs is not None and not 0 <= logprobs <= max_logprobs:
             raise APIError(
-                400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", renames.get("logprobs", "logprobs")
+                400, f"logprobs must be in [0, {max_logprobs}], got {logprobs}", renames.get("logprobs", "logprobs")
             )
+        if req.n > self.limits.max_n:
+            raise APIError(400, f"n must be at most {self.limits.max_n}, got {req.n}", "n")
+        check_stop(req.stop, self.limits)
         changes = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
         changes.update(n=req.n, max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA)
         try:
@@ -160,6 +191,7 @@ async def add_all(
         for s in streams:
             s.abort()
         raise
+    ctx.drain.register(streams)
     return streams
 
 
@@ -196,7 +228,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             t.cancel()
 
 
-async def final_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+async def final_outputs(ctx: ServingContext, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
     """The finished output of each stream (its deltas accumulated); aborts them all if the client
     disconnects first."""
 
@@ -222,6 +254,7 @@ async def final_outputs(request: Request, streams: list[RequestStream]) -> list[
         watch.cancel()
         for s in streams:
             s.abort()
+        ctx.drain.unregister(streams)
 
 
 def engine_errors_to_api(task: asyncio.Future) -> Any:
@@ -240,9 +273,10 @@ class SSEResponse(StreamingResponse):
     """text/event-stream whose requests are aborted whenever the response ends (a client that
     disconnects cancels the body iterator, and this `finally` frees the KV blocks at once)."""
 
-    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]) -> None:
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream], drain: Drain) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._streams = streams
+        self._drain = drain
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -250,6 +284,7 @@ class SSEResponse(StreamingResponse):
         finally:
             for s in self._streams:
                 s.abort()
+            self._drain.unregister(self._streams)
 
 
 def sse(obj: dict) -> str:

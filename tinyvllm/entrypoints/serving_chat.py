@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from tinyvllm.chat_template import merge_template_kwargs
 from tinyvllm.entrypoints.errors import APIError
+from tinyvllm.entrypoints.limits import check_json_size, check_prompt_chars
 from tinyvllm.entrypoints.protocol import ChatCompletionRequest, ChatMessage
 from tinyvllm.entrypoints.serving import (
     SSE_DONE,
@@ -86,6 +87,7 @@ def render_chat(
             f"templates sent in requests are not run",
             "chat_template",
         )
+    check_json_size(tools, ctx.limits.max_tools_bytes, "tools")
     msgs = message_dicts(messages)
     try:
         kwargs = merge_template_kwargs(
@@ -103,10 +105,12 @@ def render_chat(
         cut = text.rfind(last) if last else -1
         if cut >= 0:
             text = text[: cut + len(last)]
+    check_prompt_chars(text, ctx.max_prompt_chars, "messages")
     return text
 
 
 def _validate(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
+    """(prompt text, its ids, params) of a request, or an APIError; runs on the worker pool."""
     ctx.check_model(req.model)
     if req.response_format is not None and req.response_format.type != "text":
         raise APIError(400, "response_format other than text is not supported", "response_format")
@@ -134,12 +138,12 @@ def _validate(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[str, lis
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
-    prompt, ids, params = _validate(ctx, req)
+    prompt, ids, params = await ctx.run(_validate, ctx, req)
     request_id = new_id("chatcmpl")
     streams = await add_all(ctx, request_id, [(prompt, ids)], params, arrival)
     if req.stream:
-        return SSEResponse(_events(ctx, req, request_id, prompt, len(ids), streams), streams)
-    (final,) = await final_outputs(request, streams)
+        return SSEResponse(_events(ctx, req, request_id, prompt, len(ids), streams), streams, ctx.drain)
+    (final,) = await final_outputs(ctx, request, streams)
     return JSONResponse(_response(ctx, req, request_id, prompt, final))
 
 

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tinyvllm.entrypoints.errors import APIError
+from tinyvllm.entrypoints.limits import check_prompt_chars
 from tinyvllm.entrypoints.protocol import CompletionRequest
 from tinyvllm.entrypoints.serving import (
     SSE_DONE,
@@ -53,6 +54,7 @@ def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
     out = []
     for item in items:
         if isinstance(item, str):
+            check_prompt_chars(item, ctx.max_prompt_chars, "prompt")
             out.append((item, ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)))
         else:
             out.append((None, ctx.check_token_ids(item, "prompt")))
@@ -60,6 +62,7 @@ def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[Prompt]:
 
 
 def _validate(ctx: ServingContext, req: CompletionRequest) -> tuple[list[Prompt], SamplingParams]:
+    """(prompts, params) of a request, or an APIError; runs on the worker pool (it tokenizes)."""
     ctx.check_model(req.model)
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported", "suffix")
@@ -78,12 +81,12 @@ def _validate(ctx: ServingContext, req: CompletionRequest) -> tuple[list[Prompt]
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
-    prompts, params = _validate(ctx, req)
+    prompts, params = await ctx.run(_validate, ctx, req)
     request_id = new_id("cmpl")
     streams = await add_all(ctx, request_id, prompts, params, arrival)
     if req.stream:
-        return SSEResponse(_events(ctx, req, request_id, prompts, streams), streams)
-    finals = await final_outputs(request, streams)
+        return SSEResponse(_events(ctx, req, request_id, prompts, streams), streams, ctx.drain)
+    finals = await final_outputs(ctx, request, streams)
     return JSONResponse(_response(ctx, req, request_id, prompts, finals))
 
 
