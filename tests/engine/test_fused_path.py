@@ -39,9 +39,16 @@ def device_for(backend: str) -> torch.device:
     return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
 
 
-def build(backend: str, dtype: torch.dtype, device: torch.device, max_positions: int = 64, **overrides) -> CausalLM:
-    """The 2-layer `tiny` preset (config.json `overrides` applied) with random weights, norms ≠ 1."""
-    config = ModelConfig.from_dict(make_config("tiny", **{"num_hidden_layers": 2, **overrides}))
+def build(
+    backend: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int = 64,
+    preset: str = "tiny",
+    **overrides,
+) -> CausalLM:
+    """The 2-layer `preset` (config.json `overrides` applied) with random weights and biases, norms ≠ 1."""
+    config = ModelConfig.from_dict(make_config(preset, **{"num_hidden_layers": 2, **overrides}))
     with torch.device(device):
         model = CausalLM(config, get_ops(backend), max_positions, dtype)
     model.init_rope_table()
