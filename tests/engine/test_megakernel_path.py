@@ -433,3 +433,21 @@ def test_megakernel_rejects_a_config_without_a_pipeline_stage(config):
     ids, positions, meta = step(5)
     with pytest.raises(ValueError, match="stages"):
         paths.megakernel(ids, positions, meta, views(kv_buffer(model, torch.float32)))
+
+
+def test_megakernel_refuses_what_it_cannot_serve_in_one_log_line(caplog):
+    """Query heads per KV head that are not a power of two (Qwen2.5-1.5B's 12 / 2) are the one family shape
+    the megakernel refuses: the runner's paths say why once and run the fused path; every tiny family
+    preset is served."""
+    from tinyvllm.engine.paths.megakernel import megakernel_unsupported
+
+    for preset in ("tiny", "tiny-qwen3", "tiny-qwen2", "tiny-mistral"):
+        assert megakernel_unsupported(build("triton", torch.float32, CPU, preset=preset)) is None
+    model = build(
+        "triton", torch.float32, CPU, preset="tiny-qwen2", hidden_size=96, num_attention_heads=6, num_key_value_heads=2
+    )
+    with caplog.at_level(logging.INFO, logger="tinyvllm.engine.paths.executor"):
+        paths = ModelExecutor(model, RunnerConfig(decode_megakernel=True, pruned_lm_head=False), "cuda")
+    assert paths.megakernel is None and paths.uses_fused_path(1)
+    line = "decode megakernel off: head_dim 16 / query heads per KV head 3 (need powers of two)"
+    assert caplog.text.count(line) == 1, caplog.text
