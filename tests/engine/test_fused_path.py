@@ -39,9 +39,16 @@ def device_for(backend: str) -> torch.device:
     return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
 
 
-def build(backend: str, dtype: torch.dtype, device: torch.device, max_positions: int = 64, **overrides) -> CausalLM:
-    """The 2-layer `tiny` preset (config.json `overrides` applied) with random weights, norms ≠ 1."""
-    config = ModelConfig.from_dict(make_config("tiny", **{"num_hidden_layers": 2, **overrides}))
+def build(
+    backend: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int = 64,
+    preset: str = "tiny",
+    **overrides,
+) -> CausalLM:
+    """The 2-layer `preset` (config.json `overrides` applied) with random weights and biases, norms ≠ 1."""
+    config = ModelConfig.from_dict(make_config(preset, **{"num_hidden_layers": 2, **overrides}))
     with torch.device(device):
         model = CausalLM(config, get_ops(backend), max_positions, dtype)
     model.init_rope_table()
@@ -141,12 +148,24 @@ def run(model, fused: bool, ids, positions, meta, kv):
     return hidden, logits, kv
 
 
+# Every family: Qwen3 (q/k norm, query width 128 ≠ hidden 64), Qwen2 (q/k/v biases, a window on layer 1)
+# and Mistral (a window on every layer); windows of 5 keys, so the batches' contexts (7, 13, 10 and the
+# chunk's) run past them.
+FAMILIES = {
+    "tiny": {},
+    "tiny-qwen3": {},
+    "tiny-qwen2": {"sliding_window": 5},
+    "tiny-mistral": {"sliding_window": 5},
+}
+
+
+@pytest.mark.parametrize("preset", list(FAMILIES))
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("backend", backends())
-def test_fused_small_batch_equals_unfused(backend, dtype, kind):
+def test_fused_small_batch_equals_unfused(backend, dtype, kind, preset):
     device = device_for(backend)
-    model = build(backend, dtype, device)
+    model = build(backend, dtype, device, preset=preset, **FAMILIES[preset])
     ids, positions, meta = batch(kind, device)
     kv = caches(model, dtype, device)
     h0, l0, kv0 = run(model, False, ids, positions, meta, kv)

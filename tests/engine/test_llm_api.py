@@ -352,3 +352,17 @@ def test_cascade_attention_in_the_engine_equals_the_torch_backend(model_dir):
             assert_greedy_is_decided(llm, prompts, 5)
     assert outs["triton"] == outs["torch"]
     assert 64 in used, used
+
+
+def test_cascade_attention_off_for_sliding_window_models(tmp_path, caplog):
+    """Cascade attention attends the shared prefix once for every row, but a row with a sliding window
+    sees only its own window of it: a model with any windowed layer (here Qwen2's layer 1 of 2) never gets
+    the cascade prefix, and the runner says why once (test_cascade_attention_in_the_engine_... above: a
+    model without a window keeps it)."""
+    import logging
+
+    write_dummy_checkpoint(tmp_path, make_config("tiny-qwen2"), seed=0)
+    with caplog.at_level(logging.INFO, logger="tinyvllm.engine.model_runner"):
+        llm = LLM(model=str(tmp_path), device="cpu", max_model_len=128, kernel_backend="triton")
+    assert llm.llm_engine.runner.builder.cascade is None
+    assert caplog.text.count("cascade attention off: the model has sliding-window layers") == 1

@@ -222,12 +222,94 @@ def test_megakernel_split_merge_equals_reference(dtype, seq_len, splits):
     assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
 
 
+QWEN3_WINDOWED = {"use_sliding_window": True, "sliding_window": 70, "max_window_layers": 1}
+
+
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
-def test_megakernel_padded_slot_writes_nothing_and_relaunches():
+@pytest.mark.parametrize(
+    "preset,dtype,seq_len,splits,split_o,overrides",
+    [
+        # Qwen3: q/k RMSNorm before RoPE, query width 4 × 32 = 128 ≠ hidden 64
+        ("tiny-qwen3", torch.float32, 130, 3, True, {}),
+        ("tiny-qwen3", torch.bfloat16, 130, 3, False, {}),
+        ("tiny-qwen3", torch.float32, 1, 1, True, {}),  # the new key is the whole context
+        ("tiny-qwen3", torch.float32, 65, 2, False, {}),  # ... and the whole of the last split
+        # Qwen2: q/k/v biases; a window of 40 keys on layer 1 only
+        ("tiny-qwen2", torch.float32, 130, 3, True, {}),
+        ("tiny-qwen2", torch.bfloat16, 104, 2, False, {}),  # the window starts on a tile boundary
+        # Mistral: the window on every layer
+        ("tiny-mistral", torch.float32, 130, 3, True, {}),
+        ("tiny-mistral", torch.bfloat16, 130, 2, False, {}),
+        ("tiny-mistral", torch.float32, 30, 1, True, {}),  # context within the window
+        ("tiny-mistral", torch.float32, 13, 1, False, {"sliding_window": 1}),  # the new key alone
+        # q/k norm and a window on some layers together
+        ("tiny-qwen3", torch.float32, 200, 3, True, QWEN3_WINDOWED),
+    ],
+)
+def test_megakernel_serves_every_family(preset, dtype, seq_len, splits, split_o, overrides):
+    """Every family through the one launch against the torch reference's layer loop of the same weights:
+    hidden state, logits and the K/V written (only the new token's slot). Contexts past the window (40
+    keys; 70 in the last case), so a window applied wrongly or not at all shows (a window of 41 instead of
+    40 gives 0.19, none at all 1.3, Qwen2's on both layers 0.9, against 1e-5); on the CPU's one program
+    KV head 0's first unit takes the preloaded first tile and KV head 1's loads its own."""
+    device = device_for("triton")
+    ref = build("torch", dtype, device, max_positions=512, preset=preset, **overrides)
+    model = build("triton", dtype, device, max_positions=512, preset=preset, **overrides)
+    paths = with_megakernel(model, MegakernelConfig(tile=16384, split_o=split_o))
+    mk = paths.megakernel
+    mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
+    c = model.config
+    assert (mk.shape.qkv_bias, mk.shape.qk_norm) == (c.qkv_bias, c.qk_norm)
+    assert mk.shape.window == (c.sliding_window if c.has_sliding_window else None)
+    ids, positions, meta = step(seq_len, device=device)
+    buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)
+    h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
+    h, logits = forward(paths, ids, positions, meta, buf)
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
+    slot = int(meta.slot_mapping[0])
+    blk, off = slot // BLOCK, slot % BLOCK
+    for layer in range(c.num_hidden_layers):
+        for kv in (0, 1):
+            assert rel(buf[layer, kv, blk, :, off], buf_ref[layer, kv, blk, :, off]) <= tol
+    buf[:, :, blk, :, off] = buf_ref[:, :, blk, :, off]
+    assert torch.equal(buf, buf_ref)
+    assert int(mk.workspace.barrier.abs().sum()) == 0 and int(torch.count_nonzero(mk.workspace.o_sums)) == 0
+
+
+@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_megakernel_window_never_reads_keys_before_it():
+    """Keys before a layer's window may sit in blocks freed and handed to another sequence: the launch
+    must not read them. Their block-table entries point at a block of NaNs here (any read of it would
+    poison the output), and the result still equals the reference with the same poisoned table."""
+    device = device_for("triton")
+    dtype = torch.float32
+    ref = build("torch", dtype, device, max_positions=512, preset="tiny-mistral")
+    model = build("triton", dtype, device, max_positions=512, preset="tiny-mistral")
+    paths = with_megakernel(model, MegakernelConfig(tile=16384))
+    mk = paths.megakernel
+    mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=2)
+    seq_len = 130  # keys 90..129 visible; blocks 0..21 hold only keys before the window
+    ids, positions, meta = step(seq_len, device=device)
+    buf = kv_buffer(ref, dtype).to(device)
+    used = set(meta.decode_block_tables[0].tolist())
+    freed = next(b for b in range(NUM_BLOCKS) if b not in used)
+    buf[:, :, freed] = float("nan")
+    meta.decode_block_tables[0, : (seq_len - 40) // BLOCK] = freed
+    buf_ref = buf.clone()
+    h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
+    h, logits = forward(paths, ids, positions, meta, buf)
+    assert torch.isfinite(h_ref).all() and torch.isfinite(h).all()
+    assert rel(h, h_ref) <= 1e-5 and rel(logits, l_ref) <= 1e-5
+
+
+@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
+def test_megakernel_padded_slot_writes_nothing_and_relaunches(preset):
     """Slot −1 writes no K/V; a second launch on the same workspace (counters reset by the kernel)
     gives the same result."""
     device = device_for("triton")
-    model = build("triton", torch.float32, device)
+    model = build("triton", torch.float32, device, preset=preset)
     paths = with_megakernel(
         model,
     )
@@ -243,12 +325,13 @@ def test_megakernel_padded_slot_writes_nothing_and_relaunches():
 
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
-def test_megakernel_row_without_context_equals_reference():
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3", "tiny-mistral"])
+def test_megakernel_row_without_context_equals_reference(preset):
     """A CUDA graph's warm-up and padded rows launch with context 0 and slot −1: the kernel must attend
     to nothing, as the reference does (its split count once came from a division by zero)."""
     device = device_for("triton")
-    ref = build("torch", torch.float32, device, max_positions=512)
-    model = build("triton", torch.float32, device, max_positions=512)
+    ref = build("torch", torch.float32, device, max_positions=512, preset=preset)
+    model = build("triton", torch.float32, device, max_positions=512, preset=preset)
     paths = with_megakernel(
         model,
     )
@@ -350,3 +433,21 @@ def test_megakernel_rejects_a_config_without_a_pipeline_stage(config):
     ids, positions, meta = step(5)
     with pytest.raises(ValueError, match="stages"):
         paths.megakernel(ids, positions, meta, views(kv_buffer(model, torch.float32)))
+
+
+def test_megakernel_refuses_what_it_cannot_serve_in_one_log_line(caplog):
+    """Query heads per KV head that are not a power of two (Qwen2.5-1.5B's 12 / 2) are the one family shape
+    the megakernel refuses: the runner's paths say why once and run the fused path; every tiny family
+    preset is served."""
+    from tinyvllm.engine.paths.megakernel import megakernel_unsupported
+
+    for preset in ("tiny", "tiny-qwen3", "tiny-qwen2", "tiny-mistral"):
+        assert megakernel_unsupported(build("triton", torch.float32, CPU, preset=preset)) is None
+    model = build(
+        "triton", torch.float32, CPU, preset="tiny-qwen2", hidden_size=96, num_attention_heads=6, num_key_value_heads=2
+    )
+    with caplog.at_level(logging.INFO, logger="tinyvllm.engine.paths.executor"):
+        paths = ModelExecutor(model, RunnerConfig(decode_megakernel=True, pruned_lm_head=False), "cuda")
+    assert paths.megakernel is None and paths.uses_fused_path(1)
+    line = "decode megakernel off: head_dim 16 / query heads per KV head 3 (need powers of two)"
+    assert caplog.text.count(line) == 1, caplog.text

@@ -232,3 +232,67 @@ def test_pruned_lm_head_draws_the_same_tokens_bf16(ckpt):
         del llm
         torch.cuda.empty_cache()
     assert got[True] == got[False]
+
+
+# Each family at a real shape, by (preset, config.json overrides): Qwen3-0.6B itself (q/k norm, query width
+# ≠ hidden, tied 151,936-row LM head); Mistral layers with a window of 128 keys on every layer and Qwen2.5
+# biases with the window on layers 14.. only (3 KV heads: the megakernel needs power-of-two groups), both
+# at sizes the megakernel is on for by default. Prompts of 150–300 tokens run past the windows.
+FAMILY_CHECKPOINTS = {
+    "qwen3-0.6b": ("qwen3-0.6b", {}),
+    "mistral-window": (
+        "mistral-7b",
+        {
+            "num_hidden_layers": 4,
+            "hidden_size": 2048,
+            "intermediate_size": 4096,
+            "num_attention_heads": 16,
+            "sliding_window": 128,
+        },
+    ),
+    "qwen2-mixed-window": (
+        "qwen2.5-1.5b",
+        {"num_key_value_heads": 3, "use_sliding_window": True, "sliding_window": 128, "max_window_layers": 14},
+    ),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", list(FAMILY_CHECKPOINTS))
+def test_every_family_greedy_fp32_equals_transformers(family, tmp_path):
+    """The engine's default fast paths on each family (batch-1 decode through the megakernel in CUDA graphs,
+    sampling through the pruned LM head; the fused path for the first decode step) in float32 with TF32
+    off: greedy continuations of prompts generated alone equal transformers' AutoModelForCausalLM, and a
+    batch of them equals the same prompts alone (the layered path and windowed decode attention)."""
+    from tinyvllm.models.checkpoint import write_dummy_checkpoint
+    from tinyvllm.models.presets import make_config
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    preset, overrides = FAMILY_CHECKPOINTS[family]
+    config = make_config(preset, **overrides)
+    path = write_dummy_checkpoint(tmp_path / family, config, seed=0, dtype="float32")
+    rng = random.Random(11)
+    ps = [[rng.randrange(1, config["vocab_size"] - 300) for _ in range(rng.randint(150, 300))] for _ in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = engine(path, "float32", kv=4 << 30, max_model_len=1024)
+    runner = llm.llm_engine.runner
+    assert runner.executor.megakernel is not None and runner.graphs is not None
+    alone = [llm.generate({"prompt_token_ids": p}, greedy, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+    batched = llm.generate([{"prompt_token_ids": p} for p in ps], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batched] == alone
+    del llm, runner
+    torch.cuda.empty_cache()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    assert type(hf).__name__ == config["architectures"][0]
+    hf = hf.cuda().eval()
+    for p, want in zip(ps, alone):
+        ids = torch.tensor([p], device="cuda")
+        got = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
+        assert got == want

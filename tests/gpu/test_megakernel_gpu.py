@@ -1,4 +1,5 @@
-"""The decode megakernel on the GPU at the `llama-3.2-1b` shape: one program per SM, grid barriers, split
+"""The decode megakernel on the GPU at the `llama-3.2-1b` shape and at every family's (Qwen3, Qwen2 biases,
+sliding windows on every layer or some): one program per SM, grid barriers, split
 attention with the ticket merge, against the layer-by-layer path of the same weights.
 
 float32 (TF32 off): only the order of float32 sums differs, so hidden state and logits agree to 1e-5
@@ -31,8 +32,26 @@ BLOCK = 16
 MAX_CTX = 2048
 
 
-def setup(dtype: torch.dtype):
-    config = ModelConfig.from_dict(make_config("llama-3.2-1b"))
+# Real shapes of every family the megakernel serves, by (preset, config.json overrides): Qwen3-0.6B
+# (q/k norm, query width 2048 ≠ hidden 1024, head dim 128, tied embeddings of 151,936 rows) and 1.7B
+# (hidden 2048); Qwen2.5-1.5B's q/k/v biases and hidden 1536 with 3 KV heads (groups of 4: its own 12/2
+# heads are refused);
+# Mistral-7B's layers (4 of them) with a window of 512 keys on each; Qwen3-0.6B with a window on layers
+# 14.. only. Contexts up to 1500 run past the windows.
+FAMILY_SHAPES = {
+    "qwen3-0.6b": ("qwen3-0.6b", {}),
+    "qwen3-1.7b": ("qwen3-1.7b", {}),
+    "qwen2.5-bias": ("qwen2.5-1.5b", {"num_key_value_heads": 3}),
+    "mistral-window": ("mistral-7b", {"num_hidden_layers": 4, "sliding_window": 512}),
+    "qwen3-mixed-window": (
+        "qwen3-0.6b",
+        {"use_sliding_window": True, "sliding_window": 512, "max_window_layers": 14},
+    ),
+}
+
+
+def setup(dtype: torch.dtype, preset: str = "llama-3.2-1b", overrides: dict | None = None):
+    config = ModelConfig.from_dict(make_config(preset, **(overrides or {})))
     model = build_model(
         config,
         get_ops("triton"),
@@ -90,6 +109,7 @@ def forward(model, mk, ids, pos, meta, kv):
     paths = ModelExecutor(model, RunnerConfig(decode_megakernel=False, pruned_lm_head=False), "cuda")
     paths.megakernel = mk
     hidden = paths.hidden_states(ids, pos, meta, [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
+    assert paths.megakernel is mk, "the megakernel did not fit this GPU: the layered path ran instead"
     return hidden, paths.lm_head.logits(hidden)
 
 
@@ -118,6 +138,37 @@ def test_megakernel_equals_layered_path_at_1b_shape(dtype):
         assert torch.equal(kv_mk, kv_ref)
         assert int(mk.workspace.barrier.abs().sum()) == 0 and int(mk.workspace.tickets.abs().sum()) == 0
         assert int(torch.count_nonzero(mk.workspace.o_sums)) == 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("family", list(FAMILY_SHAPES))
+def test_megakernel_equals_layered_path_for_every_family(family, dtype):
+    """As the 1B test above, at each family's real shape (FAMILY_SHAPES), with both phase-C schemes."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    preset, overrides = FAMILY_SHAPES[family]
+    model, kv = setup(dtype, preset, overrides)
+    c = model.config
+    from tinyvllm.engine.paths.megakernel import megakernel_unsupported
+
+    assert megakernel_unsupported(model) is None
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    for split_o in (True, False):
+        mk = DecodeMegakernel(model, MegakernelConfig(split_o=split_o))
+        assert (mk.shape.qk_norm, mk.shape.qkv_bias) == (c.qk_norm, c.qkv_bias)
+        for ctx in (1, 333, 1500):
+            ids, pos, meta, slot = step(ctx, kv.shape[2])
+            kv_ref, kv_mk = kv.clone(), kv.clone()
+            h_ref, l_ref = forward(model, None, ids, pos, meta, kv_ref)
+            h, logits = forward(model, mk, ids, pos, meta, kv_mk)
+            at = (slice(None), slice(None), slot // BLOCK, slice(None), slot % BLOCK)
+            errs = rel(h, h_ref), rel(logits, l_ref), rel(kv_mk[at], kv_ref[at])
+            assert max(errs) <= tol, (split_o, ctx, errs)
+            kv_mk[at] = kv_ref[at]
+            assert torch.equal(kv_mk, kv_ref)
+            assert int(mk.workspace.barrier.abs().sum()) == 0 and int(mk.workspace.tickets.abs().sum()) == 0
+        del mk
+        torch.cuda.empty_cache()
 
 
 @torch.no_grad()

@@ -170,6 +170,39 @@ def test_residual_added_to_rounded_product(name, cfg, dtype, device):
         assert not torch.equal(out, ((x.float() @ w.float().T) + r.float()).to(dtype))
 
 
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("name,cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_bias_added_before_the_one_rounding(name, cfg, dtype, M, device):
+    """out = round(y + b), as nn.Linear (Qwen2's qkv_proj) computes it, not round(round(y) + b): against
+    float64 on random inputs (split-K sums included), and exactly with W = I + c·(shift by one), whose
+    y_n = x_n + c·x_{n+1} is one float32 number in every summation order (test_residual_... above)."""
+    N, K = 50, 77
+    x, w, _ = make_inputs(M, N, K, dtype, device, "plain", seed=M + 11)
+    b = (torch.randn(N, generator=torch.Generator(device=device).manual_seed(M), device=device) * 2).to(dtype)
+    out = fused_gemv_fwd(x, w, bias=b, config=cfg)
+    assert_close(out, x.double() @ w.double().T + b.double(), dtype, factor=1.5)
+    K = 40
+    gen = torch.Generator(device=device).manual_seed(9)
+    x = torch.randn(M, K, generator=gen, device=device).to(dtype)
+    b = (torch.randn(K, generator=gen, device=device) * 4).to(dtype)
+    w = (torch.eye(K, device=device) + 0.71 * torch.eye(K, device=device).roll(1, dims=1)).to(dtype)
+    y32 = x.float() @ w.float().T
+    out = fused_gemv_fwd(x, w, bias=b, config=cfg)
+    if dtype == torch.float32 or device.type == "cuda" or dtype == torch.float16:  # torch rounds as the kernel
+        assert torch.equal(out, (y32 + b.float()).to(dtype))
+    if dtype != torch.float32:
+        assert not torch.equal(out, (y32.to(dtype).float() + b.float()).to(dtype))
+
+
+def test_bias_argument_errors(device):
+    x, w = torch.zeros(2, 8, device=device), torch.zeros(4, 8, device=device)
+    with pytest.raises(ValueError, match="bias must be"):
+        fused_gemv_fwd(x, w, bias=torch.zeros(5, device=device))
+    with pytest.raises(ValueError, match="not both"):
+        fused_gemv_fwd(x, w, bias=torch.zeros(4, device=device), residual=torch.zeros(2, 4, device=device))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_table_function_matches_reference(dtype, device):
     """The ops-table entry (reference signature, default config) on a decode-like shape."""

@@ -65,7 +65,7 @@ def compile_ptx(
 
     from tinyvllm.kernels.gemv import gemv_kernel
 
-    sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "nw_ptr", "res_ptr", "out_ptr")}
+    sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "nw_ptr", "res_ptr", "bias_ptr", "out_ptr")}
     sig.update(
         {
             "ws_ptr": "*fp32",
@@ -88,6 +88,7 @@ def compile_ptx(
     consts = {
         "MODE": mode,
         "HAS_RESIDUAL": residual,
+        "HAS_BIAS": False,
         "SPLIT": not sample,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,

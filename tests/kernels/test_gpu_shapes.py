@@ -17,6 +17,7 @@ from kernel_helpers import assert_close, free_below_window, make_paged_cache, pa
 from tinyvllm.config import RopeScaling
 from tinyvllm.kernels import reference, triton_ops
 from tinyvllm.kernels.decode_attention import DecodeConfig, decode_attention_fwd
+from tinyvllm.kernels.gemv import fused_gemv_fwd
 from tinyvllm.kernels.prefill_attention import prefill_attention_fwd
 from tinyvllm.models.rope import cos_sin_table
 
@@ -221,7 +222,7 @@ def test_layer_ops_real_shapes():
     assert torch.equal(caches[1].isnan(), caches[3].isnan())
 
 
-# fused_gemv at the projections of Llama-3.2-1B and Llama-3.1-8B, each with the fusion the model uses
+# fused_gemv at the projections of Llama-3.2-1B, Llama-3.1-8B and the Qwen families, each with the fusion the model uses
 # there: (N, K, variant). bf16 against the reference in float32 (TF32 off): the output rounding and the
 # rounded input transform (bf16 normed values / SwiGLU products, which the float32 reference keeps
 # exact) give ~3e-3; 1e-2 as above.
@@ -235,6 +236,14 @@ GEMV_SHAPES = [
     (4096, 4096, "residual"),
     (28672, 4096, "norm"),
     (4096, 14336, "silu_residual"),
+    # Qwen3-0.6B (query width 2048 ≠ hidden 1024, the tied 151,936-row LM head) and Qwen2.5-1.5B's
+    # q/k/v product with its bias (the fused path's "bias" epilogue)
+    (4096, 1024, "plain"),
+    (1024, 2048, "residual"),
+    (6144, 1024, "plain"),
+    (1024, 3072, "silu_residual"),
+    (151936, 1024, "plain"),
+    (2048, 1536, "bias"),
 ]
 
 
@@ -247,6 +256,8 @@ def gemv_inputs(M, N, K, variant, gen):
         kw = {"norm_weight": (1 + 0.1 * torch.randn(K, generator=gen, device=CUDA)).to(BF16), "eps": 1e-5}
     if variant.endswith("residual"):
         kw["residual"] = torch.randn(M, N, generator=gen, device=CUDA).to(BF16)
+    if variant == "bias":
+        kw["bias"] = torch.randn(N, generator=gen, device=CUDA).to(BF16)
     return x, w, kw
 
 
@@ -255,6 +266,12 @@ def gemv_inputs(M, N, K, variant, gen):
 def test_gemv_real_shapes(n, k, variant, M):
     gen = torch.Generator(device=CUDA).manual_seed(n + k + M)
     x, w, kw = gemv_inputs(M, n, k, variant, gen)
+    if variant == "bias":  # the ops table's signature has no bias: the kernel's own entry point
+        out = fused_gemv_fwd(x, w, **kw)
+        ref = torch.nn.functional.linear(x.float(), w.float(), kw["bias"].float())
+        assert_close(out, ref, BF16)
+        assert torch.equal(out, fused_gemv_fwd(x, w, **kw)), "split-K must be deterministic"
+        return
     out = triton_ops.fused_gemv(x, w, **kw)
     ref = reference.fused_gemv(
         x.float(), w.float(), **{a: v.float() if torch.is_tensor(v) else v for a, v in kw.items()}

@@ -9,9 +9,11 @@ import torch
 
 
 def load_hf(model_dir: str | Path, device: torch.device, dtype: torch.dtype = torch.bfloat16):
-    from transformers import LlamaForCausalLM
+    """transformers' own class for the checkpoint's architecture (config.json `architectures`: Llama,
+    Mistral, Qwen2, Qwen3), with its SDPA attention."""
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
 
 

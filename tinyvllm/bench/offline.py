@@ -40,9 +40,14 @@ def _params(w: Workload) -> list[SamplingParams]:
     return [SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=True) for m in w.max_tokens]
 
 
+def _token_ids(prompts: list[list[int]], vocab_size: int) -> list[list[int]]:
+    """Workload token ids (drawn from [0, 10000]), folded into small test vocabularies."""
+    return [[t % vocab_size for t in p] for p in prompts]
+
+
 def _prompts(w: Workload, vocab_size: int) -> list[dict]:
-    """The workload's token ids (drawn from [0, 10000]), folded into small test vocabularies."""
-    return [{"prompt_token_ids": [t % vocab_size for t in p]} for p in w.prompts]
+    """The workload's prompts as engine inputs (`_token_ids`)."""
+    return [{"prompt_token_ids": p} for p in _token_ids(w.prompts, vocab_size)]
 
 
 def _warm_up(llm: LLM, w: Workload | None = None) -> None:
@@ -141,7 +146,8 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         from tinyvllm.bench.hf_baseline import hf_latency, load_hf
 
         model = load_hf(model_dir, device)
-        hf = hf_latency(model, w.prompts[0], ns.baseline_output_len, device)
+        (prompt,) = _token_ids(w.prompts[:1], model.config.vocab_size)
+        hf = hf_latency(model, prompt, ns.baseline_output_len, device)
         _free(model)
     llm = LLM(**vars(_engine_args(ns)))
     _warm_up(llm)
@@ -207,7 +213,9 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
 
         model = load_hf(model_dir, device)
         k = min(ns.baseline_requests, len(w.prompts))
-        hf = hf_static_batch(model, w.prompts[:k], w.max_tokens[:k], w.temperature, device)
+        hf = hf_static_batch(
+            model, _token_ids(w.prompts[:k], model.config.vocab_size), w.max_tokens[:k], w.temperature, device
+        )
         _free(model)
     llm = LLM(**vars(_engine_args(ns)))
     _warm_up(llm, w)

@@ -1,7 +1,9 @@
 """Hardware ceilings measured in the run, and the floors they put under each workload.
 
-Counts for a Llama model with P_m matrix parameters per token (all layers' projections plus the LM
-head; the embedding lookup is no product), KV bytes per token κ = layers · 2 · Hk · D · bytes:
+Counts for a decoder (any supported family) with P_m matrix parameters per token (all layers'
+projections plus the LM head; the embedding lookup is no product), W weight bytes a decode step reads
+(every parameter once, but an untied embedding table not at all: a step reads one row of it; a tied one
+is the LM head, counted once), KV bytes per token κ = layers · 2 · Hk · D · bytes:
   * a forward of one token costs 2·P_m FLOPs, plus 4·c·Hq·D per layer of attention at context c;
   * a decode step of B sequences reads every weight once (W bytes) and each sequence's cache once
     (Σ c_i · κ): it cannot beat max(FLOPs / matmul rate, bytes / copy bandwidth);
@@ -77,9 +79,10 @@ class ModelCosts:
             + 3 * c.hidden_size * c.intermediate_size
         )
         matmul = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size
+        embedding = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size  # read one row a step
         return cls(
             matmul_params=matmul,
-            weight_bytes=c.num_parameters() * bytes_per_param,
+            weight_bytes=(c.num_parameters() - embedding) * bytes_per_param,
             kv_bytes_per_token=c.num_hidden_layers * 2 * c.kv_size * bytes_per_param,
             attn_flops_per_ctx_token=4 * c.num_hidden_layers * c.q_size,
         )

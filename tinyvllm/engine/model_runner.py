@@ -249,6 +249,10 @@ class ModelRunner:
         cfg = self.config
         triton = self.kernel_backend == "triton"
         cascade = (cfg.cascade_min_batch, cfg.cascade_min_prefix, CASCADE_ALIGN) if triton else None
+        if cascade is not None and self.model_config.has_sliding_window:
+            # The shared prefix is attended once for all rows, but each row sees only its own window of it.
+            logger.info("cascade attention off: the model has sliding-window layers")
+            cascade = None
         self.builder = StepInputBuilder(
             block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -2,6 +2,7 @@
 
     out = round(a Wᵀ)                       a: [M, K], W: [N, K] (nn.Linear layout), fp32 accumulation
     out = round(round(a Wᵀ) + residual)      with `residual` [M, N] (added in fp32, as add_rms_norm does)
+    out = round(a Wᵀ + b)                    with `bias` b [N] (added to the fp32 sum, as nn.Linear does)
 
 where the input transform a is one of
     a = x                                     plain
@@ -172,8 +173,24 @@ def _load_a(x_rows, nw_ptr, cols, mask, nw_mask, rstd, K, MODE: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL: tl.constexpr):
-    """y: the fp32 tile [BLOCK_N, BLOCK_M] → out[m, n] = round(y), or round(round(y) + residual)."""
+def _epilogue(
+    y,
+    offs_n,
+    offs_m,
+    mask,
+    res_ptr,
+    bias_ptr,
+    out_ptr,
+    stride_rm,
+    stride_om,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """y: the fp32 tile [BLOCK_N, BLOCK_M] → out[m, n] = round(y), round(y + bias[n]) (HAS_BIAS), or
+    round(round(y) + residual)."""
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_n[:, None] + offs_m[None, :] * 0, mask=mask, other=0.0)
+        y = y + b.to(tl.float32)
     out = y.to(out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask, other=0.0)
@@ -216,6 +233,7 @@ def gemv_kernel(
     w_ptr,
     nw_ptr,
     res_ptr,
+    bias_ptr,
     out_ptr,
     ws_ptr,
     tickets_ptr,
@@ -234,6 +252,7 @@ def gemv_kernel(
     part_idx_ptr,
     MODE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -248,9 +267,9 @@ def gemv_kernel(
 ):
     """Program (n-block, k-split): out[:, n-block] of a = f(x) [M, K] times W [N, K]ᵀ over the program's
     K range (module docstring), f by MODE (0 plain, 1 RMSNorm, 2 SwiGLU), plus the residual with
-    HAS_RESIDUAL. SPLIT: the K ranges' fp32 partials go to the workspace and the last split to take the
-    tile's ticket sums them in split order. SAMPLE: the tile's best (value, index) per row into the
-    sampler's partials (`_sample_epilogue`)."""
+    HAS_RESIDUAL, or the bias with HAS_BIAS. SPLIT: the K ranges' fp32 partials go to the workspace and
+    the last split to take the tile's ticket sums them in split order. SAMPLE: the tile's best (value,
+    index) per row into the sampler's partials (`_sample_epilogue`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -307,7 +326,7 @@ def gemv_kernel(
 
     mask = mask_n[:, None] & mask_m[None, :]
     if not SPLIT:
-        _epilogue(y, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL)
+        _epilogue(y, offs_n, offs_m, mask, res_ptr, bias_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL, HAS_BIAS)
         if SAMPLE:  # plain products only (the launcher checks): the logits are round(y)
             _sample_epilogue(
                 y,
@@ -337,7 +356,9 @@ def gemv_kernel(
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for s in range(num_splits):
                 total += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            _epilogue(total, offs_n, offs_m, mask, res_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL)
+            _epilogue(
+                total, offs_n, offs_m, mask, res_ptr, bias_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL, HAS_BIAS
+            )
             tl.atomic_xchg(tickets_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -398,6 +419,7 @@ def _check(
     norm_weight: torch.Tensor | None,
     silu_mul: bool,
     residual: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[int, int, int]:
     """Validate the arguments; returns (M, N, K)."""
     check_dim("x", x, 2)
@@ -426,6 +448,12 @@ def _check(
             raise ValueError(f"residual must be [{M}, {N}] in {x.dtype}, got {tuple(residual.shape)} {residual.dtype}")
         check_last_dim_contiguous("residual", residual)
         tensors["residual"] = residual
+    if bias is not None:
+        if residual is not None:
+            raise ValueError("choose one epilogue: bias or residual, not both")
+        if bias.shape != (N,) or bias.dtype != x.dtype or not bias.is_contiguous():
+            raise ValueError(f"bias must be [{N}] contiguous in {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+        tensors["bias"] = bias
     check_same_device(**tensors)
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
@@ -450,6 +478,7 @@ def _launch(
     out: torch.Tensor,
     cfg: GemvConfig,
     sampling: GemvSampling | None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`gemv_kernel` on the grid (N / block_n, splits) into `out`. Returns the sampler's partials
     (values [M, blocks] float32, indices [M, blocks] int32) where `sampling` is given, else None."""
@@ -475,6 +504,7 @@ def _launch(
         weight,
         norm_weight if norm_weight is not None else x,
         residual if residual is not None else out,
+        bias if bias is not None else out,
         out,
         ws,
         tickets,
@@ -490,6 +520,7 @@ def _launch(
         *((s.temperature, s.seeds, *parts) if s is not None else (out,) * 4),
         MODE=_NORM if norm_weight is not None else _SILU if silu_mul else _PLAIN,
         HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
         SPLIT=split > 1,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
@@ -517,6 +548,7 @@ def fused_gemv_fwd(
     residual: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     sampling: GemvSampling | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out = the product of x's transformed rows and Wᵀ, with the residual added (module docstring).
 
@@ -526,6 +558,8 @@ def fused_gemv_fwd(
         norm_weight: [K]: RMSNorm x's rows with this weight (and `eps`) first.
         silu_mul: take silu(gate) ⊙ up of x's halves first.
         residual: [M, N]: add it to the rounded product.
+        bias: [N]: add it to the float32 product before its one rounding (nn.Linear's bias; not with
+            `residual`).
         config: tiles, split and launch options (default: `default_config`).
         sampling: plain products only (the LM head): also sample every row's id from out
             (`GemvSampling`).
@@ -533,9 +567,9 @@ def fused_gemv_fwd(
     Returns:
         out [M, N] in x's dtype.
     """
-    M, N, K = _check(x, weight, norm_weight, silu_mul, residual)
+    M, N, K = _check(x, weight, norm_weight, silu_mul, residual, bias)
     if sampling is not None:
-        if norm_weight is not None or silu_mul or residual is not None:
+        if norm_weight is not None or silu_mul or residual is not None or bias is not None:
             raise ValueError("fused sampling needs a plain product (the logits)")
         check_sampling(sampling, M, x)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -545,7 +579,7 @@ def fused_gemv_fwd(
     if sampling is not None:
         cfg = cfg._replace(split_k=1)  # each program's logits whole, for its partial
     check_config(cfg)
-    parts = _launch(x, weight, norm_weight, eps, silu_mul, residual, out, cfg, sampling)
+    parts = _launch(x, weight, norm_weight, eps, silu_mul, residual, out, cfg, sampling, bias)
     if parts is not None:
         reduce_partials(*parts, N, sampling.ids, sampling.host_ids)
     return out

@@ -41,6 +41,10 @@ def model_shape(model: CausalLM) -> ModelShape:
         num_heads=c.num_attention_heads,
         num_kv_heads=c.num_key_value_heads,
         head_dim=c.head_dim,
+        qkv_bias=c.qkv_bias,
+        qk_norm=c.qk_norm,
+        window=c.sliding_window if c.has_sliding_window else None,
+        all_windowed=c.all_layers_sliding,
     )
 
 
@@ -67,7 +71,17 @@ class DecodeMegakernel:
         layers = model.layers
         attn = [layer.self_attn for layer in layers]
         mlp = [layer.mlp for layer in layers]
+        c = model.config
         with torch.no_grad():
+            family = {}
+            if c.qkv_bias:
+                family["qkv_bias"] = _stack([a.qkv_proj.bias for a in attn])
+            if c.qk_norm:
+                family["q_norm"] = _stack([a.q_norm.weight for a in attn])
+                family["k_norm"] = _stack([a.k_norm.weight for a in attn])
+            if c.has_sliding_window:
+                windowed = [c.attention_window(i) is not None for i in range(c.num_hidden_layers)]
+                family["sliding"] = torch.tensor(windowed, dtype=torch.int32, device=model.embed_tokens.weight.device)
             self.weights = StackedWeights(
                 embed=model.embed_tokens.weight,
                 qkv=_stack([a.qkv_proj.weight for a in attn]),
@@ -77,6 +91,7 @@ class DecodeMegakernel:
                 norm1=_stack([layer.input_layernorm.weight for layer in layers]),
                 norm2=_stack([layer.post_attention_layernorm.weight for layer in layers]),
                 norm_final=model.norm.weight,
+                **family,
             )
         self.model = model
         self.shape = model_shape(model)

@@ -12,7 +12,17 @@ ticket.
 A program's first unit takes its first key tile preloaded between phase A's arrival and wait: every key
 but the newest was written by earlier steps (`preload_kv`); the newest, which phase A writes, is read
 after the barrier (`attn_first_tile`). The pages of that tile are the same in every layer, so the block
-table is read for it once per launch (`first_tile_rows`).
+table is read for it once per launch (`first_tile_rows`; twice where only some layers have a window).
+
+Sliding window (WINDOW): a layer with a window of W keys attends keys kv_start = max(0, seq_len − W) ..
+seq_len − 1. Its splits cover the KEYS-aligned range from `base` = the tile holding kv_start, so only the
+first tile of the first split is masked, and keys below kv_start are never loaded (their cache blocks may
+have been freed and handed to another sequence).
+
+QK_NORM (Qwen3): phase A left q and k unrotated; each unit normalises and rotates its group's query heads
+itself (`normed_rotated`, a few KB), and the unit whose split holds the new token's key computes that
+key, writes it to the cache and folds it into its running softmax first, from registers; the key tiles
+then stop before it (nothing reads the cache row this launch writes).
 """
 
 from __future__ import annotations
@@ -25,10 +35,18 @@ from tinyvllm.kernels.flash_tiles import attn_inner, dot_pv, dot_qk
 
 
 @triton.jit
-def keys_per_split(seq_len, num_splits, KEYS: tl.constexpr):
-    """Keys of the context per split: whole KEYS tiles (each split starts at a multiple of KEYS), enough
-    for num_splits of them to cover seq_len."""
-    return tl.cdiv(tl.cdiv(seq_len, KEYS), num_splits) * KEYS
+def keys_per_split(num_keys, num_splits, KEYS: tl.constexpr):
+    """Keys per split: whole KEYS tiles (each split starts at a multiple of KEYS from the range's start),
+    enough for num_splits of them to cover num_keys."""
+    return tl.cdiv(tl.cdiv(num_keys, KEYS), num_splits) * KEYS
+
+
+@triton.jit
+def _tile_rows(bt_ptr, keys, live, stride_blk, D: tl.constexpr, BS: tl.constexpr):
+    """Cache-row offsets (within a layer's K or V, head 0) of positions `keys`; block-table entries only
+    where `live` (others: row offsets of block 0, never loaded)."""
+    blk = tl.load(bt_ptr + keys // BS, mask=live, other=0).to(tl.int64)
+    return blk * stride_blk + (keys % BS) * D
 
 
 @triton.jit
@@ -38,32 +56,70 @@ def first_tile_rows(
     seq_len,
     num_splits,
     stride_blk,
+    base,
+    kv_start,
     HK: tl.constexpr,
     D: tl.constexpr,
     BS: tl.constexpr,
     KEYS: tl.constexpr,
 ):
     """Cache-row offsets [KEYS] (within a layer's K or V, head 0) of the first key tile of this program's
-    first unit (unit `pid`)."""
+    first unit (unit `pid`), the splits covering keys base .. seq_len − 1, keys from kv_start on read."""
     split = pid % num_splits
-    keys = split * keys_per_split(seq_len, num_splits, KEYS) + tl.arange(0, KEYS)
+    keys = base + split * keys_per_split(seq_len - base, num_splits, KEYS) + tl.arange(0, KEYS)
     mine = keys * 0 + pid < HK * num_splits
-    blk = tl.load(bt_ptr + keys // BS, mask=(keys < seq_len) & mine, other=0).to(tl.int64)
-    return blk * stride_blk + (keys % BS) * D
+    return _tile_rows(bt_ptr, keys, (keys < seq_len) & (keys >= kv_start) & mine, stride_blk, D, BS)
 
 
 @triton.jit
 def preload_kv(
-    pid, k_ptr, v_ptr, rows, seq_len, num_splits, stride_head, HK: tl.constexpr, D: tl.constexpr, KEYS: tl.constexpr
+    pid,
+    k_ptr,
+    v_ptr,
+    rows,
+    seq_len,
+    num_splits,
+    stride_head,
+    base,
+    kv_start,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    KEYS: tl.constexpr,
 ):
-    """The first key tile of this program's first unit (`rows` from `first_tile_rows`), every key but the
-    newest: (K [KEYS, D], V [KEYS, D]). The newest key's row is masked (its cache line is not touched: a
-    D-element row is whole 128-byte lines at D·size ≥ 128) and read after the barrier by `attn_first_tile`."""
+    """The first key tile of this program's first unit (`rows` from `first_tile_rows`), every key from
+    kv_start on but the newest: (K [KEYS, D], V [KEYS, D]). The newest key's row is masked (its cache line
+    is not touched: a D-element row is whole 128-byte lines at D·size ≥ 128) and read after the barrier
+    by `attn_first_tile`."""
     kvh = pid // num_splits
-    keys = (pid % num_splits) * keys_per_split(seq_len, num_splits, KEYS) + tl.arange(0, KEYS)
+    keys = base + (pid % num_splits) * keys_per_split(seq_len - base, num_splits, KEYS) + tl.arange(0, KEYS)
     ptrs = kvh * stride_head + rows[:, None] + tl.arange(0, D)[None, :]
-    old = ((keys < seq_len - 1) & (keys * 0 + pid < HK * num_splits))[:, None]
+    old = ((keys < seq_len - 1) & (keys >= kv_start) & (keys * 0 + pid < HK * num_splits))[:, None]
     return tl.load(k_ptr + ptrs, mask=old, other=0.0), tl.load(v_ptr + ptrs, mask=old, other=0.0)
+
+
+@triton.jit
+def normed_rotated(x_ptr, heads, live, w_ptr, cs_row, eps, D: tl.constexpr):
+    """RoPE(RMSNorm(x_h; w)) of the head vectors x_h = x_ptr[h·D .. h·D + D) for h in `heads` [n] (rows
+    not `live` are zero), in ops.rms_norm's and ops.rope's roundings: n = round(w ⊙ round(x · rstd)),
+    rstd = 1 / sqrt(mean(x²) + eps) over the head's D features, then round([n₁c − n₂s, n₂c + n₁s]) with
+    c, s = cs_row[:D/2], cs_row[D/2:]. Each element's rotation partner is loaded by its own address, so the
+    rotation needs no exchange between threads. Returns [n, D] in x's dtype."""
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, D)
+    partner = (d + HALF) % D
+    row = heads[:, None] * D
+    x = tl.load(x_ptr + row + d[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
+    xp = tl.load(x_ptr + row + partner[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
+    xf, xpf = x.to(tl.float32), xp.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    w = tl.load(w_ptr + d).to(tl.float32)
+    wp = tl.load(w_ptr + partner).to(tl.float32)
+    n = (w[None, :] * (xf * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    np_ = (wp[None, :] * (xpf * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    c = tl.load(cs_row + d % HALF)
+    s = tl.load(cs_row + HALF + d % HALF)
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    return (n * c[None, :] + sign[None, :] * np_ * s[None, :]).to(x.dtype)
 
 
 @triton.jit
@@ -72,7 +128,6 @@ def _attn_first_tile(
     l_i,
     m_i,
     q,
-    q_pos,
     kp,
     vp,
     rows,
@@ -80,21 +135,24 @@ def _attn_first_tile(
     v_head_ptr,
     lo,
     seq_len,
+    kv_start,
+    kv_end,
     qk_scale,
     D: tl.constexpr,
     KEYS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """`attn_inner`'s masked step over keys lo .. lo+KEYS−1 from the preloaded tile (kp, vp), the newest
-    key's row read now from L2 (phase A wrote it, possibly on another SM)."""
+    """`attn_inner`'s masked step over keys lo .. lo+KEYS−1 from the preloaded tile (kp, vp), the keys
+    kv_start .. kv_end − 1 visible, the newest key's row (where visible) read now from L2 (phase A wrote
+    it, possibly on another SM)."""
     keys = lo + tl.arange(0, KEYS)
-    newest = (keys == seq_len - 1)[:, None]
+    newest = ((keys == seq_len - 1) & (keys < kv_end))[:, None]
     ptrs = rows[:, None] + tl.arange(0, D)[None, :]
     k = tl.where(newest, tl.load(k_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), kp)
     v = tl.where(newest, tl.load(v_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), vp)
     qk = dot_qk(q, k, UPCAST, IEEE)
-    visible = (keys[None, :] <= q_pos[:, None]) & (keys < seq_len)[None, :]
+    visible = ((keys >= kv_start) & (keys < kv_end))[None, :]
     qk = tl.where(visible, qk * qk_scale, float("-inf"))
     m_ij = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.math.exp2(qk - m_ij[:, None])
@@ -182,6 +240,14 @@ def attention_phase(
     rows_pre,
     trace_ptr,
     tb,
+    base,
+    kv_start,
+    slot,
+    kv_off,
+    qn_ptr,
+    kn_ptr,
+    cs_row,
+    eps,
     HQ: tl.constexpr,
     HK: tl.constexpr,
     D: tl.constexpr,
@@ -193,33 +259,57 @@ def attention_phase(
     IEEE: tl.constexpr,
     TRACE: tl.constexpr,
     SPLIT_O: tl.constexpr,
+    WINDOW: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     """Phase B of `layer` (the caller has waited at its barrier). (kp, vp, rows_pre): the first tile of
     unit `pid` from `preload_kv`. With SPLIT_O the units only store their partials (phase C merges them);
     without, the last split of a KV head to take its ticket merges the head's partials into attn. The
     tickets only grow within a launch (layer l's last split sees (l + 1)·num_splits − 1): nothing resets
-    them on the merger's critical path."""
+    them on the merger's critical path.
+
+    The splits cover keys base .. seq_len − 1 and keys kv_start .. seq_len − 1 are visible (base = 0 =
+    kv_start without a window; WINDOW: some layer may have one, so a unit's first tile may start below
+    kv_start). QK_NORM (module docstring): qn_ptr, kn_ptr this layer's q/k norm weights [D], cs_row the
+    token's cos/sin row, eps the norms' epsilon; the new key goes to the cache at kv_off (slot ≥ 0; with
+    slot −1 it is read from the cache as every other key)."""
     G: tl.constexpr = HQ // HK
     g = tl.arange(0, G)
     rows_g = tl.arange(0, BG)
     d = tl.arange(0, D)
-    split_keys = keys_per_split(seq_len, num_splits, KEYS)
+    split_keys = keys_per_split(seq_len - base, num_splits, KEYS)
+    kv_end = seq_len  # the key tiles' end: QK_NORM folds the new key from registers instead
+    if QK_NORM:
+        kv_end = tl.where(slot >= 0, seq_len - 1, seq_len)
     for u in range(pid, HK * num_splits, P):
         kvh = u // num_splits
         split = u % num_splits
-        q = tl.load(
-            q_ptr + (kvh * G + rows_g)[:, None] * D + d[None, :],
-            mask=(rows_g < G)[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
+        if QK_NORM:
+            q = normed_rotated(q_ptr, kvh * G + rows_g, rows_g < G, qn_ptr, cs_row, eps, D)
+        else:
+            q = tl.load(
+                q_ptr + (kvh * G + rows_g)[:, None] * D + d[None, :],
+                mask=(rows_g < G)[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
         q_pos = tl.full([BG], 0, tl.int32) + seq_len  # the new token sees every key
         m_i = tl.full([BG], float("-inf"), tl.float32)
         l_i = tl.zeros([BG], tl.float32)
         acc = tl.zeros([BG, D], tl.float32)
-        lo = split * split_keys
+        lo = base + split * split_keys
         hi = tl.minimum(lo + split_keys, seq_len)
         start = lo
+        if QK_NORM:  # noqa: SIM102 (a constexpr test apart) -- the unit holding the new key folds it first
+            if (kv_end < seq_len) & (lo < hi) & (hi == seq_len):
+                k_head = HQ + kvh + tl.zeros([1], tl.int32)
+                k_new = normed_rotated(q_ptr, k_head, k_head >= 0, kn_ptr, cs_row, eps, D)  # [1, D]
+                kv_row = kv_off + kvh * stride_head + d[None, :]
+                tl.store(k_ptr + kv_row, k_new)
+                v_new = tl.load(v_ptr + kv_row, cache_modifier=".cg").to(tl.float32)  # [1, D], phase A's
+                m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
+                l_i = tl.full([BG], 1.0, tl.float32)
+                acc = tl.zeros([BG, D], tl.float32) + v_new
         if u == pid:  # the preloaded first tile
             if lo < hi:
                 acc, l_i, m_i = _attn_first_tile(
@@ -227,7 +317,6 @@ def attention_phase(
                     l_i,
                     m_i,
                     q,
-                    q_pos,
                     kp,
                     vp,
                     rows_pre,
@@ -235,6 +324,8 @@ def attention_phase(
                     v_ptr + kvh * stride_head,
                     lo,
                     seq_len,
+                    kv_start,
+                    kv_end,
                     qk_scale,
                     D,
                     KEYS,
@@ -242,6 +333,33 @@ def attention_phase(
                     IEEE,
                 )
             start = lo + KEYS
+        elif WINDOW:  # noqa: SIM102 (a constexpr test apart) -- a first tile that starts below the window
+            if lo < kv_start:
+                keys = lo + tl.arange(0, KEYS)
+                rows = _tile_rows(bt_ptr, keys, (keys >= kv_start) & (keys < seq_len), stride_blk, D, BS)
+                ptrs = kvh * stride_head + rows[:, None] + d[None, :]
+                old = ((keys >= kv_start) & (keys < seq_len - 1))[:, None]
+                acc, l_i, m_i = _attn_first_tile(
+                    acc,
+                    l_i,
+                    m_i,
+                    q,
+                    tl.load(k_ptr + ptrs, mask=old, other=0.0),
+                    tl.load(v_ptr + ptrs, mask=old, other=0.0),
+                    rows,
+                    k_ptr + kvh * stride_head,
+                    v_ptr + kvh * stride_head,
+                    lo,
+                    seq_len,
+                    kv_start,
+                    kv_end,
+                    qk_scale,
+                    D,
+                    KEYS,
+                    UPCAST,
+                    IEEE,
+                )
+                start = lo + KEYS
         acc, l_i, m_i = attn_inner(
             acc,
             l_i,
@@ -253,7 +371,7 @@ def attention_phase(
             bt_ptr,
             start,
             hi,
-            hi,
+            tl.minimum(hi, kv_end),
             qk_scale,
             stride_blk,
             D,

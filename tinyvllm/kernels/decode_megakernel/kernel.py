@@ -35,6 +35,10 @@ def decode_megakernel_kernel(
     n1_ptr,
     n2_ptr,
     nf_ptr,
+    bias_ptr,
+    qn_ptr,
+    kn_ptr,
+    sliding_ptr,
     cos_sin_ptr,
     kv_ptr,
     layer_stride,
@@ -56,6 +60,7 @@ def decode_megakernel_kernel(
     num_splits,
     eps,
     scale,
+    window,
     H: tl.constexpr,
     F: tl.constexpr,
     HQ: tl.constexpr,
@@ -81,6 +86,9 @@ def decode_megakernel_kernel(
     CW: tl.constexpr,
     SPLIT_O: tl.constexpr,
     E_PIPE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """One token through `num_layers` layers, final norm applied: out = RMSNorm(r; nf) [H].
 
@@ -95,6 +103,11 @@ def decode_megakernel_kernel(
     (unsplit) and E; CW phase D's chunk width (DOT_D: on the tensor cores). Launch choices: TRACE, STAGES /
     PIPE / E_PIPE the pipeline depths of phase D / A and C / E, SPLIT_O, ASM (CUDA: the asm wait), UPCAST
     (interpreter: bf16 dots in float32), IEEE (float32: exact dots).
+
+    Families: HAS_BIAS adds the stacked q/k/v biases [L, (HQ + 2·HK)·D] in phase A; QK_NORM normalises
+    every q and k head by the stacked weights qn, kn [L, D] before RoPE (phase B does it); WINDOW: 0 no
+    layer has a sliding window, 1 the layers l with sliding[l] ≠ 0 have one of `window` keys, 2 every layer
+    has it.
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -113,7 +126,17 @@ def decode_megakernel_kernel(
     seq_len = tl.load(seq_len_ptr)
     # context splits per KV head: at most num_splits, each a whole number of KEYS tiles, none empty (one,
     # without keys, at seq_len 0: a CUDA graph's padded row)
-    tiles = tl.maximum(tl.cdiv(seq_len, KEYS), 1)
+    # The window's first visible key and the tile holding it (WINDOW); the splits cover keys from base0,
+    # the lowest first key of any layer.
+    kv_win = 0
+    if WINDOW != 0:
+        kv_win = tl.maximum(seq_len - window, 0)
+    base_win = (kv_win // KEYS) * KEYS
+    kv0 = 0
+    if WINDOW == 2:
+        kv0 = kv_win
+    base0 = (kv0 // KEYS) * KEYS
+    tiles = tl.maximum(tl.cdiv(seq_len - base0, KEYS), 1)
     splits = tl.cdiv(tiles, tl.cdiv(tiles, num_splits))
     cols = tl.arange(0, BH)
     if TRACE:
@@ -121,7 +144,11 @@ def decode_megakernel_kernel(
     if pid == 0:  # r ← the token's embedding row (first read in layer 0's phase D, three barriers on)
         e = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
         tl.store(r_ptr + cols, e, mask=cols < H)
-    rows_pre = first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, HK, D, BS, KEYS)
+    rows_pre = first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, base0, kv0, HK, D, BS, KEYS)
+    rows_win = rows_pre
+    if WINDOW == 1:  # the windowed layers' first tiles
+        rows_win = first_tile_rows(pid, bt_ptr, seq_len, splits, stride_blk, base_win, kv_win, HK, D, BS, KEYS)
+    cs_row = cos_sin_ptr + pos * D
     # Each weight phase starts with the wait of the barrier before it, after issuing its first weight
     # tiles (they do not depend on the barrier), so they stream while the other programs arrive. Layer 0's
     # phase A has no barrier before it: each program normalises the embedding row itself.
@@ -132,6 +159,12 @@ def decode_megakernel_kernel(
         x_ptr = r_ptr  # phase A's input: the residual stream, or the embedding row in layer 0
         if layer == 0:
             x_ptr = emb_ptr + tok * H
+        kv_start, base, rows = kv0, base0, rows_pre  # this layer's first visible key, split base, first tile
+        if WINDOW == 1:
+            sliding = tl.load(sliding_ptr + layer) != 0
+            kv_start = tl.where(sliding, kv_win, 0)
+            base = tl.where(sliding, base_win, 0)
+            rows = tl.where(sliding, rows_win, rows_pre)
         qkv_phase(
             layer,
             pid,
@@ -145,6 +178,7 @@ def decode_megakernel_kernel(
             q_ptr,
             k_ptr,
             v_ptr,
+            bias_ptr,
             stride_blk,
             stride_head,
             eps,
@@ -161,9 +195,11 @@ def decode_megakernel_kernel(
             PIPE,
             TRACE,
             ASM,
+            HAS_BIAS,
+            QK_NORM,
         )
         arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
-        kp, vp = preload_kv(pid, k_ptr, v_ptr, rows_pre, seq_len, splits, stride_head, HK, D, KEYS)
+        kp, vp = preload_kv(pid, k_ptr, v_ptr, rows, seq_len, splits, stride_head, base, kv_start, HK, D, KEYS)
         end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
         attention_phase(
             pid,
@@ -183,9 +219,17 @@ def decode_megakernel_kernel(
             scale * 1.4426950408889634,  # log2(e): scores in the log2 domain
             kp,
             vp,
-            rows_pre,
+            rows,
             trace_ptr,
             3 + 5 * num_layers + 3 * layer,
+            base,
+            kv_start,
+            slot,
+            (slot // BS) * stride_blk + (slot % BS) * D,
+            qn_ptr + layer * D,
+            kn_ptr + layer * D,
+            cs_row,
+            eps,
             HQ,
             HK,
             D,
@@ -197,6 +241,8 @@ def decode_megakernel_kernel(
             IEEE,
             TRACE,
             SPLIT_O,
+            WINDOW != 0,
+            QK_NORM,
         )
         arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
         o_ptr = osum_ptr + (layer % 2) * H  # SPLIT_O: this layer's sums (zeroed in phase E two layers back)

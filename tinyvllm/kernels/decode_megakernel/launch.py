@@ -35,13 +35,26 @@ DEFAULT_CONFIG = MegakernelConfig()
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions the kernel is specialised on."""
+    """The dimensions and the family options the kernel is specialised on: q/k/v biases (Qwen2), per-head
+    q/k RMSNorm (Qwen3), and a sliding window of `window` keys on some layers (StackedWeights.sliding) or,
+    with `all_windowed`, on every layer (Mistral)."""
 
     hidden: int
     intermediate: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    window: int | None = None
+    all_windowed: bool = False
+
+    @property
+    def window_mode(self) -> int:
+        """The kernel's WINDOW: 0 no window, 1 on the layers StackedWeights.sliding marks, 2 every layer."""
+        if self.window is None:
+            return 0
+        return 2 if self.all_windowed else 1
 
 
 def unsupported_reason(shape: ModelShape, dtype: torch.dtype) -> str | None:
@@ -73,6 +86,10 @@ class StackedWeights:
     norm1: torch.Tensor  # [L, H]
     norm2: torch.Tensor  # [L, H]
     norm_final: torch.Tensor  # [H]
+    qkv_bias: torch.Tensor | None = None  # [L, (Hq + 2·Hk)·D] (ModelShape.qkv_bias)
+    q_norm: torch.Tensor | None = None  # [L, D] (ModelShape.qk_norm)
+    k_norm: torch.Tensor | None = None  # [L, D]
+    sliding: torch.Tensor | None = None  # [L] int32, 1 where the layer has the window (ModelShape.window)
 
 
 class Workspace:
@@ -81,7 +98,8 @@ class Workspace:
     r [H]: the residual stream (the embedding row before layer 0). r2 [H]: with `split_o`, the residual
     after attention, which phase D stores for phase E. o_sums [2, H] float32: with `split_o`, phase C's
     sums of W_o·attention for two consecutive layers (each zeroed in the phase E after its last reader).
-    q, attn [Hq·D]: phase A's rotated queries, the ticket merge's attention output. act [F]: phase D's
+    q [(Hq + Hk)·D]: phase A's rotated queries (with qk_norm: its unrotated q and k heads). attn [Hq·D]:
+    the ticket merge's attention output. act [F]: phase D's
     SwiGLU output. partials: phase B's per-split (acc, m, l) in the split-minor layout. tickets [Hk]:
     the ticket merge's arrival counts. barrier [2]: the grid barrier's arrival count and the leave count.
     trace: a traced launch's timer readings (grown on first use). The kernel leaves o_sums, tickets and
@@ -101,7 +119,7 @@ class Workspace:
         z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
         self.r, self.q, self.attn, self.act = (
             z(s.hidden),
-            z(s.num_heads * s.head_dim),
+            z((s.num_heads + s.num_kv_heads) * s.head_dim),
             z(s.num_heads * s.head_dim),
             z(s.intermediate),
         )
@@ -193,6 +211,26 @@ def _kv_layout(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], shape: ModelS
     return block_size, layer_stride, v_offset
 
 
+def _check_family(shape: ModelShape, weights: StackedWeights, num_layers: int) -> None:
+    """Raise ValueError unless the stacked family tensors are there exactly where `shape` asks for them."""
+    q = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    wants = {
+        "qkv_bias": ((num_layers, q), shape.qkv_bias),
+        "q_norm": ((num_layers, shape.head_dim), shape.qk_norm),
+        "k_norm": ((num_layers, shape.head_dim), shape.qk_norm),
+        "sliding": ((num_layers,), shape.window_mode == 1),
+    }
+    for name, (dims, needed) in wants.items():
+        t = getattr(weights, name)
+        if needed and (t is None or tuple(t.shape) != dims or not t.is_contiguous()):
+            got = None if t is None else tuple(t.shape)
+            raise ValueError(f"megakernel: {name} must be a contiguous {list(dims)} tensor for {shape}, got {got}")
+    if shape.window is not None and shape.window < 1:
+        raise ValueError(f"megakernel: window must be a positive number of keys, got {shape.window}")
+    if shape.window_mode == 1 and weights.sliding.dtype != torch.int32:
+        raise ValueError(f"megakernel: sliding must be int32, got {weights.sliding.dtype}")
+
+
 def _constexprs(
     shape: ModelShape,
     config: MegakernelConfig,
@@ -233,6 +271,9 @@ def _constexprs(
         CW=cw,
         SPLIT_O=config.split_o,
         E_PIPE=config.e_stages,
+        HAS_BIAS=shape.qkv_bias,
+        QK_NORM=shape.qk_norm,
+        WINDOW=shape.window_mode,
         num_warps=config.num_warps,
         num_stages=1,
     )
@@ -288,14 +329,16 @@ def decode_megakernel_fwd(
         raise ValueError(f"a traced launch records at most {TRACE_MAX_LAYERS} layers")
     if trace and ws.trace.numel() != TRACE_BASE + ws.programs * TRACE_BLOCK:
         ws.trace = torch.zeros(TRACE_BASE + ws.programs * TRACE_BLOCK, dtype=torch.int64, device=device)
+    _check_family(shape, weights, num_layers)
     out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=device)
     w = weights
+    family = tuple(t if t is not None else w.norm1 for t in (w.qkv_bias, w.q_norm, w.k_norm, w.sliding))
     decode_megakernel_kernel[(ws.programs,)](
         *(input_ids, positions, slot_mapping, seq_lens, block_table),
-        *(w.embed, w.qkv, w.o, w.gate_up, w.down, w.norm1, w.norm2, w.norm_final, cos_sin),
+        *(w.embed, w.qkv, w.o, w.gate_up, w.down, w.norm1, w.norm2, w.norm_final, *family, cos_sin),
         *(kv_caches[0][0], layer_stride, v_offset, kv_caches[0][0].stride(0), kv_caches[0][0].stride(1)),
         *(ws.r, ws.r2, ws.o_sums, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace),
-        *(num_layers, ws.num_splits, eps, scale),
+        *(num_layers, ws.num_splits, eps, scale, shape.window or 0),
         **_constexprs(shape, config, ws, block_size, weights, device, trace),
     )
     return out

@@ -1,10 +1,15 @@
-"""Phase A of the decode megakernel: h = RMSNorm(r; w1), qkv = round(Wqkv h), RoPE on q and k, the new
-token's k and v into the paged cache.
+"""Phase A of the decode megakernel: h = RMSNorm(r; w1), qkv = round(Wqkv h (+ bqkv)), RoPE on q and k,
+the new token's k and v into the paged cache.
 
 A unit is RQ rows of one head's first half together with their RoPE partners in its second half, so the
 rotation happens in registers: y₁, y₂ → (y₁c − y₂s, y₂c + y₁s) with c, s the cos/sin of the rows'
 frequencies at the token's position (Su et al. 2021, "RoFormer", §3.4.2, rotate-half layout). q goes
 to a scratch vector, k and v straight into the cache.
+
+With QK_NORM (Qwen3) RoPE follows an RMSNorm over each head's D features, which a unit does not hold
+whole: phase A then stores q and k unrotated (rounded) into the scratch vector, [q heads | k heads], and
+phase B normalises and rotates them (attention_phase.normed_rotated). v goes to the cache either way.
+With HAS_BIAS (Qwen2) the bias is added to the float32 sums before their one rounding, as nn.Linear.
 """
 
 from __future__ import annotations
@@ -46,15 +51,19 @@ def _qkv_unit(
     q_ptr,
     k_ptr,
     v_ptr,
+    bias_ptr,
     stride_head,
     HQ: tl.constexpr,
     HK: tl.constexpr,
     D: tl.constexpr,
     RQ: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     """Unit u from its tile w [RQ, 2, BH] (`_qkv_tile`), the normed input a [1, 1, BH] and the RoPE
-    factors c, s [RQ] of its rows: y = round(W a), q and k rotated; q into the scratch vector, k and v
-    into the cache row at kv_off (slot −1: nowhere)."""
+    factors c, s [RQ] of its rows: y = round(W a (+ b)), q and k rotated; q into the scratch vector, k
+    and v into the cache row at kv_off (slot −1: nowhere). QK_NORM: q and k unrotated into the scratch
+    vector instead (module docstring). bias_ptr: this layer's bias [NQKV] (HAS_BIAS only)."""
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
     jj = tl.arange(0, RQ)
@@ -62,19 +71,24 @@ def _qkv_unit(
     in_head = hh[None, :] * HALF + jj[:, None]  # [RQ, 2]: offset of each output within its head
     sign = tl.where(hh[None, :] == 0, -1.0, 1.0)
     other_half = (hh[None, :, None] != hh[None, None, :]).to(tl.float32)  # [1, 2, 2]
-    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(q_ptr.dtype.element_ty).to(tl.float32)  # [RQ, 2]
-    partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
-    roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)
     head = u // UPH
     offs = (u % UPH) * RQ + in_head
-    if head < HQ:
-        tl.store(q_ptr + head * D + offs, roped)
-    elif head < HQ + HK:
-        if slot >= 0:
-            tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
-    else:
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2)  # [RQ, 2]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + head * D + offs).to(tl.float32)
+    y = y.to(q_ptr.dtype.element_ty).to(tl.float32)
+    partner = tl.sum(y[:, None, :] * other_half, axis=2)  # y of the other half, exactly
+    roped = (y * c[:, None] + sign * partner * s[:, None]).to(q_ptr.dtype.element_ty)  # unused with QK_NORM
+    if head >= HQ + HK:
         if slot >= 0:
             tl.store(v_ptr + kv_off + (head - HQ - HK) * stride_head + offs, y.to(q_ptr.dtype.element_ty))
+    elif QK_NORM:  # q and k heads unrotated, [q heads | k heads]
+        tl.store(q_ptr + head * D + offs, y.to(q_ptr.dtype.element_ty))
+    elif head < HQ:
+        tl.store(q_ptr + head * D + offs, roped)
+    else:
+        if slot >= 0:
+            tl.store(k_ptr + kv_off + (head - HQ) * stride_head + offs, roped)
 
 
 @triton.jit
@@ -91,6 +105,7 @@ def qkv_phase(
     q_ptr,
     k_ptr,
     v_ptr,
+    bias_ptr,
     stride_blk,
     stride_head,
     eps,
@@ -107,9 +122,12 @@ def qkv_phase(
     PIPE: tl.constexpr,
     TRACE: tl.constexpr,
     ASM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     """Phase A of `layer`, starting with the wait of barrier b inside the first iteration of its unit
-    loop: the loop is software-pipelined PIPE deep, so its first tiles are in flight before the wait."""
+    loop: the loop is software-pipelined PIPE deep, so its first tiles are in flight before the wait.
+    bias_ptr: the stacked biases [L, NQKV] (HAS_BIAS only)."""
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RQ
@@ -118,6 +136,7 @@ def qkv_phase(
     kv_off = (slot // BS) * stride_blk + (slot % BS) * D
     cs_row = cos_sin_ptr + pos * D
     a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
+    layer_bias = bias_ptr + tl.cast(layer, tl.int64) * NQKV
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
         w = _qkv_tile(wqkv_ptr, layer, u, H, NQKV, D, RQ, BH)
         c = tl.load(cs_row + (u % UPH) * RQ + jj)
@@ -125,6 +144,8 @@ def qkv_phase(
         if u == pid:  # the pipeline's first tiles are in flight
             end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
             a = normed(r_ptr, r_ptr, n1_ptr + layer * H, H, eps, BH, False)[None, None, :]
-        _qkv_unit(w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, stride_head, HQ, HK, D, RQ)
+        _qkv_unit(
+            w, a, c, s, u, slot, kv_off, q_ptr, k_ptr, v_ptr, layer_bias, stride_head, HQ, HK, D, RQ, HAS_BIAS, QK_NORM
+        )
     if pid >= n_units:
         end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
