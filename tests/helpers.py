@@ -164,6 +164,7 @@ def hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new,
         do_sample=False,
+        repetition_penalty=1.0,  # generation_config.json's (Qwen2.5: 1.05) would bend transformers' argmax
         eos_token_id=None,
         pad_token_id=0,
         output_logits=True,
