@@ -175,8 +175,8 @@ def test_residual_added_to_rounded_product(name, cfg, dtype, device):
 @pytest.mark.parametrize("name,cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_bias_added_before_the_one_rounding(name, cfg, dtype, M, device):
     """out = round(y + b), as nn.Linear (Qwen2's qkv_proj) computes it, not round(round(y) + b): against
-    float64 on random inputs (split-K sums included), and exactly with W = I + c·(shift by one), whose
-    y_n = x_n + c·x_{n+1} is one float32 number in every summation order (test_residual_... above)."""
+    float64 on random inputs (split-K sums included), and exactly with W = I + ½·(shift by one), whose
+    y_n = x_n + ½·x_{n+1} is one float32 number in every summation order."""
     N, K = 50, 77
     x, w, _ = make_inputs(M, N, K, dtype, device, "plain", seed=M + 11)
     b = (torch.randn(N, generator=torch.Generator(device=device).manual_seed(M), device=device) * 2).to(dtype)
@@ -186,7 +186,9 @@ def test_bias_added_before_the_one_rounding(name, cfg, dtype, M, device):
     gen = torch.Generator(device=device).manual_seed(9)
     x = torch.randn(M, K, generator=gen, device=device).to(dtype)
     b = (torch.randn(K, generator=gen, device=device) * 4).to(dtype)
-    w = (torch.eye(K, device=device) + 0.71 * torch.eye(K, device=device).roll(1, dims=1)).to(dtype)
+    # c = 1/2: c·x is exact in float32 for float32 x too, so y_n is one rounding whether or not the
+    # products are fused into FMAs (with c = 0.71 a float32 x makes fma and mul+add differ).
+    w = (torch.eye(K, device=device) + 0.5 * torch.eye(K, device=device).roll(1, dims=1)).to(dtype)
     y32 = x.float() @ w.float().T
     out = fused_gemv_fwd(x, w, bias=b, config=cfg)
     if dtype == torch.float32 or device.type == "cuda" or dtype == torch.float16:  # torch rounds as the kernel
