@@ -144,15 +144,19 @@ def test_megakernel_equals_layered_path_at_1b_shape(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("family", list(FAMILY_SHAPES))
 def test_megakernel_equals_layered_path_for_every_family(family, dtype):
-    """As the 1B test above, at each family's real shape (FAMILY_SHAPES), with both phase-C schemes."""
+    """As the 1B test above, at each family's real shape (FAMILY_SHAPES), with both phase-C schemes.
+
+    float32: the megakernel equals the layered path to 1e-5. bf16: two bf16 computations of 28 layers
+    differ by their rounding, which grows with depth, so each is measured against the float32 model on the
+    same (unrounded) weights and K/V: the megakernel's error may not exceed 1.25× the layered path's."""
     torch.backends.cuda.matmul.allow_tf32 = False
     preset, overrides = FAMILY_SHAPES[family]
     model, kv = setup(dtype, preset, overrides)
+    exact = setup(torch.float32, preset, overrides) if dtype == torch.bfloat16 else None
     c = model.config
     from tinyvllm.engine.paths.megakernel import megakernel_unsupported
 
     assert megakernel_unsupported(model) is None
-    tol = 1e-5 if dtype == torch.float32 else 4e-2
     for split_o in (True, False):
         mk = DecodeMegakernel(model, MegakernelConfig(split_o=split_o))
         assert (mk.shape.qk_norm, mk.shape.qkv_bias) == (c.qk_norm, c.qkv_bias)
@@ -162,8 +166,14 @@ def test_megakernel_equals_layered_path_for_every_family(family, dtype):
             h_ref, l_ref = forward(model, None, ids, pos, meta, kv_ref)
             h, logits = forward(model, mk, ids, pos, meta, kv_mk)
             at = (slice(None), slice(None), slot // BLOCK, slice(None), slot % BLOCK)
-            errs = rel(h, h_ref), rel(logits, l_ref), rel(kv_mk[at], kv_ref[at])
-            assert max(errs) <= tol, (split_o, ctx, errs)
+            if exact is None:
+                errs = rel(h, h_ref), rel(logits, l_ref), rel(kv_mk[at], kv_ref[at])
+                assert max(errs) <= 1e-5, (split_o, ctx, errs)
+            else:
+                h32, l32 = forward(exact[0], None, ids, pos, meta, exact[1].clone())
+                ours, layered = (rel(h, h32), rel(logits, l32)), (rel(h_ref, h32), rel(l_ref, l32))
+                assert all(o <= 1.25 * r for o, r in zip(ours, layered)), (split_o, ctx, ours, layered)
+                assert rel(kv_mk[at], kv_ref[at]) <= 4e-2, (split_o, ctx)
             kv_mk[at] = kv_ref[at]
             assert torch.equal(kv_mk, kv_ref)
             assert int(mk.workspace.barrier.abs().sum()) == 0 and int(mk.workspace.tickets.abs().sum()) == 0
