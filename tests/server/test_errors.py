@@ -54,6 +54,7 @@ def _error(resp: httpx.Response, status: int) -> dict:
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"role": "usr", "content": "x"}]}, "messages.0.role"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -75,7 +75,7 @@ class TextPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "ipython", "function"]  # tokenizer.CHAT_ROLES
     content: str | list[TextPart | dict[str, Any]] | None = None
     name: str | None = None
 
