@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,11 +100,7 @@ class ModelConfig:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
         if self.layer_types:
-            if len(self.layer_types) != self.num_hidden_layers:
-                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-            if unknown:
-                raise ValueError(f"unsupported layer_types {unknown}; tinyvllm supports {list(LAYER_TYPES)}")
+            _check_layer_types(self.layer_types, self.num_hidden_layers)
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
 
@@ -209,6 +206,15 @@ def _architecture(cfg: dict[str, Any]) -> str:
     return arch
 
 
+def _check_layer_types(layer_types: Sequence[str], num_layers: int) -> None:
+    """One known type (LAYER_TYPES) per layer, or a ValueError naming what is wrong."""
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}; tinyvllm supports {list(LAYER_TYPES)}")
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+
+
 def _family_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's family fields for `arch`, read as transformers' own config class reads them; an
     option that changes the maths and that we do not implement is an error naming it."""
@@ -235,11 +241,7 @@ def _family_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)
         ]
     layer_types = cfg.get("layer_types") or default_types
-    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
-    if unknown:
-        raise ValueError(f"unsupported layer_types {unknown}; tinyvllm supports {list(LAYER_TYPES)}")
-    if len(layer_types) != layers:
-        raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+    _check_layer_types(layer_types, layers)  # here too: types dropped below would escape __post_init__
     if arch == "LlamaForCausalLM" and "sliding_attention" in layer_types:
         raise ValueError("unsupported layer_types with sliding_attention for LlamaForCausalLM")
     fields["sliding_window"] = int(window) if window is not None else None
