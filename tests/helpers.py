@@ -27,8 +27,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from tinyvllm.bench.parity import teacher_forced_logits
-
 # One logprob computed twice with another summation order. A logit of the test models (|logit| ≲ 20, where a
 # float32 ulp is ≤ 2e-6) moves by a few ulp, by up to ~2e-5 against transformers for the widest test model
 # (hidden size 512, 3 layers), and a logprob by at most twice its largest logit's move. 1e-4 covers that;
@@ -43,12 +41,6 @@ OUTPUTS_ATOL = 1e-3
 # two float32 computations of the test models' logits differ by up to ~2e-5 (see LOGPROB_ATOL), which closes
 # a gap by at most 4e-5 (both logits moving towards each other), so a gap of 1e-4 stays open.
 GREEDY_MARGIN = 1e-4
-
-
-def chunked_logits(engine, prompt: list[int], chunks: list[int]) -> torch.Tensor:
-    """Logits for every position of `prompt`, run through the runner chunk by chunk (see
-    tinyvllm.bench.parity.teacher_forced_logits)."""
-    return teacher_forced_logits(engine, prompt, chunks)
 
 
 def record_cascade_prefixes(builder) -> list[int | None]:

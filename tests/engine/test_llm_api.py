@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from tests.helpers import LOGPROB_ATOL, assert_greedy_is_decided, chunked_logits, record_cascade_prefixes
+from tests.helpers import LOGPROB_ATOL, assert_greedy_is_decided, record_cascade_prefixes
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.bench.parity import teacher_forced_logits
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 
 
@@ -135,7 +136,7 @@ def test_logprobs_match_a_float64_softmax(llm, model_dir):
     p = SamplingParams(temperature=0, max_tokens=3, logprobs=0, ignore_eos=True)
     out = llm.generate("Hello there", p, use_tqdm=False)[0]
     ids = out.prompt_token_ids + out.outputs[0].token_ids
-    logits = chunked_logits(engine, ids, [len(ids)]).double()
+    logits = teacher_forced_logits(engine, ids, [len(ids)]).double()
     ref = torch.log_softmax(logits, -1)
     n = len(out.prompt_token_ids)
     for i, (tok, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):

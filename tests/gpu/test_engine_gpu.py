@@ -50,7 +50,7 @@ def engine(ckpt, dtype: str, **kw) -> LLM:
 
 @torch.no_grad()
 def test_teacher_forced_logits_bf16(ckpt):
-    from tests.helpers import chunked_logits
+    from tinyvllm.bench.parity import teacher_forced_logits
 
     (p,) = prompts(1, 300, 300, seed=1)
     ids = torch.tensor([p], device="cuda")
@@ -61,7 +61,7 @@ def test_teacher_forced_logits_bf16(ckpt):
     del hf16
     torch.cuda.empty_cache()
     llm = engine(ckpt, "bfloat16")
-    ours = chunked_logits(llm.llm_engine, p, [100, 1, 150, 49]).float()
+    ours = teacher_forced_logits(llm.llm_engine, p, [100, 1, 150, 49]).float()
     rel_ours = ((ours - ref).norm() / ref.norm()).item()
     rel_hf = ((theirs - ref).norm() / ref.norm()).item()
     # Top-1 agreement is only meaningful where the fp32 reference is confident beyond bf16 noise: where its

@@ -15,8 +15,9 @@ import random
 import pytest
 import torch
 
-from tests.helpers import GREEDY_MARGIN, chunked_logits, hf_greedy, top2_gaps
+from tests.helpers import GREEDY_MARGIN, hf_greedy, top2_gaps
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.bench.parity import teacher_forced_logits
 from tinyvllm.config import ModelConfig
 from tinyvllm.models.checkpoint import write_dummy_checkpoint
 from tinyvllm.models.presets import PRESETS, make_config
@@ -84,7 +85,7 @@ def test_teacher_forced_logits_match(checkpoint):
     (prompt,) = make_prompts(config["vocab_size"], [90], seed=3)
     llm = LLM(model=str(path), device="cpu", dtype="float32", block_size=4)
     ref = hf(torch.tensor([prompt])).logits[0].float()
-    ours = chunked_logits(llm.llm_engine, prompt, chunks=[30, 1, 25, 34])
+    ours = teacher_forced_logits(llm.llm_engine, prompt, chunks=[30, 1, 25, 34])
     rel = (ours - ref).norm() / ref.norm()
     assert rel < 1e-4, rel
     assert top2_gaps(ref).min() > GREEDY_MARGIN

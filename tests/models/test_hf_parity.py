@@ -13,8 +13,9 @@ import random
 import pytest
 import torch
 
-from tests.helpers import GREEDY_MARGIN, chunked_logits, hf_greedy, top2_gaps
+from tests.helpers import GREEDY_MARGIN, hf_greedy, top2_gaps
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.bench.parity import teacher_forced_logits
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -111,7 +112,7 @@ def test_teacher_forced_logits_match(checkpoint):
     llm = LLM(model=str(path), device="cpu", dtype="float32", block_size=4)
     engine = llm.llm_engine
     ref = hf(torch.tensor([prompt])).logits[0].float()
-    ours = chunked_logits(engine, prompt, chunks=[30, 1, 25, 14])
+    ours = teacher_forced_logits(engine, prompt, chunks=[30, 1, 25, 14])
     rel = (ours - ref).norm() / ref.norm()
     assert rel < 1e-4, rel
     assert top2_gaps(ref).min() > GREEDY_MARGIN
