@@ -12,7 +12,7 @@ from tinyvllm.engine.args import EngineArgs
 from tinyvllm.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
-from tinyvllm.tokenizer import check_conversation, check_text
+from tinyvllm.tokenizer import check_conversation
 
 Conversation = list[dict[str, Any]]
 
@@ -137,8 +137,8 @@ class LLM:
         for conv, name in zip(conversations, names):
             conv = check_conversation(conv, name)
             text = tok.apply_chat_template(conv, chat_template=chat_template, **kwargs)
-            check_text(text, f"the chat prompt rendered from {name} (check chat_template_kwargs)")
-            ids = tok.encode(text, add_special_tokens=False)
+            what = f"the chat prompt rendered from {name} (check chat_template_kwargs)"
+            ids = tok.encode(text, add_special_tokens=False, what=what)
             prompts.append(self.llm_engine.tokenize_prompt({"prompt": text, "prompt_token_ids": ids}, name))
         return self._run(prompts, params, use_tqdm)
 

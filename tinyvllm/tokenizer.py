@@ -233,16 +233,16 @@ class Tokenizer:
             _bos_eos_post_processor(backend, config, special_tokens)
         return cls(backend, special_tokens, load_chat_templates(model_dir, config))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, what: str = "text") -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (Llama 3: BOS first).
 
         Raises:
             TypeError: ``text`` is not a str.
-            ValueError: ``text`` is not valid Unicode (:func:`check_text`).
+            ValueError: ``text`` is not valid Unicode (:func:`check_text`; the message calls it ``what``).
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        check_text(text, "text")
+        check_text(text, what)
         # encode_batch releases the GIL while it works; encode holds it throughout (seconds for a long
         # text, during which no other thread of the process runs)
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

@@ -303,8 +303,7 @@ class LLMEngine:
                 )
             prompt = text
         if isinstance(prompt, str):
-            check_text(prompt, name)
-            return TokenizedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=True))
+            return TokenizedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=True, what=name))
         if isinstance(prompt, (list, tuple)):
             return TokenizedPrompt(None, self._check_token_ids(prompt, name))
         raise TypeError(
