@@ -4,6 +4,7 @@ types, the per-request grammar state and the reasoning gate."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from tinyvllm import StructuredOutputsParams as SO
 from tinyvllm.structured import submit_validation, validate
-from tinyvllm.structured.compiler import choice_grammar, compiler_for
+from tinyvllm.structured.compiler import choice_grammar, compiler_for, length_bounds_as_patterns
 from tinyvllm.structured.matcher import RequestGrammar
 from tinyvllm.structured.reasoning_gate import REASONING_END_TEXT, end_token_ids, reasoning_ended
 from tinyvllm.structured.vocab import vocab_type
@@ -139,3 +140,18 @@ def test_reasoning_gate(tokenizer):
     assert grammar.gate_open and grammar.is_active
     ab = tokenizer.encode("ab", add_special_tokens=False)
     assert all(grammar.accept(t, out) for t in ab) and grammar.num_accepted == len(ab)
+
+
+def test_length_bounded_strings_allow_no_control_characters(tokenizer):
+    """xgrammar's own length rule lets U+0008 in unescaped; ours compiles them to a pattern that does not."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 3}}}
+    rewritten = length_bounds_as_patterns(schema)
+    pattern = rewritten["properties"]["s"]["pattern"]
+    for text, ok in [("ab", True), ("", False), ("abcd", False), ("a\x08", False), ('a"', False), ("é日", True)]:
+        assert bool(re.fullmatch(pattern, text)) is ok
+    compiled = compiler_for(tokenizer).compile(SO(json=schema))
+    for text, ok in [('{"s": "ab"}', True), ('{"s": "a\x08"}', False), ('{"s": ""}', False)]:
+        matcher = xgr.GrammarMatcher(compiled)
+        assert (matcher.accept_string(text) and matcher.is_completed()) is ok
+    with pytest.raises(ValueError, match="minLength 5 is greater than maxLength 2"):
+        validate(SO(json={"type": "string", "minLength": 5, "maxLength": 2}), tokenizer)

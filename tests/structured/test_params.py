@@ -8,7 +8,7 @@ from tinyvllm import SamplingParams, StructuredOutputsParams
 
 
 def test_exactly_one_kind():
-    with pytest.raises(ValueError, match="exactly one of .* got none"):
+    with pytest.raises(ValueError, match=r"exactly one of .* got none"):
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="got json and regex"):
         StructuredOutputsParams(json={"type": "string"}, regex="a+")

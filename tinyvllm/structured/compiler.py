@@ -31,6 +31,35 @@ def _message(error: Exception) -> str:
     return _XGR_PREFIX.sub("", str(error).strip()).strip()
 
 
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})  # values there are data, not schemas
+
+
+def length_bounds_as_patterns(schema: Any) -> Any:
+    """A copy of a JSON schema in which a string's minLength/maxLength (without a pattern) become a
+    pattern of that many characters other than a quote, a backslash or a control character
+    (U+0000..U+001F).
+
+    xgrammar 0.2.9 compiles a length-bounded string to "any character but a quote, a backslash, CR or
+    LF", which lets other control characters such as U+0008 in unescaped: not JSON. Its patterns are
+    matched as JSON string content, so the rewritten schema allows the same strings, as valid JSON.
+    Bounds that are not integers, or contradict each other, are left for xgrammar to reject.
+    """
+    if isinstance(schema, list):
+        return [length_bounds_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA_KEYS else length_bounds_as_patterns(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+        if isinstance(low, int) and (high is None or (isinstance(high, int) and low <= high)):
+            upper = "" if high is None else high
+            out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{upper}}}$'
+        else:  # not integers: leave them for xgrammar to reject
+            out["minLength"], out["maxLength"] = low, high
+    return out
+
+
 def choice_grammar(choices: Sequence[str]) -> str:
     """An EBNF grammar whose language is exactly `choices` (JSON string escapes are EBNF's)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -72,7 +101,8 @@ class GrammarCompiler:
         kind = params.kind
         try:
             if kind == "json":
-                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+                schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+                schema = json.dumps(length_bounds_as_patterns(schema))
                 compiled = self._compiler.compile_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
             elif kind == "json_object":
                 compiled = self._compiler.compile_json_schema(
@@ -84,6 +114,8 @@ class GrammarCompiler:
                 compiled = self._compiler.compile_grammar(choice_grammar(params.choice))
             else:
                 compiled = self._compiler.compile_grammar(params.grammar)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"invalid structured_outputs.json: the schema is not valid JSON ({e})") from None
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"invalid structured_outputs.{kind}: {_message(e)}") from None
         _check_satisfiable(compiled, kind, self.vocab_size)

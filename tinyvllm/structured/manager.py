@@ -5,7 +5,8 @@ costs ~0.3 s) compiles through the process's `GrammarCompiler` (futures, off the
 `RequestGrammar` per constrained sequence, and fills a step's token bitmask: xgrammar's packed int32
 layout, row r bit j of word w allowing token 32·w + j, [rows, ceil(V / 32)]. It fills the constrained
 rows of the step with `xgrammar.BatchGrammarMatcher` (several threads, the GIL released) and the other
-rows with all ones; a step without constrained rows gets no bitmask at all, so it runs exactly the
+rows with all ones (structured/utf8_guard.py then removes the tokens that would make ill-formed UTF-8);
+a step without constrained rows gets no bitmask at all, so it runs exactly the
 kernels it runs without this feature.
 """
 
@@ -21,6 +22,7 @@ from tinyvllm.sampling.bitmask import bitmask_width
 from tinyvllm.sampling_params import StructuredOutputsParams
 from tinyvllm.structured.compiler import compiler_for
 from tinyvllm.structured.matcher import RequestGrammar
+from tinyvllm.structured.utf8_guard import Utf8Guard
 
 
 class StructuredOutputManager:
@@ -50,6 +52,7 @@ class StructuredOutputManager:
         self._batch = xgr.BatchGrammarMatcher("auto")
         self._dead: list[str] = []
         self._compiling: set[str] = set()  # sequences whose grammar's future was not seen done yet
+        self.utf8_guard = Utf8Guard(self.compiler.tokenizer_info.decoded_vocab)
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """Compile `params` now (cached); raises ValueError naming what is wrong."""
@@ -94,10 +97,12 @@ class StructuredOutputManager:
         """Fill `out` [len(request_ids), width] int32 (host): the grammar's allowed tokens in `rows`,
         all ones elsewhere. A constrained row that allows nothing is recorded (`take_dead`)."""
         out.fill_(-1)
-        matchers = [self.grammars[request_ids[i]].get_matcher() for i in rows]
-        self._batch.batch_fill_next_token_bitmask(matchers, out, list(rows))
+        grammars = [self.grammars[request_ids[i]] for i in rows]
+        self._batch.batch_fill_next_token_bitmask([g.get_matcher() for g in grammars], out, list(rows))
         view = out.numpy()
-        for i in rows:
+        guard = self.utf8_guard
+        for i, grammar in zip(rows, grammars):
+            guard.apply(view[i], grammar.last_token)
             if not view[i].any():
                 self._dead.append(request_ids[i])
 

@@ -29,7 +29,7 @@ class RequestGrammar:
         self.reasoning_end_ids = None if reasoning_end_ids is None else tuple(reasoning_end_ids)
         self.gate_open = reasoning_end_ids is None
         self.matcher: Any = None  # xgrammar.GrammarMatcher, made on first use
-        self.num_accepted = 0
+        self.accepted: list[int] = []  # the tokens the grammar accepted, in order
 
     def is_ready(self) -> bool:
         """Whether the grammar has compiled (successfully: a failed one is the engine's to end)."""
@@ -63,7 +63,8 @@ class RequestGrammar:
                 self.gate_open = True
             return True
         ok = self.get_matcher().accept_token(token_id)
-        self.num_accepted += ok
+        if ok:
+            self.accepted.append(token_id)
         return ok
 
     def is_terminated(self) -> bool:
@@ -73,6 +74,14 @@ class RequestGrammar:
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
         if num_tokens:
-            assert num_tokens <= self.num_accepted, "rollback past the grammar's start"
+            assert num_tokens <= len(self.accepted), "rollback past the grammar's start"
             self.get_matcher().rollback(num_tokens)
-            self.num_accepted -= num_tokens
+            del self.accepted[-num_tokens:]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def last_token(self) -> int | None:
+        return self.accepted[-1] if self.accepted else None
