@@ -198,7 +198,7 @@ def test_invalid_constraints_raise_before_anything_is_queued(llm):
 
 
 def test_preemption_and_prefix_caching_keep_outputs_valid(model_dir):
-    """A KV cache of 12 blocks of 16 tokens for 4 requests that grow to ~80 tokens: requests are
+    """A KV cache of 16 blocks of 16 tokens for 4 requests that grow to ~80 tokens: requests are
     preempted and recomputed; their grammar state is their accepted tokens, so every output still
     validates, and greedy outputs equal those of an engine with room for all."""
     schema = {
@@ -211,7 +211,7 @@ def test_preemption_and_prefix_caching_keep_outputs_valid(model_dir):
     prompt = "shared prefix " * 3
     prompts = [prompt + s for s in ("one", "two", "three", "four")]
     params = [SamplingParams(temperature=0, max_tokens=70, structured_outputs=so) for _ in prompts]
-    small = LLM(model=str(model_dir), device="cpu", max_model_len=256, max_num_seqs=4, num_gpu_blocks_override=12)
+    small = LLM(model=str(model_dir), device="cpu", max_model_len=256, max_num_seqs=4, num_gpu_blocks_override=16)
     outs = small.generate(prompts, params, use_tqdm=False)
     metrics = small.get_metrics()
     assert metrics["num_preemptions"] > 0
