@@ -274,6 +274,8 @@ class EngineClient:
             raise RequestRejected(f"sampling params must be SamplingParams, not {type(params).__name__}")
         request_id = str(request_id)
         loop = asyncio.get_running_loop()
+        if params.structured_outputs is not None:
+            await self._validate_structured(params)
         text, ids = _prompt_parts(prompt)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(request_id, self, loop, params, text, ids, arrival_time)
@@ -290,6 +292,21 @@ class EngineClient:
             stream.abort()
             raise
         return stream
+
+    async def _validate_structured(self, params: SamplingParams) -> None:
+        """Compile the request's constraint here, on the compiler's threads (cached; the core compiles
+        it again from its own cache): an invalid or unsatisfiable one is rejected before it is queued.
+
+        Raises:
+            RequestRejected: the constraint's ValueError (status 400, param "structured_outputs").
+        """
+        from tinyvllm.structured import submit_validation
+
+        info = self.info
+        try:
+            await asyncio.wrap_future(submit_validation(params.structured_outputs, info.tokenizer, info.vocab_size))
+        except ValueError as e:
+            raise RequestRejected(str(e), param="structured_outputs") from None
 
     async def generate(
         self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
