@@ -322,3 +322,24 @@ def test_pipelined_scheduling_gives_the_same_tokens(num_blocks):
     assert s2.kv_cache.pool.num_free_blocks == num_blocks
     if num_blocks == 7:
         assert s2.num_preemptions > 0
+
+
+def test_requests_not_ready_are_passed_over_and_keep_their_place():
+    """A request whose `ready()` is False (its grammar compiling) is not admitted; those behind it are;
+    once ready it is admitted ahead of requests that arrived after it."""
+    s = make_scheduler()
+    compiled = {"flag": False}
+    slow = req("slow", 5)
+    slow.ready = lambda: compiled["flag"]
+    s.add_request(req("a", 5))
+    s.add_request(slow)
+    s.add_request(req("b", 5))
+    out = run_step(s)
+    assert [q.request_id for q in out.sequences] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["slow"]
+    s.add_request(req("c", 5))
+    compiled["flag"] = True
+    out = run_step(s)
+    admitted = [q.request_id for q in out.sequences if q.is_new]
+    assert admitted == ["slow", "c"]
+    check(s)

@@ -221,3 +221,20 @@ def test_preemption_and_prefix_caching_keep_outputs_valid(model_dir):
     for out, ref in zip(outs, reference):
         assert _check(small, so, out.outputs[0], _json_valid(schema))
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_core_requests_compile_off_the_loop_and_fail_alone(llm):
+    """`add_core_request` (the multi-process core's entry) does not compile before queueing: a grammar
+    that fails there ends its own request with the compile error; the others run."""
+    engine = llm.llm_engine
+    engine.add_core_request("bad", "x", SamplingParams(max_tokens=4, structured_outputs=SO(regex="[z-a]")))
+    engine.add_core_request("good", "x", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    outs = {}
+    for _ in range(20):
+        for out in engine.core_step():
+            outs.setdefault(out.request_id, []).append(out)
+        if not engine.has_unfinished_requests():
+            break
+    bad, good = outs["bad"][-1], outs["good"][-1]
+    assert bad.finish_reason == "error" and "structured_outputs.regex" in bad.error
+    assert good.finish_reason == "length" and sum(len(o.new_token_ids) for o in outs["good"]) == 4
