@@ -161,6 +161,13 @@ class LLM:
 
     def _run(self, prompts: list[TokenizedPrompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        for i, sp in enumerate(params):  # every constraint compiles before any request is queued
+            if isinstance(sp, SamplingParams) and sp.structured_outputs is not None:
+                try:
+                    engine.structured.validate(sp.structured_outputs)
+                except ValueError as e:
+                    where = "sampling_params" if len(params) == 1 else f"sampling_params[{i}]"
+                    raise ValueError(f"{where}: {e}") from None
         params = [p.replace(output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         ids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
         order = {rid: i for i, rid in enumerate(ids)}

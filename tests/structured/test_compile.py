@@ -155,3 +155,18 @@ def test_length_bounded_strings_allow_no_control_characters(tokenizer):
         assert (matcher.accept_string(text) and matcher.is_completed()) is ok
     with pytest.raises(ValueError, match="minLength 5 is greater than maxLength 2"):
         validate(SO(json={"type": "string", "minLength": 5, "maxLength": 2}), tokenizer)
+
+
+def test_reasoning_parser_is_an_engine_flag():
+    import argparse
+
+    from tinyvllm.engine.args import add_engine_cli_args, engine_args_from_cli
+
+    parser = argparse.ArgumentParser()
+    add_engine_cli_args(parser)
+    assert (
+        engine_args_from_cli(parser.parse_args(["--reasoning-parser", "deepseek_r1"])).reasoning_parser == "deepseek_r1"
+    )
+    assert engine_args_from_cli(parser.parse_args([])).reasoning_parser is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--reasoning-parser", "nope"])

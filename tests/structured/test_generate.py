@@ -195,6 +195,11 @@ def test_invalid_constraints_raise_before_anything_is_queued(llm):
         with pytest.raises(ValueError, match="structured_outputs"):
             engine.add_request("r", "ok", SamplingParams(structured_outputs=so))
         assert not engine.has_unfinished_requests()
+    good = SamplingParams(max_tokens=2, structured_outputs=SO(regex="a+"))
+    bad = SamplingParams(structured_outputs=SO(json={"type": "array", "minItems": 2, "maxItems": 1}))
+    with pytest.raises(ValueError, match=r"sampling_params\[1\]: invalid structured_outputs.json: minItems"):
+        llm.generate(["ok", "fine"], [good, bad], use_tqdm=False)
+    assert not engine.has_unfinished_requests()
 
 
 def test_preemption_and_prefix_caching_keep_outputs_valid(model_dir):
