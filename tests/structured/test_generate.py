@@ -9,6 +9,7 @@ they get alone), under preemption and with prefix caching."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import string
 
@@ -243,3 +244,24 @@ def test_core_requests_compile_off_the_loop_and_fail_alone(llm):
     bad, good = outs["bad"][-1], outs["good"][-1]
     assert bad.finish_reason == "error" and "structured_outputs.regex" in bad.error
     assert good.finish_reason == "length" and sum(len(o.new_token_ids) for o in outs["good"]) == 4
+
+
+def test_triton_samplers_apply_the_bitmask(model_dir):
+    """The Triton ops table (the interpreter on a CPU): constrained greedy and temperature rows go through
+    the fused kernel with the bitmask, a top-k row through the full sampler with it, beside an
+    unconstrained fused row."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter")
+    llm = LLM(model=str(model_dir), device="cpu", max_model_len=128, max_num_seqs=4, kernel_backend="triton")
+    pattern = r"(ab|c)[0-9]{1,2}-(x|yz)"
+    so = SO(regex=pattern)
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, structured_outputs=so),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=16, structured_outputs=so),
+        SamplingParams(temperature=1.0, top_k=5, seed=4, max_tokens=16, structured_outputs=so),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    ]
+    outs = [o.outputs[0] for o in llm.generate(["a", "b", "c", "d"], params, use_tqdm=False)]
+    for out in outs[:3]:
+        assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), out
+    assert len(outs[3].token_ids) == 6
