@@ -1,0 +1,109 @@
+"""A request's output constraint: `response_format` (OpenAI), `structured_outputs` (vLLM's extra
+field) or a tool choice that forces a call, as one `StructuredOutputsParams`, checked before the
+request is queued.
+
+Only one source may constrain a request: `response_format` with `structured_outputs`, or either with
+`tool_choice` required / a named function, is a 400 naming both fields. The constraint is compiled
+here (`tinyvllm.structured.validate`, on the server's worker pool, cached for the engine), so an
+invalid or unsatisfiable schema, regex, grammar or choice is a 400 naming the field, never an
+engine error.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tinyvllm.entrypoints.errors import APIError
+from tinyvllm.entrypoints.limits import check_json_size
+from tinyvllm.entrypoints.protocol import ResponseFormat, StructuredOutputs
+from tinyvllm.entrypoints.tools import ToolPlan, check_json_schema
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _from_response_format(rf: ResponseFormat) -> dict[str, Any] | None:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"json_object": True}
+    spec = rf.json_schema
+    if spec is None or "schema" not in spec:
+        raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format.json_schema")
+    check_json_schema(spec["schema"], "response_format.json_schema.schema")
+    return {"json": spec["schema"]}
+
+
+def _from_structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
+    given = [k for k in _KINDS if getattr(so, k) not in (None, False)]
+    if len(given) != 1:
+        raise APIError(
+            400,
+            f"structured_outputs must set exactly one of {', '.join(_KINDS)}; got "
+            + (", ".join(given) if given else "none"),
+            "structured_outputs",
+        )
+    kind = given[0]
+    value = getattr(so, kind)
+    if kind == "json":
+        schema = value
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise APIError(
+                    400, f"structured_outputs.json is not valid JSON: {e}", "structured_outputs.json"
+                ) from None
+        check_json_schema(schema, "structured_outputs.json")
+        value = schema
+    out = {kind: value, "disable_any_whitespace": so.disable_any_whitespace}
+    if so.whitespace_pattern is not None:
+        out["whitespace_pattern"] = so.whitespace_pattern
+    return out
+
+
+def structured_params(
+    ctx: Any,
+    response_format: ResponseFormat | None,
+    structured_outputs: StructuredOutputs | None,
+    tools: ToolPlan | None = None,
+) -> Any:
+    """The request's `StructuredOutputsParams`, compiled once to check it; None when unconstrained.
+
+    Raises:
+        APIError(400): conflicting fields, an invalid or unsatisfiable constraint (`param` names the
+            field), a schema or pattern over the server's size limit.
+    """
+    from_rf = _from_response_format(response_format) if response_format is not None else None
+    if from_rf is not None and structured_outputs is not None:
+        raise APIError(
+            400,
+            "response_format and structured_outputs cannot both constrain a request; send one",
+            "structured_outputs",
+        )
+    if tools is not None and tools.forces_call and (from_rf is not None or structured_outputs is not None):
+        field = "response_format" if from_rf is not None else "structured_outputs"
+        raise APIError(
+            400,
+            f"tool_choice {tools.mode if tools.mode == 'required' else repr(tools.function)} constrains the output "
+            f"to a tool call; {field} cannot constrain it too",
+            field,
+        )
+    if from_rf is not None:
+        kwargs, param = from_rf, "response_format"
+    elif structured_outputs is not None:
+        kwargs, param = _from_structured_outputs(structured_outputs), "structured_outputs"
+    elif tools is not None and tools.schema is not None:
+        kwargs, param = {"json": tools.schema}, "tools"
+    else:
+        return None
+    check_json_size(kwargs, ctx.limits.max_tools_bytes, param)
+    from tinyvllm.sampling_params import StructuredOutputsParams
+    from tinyvllm.structured import validate
+
+    try:
+        params = StructuredOutputsParams(**kwargs)
+        validate(params, ctx.tokenizer, ctx.vocab_size)
+    except (TypeError, ValueError) as e:
+        raise APIError(400, f"{param}: {e}", param) from None
+    return params
