@@ -170,7 +170,8 @@ LLAMA3_CHAT_TEMPLATE = """\
 {%- macro text(message) -%}
     {%- if message.content is string -%}{{- message.content -}}
     {%- elif message.content is mapping -%}{{- message.content | tojson -}}
-    {%- elif message.content -%}{{- message.content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -}}
+    {%- elif message.content -%}
+        {{- message.content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -}}
     {%- endif -%}
 {%- endmacro -%}
 {%- set messages_left = messages -%}
