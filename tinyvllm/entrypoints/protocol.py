@@ -61,7 +61,9 @@ class StructuredOutputs(OpenAIModel):
     """vLLM's `structured_outputs` extra field: exactly one of json (a schema, or its JSON text),
     regex, choice, grammar (EBNF) or json_object (see tinyvllm.entrypoints.structured)."""
 
-    json: str | dict[str, Any] | None = None
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")  # `json` would shadow BaseModel.json
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None

@@ -35,7 +35,14 @@ def _from_response_format(rf: ResponseFormat) -> dict[str, Any] | None:
 
 
 def _from_structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
-    given = [k for k in _KINDS if getattr(so, k) not in (None, False)]
+    values = {
+        "json": so.json_schema,
+        "regex": so.regex,
+        "choice": so.choice,
+        "grammar": so.grammar,
+        "json_object": so.json_object,
+    }
+    given = [k for k in _KINDS if values[k] not in (None, False)]
     if len(given) != 1:
         raise APIError(
             400,
@@ -44,7 +51,7 @@ def _from_structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
             "structured_outputs",
         )
     kind = given[0]
-    value = getattr(so, kind)
+    value = values[kind]
     if kind == "json":
         schema = value
         if isinstance(schema, str):
