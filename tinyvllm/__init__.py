@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "tinyvllm.llm",
     "SamplingParams": "tinyvllm.sampling_params",
+    "StructuredOutputsParams": "tinyvllm.sampling_params",
     "RequestOutput": "tinyvllm.outputs",
     "CompletionOutput": "tinyvllm.outputs",
     "Logprob": "tinyvllm.outputs",
@@ -26,7 +27,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from tinyvllm.llm import LLM
     from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput
-    from tinyvllm.sampling_params import SamplingParams
+    from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import math
 import numbers
@@ -90,6 +91,103 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass(eq=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's ``StructuredOutputsParams``): exactly one kind is set.
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text); the output is one JSON value valid under it.
+        regex: the output matches this regular expression as a whole.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar's / GBNF syntax, start rule ``root``).
+        json_object: the output is any one JSON object.
+        disable_any_whitespace: JSON kinds: no whitespace between tokens of the JSON text.
+        whitespace_pattern: accepted for vLLM compatibility; must be None (xgrammar has no such option).
+
+    The constraint's text is checked (a schema that is not a JSON object, a regex that does not parse,
+    a grammar without ``root``) when the engine compiles it: ``tinyvllm.structured.validate``.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise TypeError(
+                f"structured_outputs.json must be a JSON schema (dict or str), got {type(self.json).__name__}"
+            )
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, (list, tuple)):
+                raise TypeError(
+                    f"structured_outputs.choice must be a list of strings, got {type(self.choice).__name__}"
+                )
+            self.choice = list(self.choice)
+            for c in self.choice:
+                if not isinstance(c, str):
+                    raise TypeError(f"structured_outputs.choice must hold only strings, got {type(c).__name__} ({c!r})")
+            if not self.choice:
+                raise ValueError(
+                    "structured_outputs.choice is empty: no output could satisfy it; give at least one string"
+                )
+        if self.json_object is not None:
+            _check_bool("structured_outputs.json_object", self.json_object)
+        _check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "
+                "use disable_any_whitespace=True for compact JSON"
+            )
+        kinds = [k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            got = "none" if not kinds else " and ".join(kinds)
+            raise ValueError(
+                f"structured_outputs needs exactly one of json, regex, choice, grammar or json_object; got {got}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints have equal keys (a schema dict is dumped with sorted
+        keys), so compiled grammars are cached by it."""
+        kind = self.kind
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError:
+                    return (kind, schema)  # invalid: the compiler reports it
+            text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        elif kind == "choice":
+            text = json.dumps(self.choice, ensure_ascii=False)
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = getattr(self, kind)
+        if kind in ("json", "json_object") and self.disable_any_whitespace:
+            kind += ":compact"
+        return (kind, text)
+
+    def clone(self) -> StructuredOutputsParams:
+        return dataclasses.replace(self, choice=None if self.choice is None else list(self.choice))
+
+
 @dataclasses.dataclass(eq=True)
 class SamplingParams:
     """Sampling parameters of one request (vLLM's ``SamplingParams`` subset).
@@ -126,6 +224,8 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the output text.
         detokenize: produce text (stop strings need it).
         output_kind: what each RequestOutput carries: cumulative (default), delta or final only.
+        structured_outputs: a constraint the output must satisfy (JSON schema, regex, choice, grammar);
+            None: unconstrained.
     """
 
     n: int = 1
@@ -149,6 +249,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalise_types()
@@ -198,6 +299,11 @@ class SamplingParams:
             _check_bool(name, getattr(self, name))
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(
+                "structured_outputs must be a StructuredOutputsParams or None, "
+                f"got {type(self.structured_outputs).__name__}."
+            )
         if 0.0 < self.temperature < MIN_RANDOM_TEMPERATURE and self.temperature >= SAMPLING_EPS:
             logger.warning(
                 "temperature %s is less than %s, which may cause numerical errors; raised to %s (as vLLM does).",
@@ -274,6 +380,8 @@ class SamplingParams:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["stop"] = list(fields["stop"])
         fields["stop_token_ids"] = list(fields["stop_token_ids"])
+        if fields["structured_outputs"] is not None:
+            fields["structured_outputs"] = fields["structured_outputs"].clone()
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(f"SamplingParams has no field(s) {sorted(unknown)}.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
     stop_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    # None, or whether the request may be admitted yet (False while its grammar compiles); waiting
+    # requests behind one that is not ready are admitted meanwhile
+    ready: Callable[[], bool] | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     # Tokens sampled by steps still running on the device (async scheduling): their positions exist,

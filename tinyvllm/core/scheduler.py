@@ -7,8 +7,9 @@ Each step (vLLM v1's shape, no separate prefill phase):
      preempted (its blocks freed, recomputed later from scratch) until it can, or until it is itself
      the victim;
   3. if nothing was preempted, waiting requests are admitted in arrival order (adopting cached prefix
-     blocks) while the budget, `max_num_seqs` and the free blocks allow; a prompt longer than the
-     budget is split into chunks over several steps.
+     blocks; one whose `ready()` is False, its grammar still compiling, is passed over this step)
+     while the budget, `max_num_seqs` and the free blocks allow; a prompt longer than the budget is
+     split into chunks over several steps.
 Under a sliding window (the KV cache manager's `sliding_window`) a request's blocks that have left its
 window go back to the pool as it advances, so admission and preemption count only the window's blocks.
 """
@@ -174,8 +175,12 @@ class Scheduler:
         """Admit waiting requests in arrival order (adopting cached prefix blocks) while the budget,
         `max_num_seqs` and the free blocks allow; adds them to `scheduled`. Returns the budget left."""
         kv_cache = self.kv_cache
+        not_ready = []  # skipped this step (grammar still compiling), put back in order below
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.ready is not None and not request.ready():
+                not_ready.append(self.waiting.popleft())
+                continue
             if request.num_pending_outputs:
                 break  # preempted while a step was sampling for it: wait for that token
             cached = kv_cache.find_cached_prefix(request)
@@ -198,6 +203,7 @@ class Scheduler:
             # Offer its prompt blocks now, so that requests admitted later in this same step share
             # them instead of computing the same prefix again (see KVCacheManager.cache_full_blocks).
             kv_cache.cache_full_blocks(request, num_cached_tokens + n)
+        self.waiting.extendleft(reversed(not_ready))
         return budget
 
     def _scheduled_sequence(self, request: Request, n: int, is_new: bool) -> ScheduledSequence:

@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass, field
 
 from tinyvllm.config import RunnerConfig
+from tinyvllm.structured.reasoning_gate import REASONING_END_TEXT
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,12 @@ class EngineArgs:
     enforce_eager: bool = _opt(False, "no CUDA graphs")
     async_scheduling: bool | None = _opt(
         None, "schedule step N+1 before reading step N's tokens (default: on for CUDA)"
+    )
+    reasoning_parser: str | None = _opt(
+        None,
+        "the model thinks before it answers and ends thinking as this parser says: structured outputs "
+        "constrain only the answer",
+        tuple(REASONING_END_TEXT),
     )
     # Execution paths (RunnerConfig); docs/perf.md has the measurements behind the defaults.
     fused_gemv: bool = _opt(

@@ -79,8 +79,14 @@ def resolve_dtype(dtype: str, model_config: ModelConfig) -> torch.dtype:
 
 
 def _needs_history(params: SamplingParams) -> bool:
-    """Whether sampling reads the request's whole token history (penalties): no async overlap then."""
-    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+    """Whether sampling reads the request's whole token history (penalties; a grammar, whose mask for
+    the next step needs this step's token): no async overlap then."""
+    return (
+        params.presence_penalty != 0
+        or params.frequency_penalty != 0
+        or params.repetition_penalty != 1
+        or params.structured_outputs is not None
+    )
 
 
 def read_generation_config(model_dir: Path) -> dict[str, Any]:
@@ -140,6 +146,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.model_config)
         backend = default_backend(self.device.type) if args.kernel_backend == "auto" else args.kernel_backend
         self.eos_token_ids = self._eos_token_ids()
+        self._structured = None  # the StructuredOutputManager, built by the first constrained request
 
         self.runner = ModelRunner(
             self.model_config,
@@ -342,6 +349,8 @@ class LLMEngine:
         """
         params = self.default_sampling_params if params is None else params
         prompt = self.tokenize_prompt(prompt)
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)  # compiled now: errors before queueing
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         request_id = self.add_core_request(request_id, prompt, params, arrival_time)
         self.output_processor.add_request(request_id, params, prompt.text, prompt.token_ids, arrival_time)
@@ -383,6 +392,20 @@ class LLMEngine:
             self._num_history_requests += _needs_history(params)
         return request_id
 
+    @property
+    def structured(self):
+        """The engine's `StructuredOutputManager` (built on first use: it imports xgrammar)."""
+        if self._structured is None:
+            from tinyvllm.structured.manager import StructuredOutputManager
+            from tinyvllm.structured.reasoning_gate import end_token_ids
+
+            parser = self.args.reasoning_parser
+            end_ids = None if parser is None else end_token_ids(self.tokenizer, parser)
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, end_ids
+            )
+        return self._structured
+
     def _check_params(self, params: Any) -> SamplingParams:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
@@ -402,6 +425,7 @@ class LLMEngine:
             max_tokens = min(max_tokens, params.max_tokens)
         every_step = streams_every_step(params)
         children = []
+        structured = None if params.structured_outputs is None else self.structured
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
@@ -416,6 +440,8 @@ class LLMEngine:
                 stop_token_ids=frozenset(params.stop_token_ids),
                 arrival_time=arrival_time,
             )
+            if structured is not None:  # compiles off the step loop; admitted once compiled
+                request.ready = structured.add(request.request_id, params.structured_outputs).is_ready
             logprobs = params.logprobs is not None
             children.append(
                 _Sequence(
@@ -471,6 +497,8 @@ class LLMEngine:
         for c in parent.children:
             if self._sequences.pop(c.request.request_id, None) is not None:
                 self._num_history_requests -= _needs_history(c.params)
+                if c.params.structured_outputs is not None:
+                    self.structured.remove(c.request.request_id)
 
     def _drop(self, parent: _Parent) -> None:
         """Forget a finished request."""
@@ -503,13 +531,17 @@ class LLMEngine:
         if not overlap and self._in_flight is not None:
             outputs += self._process(*self._in_flight)
             self._in_flight = None
+        if self._structured is not None:
+            self._end_failed_grammars()
         t1 = clock()
         sched = self.scheduler.schedule()
         t2 = clock()
         launched = None
         if not sched.is_empty:
             self._note_scheduled(sched)
-            launched = (sched, self.runner.launch(sched))
+            launched = (sched, self.runner.launch(sched, self._structured))
+        elif self._structured is not None and self._in_flight is None:
+            self._structured.wait_for_compile(0.005)  # only compiling requests left: do not spin
         t3 = clock()
         if self._in_flight is not None:
             outputs += self._process(*self._in_flight)
@@ -583,9 +615,54 @@ class LLMEngine:
         if runner_out.logprobs is not None:
             sampled_ids = [s.request_id for s in sched.sequences if s.sample]
             logprobs_by_id = dict(zip(sampled_ids, runner_out.logprobs))
+        structured = self._structured
+        if structured is not None:
+            for rid in structured.take_dead():  # before the update, which then drops their token
+                self._end_sequence(rid, "the output's grammar allows no next token (the constraint is a dead end)")
         updated = self.scheduler.update_from_output(sched, runner_out)
         self.num_generation_tokens += len(updated)  # one token each
+        if structured is not None and structured.grammars:
+            self._advance_grammars(updated)
         return updated, logprobs_by_id
+
+    def _advance_grammars(self, updated: list[tuple[Request, list[int]]]) -> None:
+        """Accept each constrained sequence's new token into its grammar; a grammar that is complete
+        ends its request ("stop"), a token it rejects ends it with an error."""
+        grammars = self._structured.grammars
+        for request, tokens in updated:
+            rid = request.request_id
+            if rid not in grammars:
+                continue
+            grammar = grammars[rid]
+            ok = grammar.accept(tokens[-1], request.output_token_ids)
+            if request.status._finished:
+                continue
+            if not ok:
+                self._end_with_error(rid, f"token {tokens[-1]} does not match the output's grammar")
+            elif grammar.is_terminated():
+                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
+
+    def _end_with_error(self, request_id: str, message: str) -> None:
+        """Finish a running sequence with finish_reason "error" and `message`."""
+        for request in self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR):
+            request.error = message
+            logger.warning("request %s ended: %s", request_id, message)
+
+    def _end_sequence(self, request_id: str, message: str) -> None:
+        """`_end_with_error` outside the step's token processing: its finishing output comes out of the
+        next step."""
+        seq = self._sequences.get(request_id)
+        if seq is None or seq.request.status._finished:
+            return
+        self._end_with_error(request_id, message)
+        self._pending.append(self._finished_output(seq, time.monotonic()))
+        self._finish_child(seq)
+
+    def _end_failed_grammars(self) -> None:
+        """Sequences whose grammar failed to compile (only where add_core_request was not validated
+        first) finish with the compile error."""
+        for rid, error in self._structured.failed():
+            self._end_sequence(rid, error)
 
     @staticmethod
     def _finished_output(seq: _Sequence, now: float) -> EngineCoreOutput:
@@ -604,6 +681,7 @@ class LLMEngine:
             seq.cumulative_logprob,
             logprobs[start:] if logprobs is not None else None,
             _times(request, now),
+            request.error,
         )
 
     def _finish_child(self, seq: _Sequence) -> None:

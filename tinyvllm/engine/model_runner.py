@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,6 +48,9 @@ from tinyvllm.models.loader import build_model
 from tinyvllm.sampling.fused_plan import FusedSamplingPlan
 from tinyvllm.sampling.sampler import LogprobsTensors
 from tinyvllm.sampling.step_sampler import StepSampler
+
+if TYPE_CHECKING:
+    from tinyvllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +148,8 @@ class ModelRunner:
         # Host staging written at launch and copied asynchronously: two of each, used alternately, since
         # the engine reads step N's results only after launching step N+1.
         self._host_bufs: list[dict[str, torch.Tensor]] = []
+        self._bitmask_bufs: list[torch.Tensor] = []  # constrained steps' host bitmasks (two, alternating)
+        self.builder_rows = 0  # the most rows a step samples (max_num_seqs), set by initialize()
         self._num_launched = 0
 
     # ------------------------------------------------------------------ KV cache and set-up
@@ -262,6 +268,7 @@ class ModelRunner:
             cascade=cascade,
         )
         pin = self.device.type == "cuda"
+        self.builder_rows = max_num_seqs
         self._host_bufs = [
             {
                 "ids": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
@@ -292,12 +299,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
-    def launch(self, sched: SchedulerOutput) -> StepHandle:
-        """Enqueue one step (inputs, forward, sampling, the copy of the sampled ids) and return."""
+    def launch(self, sched: SchedulerOutput, structured: StructuredOutputManager | None = None) -> StepHandle:
+        """Enqueue one step (inputs, forward, sampling, the copy of the sampled ids) and return.
+        `structured`: the engine's grammars, whose token bitmask the step's constrained rows sample under."""
         assert self.builder is not None, "initialize() first"
+        if structured is not None and not structured.grammars:
+            structured = None
         bucket = self._graph_bucket(sched)
         if bucket is not None:
-            return self._launch_graph_step(sched, bucket)
+            return self._launch_graph_step(sched, bucket, structured)
         inputs = self.builder.build(sched, prev_sample_index=self._prev_index)
         if inputs.placeholder_rows is not None:
             inputs.input_ids[inputs.placeholder_rows] = self._prev_sampled[inputs.placeholder_src]
@@ -315,7 +325,8 @@ class ModelRunner:
             self.sampler.draw_seeds(plan, seqs, seeds.numpy())
         hidden = self.executor.hidden_states(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         logits = self.executor.lm_head.logits(hidden[inputs.logits_indices], dtype=None)
-        sampled, logprobs, logprob_rows = self.sampler.sample(logits, seqs, plan, fused, seeds, None, bufs)
+        bitmask = self._grammar_bitmask(seqs, structured)  # filled while the device runs the forward
+        sampled, logprobs, logprob_rows = self.sampler.sample(logits, seqs, plan, fused, seeds, None, bufs, bitmask)
         return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs)
 
     def _graph_bucket(self, sched: SchedulerOutput) -> int | None:
@@ -327,11 +338,15 @@ class ModelRunner:
             return None
         return self.graphs.bucket(len(sched.sequences))
 
-    def _launch_graph_step(self, sched: SchedulerOutput, bucket: int) -> StepHandle:
+    def _launch_graph_step(
+        self, sched: SchedulerOutput, bucket: int, structured: StructuredOutputManager | None = None
+    ) -> StepHandle:
         """A decode step replayed as the graph of `bucket` rows: pack its inputs (with the sampler's
         temperatures and seeds) into a host twin of the graphs' input arena, make the previous step's
         sampled ids readable by the graph's placeholder gather when the step needs them, copy the arena
-        over in one copy, replay, then sample the rows the in-graph sampler does not serve."""
+        over in one copy, replay, then sample the rows the in-graph sampler does not serve. A step with
+        constrained rows samples every row after the replay, from the graph's logits, under the bitmask
+        filled while the graph runs."""
         graphs = self.graphs
         host, device = graphs.next_arenas(bucket)
         inputs = self.builder.build(
@@ -350,20 +365,45 @@ class ModelRunner:
         if inputs.num_placeholders:
             graphs.feed_previous_samples(self._prev_sampled)
         graph_ids = None
+        constrained = structured is not None and bool(structured.constrained_rows([s.request_id for s in seqs]))
         if graphs.runs_io(bucket):
             # every row served by the in-graph sampler: no logits needed, the pruned LM head's graph if any
             logits, presampled, graph_ids = graphs.replay_io(
-                bucket, inputs.prefix_len > 0, host, inputs.arena_bytes, pruned=len(fused) == n
+                bucket, inputs.prefix_len > 0, host, inputs.arena_bytes, pruned=len(fused) == n and not constrained
             )
         else:
             graphs.load_inputs(host, inputs.arena_bytes, by_kernel=self._copies_by_kernel(n))
             logits, presampled = graphs.replay(bucket, cascade=inputs.prefix_len > 0)
         logits = None if logits is None else logits[:n]
-        presampled = presampled[:n] if fused and graphs.sample_in_graph else None
-        sampled, logprobs, logprob_rows = self.sampler.sample(logits, seqs, plan, fused, seeds, presampled, bufs)
+        bitmask = self._grammar_bitmask(seqs, structured) if constrained else None
+        presampled = presampled[:n] if fused and graphs.sample_in_graph and bitmask is None else None
+        sampled, logprobs, logprob_rows = self.sampler.sample(
+            logits, seqs, plan, fused, seeds, presampled, bufs, bitmask
+        )
         # The graph's own copy of the ids holds the step's tokens when its sampler served every row.
-        graph_ids = graph_ids[:n] if graph_ids is not None and len(fused) == n else None
+        graph_ids = graph_ids[:n] if graph_ids is not None and len(fused) == n and bitmask is None else None
         return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs, graph_ids)
+
+    def _grammar_bitmask(
+        self, seqs: list[ScheduledSequence], structured: StructuredOutputManager | None
+    ) -> torch.Tensor | None:
+        """The step's token bitmask [N, ceil(V / 32)] int32 on the device, in the sampled rows' order
+        (all ones for unconstrained rows), or None when no row is constrained. Filled on the host into
+        one of two pinned buffers (alternating, as the other host staging) and copied asynchronously."""
+        if structured is None:
+            return None
+        rids = [s.request_id for s in seqs]
+        rows = structured.constrained_rows(rids)
+        if not rows:
+            return None
+        n = len(seqs)
+        if not self._bitmask_bufs or self._bitmask_bufs[0].shape[1] != structured.width:
+            shape = (max(self.builder_rows, n), structured.width)
+            pin = self.device.type == "cuda"
+            self._bitmask_bufs = [torch.empty(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        host = self._bitmask_bufs[self._num_launched % 2][:n]
+        structured.fill(rids, rows, host)
+        return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     def _next_host_bufs(self) -> dict[str, torch.Tensor]:
         """This step's set of the runner's host staging (the two alternate between sampled steps)."""

@@ -7,6 +7,11 @@ Row b with temperature T_b:
     al. 2014), without normalising, sorting or writing probabilities.
 Ties resolve to the lowest index. Reads B·V logits once and writes B ids; the torch sampler handles the
 rows that need top-k, top-p, min-p, penalties or logprobs.
+
+With a token bitmask (structured outputs: xgrammar's packed int32 rows, [B, ceil(V / 32)], token i
+allowed iff bit i % 32 of word i // 32 is set) a disallowed token's value is −inf before the argmax, so
+the draw is from softmax(z / T) restricted to the allowed tokens. The bitmask is a compiled variant
+(HAS_MASK): a launch without one runs the kernel it ran before.
 """
 
 from __future__ import annotations
@@ -30,13 +35,34 @@ def log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def allowed_by(mask_row_ptr, offs, valid):
+    """Whether the packed bitmask row at `mask_row_ptr` allows each token index of `offs` (where `valid`)."""
+    words = tl.load(mask_row_ptr + (offs >> 5), mask=valid, other=0)
+    return ((words >> (offs & 31)) & 1) != 0
+
+
+@triton.jit
 def _best_of_quarter(
-    row_ptr, q_start, end, noise, inv_t, greedy, best_val, best_idx, QUARTER: tl.constexpr, FAST_LOG: tl.constexpr
+    row_ptr,
+    q_start,
+    end,
+    noise,
+    inv_t,
+    greedy,
+    best_val,
+    best_idx,
+    mask_row_ptr,
+    QUARTER: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     """Fold indices [q_start, q_start + QUARTER) into the running per-lane best (strict >: a lane
-    keeps its earliest index on ties, and quarters arrive in index order)."""
+    keeps its earliest index on ties, and quarters arrive in index order). With HAS_MASK, only the
+    indices the bitmask row allows."""
     offs = q_start + tl.arange(0, QUARTER)
     mask = offs < end
+    if HAS_MASK:
+        mask = mask & allowed_by(mask_row_ptr, offs, mask)
     z = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
     if not greedy:
         u = tl.maximum(noise, 1e-20)  # rand is in [0, 1): keep the logarithms finite
@@ -81,11 +107,14 @@ def sample_partial_kernel(
     seed_ptr,
     val_ptr,
     idx_ptr,
+    mask_ptr,
+    stride_mask,
     V,
     CHUNK,
     NUM_SPLITS,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     """Program (row, split): the best (value, index) among indices [split·CHUNK, (split+1)·CHUNK).
 
@@ -100,6 +129,7 @@ def sample_partial_kernel(
     greedy = temperature == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
     best_val = tl.full([QUARTER], float("-inf"), tl.float32)
     best_idx = tl.full([QUARTER], 0, tl.int32)
     begin = split * CHUNK
@@ -113,16 +143,49 @@ def sample_partial_kernel(
         else:
             n0, n1, n2, n3 = tl.rand4x(seed, start // 4 + tl.arange(0, QUARTER))
         best_val, best_idx = _best_of_quarter(
-            row_ptr, start, end, n0, inv_t, greedy, best_val, best_idx, QUARTER, FAST_LOG
+            row_ptr, start, end, n0, inv_t, greedy, best_val, best_idx, mask_row_ptr, QUARTER, FAST_LOG, HAS_MASK
         )
         best_val, best_idx = _best_of_quarter(
-            row_ptr, start + QUARTER, end, n1, inv_t, greedy, best_val, best_idx, QUARTER, FAST_LOG
+            row_ptr,
+            start + QUARTER,
+            end,
+            n1,
+            inv_t,
+            greedy,
+            best_val,
+            best_idx,
+            mask_row_ptr,
+            QUARTER,
+            FAST_LOG,
+            HAS_MASK,
         )
         best_val, best_idx = _best_of_quarter(
-            row_ptr, start + 2 * QUARTER, end, n2, inv_t, greedy, best_val, best_idx, QUARTER, FAST_LOG
+            row_ptr,
+            start + 2 * QUARTER,
+            end,
+            n2,
+            inv_t,
+            greedy,
+            best_val,
+            best_idx,
+            mask_row_ptr,
+            QUARTER,
+            FAST_LOG,
+            HAS_MASK,
         )
         best_val, best_idx = _best_of_quarter(
-            row_ptr, start + 3 * QUARTER, end, n3, inv_t, greedy, best_val, best_idx, QUARTER, FAST_LOG
+            row_ptr,
+            start + 3 * QUARTER,
+            end,
+            n3,
+            inv_t,
+            greedy,
+            best_val,
+            best_idx,
+            mask_row_ptr,
+            QUARTER,
+            FAST_LOG,
+            HAS_MASK,
         )
     top = tl.max(best_val, axis=0)
     # Lowest index among the lanes holding the maximum (an empty split offers −inf at index V).
@@ -175,6 +238,7 @@ def sample_greedy_or_gumbel(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     host_out: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row's greedy or Gumbel-max token (module docstring); the same (logits, T, seed) gives the same
     token whatever the batch or `splits`.
@@ -190,6 +254,8 @@ def sample_greedy_or_gumbel(
         host_out: [B] int64 in pinned host memory (on CUDA): the ids are written there too, by the same
             kernel (readable once an event recorded after this call has completed), so that a decode
             graph needs no copy after its sampler (engine/cuda_graphs.py).
+        bitmask: [B, ceil(V / 32)] int32 on the logits' device: each row samples among the tokens its
+            row allows (module docstring); a row that allows nothing gives index 0. None: no constraint.
 
     Returns:
         The sampled ids [B] int64 (`out`).
@@ -204,6 +270,10 @@ def sample_greedy_or_gumbel(
             raise ValueError(f"host_out must be [{B}] contiguous int64, got {tuple(host_out.shape)} {host_out.dtype}")
         if host_out.is_cuda or (logits.is_cuda and not host_out.is_pinned()):
             raise ValueError("host_out must be pinned host memory")
+    if bitmask is not None and (bitmask.dtype != torch.int32 or bitmask.shape != (B, (V + 31) // 32)):
+        raise ValueError(f"bitmask must be [{B}, {(V + 31) // 32}] int32, got {tuple(bitmask.shape)} {bitmask.dtype}")
+    if bitmask is not None and bitmask.stride(1) != 1:
+        bitmask = bitmask.contiguous()
     if B:
         S = min(splits or num_splits(B, V, logits.device), _MAX_SPLITS)
         chunk = triton.cdiv(triton.cdiv(V, S), _BLOCK) * _BLOCK
@@ -217,11 +287,14 @@ def sample_greedy_or_gumbel(
             seeds,
             vals,
             idxs,
+            seeds if bitmask is None else bitmask,  # never read without HAS_MASK
+            0 if bitmask is None else bitmask.stride(0),
             V,
             chunk,
             S,
             BLOCK=_BLOCK,
             FAST_LOG=logits.is_cuda,
+            HAS_MASK=bitmask is not None,
             num_warps=8,
         )
         reduce_partials(vals, idxs, V, out, host_out)

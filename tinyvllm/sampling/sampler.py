@@ -4,7 +4,9 @@ Order of operations (vLLM v1's, with the filter order of vLLM v0 / HF):
 
 1. logprobs, when some row asks: ``log_softmax`` in float32 of the model's raw logits,
    before any penalty or temperature (vLLM v1's default ``raw_logprobs``).
-2. min_tokens: the row's banned ids (EOS, stop_token_ids) get -inf while the output is
+2. the token bitmask of constrained rows (structured outputs): a token it disallows gets -inf
+   (sampling/bitmask.py); before everything else that edits the logits, as in vLLM.
+2b. min_tokens: the row's banned ids (EOS, stop_token_ids) get -inf while the output is
    shorter than ``min_tokens``.
 3. penalties (on greedy rows too). With ``seen`` = the token occurs in the prompt or the
    output and ``c`` = its count in the output::
@@ -40,6 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tinyvllm.sampling.bitmask import apply_bitmask_
 from tinyvllm.sampling.tensors import TOPK_FAST_PATH_MAX_K, SamplingTensors
 
 _NEG_INF = float("-inf")
@@ -108,6 +111,7 @@ class Sampler:
         logits: torch.Tensor,
         tensors: SamplingTensors,
         batch_generator: torch.Generator | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Sample one token id per row of ``logits``.
 
@@ -116,6 +120,8 @@ class Sampler:
             tensors: The batch's sampling tensors, built for B rows and V tokens on ``logits.device``.
             batch_generator: On ``logits.device``; serves the rows without their own generator.
                 None: torch's default generator of that device.
+            bitmask: [B, ceil(V / 32)] int32 on `logits.device`: the tokens each row may sample
+                (all ones: any); None: no constraint.
 
         Returns:
             The [B] sampled ids, and the logprobs when some row asked for them.
@@ -128,7 +134,12 @@ class Sampler:
         if tensors.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
-        needs_edit = not tensors.all_greedy or tensors.min_tokens_ban is not None or tensors.output_counts is not None
+        needs_edit = (
+            not tensors.all_greedy
+            or tensors.min_tokens_ban is not None
+            or tensors.output_counts is not None
+            or bitmask is not None
+        )
         if not needs_edit:
             # All greedy, nothing to change: argmax of the raw logits in their own dtype
             # (the float32 conversion is monotone, so the argmax is the same).
@@ -136,6 +147,8 @@ class Sampler:
         else:
             # A contiguous float32 copy: the caller's logits stay untouched, and flat views work.
             work = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)
+            if bitmask is not None:
+                apply_bitmask_(work, bitmask)
             if tensors.min_tokens_ban is not None:
                 work.view(-1).index_fill_(0, tensors.min_tokens_ban, _NEG_INF)
             if tensors.output_counts is not None:

@@ -77,6 +77,7 @@ class StepSampler:
         seeds: torch.Tensor | None,
         presampled: torch.Tensor | None,
         staging: dict[str, torch.Tensor],
+        bitmask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LogprobsTensors | None, list[int] | None]:
         """Sampled ids [N], logprobs, and the rows the logprobs cover (None: all).
 
@@ -88,16 +89,21 @@ class StepSampler:
             presampled: the fused kernel's ids for every row, already computed inside the decode graph
                 (the kernel samples each row on its own, so they equal a separate launch's).
             staging: the runner's host buffers of this step ("temps", "rows"; pinned on CUDA).
+            bitmask: [N, ceil(V / 32)] int32 on the device: the tokens each row may sample
+                (sampling/bitmask.py; all ones for unconstrained rows), or None. With a bitmask,
+                `presampled` must be None (it was drawn without it).
         """
         n = len(seqs)
         if not fused:
-            out = self._sample_full(logits, seqs)
+            out = self._sample_full(logits, seqs, bitmask)
             return out.sampled_token_ids, out.logprobs, None
         if presampled is None:
             from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
             temperatures = plan.device_temperatures(self.device, staging["temps"])
-            presampled = sample_greedy_or_gumbel(logits, temperatures, seeds.to(self.device, non_blocking=True))
+            presampled = sample_greedy_or_gumbel(
+                logits, temperatures, seeds.to(self.device, non_blocking=True), bitmask=bitmask
+            )
         if len(fused) == n:
             return presampled, None, None
         fused_set = set(fused)
@@ -108,15 +114,15 @@ class StepSampler:
         f_idx, o_idx = rows_dev[: len(fused)], rows_dev[len(fused) :]
         sampled = torch.empty(n, dtype=torch.int64, device=logits.device)
         sampled[f_idx] = presampled[f_idx]
-        out = self._sample_full(logits[o_idx], [seqs[i] for i in other])
+        out = self._sample_full(logits[o_idx], [seqs[i] for i in other], None if bitmask is None else bitmask[o_idx])
         sampled[o_idx] = out.sampled_token_ids
         return sampled, out.logprobs, other
 
-    def _sample_full(self, logits: torch.Tensor, seqs: list[ScheduledSequence]):
-        """The full sampler (penalties, top-k/p, min-p, logprobs, min_tokens bans) over these rows."""
+    def _sample_full(self, logits: torch.Tensor, seqs: list[ScheduledSequence], bitmask: torch.Tensor | None = None):
+        """The full sampler (bitmask, penalties, top-k/p, min-p, logprobs, min_tokens bans) over these rows."""
         rows = [self._sampling_row(s) for s in seqs]
         tensors = SamplingTensors.from_rows(rows, self.vocab_size, self.device)
-        return self.sampler(logits, tensors, self.batch_generator)
+        return self.sampler(logits, tensors, self.batch_generator, bitmask)
 
     def _sampling_row(self, seq: ScheduledSequence) -> SamplingRow:
         params = seq.sampling_params

@@ -1,0 +1,113 @@
+"""The engine's side of structured outputs: each constrained sequence's grammar, the step's bitmask.
+
+`StructuredOutputManager` (one per engine, built on the first constrained request: importing xgrammar
+costs ~0.3 s) compiles through the process's `GrammarCompiler` (futures, off the step loop), keeps a
+`RequestGrammar` per constrained sequence, and fills a step's token bitmask: xgrammar's packed int32
+layout, row r bit j of word w allowing token 32·w + j, [rows, ceil(V / 32)]. It fills the constrained
+rows of the step with `xgrammar.BatchGrammarMatcher` (several threads, the GIL released) and the other
+rows with all ones; a step without constrained rows gets no bitmask at all, so it runs exactly the
+kernels it runs without this feature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import Any
+
+import torch
+
+from tinyvllm.sampling.bitmask import bitmask_width
+from tinyvllm.sampling_params import StructuredOutputsParams
+from tinyvllm.structured.compiler import compiler_for
+from tinyvllm.structured.matcher import RequestGrammar
+
+
+class StructuredOutputManager:
+    """Grammars of an engine's constrained sequences (module docstring).
+
+    Args:
+        tokenizer: the engine's `Tokenizer`.
+        vocab_size: the model's logits width.
+        eos_token_ids: the engine's EOS ids (the grammars' stop tokens).
+        reasoning_end_ids: token ids that end thinking (`reasoning_gate.end_token_ids`); None: no gate.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        reasoning_end_ids: Sequence[int] | None = None,
+    ) -> None:
+        import xgrammar as xgr
+
+        self.compiler = compiler_for(tokenizer, vocab_size, list(eos_token_ids))
+        self.vocab_size = vocab_size
+        self.width = bitmask_width(vocab_size)
+        self.reasoning_end_ids = reasoning_end_ids
+        self.grammars: dict[str, RequestGrammar] = {}
+        self._batch = xgr.BatchGrammarMatcher("auto")
+        self._dead: list[str] = []
+        self._compiling: set[str] = set()  # sequences whose grammar's future was not seen done yet
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Compile `params` now (cached); raises ValueError naming what is wrong."""
+        self.compiler.compile(params)
+
+    def add(self, request_id: str, params: StructuredOutputsParams) -> RequestGrammar:
+        """Start compiling a sequence's grammar (cached by its text); returns its state."""
+        grammar = RequestGrammar(self.compiler.submit(params), self.reasoning_end_ids)
+        self.grammars[request_id] = grammar
+        self._compiling.add(request_id)
+        return grammar
+
+    def remove(self, request_id: str) -> None:
+        self.grammars.pop(request_id, None)
+        self._compiling.discard(request_id)
+
+    def failed(self) -> list[tuple[str, str]]:
+        """(request id, error) of the sequences whose grammar failed to compile since the last call;
+        they are forgotten. Looks only at the grammars not yet seen compiled."""
+        out = []
+        for rid in [r for r in self._compiling if self.grammars[r].compiled.done()]:
+            self._compiling.discard(rid)
+            error = self.grammars[rid].failure()
+            if error is not None:
+                out.append((rid, error))
+                del self.grammars[rid]
+        return out
+
+    def wait_for_compile(self, timeout: float) -> None:
+        """Block up to `timeout` seconds until some compiling grammar is done (the engine has nothing
+        else to run)."""
+        pending = [self.grammars[r].compiled for r in self._compiling]
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
+
+    def constrained_rows(self, request_ids: Sequence[str]) -> list[int]:
+        """The rows (indices into `request_ids`) whose next token the grammar constrains."""
+        grammars = self.grammars
+        return [i for i, rid in enumerate(request_ids) if rid in grammars and grammars[rid].is_active]
+
+    def fill(self, request_ids: Sequence[str], rows: Sequence[int], out: torch.Tensor) -> None:
+        """Fill `out` [len(request_ids), width] int32 (host): the grammar's allowed tokens in `rows`,
+        all ones elsewhere. A constrained row that allows nothing is recorded (`take_dead`)."""
+        out.fill_(-1)
+        matchers = [self.grammars[request_ids[i]].get_matcher() for i in rows]
+        self._batch.batch_fill_next_token_bitmask(matchers, out, list(rows))
+        view = out.numpy()
+        for i in rows:
+            if not view[i].any():
+                self._dead.append(request_ids[i])
+
+    def take_dead(self) -> list[str]:
+        """The request ids whose mask allowed nothing since the last call."""
+        dead, self._dead = self._dead, []
+        return dead
+
+    def accept(self, request_id: str, token_id: int, output_token_ids: Sequence[int]) -> tuple[bool, bool]:
+        """Advance a sequence's grammar by its new output token: (accepted, grammar terminated)."""
+        grammar = self.grammars[request_id]
+        ok = grammar.accept(token_id, output_token_ids)
+        return ok, grammar.is_terminated()

@@ -1,0 +1,78 @@
+"""One request's grammar state: its compiled grammar (a future), its matcher, its reasoning gate.
+
+The matcher holds exactly the request's accepted output tokens after the end of its thinking (all
+of them without a reasoning parser). The engine accepts each token it appends to the request, so a
+preempted request (whose output tokens are kept and recomputed) resumes with the same state; tokens
+the engine discards are never accepted. `rollback(k)` undoes the last k accepted tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from tinyvllm.structured.reasoning_gate import reasoning_ended
+
+
+class RequestGrammar:
+    """The grammar state of one sequence (module docstring).
+
+    Args:
+        compiled: the future of its compiled grammar (`GrammarCompiler.submit`).
+        reasoning_end_ids: token ids that end the model's thinking; the grammar applies only to the
+            tokens after them. None: from the first output token.
+    """
+
+    def __init__(self, compiled: Future, reasoning_end_ids: Sequence[int] | None = None) -> None:
+        self.compiled = compiled
+        self.reasoning_end_ids = None if reasoning_end_ids is None else tuple(reasoning_end_ids)
+        self.gate_open = reasoning_end_ids is None
+        self.matcher: Any = None  # xgrammar.GrammarMatcher, made on first use
+        self.num_accepted = 0
+
+    def is_ready(self) -> bool:
+        """Whether the grammar has compiled (successfully: a failed one is the engine's to end)."""
+        return self.compiled.done() and self.compiled.exception() is None
+
+    def failure(self) -> str | None:
+        """The compile error, once the future has failed; None otherwise."""
+        if not self.compiled.done():
+            return None
+        error = self.compiled.exception()
+        return None if error is None else str(error)
+
+    def get_matcher(self) -> Any:
+        if self.matcher is None:
+            import xgrammar as xgr
+
+            self.matcher = xgr.GrammarMatcher(self.compiled.result())
+        return self.matcher
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the next token is constrained (compiled, past the reasoning, not terminated)."""
+        return self.gate_open and not self.get_matcher().is_terminated()
+
+    def accept(self, token_id: int, output_token_ids: Sequence[int]) -> bool:
+        """Advance by the request's new output token `token_id` (`output_token_ids`: all of them, this
+        one last). Before the gate opens, only looks for the end of thinking. Returns False when the
+        grammar rejects the token."""
+        if not self.gate_open:
+            if reasoning_ended(output_token_ids[-len(self.reasoning_end_ids) :], self.reasoning_end_ids) is not None:
+                self.gate_open = True
+            return True
+        ok = self.get_matcher().accept_token(token_id)
+        self.num_accepted += ok
+        return ok
+
+    def is_terminated(self) -> bool:
+        """Whether the grammar is complete and its stop token accepted: the request is done."""
+        return self.gate_open and self.matcher is not None and self.matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        if num_tokens:
+            assert num_tokens <= self.num_accepted, "rollback past the grammar's start"
+            self.get_matcher().rollback(num_tokens)
+            self.num_accepted -= num_tokens
