@@ -2,8 +2,10 @@
 field) or a tool choice that forces a call, as one `StructuredOutputsParams`, checked before the
 request is queued.
 
-Only one source may constrain a request: `response_format` with `structured_outputs`, or either with
-`tool_choice` required / a named function, is a 400 naming both fields. The constraint is compiled
+Only one source may constrain a request: `response_format` with a `structured_outputs` kind, or either
+with `tool_choice` required / a named function, is a 400 naming both fields. A `structured_outputs`
+that sets no kind carries only options (`disable_any_whitespace`, `whitespace_pattern`) for the
+constraint that `response_format` or the tool choice makes, as vLLM merges them. The constraint is compiled
 here (`tinyvllm.structured.validate`, on the server's worker pool, cached for the engine), so an
 invalid or unsatisfiable schema, regex, grammar or choice is a 400 naming the field, never an
 engine error.
@@ -32,6 +34,21 @@ def _from_response_format(rf: ResponseFormat) -> dict[str, Any] | None:
         raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format.json_schema")
     check_json_schema(spec["schema"], "response_format.json_schema.schema")
     return {"json": spec["schema"]}
+
+
+def _options(so: StructuredOutputs | None) -> dict[str, Any]:
+    if so is None:
+        return {}
+    out: dict[str, Any] = {"disable_any_whitespace": so.disable_any_whitespace}
+    if so.whitespace_pattern is not None:
+        out["whitespace_pattern"] = so.whitespace_pattern
+    return out
+
+
+def _has_kind(so: StructuredOutputs | None) -> bool:
+    if so is None:
+        return False
+    return any(v not in (None, False) for v in (so.json_schema, so.regex, so.choice, so.grammar, so.json_object))
 
 
 def _from_structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
@@ -63,10 +80,7 @@ def _from_structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
                 ) from None
         check_json_schema(schema, "structured_outputs.json")
         value = schema
-    out = {kind: value, "disable_any_whitespace": so.disable_any_whitespace}
-    if so.whitespace_pattern is not None:
-        out["whitespace_pattern"] = so.whitespace_pattern
-    return out
+    return {kind: value, **_options(so)}
 
 
 def structured_params(
@@ -82,13 +96,14 @@ def structured_params(
             field), a schema or pattern over the server's size limit.
     """
     from_rf = _from_response_format(response_format) if response_format is not None else None
-    if from_rf is not None and structured_outputs is not None:
+    has_kind = _has_kind(structured_outputs)
+    if from_rf is not None and has_kind:
         raise APIError(
             400,
             "response_format and structured_outputs cannot both constrain a request; send one",
             "structured_outputs",
         )
-    if tools is not None and tools.forces_call and (from_rf is not None or structured_outputs is not None):
+    if tools is not None and tools.forces_call and (from_rf is not None or has_kind):
         field = "response_format" if from_rf is not None else "structured_outputs"
         raise APIError(
             400,
@@ -97,11 +112,11 @@ def structured_params(
             field,
         )
     if from_rf is not None:
-        kwargs, param = from_rf, "response_format"
+        kwargs, param = {**from_rf, **_options(structured_outputs)}, "response_format"
+    elif tools is not None and tools.schema is not None:
+        kwargs, param = {"json": tools.schema, **_options(structured_outputs)}, "tools"
     elif structured_outputs is not None:
         kwargs, param = _from_structured_outputs(structured_outputs), "structured_outputs"
-    elif tools is not None and tools.schema is not None:
-        kwargs, param = {"json": tools.schema}, "tools"
     else:
         return None
     check_json_size(kwargs, ctx.limits.max_tools_bytes, param)
