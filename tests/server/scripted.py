@@ -18,7 +18,7 @@ def scripted_engine(args: Any, scripts: dict[str, str]) -> Any:
     engine = LLMEngine(args)
     tok = engine.tokenizer
     eos = tok.eos_token_id
-    ids = {name: tok.encode(text, add_special_tokens=False) + [eos] for name, text in scripts.items()}
+    ids = {name: [*tok.encode(text, add_special_tokens=False), eos] for name, text in scripts.items()}
     scheduler = engine.scheduler
     real_update = scheduler.update_from_output
 

@@ -247,7 +247,8 @@ def test_tool_choice_none_renders_tools_but_parses_nothing(llama):
 
 
 def test_tool_results_in_the_conversation(llama):
-    messages = user("weather in Rome?") + [
+    messages = [
+        *user("weather in Rome?"),
         {
             "role": "assistant",
             "content": None,
