@@ -1,6 +1,7 @@
 """A live server on loopback: uvicorn in a background thread around a tiny random-weight model.
 
-`make_server(mode, **engine_overrides, max_waiting_requests=..., api_key=..., engine_factory=...)`
+`make_server(mode, **engine_overrides, max_waiting_requests=..., api_key=..., engine_factory=...,
+server_kw={ServerArgs fields}, model=another checkpoint directory)`
 starts an engine (mode "process": MPAsyncLLMEngine, the default of `tinyvllm serve`, its engine in a
 spawned process; "thread": AsyncLLMEngine around an LLMEngine built here) and an app, and serves it on
 a free port. `server` is the shared default one, in both modes (module tests reuse it).
@@ -64,8 +65,9 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def start_server(engine: EngineClient, api_key: str | None = None) -> LiveServer:
-    app = build_app(engine, ServerArgs([MODEL_NAME], api_key=api_key))
+def start_server(engine: EngineClient, api_key: str | None = None, **server_kw) -> LiveServer:
+    """Serve `engine`; `server_kw`: more ServerArgs fields (tool_call_parser, reasoning_parser, ...)."""
+    app = build_app(engine, ServerArgs([MODEL_NAME], api_key=api_key, **server_kw))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -89,9 +91,11 @@ def make_server(model_dir) -> Iterator[Callable[..., LiveServer]]:
         max_waiting_requests: int | None = None,
         api_key: str | None = None,
         engine_factory=None,
+        server_kw: dict | None = None,
+        model: str | None = None,
         **engine_kw,
     ) -> LiveServer:
-        args = EngineArgs(model=str(model_dir), **{**ENGINE_DEFAULTS, **engine_kw})
+        args = EngineArgs(model=model or str(model_dir), **{**ENGINE_DEFAULTS, **engine_kw})
         if mode == "thread":
             core = engine_factory(args) if engine_factory is not None else LLMEngine(args)
             engine: EngineClient = AsyncLLMEngine(core, max_waiting_requests=max_waiting_requests).start()
@@ -99,7 +103,7 @@ def make_server(model_dir) -> Iterator[Callable[..., LiveServer]]:
             engine = MPAsyncLLMEngine(
                 args, max_waiting_requests=max_waiting_requests, engine_factory=engine_factory
             ).start(timeout=120)
-        live = start_server(engine, api_key)
+        live = start_server(engine, api_key, **(server_kw or {}))
         started.append(live)
         return live
 

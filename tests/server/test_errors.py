@@ -61,7 +61,12 @@ def _error(resp: httpx.Response, status: int) -> dict:
             "messages.0.content",
         ),
         ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ 7 * 7 }}"}, "chat_template"),
-        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+        ),
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
         ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
         ("/detokenize", {"tokens": [10**6]}, "tokens"),
     ],

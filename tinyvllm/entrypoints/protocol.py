@@ -57,7 +57,35 @@ class SamplingFields(OpenAIModel):
     prompt_logprobs: int | None = None
 
 
-class CompletionRequest(SamplingFields):
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs` extra field: exactly one of json (a schema, or its JSON text),
+    regex, choice, grammar (EBNF) or json_object (see tinyvllm.entrypoints.structured)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")  # `json` would shadow BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`: text, json_object, or json_schema with
+    `json_schema: {name, description, schema, strict}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ConstrainedFields(SamplingFields):
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
+class CompletionRequest(ConstrainedFields):
     """POST /v1/completions. `prompt`: a string, a list of strings, a list of token ids, or a list
     of lists of token ids (a batch: choice `i * n + j` is completion j of prompt i)."""
 
@@ -75,18 +103,21 @@ class TextPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
+    """A message; `tool` results carry `tool_call_id`, assistant turns may carry `tool_calls`
+    (OpenAI's `[{id, type: "function", function: {name, arguments}}]`) and `reasoning_content`."""
+
     role: Literal["system", "developer", "user", "assistant", "tool", "ipython", "function"]  # tokenizer.CHAT_ROLES
     content: str | list[TextPart | dict[str, Any]] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
 
 
-class ResponseFormat(OpenAIModel):
-    type: str
-
-
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(ConstrainedFields):
     """POST /v1/chat/completions. Messages go through the model's chat template; content parts
-    other than text are rejected."""
+    other than text are rejected. `tools`, `tool_choice` and `parallel_tool_calls`: see
+    tinyvllm.entrypoints.tools."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -94,7 +125,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -9,6 +9,7 @@ import sys
 
 from tinyvllm.engine.args import add_engine_cli_args
 from tinyvllm.entrypoints.limits import ServerLimits, limits_from_cli
+from tinyvllm.tool_parsers import TOOL_CALL_PARSERS
 
 
 def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,17 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         help="threads that parse request bodies, render chat templates and tokenize (off the event loop)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto": find the calls in the model\'s text with --tool-call-parser',
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_CALL_PARSERS),
+        help="the model's tool-call format: llama3_json (Llama 3.x) or hermes (Qwen2.5, Qwen3, Hermes)",
     )
     add_limit_cli_args(parser)
     g.add_argument(
@@ -117,6 +129,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         return 2
     if ns.tokenizer_pool_size < 1:
         print("tinyvllm serve: --tokenizer-pool-size must be at least 1", file=sys.stderr)
+        return 2
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        print(
+            "tinyvllm serve: --enable-auto-tool-choice needs --tool-call-parser, one of "
+            + ", ".join(TOOL_CALL_PARSERS),
+            file=sys.stderr,
+        )
         return 2
     try:
         limits_from_cli(ns)

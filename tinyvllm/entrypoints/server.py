@@ -48,6 +48,8 @@ from tinyvllm.entrypoints.serving import ServingContext
 from tinyvllm.entrypoints.serving_chat import create_chat_completion, render_chat
 from tinyvllm.entrypoints.serving_completions import create_completion
 from tinyvllm.entrypoints.shutdown import Drain, GracefulServer
+from tinyvllm.reasoning import check_reasoning_parser
+from tinyvllm.tool_parsers import check_tool_call_parser
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,15 @@ class ServerArgs:
     created: int = field(default_factory=lambda: int(time.time()))
     limits: ServerLimits = field(default_factory=ServerLimits)
     tokenizer_workers: int = 2
+    reasoning_parser: str | None = None  # the engine's --reasoning-parser (tinyvllm.reasoning)
+    tool_call_parser: str | None = None  # --tool-call-parser (tinyvllm.tool_parsers)
+    enable_auto_tool_choice: bool = False
+
+    def __post_init__(self) -> None:
+        check_reasoning_parser(self.reasoning_parser)
+        check_tool_call_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (llama3_json or hermes)")
 
 
 def build_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
@@ -67,7 +78,16 @@ def build_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
     `app.state.drain` is its shutdown state (`GracefulServer` drives it)."""
     app = FastAPI(title="tinyvllm", version=tinyvllm.__version__)
     drain = Drain()
-    ctx = ServingContext(engine, list(args.served_model_names), args.limits, drain, args.tokenizer_workers)
+    ctx = ServingContext(
+        engine,
+        list(args.served_model_names),
+        args.limits,
+        drain,
+        args.tokenizer_workers,
+        args.reasoning_parser,
+        args.tool_call_parser,
+        args.enable_auto_tool_choice,
+    )
     registry, recorder = make_registry(lambda: engine.stats, ctx.model_name)
     engine.add_stats_listener(recorder)
     app.state.ctx = ctx
@@ -289,6 +309,9 @@ def run_server(ns: argparse.Namespace) -> int:
         model_root=engine.info.model_dir,
         limits=limits,
         tokenizer_workers=ns.tokenizer_pool_size,
+        reasoning_parser=getattr(engine_args, "reasoning_parser", None),
+        tool_call_parser=ns.tool_call_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
     )
     app = build_app(engine, server_args)
     protocol = header_timeout_protocol(limits.header_timeout_s)

@@ -64,6 +64,9 @@ class ServingContext:
     limits: ServerLimits = field(default_factory=ServerLimits)
     drain: Drain = field(default_factory=Drain)
     tokenizer_workers: int = 2
+    reasoning_parser: str | None = None  # tinyvllm.reasoning: split the thinking off chat outputs
+    tool_call_parser: str | None = None  # tinyvllm.tool_parsers: the format of tool_choice "auto"
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         info = self.engine.info
@@ -89,6 +92,11 @@ class ServingContext:
         body = b"".join(chunks)
         del chunks
         return await self.run(parse_body, body, model, self.limits.max_json_depth)
+
+    @property
+    def auto_tool_choice(self) -> bool:
+        """tool_choice "auto" is served (vLLM needs both flags)."""
+        return self.enable_auto_tool_choice and self.tool_call_parser is not None
 
     @property
     def model_name(self) -> str:
@@ -341,6 +349,16 @@ def chat_choice_json(
     delta = f'{{"content":{_encode_str(content)}}}' if content else "{}"
     return (
         f'{{"index":{index},"delta":{delta},"logprobs":{to_json(logprobs)},'
+        f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}'
+    )
+
+
+def chat_delta_json(
+    index: int, delta: dict, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None
+) -> str:
+    """A streamed chat choice with any delta dict (reasoning_content, tool_calls, content)."""
+    return (
+        f'{{"index":{index},"delta":{to_json(delta)},"logprobs":{to_json(logprobs)},'
         f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}'
     )
 

@@ -5,7 +5,8 @@ logprobs, finish_reason, stop_reason}], usage}. A batch of prompts gives choice 
 completion j of prompt i. Streaming sends one chunk per new piece of text (same object, `text` being
 the delta; a client that reads slowly gets fewer, larger pieces), the finish_reason on a choice's last
 chunk, then, with stream_options.include_usage, a chunk with `choices: []` and the usage, and finally
-`data: [DONE]`.
+`data: [DONE]`. `structured_outputs` (or `response_format`) constrains each completion's text
+(tinyvllm.entrypoints.structured).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tinyvllm.entrypoints.serving import (
     sse_error,
     usage,
 )
+from tinyvllm.entrypoints.structured import structured_params
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
@@ -76,6 +78,9 @@ def _validate(ctx: ServingContext, req: CompletionRequest) -> tuple[list[Prompt]
         ctx.check_length(len(ids), req.max_tokens if explicit else None, "prompt", "max_tokens")
     max_tokens = req.max_tokens if explicit else 16  # OpenAI's default for completions
     params = ctx.sampling_params(req, max_tokens, req.logprobs, {})
+    constraint = structured_params(ctx, req.response_format, req.structured_outputs)
+    if constraint is not None:
+        params = params.replace(structured_outputs=constraint)
     return prompts, params
 
 

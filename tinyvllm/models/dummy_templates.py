@@ -12,6 +12,14 @@ dummy ones chat like it).
   ``enable_thinking=False``.
 * :data:`QWEN2_CHAT_TEMPLATE`: Qwen2.5-Instruct's ChatML: the same turns without reasoning, and a
   default system prompt ("You are Qwen, created by Alibaba Cloud. ...") when none is given.
+* :data:`LLAMA3_CHAT_TEMPLATE`: Llama 3.x Instruct's header format: BOS, then
+  ``<|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>`` per message. With ``tools``, as
+  Llama 3.1/3.2's template does: a system turn ``Environment: ipython`` with the knowledge and today's
+  date (``date_string``, default "26 Jul 2024") and the system message, then the tools as indented
+  JSON with the instructions to answer ``{"name": ..., "parameters": ...}``, put in the first user
+  turn; an assistant tool call rendered as that JSON (one call per turn, as Llama's template
+  demands); tool results as ``ipython`` turns. Without tools there is no dated system turn (only a
+  given system message), unlike the real template.
 * :data:`MISTRAL_CHAT_TEMPLATE`: Mistral-7B-Instruct-v0.1's ``<s>[INST] user [/INST]assistant</s> ``
   format; roles must alternate user/assistant, starting with user.
 """
@@ -156,3 +164,52 @@ MISTRAL_CHAT_TEMPLATE = """\
 {%- endfor -%}
 """
 """Mistral-7B-Instruct-v0.1 chat format; see the module docstring."""
+
+LLAMA3_CHAT_TEMPLATE = """\
+{{- bos_token -}}
+{%- macro text(message) -%}
+    {%- if message.content is string -%}{{- message.content -}}
+    {%- elif message.content is mapping -%}{{- message.content | tojson -}}
+    {%- elif message.content -%}
+        {{- message.content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set messages_left = messages -%}
+{%- if tools is not none -%}
+    {%- set date = date_string if date_string is defined else '26 Jul 2024' -%}
+    {%- set system = '' -%}
+    {%- if messages[0].role == 'system' -%}
+        {%- set system = text(messages[0]) | trim -%}
+        {%- set messages_left = messages_left[1:] -%}
+    {%- endif -%}
+    {{- '<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython\\n' -}}
+    {{- 'Cutting Knowledge Date: December 2023\\nToday Date: ' + date + '\\n\\n' + system + '<|eot_id|>' -}}
+    {%- if not messages_left -%}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") -}}
+    {%- endif -%}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {{- 'Given the following functions, please respond with a JSON for a function call ' -}}
+    {{- 'with its proper arguments that best answers the given prompt.\\n\\n' -}}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' -}}
+    {{- 'Do not use variables.\\n\\n' -}}
+    {%- for t in tools -%}{{- t | tojson(indent=4) + '\\n\\n' -}}{%- endfor -%}
+    {{- text(messages_left[0]) | trim + '<|eot_id|>' -}}
+    {%- set messages_left = messages_left[1:] -%}
+{%- endif -%}
+{%- for m in messages_left -%}
+    {%- if m.role == 'tool' or m.role == 'ipython' -%}
+        {{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + text(m) + '<|eot_id|>' -}}
+    {%- elif m.tool_calls -%}
+        {%- if m.tool_calls | length != 1 -%}
+            {{- raise_exception('This model only supports single tool-calls at once!') -}}
+        {%- endif -%}
+        {%- set call = m.tool_calls[0].function -%}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + call.name + '", "parameters": ' + call.arguments | tojson + '}<|eot_id|>' -}}
+    {%- else -%}
+        {{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + text(m) | trim + '<|eot_id|>' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}
+"""
+"""Llama 3.x Instruct chat format; see the module docstring."""

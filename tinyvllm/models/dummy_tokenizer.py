@@ -51,7 +51,12 @@ from tokenizers import (
     trainers,
 )
 
-from tinyvllm.models.dummy_templates import MISTRAL_CHAT_TEMPLATE, QWEN2_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE
+from tinyvllm.models.dummy_templates import (
+    LLAMA3_CHAT_TEMPLATE,
+    MISTRAL_CHAT_TEMPLATE,
+    QWEN2_CHAT_TEMPLATE,
+    QWEN3_CHAT_TEMPLATE,
+)
 
 NUM_SPECIAL_TOKENS = 256
 NUM_BYTE_TOKENS = 256
@@ -135,24 +140,8 @@ CORPUS_MODULES = (
     "_strptime",
 )
 
-CHAT_TEMPLATE = (
-    "{{- bos_token }}\n"
-    "{%- for message in messages %}\n"
-    "    {%- if message['content'] is string %}\n"
-    "        {%- set content = message['content'] %}\n"
-    "    {%- else %}\n"
-    "        {%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
-    " | map(attribute='text') | join('') %}\n"
-    "    {%- endif %}\n"
-    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + content | trim"
-    " + '<|eot_id|>' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
-    "{%- endif %}\n"
-)
-"""Llama-3-style chat template: BOS, one header + content + ``<|eot_id|>`` per message, and the
-assistant header when ``add_generation_prompt``. Content may be a string or OpenAI-style parts."""
+CHAT_TEMPLATE = LLAMA3_CHAT_TEMPLATE
+"""Llama-3-style chat template (see :data:`tinyvllm.models.dummy_templates.LLAMA3_CHAT_TEMPLATE`)."""
 
 
 def special_tokens() -> list[str]:
