@@ -118,7 +118,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kernel_backend = kernel_backend
-        self.ops = get_ops(kernel_backend)
+        self.ops = get_ops(kernel_backend, batch_invariant=runner_config.batch_invariant)
         self.model = build_model(
             model_config,
             self.ops,
