@@ -161,6 +161,7 @@ def _prefill_kernel(
         if HAS_WINDOW:
             kv_start = tl.maximum(ctx + start_m - window + 1, 0)
         hi_full = (kv_start // BLOCK_N) * BLOCK_N
+        lo_full = hi_full  # pass 1 is empty
     elif HAS_WINDOW:
         # 0. The window's lower edge: keys some rows see and others do not. lo_full ∈ [kv_start, hi_full].
         kv_start = tl.maximum(ctx + start_m - window + 1, 0)  # the lowest key the tile's first row sees
