@@ -7,6 +7,8 @@ TRITON_INTERPRET=1 (the `device` fixture).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from kernel_helpers import assert_close, make_paged_cache
@@ -68,7 +70,7 @@ def _attention_cases(ops, dtype, device, window=None):
     i32 = dict(dtype=torch.int32, device=device)
     seen: dict[int, list[torch.Tensor]] = {p: [] for p in range(L)}
     for cuts in ([0, L], [0, 5, 37, 38, L], [0, 16, 64, L], [0, 23, 70, L]):
-        for lo, hi in zip(cuts[:-1], cuts[1:]):
+        for lo, hi in itertools.pairwise(cuts):
             cu = torch.tensor([0, hi - lo], **i32)
             out = ops.prefill_attention(
                 q[lo:hi], k_cache, v_cache, cu, torch.tensor([hi], **i32), tables[:1], scale, hi - lo, window=window
