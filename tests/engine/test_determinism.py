@@ -113,3 +113,24 @@ def test_batch_invariant_is_a_cli_flag():
     args = engine_args_from_cli(parser.parse_args(["--batch-invariant"]))
     assert args.batch_invariant and args.runner_config("cpu").batch_invariant
     assert not engine_args_from_cli(parser.parse_args([])).runner_config("cpu").batch_invariant
+
+
+def test_triton_batch_invariant_engine_alone_equals_batched(model_dir):
+    """The Triton ops table's batch-invariant form (CUDA's; here under the interpreter) in the engine: a
+    greedy and a seeded request with logprobs, alone and in a batch with a chunk budget of 6 tokens and a
+    prefix-cache hit, give the same bits."""
+    kw = dict(model=str(model_dir), device="cpu", kernel_backend="triton", batch_invariant=True, block_size=4)
+    alone_llm = LLM(**kw, max_model_len=64, enable_prefix_caching=False)
+    batch_llm = LLM(**kw, max_model_len=64, max_num_batched_tokens=6)
+    prompts = [PREFIXES[0] + [3, 4], PREFIXES[0] + [7], [9, 8, 7, 6, 5, 4, 3]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=4, logprobs=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+    ]
+    alone = [
+        _fingerprint(alone_llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0])
+        for p, sp in zip(prompts, params)
+    ]
+    outs = batch_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [_fingerprint(o) for o in outs] == alone
