@@ -37,7 +37,7 @@ class MatmulConfig(NamedTuple):
 DEFAULT_CONFIG = MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M (no M == 1 or M % 16 variant)
 def _matmul_kernel(
     x_ptr,
     w_ptr,
