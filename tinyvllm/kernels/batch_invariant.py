@@ -33,6 +33,11 @@ from tinyvllm.kernels.launch import check_window
 ATTN_TILE = 16  # keys per attention tile, aligned to absolute positions
 
 
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """The reference's accumulation dtype: float64 for float64 inputs, else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _rows(fn, x: torch.Tensor, *args) -> torch.Tensor:
     """fn(x[t : t + 1], *args) for every row t, concatenated ([0, ...] rows give fn's empty result)."""
     if x.shape[0] == 0:
@@ -54,7 +59,7 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.add_rms_norm: the add is exact elementwise; the norm row by row."""
-    new_residual = (x.to(ref._acc_dtype(x)) + residual.to(ref._acc_dtype(x))).to(x.dtype)
+    new_residual = (x.to(_acc_dtype(x)) + residual.to(_acc_dtype(x))).to(x.dtype)
     return rms_norm(new_residual, weight, eps), new_residual
 
 
@@ -84,7 +89,7 @@ def attend_row(
     """Attention of one query row q [Hq, D] at position `pos` over its sequence's keys lo..pos (lo = 0, or
     max(0, pos − window + 1)) by tiles aligned to absolute positions (module docstring) → [Hq, D] in the
     accumulation dtype."""
-    acc_dtype = ref._acc_dtype(q)
+    acc_dtype = _acc_dtype(q)
     Hq, D = q.shape
     group = Hq // k_cache.shape[1]
     lo = 0 if window is None else max(0, pos - window + 1)
