@@ -125,10 +125,15 @@ def _prefill_kernel(
     IEEE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     INVARIANT: tl.constexpr = False,
+    DECODE_GROUP: tl.constexpr = False,
 ):
     """Program (query tile, head h, sequence s): out[rows] = softmax(scale · q Kᵀ) V for BLOCK_M query rows of
     head h of sequence s, causal (and inside a `window`-key sliding window with HAS_WINDOW), over the paged
-    cache (FA2 Algorithm 1, §3.1; grid of §3.2). Writes the rows' logsumexp too with STORE_LSE."""
+    cache (FA2 Algorithm 1, §3.1; grid of §3.2). Writes the rows' logsumexp too with STORE_LSE.
+
+    DECODE_GROUP (with INVARIANT, chunks of one row, no STORE_LSE): program (0, KV head h, sequence s), its
+    tile's rows the GROUP query heads of h at the one position, so K/V are read once per group: each row
+    goes through the same tiles and arithmetic as in a one-head program, at another row of the tile."""
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) tiles first
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -141,12 +146,22 @@ def _prefill_kernel(
     ctx = seq_len - q_len  # tokens before this chunk
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_valid = offs_m < q_len
-    q_pos = ctx + offs_m
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    if DECODE_GROUP:  # h is a KV head; the tile's rows are its GROUP query heads at the one position
+        heads = h * GROUP + tl.arange(0, BLOCK_M)
+        row_valid = tl.arange(0, BLOCK_M) < GROUP
+        q_pos = ctx + tl.zeros([BLOCK_M], tl.int32)
+        q_rows = q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+        o_rows = q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+        kv_off = h.to(tl.int64) * stride_kh
+    else:
+        row_valid = offs_m < q_len
+        q_pos = ctx + offs_m
+        q_rows = rows[:, None] * stride_qt + h * stride_qh
+        o_rows = rows[:, None] * stride_ot + h * stride_oh
+        kv_off = (h // GROUP).to(tl.int64) * stride_kh
+    q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=row_valid[:, None], other=0.0)
 
-    kv_off = (h // GROUP).to(tl.int64) * stride_kh
     k_ptr = k_cache_ptr + kv_off
     v_ptr = v_cache_ptr + kv_off
     bt_row_ptr = block_tables_ptr + s.to(tl.int64) * stride_bt
@@ -252,7 +267,7 @@ def _prefill_kernel(
         l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(
-        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out_ptr + o_rows + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_valid[:, None],
     )
@@ -298,11 +313,17 @@ def _launch(
     cfg: PrefillConfig,
     window: int | None,
     invariant: bool = False,
+    decode_group: bool = False,
 ) -> None:
-    """Launch `_prefill_kernel` on the grid (query tiles of the longest chunk, heads, sequences)."""
+    """Launch `_prefill_kernel` on the grid (query tiles of the longest chunk, heads, sequences); with
+    `decode_group` (chunks of one row), (1, KV heads, sequences)."""
     _, Hq, D = q.shape
     _, Hk, block_size, _ = k_cache.shape
-    grid = (cdiv(max_seqlen_q, cfg.block_m), Hq, seq_lens.shape[0])
+    if decode_group:
+        assert invariant and lse is None and max_seqlen_q == 1 and Hq // Hk <= cfg.block_m
+        grid = (1, Hk, seq_lens.shape[0])
+    else:
+        grid = (cdiv(max_seqlen_q, cfg.block_m), Hq, seq_lens.shape[0])
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -334,6 +355,7 @@ def _launch(
         IEEE=q.dtype == torch.float32,
         HAS_WINDOW=window is not None,
         INVARIANT=invariant,
+        DECODE_GROUP=decode_group,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -447,10 +469,28 @@ def invariant_decode_attention(
 ) -> torch.Tensor:
     """reference.decode_attention's function as `invariant_prefill_attention` over chunks of one row: a
     decode row reduces over the same key tiles, in the same order, as the prefill row at its position.
-    No split-KV and no cascade (`prefix_len` is ignored)."""
-    B = q.shape[0]
+    A program serves a KV head's whole query group (DECODE_GROUP: K/V read once per group, as the split
+    decode kernel reads them). No split-KV and no cascade (`prefix_len` is ignored)."""
+    _check(
+        q,
+        k_cache,
+        v_cache,
+        torch.zeros(q.shape[0] + 1, dtype=torch.int32, device=q.device),
+        seq_lens,
+        block_tables,
+        scale,
+        window,
+    )
+    out = torch.empty_like(q)
+    B, Hq, D = q.shape
+    if B == 0:
+        return out
     cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)
-    return invariant_prefill_attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, 1, window)
+    cfg = invariant_config(D, q.dtype)
+    if Hq // k_cache.shape[1] > cfg.block_m:  # a group larger than the tile: one head per program
+        return invariant_prefill_attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, 1, window)
+    _launch(q, k_cache, v_cache, out, None, cu, seq_lens, block_tables, scale, 1, cfg, window, True, True)
+    return out
 
 
 __all__ = [
