@@ -362,6 +362,9 @@ class RunnerConfig:
             kernels reading pinned host memory instead of copy-engine copies.
         cascade_min_batch: decode-only steps of at least this many rows may use cascade attention.
         cascade_min_prefix: ... when their rows share at least this many leading keys in the same blocks.
+        batch_invariant: a request's tokens and logprobs do not depend on the other requests of a step,
+            on how its prompt is chunked or on prefix-cache hits: batch-invariant ops
+            (kernels.get_ops), the layer loop for every step, no cascade attention (docs/determinism.md).
     """
 
     fused_gemv: bool = True
@@ -375,6 +378,7 @@ class RunnerConfig:
     kernel_copy_max_rows: int = 8
     cascade_min_batch: int = 96
     cascade_min_prefix: int = 256
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.fused_max_tokens <= 16:

@@ -111,6 +111,11 @@ class EngineArgs:
     kernel_copy_max_rows: int = _opt(8, "steps of up to this many rows copy inputs and ids by kernels")
     cascade_min_batch: int = _opt(96, "decode steps of at least this many rows may use cascade attention")
     cascade_min_prefix: int = _opt(256, "shared prefix (keys) from which cascade attention is used")
+    batch_invariant: bool = _opt(
+        False,
+        "a request's tokens and logprobs do not depend on the other requests in a step, on prompt chunking or "
+        "on prefix-cache hits (batch-invariant kernels; slower)",
+    )
 
     def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)

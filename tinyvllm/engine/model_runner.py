@@ -122,7 +122,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kernel_backend = kernel_backend
-        self.ops = get_ops(kernel_backend)
+        self.ops = get_ops(kernel_backend, batch_invariant=runner_config.batch_invariant)
         self.model = build_model(
             model_config,
             self.ops,
@@ -254,7 +254,9 @@ class ModelRunner:
         max_blocks = -(-max_model_len // block_size)
         cfg = self.config
         triton = self.kernel_backend == "triton"
-        cascade = (cfg.cascade_min_batch, cfg.cascade_min_prefix, CASCADE_ALIGN) if triton else None
+        # Under batch_invariant the attention ops ignore a cascade prefix (it is chosen by the batch).
+        cascade_on = triton and not cfg.batch_invariant
+        cascade = (cfg.cascade_min_batch, cfg.cascade_min_prefix, CASCADE_ALIGN) if cascade_on else None
         if cascade is not None and self.model_config.has_sliding_window:
             # The shared prefix is attended once for all rows, but each row sees only its own window of it.
             logger.info("cascade attention off: the model has sliding-window layers")

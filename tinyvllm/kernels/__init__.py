@@ -2,13 +2,22 @@
 
 `get_ops("torch")` gives the pure-torch reference (any device); `get_ops("triton")` gives our Triton
 kernels (CUDA, or the CPU under TRITON_INTERPRET=1). Both have exactly the signatures documented in
-`tinyvllm.kernels.reference`.
+`tinyvllm.kernels.reference`; `linear` is `F.linear`'s (torch's product: cuBLAS on CUDA).
+
+`batch_invariant=True` swaps in ops whose result for a token row does not depend on the other rows of
+the step, on the chunk its prompt was cut into, or on prefix-cache hits (docs/determinism.md): on the
+torch backend the row-by-row reference (kernels/batch_invariant.py); on the Triton backend our matrix
+product with one tile shape for every M (kernels/invariant_matmul.py) and one attention kernel, with
+the same key tiles, for prefill and decode rows (prefill_attention.invariant_*). No fused small-batch
+product there: the runner keeps the fused paths off under it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from torch.nn import functional as F
 
 BACKENDS = ("torch", "triton")
 
@@ -23,18 +32,22 @@ class Ops:
     prefill_attention: Callable
     decode_attention: Callable
     silu_and_mul: Callable
+    linear: Callable = F.linear  # x [T, K] @ weightᵀ (+ bias) → [T, N], F.linear's signature
+    batch_invariant: bool = False  # every op computes a row the same way whatever the batch
     fused_gemv: Callable | None = None  # small-M matrix product with fused norm / SwiGLU / residual add
     resolve_placeholders: Callable | None = None  # async scheduling's device-side input ids (decode graphs)
 
 
-def get_ops(backend: str) -> Ops:
-    """The ops table for `backend` ("torch" or "triton")."""
+def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
+    """The ops table for `backend` ("torch" or "triton"), batch-invariant on request (module docstring)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {list(BACKENDS)}")
+    if batch_invariant:
+        return _batch_invariant_ops(backend)
     if backend == "torch":
         from tinyvllm.kernels import reference as m
-    elif backend == "triton":
-        from tinyvllm.kernels import triton_ops as m  # imports triton lazily
     else:
-        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {list(BACKENDS)}")
+        from tinyvllm.kernels import triton_ops as m  # imports triton lazily
     return Ops(
         name=backend,
         rms_norm=m.rms_norm,
@@ -46,6 +59,42 @@ def get_ops(backend: str) -> Ops:
         silu_and_mul=m.silu_and_mul,
         fused_gemv=m.fused_gemv,
         resolve_placeholders=m.resolve_placeholders,
+    )
+
+
+def _batch_invariant_ops(backend: str) -> Ops:
+    from tinyvllm.kernels import reference
+
+    if backend == "torch":
+        from tinyvllm.kernels import batch_invariant as m
+
+        return Ops(
+            name="torch",
+            rms_norm=m.rms_norm,
+            add_rms_norm=m.add_rms_norm,
+            rope=m.rope,
+            write_kv_cache=reference.write_kv_cache,
+            prefill_attention=m.prefill_attention,
+            decode_attention=m.decode_attention,
+            silu_and_mul=m.silu_and_mul,
+            linear=m.linear,
+            batch_invariant=True,
+            resolve_placeholders=reference.resolve_placeholders,
+        )
+    from tinyvllm.kernels import invariant_matmul, prefill_attention, triton_ops
+
+    return Ops(
+        name="triton",
+        rms_norm=triton_ops.rms_norm,  # one program per row, blocks from H alone
+        add_rms_norm=triton_ops.add_rms_norm,
+        rope=triton_ops.rope,  # one program per row
+        write_kv_cache=triton_ops.write_kv_cache,
+        prefill_attention=prefill_attention.invariant_prefill_attention,
+        decode_attention=prefill_attention.invariant_decode_attention,
+        silu_and_mul=triton_ops.silu_and_mul,  # elementwise
+        linear=invariant_matmul.linear,
+        batch_invariant=True,
+        resolve_placeholders=triton_ops.resolve_placeholders,
     )
 
 

@@ -25,6 +25,16 @@ keys, not O(p).
 Key tiles are gathered through the block table (`block_tables[s, pos // block_size]`); when a page
 holds whole tiles (block_size % BLOCK_N == 0) one table entry serves a tile.
 Optionally stores the logsumexp  lse[h, row] = log Σ_j exp(scale · q·k_j)  (natural log, float32).
+
+Batch-invariant mode (INVARIANT, `invariant_prefill_attention` / `invariant_decode_attention`): a row's
+result must not depend on the chunk it sits in, on its place in the query tile or on whether it is a
+decode row. The unmasked pass rounds s·scale − m as one FMA where the masked pass rounds twice, and which
+pass a key tile takes depends on the chunk, so under INVARIANT every tile takes the masked pass, from the
+BLOCK_N-aligned tile holding the tile's lowest visible key (0, or the window's edge) up to the diagonal;
+tiles are aligned to absolute positions, and a tile wholly masked for a row leaves its (acc, l, m) as
+they were (p = 0, α = 1; or, before its first key, α = 0 on zeros). One config serves every chunk
+(`INVARIANT_CONFIG`), and decode rows run through this same kernel as chunks of one row, so a decode row
+and the prefill row at its position reduce over the same tiles in the same order.
 """
 
 from __future__ import annotations
@@ -114,10 +124,16 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    INVARIANT: tl.constexpr = False,
+    DECODE_GROUP: tl.constexpr = False,
 ):
     """Program (query tile, head h, sequence s): out[rows] = softmax(scale · q Kᵀ) V for BLOCK_M query rows of
     head h of sequence s, causal (and inside a `window`-key sliding window with HAS_WINDOW), over the paged
-    cache (FA2 Algorithm 1, §3.1; grid of §3.2). Writes the rows' logsumexp too with STORE_LSE."""
+    cache (FA2 Algorithm 1, §3.1; grid of §3.2). Writes the rows' logsumexp too with STORE_LSE.
+
+    DECODE_GROUP (with INVARIANT, chunks of one row, no STORE_LSE): program (0, KV head h, sequence s), its
+    tile's rows the GROUP query heads of h at the one position, so K/V are read once per group: each row
+    goes through the same tiles and arithmetic as in a one-head program, at another row of the tile."""
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) tiles first
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -130,12 +146,22 @@ def _prefill_kernel(
     ctx = seq_len - q_len  # tokens before this chunk
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_valid = offs_m < q_len
-    q_pos = ctx + offs_m
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    if DECODE_GROUP:  # h is a KV head; the tile's rows are its GROUP query heads at the one position
+        heads = h * GROUP + tl.arange(0, BLOCK_M)
+        row_valid = tl.arange(0, BLOCK_M) < GROUP
+        q_pos = ctx + tl.zeros([BLOCK_M], tl.int32)
+        q_rows = q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+        o_rows = q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+        kv_off = h.to(tl.int64) * stride_kh
+    else:
+        row_valid = offs_m < q_len
+        q_pos = ctx + offs_m
+        q_rows = rows[:, None] * stride_qt + h * stride_qh
+        o_rows = rows[:, None] * stride_ot + h * stride_oh
+        kv_off = (h // GROUP).to(tl.int64) * stride_kh
+    q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=row_valid[:, None], other=0.0)
 
-    kv_off = (h // GROUP).to(tl.int64) * stride_kh
     k_ptr = k_cache_ptr + kv_off
     v_ptr = v_cache_ptr + kv_off
     bt_row_ptr = block_tables_ptr + s.to(tl.int64) * stride_bt
@@ -146,7 +172,12 @@ def _prefill_kernel(
     hi_full = ((ctx + start_m + 1) // BLOCK_N) * BLOCK_N
     lo_full = 0
     kv_start = 0
-    if HAS_WINDOW:
+    if INVARIANT:  # every tile masked (module docstring): pass 2 only, from the first visible key's tile
+        if HAS_WINDOW:
+            kv_start = tl.maximum(ctx + start_m - window + 1, 0)
+        hi_full = (kv_start // BLOCK_N) * BLOCK_N
+        lo_full = hi_full  # pass 1 is empty
+    elif HAS_WINDOW:
         # 0. The window's lower edge: keys some rows see and others do not. lo_full ∈ [kv_start, hi_full].
         kv_start = tl.maximum(ctx + start_m - window + 1, 0)  # the lowest key the tile's first row sees
         p_max = ctx + tl.minimum(start_m + BLOCK_M, q_len) - 1  # the tile's last row
@@ -232,9 +263,11 @@ def _prefill_kernel(
 
     if HAS_WINDOW:  # a padding row past q_len may see no key at all: keep it finite (it is not stored)
         l_i = tl.where(row_valid, l_i, 1.0)
+    if INVARIANT:  # a decode row of an empty (padded) sequence sees no key: zeros, as the reference's
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(
-        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out_ptr + o_rows + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_valid[:, None],
     )
@@ -279,11 +312,18 @@ def _launch(
     max_seqlen_q: int,
     cfg: PrefillConfig,
     window: int | None,
+    invariant: bool = False,
+    decode_group: bool = False,
 ) -> None:
-    """Launch `_prefill_kernel` on the grid (query tiles of the longest chunk, heads, sequences)."""
+    """Launch `_prefill_kernel` on the grid (query tiles of the longest chunk, heads, sequences); with
+    `decode_group` (chunks of one row), (1, KV heads, sequences)."""
     _, Hq, D = q.shape
     _, Hk, block_size, _ = k_cache.shape
-    grid = (cdiv(max_seqlen_q, cfg.block_m), Hq, seq_lens.shape[0])
+    if decode_group:
+        assert invariant and lse is None and max_seqlen_q == 1 and Hq // Hk <= cfg.block_m
+        grid = (1, Hk, seq_lens.shape[0])
+    else:
+        grid = (cdiv(max_seqlen_q, cfg.block_m), Hq, seq_lens.shape[0])
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -314,6 +354,8 @@ def _launch(
         UPCAST=upcast_dot(q.device),
         IEEE=q.dtype == torch.float32,
         HAS_WINDOW=window is not None,
+        INVARIANT=invariant,
+        DECODE_GROUP=decode_group,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -384,11 +426,81 @@ def prefill_attention(
     return out
 
 
+def invariant_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """The one tile config of the batch-invariant mode: the short-chunk config, whatever the chunk."""
+    return default_config(head_dim, dtype, max_seqlen_q=1)
+
+
+def invariant_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`prefill_attention`, batch-invariant (module docstring): every tile masked, one tile config."""
+    _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window)
+    out = torch.empty_like(q)
+    if q.shape[0] == 0 or seq_lens.shape[0] == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    cfg = invariant_config(q.shape[2], q.dtype)
+    _launch(
+        q, k_cache, v_cache, out, None, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, cfg, window, True
+    )
+    return out
+
+
+def invariant_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+    prefix_len: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """reference.decode_attention's function as `invariant_prefill_attention` over chunks of one row: a
+    decode row reduces over the same key tiles, in the same order, as the prefill row at its position.
+    A program serves a KV head's whole query group (DECODE_GROUP: K/V read once per group, as the split
+    decode kernel reads them). No split-KV and no cascade (`prefix_len` is ignored)."""
+    _check(
+        q,
+        k_cache,
+        v_cache,
+        torch.zeros(q.shape[0] + 1, dtype=torch.int32, device=q.device),
+        seq_lens,
+        block_tables,
+        scale,
+        window,
+    )
+    out = torch.empty_like(q)
+    B, Hq, D = q.shape
+    if B == 0:
+        return out
+    cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    cfg = invariant_config(D, q.dtype)
+    if Hq // k_cache.shape[1] > cfg.block_m:  # a group larger than the tile: one head per program
+        return invariant_prefill_attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, 1, window)
+    _launch(q, k_cache, v_cache, out, None, cu, seq_lens, block_tables, scale, 1, cfg, window, True, True)
+    return out
+
+
 __all__ = [
     "CANDIDATE_CONFIGS",
     "DEFAULT_CONFIGS",
     "PrefillConfig",
     "default_config",
+    "invariant_config",
+    "invariant_decode_attention",
+    "invariant_prefill_attention",
     "prefill_attention",
     "prefill_attention_fwd",
 ]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import Ops
@@ -67,7 +66,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         # x: [T, H] → [T, H]
-        return self.o_proj(self.attend(self.qkv_proj(x), positions, cos_sin, meta, kv_cache))
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        return self.ops.linear(self.attend(qkv, positions, cos_sin, meta, kv_cache), self.o_proj.weight)
 
     def attend(
         self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
@@ -121,7 +121,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -201,5 +202,5 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """[N, H] → [N, V] logits in `dtype` (None: the model's dtype, which the samplers upcast as they read
         it, saving an [N, V] float32 copy per step)."""
-        logits = F.linear(hidden, self.lm_head_weight)
+        logits = self.ops.linear(hidden, self.lm_head_weight)
         return logits if dtype is None else logits.to(dtype)

@@ -8,6 +8,9 @@
 
 Batch-1 decode graph steps may sample through the pruned LM head instead (paths/lm_head.py). Every path
 computes the model's maths with the model's parameters; they differ only in the order of float32 sums.
+With `batch_invariant` every step takes the layer loop over the ops table's batch-invariant ops: the
+fused path, the megakernel and the pruned LM head are off (each has its own order of sums, chosen by the
+step's shape).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ logger = logging.getLogger(__name__)
 def wants_megakernel(config: RunnerConfig, device_type: str, hidden_size: int) -> bool:
     """Whether to try the decode megakernel: only on CUDA; `decode_megakernel=None` means up to
     `megakernel_max_hidden` (the model may still be one it cannot serve: see megakernel_unsupported)."""
-    if device_type != "cuda" or config.decode_megakernel is False:
+    if device_type != "cuda" or config.decode_megakernel is False or config.batch_invariant:
         return False
     return config.decode_megakernel is True or hidden_size <= config.megakernel_max_hidden
 
@@ -48,7 +51,8 @@ class ModelExecutor:
     def __init__(self, model: CausalLM, config: RunnerConfig, device_type: str) -> None:
         self.model = model
         self.ops = model.ops
-        self.fused_max_tokens = config.fused_max_tokens if config.fused_gemv and model.ops.fused_gemv else 0
+        fused = config.fused_gemv and model.ops.fused_gemv is not None and not config.batch_invariant
+        self.fused_max_tokens = config.fused_max_tokens if fused else 0
         self.megakernel = None
         if wants_megakernel(config, device_type, model.config.hidden_size):
             self.megakernel = self._build_megakernel()
@@ -56,6 +60,7 @@ class ModelExecutor:
         # the LM head (engine/cuda_graphs.py).
         pruned = (
             config.pruned_lm_head
+            and not config.batch_invariant
             and config.cuda_graphs
             and device_type == "cuda"
             and config.graph_io_max_rows == 1

@@ -1,6 +1,7 @@
 """The LM head's paths: logits by the plain or the fused product, sampled ids without a logits pass.
 
-- `logits`: [N, H] → [N, V], by cuBLAS or, on the fused small-batch path, by our matrix-vector kernel.
+- `logits`: [N, H] → [N, V], by the ops table's product (cuBLAS, or the batch-invariant one) or, on
+  the fused small-batch path, by our matrix-vector kernel.
 - `logits_sampled`: the logits, and every row's id drawn by the fused greedy/Gumbel sampler
   (kernels/sampling.py). Where the fused Triton product computes the logits, its programs also find
   the sampler's per-block bests and only the sampler's reduce kernel follows (kernels/gemv.py,
@@ -13,7 +14,6 @@
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from tinyvllm.kernels import Ops
 
@@ -48,7 +48,7 @@ class LMHead:
         if self.is_fused(hidden.shape[0]):
             logits = self.ops.fused_gemv(hidden, self.weight)
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = self.ops.linear(hidden, self.weight)
         return logits if dtype is None else logits.to(dtype)
 
     def logits_sampled(

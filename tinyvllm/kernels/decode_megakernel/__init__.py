@@ -32,11 +32,11 @@ Phases, one module each:
      split's keys through flash_tiles.attn_inner; each unit stores its partial (acc, m, l). A program's
      first key tile is loaded between phase A's arrival and its wait.
   C  residual_phases.py. With `split_o` (the default): unit (KV group, RO output rows); each program
-     merges its group's partials itself and adds its products to float32 sums by atomics, which phase D
-     adds to the residual. The order of those atomic additions varies from launch to launch, in the last
-     bits. With `split_o=False`: the last split of each KV head to take its ticket merges the head's
-     partials in phase B, and phase C's units are RO whole output rows with the residual add, as E; a
-     launch is then bitwise reproducible.
+     merges its group's partials itself and adds its products to int64 fixed-point sums by atomics
+     (exact, so the atomics' arrival order changes no bit), which phase D adds to the residual. With
+     `split_o=False`: the last split of each KV head to take its ticket merges the head's partials in
+     phase B (in split order, whoever merges), and phase C's units are RO whole output rows with the
+     residual add, as E. Either way a launch is bitwise reproducible (docs/determinism.md).
   D  gate_up_phase.py: RG gate rows and the matching up rows, on the tensor cores where the shape allows.
   E  residual_phases.py: RD output rows with the residual add.
 
@@ -63,7 +63,7 @@ does every unit and finds every barrier open.
 Workspace (launch.Workspace), allocated once per configuration:
     r [H]           the residual stream
     r2 [H]          split_o: the residual after attention, stored in phase D for phase E
-    o_sums [2, H]   split_o: float32 sums of Wo·o for two consecutive layers (zeroed after use)
+    o_sums [2, H]   split_o: int64 fixed-point sums of Wo·o for two consecutive layers (zeroed after use)
     q, attn [Hq·D]  phase A's rotated queries; the ticket merge's attention output
     act [F]         phase D's SwiGLU output
     partials        phase B's (acc, m, l) per split, split index fastest, in runs of ≥ 4 slots

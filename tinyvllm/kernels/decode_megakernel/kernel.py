@@ -343,7 +343,7 @@ def decode_megakernel_kernel(
         )
         if SPLIT_O:  # noqa: SIM102 (a constexpr test apart)
             if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2
-                tl.store(o_ptr + cols, tl.zeros([BH], tl.float32), mask=cols < H)
+                tl.store(o_ptr + cols, tl.zeros([BH], tl.int64), mask=cols < H)
         if layer < num_layers - 1:
             arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     # Leave: no barrier after the last layer. The last program out (its gpu-scope acquire of the leave

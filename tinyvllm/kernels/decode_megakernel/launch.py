@@ -18,8 +18,10 @@ PIPELINE_BYTES = 160 << 10  # shared memory the pipelined weight tiles may take 
 
 
 class MegakernelConfig(NamedTuple):
-    """Launch choices of the decode megakernel. `split_o=False` selects phase C's ticket merge, which
-    makes a launch bitwise reproducible; the other fields are sizes."""
+    """Launch choices of the decode megakernel. `split_o=False` selects phase C's ticket merge instead of
+    the split by KV group; both are bitwise reproducible from launch to launch (the split's sums are exact
+    fixed point, residual_phases.py), though the two differ from each other in the last bits. The other
+    fields are sizes."""
 
     tile: int = 16384  # weight elements per unit (a power of two; `unit_tile` may halve it)
     num_warps: int = 8
@@ -96,8 +98,9 @@ class Workspace:
     """The buffers of one launch configuration, allocated once (captured CUDA graphs point at them).
 
     r [H]: the residual stream (the embedding row before layer 0). r2 [H]: with `split_o`, the residual
-    after attention, which phase D stores for phase E. o_sums [2, H] float32: with `split_o`, phase C's
-    sums of W_o·attention for two consecutive layers (each zeroed in the phase E after its last reader).
+    after attention, which phase D stores for phase E. o_sums [2, H] int64: with `split_o`, phase C's
+    fixed-point sums (residual_phases.O_SCALE) of W_o·attention for two consecutive layers (each zeroed in
+    the phase E after its last reader).
     q [(Hq + Hk)·D]: phase A's rotated queries (with qk_norm: its unrotated q and k heads). attn [Hq·D]:
     the ticket merge's attention output. act [F]: phase D's
     SwiGLU output. partials: phase B's per-split (acc, m, l) in the split-minor layout. tickets [Hk]:
@@ -123,7 +126,7 @@ class Workspace:
             z(s.num_heads * s.head_dim),
             z(s.intermediate),
         )
-        self.r2, self.o_sums = z(s.hidden), z(2 * s.hidden, torch.float32)
+        self.r2, self.o_sums = z(s.hidden), z(2 * s.hidden, torch.int64)
         # split-minor partials: runs of at least 4 slots, a power of two
         self.partials = z(
             s.num_kv_heads * max(4, next_power_of_2(self.num_splits)) * group * (s.head_dim + 2), torch.float32

@@ -5,10 +5,16 @@
 
 `residual_phase` does either as a loop over units of R whole output rows. With `split_o` (the default)
 phase C is `o_group_phase` instead: split along K by KV group, each unit merging its group's attention
-partials itself and adding its product to float32 sums by atomics; phase D adds the sums to the residual
-(vectors.residual_at). The order of the groups' float32 additions varies from launch to launch, so two
-launches with `split_o` may differ in the last bits of those sums; without it a launch is bitwise
-reproducible.
+partials itself and adding its product to the row sums by atomics; phase D adds the sums to the residual
+(vectors.residual_at). The atomics arrive in an order that varies from launch to launch, so the sums are
+kept in fixed point (int64, `O_SCALE` = 2³² units per 1.0), where addition is exact and so independent
+of that order: every launch gives the same bits, with or without `split_o`.
+
+Fixed point, exactly. A group's float32 partial y becomes trunc(y · 2³²) (exact for |y| ≥ 2⁻⁹, whose
+float32 ulp is at least 2⁻³²; off by less than 2⁻³² below); the int64 sums are exact while |Σ| < 2³¹;
+phase D converts the sum to float32 once, correctly rounded. So the sum phase D reads is the exact sum of
+the groups' partials rounded once (float32 atomics round after every addition), to within 2⁻³² per group
+for tiny partials. The cost is 8 bytes per row sum instead of 4, in the same atomics and barriers.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import triton.language as tl
 
 from tinyvllm.kernels.decode_megakernel.attention_phase import group_attention
 from tinyvllm.kernels.decode_megakernel.grid_sync import end_phase
+
+O_SCALE = 2.0**32  # fixed-point units per 1.0 of phase C's row sums (int64: exact while |sum| < 2**31)
 
 
 @triton.jit
@@ -106,8 +114,9 @@ def o_group_phase(
     ASM: tl.constexpr,
 ):
     """Phase C split along K by KV group, starting with the wait of barrier b: unit (group g, rows
-    c·RO + [0, RO)) adds W_o[rows, g's G·D columns] · o_g to the float32 sums o[rows] (zero before the
-    phase) by atomics, o_g being the attention output of g's query heads, merged from phase B's partials
+    c·RO + [0, RO)) adds W_o[rows, g's G·D columns] · o_g to the int64 fixed-point sums o[rows] (units of
+    1 / O_SCALE, zero before the phase) by atomics, exact and so in no order that matters, o_g being the
+    attention output of g's query heads, merged from phase B's partials
     by this program itself and rounded to the model's dtype as the layer-by-layer path stores it. A
     program takes a contiguous run of units, so that it merges once per group its run touches."""
     G: tl.constexpr = HQ // HK
@@ -137,6 +146,7 @@ def o_group_phase(
             a = group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)[None, :, :]
             g_have = g
         y = tl.sum(tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2), axis=1)  # [RO]
-        tl.atomic_add(o_ptr + row0 + tl.arange(0, RO), y, sem="relaxed", scope="gpu")
+        fixed = (y * 4294967296.0).to(tl.int64)  # O_SCALE units, truncated toward zero
+        tl.atomic_add(o_ptr + row0 + tl.arange(0, RO), fixed, sem="relaxed", scope="gpu")
     if first >= last:
         end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)

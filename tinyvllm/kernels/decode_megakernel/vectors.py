@@ -13,10 +13,12 @@ import triton.language as tl
 @triton.jit
 def residual_at(r_ptr, o_ptr, offs, mask, SPLIT_O: tl.constexpr):
     """The residual stream at `offs`: r, or with SPLIT_O (phase D after a split phase C) round(round(o) + r),
-    o being phase C's float32 sums of W_o·attention (`o_group_phase`)."""
+    o being phase C's int64 fixed-point sums of W_o·attention (`o_group_phase`: 2³² units per 1.0), converted
+    to float32 (correctly rounded) and then to r's dtype."""
     x = tl.load(r_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
     if SPLIT_O:
-        o = tl.load(o_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(x.dtype)
+        fixed = tl.load(o_ptr + offs, mask=mask, other=0, cache_modifier=".cg")
+        o = (fixed.to(tl.float32) * 2.3283064365386963e-10).to(x.dtype)  # × 2⁻³², exact
         x = (x.to(tl.float32) + o.to(tl.float32)).to(x.dtype)
     return x
 
