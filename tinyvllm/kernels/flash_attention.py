@@ -19,6 +19,7 @@ The kernels never use atomics: two backward passes give bitwise equal gradients.
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import NamedTuple
 
@@ -131,7 +132,7 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, max_seqlen: int | No
             raise TypeError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
         return max_seqlen
     offsets = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    lengths = [b - a for a, b in itertools.pairwise(offsets)]
     if offsets[0] != 0 or offsets[-1] != total or min(lengths) < 0:
         raise ValueError(
             f"cu_seqlens must rise from 0 to the number of rows ({total}) without decreasing, got {offsets[:8]}"

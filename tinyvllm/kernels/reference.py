@@ -9,6 +9,8 @@ Arithmetic is in float32 (float64 when the inputs are float64); outputs are in t
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tinyvllm.kernels.launch import check_window
@@ -194,7 +196,7 @@ def attention(
     """
     pieces = []
     cu = cu_seqlens.tolist()
-    for lo, hi in zip(cu, cu[1:]):
+    for lo, hi in itertools.pairwise(cu):
         if hi > lo:
             positions = _training_positions(hi - lo, causal, q.device)
             pieces.append(_attend(q[lo:hi], k[lo:hi], v[lo:hi], positions, scale).to(q.dtype))
@@ -210,7 +212,7 @@ def attention_lse(
     lse = torch.empty(q.shape[1], q.shape[0], dtype=acc, device=q.device)
     group = q.shape[1] // k.shape[1]
     cu = cu_seqlens.tolist()
-    for lo, hi in zip(cu, cu[1:]):
+    for lo, hi in itertools.pairwise(cu):
         if hi > lo:
             kf = k[lo:hi].to(acc).repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[lo:hi].to(acc), kf) * scale
