@@ -3,12 +3,19 @@
 `get_ops("torch")` gives the pure-torch reference (any device); `get_ops("triton")` gives our Triton
 kernels (CUDA, or the CPU under TRITON_INTERPRET=1). Both have exactly the signatures documented in
 `tinyvllm.kernels.reference`.
+
+`flash_attention` (kernels/flash_attention_op.py) is the training op: attention differentiable through
+our FlashAttention-2 forward and backward kernels.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from tinyvllm.kernels.flash_attention_op import flash_attention  # imports triton only when it runs
+
+__all__ = ["BACKENDS", "Ops", "default_backend", "flash_attention", "get_ops"]
 
 BACKENDS = ("torch", "triton")
 

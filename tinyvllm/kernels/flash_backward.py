@@ -345,7 +345,7 @@ def flash_backward(
     """Launch the three kernels on checked arguments (module docstring).
 
     do, q, out [T, Hq, D]; k, v [T, Hk, D], all with unit last stride; lse [Hq, T] (the forward's);
-    cu_seqlens [S + 1] int32; cfg a `flash_attention.BackwardConfig`.
+    cu_seqlens [S + 1] int32; cfg a `flash_attention_op.BackwardConfig`.
     Returns (dq [T, Hq, D], dk [T, Hk, D], dv [T, Hk, D]) in the inputs' dtype."""
     T, Hq, D = q.shape
     Hk = k.shape[1]

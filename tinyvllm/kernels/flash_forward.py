@@ -114,7 +114,7 @@ def flash_forward(
     num_warps: int,
     num_stages: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward on checked arguments (flash_attention.flash_attention_fwd checks them).
+    """Launch the forward on checked arguments (flash_attention_op.flash_attention_fwd checks them).
 
     q [T, Hq, D], k/v [T, Hk, D] with unit last stride; cu_seqlens [S + 1] int32 on q's device.
     Returns (out [T, Hq, D] contiguous, lse [Hq, T] float32, float64 for float64 inputs)."""
