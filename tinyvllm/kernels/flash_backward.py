@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyvllm.kernels.flash_forward import upcast_operands
 from tinyvllm.kernels.flash_tiles import dot_pv, dot_qk
-from tinyvllm.kernels.launch import cdiv, upcast_dot
+from tinyvllm.kernels.launch import cdiv
 
 LOG2E = 1.4426950408889634
 
@@ -360,7 +361,7 @@ def flash_backward(
         out, do, delta, T, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
         HEAD_DIM=D, BLOCK_M=cfg.block_pre,
     )  # fmt: skip
-    common = dict(GROUP=Hq // Hk, HEAD_DIM=D, CAUSAL=causal, UPCAST=upcast_dot(q.device),
+    common = dict(GROUP=Hq // Hk, HEAD_DIM=D, CAUSAL=causal, UPCAST=upcast_operands(q),
                   IEEE=q.dtype in (torch.float32, torch.float64))  # fmt: skip
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1))
     _bwd_dkdv_kernel[(cdiv(max_seqlen, cfg.dkdv_n), Hk, S)](

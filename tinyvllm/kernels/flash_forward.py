@@ -27,6 +27,14 @@ from tinyvllm.kernels.flash_tiles import attn_inner
 from tinyvllm.kernels.launch import cdiv, upcast_dot
 
 LOG2E = 1.4426950408889634
+
+
+def upcast_operands(q: torch.Tensor) -> bool:
+    """`launch.upcast_dot` (the interpreter's bf16 products) for our kernels' inputs: float64 operands
+    are never cast, since a float32 detour would cost them their precision."""
+    return upcast_dot(q.device) and q.dtype != torch.float64
+
+
 ONE_PAGE = 1 << 30  # the "page size" of the one-entry block table: longer than any sequence
 
 
@@ -135,7 +143,7 @@ def flash_forward(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        UPCAST=upcast_dot(q.device), IEEE=q.dtype in (torch.float32, torch.float64),
+        UPCAST=upcast_operands(q), IEEE=q.dtype in (torch.float32, torch.float64),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out, lse
