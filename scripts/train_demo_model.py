@@ -10,8 +10,12 @@ BPE (:mod:`tinyvllm.models.dummy_tokenizer`'s layout, Llama 3 special tokens at 
 split; pack every page as ``<|begin_of_text|> page <|end_of_text|>`` into one token stream; train
 transformers' ``LlamaForCausalLM`` (RMSNorm, RoPE with llama3 scaling, GQA, SwiGLU, tied embeddings) on
 random windows of it with AdamW, warmup + cosine, bf16 autocast on CUDA, residual dropout (training only:
-the architecture is unchanged), validation every half epoch. Each entry of ``--epochs`` is one run from
-the same seed; the run whose best validation loss is lowest is kept, at its best evaluation.
+the architecture is unchanged), validation every half epoch. ``--attention tinyvllm`` trains through our
+FlashAttention-2 kernels (``tinyvllm.kernels.flash_attention``, forward and backward; on the CPU the torch
+reference, or the kernels themselves under ``TRITON_INTERPRET=1``), ``--attention sdpa`` through
+``torch.nn.functional.scaled_dot_product_attention``; everything else (seed, data, dropout) is the same.
+Each entry of ``--epochs`` is one run from the same seed; the run whose best validation loss is lowest is
+kept, at its best evaluation.
 
 Writes into ``--out`` (default ``tinyvllm/models/demo``): config.json, generation_config.json,
 model.safetensors (bf16), tokenizer.json, tokenizer_config.json, special_tokens_map.json, loss.png,
@@ -49,6 +53,7 @@ from tqdm import tqdm  # noqa: E402
 from tinyvllm.models.dummy_tokenizer import special_token_ids, write_tokenizer_files  # noqa: E402
 from tinyvllm.models.presets import make_config, num_parameters, weight_shapes  # noqa: E402
 
+ATTENTION_CHOICES = ("sdpa", "tinyvllm")
 OUT_PART_BYTES = 15 * 10**6  # files copied to $OUT must stay under 16 MB each
 SAMPLING_DEFAULTS = {"temperature": 0.7, "top_p": 0.9}  # generation_config.json
 SAMPLE_PROMPTS = (
@@ -66,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=REPO / "tinyvllm" / "models" / "demo")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default="sdpa",
+        help="the attention the training model runs: SDPA, or tinyvllm's flash_attention (forward and backward)",
+    )
     g = ap.add_argument_group("model")
     g.add_argument("--vocab-size", type=int, default=4352, help="BPE tokens + 256 special tokens")
     g.add_argument("--hidden-size", type=int, default=256)
@@ -149,10 +160,41 @@ def random_windows(stream: torch.Tensor, batch: int, seq_len: int, gen: torch.Ge
 
 
 # ----------------------------------------------------------------------------------------- model
-def build_model(config: dict, dropout: float, device: torch.device):
+def tinyvllm_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention interface over `tinyvllm.kernels.flash_attention`: query [B, Hq, L, D] and
+    key, value [B, Hk, L, D] (K/V heads not repeated) → ([B, L, Hq, D], no weights). Causal, unpadded
+    windows only, as this script trains. Under autocast the inputs are cast to its dtype, as SDPA's are."""
+    from tinyvllm.kernels import flash_attention
+
+    if attention_mask is not None or dropout:
+        raise ValueError("the tinyvllm training attention takes unpadded causal windows without attention dropout")
+    device = query.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else query.dtype
+    q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))  # [B, L, H, D]
+    interpret = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    backend = "triton" if device.type == "cuda" or interpret else "torch"
+    return flash_attention(q, k, v, causal=True, scale=scaling, backend=backend), None
+
+
+def attention_implementation(name: str) -> str:
+    """The transformers `attn_implementation` for --attention: "sdpa", or ours registered under "tinyvllm"
+    (with FlashAttention's mask function: no mask for unpadded causal batches)."""
+    if name == "sdpa":
+        return "sdpa"
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register("tinyvllm", tinyvllm_attention_forward)
+    AttentionMaskInterface.register("tinyvllm", flash_attention_mask)
+    return "tinyvllm"
+
+
+def build_model(config: dict, dropout: float, device: torch.device, attention: str = "sdpa"):
     import transformers
 
-    hf_config = transformers.LlamaConfig(**copy.deepcopy(config))  # it edits rope_scaling in place
+    hf_config = transformers.LlamaConfig(  # it edits rope_scaling in place: a copy
+        **copy.deepcopy(config), attn_implementation=attention_implementation(attention)
+    )
     model = transformers.LlamaForCausalLM(hf_config).to(device)
     model.config.use_cache = False
 
@@ -217,7 +259,7 @@ def train_run(
     """One run; returns its log (evaluations, best validation loss) and the best state dict (on the CPU)."""
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    model = build_model(config, args.dropout, device)
+    model = build_model(config, args.dropout, device, args.attention)
     opt = make_optimizer(model, args, device)
     tokens_per_step = args.batch_size * args.seq_len
     total = math.ceil(epochs * len(train) / tokens_per_step)
@@ -461,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         "best_val_loss": runs[chosen]["log"]["best_val_loss"],
         **check,
         "environment": {
+            "attention": args.attention,
             "autocast": "bfloat16" if device.type == "cuda" else None,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__,

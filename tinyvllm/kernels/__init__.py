@@ -10,6 +10,9 @@ torch backend the row-by-row reference (kernels/batch_invariant.py); on the Trit
 product with one tile shape for every M (kernels/invariant_matmul.py) and one attention kernel, with
 the same key tiles, for prefill and decode rows (prefill_attention.invariant_*). No fused small-batch
 product there: the runner keeps the fused paths off under it.
+
+`flash_attention` (kernels/flash_attention_op.py) is the training op: attention differentiable through
+our FlashAttention-2 forward and backward kernels.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch.nn import functional as F
+
+from tinyvllm.kernels.flash_attention_op import flash_attention  # imports triton only when it runs
+
+__all__ = ["BACKENDS", "Ops", "default_backend", "flash_attention", "get_ops"]
 
 BACKENDS = ("torch", "triton")
 

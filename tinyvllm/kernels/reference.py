@@ -9,6 +9,8 @@ Arithmetic is in float32 (float64 when the inputs are float64); outputs are in t
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tinyvllm.kernels.launch import check_window
@@ -173,6 +175,51 @@ def decode_attention(
         pos = torch.tensor([length - 1])
         out[b] = _attend(q[b : b + 1], k, v, pos, scale, window, start)[0].to(q.dtype)
     return out
+
+
+def _training_positions(length: int, causal: bool, device: torch.device) -> torch.Tensor:
+    """The last key each row of a `length`-row sequence sees: its own position (causal) or the last."""
+    if causal:
+        return torch.arange(length, device=device)
+    return torch.full((length,), length - 1, device=device)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, causal: bool = True
+) -> torch.Tensor:
+    """Self-attention of packed sequences, differentiable (the training op `flash_attention`'s function).
+
+    Sequence s owns rows cu_seqlens[s] .. cu_seqlens[s+1]−1 of q, k and v (n_s rows); its row i computes
+        out[i] = softmax(scale · q_i Kᵀ[0..hi(i)]) V[0..hi(i)],   hi(i) = i (causal) or n_s − 1,
+    query head h reading KV head h // (Hq / Hk). q: [T, Hq, D]; k, v: [T, Hk, D]; cu_seqlens: [S+1] int.
+    Built from torch ops only, so autograd differentiates it; float64 inputs compute in float64.
+    """
+    pieces = []
+    cu = cu_seqlens.tolist()
+    for lo, hi in itertools.pairwise(cu):
+        if hi > lo:
+            positions = _training_positions(hi - lo, causal, q.device)
+            pieces.append(_attend(q[lo:hi], k[lo:hi], v[lo:hi], positions, scale).to(q.dtype))
+    return torch.cat(pieces) if pieces else q.new_empty(q.shape)
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, causal: bool = True
+) -> torch.Tensor:
+    """The logsumexp of `attention`'s rows: lse[h, t] = log Σ_{j ≤ hi(t)} exp(scale · q_t·k_j) (natural
+    log), [Hq, T] in float32 (float64 for float64 inputs)."""
+    acc = _acc_dtype(q)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=acc, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    cu = cu_seqlens.tolist()
+    for lo, hi in itertools.pairwise(cu):
+        if hi > lo:
+            kf = k[lo:hi].to(acc).repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[lo:hi].to(acc), kf) * scale
+            last = _training_positions(hi - lo, causal, q.device)
+            mask = torch.arange(hi - lo, device=q.device)[None, :] > last[:, None]
+            lse[:, lo:hi] = torch.logsumexp(scores.masked_fill(mask[None], float("-inf")), dim=-1)
+    return lse
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

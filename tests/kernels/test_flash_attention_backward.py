@@ -1,0 +1,165 @@
+"""`flash_attention`, the training op (FlashAttention-2 forward and backward kernels), against float64
+autograd through `reference.attention` on the same rounded inputs: out, logsumexp, dq, dk, dv on packed
+sequences whose lengths are off the tile grid (and an empty one), causal and not, GQA groups 1/2/4 and
+MQA, head dims 16..128, square and non-square tiles; `gradcheck` of the kernels in float64; two
+backward runs bitwise equal; the argument errors.
+
+Gradient tolerances are twice the output's (`kernel_helpers.TOL`): the backward rounds P and
+dS = P ∘ (dP − D) to the input dtype before its products, two roundings where the forward has one, and
+dS is a difference whose terms can nearly cancel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_helpers import assert_close
+
+from tinyvllm.kernels import flash_attention, reference
+from tinyvllm.kernels.flash_attention_op import BackwardConfig, ForwardConfig, flash_attention_fwd
+
+F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+LENS = [13, 37, 1, 0, 20]  # off the 16/32 tile grid, a one-row and an empty sequence
+GRAD_FACTOR = 2.0
+
+
+def make_inputs(lens, hq, hk, d, dtype, device, seed=0):
+    """Packed q [T, hq, d], k, v [T, hk, d] (strided views into a wider fused-qkv tensor, as a model
+    makes them), cu_seqlens int32 and an upstream gradient dO."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T = sum(lens)
+    qkv = torch.randn(T, hq + 2 * hk, d, generator=gen, device=device).to(dtype)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hk], qkv[:, hq + hk :]
+    do = torch.randn(T, hq, d, generator=gen, device=device).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return q, k, v, cu, do
+
+
+def kernel_grads(q, k, v, do, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = flash_attention(q, k, v, backend="triton", **kw)
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def reference_grads(q, k, v, do, cu, causal, scale=None):
+    """out, dq, dk, dv in float64 through autograd of `reference.attention`."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = reference.attention(q, k, v, cu, scale or q.shape[-1] ** -0.5, causal)
+    out.backward(do.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+CASES = [  # dtype, Hq, Hk, D, causal, tiles (fwd M, N; dkdv M, N; dq M, N) or None for the default
+    (BF16, 4, 2, 64, True, None),
+    (BF16, 2, 2, 128, False, None),
+    (F16, 8, 2, 64, True, ((16, 32), (16, 32), (32, 16))),
+    (F16, 4, 1, 32, False, ((32, 16), (32, 16), (16, 32))),
+    (F32, 4, 1, 128, True, ((32, 16), (32, 16), (16, 32))),
+    (F32, 2, 1, 16, False, ((16, 32), (16, 32), (32, 16))),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,hq,hk,d,causal,tiles",
+    CASES,
+    ids=[f"{str(c[0])[6:]}-g{c[1] // c[2]}-d{c[3]}-{'causal' if c[4] else 'full'}-{c[5] or 'default'}" for c in CASES],
+)
+def test_matches_float64_autograd(dtype, hq, hk, d, causal, tiles, device):
+    q, k, v, cu, do = make_inputs(LENS, hq, hk, d, dtype, device)
+    cfg = {}
+    if tiles:
+        (fm, fn), (km, kn), (qm, qn) = tiles
+        cfg = dict(fwd_config=ForwardConfig(fm, fn, 4, 1), bwd_config=BackwardConfig(km, kn, 4, 1, qm, qn, 4, 1, 16))
+    out, dq, dk, dv = kernel_grads(q, k, v, do, causal=causal, cu_seqlens=cu, **cfg)
+    ref_out, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, cu, causal)
+    assert_close(out, ref_out, dtype)
+    assert_close(dq, ref_dq, dtype, GRAD_FACTOR)
+    assert_close(dk, ref_dk, dtype, GRAD_FACTOR)
+    assert_close(dv, ref_dv, dtype, GRAD_FACTOR)
+    _, lse = flash_attention_fwd(q, k, v, causal, cu, backend="triton", fwd_config=cfg.get("fwd_config"))
+    ref_lse = reference.attention_lse(q.double(), k.double(), cu, d**-0.5, causal)
+    assert_close(lse, ref_lse, F32)  # float32 statistics whatever the input dtype
+
+
+def test_dense_layout_and_scale(device):
+    """[B, L, H, D] inputs (packed by a reshape, gradients reshaped back) and an explicit scale."""
+    B, L, hq, hk, d = 2, 21, 4, 2, 32
+    q, k, v, cu, do = make_inputs([L] * B, hq, hk, d, BF16, device, seed=3)
+    dense = [t.reshape(B, L, *t.shape[1:]) for t in (q, k, v, do)]
+    out, dq, dk, dv = kernel_grads(*dense[:3], dense[3], causal=True, scale=0.3)
+    assert out.shape == (B, L, hq, d) and dk.shape == (B, L, hk, d)
+    ref = reference_grads(q, k, v, do, cu, True, scale=0.3)
+    for got, want, factor in zip((out, dq, dk, dv), ref, (1, GRAD_FACTOR, GRAD_FACTOR, GRAD_FACTOR)):
+        assert_close(got.reshape(want.shape), want, BF16, factor)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradcheck_float64(causal, device):
+    """torch.autograd.gradcheck of the Triton kernels in float64 (IEEE products, float64 accumulation;
+    the scale reaches the kernels as a float32 scalar, so the analytic and numerical Jacobians share it).
+    Fast mode (a random projection of the Jacobian) keeps the interpreter to a few forward passes."""
+    q, k, v, cu, _ = make_inputs([5, 19], 4, 2, 16, F64, device, seed=1)
+    inputs = tuple(t.detach().contiguous().requires_grad_() for t in (q, k, v))
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, causal, cu, backend="triton")
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, fast_mode=True)
+
+
+def test_backward_is_deterministic(device):
+    """Two backward passes of the same inputs give bitwise equal gradients (no atomics)."""
+    q, k, v, cu, do = make_inputs(LENS, 8, 2, 64, BF16, device, seed=2)
+    first = kernel_grads(q, k, v, do, causal=True, cu_seqlens=cu)
+    second = kernel_grads(q, k, v, do, causal=True, cu_seqlens=cu)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_cpu_default_is_the_reference():
+    """On the CPU without backend= the reference runs, with autograd, at any dtype and head dim."""
+    q, k, v, cu, do = make_inputs([9, 4], 3, 1, 24, F32, torch.device("cpu"))
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = flash_attention(q, k, v, False, cu)
+    out.backward(do)
+    ref = reference_grads(q, k, v, do, cu, False)
+    for got, want in zip((out, q.grad, k.grad, v.grad), ref):
+        assert_close(got, want, F32)
+
+
+def _bad(device, **change):
+    """Valid packed arguments with `change` applied; the kernel backend."""
+    q, k, v, cu, _ = make_inputs([7, 9], 4, 2, 32, BF16, device)
+    args = dict(q=q, k=k, v=v, causal=True, cu_seqlens=cu, backend="triton")
+    args.update(change)
+    return lambda: flash_attention(**args)
+
+
+def test_errors(device, monkeypatch):
+    q, k, v, cu, _ = make_inputs([7, 9], 4, 2, 32, BF16, device)
+    cases = [
+        (TypeError, "share one floating dtype", dict(k=k.float())),
+        (TypeError, "int32", dict(cu_seqlens=cu.long())),
+        (ValueError, "without decreasing", dict(cu_seqlens=cu.flip(0))),
+        (ValueError, "without decreasing", dict(cu_seqlens=cu[:-1])),
+        (ValueError, "multiple of Hk", dict(k=k[:, :1].expand(-1, 3, -1), v=v[:, :1].expand(-1, 3, -1))),
+        (ValueError, "contiguous in its last dimension", dict(q=q.transpose(0, 2).contiguous().transpose(0, 2))),
+        (ValueError, "positive", dict(scale=0.0)),
+        (ValueError, "backend", dict(backend="cuda")),
+        (TypeError, "causal must be a bool", dict(causal=1)),
+        (ValueError, "dense", dict(q=q[None], k=k[None], v=v[None])),
+        (ValueError, "share one device", dict(k=k.to("meta"))),
+    ]
+    for exc, message, change in cases:
+        with pytest.raises(exc, match=message):
+            _bad(device, **change)()
+    with pytest.raises(TypeError, match="backend='torch'"):  # a dtype the kernels do not take
+        flash_attention(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)), True, cu, backend="triton")
+    wide = torch.zeros(16, 2, 96, dtype=BF16, device=device)
+    with pytest.raises(ValueError, match="head dims"):
+        flash_attention(wide, wide, wide, backend="triton")
+    if device.type == "cpu":  # the kernels on the CPU need the interpreter
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            flash_attention(q, k, v, True, cu, backend="triton")
