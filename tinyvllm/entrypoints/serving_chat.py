@@ -34,6 +34,7 @@ from tinyvllm.entrypoints.serving import (
     merged,
     new_id,
     now_s,
+    prompt_logprobs_json,
     sse,
     sse_error,
     usage,
@@ -169,7 +170,7 @@ def _response(
             }
         )
     completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-    return {
+    response = {
         "id": request_id,
         "object": "chat.completion",
         "created": now_s(),
@@ -177,6 +178,11 @@ def _response(
         "choices": choices,
         "usage": usage(len(final.prompt_token_ids), completion_tokens),
     }
+    if req.prompt_logprobs is not None:  # vLLM's extra, on the response
+        response["prompt_logprobs"] = prompt_logprobs_json(
+            final.prompt_token_ids, final.prompt_logprobs, req.prompt_logprobs
+        )
+    return response
 
 
 async def _events(
