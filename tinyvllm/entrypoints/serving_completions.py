@@ -6,6 +6,11 @@ completion j of prompt i. Streaming sends one chunk per new piece of text (same 
 the delta; a client that reads slowly gets fewer, larger pieces), the finish_reason on a choice's last
 chunk, then, with stream_options.include_usage, a chunk with `choices: []` and the usage, and finally
 `data: [DONE]`.
+
+`echo` with `logprobs: k` scores the prompt (prompt_logprobs k): the choice's logprobs list the prompt's
+tokens first, the first one's logprob and top_logprobs null, streamed in the choice's first chunk. vLLM's
+`prompt_logprobs` field (not with `stream`) adds `prompt_logprobs` to each choice, in vLLM's shape
+(`serving.prompt_logprobs_json`).
 """
 
 from __future__ import annotations
