@@ -17,6 +17,10 @@ Buckets of at most `graph_io_max_rows` rows do both copies inside their graph: t
 is the replay and an event. With `pruned_lm_head` (the engine's default on CUDA) those buckets' steps whose
 every row the fused sampler serves replay graphs that sample from an int8 copy of the LM head and the rows
 it cannot rule out, without logits (kernels/lm_head_bounds.py: the same ids).
+
+Rows of requests that asked for prompt logprobs (prompt chunks, never graph steps) are scored after the
+forward, eagerly: their hidden states go through the LM head in slices of at most
+`PROMPT_LOGPROBS_MAX_ROWS` rows (sampling/prompt_logprobs.py); steps without such rows skip it.
 """
 
 from __future__ import annotations
