@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -56,4 +56,6 @@ class RequestOutput:
     num_cached_tokens: int | None = None
     error: str | None = None  # set when the request could not run at all (finish_reason "error")
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = field(default=None)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first; each entry
+    # holds the prompt token (always, with its rank) and the prompt_logprobs most likely tokens there.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -217,8 +217,10 @@ class SamplingParams:
         logprobs: number of most likely tokens whose logprobs are returned for each
             generated token, besides the sampled one (0: the sampled one alone).
             None returns no logprobs.
-        prompt_logprobs: the same for prompt tokens (accepted here; the engine may
-            reject it as unsupported).
+        prompt_logprobs: the same for prompt tokens: one entry per prompt token (None for
+            the first) with its logprob and rank and the ``prompt_logprobs`` most likely
+            tokens at its position. A request that asks computes its whole prompt, never
+            reading the prefix cache, as vLLM does.
         skip_special_tokens: drop special tokens when detokenising.
         spaces_between_special_tokens: put spaces between special tokens when detokenising.
         include_stop_str_in_output: keep the matched stop string in the output text.

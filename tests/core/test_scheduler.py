@@ -212,6 +212,29 @@ def test_prefix_hits_skip_computation():
     drain(s)
 
 
+def test_skipping_the_prefix_cache_computes_every_token_and_still_offers_blocks():
+    """A request with skip_reading_prefix_cache (prompt logprobs) adopts no cached block and is not
+    counted as a lookup; its own full blocks are still offered, and a later request hits them."""
+    s = make_scheduler(block_size=4, budget=100)
+    s.add_request(req("a", 12, max_tokens=1))
+    drain(s)
+    b = Request(request_id="b", prompt_token_ids=list(range(14)), max_tokens=1, skip_reading_prefix_cache=True)
+    b2 = Request(request_id="b2", prompt_token_ids=list(range(100, 114)), max_tokens=1, skip_reading_prefix_cache=True)
+    s.add_request(b)
+    (seq,) = run_step(s).sequences
+    assert seq.num_computed_tokens == 0 and seq.num_new_tokens == 14 and b.num_cached_tokens == 0
+    stats = s.kv_cache.pool.stats
+    assert stats.hit_tokens == 0 and stats.queried_tokens == 12
+    drain(s)
+    s.add_request(b2)  # tokens no one computed before: its blocks enter the cache only if it offers them
+    drain(s)
+    c = req("c", 15, max_tokens=1, first=100)
+    s.add_request(c)
+    (seq,) = run_step(s).sequences
+    assert seq.num_computed_tokens == 12 and c.num_cached_tokens == 12
+    drain(s)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_random_schedules_keep_the_pool_consistent(data):

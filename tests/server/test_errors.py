@@ -38,7 +38,7 @@ def _error(resp: httpx.Response, status: int) -> dict:
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
         ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed"),
         ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
-        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),

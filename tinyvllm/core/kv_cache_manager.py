@@ -111,9 +111,9 @@ class KVCacheManager:
         """Block ids of the longest cached prefix of the request's tokens, verified token by token.
 
         At most `num_tokens - 1` tokens are taken from the cache, so that at least one token is
-        computed and yields the logits to sample from.
+        computed and yields the logits to sample from. Empty for a request that skips reading the cache.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return []
         bs = self.block_size
         hashes, tokens, lookup = request.block_hashes, request.token_ids, self.pool.lookup
@@ -146,8 +146,8 @@ class KVCacheManager:
         return hits
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
-        """Count one admission's lookup in the pool's statistics."""
-        if self.enable_caching:
+        """Count one admission's lookup in the pool's statistics (none for a request that skips it)."""
+        if self.enable_caching and not request.skip_reading_prefix_cache:
             self.pool.stats.queried_tokens += request.num_tokens
             self.pool.stats.hit_tokens += num_hit_tokens
 

@@ -60,4 +60,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # Per sampled row: list of (token_id, logprob, rank), sampled token first, then the top-k.
     logprobs: list[list[tuple[int, float, int]]] | None = None
+    # Request id -> (p, entries) for the requests whose prompt logprobs this step computed: entries[i] is
+    # the distribution of prompt token p + 1 + i given the tokens before it, as (that token, its logprob,
+    # its rank) followed by the top-k (token, logprob, rank). None: no row of the step asked.
+    prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -68,6 +68,10 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    # Compute every token from position 0 at admission, never adopting cached prefix blocks (its own full
+    # blocks are still offered to the cache): set for requests that want prompt logprobs, which need the
+    # logits of every prompt position (vLLM's `skip_reading_prefix_cache`).
+    skip_reading_prefix_cache: bool = False
     token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)
 

@@ -12,6 +12,12 @@ It works in two layers:
   `RequestOutput`s. A stop string matched there aborts the request (or that completion) here.
 
 Parallel sampling (`n > 1`) runs n child sequences under one request id.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`) are scored by the runner as the prompt's chunks are
+computed (tinyvllm/sampling/prompt_logprobs.py), appended here in order, and sent complete with the first
+output of completion 0. That completion alone scores them (its siblings share them) and it reads nothing
+from the prefix cache: every prompt position is computed (vLLM's rule). A preempted request recomputes
+its prompt; the entries it already holds are kept.
 """
 
 from __future__ import annotations
@@ -117,6 +123,12 @@ class _Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     num_sent_tokens: int = 0  # output tokens already sent in an EngineCoreOutput
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # scored so far (the scoring child only)
+
+    def complete_prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """The prompt logprobs when this completion scores them and all are in, else None."""
+        lps = self.prompt_logprobs
+        return lps if lps is not None and len(lps) == self.request.num_prompt_tokens else None
 
 
 @dataclass
@@ -409,27 +421,31 @@ class LLMEngine:
     def _check_params(self, params: Any) -> SamplingParams:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by tinyvllm yet")
-        if params.logprobs is not None and params.logprobs > self.model_config.vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size")
+        vocab = self.model_config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the vocabulary size ({vocab})")
         return params
 
     def _children(
         self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float
     ) -> list[_Sequence]:
         """The n child sequences of a request (child i of n > 1 is request `{i}_{request_id}` in the
-        scheduler, seeded with seed + i)."""
+        scheduler, seeded with seed + i). Child 0 alone scores prompt logprobs (module docstring)."""
         max_tokens = max(1, self.scheduler_config.max_model_len - len(token_ids))
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         every_step = streams_every_step(params)
+        scores_prompt = params.prompt_logprobs is not None
         children = []
         structured = None if params.structured_outputs is None else self.structured
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.replace(seed=params.seed + index)
+            if index > 0 and scores_prompt:
+                child_params = child_params.replace(prompt_logprobs=None)
             request = Request(
                 request_id=request_id if params.n == 1 else f"{index}_{request_id}",
                 prompt_token_ids=token_ids,
@@ -439,6 +455,7 @@ class LLMEngine:
                 eos_token_ids=frozenset() if params.ignore_eos else frozenset(self.eos_token_ids),
                 stop_token_ids=frozenset(params.stop_token_ids),
                 arrival_time=arrival_time,
+                skip_reading_prefix_cache=scores_prompt and index == 0,
             )
             if structured is not None:  # compiles off the step loop; admitted once compiled
                 request.ready = structured.add(request.request_id, params.structured_outputs).is_ready
@@ -452,6 +469,7 @@ class LLMEngine:
                     every_step,
                     logprobs=[] if logprobs else None,
                     cumulative_logprob=0.0 if logprobs else None,
+                    prompt_logprobs=[None] if scores_prompt and index == 0 else None,
                 )
             )
         return children
@@ -587,19 +605,20 @@ class LLMEngine:
                 # Built inline rather than by a helper: a call per request costs ~3 % of a batch-256 step.
                 token_ids, start = request.output_token_ids, seq.num_sent_tokens
                 seq.num_sent_tokens = len(token_ids)
-                outputs.append(
-                    EngineCoreOutput(
-                        seq.parent_id,
-                        token_ids[start:],
-                        request.num_cached_tokens,
-                        seq.index,
-                        None,
-                        None,
-                        seq.cumulative_logprob,
-                        logprobs[start:] if logprobs is not None else None,
-                        _times(request) if start == 0 else None,
-                    )
+                out = EngineCoreOutput(
+                    seq.parent_id,
+                    token_ids[start:],
+                    request.num_cached_tokens,
+                    seq.index,
+                    None,
+                    None,
+                    seq.cumulative_logprob,
+                    logprobs[start:] if logprobs is not None else None,
+                    _times(request) if start == 0 else None,
                 )
+                if start == 0 and seq.prompt_logprobs is not None:
+                    out.prompt_logprobs = seq.complete_prompt_logprobs()
+                outputs.append(out)
         return outputs
 
     def _read_step(
@@ -611,6 +630,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         runner_out = handle.result()
         self._wait_s += time.perf_counter() - t0
+        if runner_out.prompt_logprobs:
+            self._add_prompt_logprobs(runner_out.prompt_logprobs)
         logprobs_by_id = {}
         if runner_out.logprobs is not None:
             sampled_ids = [s.request_id for s in sched.sequences if s.sample]
@@ -671,7 +692,7 @@ class LLMEngine:
         token_ids, start = request.output_token_ids, seq.num_sent_tokens
         seq.num_sent_tokens = len(token_ids)
         logprobs = seq.logprobs
-        return EngineCoreOutput(
+        out = EngineCoreOutput(
             seq.parent_id,
             token_ids[start:],
             request.num_cached_tokens,
@@ -683,6 +704,9 @@ class LLMEngine:
             _times(request, now),
             request.error,
         )
+        if start == 0 and seq.prompt_logprobs is not None:
+            out.prompt_logprobs = seq.complete_prompt_logprobs()
+        return out
 
     def _finish_child(self, seq: _Sequence) -> None:
         """Count a completion's finishing output; drop its request after the last one."""
@@ -690,6 +714,29 @@ class LLMEngine:
         parent.num_running -= 1
         if parent.num_running == 0:
             self._drop(parent)
+
+    def _add_prompt_logprobs(self, chunks: dict[str, tuple[int, list[list[tuple[int, float, int]]]]]) -> None:
+        """Append a step's prompt logprobs (ModelRunnerOutput.prompt_logprobs) to their completions, as
+        Logprob dicts: the scored prompt token first, with its own rank, then the top-k. Entries held
+        already (a recomputation after preemption) are skipped."""
+        for request_id, (start, entries) in chunks.items():
+            seq = self._sequences.get(request_id)
+            if seq is None or seq.prompt_logprobs is None:
+                continue  # finished or aborted while the step ran
+            held = seq.prompt_logprobs
+            skip = len(held) - (start + 1)
+            assert skip >= 0, "a request's prompt is scored in order from its first token"
+            new = entries[skip:]
+            if not new:
+                continue
+            texts = iter(self.tokenizer.token_texts([t for entry in new for t, _, _ in entry]))
+            for entry in new:
+                scored: dict[int, Logprob] = {}
+                for t, lp, rank in entry:
+                    text = next(texts)
+                    if t not in scored:  # the scored token keeps its own rank when it is also in the top-k
+                        scored[t] = Logprob(lp, rank, text)
+                held.append(scored)
 
     def _update_logprobs(self, seq: _Sequence, entry: list[tuple[int, float, int]] | None) -> None:
         if seq.logprobs is None or entry is None:

@@ -48,8 +48,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=
     The core sends one for each completion that got tokens in the step, unless the request's
     outputs are FINAL_ONLY without stop strings (`streams_every_step`): then only when the
     completion finishes, with all its tokens. `new_token_ids` and `new_logprobs` hold what was not
-    sent before. `times` comes with a completion's first output and its finishing one. A request
-    that could not run at all gets one output with `error` set and finish_reason "error".
+    sent before. `times` comes with a completion's first output and its finishing one; a request's
+    `prompt_logprobs`, when asked, with the first output of its completion 0. A request that could
+    not run at all gets one output with `error` set and finish_reason "error".
     """
 
     request_id: str
@@ -62,6 +63,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=
     new_logprobs: list[dict[int, Logprob]] | None = None  # one entry per new token, when asked
     times: RequestTimes | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # as RequestOutput.prompt_logprobs
 
 
 class AddReply(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -160,6 +162,7 @@ class RequestDelta(msgspec.Struct, gc=False):
     completions: list[CompletionDelta]
     error: str | None = None  # set when the request could not run at all (finish_reason "error")
     num_cached_tokens: int | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # in the delta they arrived with
 
 
 class _Completion:
@@ -223,6 +226,7 @@ class OutputAccumulator:
         self.finished = False
         self.error: str | None = None
         self.num_cached_tokens: int | None = None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self._completions: dict[int, _Completion] = {}
 
     def add(self, delta: RequestDelta) -> None:
@@ -237,6 +241,8 @@ class OutputAccumulator:
             self.error = delta.error
         if delta.num_cached_tokens is not None:
             self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
     def extend(self, deltas: Iterable[RequestDelta]) -> OutputAccumulator:
         for d in deltas:
@@ -261,13 +267,14 @@ class OutputAccumulator:
             self.num_cached_tokens,
             self.error,
             metrics,
+            self.prompt_logprobs,
         )
 
 
 def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
     """Consecutive RequestDeltas of one request as one (as OutputAccumulator merges them, without
-    building a RequestOutput): finished from the last, error and num_cached_tokens the latest given,
-    completions in index order."""
+    building a RequestOutput): finished from the last, error, num_cached_tokens and prompt_logprobs the
+    latest given, completions in index order."""
     if len(deltas) == 1:
         delta = deltas[0]
         completions = delta.completions
@@ -275,7 +282,7 @@ def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
             delta = msgspec.structs.replace(delta, completions=sorted(completions, key=_index))
         return delta
     by_index: dict[int, list[CompletionDelta]] = {}
-    error = cached = None
+    error = cached = prompt_logprobs = None
     for d in deltas:
         for c in d.completions:
             by_index.setdefault(c.index, []).append(c)
@@ -283,9 +290,11 @@ def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
             error = d.error
         if d.num_cached_tokens is not None:
             cached = d.num_cached_tokens
+        if d.prompt_logprobs is not None:
+            prompt_logprobs = d.prompt_logprobs
     last = deltas[-1]
     merged = [_merge_completion(by_index[i]) for i in sorted(by_index)]
-    return RequestDelta(last.request_id, last.finished, merged, error, cached)
+    return RequestDelta(last.request_id, last.finished, merged, error, cached, prompt_logprobs)
 
 
 def _index(c: CompletionDelta) -> int:

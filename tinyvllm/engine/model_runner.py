@@ -17,6 +17,10 @@ Buckets of at most `graph_io_max_rows` rows do both copies inside their graph: t
 is the replay and an event. With `pruned_lm_head` (the engine's default on CUDA) those buckets' steps whose
 every row the fused sampler serves replay graphs that sample from an int8 copy of the LM head and the rows
 it cannot rule out, without logits (kernels/lm_head_bounds.py: the same ids).
+
+Rows of requests that asked for prompt logprobs (prompt chunks, never graph steps) are scored after the
+forward, eagerly: their hidden states go through the LM head in slices of at most
+`PROMPT_LOGPROBS_MAX_ROWS` rows (sampling/prompt_logprobs.py); steps without such rows skip it.
 """
 
 from __future__ import annotations
@@ -40,12 +44,13 @@ from tinyvllm.engine.kv_cache_size import (
     total_memory_bytes,
 )
 from tinyvllm.engine.paths.executor import ModelExecutor
-from tinyvllm.engine.step_inputs import StepInputBuilder
+from tinyvllm.engine.step_inputs import StepInputBuilder, StepInputs
 from tinyvllm.kernels import get_ops
 from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN, AttnMetadata
 from tinyvllm.models.decoder import KVCache
 from tinyvllm.models.loader import build_model
 from tinyvllm.sampling.fused_plan import FusedSamplingPlan
+from tinyvllm.sampling.prompt_logprobs import StepPromptLogprobs, may_score_prompts, prompt_spans, step_prompt_logprobs
 from tinyvllm.sampling.sampler import LogprobsTensors
 from tinyvllm.sampling.step_sampler import StepSampler
 
@@ -53,6 +58,10 @@ if TYPE_CHECKING:
     from tinyvllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# The most prompt rows whose logits exist at once when scoring prompt tokens (also at most max_num_seqs,
+# the logits rows the memory profile counts): [512, V] float32 is 256 MiB at V = 128k.
+PROMPT_LOGPROBS_MAX_ROWS = 512
 
 
 @dataclass
@@ -65,10 +74,12 @@ class StepHandle:
     logprobs: LogprobsTensors | None
     num_logprobs: list[int | None]  # per row of `logprobs`
     logprob_rows: list[int] | None = None  # the sampled rows that `logprobs` covers (None: all)
+    prompt_logprobs: StepPromptLogprobs | None = None  # of the step's rows that score prompt tokens
 
     def result(self) -> ModelRunnerOutput:
         if self.sampled_host is None:
-            return ModelRunnerOutput(sampled_token_ids=[])
+            prompt = None if self.prompt_logprobs is None else self.prompt_logprobs.to_host()
+            return ModelRunnerOutput(sampled_token_ids=[], prompt_logprobs=prompt)
         if self.event is not None:
             self.event.synchronize()
         ids = self.sampled_host.tolist()
@@ -85,7 +96,10 @@ class StepHandle:
                 for i, entry in zip(self.logprob_rows, covered):
                     per_row[i] = entry
             logprobs = [per_row[j] for j in self.sample_order]
-        return ModelRunnerOutput(sampled_token_ids=[ids[j] for j in self.sample_order], logprobs=logprobs)
+        prompt = None if self.prompt_logprobs is None else self.prompt_logprobs.to_host()
+        return ModelRunnerOutput(
+            sampled_token_ids=[ids[j] for j in self.sample_order], logprobs=logprobs, prompt_logprobs=prompt
+        )
 
 
 class ModelRunner:
@@ -151,6 +165,7 @@ class ModelRunner:
         self._bitmask_bufs: list[torch.Tensor] = []  # constrained steps' host bitmasks (two, alternating)
         self.builder_rows = 0  # the most rows a step samples (max_num_seqs), set by initialize()
         self._num_launched = 0
+        self._prompt_rows = PROMPT_LOGPROBS_MAX_ROWS
 
     # ------------------------------------------------------------------ KV cache and set-up
     def bytes_per_block(self, block_size: int) -> int:
@@ -269,6 +284,7 @@ class ModelRunner:
             device=self.device,
             cascade=cascade,
         )
+        self._prompt_rows = max(1, min(PROMPT_LOGPROBS_MAX_ROWS, max_num_seqs))
         pin = self.device.type == "cuda"
         self.builder_rows = max_num_seqs
         self._host_bufs = [
@@ -314,9 +330,9 @@ class ModelRunner:
         if inputs.placeholder_rows is not None:
             inputs.input_ids[inputs.placeholder_rows] = self._prev_sampled[inputs.placeholder_src]
         if not inputs.sampled:
-            self.executor.hidden_states(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+            hidden = self.executor.hidden_states(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
             self._prev_sampled, self._prev_index = None, {}
-            return StepHandle(None, None, [], None, [])
+            return StepHandle(None, None, [], None, [], prompt_logprobs=self._score_prompts(sched, inputs, hidden))
         bufs = self._next_host_bufs()
         seqs = inputs.sampled
         plan = self.sampler.plan(sched, seqs)
@@ -326,10 +342,27 @@ class ModelRunner:
             seeds = bufs["seeds"][: len(seqs)]
             self.sampler.draw_seeds(plan, seqs, seeds.numpy())
         hidden = self.executor.hidden_states(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        prompt_logprobs = self._score_prompts(sched, inputs, hidden)
         logits = self.executor.lm_head.logits(hidden[inputs.logits_indices], dtype=None)
         bitmask = self._grammar_bitmask(seqs, structured)  # filled while the device runs the forward
         sampled, logprobs, logprob_rows = self.sampler.sample(logits, seqs, plan, fused, seeds, None, bufs, bitmask)
-        return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs)
+        handle = self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs)
+        handle.prompt_logprobs = prompt_logprobs
+        return handle
+
+    def _score_prompts(
+        self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor
+    ) -> StepPromptLogprobs | None:
+        """The prompt logprobs of the step's rows that want them (sampling/prompt_logprobs.py), eagerly
+        through the LM head in slices; None, at the cost of one comparison, for a step without a prompt
+        chunk or a sequence that does not sample (no row of it can want them). Graph steps are decode
+        steps whose every row samples: they never have such rows."""
+        if not may_score_prompts(len(sched.sequences), sched.num_batched_tokens, len(inputs.sampled)):
+            return None
+        spans = prompt_spans(inputs.ordered)
+        if not spans:
+            return None
+        return step_prompt_logprobs(hidden, spans, self.executor.lm_head.logits, self._prompt_rows)
 
     def _graph_bucket(self, sched: SchedulerOutput) -> int | None:
         """The decode graph bucket that runs this step: only decode-only steps (one token per row) whose

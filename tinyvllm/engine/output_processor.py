@@ -206,6 +206,7 @@ class RequestState:
         "num_cached_tokens",
         "params",
         "prompt",
+        "prompt_logprobs",
         "prompt_token_ids",
         "request_id",
         "times",
@@ -231,6 +232,7 @@ class RequestState:
         self.finished = False
         self.error: str | None = None
         self.num_cached_tokens: int | None = None
+        self.prompt_logprobs: list | None = None  # once the core sent them (RequestOutput.prompt_logprobs)
         self.times: RequestTimes | None = None  # the first completion's, finished_time the latest
         self.aborts: Sequence[AbortRequest] = _NO_ABORTS  # what to stop in the core; the caller clears it
         self.totals = totals
@@ -251,6 +253,8 @@ class RequestState:
         self.num_cached_tokens = out.num_cached_tokens
         if out.times is not None:
             self._note_times(out)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         state = states[out.index]
         was_finished = state.finished
         delta = state.add(out)
@@ -294,12 +298,14 @@ class RequestState:
             s.fail()
         return self._completions[0].fail()
 
-    def delta(self, news: dict[int, CompletionDelta]) -> RequestDelta:
-        """The request's RequestDelta for a step whose news, by completion index, are `news`: every
-        completion is listed."""
+    def delta(self, news: dict[int, CompletionDelta], prompt_logprobs: list | None = None) -> RequestDelta:
+        """The request's RequestDelta for a step whose news, by completion index, are `news` (and the
+        prompt logprobs, if they came in that step): every completion is listed."""
         assert self._completions is not None
         completions = [news.get(s.index) or s.unchanged() for s in self._completions]
-        return RequestDelta(self.request_id, self.finished, completions, self.error, self.num_cached_tokens)
+        return RequestDelta(
+            self.request_id, self.finished, completions, self.error, self.num_cached_tokens, prompt_logprobs
+        )
 
     def output(self) -> RequestOutput:
         """Everything so far, as a RequestOutput (needs totals)."""
@@ -313,6 +319,7 @@ class RequestState:
             self.num_cached_tokens,
             self.error,
             self.metrics(),
+            self.prompt_logprobs,
         )
 
     def metrics(self) -> RequestMetrics | None:
@@ -332,18 +339,26 @@ def process_outputs(
     requests as their outputs are processed (a generator: each can be consumed, and freed, before the
     next is made), then those of n > 1 requests, once all of the step's outputs are in, in the order
     of their first outputs. `states[i]` is the RequestState of `outputs[i]`'s request."""
-    groups: dict[int, tuple[RequestState, dict[int, CompletionDelta]]] = {}  # n > 1, by id()
+    # n > 1, by id(): (state, news by completion index, the prompt logprobs if they came in this step)
+    groups: dict[int, list] = {}
     for state, out in zip(states, outputs):
         news = state.add(out)
         if state.n == 1:
-            yield state, RequestDelta(state.request_id, state.finished, [news], state.error, state.num_cached_tokens)
+            yield (
+                state,
+                RequestDelta(
+                    state.request_id, state.finished, [news], state.error, state.num_cached_tokens, out.prompt_logprobs
+                ),
+            )
         else:
             group = groups.get(id(state))
             if group is None:
-                group = groups[id(state)] = (state, {})
+                group = groups[id(state)] = [state, {}, None]
             group[1][news.index] = news
-    for state, news_by_index in groups.values():
-        yield state, state.delta(news_by_index)
+            if out.prompt_logprobs is not None:
+                group[2] = out.prompt_logprobs
+    for state, news_by_index, prompt_logprobs in groups.values():
+        yield state, state.delta(news_by_index, prompt_logprobs)
 
 
 class OutputProcessor:
@@ -418,6 +433,7 @@ class OutputProcessor:
                 delta.num_cached_tokens,
                 delta.error,
                 state.metrics(),
+                delta.prompt_logprobs,
             )
         if delta.finished or state.params.output_kind is not _FINAL_ONLY:
             return state.output()

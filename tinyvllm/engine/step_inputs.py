@@ -16,6 +16,7 @@ by the caller: the arena's `placeholder_src` tells the graph which rows to gathe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,7 @@ class StepInputs:
     num_placeholders: int = 0  # K: rows whose input is the previous step's sample
     prefix_len: int = 0  # the cascade prefix handed to attention (meta.decode_prefix_len's value); 0: none
     arena_bytes: int = 0  # graph steps: the leading bytes of the host arena to copy to the device arena
+    ordered: Sequence[ScheduledSequence] = ()  # eager steps: every sequence in row order
 
 
 def shared_prefix_len(table: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, block_size: int, align: int) -> int:
@@ -254,6 +256,7 @@ class StepInputBuilder:
             num_decodes=D,
             num_placeholders=K,
             prefix_len=l32.prefix_len,
+            ordered=batch.ordered,
         )
 
     def _order_rows(self, seqs: list[ScheduledSequence]) -> _Batch:

@@ -134,18 +134,30 @@ class ServingContext:
             )
 
     def sampling_params(
-        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None, renames: dict[str, str]
+        self,
+        req: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        renames: dict[str, str],
+        echo_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams from the request's fields over the model's defaults; errors name the field
         as the client spelled it (`renames`: SamplingParams name -> request name). The engine sends
-        DELTA outputs: each carries only what a step added."""
+        DELTA outputs: each carries only what a step added. The prompt is scored (prompt_logprobs) for
+        the request's `prompt_logprobs` field and for `echo_logprobs` (completions' echo with logprobs),
+        with the larger k of the two."""
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
-        if req.prompt_logprobs is not None:
-            raise APIError(400, "prompt_logprobs is not supported", "prompt_logprobs")
         max_logprobs = self.limits.max_logprobs
+        if req.prompt_logprobs is not None:
+            if req.stream:  # as vLLM: they come in the response, which a stream does not have
+                raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
+            if not 0 <= req.prompt_logprobs <= max_logprobs:
+                raise APIError(
+                    400, f"prompt_logprobs must be in [0, {max_logprobs}], got {req.prompt_logprobs}", "prompt_logprobs"
+                )
         if logprobs is not None and not 0 <= logprobs <= max_logprobs:
             raise APIError(
                 400, f"logprobs must be in [0, {max_logprobs}], got {logprobs}", renames.get("logprobs", "logprobs")
@@ -154,7 +166,14 @@ class ServingContext:
             raise APIError(400, f"n must be at most {self.limits.max_n}, got {req.n}", "n")
         check_stop(req.stop, self.limits)
         changes = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
-        changes.update(n=req.n, max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA)
+        scored = [k for k in (req.prompt_logprobs, echo_logprobs) if k is not None]
+        changes.update(
+            n=req.n,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=max(scored) if scored else None,
+            output_kind=RequestOutputKind.DELTA,
+        )
         try:
             return self.default_params.replace(**changes)
         except (ValueError, TypeError) as e:
@@ -399,17 +418,45 @@ def chat_logprobs(
 
 
 def completion_logprobs(
-    ctx: ServingContext, token_ids: list[int], entries: list[dict[int, Logprob]], k: int, offset: int
+    ctx: ServingContext, token_ids: list[int], entries: Sequence[dict[int, Logprob] | None], k: int, offset: int
 ) -> dict[str, list]:
-    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset. An entry None
+    (an echoed prompt's first token) gives a null logprob and null top_logprobs, as OpenAI's."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, entry in zip(token_ids, entries):
         text = ctx.token_text(tid)
         out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
         out["token_logprobs"].append(finite(entry[tid].logprob))
         top = {ctx.token_text(t): finite(lp.logprob) for t, lp in top_entries(entry, k)}
         top.setdefault(text, finite(entry[tid].logprob))
         out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(text)
+    return out
+
+
+def prompt_logprobs_json(
+    token_ids: list[int], entries: Sequence[dict[int, Logprob] | None] | None, k: int
+) -> list[dict[str, dict] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} with the prompt token and the k most likely (the engine may have scored more)."""
+    if entries is None:
+        return None
+    out: list[dict[str, dict] | None] = []
+    for tid, entry in zip(token_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        kept = dict(top_entries(entry, k))
+        kept.setdefault(tid, entry[tid])
+        out.append(
+            {
+                str(t): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for t, lp in kept.items()
+            }
+        )
     return out

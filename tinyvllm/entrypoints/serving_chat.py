@@ -43,6 +43,7 @@ from tinyvllm.entrypoints.serving import (
     merged,
     new_id,
     now_s,
+    prompt_logprobs_json,
     sse,
     sse_error,
     usage,
@@ -219,7 +220,7 @@ def _response(
             }
         )
     completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-    return {
+    response = {
         "id": request_id,
         "object": "chat.completion",
         "created": now_s(),
@@ -227,6 +228,11 @@ def _response(
         "choices": choices,
         "usage": usage(len(final.prompt_token_ids), completion_tokens),
     }
+    if req.prompt_logprobs is not None:  # vLLM's extra, on the response
+        response["prompt_logprobs"] = prompt_logprobs_json(
+            final.prompt_token_ids, final.prompt_logprobs, req.prompt_logprobs
+        )
+    return response
 
 
 def _first_chunks(req: ChatCompletionRequest, head: dict, include_usage: bool, prompt: str) -> str:

@@ -7,6 +7,11 @@ the delta; a client that reads slowly gets fewer, larger pieces), the finish_rea
 chunk, then, with stream_options.include_usage, a chunk with `choices: []` and the usage, and finally
 `data: [DONE]`. `structured_outputs` (or `response_format`) constrains each completion's text
 (tinyvllm.entrypoints.structured).
+
+`echo` with `logprobs: k` scores the prompt (prompt_logprobs k): the choice's logprobs list the prompt's
+tokens first, the first one's logprob and top_logprobs null, streamed in the choice's first chunk. vLLM's
+`prompt_logprobs` field (not with `stream`) adds `prompt_logprobs` to each choice, in vLLM's shape
+(`serving.prompt_logprobs_json`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tinyvllm.entrypoints.serving import (
     merged,
     new_id,
     now_s,
+    prompt_logprobs_json,
     sse,
     sse_error,
     usage,
@@ -70,14 +76,12 @@ def _validate(ctx: ServingContext, req: CompletionRequest) -> tuple[list[Prompt]
         raise APIError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (it must equal n when given)", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs prompt logprobs, which are not supported", "echo")
     prompts = _prompts(ctx, req)
     explicit = "max_tokens" in req.model_fields_set  # null: as long as the model allows
     for _, ids in prompts:
         ctx.check_length(len(ids), req.max_tokens if explicit else None, "prompt", "max_tokens")
     max_tokens = req.max_tokens if explicit else 16  # OpenAI's default for completions
-    params = ctx.sampling_params(req, max_tokens, req.logprobs, {})
+    params = ctx.sampling_params(req, max_tokens, req.logprobs, {}, req.logprobs if req.echo else None)
     constraint = structured_params(ctx, req.response_format, req.structured_outputs)
     if constraint is not None:
         params = params.replace(structured_outputs=constraint)
@@ -106,12 +110,18 @@ def _response(
     for i, out in enumerate(finals):
         for o in out.outputs:
             text = (_prompt_text(ctx, prompts[i]) if req.echo else "") + o.text
-            lp = (
-                completion_logprobs(ctx, o.token_ids, o.logprobs or [], req.logprobs, 0)
-                if req.logprobs is not None
-                else None
-            )
-            choices.append(_choice(i * req.n + o.index, text, lp, o))
+            lp = None
+            if req.logprobs is not None:
+                ids, entries = o.token_ids, o.logprobs or []
+                if req.echo:  # the prompt's tokens first, scored as generated ones are (the first: null)
+                    ids, entries = prompts[i][1] + ids, _prompt_entries(prompts[i][1], out.prompt_logprobs) + entries
+                lp = completion_logprobs(ctx, ids, entries, req.logprobs, 0)
+            choice = _choice(i * req.n + o.index, text, lp, o)
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(
+                    prompts[i][1], out.prompt_logprobs, req.prompt_logprobs
+                )
+            choices.append(choice)
     completion_tokens = sum(len(o.token_ids) for out in finals for o in out.outputs)
     return {
         "id": request_id,
@@ -121,6 +131,11 @@ def _response(
         "choices": choices,
         "usage": usage(sum(len(p[1]) for p in prompts), completion_tokens),
     }
+
+
+def _prompt_entries(prompt_ids: list[int], prompt_logprobs: list | None) -> list:
+    """The prompt logprobs of an echoed prompt; nulls if the request ended before it was scored."""
+    return list(prompt_logprobs) if prompt_logprobs is not None else [None] * len(prompt_ids)
 
 
 def _choice(index: int, text: str, logprobs: dict | None, o: CompletionOutput | None) -> dict:
@@ -139,11 +154,14 @@ async def _events(
     head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.model_name}
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     fmt = ChunkFormat(head, include_usage)
-    sent_chars: dict[int, int] = {}  # per choice: text sent so far (the logprobs' text_offset)
+    sent_chars: dict[int, int] = {}  # per choice: the logprobs' text_offset of its next generated token
+    prompt_logprobs: dict[int, list] = {}  # per prompt, once the engine sent them (echo with logprobs)
     completion_tokens: dict[int, int] = {}
     done: set[int] = set()
     try:
         async for i, delta in merged(streams):  # what arrived since the previous event, merged
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs[i] = delta.prompt_logprobs
             chunks = []
             for c in delta.completions:
                 index = i * req.n + c.index
@@ -159,7 +177,15 @@ async def _events(
                 offset = sent_chars.get(index, 0)
                 lp = None
                 if req.logprobs is not None:
-                    lp = completion_logprobs(ctx, token_ids, c.logprobs or [], req.logprobs, offset)
+                    ids, entries = token_ids, c.logprobs or []
+                    if first and req.echo:
+                        # Completion 0's first output brings them, never later than any completion's first.
+                        prompt_ids = prompts[i][1]
+                        ids, entries = prompt_ids + ids, _prompt_entries(prompt_ids, prompt_logprobs.get(i)) + entries
+                        offset = sum(len(ctx.token_text(t)) for t in prompt_ids)
+                        lp = completion_logprobs(ctx, ids, entries, req.logprobs, 0)
+                    else:
+                        lp = completion_logprobs(ctx, ids, entries, req.logprobs, offset)
                 sent_chars[index] = offset + len(text)
                 if first and req.echo:
                     text = _prompt_text(ctx, prompts[i]) + text
