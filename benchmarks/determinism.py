@@ -46,8 +46,8 @@ def _engine(ns: argparse.Namespace, **kw: Any) -> LLM:
     return LLM(model=str(resolve_model(ns.model)), dtype=ns.dtype, device=ns.device, **extra, **kw)
 
 
-def _free(llm: LLM) -> None:
-    del llm
+def _collect() -> None:
+    """Free the engines the caller has dropped (an LLM holds its weights and KV cache until collected)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -59,16 +59,19 @@ def reproducibility(ns: argparse.Namespace) -> dict:
         first = _engine(ns, enable_prefix_caching=False)
         ps = det.prompts(ns.num_prompts, first.llm_engine.model_config.vocab_size)
         a = det.run_alone(first, ps, kind, ns.max_tokens)
-        _free(first)
+        del first
+        _collect()
         second = _engine(ns, enable_prefix_caching=False)
         b = det.run_alone(second, ps, kind, ns.max_tokens)
         det.other_traffic(second, ns.traffic, ns.max_tokens)
         c = det.run_alone(second, ps, kind, ns.max_tokens)
-        _free(second)
+        del second
+        _collect()
         inv = _engine(ns, batch_invariant=True)
         alone = det.run_alone(inv, ps, kind, ns.max_tokens)
         batched = det.run_in_batch(inv, ps, kind, ns.max_tokens, ns.batch_size)
-        _free(inv)
+        del inv
+        _collect()
         out[kind] = {
             "default: fresh engine vs fresh engine": det.compare(a, b).as_dict(),
             "default: fresh engine vs after other traffic": det.compare(a, c).as_dict(),

@@ -35,7 +35,7 @@ def upcast_operands(q: torch.Tensor) -> bool:
     return upcast_dot(q.device) and q.dtype != torch.float64
 
 
-ONE_PAGE = 1 << 30  # the "page size" of the one-entry block table: longer than any sequence
+ONE_PAGE = tl.constexpr(1 << 30)  # the "page size" of the one-entry block table: longer than any sequence
 
 
 @triton.jit
