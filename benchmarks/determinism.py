@@ -136,7 +136,8 @@ def cost(ns: argparse.Namespace) -> dict:
             "throughput_output_tokens_per_s": produced / seconds,
             "throughput_seconds": seconds,
         }
-        _free(llm)
+        del llm, outs
+        _collect()
     base = results.get("default")
     rows = []
     for name, r in results.items():
