@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--dropout", type=float, default=0.1, help="residual dropout (training only)")
     g.add_argument("--evals-per-epoch", type=float, default=2.0)
     g.add_argument("--max-steps", type=int, default=None, help="cap the steps of every run (smoke tests)")
+    g.add_argument(
+        "--max-eval-windows", type=int, default=None, help="validate on this many windows only (smoke tests)"
+    )
     g.add_argument("--max-minutes", type=float, default=7.0, help="wall-clock budget for all runs together")
     args = ap.parse_args(argv)
     args.epochs = [float(e) for e in str(args.epochs).split(",")]
@@ -220,10 +223,21 @@ def loss_on(model, windows: torch.Tensor, device: torch.device, amp: bool = True
 
 
 @torch.no_grad()
-def evaluate(model, val: torch.Tensor, seq_len: int, batch: int, device: torch.device, amp: bool = True) -> float:
-    """Mean loss (nats/token) over consecutive windows covering the validation stream."""
+def evaluate(
+    model,
+    val: torch.Tensor,
+    seq_len: int,
+    batch: int,
+    device: torch.device,
+    amp: bool = True,
+    max_windows: int | None = None,
+) -> float:
+    """Mean loss (nats/token) over consecutive windows covering the validation stream (its first
+    `max_windows` windows when given)."""
     model.eval()
     n = (len(val) - 1) // seq_len
+    if max_windows is not None:
+        n = min(n, max_windows)
     windows = torch.stack([val[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)])
     total = 0.0
     for i in range(0, n, batch):
@@ -296,7 +310,7 @@ def train_run(
                 {"step": step + 1, "epoch": (step + 1) * tokens_per_step / len(train), "train_loss": mean}
             )
         if (step + 1) % eval_every == 0 or last:
-            val_loss = evaluate(model, val, args.seq_len, args.batch_size, device)
+            val_loss = evaluate(model, val, args.seq_len, args.batch_size, device, max_windows=args.max_eval_windows)
             train_loss = sum(since_eval) / len(since_eval)
             since_eval = []
             log["evals"].append(
