@@ -110,6 +110,11 @@ def _check_kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> N
             f"the Triton flash_attention takes {[str(d) for d in KERNEL_DTYPES]}, got {q.dtype}; "
             "pass backend='torch' for other dtypes"
         )
+    if q.dtype == torch.float64 and q.device.type == "cuda":
+        raise TypeError(
+            "the Triton flash_attention takes float64 only under TRITON_INTERPRET=1 (tests, gradcheck): "
+            "Triton's CUDA matrix products have no float64 form here; pass backend='torch' for float64 on CUDA"
+        )
     D = q.shape[-1]
     if D not in KERNEL_HEAD_DIMS:
         raise ValueError(
