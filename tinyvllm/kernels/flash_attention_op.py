@@ -13,8 +13,9 @@ Backends: "triton" (CUDA, or the CPU under TRITON_INTERPRET=1) or "torch" (any d
 Triton on CUDA and the reference elsewhere. The kernels take float16 and bfloat16 (float32
 accumulation; P and dS rounded to the input dtype before their matrix products, as FA2) and float32 and
 float64 (IEEE products, accumulating in float32 resp. float64: for tests and `gradcheck`; float64 only
-under the interpreter), head dims 16, 32, 64 and 128. Everything else is a TypeError/ValueError naming the fix (often backend="torch").
-The kernels never use atomics: two backward passes give bitwise equal gradients.
+under the interpreter), head dims 16, 32, 64 and 128. Everything else is a TypeError/ValueError naming
+the fix (often backend="torch"). The kernels never use atomics: two backward passes give bitwise equal
+gradients.
 """
 
 from __future__ import annotations
