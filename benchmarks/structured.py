@@ -26,6 +26,10 @@ from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 SCHEMA = {
     "type": "array",
+    # The workload's schema is unbounded so that, as unconstrained with ignore_eos, each request runs to its
+    # max_tokens. Random weights close the array after a few items; at least 200 items (more than any
+    # max_tokens can hold) keeps them writing, so both runs produce the same tokens and the ratio is per token.
+    "minItems": 200,
     "items": {
         "type": "object",
         "properties": {"id": {"type": "integer"}, "word": {"type": "string", "maxLength": 8}},
@@ -62,7 +66,7 @@ def _generate(llm: LLM, prompts: list[dict], params: list[SamplingParams]) -> di
     valid = None
     if params[0].structured_outputs is not None:  # the constrained outputs that completed must parse
         done = [o.outputs[0].text for o in outs if o.outputs[0].finish_reason == "stop"]
-        valid = all(isinstance(json.loads(t), list) for t in done)
+        valid = all(isinstance(json.loads(t), list) for t in done) if done else None
     return {
         "seconds": seconds,
         "output_tokens": tokens,
