@@ -229,6 +229,46 @@ def test_preemption_and_prefix_caching_keep_outputs_valid(model_dir):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
+def test_async_scheduling_gives_the_synchronous_outputs(model_dir):
+    """With async scheduling a step with constrained rows processes the in-flight step from inside its
+    own launch (after the forward is enqueued, before the bitmask is filled): constrained and plain
+    requests, greedy and seeded, under preemption, give the synchronous engine's tokens exactly."""
+    schema = {
+        "type": "array",
+        "items": {"type": "object", "properties": {"k": {"enum": ["abc", "de", 7]}}, "required": ["k"]},
+        "minItems": 2,
+        "maxItems": 5,
+    }
+    so = SO(json=schema, disable_any_whitespace=True)
+    prompts = [f"shared prefix {i} " * 2 for i in range(6)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=60, structured_outputs=so),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=60, structured_outputs=so),
+        SamplingParams(temperature=1.0, seed=8, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=9, max_tokens=60, structured_outputs=so),
+        SamplingParams(temperature=0, max_tokens=60, structured_outputs=SO(regex="(ab|c)+d")),
+    ]
+    runs = {}
+    for overlap in (False, True):
+        engine = LLM(
+            model=str(model_dir),
+            device="cpu",
+            max_model_len=256,
+            max_num_seqs=6,
+            num_gpu_blocks_override=16,
+            async_scheduling=overlap,
+        )
+        runs[overlap] = engine.generate(prompts, params, use_tqdm=False)
+        assert engine.get_metrics()["num_preemptions"] > 0
+    for sync, overlapped in zip(runs[False], runs[True]):
+        assert overlapped.outputs[0].token_ids == sync.outputs[0].token_ids
+        assert overlapped.outputs[0].finish_reason == sync.outputs[0].finish_reason
+    for i in (0, 2, 4):
+        assert _check(engine, so, runs[True][i].outputs[0], _json_valid(schema))
+    assert re.fullmatch(r"(ab|c)+d", runs[True][5].outputs[0].text)
+
+
 def test_core_requests_compile_off_the_loop_and_fail_alone(llm):
     """`add_core_request` (the multi-process core's entry) does not compile before queueing: a grammar
     that fails there ends its own request with the compile error; the others run."""

@@ -26,7 +26,7 @@ forward, eagerly: their hidden states go through the LM head in slices of at mos
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -162,6 +162,7 @@ class ModelRunner:
         # Host staging written at launch and copied asynchronously: two of each, used alternately, since
         # the engine reads step N's results only after launching step N+1.
         self._host_bufs: list[dict[str, torch.Tensor]] = []
+        self._before_mask: Callable[[], None] | None = None  # launch()'s, for _grammar_bitmask
         self._bitmask_bufs: list[torch.Tensor] = []  # constrained steps' host bitmasks (two, alternating)
         self.builder_rows = 0  # the most rows a step samples (max_num_seqs), set by initialize()
         self._num_launched = 0
@@ -317,12 +318,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
-    def launch(self, sched: SchedulerOutput, structured: StructuredOutputManager | None = None) -> StepHandle:
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        structured: StructuredOutputManager | None = None,
+        before_mask: Callable[[], None] | None = None,
+    ) -> StepHandle:
         """Enqueue one step (inputs, forward, sampling, the copy of the sampled ids) and return.
-        `structured`: the engine's grammars, whose token bitmask the step's constrained rows sample under."""
+        `structured`: the engine's grammars, whose token bitmask the step's constrained rows sample under.
+        `before_mask`: called, when the step has constrained rows, after its forward is enqueued and before
+        their bitmask is filled (the engine brings the grammars up to date with the in-flight step there)."""
         assert self.builder is not None, "initialize() first"
         if structured is not None and not structured.grammars:
             structured = None
+        self._before_mask = before_mask
         bucket = self._graph_bucket(sched)
         if bucket is not None:
             return self._launch_graph_step(sched, bucket, structured)
@@ -428,6 +437,8 @@ class ModelRunner:
         if structured is None:
             return None
         rids = [s.request_id for s in seqs]
+        if self._before_mask is not None and structured.constrained_rows(rids):
+            self._before_mask()
         rows = structured.constrained_rows(rids)
         if not rows:
             return None
