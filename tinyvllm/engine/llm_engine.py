@@ -42,6 +42,7 @@ from tinyvllm.engine.step_timing import StepRecord, StepTimer
 from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import Logprob, RequestOutput
+from tinyvllm.quantization.config import resolve_quantization
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer, check_text
 
@@ -141,9 +142,12 @@ class LLMEngine:
         backend = default_backend(self.device.type) if args.kernel_backend == "auto" else args.kernel_backend
         self.eos_token_ids = self._eos_token_ids()
 
+        self.quantization = resolve_quantization(args.quantization, self.model_config.quantization)
         self.runner = ModelRunner(
             self.model_config,
             args.runner_config(self.device.type),
+            quantization=self.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             model_dir=str(self.model_dir),
             device=self.device,
             dtype=self.dtype,
@@ -180,6 +184,7 @@ class LLMEngine:
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             enable_prefix_caching=args.enable_prefix_caching,
+            cache_dtype=args.kv_cache_dtype,
         )
         budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         limit = self.model_config.max_position_embeddings
