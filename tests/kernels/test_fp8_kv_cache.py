@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from kernel_helpers import assert_close, make_paged_cache, packed_queries
 
+from tests.quantization.fp8_reference import e4m3_grid, round_e4m3
 from tinyvllm.kernels import reference
 from tinyvllm.kernels.decode_attention import DecodeConfig, decode_attention_fwd
 from tinyvllm.kernels.fp8_convert import to_e4m3
@@ -24,26 +25,6 @@ from tinyvllm.kernels.prefill_attention import PrefillConfig, prefill_attention_
 FP8 = torch.float8_e4m3fn
 F32, BF16 = torch.float32, torch.bfloat16
 K_SCALE, V_SCALE = 0.37, 2.5  # K cache values ~ N(0, 1/0.37²), V's ~ N(0, 1/2.5²): both well inside ±448
-
-
-def e4m3_grid() -> torch.Tensor:
-    """Every finite non-negative float8_e4m3fn value, from its definition (bias 7, 3 mantissa bits,
-    subnormals at exponent 0, S.1111.111 is NaN), float64 ascending."""
-    values = [m / 8 * 2.0**-6 for m in range(8)]  # subnormals and zero
-    values += [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8) if not (e == 15 and m == 7)]
-    return torch.tensor(sorted(values), dtype=torch.float64)
-
-
-def round_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even onto the e4m3fn grid after clamping to ±448, in float64 (ties: the grid value
-    with the even mantissa, i.e. the even index on the grid)."""
-    grid = e4m3_grid()
-    a = x.double().abs().clamp(max=448.0)
-    hi = torch.searchsorted(grid, a).clamp(max=len(grid) - 1)
-    lo = (hi - 1).clamp(min=0)
-    d_lo, d_hi = a - grid[lo], grid[hi] - a
-    pick = torch.where(d_lo < d_hi, lo, torch.where(d_hi < d_lo, hi, torch.where(lo % 2 == 0, lo, hi)))
-    return torch.sign(x.double()) * grid[pick]
 
 
 @triton.jit
