@@ -165,13 +165,15 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         logger.info(
-            "engine ready: %s on %s (%s, %s kernels), %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s (%s, %s kernels%s), %d KV blocks of %d tokens (%s), max_model_len %d",
             self.model_dir,
             self.device,
             self.dtype,
             backend,
+            ", FP8 weights" if self.quantization is not None else "",
             self.num_blocks,
             args.block_size,
+            self.runner.kv_cache_dtype,
             self.scheduler_config.max_model_len,
         )
 
