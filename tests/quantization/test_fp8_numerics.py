@@ -101,3 +101,26 @@ def test_fp8_linear_product(strategy, dynamic):
     # and FP8 is an approximation of the float product, not a different function
     exact = x.double() @ w.double().T + layer.bias.double()
     assert (y.double() - exact).norm() / exact.norm() < 0.05
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="_scaled_mm needs sm_89+"
+)
+def test_scaled_mm_path_matches_reference():
+    """On the GPU the product is torch._scaled_mm with row-wise scales: the reference's result, rounded to bf16."""
+    from tinyvllm.quantization.linear import fp8_matmul, scaled_mm_supported
+
+    gen = torch.Generator().manual_seed(2)
+    K, N = 256, 384
+    layer = Fp8Linear(K, N, bias=False, dtype=torch.bfloat16)
+    q_w, s_w = quantize_rows(torch.randn(N, K, generator=gen) * 0.05)
+    layer.weight.data.copy_(q_w)
+    layer.weight_scale.data.copy_(s_w)
+    x = torch.randn(33, K, generator=gen).to(torch.bfloat16)
+    q_x, s_x = quantize_rows(x)
+    ref = fp8_matmul(q_x, s_x, q_w, s_w, None, torch.float32)  # the CPU reference, float32
+    layer = layer.cuda()
+    assert scaled_mm_supported(q_x.cuda(), layer.weight, torch.bfloat16)
+    y = layer(x.cuda())
+    assert y.dtype == torch.bfloat16
+    assert (y.float().cpu() - ref).norm() / ref.norm() < 4e-3  # bf16 output rounding: RMS 2⁻⁹ relative
