@@ -201,3 +201,29 @@ def test_bad_flags():
         LLM(model="dummy:tiny", device="cpu", kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="quantization='awq' is not supported"):
         LLM(model="dummy:tiny", device="cpu", quantization="awq")
+
+
+def test_fp8_kv_cache_engine_triton_matches_torch(base):
+    """The engine with an FP8 KV cache and per-layer K/V scales: the Triton kernels (KV write, prefill over a
+    cache written by an earlier chunk, paged decode) give the torch reference's logits, and the cache changes
+    them by far more than the two backends differ (the scales are applied, not ignored). The weights stay in
+    float32: FP8 activations would turn last-bit differences into whole e4m3 steps at rounding ties."""
+    prompt = prompts(1, 24)[0]
+    runs = {}
+    for backend, kv in (("torch", "fp8"), ("triton", "fp8"), ("torch", "auto")):
+        llm = LLM(
+            model=str(base),
+            device="cpu",
+            dtype="float32",
+            kernel_backend=backend,
+            kv_cache_dtype=kv,
+            num_gpu_blocks_override=16,
+        )
+        for layer in llm.llm_engine.runner.model.layers:
+            layer.self_attn.k_scale, layer.self_attn.v_scale = 0.05, 0.02  # as a checkpoint's scales would be
+        # chunks of 16, 1 and 7 tokens: a prefill, a one-token step reading 16 cached tokens, another prefill
+        runs[backend, kv] = teacher_forced_logits(llm.llm_engine, prompt, [16, 1, 7])
+    diff = (runs["triton", "fp8"] - runs["torch", "fp8"]).norm()
+    fp8_effect = (runs["torch", "fp8"] - runs["torch", "auto"]).norm()
+    assert fp8_effect > 1e-3 * runs["torch", "auto"].norm()
+    assert diff <= 1e-5 * runs["torch", "fp8"].norm(), (float(diff), float(fp8_effect))
