@@ -170,6 +170,22 @@ def test_kv_cache_scales_load(base, tmp_path):
     assert (attn.k_scale, attn.v_scale) == (torch.tensor(0.05).item(), 0.125)  # float32 in the file
 
 
+def test_quantized_lm_head_loads_dequantized(base, tmp_path):
+    """A checkpoint that quantizes the LM head too (`ignore: []`): the head loads as q · s in the model's dtype."""
+    out = tmp_path / "head"
+    write_fp8_checkpoint(base, out, "channel", True)
+    tensors = load_file(str(out / "model.safetensors"))
+    q, s = quantize_rows(tensors["lm_head.weight"])
+    tensors["lm_head.weight"], tensors["lm_head.weight_scale"] = q, s[:, None]
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = []
+    (out / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(model=str(out), device="cpu", dtype="float32", num_gpu_blocks_override=8)
+    head = llm.llm_engine.runner.model.lm_head.weight
+    assert head.dtype == torch.float32 and torch.equal(head, q.float() * s[:, None])
+
+
 def test_fp8_weights_with_bf16_values_are_an_error(base, tmp_path):
     out = tmp_path / "bad"
     write_fp8_checkpoint(base, out, "channel", True)

@@ -96,8 +96,11 @@ def quantized_name_map(config: ModelConfig, quant: QuantizationConfig) -> tuple[
     """The scale tensors of a checkpoint stored in FP8: (required, optional) name → Target.
 
     Required: `<module>.weight_scale` of every quantized linear module and, with static activation
-    scales, its `<module>.input_scale`. Optional: the KV cache scales, under compressed-tensors' names
-    (`self_attn.k_proj.output_scale`) or vLLM's (`self_attn.k_scale`)."""
+    scales, its `<module>.input_scale`; for a quantized (not ignored) LM head its weight and scale, which
+    load dequantized into the model's dtype (kinds "head_weight", "head_scale"). Optional: the KV cache
+    scales, under compressed-tensors' names (`self_attn.k_proj.output_scale`) or vLLM's
+    (`self_attn.k_scale`), and a quantized LM head's input scale (unused: the head runs in the model's
+    dtype)."""
     q, kv, f = config.q_size, config.kv_size, config.intermediate_size
     rows = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, f), "up": (f, f), None: (None, None)}
     required: dict[str, Target] = {}
@@ -116,6 +119,10 @@ def quantized_name_map(config: ModelConfig, quant: QuantizationConfig) -> tuple[
             target = Target(f"layers.{i}.self_attn", kind=f"{which}_scale")
             optional[f"{attn}.{which}_proj.output_scale"] = target
             optional[f"{attn}.{which}_scale"] = target
+    if not config.tie_word_embeddings and not quant.is_ignored("lm_head"):
+        required["lm_head.weight"] = Target("lm_head.weight", kind="head_weight")
+        required["lm_head.weight_scale"] = Target("lm_head.weight", kind="head_scale")
+        optional["lm_head.input_scale"] = Target("lm_head.weight", kind="unused")
     return required, optional
 
 
@@ -158,6 +165,7 @@ def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = F
     _reset_scales(model)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    head: dict[str, torch.Tensor] = {}  # a quantized LM head's weight and scale, dequantized at the end
     seen: set[str] = set()
     files = safetensors_files(model_dir)
     big = sum(f.stat().st_size for f in files) > _PROGRESS_MIN_BYTES
@@ -176,7 +184,9 @@ def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = F
         if target.kind in ("k_scale", "v_scale"):
             _check_scalar(name, path, tensor)
             setattr(modules[target.param], target.kind, float(tensor.float().reshape(())))
-        else:
+        elif target.kind in ("head_weight", "head_scale"):
+            head[target.kind] = tensor
+        elif target.kind != "unused":
             _store(params, target, name, path, tensor, quant)
         seen.add(name)
         bar.update(1)
@@ -185,6 +195,21 @@ def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = F
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s): {shown}")
+    if head:
+        _store_dequantized_head(params["lm_head.weight"], head["head_weight"], head["head_scale"])
+
+
+def _store_dequantized_head(dest: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """A quantized LM head into the model's dtype: W = q · s (s per row [V, 1], or one value)."""
+    if q.dtype != FP8_DTYPE or tuple(q.shape) != tuple(dest.shape):
+        raise ValueError(
+            f"lm_head.weight is {q.dtype} {tuple(q.shape)}; a quantized LM head must be float8_e4m3fn "
+            f"{tuple(dest.shape)}"
+        )
+    scale = scale.float()
+    if scale.numel() not in (1, q.shape[0]):
+        raise ValueError(f"lm_head.weight_scale has {scale.numel()} values for {q.shape[0]} rows")
+    dest.copy_(q.float() * scale.reshape(-1, 1))
 
 
 def _reset_scales(model: CausalLM) -> None:
