@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tinyvllm.quantization.config import QuantizationConfig, parse_quantization_config
+
 # architecture (config.json `architectures[0]`) → its `model_type`; a family is a set of ModelConfig fields
 # (QKV bias, per-head q/k norm, sliding window) read from config.json by `_family_fields`.
 ARCHITECTURES = {
@@ -24,6 +26,7 @@ ARCHITECTURES = {
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8_e4m3: vLLM's other name for fp8
 _DTYPE_ALIASES = {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
 
 
@@ -74,6 +77,7 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # one entry per layer (LAYER_TYPES); empty: every layer full attention
+    quantization: QuantizationConfig | None = None  # the checkpoint's own (config.json quantization_config)
 
     def __post_init__(self) -> None:
         positive = (
@@ -179,6 +183,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
+            quantization=_quantization(cfg),
             **family,
         )
 
@@ -189,6 +194,11 @@ class ModelConfig:
             raise ValueError(f"{model_dir} is not a Hugging Face model directory: no config.json")
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+def _quantization(cfg: dict[str, Any]) -> QuantizationConfig | None:
+    raw = cfg.get("quantization_config")
+    return None if raw is None else parse_quantization_config(raw)
 
 
 def _architecture(cfg: dict[str, Any]) -> str:
@@ -296,8 +306,13 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     cpu_max_memory_fraction: float = 0.25
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8_e4m3fn with per-layer K and V scales
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.cache_dtype!r} is not supported; expected one of {list(KV_CACHE_DTYPES)}"
+            )
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -73,6 +73,17 @@ class EngineArgs:
         "KV cache size in bytes, instead of sizing it (default: on CUDA, what gpu_memory_utilization leaves; on the "
         "CPU, what max_num_seqs sequences of max_model_len tokens need, at most 1/4 of the memory)",
     )
+    quantization: str | None = _opt(
+        None,
+        "fp8: quantize the weights to FP8 at load (per-channel weight scales, per-token activation scales); "
+        "checkpoints already in FP8 (compressed-tensors, quant_method fp8) run in FP8 without it",
+        ("fp8",),
+    )
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV cache dtype: auto (the model's) or fp8 (float8_e4m3fn, twice the tokens)",
+        ("auto", "fp8", "fp8_e4m3"),
+    )
     load_format: str = _opt(
         "auto", "auto/safetensors, or dummy (random weights, config only)", ("auto", "safetensors", "dummy")
     )

@@ -48,6 +48,7 @@ from tinyvllm.engine.step_timing import StepRecord, StepTimer
 from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import Logprob, RequestOutput
+from tinyvllm.quantization.config import resolve_quantization
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer, check_text
 
@@ -160,9 +161,17 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self._structured = None  # the StructuredOutputManager, built by the first constrained request
 
+        self.quantization = resolve_quantization(args.quantization, self.model_config.quantization)
+        if args.batch_invariant and (self.quantization is not None or args.kv_cache_dtype != "auto"):
+            raise ValueError(
+                "batch_invariant=True runs bf16/float32 weights and KV cache only (its matrix products and "
+                "attention have no FP8 form yet); drop quantization / kv_cache_dtype or batch_invariant"
+            )
         self.runner = ModelRunner(
             self.model_config,
             args.runner_config(self.device.type),
+            quantization=self.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             model_dir=str(self.model_dir),
             device=self.device,
             dtype=self.dtype,
@@ -180,13 +189,15 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         logger.info(
-            "engine ready: %s on %s (%s, %s kernels), %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s (%s, %s kernels%s), %d KV blocks of %d tokens (%s), max_model_len %d",
             self.model_dir,
             self.device,
             self.dtype,
             backend,
+            ", FP8 weights" if self.quantization is not None else "",
             self.num_blocks,
             args.block_size,
+            self.runner.kv_cache_dtype,
             self.scheduler_config.max_model_len,
         )
 
@@ -199,6 +210,7 @@ class LLMEngine:
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             enable_prefix_caching=args.enable_prefix_caching,
+            cache_dtype=args.kv_cache_dtype,
         )
         budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         limit = self.model_config.max_position_embeddings

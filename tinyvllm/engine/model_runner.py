@@ -47,8 +47,9 @@ from tinyvllm.engine.paths.executor import ModelExecutor
 from tinyvllm.engine.step_inputs import StepInputBuilder, StepInputs
 from tinyvllm.kernels import get_ops
 from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN, AttnMetadata
-from tinyvllm.models.decoder import KVCache
+from tinyvllm.models.decoder import FP8_KV_DTYPE, KVCache
 from tinyvllm.models.loader import build_model
+from tinyvllm.quantization.config import QuantizationConfig
 from tinyvllm.sampling.fused_plan import FusedSamplingPlan
 from tinyvllm.sampling.prompt_logprobs import StepPromptLogprobs, may_score_prompts, prompt_spans, step_prompt_logprobs
 from tinyvllm.sampling.sampler import LogprobsTensors
@@ -62,6 +63,15 @@ logger = logging.getLogger(__name__)
 # The most prompt rows whose logits exist at once when scoring prompt tokens (also at most max_num_seqs,
 # the logits rows the memory profile counts): [512, V] float32 is 256 MiB at V = 128k.
 PROMPT_LOGPROBS_MAX_ROWS = 512
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensors' dtype: the model's for "auto", float8_e4m3fn for "fp8" / "fp8_e4m3"."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return FP8_KV_DTYPE
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; expected auto, fp8 or fp8_e4m3")
 
 
 @dataclass
@@ -112,6 +122,8 @@ class ModelRunner:
         device, dtype: where and in what the model runs.
         kernel_backend: "triton" or "torch" (kernels/__init__.py).
         load_format: "auto"/"safetensors", or "dummy" for random weights.
+        quantization: FP8 linear layers (quantization/), or None: the model's dtype.
+        kv_cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (float8_e4m3fn: half the bytes).
         seed: seeds dummy weights and the sampler's random state.
         eos_token_ids: banned while a request is shorter than its min_tokens.
         show_progress: show the weight-loading progress bar.
@@ -130,12 +142,15 @@ class ModelRunner:
         seed: int = 0,
         eos_token_ids: Sequence[int] = (),
         show_progress: bool = False,
+        quantization: QuantizationConfig | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model_config = model_config
         self.config = runner_config
         self.device = device
         self.dtype = dtype
         self.kernel_backend = kernel_backend
+        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         self.ops = get_ops(kernel_backend, batch_invariant=runner_config.batch_invariant)
         self.model = build_model(
             model_config,
@@ -147,10 +162,11 @@ class ModelRunner:
             load_format=load_format,
             seed=seed,
             show_progress=show_progress,
+            quant=quantization,
         )
         # Built before the memory profile, which then counts the megakernel's workspace and the pruned LM
         # head's int8 copy.
-        self.executor = ModelExecutor(self.model, runner_config, device.type)
+        self.executor = ModelExecutor(self.model, runner_config, device.type, kv_cache_dtype=self.kv_cache_dtype)
         triton = kernel_backend == "triton"
         self.sampler = StepSampler(model_config.vocab_size, device, seed, eos_token_ids, fused_kernel=triton)
         self.kv_caches: list[KVCache] = []
@@ -171,7 +187,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache and set-up
     def bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize  # FP8: one byte per value, so twice the tokens fit
         return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * elem
 
     def determine_num_blocks(
@@ -253,7 +269,7 @@ class ModelRunner:
         c = self.model_config
         self.block_size = block_size
         shape = (c.num_hidden_layers, 2, num_blocks, c.num_key_value_heads, block_size, c.head_dim)
-        buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        buffer = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         self.kv_caches = [(buffer[i, 0], buffer[i, 1]) for i in range(c.num_hidden_layers)]
 
     def initialize(

@@ -35,6 +35,7 @@ from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN  # the tile of bot
 from tinyvllm.kernels.flash_tiles import attn_inner
 from tinyvllm.kernels.launch import (
     cdiv,
+    check_kv_scales,
     check_paged_attention,
     check_window,
     next_power_of_2,
@@ -97,6 +98,7 @@ def _decode_kernel(
     block_tables_ptr,
     prefix_len_ptr,
     qk_scale,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_ob,
@@ -232,7 +234,7 @@ def _decode_kernel(
         HAS_WINDOW,
     )
     empty = l_i == 0.0  # no keys in this split (or a zero-length sequence)
-    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i / v_scale)[:, None])
     if SPLIT:
         lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
         p_off = b * stride_pb + heads * stride_ph + split * stride_ps
@@ -258,6 +260,7 @@ def _prefix_kernel(
     block_tables_ptr,
     prefix_len_ptr,
     qk_scale,
+    v_scale,
     B,
     slot,
     stride_qb,
@@ -368,7 +371,7 @@ def _prefix_kernel(
         IEEE,
     )
     empty = (l_i == 0.0) | (seq_len <= 0)
-    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i / v_scale)[:, None])
     lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
     p_off = seq64 * stride_pb + heads * stride_ph + slot * stride_ps
     tl.store(part_lse_ptr + p_off, lse, mask=valid)
@@ -445,6 +448,7 @@ def _launch_splits(
     num_splits: int,
     cfg: DecodeConfig,
     window: int | None,
+    v_scale: float = 1.0,
 ) -> None:
     """`_decode_kernel` on the grid (num_splits, Hk, B): into `out` where `parts` is None (one split, no
     cascade), else into the partials parts = (part_o, part_lse)."""
@@ -466,6 +470,7 @@ def _launch_splits(
         block_tables,
         prefix_len if prefix_len is not None else seq_lens,
         scale * LOG2E,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -504,6 +509,7 @@ def _launch_prefix(
     scale: float,
     slot: int,
     window: int | None,
+    v_scale: float = 1.0,
 ) -> None:
     """`_prefix_kernel` on the grid (Hk, chunks of sequences): the shared prefix's partials into `slot`."""
     B, Hq, D = q.shape
@@ -520,6 +526,7 @@ def _launch_prefix(
         block_tables,
         prefix_len,
         scale * LOG2E,
+        v_scale,
         B,
         slot,
         q.stride(0),
@@ -560,11 +567,13 @@ def decode_attention_fwd(
     num_splits: int | None = None,
     prefix_len: torch.Tensor | None = None,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Paged decode attention of one query token per sequence (module docstring).
 
     Args:
-        q: [B, Hq, D]; k_cache, v_cache: [num_blocks, Hk, block_size, D], q's dtype.
+        q: [B, Hq, D]; k_cache, v_cache: [num_blocks, Hk, block_size, D], q's dtype or float8_e4m3fn.
         seq_lens: [B] int32 context lengths (0: a padded row, whose output is zeros).
         block_tables: [B, max_blocks] int32.
         scale: the softmax scale, positive.
@@ -580,12 +589,19 @@ def decode_attention_fwd(
             inside its window (the others may sit in freed blocks).
         window: a sliding window of this many keys (row b sees keys max(0, L_b − window)..L_b − 1), or
             None (all keys; compiled without the window code).
+        k_scale, v_scale: an FP8 cache's scales (K = cache · k_scale, V = cache · v_scale; ignored for a
+            cache in q's dtype): k_scale joins the softmax scale, v_scale the output's normalisation.
 
     Returns:
         out [B, Hq, D].
     """
     _check(q, k_cache, v_cache, seq_lens, block_tables, scale)
     check_window(window)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        check_kv_scales(k_scale, v_scale)
+        scale = scale * k_scale
+    else:
+        v_scale = 1.0
     B, Hq, D = q.shape
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:
@@ -599,16 +615,29 @@ def decode_attention_fwd(
     if num_splits is None:
         num_splits = num_splits_for(B, k_cache.shape[1], max_seq_len, num_sms(q.device), cfg, window)
     if num_splits == 1 and not cascade:
-        _launch_splits(q, k_cache, v_cache, out, None, seq_lens, block_tables, None, scale, 1, cfg, window)
+        _launch_splits(q, k_cache, v_cache, out, None, seq_lens, block_tables, None, scale, 1, cfg, window, v_scale)
         return out
     slots = num_splits + cascade  # the prefix's partial result goes into the last slot
     part_o = torch.empty((B, Hq, slots, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, slots), dtype=torch.float32, device=q.device)
     parts = (part_o, part_lse)
-    _launch_splits(q, k_cache, v_cache, out, parts, seq_lens, block_tables, prefix_len, scale, num_splits, cfg, window)
+    _launch_splits(
+        q, k_cache, v_cache, out, parts, seq_lens, block_tables, prefix_len, scale, num_splits, cfg, window, v_scale
+    )
     if cascade:
         _launch_prefix(
-            q, k_cache, v_cache, part_o, part_lse, seq_lens, block_tables, prefix_len, scale, num_splits, window
+            q,
+            k_cache,
+            v_cache,
+            part_o,
+            part_lse,
+            seq_lens,
+            block_tables,
+            prefix_len,
+            scale,
+            num_splits,
+            window,
+            v_scale,
         )
     part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
     _merge_kernel[(Hq, B)](
@@ -627,8 +656,20 @@ def decode_attention(
     max_seq_len: int | None = None,
     prefix_len: torch.Tensor | None = None,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The reference's signature (see `reference.decode_attention`): q [B, Hq, D] → out [B, Hq, D]."""
     return decode_attention_fwd(
-        q, k_cache, v_cache, seq_lens, block_tables, scale, max_seq_len, prefix_len=prefix_len, window=window
+        q,
+        k_cache,
+        v_cache,
+        seq_lens,
+        block_tables,
+        scale,
+        max_seq_len,
+        prefix_len=prefix_len,
+        window=window,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

@@ -8,6 +8,10 @@ exp(scale · q·k − m) = exp2(s − m₂), so one exp2 per score. Per KV tile 
     l_i ← α·l_i + rowsum(p);  acc ← α·acc + p·V;  m_i ← m_new
 and the caller divides acc by l_i once at the end (FA2 §3.1.1: rescaling deferred).
 
+An FP8 cache (float8_e4m3fn) is converted to q's dtype as it is loaded (exactly: e4m3 ⊂ bf16/fp16); its
+per-tensor scales never touch a tile: K's is folded into qk_scale by the launcher and V's divides l_i
+in the caller's epilogue (out = acc / (l_i / v_scale), the same bits as acc / l_i when v_scale = 1).
+
 Invariant that keeps -inf out of the arithmetic: the first tile a row sees contains at least one key
 it may attend to (key 0 for prefill rows, the split's first key for decode), so m_i is finite after
 it and a later fully-masked row of a tile gives p = exp2(−inf) = 0, α = 1.
@@ -149,6 +153,7 @@ def attn_inner(
             k = tl.load(k_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + kv_ptrs)
+        k = k.to(q.dtype)  # an FP8 cache: exact in q's dtype; its scale is folded into qk_scale
         qk = dot_qk(q, k, UPCAST, IEEE)
         if MASKED:
             visible = ((start + offs_n)[None, :] <= q_pos[:, None]) & kv_valid[None, :]
@@ -172,6 +177,7 @@ def attn_inner(
             v = tl.load(v_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + kv_ptrs)
+        v = v.to(q.dtype)  # an FP8 cache: its scale multiplies the output once, in the caller's epilogue
         acc = acc * alpha[:, None]
         acc = dot_pv(p.to(v.dtype), v, acc, UPCAST, IEEE)
         m_i = m_ij

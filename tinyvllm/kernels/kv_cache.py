@@ -5,6 +5,10 @@ a negative slot (a padded row) writes nothing. k, v: [T, Hk, D] (any strides, e.
 qkv output); caches: [num_blocks, Hk, block_size, D]. One program per token moves its Hk·D values of
 K and of V (pure data movement: 2·T·Hk·D elements read and written). Offsets are int64: a layer's
 cache can hold more than 2³¹ elements.
+
+An FP8 cache (float8_e4m3fn, FP8 a constexpr) stores e4m3(clamp(K / k_scale, ±448)) and the same of V:
+the division in float32 as the reference does it, then kernels/fp8_convert.py's saturating
+round-to-nearest-even conversion.
 """
 
 from __future__ import annotations
@@ -13,7 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.launch import check_dim, check_int, check_same_device, is_power_of_2, next_power_of_2
+from tinyvllm.kernels.fp8_convert import to_e4m3
+from tinyvllm.kernels.launch import (
+    check_dim,
+    check_int,
+    check_same_device,
+    is_power_of_2,
+    next_power_of_2,
+    upcast_dot,
+)
 
 
 @triton.jit
@@ -32,8 +44,12 @@ def _write_kv_kernel(
     stride_ch,
     stride_cs,
     block_size,
+    k_scale,
+    v_scale,
     BLOCK_H: tl.constexpr,
     D: tl.constexpr,
+    FP8: tl.constexpr,
+    EMULATE_FP8: tl.constexpr,
 ):
     """Program t: token t's K and V rows [Hk, D] into cache slot slot_mapping[t] (none where negative)."""
     t = tl.program_id(0).to(tl.int64)
@@ -47,14 +63,24 @@ def _write_kv_kernel(
         dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
         k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
         v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        if FP8:
+            k = to_e4m3(k.to(tl.float32) / k_scale, EMULATE_FP8)
+            v = to_e4m3(v.to(tl.float32) / v_scale, EMULATE_FP8)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """cache[slot // bs, :, slot % bs] = k[t] (and v) for every t with slot_mapping[t] >= 0."""
+    """cache[slot // bs, :, slot % bs] = k[t] (and v) for every t with slot_mapping[t] >= 0; an FP8 cache
+    stores k[t] / k_scale and v[t] / v_scale (module docstring)."""
     for name, t in (("k", k), ("v", v)):
         check_dim(name, t, 3)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -73,6 +99,9 @@ def write_kv_cache(
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"FP8 cache scales must be positive, got k_scale={k_scale}, v_scale={v_scale}")
     if T == 0:
         return
     _write_kv_kernel[(T,)](
@@ -90,7 +119,11 @@ def write_kv_cache(
         k_cache.stride(1),
         k_cache.stride(2),
         k_cache.shape[2],
+        float(k_scale),
+        float(v_scale),
         BLOCK_H=next_power_of_2(Hk),
         D=D,
+        FP8=fp8,
+        EMULATE_FP8=upcast_dot(k.device),  # the CPU interpreter: fp8_convert.py
         num_warps=4,
     )

@@ -93,12 +93,19 @@ def check_window(window: int | None) -> None:
         raise ValueError(f"window must be at least 1 key, got {window}")
 
 
+def check_kv_scales(k_scale: float, v_scale: float) -> None:
+    """An FP8 cache's scales: positive, finite floats."""
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+            raise ValueError(f"{name} of an FP8 KV cache must be a positive finite number, got {value!r}")
+
+
 def check_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, **index_tensors: torch.Tensor
 ) -> tuple[int, int]:
     """The checks both attention launchers share: q [rows, Hq, D] against caches [N, Hk, bs, D] of q's
-    dtype, D a power of two in 16..256, Hq a multiple of Hk, a positive scale, integer index tensors on
-    q's device, unit-stride last dimensions. Returns (Hk, block_size)."""
+    dtype or float8_e4m3fn (an FP8 cache), D a power of two in 16..256, Hq a multiple of Hk, a positive
+    scale, integer index tensors on q's device, unit-stride last dimensions. Returns (Hk, block_size)."""
     check_dim("q", q, 3)
     check_dim("k_cache", k_cache, 4)
     check_float("q", q)
@@ -109,8 +116,10 @@ def check_paged_attention(
     _, Hk, block_size, Dk = k_cache.shape
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q ({q.dtype}) and the caches ({k_cache.dtype}) must share a dtype")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise TypeError(
+            f"the caches ({k_cache.dtype}, {v_cache.dtype}) must both be q's dtype ({q.dtype}) or float8_e4m3fn"
+        )
     if Dk != D or Hq % Hk:
         raise ValueError(f"q [rows, {Hq}, {D}] does not fit the cache [N, {Hk}, bs, {Dk}]")
     if not is_power_of_2(D) or not 16 <= D <= 256:

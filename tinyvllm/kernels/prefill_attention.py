@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.flash_tiles import attn_inner
-from tinyvllm.kernels.launch import cdiv, check_paged_attention, check_window, upcast_dot
+from tinyvllm.kernels.launch import cdiv, check_kv_scales, check_paged_attention, check_window, upcast_dot
 
 LOG2E = 1.4426950408889634
 
@@ -104,6 +104,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -265,7 +266,7 @@ def _prefill_kernel(
         l_i = tl.where(row_valid, l_i, 1.0)
     if INVARIANT:  # a decode row of an empty (padded) sequence sees no key: zeros, as the reference's
         l_i = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_i[:, None]
+    out = acc / (l_i / v_scale)[:, None]  # v_scale: an FP8 cache's (1 otherwise: the same bits as acc / l_i)
     tl.store(
         out_ptr + o_rows + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -314,6 +315,7 @@ def _launch(
     window: int | None,
     invariant: bool = False,
     decode_group: bool = False,
+    v_scale: float = 1.0,
 ) -> None:
     """Launch `_prefill_kernel` on the grid (query tiles of the longest chunk, heads, sequences); with
     `decode_group` (chunks of one row), (1, KV heads, sequences)."""
@@ -334,6 +336,7 @@ def _launch(
         seq_lens,
         block_tables,
         scale * LOG2E,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -374,6 +377,8 @@ def prefill_attention_fwd(
     window: int | None = None,
     return_lse: bool = False,
     config: PrefillConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of packed prompt chunks over the paged cache (module docstring).
 
@@ -381,7 +386,7 @@ def prefill_attention_fwd(
 
     Args:
         q: [Tq, Hq, D] query rows of every chunk, packed.
-        k_cache, v_cache: [num_blocks, Hk, block_size, D], q's dtype.
+        k_cache, v_cache: [num_blocks, Hk, block_size, D], q's dtype or float8_e4m3fn.
         cu_seqlens_q: [S + 1] int32 row offsets of the chunks; seq_lens: [S] int32 context lengths
             including the chunk; block_tables: [S, max_blocks] int32.
         scale: the softmax scale, positive (the unmasked tiles take the row max before scaling).
@@ -391,11 +396,18 @@ def prefill_attention_fwd(
             or None (causal; compiled without the window code).
         return_lse: also return the rows' logsumexp (natural log, float32).
         config: the tile config (default: `default_config`).
+        k_scale, v_scale: an FP8 cache's scales (K = cache · k_scale, V = cache · v_scale; ignored for a
+            cache in q's dtype): k_scale joins the softmax scale, v_scale the output's normalisation.
 
     Returns:
         (out [Tq, Hq, D], lse [Hq, Tq] or None).
     """
     _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        check_kv_scales(k_scale, v_scale)
+        scale = scale * k_scale  # the returned lse is then that of the dequantized keys, as it should be
+    else:
+        v_scale = 1.0
     Tq, Hq, D = q.shape
     out = torch.empty((Tq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device) if return_lse else None
@@ -404,7 +416,21 @@ def prefill_attention_fwd(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     cfg = config or default_config(D, q.dtype, max_seqlen_q)
-    _launch(q, k_cache, v_cache, out, lse, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, cfg, window)
+    _launch(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        lse,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        scale,
+        max_seqlen_q,
+        cfg,
+        window,
+        v_scale=v_scale,
+    )
     return out, lse
 
 
@@ -418,10 +444,22 @@ def prefill_attention(
     scale: float,
     max_seqlen_q: int | None = None,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The reference's signature (see `reference.prefill_attention`): q [Tq, Hq, D] → out [Tq, Hq, D]."""
     out, _ = prefill_attention_fwd(
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, window=window
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        scale,
+        max_seqlen_q,
+        window=window,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     return out
 

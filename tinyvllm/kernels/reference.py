@@ -5,6 +5,11 @@ Shapes: T tokens in the packed batch, Hq query heads, Hk KV heads (Hq % Hk == 0)
 KV cache per layer `[num_blocks, Hk, block_size, D]` for K and the same for V. Token t of a sequence
 lives at slot `block_table[t // block_size] * block_size + t % block_size`.
 Arithmetic is in float32 (float64 when the inputs are float64); outputs are in the input dtype.
+
+FP8 KV cache (caches of dtype float8_e4m3fn, kv_cache_dtype="fp8"): the cache holds
+e4m3(clamp(K / k_scale, ±448)) and the same of V with v_scale (round to nearest even; 448 is e4m3's
+largest value), and attention reads K = cache · k_scale, V = cache · v_scale. The scales are per-tensor
+floats (one pair per layer); a cache in any other dtype ignores them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import itertools
 import torch
 
 from tinyvllm.kernels.launch import check_window
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -55,17 +63,36 @@ def rope(
     return q, k
 
 
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """x in the cache's dtype: e4m3(clamp(x / scale, ±448)) for an FP8 cache, else a plain cast."""
+    if cache.dtype != FP8_KV_DTYPE:
+        return x.to(cache.dtype)
+    return (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def _from_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values for attention: x · scale in `dtype` (the accumulation dtype) for FP8 values, else x."""
+    return x.to(dtype) * scale if x.dtype == FP8_KV_DTYPE else x
+
+
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store token t's K/V at cache slot `slot_mapping[t]`; a negative slot (a padded row) writes
-    nothing. k, v: [T, Hk, D]; caches: [num_blocks, Hk, block_size, D]."""
+    nothing. k, v: [T, Hk, D]; caches: [num_blocks, Hk, block_size, D]; an FP8 cache stores K / k_scale
+    and V / v_scale (module docstring)."""
     block_size = k_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v[valid].to(v_cache.dtype)
+    k_cache[blocks, :, offsets] = _to_cache(k[valid], k_cache, k_scale)
+    v_cache[blocks, :, offsets] = _to_cache(v[valid], v_cache, v_scale)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
@@ -115,6 +142,8 @@ def prefill_attention(
     scale: float,
     max_seqlen_q: int | None = None,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for prompt chunks over the paged cache (FlashAttention-2's function).
 
@@ -127,7 +156,8 @@ def prefill_attention(
     read, so the cache blocks that hold only such keys may have been freed and reused (see
     core.kv_cache_manager). Query head h reads KV head h // (Hq / Hk) (grouped-query attention).
     q: [Tq, Hq, D]; cu_seqlens_q: [S+1] int32; seq_lens: [S] int32; block_tables: [S, max_blocks] int32;
-    window: a positive int or None. `max_seqlen_q` is a launch hint for kernels; ignored here.
+    window: a positive int or None. `max_seqlen_q` is a launch hint for kernels; ignored here. k_scale,
+    v_scale: an FP8 cache's scales (module docstring).
     """
     check_window(window)
     out = torch.empty_like(q)
@@ -138,8 +168,8 @@ def prefill_attention(
             continue
         first = length - (hi - lo)  # the chunk's first query position
         start = 0 if window is None else max(0, first - window + 1)
-        k = gather_kv(k_cache, block_tables[s], length, start)
-        v = gather_kv(v_cache, block_tables[s], length, start)
+        k = _from_cache(gather_kv(k_cache, block_tables[s], length, start), k_scale, _acc_dtype(q))
+        v = _from_cache(gather_kv(v_cache, block_tables[s], length, start), v_scale, _acc_dtype(q))
         positions = torch.arange(first, length)
         out[lo:hi] = _attend(q[lo:hi], k, v, positions, scale, window, start).to(q.dtype)
     return out
@@ -155,6 +185,8 @@ def decode_attention(
     max_seq_len: int | None = None,
     prefix_len: torch.Tensor | None = None,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence, at the last position of its context:
         out[b] = softmax(scale · q_b Kᵀ[lo_b..L_b−1]) V[lo_b..L_b−1],  L_b = seq_lens[b],
@@ -163,15 +195,15 @@ def decode_attention(
     outputs zeros. q: [B, Hq, D]; seq_lens: [B] int32; block_tables: [B, max_blocks] int32; window: a
     positive int or None. `max_seq_len` is a launch hint for kernels, `prefix_len` a promise that the
     first keys sit in shared blocks (cascade attention, see decode_attention.decode_attention_fwd);
-    both ignored here: the result is the same."""
+    both ignored here: the result is the same. k_scale, v_scale: an FP8 cache's scales (module docstring)."""
     check_window(window)
     out = torch.zeros_like(q)
     for b, length in enumerate(seq_lens.tolist()):
         if length == 0:
             continue
         start = 0 if window is None else max(0, length - window)
-        k = gather_kv(k_cache, block_tables[b], length, start)
-        v = gather_kv(v_cache, block_tables[b], length, start)
+        k = _from_cache(gather_kv(k_cache, block_tables[b], length, start), k_scale, _acc_dtype(q))
+        v = _from_cache(gather_kv(v_cache, block_tables[b], length, start), v_scale, _acc_dtype(q))
         pos = torch.tensor([length - 1])
         out[b] = _attend(q[b : b + 1], k, v, pos, scale, window, start)[0].to(q.dtype)
     return out

@@ -26,8 +26,19 @@ from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import Ops
 from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.models.rope import cos_sin_table
+from tinyvllm.quantization.config import QuantizationConfig
+from tinyvllm.quantization.linear import make_linear
 
+FP8_KV_DTYPE = torch.float8_e4m3fn  # the cache dtype of kv_cache_dtype="fp8"
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, Hk, block_size, D]
+
+
+def apply_linear(ops: Ops, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x · Wᵀ (+ b) by the ops table's product for a plain nn.Linear (its batch-invariant one under
+    `batch_invariant`), by the layer itself for a quantized one (Fp8Linear: its own scaled product)."""
+    if type(layer) is nn.Linear:
+        return ops.linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 class RMSNorm(nn.Module):
@@ -45,7 +56,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype) -> None:
+    """Self-attention of one layer. `k_scale`, `v_scale`: an FP8 KV cache stores K / k_scale and V / v_scale
+    (1, or the checkpoint's per-layer scales); a cache in the model's dtype ignores them."""
+
+    def __init__(
+        self, config: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, quant: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_attention_heads
@@ -54,8 +70,20 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim**-0.5
         self.window = config.attention_window(layer)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
+        hf = f"model.layers.{layer}.self_attn"
+        self.qkv_proj = make_linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=config.qkv_bias,
+            dtype=dtype,
+            quant=quant,
+            hf_modules=(f"{hf}.q_proj", f"{hf}.k_proj", f"{hf}.v_proj"),
+        )
+        self.o_proj = make_linear(
+            self.q_size, config.hidden_size, bias=False, dtype=dtype, quant=quant, hf_modules=(f"{hf}.o_proj",)
+        )
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype)
@@ -66,8 +94,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         # x: [T, H] → [T, H]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        return self.ops.linear(self.attend(qkv, positions, cos_sin, meta, kv_cache), self.o_proj.weight)
+        qkv = apply_linear(self.ops, self.qkv_proj, x)
+        return apply_linear(self.ops, self.o_proj, self.attend(qkv, positions, cos_sin, meta, kv_cache))
 
     def attend(
         self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
@@ -83,7 +111,8 @@ class Attention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         q, k = self.ops.rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache
-        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        kv_scales = {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_cache.dtype == FP8_KV_DTYPE else {}
+        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **kv_scales)
         out = torch.empty_like(q)
         D = meta.num_decode_tokens
         if D:
@@ -97,6 +126,7 @@ class Attention(nn.Module):
                 meta.max_decode_seq_len,
                 meta.decode_prefix_len,
                 window=self.window,
+                **kv_scales,
             )
         if D < T:
             out[D:] = self.ops.prefill_attention(
@@ -109,27 +139,36 @@ class Attention(nn.Module):
                 self.scale,
                 meta.max_prefill_q_len,
                 window=self.window,
+                **kv_scales,
             )
         return out.reshape(T, self.q_size)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, quant: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        hf = f"model.layers.{layer}.mlp"
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = make_linear(
+            h, 2 * f, bias=False, dtype=dtype, quant=quant, hf_modules=(f"{hf}.gate_proj", f"{hf}.up_proj")
+        )
+        self.down_proj = make_linear(f, h, bias=False, dtype=dtype, quant=quant, hf_modules=(f"{hf}.down_proj",))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
-        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
+        gate_up = apply_linear(self.ops, self.gate_up_proj, x)
+        return apply_linear(self.ops, self.down_proj, self.ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, quant: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer, ops, dtype)
-        self.mlp = MLP(config, ops, dtype)
+        self.self_attn = Attention(config, layer, ops, dtype, quant)
+        self.mlp = MLP(config, layer, ops, dtype, quant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
@@ -154,11 +193,21 @@ class CausalLM(nn.Module):
 
     Parameters are created in `dtype` on the current default device (the loader builds the model on the
     meta device and materialises it with `to_empty`); `init_rope_table` must run once on the real device.
+    With `quant`, the decoder layers' linear layers it does not ignore are FP8 (quantization/linear.py);
+    the embeddings and the LM head stay in `dtype`.
     """
 
-    def __init__(self, config: ModelConfig, ops: Ops, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: Ops,
+        max_positions: int,
+        dtype: torch.dtype,
+        quant: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.quant = quant
         self.ops = ops
         self.max_positions = max_positions
         # Given its weight, nn.Embedding skips its random init: on the meta device that init would import
@@ -168,7 +217,7 @@ class CausalLM(nn.Module):
             config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, dtype) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, dtype, quant) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         if config.tie_word_embeddings:
             self.lm_head = None

@@ -20,6 +20,9 @@ from tqdm.auto import tqdm
 from tinyvllm.config import ModelConfig
 from tinyvllm.kernels import Ops
 from tinyvllm.models.decoder import CausalLM
+from tinyvllm.quantization.config import QuantizationConfig
+from tinyvllm.quantization.fp8 import FP8_DTYPE, quantize_rows
+from tinyvllm.quantization.linear import Fp8Linear
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # Tensors that some checkpoints carry and that hold nothing we need.
@@ -29,11 +32,18 @@ _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 @dataclass(frozen=True)
 class Target:
-    """Where one checkpoint tensor goes: rows [start, start + rows) of parameter `param`."""
+    """Where one checkpoint tensor goes: rows [start, start + rows) of parameter `param`, and how.
+
+    kind: "copy" (convert dtype; an FP8 layer's weight from an unquantized checkpoint is quantized per
+    row, filling its `weight_scale` too), "scale" (an FP8 weight's scale: one per row, or one for all
+    the rows), "input_scale" (a static activation scale; a fused layer takes its sources' maximum), or
+    "k_scale" / "v_scale" (an attention module's KV cache scale, a float attribute).
+    """
 
     param: str
     start: int | None = None  # None: the whole parameter
     rows: int | None = None
+    kind: str = "copy"
 
 
 def weight_name_map(config: ModelConfig) -> dict[str, Target]:
@@ -71,6 +81,51 @@ def weight_name_map(config: ModelConfig) -> dict[str, Target]:
     return names
 
 
+_LINEARS = {  # Hugging Face module → (our layer, which rows: 0 whole, else a row-range key)
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "self_attn.o_proj": ("self_attn.o_proj", None),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+    "mlp.down_proj": ("mlp.down_proj", None),
+}
+
+
+def quantized_name_map(config: ModelConfig, quant: QuantizationConfig) -> tuple[dict[str, Target], dict[str, Target]]:
+    """The scale tensors of a checkpoint stored in FP8: (required, optional) name → Target.
+
+    Required: `<module>.weight_scale` of every quantized linear module and, with static activation
+    scales, its `<module>.input_scale`; for a quantized (not ignored) LM head its weight and scale, which
+    load dequantized into the model's dtype (kinds "head_weight", "head_scale"). Optional: the KV cache
+    scales, under compressed-tensors' names (`self_attn.k_proj.output_scale`) or vLLM's
+    (`self_attn.k_scale`), and a quantized LM head's input scale (unused: the head runs in the model's
+    dtype)."""
+    q, kv, f = config.q_size, config.kv_size, config.intermediate_size
+    rows = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, f), "up": (f, f), None: (None, None)}
+    required: dict[str, Target] = {}
+    optional: dict[str, Target] = {}
+    for i in range(config.num_hidden_layers):
+        for hf_module, (ours, part) in _LINEARS.items():
+            hf = f"model.layers.{i}.{hf_module}"
+            if quant.is_ignored(hf):
+                continue
+            start, n = rows[part]
+            required[f"{hf}.weight_scale"] = Target(f"layers.{i}.{ours}.weight_scale", start, n, "scale")
+            if not quant.activation_dynamic:
+                required[f"{hf}.input_scale"] = Target(f"layers.{i}.{ours}.input_scale", kind="input_scale")
+        attn = f"model.layers.{i}.self_attn"
+        for which in ("k", "v"):
+            target = Target(f"layers.{i}.self_attn", kind=f"{which}_scale")
+            optional[f"{attn}.{which}_proj.output_scale"] = target
+            optional[f"{attn}.{which}_scale"] = target
+    if not config.tie_word_embeddings and not quant.is_ignored("lm_head"):
+        required["lm_head.weight"] = Target("lm_head.weight", kind="head_weight")
+        required["lm_head.weight_scale"] = Target("lm_head.weight", kind="head_scale")
+        optional["lm_head.input_scale"] = Target("lm_head.weight", kind="unused")
+    return required, optional
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint's weight files: from the shard index if there is one, else *.safetensors."""
     index = model_dir / "model.safetensors.index.json"
@@ -97,17 +152,26 @@ def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, Path, torch.Tenso
 
 @torch.no_grad()
 def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = False) -> None:
-    """Copy every checkpoint tensor into its place (converting dtype, moving to the model's device)."""
+    """Copy every checkpoint tensor into its place (converting dtype, moving to the model's device;
+    quantizing to FP8 where the model's layer is FP8 and the checkpoint is not)."""
     model_dir = Path(model_dir)
     config: ModelConfig = model.config
     targets = weight_name_map(config)
+    optional: dict[str, Target] = {}
+    quant = model.quant
+    if quant is not None and quant.checkpoint_quantized:
+        required, optional = quantized_name_map(config, quant)
+        targets.update(required)
+    _reset_scales(model)
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    head: dict[str, torch.Tensor] = {}  # a quantized LM head's weight and scale, dequantized at the end
     seen: set[str] = set()
     files = safetensors_files(model_dir)
     big = sum(f.stat().st_size for f in files) > _PROGRESS_MIN_BYTES
     bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not (show_progress and big))
     for name, path, tensor in _iter_checkpoint(files):
-        target = targets.get(name)
+        target = targets.get(name) or optional.get(name)
         if target is None:
             if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
                 continue
@@ -117,14 +181,13 @@ def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = F
             )
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint (again in {path.name})")
-        param = params[target.param]
-        dest = param if target.start is None else param[target.start : target.start + target.rows]
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise ValueError(
-                f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "
-                f"but the config implies {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
+        if target.kind in ("k_scale", "v_scale"):
+            _check_scalar(name, path, tensor)
+            setattr(modules[target.param], target.kind, float(tensor.float().reshape(())))
+        elif target.kind in ("head_weight", "head_scale"):
+            head[target.kind] = tensor
+        elif target.kind != "unused":
+            _store(params, target, name, path, tensor, quant)
         seen.add(name)
         bar.update(1)
     bar.close()
@@ -132,18 +195,102 @@ def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = F
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s): {shown}")
+    if head:
+        _store_dequantized_head(params["lm_head.weight"], head["head_weight"], head["head_scale"])
+
+
+def _store_dequantized_head(dest: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """A quantized LM head into the model's dtype: W = q · s (s per row [V, 1], or one value)."""
+    if q.dtype != FP8_DTYPE or tuple(q.shape) != tuple(dest.shape):
+        raise ValueError(
+            f"lm_head.weight is {q.dtype} {tuple(q.shape)}; a quantized LM head must be float8_e4m3fn "
+            f"{tuple(dest.shape)}"
+        )
+    scale = scale.float()
+    if scale.numel() not in (1, q.shape[0]):
+        raise ValueError(f"lm_head.weight_scale has {scale.numel()} values for {q.shape[0]} rows")
+    dest.copy_(q.float() * scale.reshape(-1, 1))
+
+
+def _reset_scales(model: CausalLM) -> None:
+    """Static input scales start at 0 (a fused layer takes the maximum of its sources'), KV scales at 1."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear) and module.input_scale is not None:
+            module.input_scale.zero_()
+        if hasattr(module, "k_scale"):
+            module.k_scale = module.v_scale = 1.0
+
+
+def _check_scalar(name: str, path: Path, tensor: torch.Tensor) -> None:
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}; a per-tensor scale has one value"
+        )
+
+
+def _store(
+    params: dict[str, torch.nn.Parameter],
+    target: Target,
+    name: str,
+    path: Path,
+    tensor: torch.Tensor,
+    quant: QuantizationConfig | None,
+) -> None:
+    """Write one checkpoint tensor into its target (Target's docstring says how, by kind)."""
+    param = params[target.param]
+    dest = param if target.start is None else param[target.start : target.start + target.rows]
+    if target.kind == "input_scale":
+        _check_scalar(name, path, tensor)
+        dest.copy_(torch.maximum(dest, tensor.float().reshape(()).to(dest.device)))
+        return
+    if target.kind == "scale":
+        if tensor.numel() == 1:  # per tensor: the same scale on every row
+            dest.fill_(float(tensor.float().reshape(())))
+            return
+        tensor = tensor.reshape(-1) if tensor.dim() == 2 and tensor.shape[1] == 1 else tensor
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ValueError(
+            f"tensor {name!r} in {path.name} has shape {tuple(tensor.shape)}, "
+            f"but the config implies {tuple(dest.shape)}"
+        )
+    if param.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+        if quant is not None and quant.checkpoint_quantized:
+            raise ValueError(
+                f"tensor {name!r} in {path.name} is {tensor.dtype}, but the checkpoint's quantization_config says "
+                "its weights are stored in FP8 (float8_e4m3fn)"
+            )
+        q, scale = quantize_rows(tensor.to(dest.device))
+        dest.copy_(q)
+        scales = params[target.param.removesuffix("weight") + "weight_scale"]
+        (scales if target.start is None else scales[target.start : target.start + target.rows]).copy_(scale)
+        return
+    if tensor.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
+        raise ValueError(
+            f"tensor {name!r} in {path.name} is FP8, but its module is not quantized here (listed in "
+            "quantization_config.ignore, or a module tinyvllm keeps unquantized: embeddings, LM head)"
+        )
+    dest.copy_(tensor)
 
 
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, seed: int, std: float = 0.02) -> None:
-    """Random weights without files: matrices ~ N(0, std²), norm weights 1 (load_format="dummy")."""
+    """Random weights without files: matrices ~ N(0, std²), norm weights 1 (load_format="dummy"); an FP8
+    layer's matrix is drawn the same way and quantized per row, its static input scale (if any) is 1."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if name.endswith("norm.weight") or name.endswith("input_scale"):
             param.fill_(1.0)
+        elif name.endswith("weight_scale"):
+            continue  # filled with its weight
         else:
             values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-            param.copy_(values)
+            if param.dtype == FP8_DTYPE:
+                q, scale = quantize_rows(values)
+                param.copy_(q)
+                params[name.removesuffix("weight") + "weight_scale"].copy_(scale)
+            else:
+                param.copy_(values)
 
 
 def build_model(
@@ -157,12 +304,14 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     show_progress: bool = False,
+    quant: QuantizationConfig | None = None,
 ) -> CausalLM:
-    """Construct on the meta device, materialise on `device`, then load (or randomise) the weights."""
+    """Construct on the meta device, materialise on `device`, then load (or randomise) the weights; with
+    `quant`, the linear layers it covers are FP8 (quantization/)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {list(LOAD_FORMATS)}")
     with torch.device("meta"):
-        model = CausalLM(config, ops, max_positions, dtype)
+        model = CausalLM(config, ops, max_positions, dtype, quant)
     model = model.to_empty(device=device)
     model.init_rope_table()
     if load_format == "dummy":

@@ -1,0 +1,159 @@
+"""The FP8 linear layer, and the factory by which the decoder's layers learn their quantization.
+
+`Fp8Linear` holds W as float8_e4m3fn [N, K] with one float32 scale per output row (per-tensor checkpoint
+scales become per-row scales, so a fused QKV or gate/up layer keeps each source matrix's scale on its
+rows) and computes, for x [..., K] in the model's dtype:
+
+    q_x, s_x = quantize(x)          per token (dynamic), per tensor (dynamic), or x / input_scale (static)
+    y = (s_x · s_W) ⊙ (q_x q_Wᵀ) + b   in float32, rounded to the model's dtype
+
+On CUDA (sm_89+, bf16 output, K and N multiples of 16) the product is one `torch._scaled_mm` (cuBLASLt
+FP8 tensor cores with row-wise scales) and per-token activation quantization a Triton kernel
+(kernels/fp8_quant.py); elsewhere (the CPU, other shapes) the same maths runs in float32 on the
+dequantized operands, the reference the GPU path is checked against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tinyvllm.quantization.config import QuantizationConfig
+from tinyvllm.quantization.fp8 import FP8_DTYPE, amax_scale, quantize_rows, to_fp8
+
+
+class Fp8Linear(nn.Module):
+    """y = x Wᵀ + b with FP8 W and FP8 activations (module docstring).
+
+    Args:
+        in_features, out_features: K and N.
+        bias: whether the layer has a bias (kept in `dtype`).
+        dtype: the model's dtype: the input's, the output's and the bias's.
+        activation_strategy: "token" or "tensor".
+        activation_dynamic: scales from x at run time; False: the loaded `input_scale`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        activation_strategy: str = "token",
+        activation_dynamic: bool = True,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.out_dtype = dtype
+        self.activation_strategy = activation_strategy
+        self.activation_dynamic = activation_dynamic
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
+        self.input_scale = None
+        if not activation_dynamic:
+            self.input_scale = nn.Parameter(torch.empty((), dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def extra_repr(self) -> str:
+        act = f"{self.activation_strategy}, {'dynamic' if self.activation_dynamic else 'static'}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 activations {act}"
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """W ≈ q_W · s_W as float32 [N, K]."""
+        return self.weight.to(torch.float32) * self.weight_scale[:, None]
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] → (q_x [M, K] float8_e4m3fn, s_x [M] float32)."""
+        M = x.shape[0]
+        if not self.activation_dynamic:
+            scale = self.input_scale.expand(M)
+            return to_fp8(x, self.input_scale), scale
+        if self.activation_strategy == "tensor":
+            scale = amax_scale(x.abs().amax())
+            return to_fp8(x, scale), scale.expand(M)
+        if x.is_cuda:
+            from tinyvllm.kernels.fp8_quant import quantize_per_token
+
+            return quantize_per_token(x)
+        return quantize_rows(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        q, s_x = self.quantize_input(x2)
+        y = fp8_matmul(q, s_x, self.weight, self.weight_scale, self.bias, self.out_dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def scaled_mm_supported(q: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether `torch._scaled_mm` with row-wise scales takes this product: CUDA sm_89+, bf16 output,
+    K and N multiples of 16 (cuBLASLt's FP8 alignment)."""
+    if not q.is_cuda or out_dtype != torch.bfloat16 or not hasattr(torch, "_scaled_mm"):
+        return False
+    N, K = weight.shape
+    return K % 16 == 0 and N % 16 == 0 and torch.cuda.get_device_capability(q.device) >= (8, 9)
+
+
+def fp8_matmul(
+    q: torch.Tensor,
+    s_x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """y [M, N] = (s_x ⊗ s_W) ⊙ (q q_Wᵀ) (+ bias), rounded to out_dtype.
+
+    q [M, K], weight [N, K] float8_e4m3fn; s_x [M], weight_scale [N] float32."""
+    if scaled_mm_supported(q, weight, out_dtype):
+        # cuBLASLt wants the second operand column-major: weight.t() of a row-major [N, K] is exactly that.
+        y = torch._scaled_mm(
+            q,
+            weight.t(),
+            scale_a=s_x.reshape(-1, 1).to(torch.float32).contiguous(),
+            scale_b=weight_scale.reshape(1, -1).contiguous(),
+            bias=bias,
+            out_dtype=out_dtype,
+        )
+        return y
+    y = (q.to(torch.float32) @ weight.to(torch.float32).t()) * (s_x.reshape(-1, 1) * weight_scale.reshape(1, -1))
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype)
+
+
+def make_linear(
+    in_features: int,
+    out_features: int,
+    *,
+    bias: bool,
+    dtype: torch.dtype,
+    quant: QuantizationConfig | None,
+    hf_modules: tuple[str, ...],
+) -> nn.Module:
+    """The layer for the Hugging Face module(s) `hf_modules` (several for a fused layer): nn.Linear, or
+    Fp8Linear when `quant` quantizes them. Fused modules must be all quantized or all ignored."""
+    if quant is None:
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    ignored = {quant.is_ignored(m) for m in hf_modules}
+    if len(ignored) > 1:
+        raise ValueError(
+            f"quantization_config.ignore lists some but not all of {list(hf_modules)}, which tinyvllm runs as one "
+            "fused layer; ignore all of them or none"
+        )
+    if ignored.pop():
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return Fp8Linear(
+        in_features,
+        out_features,
+        bias=bias,
+        dtype=dtype,
+        activation_strategy=quant.activation_strategy,
+        activation_dynamic=quant.activation_dynamic,
+    )
+
+
+def has_fp8_linear(model: nn.Module) -> bool:
+    """Whether any of the model's layers is an Fp8Linear."""
+    return any(isinstance(m, Fp8Linear) for m in model.modules())
