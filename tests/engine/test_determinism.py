@@ -134,3 +134,10 @@ def test_triton_batch_invariant_engine_alone_equals_batched(model_dir):
     ]
     outs = batch_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [_fingerprint(o) for o in outs] == alone
+
+
+@pytest.mark.parametrize("fp8", [{"kv_cache_dtype": "fp8"}, {"quantization": "fp8"}], ids=["fp8_kv", "fp8_weights"])
+def test_batch_invariant_refuses_fp8(model_dir, fp8):
+    """The batch-invariant ops have no FP8 form: asking for both is an error before anything runs."""
+    with pytest.raises(ValueError, match="batch_invariant=True runs bf16/float32"):
+        LLM(model=str(model_dir), device="cpu", max_model_len=64, batch_invariant=True, **fp8)
