@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = 448.0  # e4m3fn's largest finite value
+FP8_MAX = tl.constexpr(448.0)  # e4m3fn's largest finite value
 
 
 @triton.jit
