@@ -219,6 +219,7 @@ def test_bad_flags():
         LLM(model="dummy:tiny", device="cpu", quantization="awq")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU engines under the interpreter; CUDA: tests/kernels")
 def test_fp8_kv_cache_engine_triton_matches_torch(base):
     """The engine with an FP8 KV cache and per-layer K/V scales: the Triton kernels (KV write, prefill over a
     cache written by an earlier chunk, paged decode) give the torch reference's logits, and the cache changes

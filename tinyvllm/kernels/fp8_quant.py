@@ -29,12 +29,12 @@ def _quantize_rows_kernel(
         x = tl.load(x_ptr + m * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     row_max = tl.max(amax, 0)
-    scale = tl.where(row_max > 0, row_max / FP8_MAX, 1.0)
+    scale = tl.where(row_max > 0, tl.math.div_rn(row_max, FP8_MAX), 1.0)  # IEEE division, as torch's
     tl.store(s_ptr + m, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + offs < K
         x = tl.load(x_ptr + m * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_ptr + m * stride_qm + k0 + offs, to_e4m3(x / scale, EMULATE_FP8), mask=mask)
+        tl.store(q_ptr + m * stride_qm + k0 + offs, to_e4m3(tl.math.div_rn(x, scale), EMULATE_FP8), mask=mask)
 
 
 def quantize_per_token(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
