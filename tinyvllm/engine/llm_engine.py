@@ -49,6 +49,7 @@ from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling.logits_processors import bad_words_token_ids, check_vocab, needs_history
 from tinyvllm.tokenizer import Tokenizer, check_text
 
 logger = logging.getLogger(__name__)
@@ -86,9 +87,10 @@ def resolve_dtype(dtype: str, model_config: ModelConfig) -> torch.dtype:
 
 def _needs_history(params: SamplingParams) -> bool:
     """Whether sampling reads the request's whole token history (penalties; a grammar, whose mask for
-    the next step needs this step's token): no async overlap then."""
+    the next step needs this step's token; a bad word of several tokens): no async overlap then."""
     return (
-        params.presence_penalty != 0
+        needs_history(params)
+        or params.presence_penalty != 0
         or params.frequency_penalty != 0
         or params.repetition_penalty != 1
         or params.structured_outputs is not None
@@ -426,6 +428,14 @@ class LLMEngine:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab})")
         if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the vocabulary size ({vocab})")
+        check_vocab(params, vocab)
+        if params.bad_words and params.bad_words_token_ids is None:
+            # a copy: the caller's params may serve other engines, and are not ours to edit
+            ids = bad_words_token_ids(
+                params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False), vocab
+            )
+            params = params.replace()
+            params.bad_words_token_ids = ids
         return params
 
     def _children(
