@@ -48,8 +48,8 @@ from tinyvllm.engine.step_timing import StepRecord, StepTimer
 from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import Logprob, RequestOutput
-from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.sampling.logits_processors import bad_words_token_ids, check_vocab, needs_history
+from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer, check_text
 
 logger = logging.getLogger(__name__)

@@ -382,8 +382,8 @@ class ModelRunner:
         temperatures and seeds) into a host twin of the graphs' input arena, make the previous step's
         sampled ids readable by the graph's placeholder gather when the step needs them, copy the arena
         over in one copy, replay, then sample the rows the in-graph sampler does not serve. A step with
-        constrained rows (a grammar, allowed_token_ids or bad_words) samples every row after the replay, from the graph's logits, under the bitmask
-        filled while the graph runs."""
+        constrained rows (a grammar, allowed_token_ids or bad_words) samples every row after the replay,
+        from the graph's logits, under the bitmask filled while the graph runs."""
         graphs = self.graphs
         host, device = graphs.next_arenas(bucket)
         inputs = self.builder.build(

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from tinyvllm.sampling.logits_processors import bias_indices
-
 from tinyvllm.sampling_params import SamplingParams, SamplingType
 
 TOPK_FAST_PATH_MAX_K = 1024
