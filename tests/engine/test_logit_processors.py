@@ -57,7 +57,9 @@ def full_logprobs(llm, prompt: str) -> dict[int, float]:
 
 
 def test_plus_100_bias_forces_the_token(llm):
-    outs = run(llm, PROMPTS[:2], [greedy(max_tokens=8, logit_bias={7: 100.0}), greedy(max_tokens=8, logit_bias={"300": 500})])
+    outs = run(
+        llm, PROMPTS[:2], [greedy(max_tokens=8, logit_bias={7: 100.0}), greedy(max_tokens=8, logit_bias={"300": 500})]
+    )
     assert outs[0].token_ids == [7] * 8
     assert outs[1].token_ids == [300] * 8  # a string id, and a bias clamped to 100
 
@@ -98,7 +100,7 @@ def test_rows_without_them_are_unchanged_in_the_same_batch(llm, letters):
     mixed = run(
         llm,
         PROMPTS[:2] + PROMPTS[2:],
-        plain + [greedy(max_tokens=10, allowed_token_ids=letters[:4]), greedy(max_tokens=10, logit_bias={9: 50})],
+        [*plain, greedy(max_tokens=10, allowed_token_ids=letters[:4]), greedy(max_tokens=10, logit_bias={9: 50})],
     )
     assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
     assert set(mixed[2].token_ids) <= set(letters[:4])
@@ -153,7 +155,7 @@ def test_with_structured_outputs(llm, letters):
 
     abc = letters[:3]
     params = greedy(
-        max_tokens=8, structured_outputs=SO(regex="[a-c]{8}"), allowed_token_ids=abc + [100], bad_words=["a"]
+        max_tokens=8, structured_outputs=SO(regex="[a-c]{8}"), allowed_token_ids=[*abc, 100], bad_words=["a"]
     )
     params = params.replace(ignore_eos=False)
     outs = run(llm, PROMPTS, params)
