@@ -19,7 +19,8 @@ def test_defaults_are_vllms():
         top_p=1.0, top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=False,
         max_tokens=16, min_tokens=0, logprobs=None, prompt_logprobs=None, skip_special_tokens=True,
         spaces_between_special_tokens=True, include_stop_str_in_output=False, detokenize=True,
-        output_kind=RequestOutputKind.CUMULATIVE, structured_outputs=None,
+        output_kind=RequestOutputKind.CUMULATIVE, structured_outputs=None, logit_bias=None,
+        allowed_token_ids=None, bad_words=None,
     )  # fmt: skip
     assert {f.name: getattr(p, f.name) for f in dataclasses.fields(p)} == expected
     assert p.sampling_type is SamplingType.RANDOM and not p.is_greedy
