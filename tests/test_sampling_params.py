@@ -19,7 +19,8 @@ def test_defaults_are_vllms():
         top_p=1.0, top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=False,
         max_tokens=16, min_tokens=0, logprobs=None, prompt_logprobs=None, skip_special_tokens=True,
         spaces_between_special_tokens=True, include_stop_str_in_output=False, detokenize=True,
-        output_kind=RequestOutputKind.CUMULATIVE, structured_outputs=None,
+        output_kind=RequestOutputKind.CUMULATIVE, structured_outputs=None, logit_bias=None,
+        allowed_token_ids=None, bad_words=None,
     )  # fmt: skip
     assert {f.name: getattr(p, f.name) for f in dataclasses.fields(p)} == expected
     assert p.sampling_type is SamplingType.RANDOM and not p.is_greedy
@@ -205,3 +206,37 @@ def test_huge_finite_values_are_kept_or_rejected_by_range():
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**{field: 1e308})
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_are_normalised():
+    p = SamplingParams(logit_bias={"3": 500, 4: -1e9, 5: 0.25}, allowed_token_ids=(7, 2), bad_words=("ab", " c"))
+    assert p.logit_bias == {3: 100.0, 4: -100.0, 5: 0.25}  # OpenAI's [-100, 100]
+    assert p.allowed_token_ids == [7, 2] and p.bad_words == ["ab", " c"]
+    p.bad_words_token_ids = [[1, 2]]
+    q = p.replace(seed=4)
+    assert q.logit_bias == p.logit_bias and q.logit_bias is not p.logit_bias
+    assert q.bad_words_token_ids == [[1, 2]]  # the engine's tokenization travels with copies
+    assert p.replace(bad_words=["x"]).bad_words_token_ids is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"logit_bias": [1, 2]}, TypeError, "logit_bias must be a dict"),
+        ({"logit_bias": {"x": 1}}, ValueError, "logit_bias keys must be token ids"),
+        ({"logit_bias": {1.5: 1}}, TypeError, "logit_bias keys must be token ids"),
+        ({"logit_bias": {-1: 1}}, ValueError, "logit_bias holds token id -1"),
+        ({"logit_bias": {1: math.nan}}, ValueError, r"logit_bias\[1\] must be a finite number"),
+        ({"logit_bias": {1: "hi"}}, TypeError, r"logit_bias\[1\] must be a number"),
+        ({"allowed_token_ids": []}, ValueError, "allowed_token_ids is empty"),
+        ({"allowed_token_ids": [1, -4]}, ValueError, "allowed_token_ids holds token id -4"),
+        ({"allowed_token_ids": [True]}, TypeError, "allowed_token_ids must contain only ints"),
+        ({"allowed_token_ids": 3}, TypeError, "allowed_token_ids must be a list"),
+        ({"bad_words": "word"}, TypeError, "bad_words must be a list"),
+        ({"bad_words": ["ok", ""]}, ValueError, "bad_words cannot contain an empty"),
+        ({"bad_words": [3]}, TypeError, "bad_words must contain only strings"),
+    ],
+)
+def test_logit_processor_fields_reject_bad_values(kw, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(**kw)

@@ -228,6 +228,14 @@ class SamplingParams:
         output_kind: what each RequestOutput carries: cumulative (default), delta or final only.
         structured_outputs: a constraint the output must satisfy (JSON schema, regex, choice, grammar);
             None: unconstrained.
+        logit_bias: token id -> bias added to that token's logit before penalties, temperature and
+            sampling; each bias is clamped to [-100, 100] (OpenAI's range). The engine checks the ids
+            against the vocabulary.
+        allowed_token_ids: only these token ids can be sampled (a non-empty list; the engine checks
+            them against the vocabulary). Combines with a structured output constraint (both must allow).
+        bad_words: words never generated. The engine tokenizes each with and without a leading space
+            (vLLM's rule): a word of one token bans that token; a word of several bans its last token
+            whenever the output so far ends with its other tokens.
     """
 
     n: int = 1
@@ -252,8 +260,13 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
+        # The token ids of `bad_words`, set by the engine, which has the tokenizer (`LLMEngine`).
+        self.bad_words_token_ids: list[list[int]] | None = None
         self._normalise_types()
         self._verify_args()
         if self.temperature < SAMPLING_EPS:
@@ -306,6 +319,9 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams or None, "
                 f"got {type(self.structured_outputs).__name__}."
             )
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _normalise_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _normalise_bad_words(self.bad_words)
         if 0.0 < self.temperature < MIN_RANDOM_TEMPERATURE and self.temperature >= SAMPLING_EPS:
             logger.warning(
                 "temperature %s is less than %s, which may cause numerical errors; raised to %s (as vLLM does).",
@@ -384,11 +400,17 @@ class SamplingParams:
         fields["stop_token_ids"] = list(fields["stop_token_ids"])
         if fields["structured_outputs"] is not None:
             fields["structured_outputs"] = fields["structured_outputs"].clone()
+        for name in ("logit_bias", "allowed_token_ids", "bad_words"):
+            if fields[name] is not None:
+                fields[name] = type(fields[name])(fields[name])
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(f"SamplingParams has no field(s) {sorted(unknown)}.")
         fields.update(changes)
-        return SamplingParams(**fields)
+        copy = SamplingParams(**fields)
+        if "bad_words" not in changes and self.bad_words_token_ids is not None:
+            copy.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
+        return copy
 
     def __repr__(self) -> str:
         # Only the fields that differ from the defaults: short enough to read in a log.
@@ -433,3 +455,56 @@ def _normalise_stop_token_ids(ids: Any) -> list[int]:
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {token_id}.")
         out.append(int(token_id))
     return out
+
+
+def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+    """{token id: bias} with int ids (a string of digits is accepted, as OpenAI sends them) and finite
+    biases clamped to [-100, 100]."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise TypeError(f"logit_bias must be a dict of token id -> bias or None, got {type(bias).__name__}.")
+    out: dict[int, float] = {}
+    for token_id, value in bias.items():
+        if isinstance(token_id, str):
+            try:
+                token_id = int(token_id)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids (integers), got {token_id!r}.") from None
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+            raise TypeError(f"logit_bias keys must be token ids (integers), got {type(token_id).__name__}.")
+        if token_id < 0:
+            raise ValueError(f"logit_bias holds token id {token_id}: token ids are non-negative.")
+        value = _check_float(f"logit_bias[{token_id}]", value)
+        out[int(token_id)] = min(100.0, max(-100.0, value))
+    return out
+
+
+def _normalise_allowed_token_ids(ids: Any) -> list[int] | None:
+    if ids is None:
+        return None
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
+        raise TypeError(f"allowed_token_ids must be a list of ints or None, got {type(ids).__name__}.")
+    out = []
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+            raise TypeError(f"allowed_token_ids must contain only ints, got {type(token_id).__name__} ({token_id!r}).")
+        if token_id < 0:
+            raise ValueError(f"allowed_token_ids holds token id {token_id}: token ids are non-negative.")
+        out.append(int(token_id))
+    if not out:
+        raise ValueError("allowed_token_ids is empty: no token could be sampled; give at least one id (or None).")
+    return out
+
+
+def _normalise_bad_words(words: Any) -> list[str] | None:
+    if words is None:
+        return None
+    if isinstance(words, (str, bytes)) or not isinstance(words, (list, tuple)):
+        raise TypeError(f"bad_words must be a list of strings or None, got {type(words).__name__}.")
+    for w in words:
+        if not isinstance(w, str):
+            raise TypeError(f"bad_words must contain only strings, got {type(w).__name__} ({w!r}).")
+        if not w.strip():
+            raise ValueError("bad_words cannot contain an empty (or whitespace-only) word.")
+    return list(words)

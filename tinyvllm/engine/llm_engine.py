@@ -49,6 +49,7 @@ from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.quantization.config import resolve_quantization
+from tinyvllm.sampling.logits_processors import bad_words_token_ids, check_vocab, needs_history
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer, check_text
 
@@ -86,13 +87,14 @@ def resolve_dtype(dtype: str, model_config: ModelConfig) -> torch.dtype:
 
 
 def _needs_history(params: SamplingParams) -> bool:
-    """Whether sampling reads the request's whole token history (penalties; a grammar, whose mask for
-    the next step needs this step's token): no async overlap then."""
+    """Whether sampling reads the request's token history (penalties; a bad word of several tokens): no
+    async overlap then. A grammar needs only the previous step's token, which the runner waits for after
+    enqueuing the next step's forward (`core_step`'s `before_mask`), so constrained requests keep it."""
     return (
-        params.presence_penalty != 0
+        needs_history(params)
+        or params.presence_penalty != 0
         or params.frequency_penalty != 0
         or params.repetition_penalty != 1
-        or params.structured_outputs is not None
     )
 
 
@@ -438,6 +440,14 @@ class LLMEngine:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab})")
         if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the vocabulary size ({vocab})")
+        check_vocab(params, vocab)
+        if params.bad_words and params.bad_words_token_ids is None:
+            # a copy: the caller's params may serve other engines, and are not ours to edit
+            ids = bad_words_token_ids(
+                params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False), vocab
+            )
+            params = params.replace()
+            params.bad_words_token_ids = ids
         return params
 
     def _children(

@@ -50,7 +50,9 @@ from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN, AttnMetadata
 from tinyvllm.models.decoder import FP8_KV_DTYPE, KVCache
 from tinyvllm.models.loader import build_model
 from tinyvllm.quantization.config import QuantizationConfig
+from tinyvllm.sampling.bitmask import bitmask_width
 from tinyvllm.sampling.fused_plan import FusedSamplingPlan
+from tinyvllm.sampling.logits_processors import apply_to_bitmask
 from tinyvllm.sampling.prompt_logprobs import StepPromptLogprobs, may_score_prompts, prompt_spans, step_prompt_logprobs
 from tinyvllm.sampling.sampler import LogprobsTensors
 from tinyvllm.sampling.step_sampler import StepSampler
@@ -369,7 +371,7 @@ class ModelRunner:
         hidden = self.executor.hidden_states(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         prompt_logprobs = self._score_prompts(sched, inputs, hidden)
         logits = self.executor.lm_head.logits(hidden[inputs.logits_indices], dtype=None)
-        bitmask = self._grammar_bitmask(seqs, structured)  # filled while the device runs the forward
+        bitmask = self._step_bitmask(seqs, plan, structured)  # filled while the device runs the forward
         sampled, logprobs, logprob_rows = self.sampler.sample(logits, seqs, plan, fused, seeds, None, bufs, bitmask)
         handle = self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs)
         handle.prompt_logprobs = prompt_logprobs
@@ -405,8 +407,8 @@ class ModelRunner:
         temperatures and seeds) into a host twin of the graphs' input arena, make the previous step's
         sampled ids readable by the graph's placeholder gather when the step needs them, copy the arena
         over in one copy, replay, then sample the rows the in-graph sampler does not serve. A step with
-        constrained rows samples every row after the replay, from the graph's logits, under the bitmask
-        filled while the graph runs."""
+        constrained rows (a grammar, allowed_token_ids or bad_words) samples every row after the replay,
+        from the graph's logits, under the bitmask filled while the graph runs."""
         graphs = self.graphs
         host, device = graphs.next_arenas(bucket)
         inputs = self.builder.build(
@@ -425,7 +427,9 @@ class ModelRunner:
         if inputs.num_placeholders:
             graphs.feed_previous_samples(self._prev_sampled)
         graph_ids = None
-        constrained = structured is not None and bool(structured.constrained_rows([s.request_id for s in seqs]))
+        constrained = bool(plan.masked_rows) or (
+            structured is not None and bool(structured.constrained_rows([s.request_id for s in seqs]))
+        )
         if graphs.runs_io(bucket):
             # every row served by the in-graph sampler: no logits needed, the pruned LM head's graph if any
             logits, presampled, graph_ids = graphs.replay_io(
@@ -435,7 +439,7 @@ class ModelRunner:
             graphs.load_inputs(host, inputs.arena_bytes, by_kernel=self._copies_by_kernel(n))
             logits, presampled = graphs.replay(bucket, cascade=inputs.prefix_len > 0)
         logits = None if logits is None else logits[:n]
-        bitmask = self._grammar_bitmask(seqs, structured) if constrained else None
+        bitmask = self._step_bitmask(seqs, plan, structured) if constrained else None
         presampled = presampled[:n] if fused and graphs.sample_in_graph and bitmask is None else None
         sampled, logprobs, logprob_rows = self.sampler.sample(
             logits, seqs, plan, fused, seeds, presampled, bufs, bitmask
@@ -444,27 +448,31 @@ class ModelRunner:
         graph_ids = graph_ids[:n] if graph_ids is not None and len(fused) == n and bitmask is None else None
         return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs, graph_ids)
 
-    def _grammar_bitmask(
-        self, seqs: list[ScheduledSequence], structured: StructuredOutputManager | None
+    def _step_bitmask(
+        self, seqs: list[ScheduledSequence], plan: FusedSamplingPlan, structured: StructuredOutputManager | None
     ) -> torch.Tensor | None:
-        """The step's token bitmask [N, ceil(V / 32)] int32 on the device, in the sampled rows' order
-        (all ones for unconstrained rows), or None when no row is constrained. Filled on the host into
-        one of two pinned buffers (alternating, as the other host staging) and copied asynchronously."""
-        if structured is None:
-            return None
+        """The step's token bitmask [N, ceil(V / 32)] int32 on the device, in the sampled rows' order: the
+        grammars' masks ANDed with allowed_token_ids and bad-word bans (sampling/logits_processors.py),
+        all ones for other rows; None when no row removes tokens. Filled on the host into one of two
+        pinned buffers (alternating, as the other host staging) and copied asynchronously."""
         rids = [s.request_id for s in seqs]
-        if self._before_mask is not None and structured.constrained_rows(rids):
+        if self._before_mask is not None and structured is not None and structured.constrained_rows(rids):
             self._before_mask()
-        rows = structured.constrained_rows(rids)
-        if not rows:
+        rows = structured.constrained_rows(rids) if structured is not None else []
+        if not rows and not plan.masked_rows:
             return None
         n = len(seqs)
-        if not self._bitmask_bufs or self._bitmask_bufs[0].shape[1] != structured.width:
-            shape = (max(self.builder_rows, n), structured.width)
+        width = bitmask_width(self.sampler.vocab_size)
+        if not self._bitmask_bufs or self._bitmask_bufs[0].shape[0] < n:
+            shape = (max(self.builder_rows, n), width)
             pin = self.device.type == "cuda"
             self._bitmask_bufs = [torch.empty(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         host = self._bitmask_bufs[self._num_launched % 2][:n]
-        structured.fill(rids, rows, host)
+        if rows:
+            structured.fill(rids, rows, host)
+        else:
+            host.fill_(-1)
+        apply_to_bitmask(seqs, plan.masked_rows, host.numpy(), self.sampler.vocab_size)
         return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     def _next_host_bufs(self) -> dict[str, torch.Tensor]:

@@ -55,6 +55,8 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
 
 
 class StructuredOutputs(OpenAIModel):

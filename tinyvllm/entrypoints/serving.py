@@ -15,6 +15,7 @@ import asyncio
 import functools
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -32,6 +33,7 @@ from tinyvllm.entrypoints.limits import ServerLimits, check_stop, parse_body, pr
 from tinyvllm.entrypoints.protocol import SamplingFields
 from tinyvllm.entrypoints.shutdown import Drain
 from tinyvllm.outputs import Logprob, RequestOutput
+from tinyvllm.sampling.logits_processors import bad_words_token_ids, check_vocab
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
@@ -51,6 +53,9 @@ _SAMPLING_FIELDS = (
     "include_stop_str_in_output",
     "skip_special_tokens",
     "spaces_between_special_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
 )
 
 
@@ -148,8 +153,6 @@ class ServingContext:
         with the larger k of the two."""
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
         max_logprobs = self.limits.max_logprobs
         if req.prompt_logprobs is not None:
             if req.stream:  # as vLLM: they come in the response, which a stream does not have
@@ -175,11 +178,18 @@ class ServingContext:
             output_kind=RequestOutputKind.DELTA,
         )
         try:
-            return self.default_params.replace(**changes)
+            params = self.default_params.replace(**changes)
+            check_vocab(params, self.vocab_size)
+            if params.bad_words:  # tokenized here, off the engine's loop (the engine keeps these ids)
+                params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self._encode_plain, self.vocab_size)
+            return params
         except (ValueError, TypeError) as e:
-            field = str(e).split(" ", 1)[0]
+            field = re.match(r"\w*", str(e)).group()
             param = renames.get(field, field) if field in SamplingParams.__dataclass_fields__ else None
             raise APIError(400, str(e), param) from None
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False, what="bad_words")
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tinyvllm.core.outputs import ScheduledSequence
+from tinyvllm.sampling.logits_processors import masks_tokens
 from tinyvllm.sampling.tensors import float32_scale
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, step) pairs over the seed space
@@ -31,9 +32,11 @@ def step_seed(seed: int, output_index: int) -> int:
 
 
 def is_plain(params) -> bool:
-    """Sampling the fused kernel handles: greedy or temperature only, no penalties, no logprobs."""
+    """Sampling the fused kernel handles: greedy or temperature only, no penalties, no logit_bias, no
+    logprobs (allowed_token_ids and bad_words reach it through the bitmask)."""
     return (
         params.logprobs is None
+        and not params.logit_bias
         and params.presence_penalty == 0
         and params.frequency_penalty == 0
         and params.repetition_penalty == 1
@@ -54,6 +57,8 @@ class FusedSamplingPlan:
             fused kernel cannot ban tokens, so a step where one of them is still short goes to the
             full sampler.
         index: request id -> row (the next step gathers its placeholder inputs through it).
+        masked_rows: the rows whose request removes tokens through the step's bitmask
+            (allowed_token_ids, bad_words: sampling/logits_processors.py).
     """
 
     request_ids: list[str]
@@ -62,6 +67,7 @@ class FusedSamplingPlan:
     seeded: list[tuple[int, int]]
     min_tokens: list[tuple[int, int]]
     index: dict[str, int]
+    masked_rows: list[int] = field(default_factory=list)
     _device_temperatures: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
@@ -77,6 +83,7 @@ class FusedSamplingPlan:
             seeded=[(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.is_greedy],
             min_tokens=[(i, p.min_tokens) for i, p in enumerate(params) if p.min_tokens],
             index={rid: i for i, rid in enumerate(request_ids)},
+            masked_rows=[i for i, p in enumerate(params) if masks_tokens(p)],
         )
 
     def device_temperatures(self, device: torch.device, staging: torch.Tensor) -> torch.Tensor:

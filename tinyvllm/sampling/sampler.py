@@ -8,6 +8,8 @@ Order of operations (vLLM v1's, with the filter order of vLLM v0 / HF):
    (sampling/bitmask.py); before everything else that edits the logits, as in vLLM.
 2b. min_tokens: the row's banned ids (EOS, stop_token_ids) get -inf while the output is
    shorter than ``min_tokens``.
+2c. logit_bias: each row's biases are added to their tokens' logits (a token the bitmask
+   removed stays -inf).
 3. penalties (on greedy rows too). With ``seen`` = the token occurs in the prompt or the
    output and ``c`` = its count in the output::
 
@@ -138,6 +140,7 @@ class Sampler:
             not tensors.all_greedy
             or tensors.min_tokens_ban is not None
             or tensors.output_counts is not None
+            or tensors.logit_bias is not None
             or bitmask is not None
         )
         if not needs_edit:
@@ -151,6 +154,8 @@ class Sampler:
                 apply_bitmask_(work, bitmask)
             if tensors.min_tokens_ban is not None:
                 work.view(-1).index_fill_(0, tensors.min_tokens_ban, _NEG_INF)
+            if tensors.logit_bias is not None:
+                work.view(-1).index_add_(0, *tensors.logit_bias)
             if tensors.output_counts is not None:
                 work = apply_penalties(work, tensors)
             greedy = None if tensors.all_random else work.argmax(dim=-1)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tinyvllm.sampling.logits_processors import bias_indices
 from tinyvllm.sampling_params import SamplingParams, SamplingType
 
 TOPK_FAST_PATH_MAX_K = 1024
@@ -99,6 +100,8 @@ class SamplingTensors:
         output_counts: [B, V] float32, occurrences of the token in the output; with any
             penalty (float32 counts are exact below 2**24).
         min_tokens_ban: [N] int64 flat indices ``row * V + token`` to set to -inf; None if none.
+        logit_bias: ([M] int64 flat indices ``row * V + token``, [M] float32 biases) to add to the
+            logits (``SamplingParams.logit_bias``); None when no row has one.
         seeded_generators: (row, generator) for every random row with its own generator.
         needs_batch_draw: some random row draws from the batch generator.
         max_num_logprobs: the largest ``params.logprobs`` of the batch; None when no row asks.
@@ -123,6 +126,7 @@ class SamplingTensors:
     seeded_generators: tuple[tuple[int, torch.Generator], ...]
     needs_batch_draw: bool
     max_num_logprobs: int | None
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device | None:
@@ -186,7 +190,23 @@ class SamplingTensors:
             seeded_generators=tuple(seeded),
             needs_batch_draw=needs_batch_draw,
             max_num_logprobs=max(nums) if nums else None,
+            logit_bias=_bias_tensors(rows, V, device),
         )
+
+
+def _bias_tensors(
+    rows: Sequence[SamplingRow], V: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows' logit_bias as (flat indices, biases) on ``device``; ids outside [0, V) raise ValueError."""
+    found = bias_indices([r.params for r in rows], V)
+    if found is None:
+        return None
+    flat, values = found
+    for r in rows:
+        for t in r.params.logit_bias or ():
+            if t >= V:
+                raise ValueError(f"logit_bias holds token id {t}, outside the vocabulary [0, {V}).")
+    return _to_device(torch.from_numpy(flat), device), _to_device(torch.from_numpy(values), device)
 
 
 def _random_draws(
