@@ -12,7 +12,7 @@ content.
 
 from __future__ import annotations
 
-from tinyvllm.tool_parsers.base import Content, ParsedCall, ToolCallStream, extract_tool_calls
+from tinyvllm.tool_parsers.base import Content, ParsedCall, ToolCallStream
 from tinyvllm.tool_parsers.hermes import HermesStream
 from tinyvllm.tool_parsers.llama3_json import Llama3JsonStream
 
@@ -34,6 +34,11 @@ def check_tool_call_parser(name: str | None) -> str | None:
 def make_tool_call_stream(name: str) -> ToolCallStream:
     """A fresh parser of the named format (one per completion)."""
     return TOOL_CALL_PARSERS[check_tool_call_parser(name)]()
+
+
+def extract_tool_calls(parser: str, text: str) -> tuple[str | None, list[ParsedCall]]:
+    """(content or None, calls) of a whole output with the named parser."""
+    return make_tool_call_stream(parser).extract(text)
 
 
 __all__ = [

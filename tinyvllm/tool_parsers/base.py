@@ -129,10 +129,3 @@ class ToolCallStream:
         events = self.feed(text) + self.finish()
         content = "".join(e.text for e in events if isinstance(e, Content))
         return content or None, [e for e in events if isinstance(e, ParsedCall)]
-
-
-def extract_tool_calls(parser: str, text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content or None, calls) of a whole output with the named parser."""
-    from tinyvllm.tool_parsers import make_tool_call_stream
-
-    return make_tool_call_stream(parser).extract(text)
