@@ -14,7 +14,13 @@ from tinyvllm import StructuredOutputsParams as SO
 from tinyvllm.structured import submit_validation, validate
 from tinyvllm.structured.compiler import choice_grammar, compiler_for, length_bounds_as_patterns
 from tinyvllm.structured.matcher import RequestGrammar
-from tinyvllm.structured.reasoning_gate import REASONING_END_TEXT, end_token_ids, reasoning_ended
+from tinyvllm.structured.reasoning_gate import (
+    REASONING_END_TEXT,
+    end_token_ids,
+    prompt_closed_thinking,
+    reasoning_ended,
+    start_token_ids,
+)
 from tinyvllm.structured.vocab import vocab_type
 from tinyvllm.tokenizer import Tokenizer
 
@@ -140,6 +146,25 @@ def test_reasoning_gate(tokenizer):
     assert grammar.gate_open and grammar.is_active
     ab = tokenizer.encode("ab", add_special_tokens=False)
     assert all(grammar.accept(t, out) for t in ab) and grammar.num_accepted == len(ab)
+
+
+def test_a_prompt_that_closed_its_thinking_opens_the_gate(tokenizer):
+    """Qwen3's template with enable_thinking=False ends the prompt with an empty closed block: the
+    constraint applies from the first output token. A prompt that opens thinking, or shows none, keeps
+    the gate closed until the model closes it; an earlier turn's closed block does not count."""
+    start, end = start_token_ids(tokenizer, "qwen3"), end_token_ids(tokenizer, "qwen3")
+    assert tokenizer.decode(list(start)) == "<think>"
+    user = tokenizer.encode("user: hi", add_special_tokens=False)
+    nl = tokenizer.encode("\n\n", add_special_tokens=False)
+    assert prompt_closed_thinking([*user, *start, *nl, *end, *nl], start, end)
+    assert not prompt_closed_thinking([*user, *start, *nl], start, end)
+    assert not prompt_closed_thinking(user, start, end)
+    assert not prompt_closed_thinking([*start, *end, *user, *start], start, end)
+    compiler = compiler_for(tokenizer)
+    grammar = RequestGrammar(compiler.submit(SO(regex="ab")), reasoning_end_ids=end, prompt_closed_thinking=True)
+    assert grammar.gate_open
+    ab = tokenizer.encode("ab", add_special_tokens=False)
+    assert all(grammar.accept(t, ab[: i + 1]) for i, t in enumerate(ab)) and grammar.num_accepted == len(ab)
 
 
 def test_length_bounded_strings_allow_no_control_characters(tokenizer):

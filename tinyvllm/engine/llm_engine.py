@@ -423,12 +423,13 @@ class LLMEngine:
         """The engine's `StructuredOutputManager` (built on first use: it imports xgrammar)."""
         if self._structured is None:
             from tinyvllm.structured.manager import StructuredOutputManager
-            from tinyvllm.structured.reasoning_gate import end_token_ids
+            from tinyvllm.structured.reasoning_gate import end_token_ids, start_token_ids
 
             parser = self.args.reasoning_parser
             end_ids = None if parser is None else end_token_ids(self.tokenizer, parser)
+            start_ids = None if parser is None else start_token_ids(self.tokenizer, parser)
             self._structured = StructuredOutputManager(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, end_ids
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, end_ids, start_ids
             )
         return self._structured
 
@@ -480,7 +481,8 @@ class LLMEngine:
                 skip_reading_prefix_cache=scores_prompt and index == 0,
             )
             if structured is not None:  # compiles off the step loop; admitted once compiled
-                request.ready = structured.add(request.request_id, params.structured_outputs).is_ready
+                grammar = structured.add(request.request_id, params.structured_outputs, token_ids)
+                request.ready = grammar.is_ready
             logprobs = params.logprobs is not None
             children.append(
                 _Sequence(

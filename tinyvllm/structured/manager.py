@@ -22,6 +22,7 @@ from tinyvllm.sampling.bitmask import bitmask_width
 from tinyvllm.sampling_params import StructuredOutputsParams
 from tinyvllm.structured.compiler import compiler_for
 from tinyvllm.structured.matcher import RequestGrammar
+from tinyvllm.structured.reasoning_gate import prompt_closed_thinking
 from tinyvllm.structured.utf8_guard import Utf8Guard
 
 
@@ -33,6 +34,7 @@ class StructuredOutputManager:
         vocab_size: the model's logits width.
         eos_token_ids: the engine's EOS ids (the grammars' stop tokens).
         reasoning_end_ids: token ids that end thinking (`reasoning_gate.end_token_ids`); None: no gate.
+        reasoning_start_ids: token ids that open it (`reasoning_gate.start_token_ids`).
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class StructuredOutputManager:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         reasoning_end_ids: Sequence[int] | None = None,
+        reasoning_start_ids: Sequence[int] | None = None,
     ) -> None:
         import xgrammar as xgr
 
@@ -48,6 +51,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.width = bitmask_width(vocab_size)
         self.reasoning_end_ids = reasoning_end_ids
+        self.reasoning_start_ids = reasoning_start_ids
         self.grammars: dict[str, RequestGrammar] = {}
         # One thread: xgrammar's batch fill starts its worker threads on every call, which costs ~110 µs with
         # 2 threads and ~400 µs with 8 (the H200 host's "auto") even for one row, more than the fill itself
@@ -61,9 +65,15 @@ class StructuredOutputManager:
         """Compile `params` now (cached); raises ValueError naming what is wrong."""
         self.compiler.compile(params)
 
-    def add(self, request_id: str, params: StructuredOutputsParams) -> RequestGrammar:
-        """Start compiling a sequence's grammar (cached by its text); returns its state."""
-        grammar = RequestGrammar(self.compiler.submit(params), self.reasoning_end_ids)
+    def add(
+        self, request_id: str, params: StructuredOutputsParams, prompt_token_ids: Sequence[int] = ()
+    ) -> RequestGrammar:
+        """Start compiling a sequence's grammar (cached by its text); returns its state. With a reasoning
+        gate, a prompt that already closed its thinking block opens the gate from the first token."""
+        closed = self.reasoning_end_ids is not None and prompt_closed_thinking(
+            prompt_token_ids, self.reasoning_start_ids or (), self.reasoning_end_ids
+        )
+        grammar = RequestGrammar(self.compiler.submit(params), self.reasoning_end_ids, closed)
         self.grammars[request_id] = grammar
         self._compiling.add(request_id)
         return grammar

@@ -22,12 +22,16 @@ class RequestGrammar:
         compiled: the future of its compiled grammar (`GrammarCompiler.submit`).
         reasoning_end_ids: token ids that end the model's thinking; the grammar applies only to the
             tokens after them. None: from the first output token.
+        prompt_closed_thinking: the prompt already closed its thinking block (`reasoning_gate`): the
+            grammar applies from the first output token.
     """
 
-    def __init__(self, compiled: Future, reasoning_end_ids: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, compiled: Future, reasoning_end_ids: Sequence[int] | None = None, prompt_closed_thinking: bool = False
+    ) -> None:
         self.compiled = compiled
         self.reasoning_end_ids = None if reasoning_end_ids is None else tuple(reasoning_end_ids)
-        self.gate_open = reasoning_end_ids is None
+        self.gate_open = reasoning_end_ids is None or prompt_closed_thinking
         self.matcher: Any = None  # xgrammar.GrammarMatcher, made on first use
         self.accepted: list[int] = []  # the tokens the grammar accepted, in order
 
