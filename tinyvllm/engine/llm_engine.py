@@ -261,6 +261,7 @@ class LLMEngine:
         self.step_timer = StepTimer()  # set keep_log to see where each step's time went
         self._wait_s = 0.0  # time blocked on the device inside the current step's _process calls
         self._num_history_requests = 0
+        self._early_outputs: list[EngineCoreOutput] = []  # the in-flight step's, processed inside a launch
         self.default_sampling_params = self._default_sampling_params()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._sequences: dict[str, _Sequence] = {}
@@ -581,7 +582,13 @@ class LLMEngine:
         launched = None
         if not sched.is_empty:
             self._note_scheduled(sched)
-            launched = (sched, self.runner.launch(sched, self._structured))
+            # A step with constrained rows needs the in-flight step's tokens in their grammars before
+            # its bitmask is filled: the runner calls `before_mask` once the forward is enqueued, so the
+            # wait for the in-flight step and the mask fill both overlap the device's work.
+            before_mask = self._process_in_flight_early if overlap and self._structured is not None else None
+            launched = (sched, self.runner.launch(sched, self._structured, before_mask))
+            outputs += self._early_outputs
+            self._early_outputs = []
         elif self._structured is not None and self._in_flight is None:
             self._structured.wait_for_compile(0.005)  # only compiling requests left: do not spin
         t3 = clock()
@@ -598,6 +605,12 @@ class LLMEngine:
                 StepRecord(sched.num_batched_tokens, len(sched.sequences), t2 - t1, t3 - t2, host_s, self._wait_s)
             )
         return outputs
+
+    def _process_in_flight_early(self) -> None:
+        """Process the in-flight step now, from inside the next step's launch (see `core_step`)."""
+        if self._in_flight is not None:
+            self._early_outputs += self._process(*self._in_flight)
+            self._in_flight = None
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
