@@ -3,13 +3,18 @@
 A bitmask row is ceil(V / 32) int32 words; token ``t`` is allowed iff bit ``t % 32`` of word ``t // 32``
 is set (bit 31 is the word's sign bit). All ones (-1 words) allows everything: the row of an
 unconstrained request in a batch that has a bitmask. The fused kernels read the packed words directly
-(kernels/sampling.py); this module is the torch path and the tests' reference.
+(kernels/sampling.py); this module is the torch path and the tests' reference. The server's API process
+imports it (through the logit processors' checks) without torch: torch is imported where it is used.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -19,6 +24,8 @@ def bitmask_width(vocab_size: int) -> int:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, W] int32 packed -> [B, vocab_size] bool."""
+    import torch
+
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
