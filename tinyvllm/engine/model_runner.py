@@ -456,8 +456,8 @@ class ModelRunner:
         all ones for other rows; None when no row removes tokens. Filled on the host into one of two
         pinned buffers (alternating, as the other host staging) and copied asynchronously."""
         rids = [s.request_id for s in seqs]
-        if self._before_mask is not None and structured is not None and structured.constrained_rows(rids):
-            self._before_mask()
+        if self._before_mask is not None and structured is not None and structured.has_grammar(rids):
+            self._before_mask()  # may advance or end grammars: the rows are read after it
         rows = structured.constrained_rows(rids) if structured is not None else []
         if not rows and not plan.masked_rows:
             return None

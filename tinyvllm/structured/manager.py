@@ -101,6 +101,11 @@ class StructuredOutputManager:
         if pending:
             wait(pending, timeout, return_when=FIRST_COMPLETED)
 
+    def has_grammar(self, request_ids: Sequence[str]) -> bool:
+        """Whether any of these sequences has a grammar (active or not: dict lookups only)."""
+        grammars = self.grammars
+        return any(rid in grammars for rid in request_ids)
+
     def constrained_rows(self, request_ids: Sequence[str]) -> list[int]:
         """The rows (indices into `request_ids`) whose next token the grammar constrains."""
         grammars = self.grammars
