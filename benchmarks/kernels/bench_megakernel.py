@@ -1,10 +1,10 @@
-"""Batch-1 decode step: the one-launch megakernel against the layer-by-layer fused path, 1B shape.
+"""Batch-1 decode step: the one-launch megakernel against the layer-by-layer fused path, per model shape.
 
-    python benchmarks/kernels/bench_megakernel.py [--contexts 128 640 2048] [--out DIR]
+    python benchmarks/kernels/bench_megakernel.py [--preset llama-3.2-1b] [--contexts 128 640 2048] [--out DIR]
 
-A random-weight `llama-3.2-1b` model (bf16) on the GPU, one sequence whose context is each of
-`--contexts` keys. Timed as CUDA-graph replays of a whole step (decoder layers + final norm + LM head,
-no sampling), as the engine's batch-1 graph runs it:
+A random-weight model of the preset's shape (default `llama-3.2-1b`, bf16) on the GPU, one sequence
+whose context is each of `--contexts` keys. Timed as CUDA-graph replays of a whole step (decoder
+layers + final norm + LM head, no sampling), as the engine's batch-1 graph runs it:
   * `layered`: the fused small-batch path (the layer loop of models/decoder.py: ~9 kernels per layer);
   * `mk <tile>/<warps>w/<stages>st/ace<stages>/<splitO|ticket>`: the megakernel per config.
 The layers alone (without the LM head) are timed too. Floor: the weight bytes read per step (layers,
@@ -170,8 +170,8 @@ def program_trace(mk: DecodeMegakernel, ids, pos, meta, kv, reps: int = 10) -> d
     return out
 
 
-def setup(dev: torch.device, dtype: torch.dtype, max_ctx: int):
-    config = ModelConfig.from_dict(make_config("llama-3.2-1b"))
+def setup(dev: torch.device, dtype: torch.dtype, max_ctx: int, preset: str = "llama-3.2-1b"):
+    config = ModelConfig.from_dict(make_config(preset))
     model = build_model(
         config,
         get_ops("triton"),
@@ -262,7 +262,9 @@ def check(
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-3.2-1b", help="the model shape (tinyvllm.models.presets)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 640, 2048])
+    ap.add_argument("--traces", action=argparse.BooleanOptionalAction, default=True, help="per-phase traces")
     ap.add_argument("--fp32", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument(
         "--splits",
@@ -402,23 +404,24 @@ def main() -> None:
 
     checks = []
     if ns.fp32:  # float32 shows the schemes' arithmetic apart from bf16 rounding
-        model, kv = setup(dev, torch.float32, max(ns.contexts))
+        model, kv = setup(dev, torch.float32, max(ns.contexts), ns.preset)
         checks += check(model, kv, DecodeMegakernel(model), ns.contexts, variants[:2])
         del model, kv
         torch.cuda.empty_cache()
-    model, kv = setup(dev, torch.bfloat16, max(ns.contexts))
+    model, kv = setup(dev, torch.bfloat16, max(ns.contexts), ns.preset)
     base = DecodeMegakernel(model)
     checks += check(model, kv, base, ns.contexts, variants)
     print_table("correctness against the layered path", checks, CHECK_COLUMNS)
 
     rows = time_steps(model, base, kv, ns.contexts, variants, copy)
-    phases, programs = traces(model, base, kv, ns.contexts, variants)
+    phases, programs = traces(model, base, kv, ns.contexts, variants) if ns.traces else ([], [])
     print_table(
         "per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)", phases, PHASE_COLUMNS
     )
-    print_table(f"batch-1 decode step, llama-3.2-1b shape, bf16 ({info['gpu']})", rows, STEP_COLUMNS)
-    json_path, _ = output_paths(ns.out, "megakernel")
+    print_table(f"batch-1 decode step, {ns.preset} shape, bf16 ({info['gpu']})", rows, STEP_COLUMNS)
+    json_path, _ = output_paths(ns.out, "megakernel" if ns.preset == "llama-3.2-1b" else f"megakernel_{ns.preset}")
     payload = {
+        "preset": ns.preset,
         "device": info,
         "copy_bandwidth": copy,
         "checks": checks,

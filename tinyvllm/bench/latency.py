@@ -1,4 +1,5 @@
-"""`tinyvllm bench latency`: batch 1, 128 prompt tokens, 512 greedy output tokens (docs/workloads.md)."""
+"""`tinyvllm bench latency`: batch 1, 128 prompt tokens, 512 greedy output tokens (docs/workloads.md);
+`--batch-size N`: N such rows decoding together."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     from tinyvllm.bench.offline import add_common_cli_args
 
     add_common_cli_args(p)
+    p.add_argument("--batch-size", type=int, default=1, help="rows decoding together (1: the latency workload)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--iters", type=int, default=3)

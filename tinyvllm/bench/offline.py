@@ -136,18 +136,28 @@ def _ttft(out: RequestOutput) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- latency
+def _decode_rate(outs: list[RequestOutput]) -> float:
+    """Decode tokens of every row per second: the tokens after each row's first, over the span from the
+    first row's first token to the last row's end (rows of one batch decode in the same steps)."""
+    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    span = max(o.metrics.finished_time for o in outs) - min(o.metrics.first_token_time for o in outs)
+    return tokens / span
+
+
 def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() and ns.device != "cpu" else "cpu")
     ceil = _ceilings(device)
-    w = latency_workload(ns.input_len, ns.output_len)
+    batch = ns.batch_size
+    if batch < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch}")
+    w = latency_workload(ns.input_len, ns.output_len, batch_size=batch)
     model_dir = resolve_model(ns.model)
     hf = None
     if ns.baseline == "hf":
         from tinyvllm.bench.hf_baseline import hf_latency, load_hf
 
         model = load_hf(model_dir, device)
-        (prompt,) = _token_ids(w.prompts[:1], model.config.vocab_size)
-        hf = hf_latency(model, prompt, ns.baseline_output_len, device)
+        hf = hf_latency(model, _token_ids(w.prompts, model.config.vocab_size), ns.baseline_output_len, device)
         _free(model)
     llm = LLM(**vars(_engine_args(ns)))
     _warm_up(llm)
@@ -155,19 +165,16 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for _ in range(ns.iters):
         outs, _, _, steps = _timed_generate(llm, _prompts(w, llm.llm_engine.model_config.vocab_size), params)
-        out = outs[0]
-        m = out.metrics
-        n = len(out.outputs[0].token_ids)
         runs.append(
             {
-                "ttft_s": _ttft(out),
-                "decode_tokens_per_s": (n - 1) / (m.finished_time - m.first_token_time),
-                "e2e_s": m.finished_time - m.arrival_time,
+                "ttft_s": max(_ttft(o) for o in outs),
+                "decode_tokens_per_s": _decode_rate(outs),
+                "e2e_s": max(o.metrics.finished_time - o.metrics.arrival_time for o in outs),
             }
         )
     ours = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     costs = ModelCosts.of(llm.llm_engine.model_config)
-    floor = latency_floor(costs, ns.input_len, ns.output_len, ceil) if ceil else None
+    floor = latency_floor(costs, ns.input_len, ns.output_len, ceil, batch) if ceil else None
     rows = [("tinyvllm", f"{ours['decode_tokens_per_s']:.0f}", f"{ours['ttft_s'] * 1e3:.1f}")]
     if hf:
         rows.append(("transformers", f"{hf['decode_tokens_per_s']:.1f}", f"{hf['ttft_s'] * 1e3:.1f}"))
@@ -178,14 +185,15 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         )
         rows.append(("ours / floor", f"{ours['decode_tokens_per_s'] / floor['decode_tokens_per_s']:.2f}", ""))
     print_table(
-        f"latency: batch 1, {ns.input_len} in, {ns.output_len} out, greedy ({ns.model})",
+        f"latency: batch {batch}, {ns.input_len} in, {ns.output_len} out, greedy ({ns.model})",
         rows,
         ("", "decode tok/s", "TTFT ms"),
     )
-    profile = _profile(ns, llm, w, device, f"latency_step_breakdown_{_tag(ns)}.png")
+    profile = _profile(ns, llm, w, device, f"latency_step_breakdown_{_tag(ns)}.png") if batch == 1 else None
     result = {
         "workload": "latency",
         "model": ns.model,
+        "batch_size": batch,
         "input_len": ns.input_len,
         "output_len": ns.output_len,
         "ours": ours,
@@ -193,11 +201,13 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         "steps_last_run": steps,
         "hf": hf,
         "floor": floor,
+        "of_floor": ours["decode_tokens_per_s"] / floor["decode_tokens_per_s"] if floor else None,
         "ceilings": ceil.__dict__ if ceil else None,
         "profile": profile,
         "engine_args": vars(_engine_args(ns)),
     }
-    write_json(ns.name or f"latency_{_tag(ns)}", result, ns.out_dir)
+    default_name = f"latency_{_tag(ns)}" if batch == 1 else f"latency_b{batch}_{_tag(ns)}"
+    write_json(ns.name or default_name, result, ns.out_dir)
     return result
 
 

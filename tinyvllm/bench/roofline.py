@@ -101,10 +101,16 @@ def prefill_floor(costs: ModelCosts, prompt_lens: list[int], ceil: Ceilings) -> 
     return flops / ceil.matmul_flops_per_s
 
 
-def latency_floor(costs: ModelCosts, prompt_len: int, output_len: int, ceil: Ceilings) -> dict[str, float]:
-    """Batch 1: time to first token (prefill) and decode tokens per second."""
-    decode = sum(decode_step_floor(costs, [prompt_len + t], ceil) for t in range(1, output_len))
-    return {"ttft_s": prefill_floor(costs, [prompt_len], ceil), "decode_tokens_per_s": (output_len - 1) / decode}
+def latency_floor(
+    costs: ModelCosts, prompt_len: int, output_len: int, ceil: Ceilings, batch_size: int = 1
+) -> dict[str, float]:
+    """`batch_size` rows decoding together: time to first token (their prefill) and decode tokens per
+    second over all rows (weights once a step, each row's cache)."""
+    decode = sum(decode_step_floor(costs, [prompt_len + t] * batch_size, ceil) for t in range(1, output_len))
+    return {
+        "ttft_s": prefill_floor(costs, [prompt_len] * batch_size, ceil),
+        "decode_tokens_per_s": batch_size * (output_len - 1) / decode,
+    }
 
 
 def throughput_floor(

@@ -27,10 +27,12 @@ def throughput_workload(num_requests: int = 256, seed: int = 0) -> Workload:
     return Workload(prompts, max_tokens, temperature=0.6)
 
 
-def latency_workload(prompt_len: int = 128, output_len: int = 512, seed: int = 0) -> Workload:
-    """Batch 1: one prompt of `prompt_len` random ids, `output_len` greedy tokens, ignore_eos."""
+def latency_workload(prompt_len: int = 128, output_len: int = 512, seed: int = 0, batch_size: int = 1) -> Workload:
+    """`batch_size` prompts (1: the `latency` workload) of `prompt_len` random ids each, `output_len`
+    greedy tokens each, ignore_eos: every row decodes in the same steps."""
     rng = random.Random(seed)
-    return Workload([[rng.randint(0, 10000) for _ in range(prompt_len)]], [output_len], temperature=0.0)
+    prompts = [[rng.randint(0, 10000) for _ in range(prompt_len)] for _ in range(batch_size)]
+    return Workload(prompts, [output_len] * batch_size, temperature=0.0)
 
 
 def shared_prefix_workload(
