@@ -223,6 +223,7 @@ def test_megakernel_split_merge_equals_reference(dtype, seq_len, splits):
 
 
 QWEN3_WINDOWED = {"use_sliding_window": True, "sliding_window": 70, "max_window_layers": 1}
+GROUP_OF_3 = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2}
 
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
@@ -244,6 +245,11 @@ QWEN3_WINDOWED = {"use_sliding_window": True, "sliding_window": 70, "max_window_
         ("tiny-mistral", torch.float32, 13, 1, False, {"sliding_window": 1}),  # the new key alone
         # q/k norm and a window on some layers together
         ("tiny-qwen3", torch.float32, 200, 3, True, QWEN3_WINDOWED),
+        # three query heads per KV head (Llama 3.2 3B's 24 / 8, Qwen2.5-1.5B's 12 / 2): padded to four
+        ("tiny", torch.float32, 130, 3, True, GROUP_OF_3),
+        ("tiny", torch.bfloat16, 130, 2, False, GROUP_OF_3),
+        ("tiny-qwen2", torch.float32, 130, 3, True, GROUP_OF_3),
+        ("tiny-qwen3", torch.float32, 65, 2, False, {**GROUP_OF_3, "head_dim": 32}),
     ],
 )
 def test_megakernel_serves_every_family(preset, dtype, seq_len, splits, split_o, overrides):
@@ -436,18 +442,19 @@ def test_megakernel_rejects_a_config_without_a_pipeline_stage(config):
 
 
 def test_megakernel_refuses_what_it_cannot_serve_in_one_log_line(caplog):
-    """Query heads per KV head that are not a power of two (Qwen2.5-1.5B's 12 / 2) are the one family shape
-    the megakernel refuses: the runner's paths say why once and run the fused path; every tiny family
-    preset is served."""
+    """A head dim that is not a power of two is the one family shape the megakernel refuses (a group of 3
+    query heads per KV head is served, padded): the runner's paths say why once and run the fused path;
+    every tiny family preset is served."""
     from tinyvllm.engine.paths.megakernel import megakernel_unsupported
 
     for preset in ("tiny", "tiny-qwen3", "tiny-qwen2", "tiny-mistral"):
         assert megakernel_unsupported(build("triton", torch.float32, CPU, preset=preset)) is None
+    assert megakernel_unsupported(build("triton", torch.float32, CPU, preset="tiny-qwen2", **GROUP_OF_3)) is None
     model = build(
-        "triton", torch.float32, CPU, preset="tiny-qwen2", hidden_size=96, num_attention_heads=6, num_key_value_heads=2
+        "triton", torch.float32, CPU, preset="tiny-qwen2", hidden_size=96, num_attention_heads=4, num_key_value_heads=2
     )
     with caplog.at_level(logging.INFO, logger="tinyvllm.engine.paths.executor"):
         paths = ModelExecutor(model, RunnerConfig(decode_megakernel=True, pruned_lm_head=False), "cuda")
     assert paths.megakernel is None and paths.uses_fused_path(1)
-    line = "decode megakernel off: head_dim 16 / query heads per KV head 3 (need powers of two)"
+    line = "decode megakernel off: head_dim 24 (needs a power of two) or query heads not a multiple of KV heads"
     assert caplog.text.count(line) == 1, caplog.text

@@ -177,8 +177,11 @@ def _store_partial(
 
 
 @triton.jit
-def _merge_partials(part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SM: tl.constexpr):
-    """The attention output [G, D] of KV head kvh's query heads from its num_splits partials
+def _merge_partials(
+    part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SM: tl.constexpr
+):
+    """The attention output [GP, D] of KV head kvh's query heads (rows ≥ G, the padding of a group that is
+    not a power of two, are 0) from its num_splits partials
     (`_store_partial`'s layout, runs of SM slots; m in the log2 domain): Σₛ 2^(mₛ−M) accₛ / Σₛ 2^(mₛ−M) lₛ
     with M = maxₛ mₛ, 0 where no split had keys.
 
@@ -186,15 +189,22 @@ def _merge_partials(part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.constexpr
     them itself, so the merge exchanges nothing between warps. m and l are loaded in the same [G, D, SM]
     shape (repeated along D) so that every operand shares one layout. The loads are unmasked (a mask
     would split the vectors): the slots beyond num_splits hold earlier launches' partials or zeros, all
-    finite, and are masked here."""
-    g = tl.arange(0, G)[:, None, None]
+    finite, and are masked here; padding rows are masked along the head axis only, which keeps the vectors."""
+    g = tl.arange(0, GP)[:, None, None]
     d = tl.arange(0, D)[None, :, None]
     sp = tl.arange(0, SM)[None, None, :]
     have = sp < num_splits
-    row = kvh * G + g  # [G, 1, 1]
-    accs = tl.load(part_ptr + (row * D + d) * SM + sp, cache_modifier=".cg")
-    ms = tl.load(part_ptr + HK * G * D * SM + row * SM + sp + d * 0, cache_modifier=".cg")
-    ls = tl.load(part_ptr + HK * G * (D + 1) * SM + row * SM + sp + d * 0, cache_modifier=".cg")
+    row = kvh * G + g  # [GP, 1, 1]
+    if GP == G:
+        accs = tl.load(part_ptr + (row * D + d) * SM + sp, cache_modifier=".cg")
+        ms = tl.load(part_ptr + HK * G * D * SM + row * SM + sp + d * 0, cache_modifier=".cg")
+        ls = tl.load(part_ptr + HK * G * (D + 1) * SM + row * SM + sp + d * 0, cache_modifier=".cg")
+    else:
+        real = g < G
+        accs = tl.load(part_ptr + (row * D + d) * SM + sp, mask=real, other=0.0, cache_modifier=".cg")
+        ms = tl.load(part_ptr + HK * G * D * SM + row * SM + sp + d * 0, mask=real, other=0.0, cache_modifier=".cg")
+        ls = tl.load(part_ptr + HK * G * (D + 1) * SM + row * SM + sp + d * 0, mask=real, other=0.0, cache_modifier=".cg")
+        have = have & real
     accs = tl.where(have, accs, 0.0)
     ms = tl.where(have, ms, float("-inf"))
     ls = tl.where(have, ls, 0.0)
@@ -207,14 +217,23 @@ def _merge_partials(part_ptr, kvh, num_splits, HK: tl.constexpr, G: tl.constexpr
 
 @triton.jit
 def group_attention(
-    part_ptr, g, num_splits, dtype: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SM: tl.constexpr
+    part_ptr,
+    g,
+    num_splits,
+    dtype: tl.constexpr,
+    HK: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    SM: tl.constexpr,
 ):
-    """KV group g's attention output [G, D] merged from its split partials, rounded to dtype. Partials
-    are stored in runs of 4 slots at ≤ 4 splits (a narrower merge), else of SM slots."""
+    """KV group g's attention output [GP, D] (GP = G rounded up to a power of two; padding rows 0) merged
+    from its split partials, rounded to dtype. Partials are stored in runs of 4 slots at ≤ 4 splits (a
+    narrower merge), else of SM slots."""
     if num_splits <= 4:
-        o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, 4)
+        o_g = _merge_partials(part_ptr, g, num_splits, HK, G, GP, D, 4)
     else:
-        o_g = _merge_partials(part_ptr, g, num_splits, HK, G, D, SM)
+        o_g = _merge_partials(part_ptr, g, num_splits, HK, G, GP, D, SM)
     return o_g.to(dtype)
 
 
@@ -255,6 +274,7 @@ def attention_phase(
     KEYS: tl.constexpr,
     SM: tl.constexpr,
     BG: tl.constexpr,
+    GP: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     TRACE: tl.constexpr,
@@ -274,7 +294,7 @@ def attention_phase(
     token's cos/sin row, eps the norms' epsilon; the new key goes to the cache at kv_off (slot ≥ 0; with
     slot −1 it is read from the cache as every other key)."""
     G: tl.constexpr = HQ // HK
-    g = tl.arange(0, G)
+    g = tl.arange(0, GP)
     rows_g = tl.arange(0, BG)
     d = tl.arange(0, D)
     split_keys = keys_per_split(seq_len - base, num_splits, KEYS)
@@ -404,8 +424,8 @@ def attention_phase(
                 if u == pid:
                     trace_attention(trace_ptr, pid, layer, tb, 1, now(ticket))
             if ticket == (layer + 1) * num_splits - 1:  # the last split of this layer's KV head
-                out = group_attention(part_ptr, kvh, num_splits, attn_ptr.dtype.element_ty, HK, G, D, SM)
-                tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out)
+                out = group_attention(part_ptr, kvh, num_splits, attn_ptr.dtype.element_ty, HK, G, GP, D, SM)
+                tl.store(attn_ptr + (kvh * G + g)[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
             if TRACE:  # noqa: SIM102 (a constexpr test apart)
                 if u == pid:
                     trace_attention(trace_ptr, pid, layer, tb, 2, now(pid))

@@ -74,6 +74,7 @@ def decode_megakernel_kernel(
     KEYS: tl.constexpr,
     SM: tl.constexpr,
     BG: tl.constexpr,
+    GP: tl.constexpr,
     MAXU_C: tl.constexpr,
     MAXU_E: tl.constexpr,
     TRACE: tl.constexpr,
@@ -99,7 +100,8 @@ def decode_megakernel_kernel(
 
     Shapes (constexpr): H hidden, F intermediate, HQ / HK query / KV heads, D head dim, BS cache block
     size; RQ, RO, RG, RD rows per unit of phases A, C, D, E; KEYS keys per attention tile; SM slots per
-    run of the partials; BG the query rows per attention tile; MAXU_C, MAXU_E a program's most units in C
+    run of the partials; BG the query rows per attention tile; GP the query heads per KV head rounded up to a
+    power of two (a group that is not one is padded, masked); MAXU_C, MAXU_E a program's most units in C
     (unsplit) and E; CW phase D's chunk width (DOT_D: on the tensor cores). Launch choices: TRACE, STAGES /
     PIPE / E_PIPE the pipeline depths of phase D / A and C / E, SPLIT_O, ASM (CUDA: the asm wait), UPCAST
     (interpreter: bf16 dots in float32), IEEE (float32: exact dots).
@@ -237,6 +239,7 @@ def decode_megakernel_kernel(
             KEYS,
             SM,
             BG,
+            GP,
             UPCAST,
             IEEE,
             TRACE,
@@ -262,6 +265,7 @@ def decode_megakernel_kernel(
                 HQ,
                 HK,
                 D,
+                GP,
                 RO,
                 SM,
                 PIPE,

@@ -62,15 +62,16 @@ class ModelShape:
 def unsupported_reason(shape: ModelShape, dtype: torch.dtype) -> str | None:
     """Why the kernel cannot serve this model, or None.
 
-    It needs power-of-two head dims ≥ 4, a power-of-two group of query heads per KV head, and activation
+    It needs power-of-two head dims ≥ 4 (a group of query heads per KV head that is not a power of two is
+    padded to one, masked), and activation
     vectors small enough for one program's registers (hidden ≤ 8192, intermediate ≤ 32768). The KV block
     size, a power of two, is checked at launch.
     """
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {dtype}"
-    d, g = shape.head_dim, shape.num_heads // max(1, shape.num_kv_heads)
-    if d < 4 or d & (d - 1) or shape.num_heads % shape.num_kv_heads or g & (g - 1):
-        return f"head_dim {d} / query heads per KV head {g} (need powers of two)"
+    d = shape.head_dim
+    if d < 4 or d & (d - 1) or shape.num_heads % max(1, shape.num_kv_heads):
+        return f"head_dim {d} (needs a power of two) or query heads not a multiple of KV heads"
     if shape.hidden > 8192 or shape.intermediate > 32768 or shape.num_heads * d > 8192:
         return "hidden or intermediate size too large for one program's registers"
     return None
@@ -262,6 +263,7 @@ def _constexprs(
         KEYS=ATTN_KEYS,
         SM=max(4, next_power_of_2(ws.num_splits)),
         BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
+        GP=next_power_of_2(shape.num_heads // shape.num_kv_heads),
         UPCAST=upcast_dot(device),
         IEEE=weights.qkv.dtype == torch.float32,
         TRACE=trace and cuda,

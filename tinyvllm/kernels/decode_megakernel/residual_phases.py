@@ -107,6 +107,7 @@ def o_group_phase(
     HQ: tl.constexpr,
     HK: tl.constexpr,
     D: tl.constexpr,
+    GP: tl.constexpr,
     RO: tl.constexpr,
     SM: tl.constexpr,
     PIPE: tl.constexpr,
@@ -118,7 +119,8 @@ def o_group_phase(
     1 / O_SCALE, zero before the phase) by atomics, exact and so in no order that matters, o_g being the
     attention output of g's query heads, merged from phase B's partials
     by this program itself and rounded to the model's dtype as the layer-by-layer path stores it. A
-    program takes a contiguous run of units, so that it merges once per group its run touches."""
+    program takes a contiguous run of units, so that it merges once per group its run touches. A group of
+    G query heads that is not a power of two is padded to GP heads, masked (their weights read as 0)."""
     G: tl.constexpr = HQ // HK
     GD: tl.constexpr = G * D
     QD: tl.constexpr = HQ * D
@@ -128,22 +130,26 @@ def o_group_phase(
     first = pid * per
     last = tl.minimum(first + per, n_units)
     rr = tl.arange(0, RO)[:, None, None]
-    cols = tl.arange(0, G)[None, :, None] * D + tl.arange(0, D)[None, None, :]  # [1, G, D]: g's columns
+    heads = tl.arange(0, GP)[None, :, None]
+    cols = heads * D + tl.arange(0, D)[None, None, :]  # [1, GP, D]: g's columns
     base = wo_ptr + tl.cast(layer, tl.int64) * (H * QD)
-    a = tl.zeros([1, G, D], wo_ptr.dtype.element_ty)
+    a = tl.zeros([1, GP, D], wo_ptr.dtype.element_ty)
     g_have = -1
     for u in tl.range(first, last, 1, num_stages=PIPE):
         g = u // CPG
         row0 = (u % CPG) * RO
-        w = tl.load(base + (row0 + rr) * QD + g * GD + cols)  # [RO, G, D]
+        if GP == G:
+            w = tl.load(base + (row0 + rr) * QD + g * GD + cols)  # [RO, G, D]
+        else:
+            w = tl.load(base + (row0 + rr) * QD + g * GD + cols, mask=heads < G, other=0.0)  # [RO, GP, D]
         # The first merge sits in the wait's own block: Triton's pipeliner may move an independent block
         # of the loop body ahead of another, and the merge must read the partials after the barrier.
         if u == first:  # the pipeline's first tiles are in flight
             end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-            a = group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)[None, :, :]
+            a = group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, GP, D, SM)[None, :, :]
             g_have = g
         if g != g_have:
-            a = group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, D, SM)[None, :, :]
+            a = group_attention(part_ptr, g, num_splits, wo_ptr.dtype.element_ty, HK, G, GP, D, SM)[None, :, :]
             g_have = g
         y = tl.sum(tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2), axis=1)  # [RO]
         fixed = (y * 4294967296.0).to(tl.int64)  # O_SCALE units, truncated toward zero
