@@ -202,8 +202,9 @@ def _merge_partials(
     else:
         real = g < G
         accs = tl.load(part_ptr + (row * D + d) * SM + sp, mask=real, other=0.0, cache_modifier=".cg")
-        ms = tl.load(part_ptr + HK * G * D * SM + row * SM + sp + d * 0, mask=real, other=0.0, cache_modifier=".cg")
-        ls = tl.load(part_ptr + HK * G * (D + 1) * SM + row * SM + sp + d * 0, mask=real, other=0.0, cache_modifier=".cg")
+        m_at = part_ptr + HK * G * D * SM + row * SM + sp + d * 0
+        ms = tl.load(m_at, mask=real, other=0.0, cache_modifier=".cg")
+        ls = tl.load(m_at + HK * G * SM, mask=real, other=0.0, cache_modifier=".cg")
         have = have & real
     accs = tl.where(have, accs, 0.0)
     ms = tl.where(have, ms, float("-inf"))
