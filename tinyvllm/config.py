@@ -363,7 +363,9 @@ class RunnerConfig:
             matrix-vector kernels, with SwiGLU and the residual adds folded in.
         fused_max_tokens: the largest step (token rows) the fused matrix-vector path serves (1..16).
         decode_megakernel: a decode step of one sequence runs every layer in one kernel launch (CUDA and
-            the Triton backend only); None: on for hidden sizes up to `megakernel_max_hidden`.
+            the Triton backend only); None: on for hidden sizes that are powers of two up to
+            `megakernel_max_hidden` (measured faster than the fused path at 1,024, 2,048 and 4,096, and
+            slower at 2,560 and 3,072, whose rows the kernel pads: docs/perf.md §1b).
         megakernel_max_hidden: the largest hidden size the megakernel is on for by default.
         pruned_lm_head: batch-1 decode graph steps whose sampling is greedy or temperature only draw their
             token from an int8 copy of the LM head that bounds every row's score, plus the few rows it
@@ -385,7 +387,7 @@ class RunnerConfig:
     fused_gemv: bool = True
     fused_max_tokens: int = 1
     decode_megakernel: bool | None = None
-    megakernel_max_hidden: int = 2048
+    megakernel_max_hidden: int = 8192
     pruned_lm_head: bool = True
     cuda_graphs: bool = True
     sample_in_lm_head: bool = True

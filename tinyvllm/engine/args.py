@@ -108,9 +108,11 @@ class EngineArgs:
     decode_megakernel: bool | None = _opt(
         None,
         "on CUDA, a decode step of one sequence runs every layer in one kernel launch "
-        "(default: on up to hidden size --megakernel-max-hidden)",
+        "(default: on for power-of-two hidden sizes up to --megakernel-max-hidden)",
     )
-    megakernel_max_hidden: int = _opt(2048, "largest hidden size the decode megakernel is on for by default")
+    megakernel_max_hidden: int = _opt(
+        8192, "largest hidden size the decode megakernel is on for by default (powers of two only)"
+    )
     pruned_lm_head: bool = _opt(
         True,
         "on CUDA with CUDA graphs, sample a batch-1 decode step (greedy or temperature only) from an "

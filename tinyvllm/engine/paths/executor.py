@@ -36,10 +36,14 @@ logger = logging.getLogger(__name__)
 
 def wants_megakernel(config: RunnerConfig, device_type: str, hidden_size: int) -> bool:
     """Whether to try the decode megakernel: only on CUDA; `decode_megakernel=None` means up to
-    `megakernel_max_hidden` (the model may still be one it cannot serve: see megakernel_unsupported)."""
+    `megakernel_max_hidden` when the hidden size is a power of two (the kernel pads other sizes' rows and
+    then runs slower than the fused path; the model may still be one it cannot serve: see
+    megakernel_unsupported)."""
     if device_type != "cuda" or config.decode_megakernel is False or config.batch_invariant:
         return False
-    return config.decode_megakernel is True or hidden_size <= config.megakernel_max_hidden
+    if config.decode_megakernel is True:
+        return True
+    return hidden_size <= config.megakernel_max_hidden and hidden_size & (hidden_size - 1) == 0
 
 
 class ModelExecutor:
