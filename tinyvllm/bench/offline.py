@@ -37,7 +37,9 @@ def _engine_args(ns: argparse.Namespace, **changes: Any) -> EngineArgs:
 
 
 def _params(w: Workload) -> list[SamplingParams]:
-    return [SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=True) for m in w.max_tokens]
+    return [
+        SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=True, **w.filters) for m in w.max_tokens
+    ]
 
 
 def _token_ids(prompts: list[list[int]], vocab_size: int) -> list[list[int]]:
@@ -216,6 +218,8 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() and ns.device != "cpu" else "cpu")
     ceil = _ceilings(device)
     w = throughput_workload(ns.num_prompts)
+    filters = {k: v for k, v in (("top_p", ns.top_p), ("top_k", ns.top_k), ("min_p", ns.min_p)) if v is not None}
+    w = Workload(w.prompts, w.max_tokens, w.temperature, filters)
     model_dir = resolve_model(ns.model)
     hf = None
     if ns.baseline == "hf":
@@ -269,6 +273,7 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     result = {
         "workload": "throughput",
         "model": ns.model,
+        "sampling": {"temperature": w.temperature, **w.filters},
         "ours": ours,
         "hf": hf,
         "floor": floor,

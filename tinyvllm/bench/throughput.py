@@ -19,6 +19,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="transformers runs the first N requests as one padded static batch",
     )
     p.add_argument("--profile", action="store_true", help="also break a decode step down by kernel class")
+    p.add_argument("--top-p", type=float, default=None, help="every request samples with this top_p")
+    p.add_argument("--top-k", type=int, default=None, help="every request samples with this top_k")
+    p.add_argument("--min-p", type=float, default=None, help="every request samples with this min_p")
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -11,6 +11,7 @@ class Workload:
     prompts: list[list[int]]  # token ids
     max_tokens: list[int]
     temperature: float
+    filters: dict[str, float] = field(default_factory=dict)  # SamplingParams top_p / top_k / min_p, if any
 
     @property
     def num_output_tokens(self) -> int:
