@@ -86,14 +86,14 @@ def _row_stats(row_ptr, mask_row_ptr, V, inv_t, BLOCK: tl.constexpr, HAS_MASK: t
         sl = _scaled(row_ptr, mask_row_ptr, start + tl.arange(0, BLOCK), V, inv_t, HAS_MASK)
         finite = sl > float("-inf")
         m_new = tl.maximum(m_i, sl)
-        # lanes still at −inf keep a zero sum (exp2 of −inf − −inf would be NaN)
-        alpha = tl.where(m_new > float("-inf"), tl.exp2((m_i - m_new) * 1.4426950408889634), 0.0)
-        s_i = s_i * alpha + tl.where(finite, tl.exp2((sl - m_new) * 1.4426950408889634), 0.0)
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # lanes still at −inf keep a zero sum, no NaN
+        s_i = s_i * tl.exp2((m_i - m_safe) * 1.4426950408889634) + tl.exp2((sl - m_safe) * 1.4426950408889634)
         m_i = m_new
         lo_i = tl.minimum(lo_i, tl.where(finite, sl, float("inf")))
         n_i += finite.to(tl.int32)
     m = tl.max(m_i, axis=0)
-    s = tl.sum(tl.where(m_i > float("-inf"), s_i * tl.exp2((m_i - m) * 1.4426950408889634), 0.0), axis=0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    s = tl.sum(s_i * tl.exp2((m_i - m_safe) * 1.4426950408889634), axis=0)
     return m, s, tl.min(lo_i, axis=0), tl.sum(n_i, axis=0)
 
 
@@ -109,6 +109,7 @@ def _candidates(lo, hi, a, NC: tl.constexpr):
     j = tl.arange(0, NC)
     by_key = start + (khi - start) * ((j % HALF) + 1) // (HALF + 1)
     x0 = _from_key(start)
+    x0 = tl.where(x0 > float("-inf"), x0, hi)  # no value spread from −inf: the key half serves
     x_val = x0 + (hi - x0) * (((j % HALF) + 1).to(tl.float32) / (HALF + 1))
     ok = (x_val > x0) & (x_val < hi)  # not NaN, not ±inf, strictly inside
     by_val = tl.where(ok, _key(x_val + 0.0), by_key)
