@@ -249,6 +249,7 @@ def truncation_thresholds(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     bitmask: torch.Tensor | None = None,
+    candidates: int = _NC,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's strict threshold on l = z · (1 / T): the kept set is {i : l_i > thr} (module docstring).
 
@@ -257,11 +258,15 @@ def truncation_thresholds(
         temperature: [B] float32 (0: greedy, no truncation); top_k: [B] int32 (0: off);
         top_p: [B] float32 in (0, 1] (1: off); min_p: [B] float32 in [0, 1] (0: off).
         bitmask: [B, ceil(V / 32)] int32 or None, as in `sample_greedy_or_gumbel`.
+        candidates: thresholds tried per search pass (NC: an even power of two); more cut the passes and
+            cost more compares per logit.
 
     Returns:
         thr [B] float32, and passes [B] int32: the reads of each row the search made (for benchmarks).
     """
     B, V = logits.shape
+    if candidates < 2 or candidates & (candidates - 1):
+        raise ValueError(f"candidates must be a power of two ≥ 2, got {candidates}")
     thr = torch.empty(B, dtype=torch.float32, device=logits.device)
     passes = torch.empty(B, dtype=torch.int32, device=logits.device)
     if B:
@@ -278,7 +283,7 @@ def truncation_thresholds(
             passes,
             V,
             BLOCK=min(_BLOCK, triton.next_power_of_2(V)),
-            NC=_NC,
+            NC=candidates,
             HAS_MASK=bitmask is not None,
             num_warps=8,
         )
