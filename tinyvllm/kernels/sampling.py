@@ -5,8 +5,10 @@ Row b with temperature T_b:
   * T_b > 0: the Gumbel-max trick, argmax_i (z_i / T_b + g_i) with g_i = −log(−log u_i) and u_i uniform
     from Philox keyed by (seed_b, i). This draws exactly from softmax(z / T_b) (Gumbel 1954; Maddison et
     al. 2014), without normalising, sorting or writing probabilities.
-Ties resolve to the lowest index. Reads B·V logits once and writes B ids; the torch sampler handles the
-rows that need top-k, top-p, min-p, penalties or logprobs.
+Ties resolve to the lowest index. Reads B·V logits once and writes B ids. With per-row thresholds
+(HAS_THR, from kernels/top_p_sampling.py) the argmax runs over the tokens whose scaled logit exceeds the
+row's threshold: top-k / top-p / min-p sampling with the same noise. The torch sampler handles the rows
+that need penalties, logit_bias or logprobs.
 
 With a token bitmask (structured outputs: xgrammar's packed int32 rows, [B, ceil(V / 32)], token i
 allowed iff bit i % 32 of word i // 32 is set) a disallowed token's value is −inf before the argmax, so
