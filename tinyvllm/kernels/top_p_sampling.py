@@ -176,7 +176,7 @@ def _search(
         lo = _from_key(klo)
         hi = _from_key(khi)
         passes += 1
-        a = float("-inf")  # the bound places the first pass only: a wrong one then costs one pass at most
+        a = tl.full([], float("-inf"), tl.float32)  # the bound places the first pass only: a wrong one costs one pass
         done = (c_lo - c_hi <= 1) | (khi - klo <= 1)
     return lo, c_lo, s_lo, passes
 
@@ -209,11 +209,13 @@ def truncation_threshold_kernel(
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
-    thr = float("-inf")
-    passes = 0
+    # tensors, not constants: the branches and the search's loop carry them
+    thr = tl.full([], float("-inf"), tl.float32)
+    passes = tl.zeros([], tl.int32)
     if not greedy:
         m, z, lmin, n = _row_stats(row_ptr, mask_row_ptr, V, inv_t, BLOCK, HAS_MASK)
-        passes = 1
+        passes += 1
+        none_above_m = tl.zeros([], tl.int32)
         if n > 0:
             # thr = just below the smallest finite value keeps every finite token: C = n, M = Z
             lo = _from_key(_key(lmin) - 1)
@@ -221,14 +223,14 @@ def truncation_threshold_kernel(
             s_lo = z
             if (k > 0) & (k < n):
                 lo, c_lo, s_lo, passes = _search(
-                    row_ptr, mask_row_ptr, V, inv_t, m, lo, c_lo, s_lo, m, 0, lo, k, float("inf"), passes,
+                    row_ptr, mask_row_ptr, V, inv_t, m, lo, c_lo, s_lo, m, none_above_m, lo, k, float("inf"), passes,
                     BLOCK, NC, HAS_MASK,
                 )  # fmt: skip
             if (p < 1.0) & (c_lo > 1):
                 # tokens below a hold at most c_lo · exp(a − m) = (1 − p) · s_lo / e: t* lies above a
                 a = m + tl.log(s_lo * (1.0 - p) / c_lo.to(tl.float32)) - 1.0
                 lo, c_lo, s_lo, passes = _search(
-                    row_ptr, mask_row_ptr, V, inv_t, m, lo, c_lo, s_lo, m, 0, a, 1 << 30, p * s_lo, passes,
+                    row_ptr, mask_row_ptr, V, inv_t, m, lo, c_lo, s_lo, m, none_above_m, a, 1 << 30, p * s_lo, passes,
                     BLOCK, NC, HAS_MASK,
                 )  # fmt: skip
             thr = lo
