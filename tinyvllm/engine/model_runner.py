@@ -365,7 +365,7 @@ class ModelRunner:
         plan = self.sampler.plan(sched, seqs)
         fused = self.sampler.fused_rows(plan, seqs)
         seeds = None
-        if fused:
+        if self.sampler.needs_seeds(plan, seqs):
             seeds = bufs["seeds"][: len(seqs)]
             self.sampler.draw_seeds(plan, seqs, seeds.numpy())
         hidden = self.executor.hidden_states(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
@@ -420,7 +420,7 @@ class ModelRunner:
         plan = self.sampler.plan(sched, seqs)
         fused = self.sampler.fused_rows(plan, seqs)
         seeds = None
-        if fused:
+        if self.sampler.needs_seeds(plan, seqs):
             seeds = host.seeds[:n]
             self.sampler.draw_seeds(plan, seqs, host.arrays.seeds)
             host.arrays.temperatures[:n] = plan.host_temperatures

@@ -5,8 +5,10 @@ Row b with temperature T_b:
   * T_b > 0: the Gumbel-max trick, argmax_i (z_i / T_b + g_i) with g_i = −log(−log u_i) and u_i uniform
     from Philox keyed by (seed_b, i). This draws exactly from softmax(z / T_b) (Gumbel 1954; Maddison et
     al. 2014), without normalising, sorting or writing probabilities.
-Ties resolve to the lowest index. Reads B·V logits once and writes B ids; the torch sampler handles the
-rows that need top-k, top-p, min-p, penalties or logprobs.
+Ties resolve to the lowest index. Reads B·V logits once and writes B ids. With per-row thresholds
+(HAS_THR, from kernels/top_p_sampling.py) the argmax runs over the tokens whose scaled logit exceeds the
+row's threshold: top-k / top-p / min-p sampling with the same noise. The torch sampler handles the rows
+that need penalties, logit_bias or logprobs.
 
 With a token bitmask (structured outputs: xgrammar's packed int32 rows, [B, ceil(V / 32)], token i
 allowed iff bit i % 32 of word i // 32 is set) a disallowed token's value is −inf before the argmax, so
@@ -52,18 +54,23 @@ def _best_of_quarter(
     best_val,
     best_idx,
     mask_row_ptr,
+    thr,
     QUARTER: tl.constexpr,
     FAST_LOG: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    HAS_THR: tl.constexpr,
 ):
     """Fold indices [q_start, q_start + QUARTER) into the running per-lane best (strict >: a lane
     keeps its earliest index on ties, and quarters arrive in index order). With HAS_MASK, only the
-    indices the bitmask row allows."""
+    indices the bitmask row allows; with HAS_THR, only those whose scaled logit z · inv_t exceeds `thr`
+    (the truncation threshold of top_p_sampling.py, computed there with the same arithmetic)."""
     offs = q_start + tl.arange(0, QUARTER)
     mask = offs < end
     if HAS_MASK:
         mask = mask & allowed_by(mask_row_ptr, offs, mask)
     z = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    if HAS_THR:
+        mask = mask & (z * inv_t > thr)
     if not greedy:
         u = tl.maximum(noise, 1e-20)  # rand is in [0, 1): keep the logarithms finite
         # Gumbel noise −ln(−ln u) = −ln 2 · log2(−log2 u) − ln(ln 2); the constant never moves an argmax.
@@ -109,12 +116,14 @@ def sample_partial_kernel(
     idx_ptr,
     mask_ptr,
     stride_mask,
+    thr_ptr,
     V,
     CHUNK,
     NUM_SPLITS,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    HAS_THR: tl.constexpr = False,
 ):
     """Program (row, split): the best (value, index) among indices [split·CHUNK, (split+1)·CHUNK).
 
@@ -130,6 +139,9 @@ def sample_partial_kernel(
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
+    thr = float("-inf")
+    if HAS_THR:
+        thr = tl.load(thr_ptr + row)
     best_val = tl.full([QUARTER], float("-inf"), tl.float32)
     best_idx = tl.full([QUARTER], 0, tl.int32)
     begin = split * CHUNK
@@ -143,7 +155,20 @@ def sample_partial_kernel(
         else:
             n0, n1, n2, n3 = tl.rand4x(seed, start // 4 + tl.arange(0, QUARTER))
         best_val, best_idx = _best_of_quarter(
-            row_ptr, start, end, n0, inv_t, greedy, best_val, best_idx, mask_row_ptr, QUARTER, FAST_LOG, HAS_MASK
+            row_ptr,
+            start,
+            end,
+            n0,
+            inv_t,
+            greedy,
+            best_val,
+            best_idx,
+            mask_row_ptr,
+            thr,
+            QUARTER,
+            FAST_LOG,
+            HAS_MASK,
+            HAS_THR,
         )
         best_val, best_idx = _best_of_quarter(
             row_ptr,
@@ -155,9 +180,11 @@ def sample_partial_kernel(
             best_val,
             best_idx,
             mask_row_ptr,
+            thr,
             QUARTER,
             FAST_LOG,
             HAS_MASK,
+            HAS_THR,
         )
         best_val, best_idx = _best_of_quarter(
             row_ptr,
@@ -169,9 +196,11 @@ def sample_partial_kernel(
             best_val,
             best_idx,
             mask_row_ptr,
+            thr,
             QUARTER,
             FAST_LOG,
             HAS_MASK,
+            HAS_THR,
         )
         best_val, best_idx = _best_of_quarter(
             row_ptr,
@@ -183,9 +212,11 @@ def sample_partial_kernel(
             best_val,
             best_idx,
             mask_row_ptr,
+            thr,
             QUARTER,
             FAST_LOG,
             HAS_MASK,
+            HAS_THR,
         )
     top = tl.max(best_val, axis=0)
     # Lowest index among the lanes holding the maximum (an empty split offers −inf at index V).
@@ -239,6 +270,7 @@ def sample_greedy_or_gumbel(
     splits: int | None = None,
     host_out: torch.Tensor | None = None,
     bitmask: torch.Tensor | None = None,
+    thresholds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row's greedy or Gumbel-max token (module docstring); the same (logits, T, seed) gives the same
     token whatever the batch or `splits`.
@@ -256,6 +288,9 @@ def sample_greedy_or_gumbel(
             graph needs no copy after its sampler (engine/cuda_graphs.py).
         bitmask: [B, ceil(V / 32)] int32 on the logits' device: each row samples among the tokens its
             row allows (module docstring); a row that allows nothing gives index 0. None: no constraint.
+        thresholds: [B] float32 on the logits' device: row b samples only among the tokens whose scaled
+            logit z · (1 / T_b) exceeds thresholds[b] (top_p_sampling.py; −inf: every finite one), with
+            the same noise, so a row whose threshold removes nothing draws the id it draws without.
 
     Returns:
         The sampled ids [B] int64 (`out`).
@@ -289,12 +324,14 @@ def sample_greedy_or_gumbel(
             idxs,
             seeds if bitmask is None else bitmask,  # never read without HAS_MASK
             0 if bitmask is None else bitmask.stride(0),
+            seeds if thresholds is None else thresholds,  # never read without HAS_THR
             V,
             chunk,
             S,
             BLOCK=_BLOCK,
             FAST_LOG=logits.is_cuda,
             HAS_MASK=bitmask is not None,
+            HAS_THR=thresholds is not None,
             num_warps=8,
         )
         reduce_partials(vals, idxs, V, out, host_out)

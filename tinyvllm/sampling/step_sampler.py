@@ -1,14 +1,18 @@
 """A step's sampling: each row to the sampler its parameters call for, whatever shares its batch.
 
-Two samplers serve a step's rows:
+Three samplers serve a step's rows:
 - the fused greedy/Gumbel kernel (kernels/sampling.py) for rows whose sampling is greedy or temperature
   only and that no min_tokens ban still holds back (`FusedSamplingPlan.fused_rows`); it may already have
   run inside the decode graph or the LM head's product (`presampled`);
-- the full sampler (sampling/sampler.py: penalties, top-k/p, min-p, logprobs, bans) for the others.
+- the fused top-k/top-p/min-p kernel (kernels/top_p_sampling.py) for random rows with those filters and
+  nothing else the full sampler is needed for (`FusedSamplingPlan.truncating_rows`), over the logits
+  (eagerly, after a decode graph's replay);
+- the full sampler (sampling/sampler.py: penalties, logit_bias, logprobs, bans) for the others.
 
-A seeded request draws from a generator seeded by (its seed, its output index) alone, so it samples the
-same tokens alone or in any batch, and however often it is preempted. The two samplers draw differently
-from the same seed, and which one serves a row depends on the row's own parameters only.
+A seeded request samples a function of (its seed, its output index) alone, so it samples the same
+tokens alone or in any batch, and however often it is preempted. The fused kernels share their noise
+(a truncating row with nothing to cut draws the plain kernel's id); the full sampler draws differently
+from the same seed. Which sampler serves a row depends on the row's own parameters only.
 
 Host-side preparation lives here and in sampling/tensors.py and sampling/fused_plan.py; the kernels live
 in kernels/.
@@ -64,6 +68,14 @@ class StepSampler:
         """The rows the fused kernel samples this step (none without the Triton kernels)."""
         return plan.fused_rows(seqs) if self.fused_kernel else []
 
+    def truncating_rows(self, plan: FusedSamplingPlan, seqs: list[ScheduledSequence]) -> list[int]:
+        """The rows the fused top-k/top-p/min-p kernel samples this step (none without the Triton kernels)."""
+        return plan.truncating_rows(seqs) if self.fused_kernel else []
+
+    def needs_seeds(self, plan: FusedSamplingPlan, seqs: list[ScheduledSequence]) -> bool:
+        """Whether a fused kernel serves some row this step (so `draw_seeds` must run)."""
+        return bool(self.fused_rows(plan, seqs) or self.truncating_rows(plan, seqs))
+
     def draw_seeds(self, plan: FusedSamplingPlan, seqs: list[ScheduledSequence], out: np.ndarray) -> None:
         """This step's per-row seeds of the fused sampler into `out[:N]` (see FusedSamplingPlan.seeds)."""
         plan.seeds(seqs, self._rng, out)
@@ -84,8 +96,9 @@ class StepSampler:
         Args:
             logits: [N, V] (None only when `presampled` serves every row: a pruned LM head's graph
                 computes no logits).
-            fused: the rows the fused kernel serves (`fused_rows`).
-            seeds: their host seeds (`draw_seeds`).
+            fused: the rows the fused kernel serves (`fused_rows`); the fused top-k/top-p/min-p kernel
+                serves `truncating_rows`.
+            seeds: the fused kernels' host seeds (`draw_seeds`), when they serve some row.
             presampled: the fused kernel's ids for every row, already computed inside the decode graph
                 (the kernel samples each row on its own, so they equal a separate launch's).
             staging: the runner's host buffers of this step ("temps", "rows"; pinned on CUDA).
@@ -94,29 +107,57 @@ class StepSampler:
                 `presampled` must be None (it was drawn without it).
         """
         n = len(seqs)
-        if not fused:
+        truncating = self.truncating_rows(plan, seqs)
+        if not fused and not truncating:
             out = self._sample_full(logits, seqs, bitmask)
             return out.sampled_token_ids, out.logprobs, None
-        if presampled is None:
+        seeds_dev = seeds.to(self.device, non_blocking=True)
+        temperatures = plan.device_temperatures(self.device, staging["temps"])
+        if fused and presampled is None:
             from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
-            temperatures = plan.device_temperatures(self.device, staging["temps"])
-            presampled = sample_greedy_or_gumbel(
-                logits, temperatures, seeds.to(self.device, non_blocking=True), bitmask=bitmask
-            )
+            presampled = sample_greedy_or_gumbel(logits, temperatures, seeds_dev, bitmask=bitmask)
         if len(fused) == n:
             return presampled, None, None
-        fused_set = set(fused)
-        other = [i for i in range(n) if i not in fused_set]
+        if len(truncating) == n:
+            return self._sample_truncating(logits, temperatures, seeds_dev, plan, None, bitmask), None, None
+        served = set(fused) | set(truncating)
+        other = [i for i in range(n) if i not in served]
         rows = staging["rows"]
-        rows.numpy()[:n] = fused + other
+        rows.numpy()[:n] = fused + truncating + other
         rows_dev = rows[:n].to(self.device, non_blocking=True)
-        f_idx, o_idx = rows_dev[: len(fused)], rows_dev[len(fused) :]
+        f_idx = rows_dev[: len(fused)]
+        t_idx = rows_dev[len(fused) : len(fused) + len(truncating)]
+        o_idx = rows_dev[len(fused) + len(truncating) :]
         sampled = torch.empty(n, dtype=torch.int64, device=logits.device)
-        sampled[f_idx] = presampled[f_idx]
+        if fused:
+            sampled[f_idx] = presampled[f_idx]
+        if truncating:
+            sampled[t_idx] = self._sample_truncating(logits, temperatures, seeds_dev, plan, t_idx, bitmask)
+        if not other:
+            return sampled, None, None
         out = self._sample_full(logits[o_idx], [seqs[i] for i in other], None if bitmask is None else bitmask[o_idx])
         sampled[o_idx] = out.sampled_token_ids
         return sampled, out.logprobs, other
+
+    def _sample_truncating(
+        self,
+        logits: torch.Tensor,
+        temperatures: torch.Tensor,
+        seeds: torch.Tensor,
+        plan: FusedSamplingPlan,
+        rows: torch.Tensor | None,
+        bitmask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The fused top-k/top-p/min-p kernel's ids for `rows` (device indices; None: every row)."""
+        from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p
+
+        top_k, top_p, min_p = plan.device_filters(self.device)
+        args = (logits, temperatures, seeds, top_k, top_p, min_p)
+        if rows is not None:
+            args = tuple(t[rows] for t in args)
+            bitmask = None if bitmask is None else bitmask[rows]
+        return sample_top_k_top_p(*args, bitmask=bitmask)
 
     def _sample_full(self, logits: torch.Tensor, seqs: list[ScheduledSequence], bitmask: torch.Tensor | None = None):
         """The full sampler (bitmask, penalties, top-k/p, min-p, logprobs, min_tokens bans) over these rows."""

@@ -1,0 +1,174 @@
+"""The fused top-k / top-p / min-p sampler beside the full sampler and beside one read of the logits.
+
+    python benchmarks/kernels/bench_top_p_sampling.py [--batches 1 256] [--vocab 128256] [--out DIR]
+    python benchmarks/kernels/bench_top_p_sampling.py --cpu-smoke   # tiny, on the CPU (Triton interpreter)
+
+Per (logits dtype, batch, filters), at temperature 0.6 over random logits (randn · 2):
+  * fused: `sample_top_k_top_p` (threshold search + thresholded Gumbel draw), as CUDA-graph replays;
+  * search: `truncation_thresholds` alone, and the passes over each row it made (mean, max), with the
+    default 8 candidates per pass and with 16 (fewer passes, twice the compares per logit);
+  * full: today's torch sampler (sampling/sampler.py: sort, softmax, cumsum, exponential race), do_bench;
+  * amax: `torch.amax(logits, -1)`, one read of the logits, as CUDA-graph replays;
+  * floor: B·V·bytes at the measured read bandwidth (copy rate / 2), the time of one read.
+Writes top_p_sampling_<gpu>.json (top_p_sampling_cpu.json with --cpu-smoke, timings meaningless there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = {
+    "top_p=0.9": dict(top_p=0.9),
+    "top_k=50,top_p=0.9": dict(top_k=50, top_p=0.9),
+    "top_k=50": dict(top_k=50),
+    "min_p=0.05": dict(min_p=0.05),
+}
+TEMPERATURE = 0.6
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 256])
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--cpu-smoke", action="store_true", help="batch 2 × 4,096 float32 on the CPU under TRITON_INTERPRET=1"
+    )
+    ns = ap.parse_args()
+    if ns.cpu_smoke:
+        ns.batches, ns.vocab = [2], 4096
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    return ns
+
+
+def cpu_time_ms(fn, reps: int = 1) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ns = parse()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+    import torch
+    from common import bench, bench_graph, copy_bandwidth, device_info, output_paths, print_table, write_json
+
+    from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p, truncation_thresholds
+    from tinyvllm.sampling.sampler import Sampler
+    from tinyvllm.sampling.tensors import SamplingRow, SamplingTensors
+    from tinyvllm.sampling_params import SamplingParams
+
+    cuda = torch.cuda.is_available() and not ns.cpu_smoke
+    dev = torch.device("cuda" if cuda else "cpu")
+    copy = copy_bandwidth(dev) if cuda else None
+    sampler = Sampler()
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32) if cuda else (torch.float32,):
+        for batch in ns.batches:
+            for name, filters in CONFIGS.items():
+                params = SamplingParams(temperature=TEMPERATURE, **filters)
+                n_sets = 4 if cuda else 1  # rotated input sets: together more than the L2 cache
+                gen = torch.Generator(device=dev).manual_seed(batch)
+                sets = []
+                for k in range(n_sets):
+                    logits = (torch.randn(batch, ns.vocab, device=dev, generator=gen) * 2).to(dtype)
+                    sets.append(
+                        (
+                            logits,
+                            torch.full((batch,), TEMPERATURE, device=dev),
+                            torch.arange(batch, device=dev) + 17 * k,
+                            torch.full((batch,), params.top_k, dtype=torch.int32, device=dev),
+                            torch.full((batch,), params.top_p, device=dev),
+                            torch.full((batch,), params.min_p, device=dev),
+                        )
+                    )
+                tensors = SamplingTensors.from_rows([SamplingRow(params, [], [])] * batch, ns.vocab, dev)
+                _, passes = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:])
+                passes = passes.float()
+                _, passes16 = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:], candidates=16)
+
+                def fused(s):
+                    return sample_top_k_top_p(*s)
+
+                def search(s):
+                    return truncation_thresholds(s[0], s[1], *s[3:])
+
+                def search16(s):
+                    return truncation_thresholds(s[0], s[1], *s[3:], candidates=16)
+
+                def full(s):
+                    return sampler(s[0], tensors, gen).sampled_token_ids
+
+                def amax(s):
+                    return torch.amax(s[0], dim=-1)
+
+                if cuda:
+                    fused_us = bench_graph([lambda s=s: fused(s) for s in sets]) * 1e3
+                    search_us = bench_graph([lambda s=s: search(s) for s in sets]) * 1e3
+                    search16_us = bench_graph([lambda s=s: search16(s) for s in sets]) * 1e3
+                    amax_us = bench_graph([lambda s=s: amax(s) for s in sets]) * 1e3
+                    full_us = bench(lambda: full(sets[0]))["ms"] * 1e3
+                    floor_us = batch * ns.vocab * sets[0][0].element_size() / (copy / 2) * 1e6
+                else:
+                    fused_us, search_us, search16_us, full_us, amax_us = (
+                        cpu_time_ms(lambda f=f: f(sets[0])) * 1e3 for f in (fused, search, search16, full, amax)
+                    )
+                    floor_us = None
+                rows.append(
+                    {
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "batch": batch,
+                        "filters": name,
+                        "passes_mean": float(passes.mean()),
+                        "passes_max": int(passes.max()),
+                        "fused_us": fused_us,
+                        "search_us": search_us,
+                        "passes16_mean": float(passes16.float().mean()),
+                        "search16_us": search16_us,
+                        "full_us": full_us,
+                        "amax_us": amax_us,
+                        "floor_us": floor_us,
+                        "full/fused": full_us / fused_us,
+                        "fused/amax": fused_us / amax_us,
+                    }
+                )
+    print_table(
+        f"top-k / top-p / min-p sampling, V = {ns.vocab}, T = {TEMPERATURE}" + (" (CPU smoke)" if not cuda else ""),
+        rows,
+        [
+            ("dtype", "logits", "s"),
+            ("batch", "batch", "d"),
+            ("filters", "filters", "s"),
+            ("passes_mean", "passes", ".1f"),
+            ("passes_max", "max", "d"),
+            ("fused_us", "fused µs", ".1f"),
+            ("search_us", "search µs", ".1f"),
+            ("passes16_mean", "passes NC16", ".1f"),
+            ("search16_us", "search NC16 µs", ".1f"),
+            ("full_us", "full µs", ".1f"),
+            ("amax_us", "amax µs", ".1f"),
+            ("floor_us", "floor µs", ".1f"),
+            ("full/fused", "full/fused", ".2f"),
+            ("fused/amax", "fused/amax", ".2f"),
+        ],
+    )
+    json_path, _ = output_paths(ns.out, "top_p_sampling")
+    info = device_info(dev) if cuda else {"gpu": None, "torch": torch.__version__}
+    write_json(
+        json_path, {"device": info, "copy_bw": copy, "vocab": ns.vocab, "temperature": TEMPERATURE, "results": rows}
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Top-k / top-p / min-p sampling on the device (kernels/top_p_sampling.py) against a float64 reference.
+
+The reference is the sort-based definition the full sampler implements (sampling/sampler.py): over
+l = z / T, top-k keeps l ≥ the k-th largest value, top-p (after top-k) drops the ascending prefix whose
+softmax mass is ≤ 1 − p and keeps every token ≥ the smallest kept value (so a tie group at the boundary
+is kept whole), min-p keeps l ≥ max l + log(min_p) (that sum in float32, as the sampler). The kernel's kept set is
+read from its threshold (`truncation_thresholds`: kept iff z · (1 / T) > thr) and must equal the
+reference's exactly on random rows; its draws must follow the renormalised truncated softmax
+(chi-square) and be batch-independent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
+from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p, truncation_thresholds
+from tinyvllm.sampling.bitmask import pack_bitmask
+from tinyvllm.sampling.sampler import apply_min_p, apply_top_k_top_p
+
+# Upper 0.999 quantiles of chi-square with df = 1..7 degrees of freedom.
+CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
+
+
+def reference_kept(z: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """float64 kept mask [V] of one row of logits z (module docstring); 0 / 1.0 / 0 switch a filter off."""
+    y = z.double() / temperature
+    kept = torch.isfinite(y)
+    asc = y.sort().values
+    if 0 < top_k < y.numel():
+        kept &= y >= asc[y.numel() - top_k]
+    if top_p < 1.0:
+        s = torch.where(kept, y, -math.inf).sort().values
+        cum = torch.softmax(s, 0).cumsum(0)
+        n_drop = int((cum <= 1.0 - top_p)[:-1].sum())  # a prefix; never the largest
+        kept &= y >= s[n_drop]
+    if min_p > 0.0:  # the threshold in float32, as the sampler computes it
+        kept &= y >= float(y.max().float() + torch.log(torch.tensor(min_p, dtype=torch.float32)))
+    return kept
+
+
+def kernel_kept(z, temperature, top_k, top_p, min_p, bitmask=None):
+    """The kernel's kept masks [B, V]: z · (1 / T) > thr, the comparison its draw makes."""
+    thr, passes = truncation_thresholds(z, temperature, top_k, top_p, min_p, bitmask)
+    scaled = z.float() * (1.0 / temperature)[:, None]
+    return scaled > thr[:, None], passes
+
+
+def params(rows, device):
+    """(T, top_k, top_p, min_p) tensors from a list of (T, k, p, min_p) tuples."""
+    t, k, p, m = zip(*rows)
+    return (
+        torch.tensor(t, dtype=torch.float32, device=device),
+        torch.tensor(k, dtype=torch.int32, device=device),
+        torch.tensor(p, dtype=torch.float32, device=device),
+        torch.tensor(m, dtype=torch.float32, device=device),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_set_equals_the_float64_reference_on_random_rows(device, dtype):
+    """Assorted shapes of logits (flat, peaked, wide, with −inf) and every filter alone and combined."""
+    gen = torch.Generator().manual_seed(40)
+    V = 700
+    configs = [
+        (0.7, 50, 1.0, 0.0),
+        (1.0, 0, 0.9, 0.0),
+        (0.6, 50, 0.9, 0.0),
+        (1.3, 0, 1.0, 0.1),
+        (0.8, 20, 0.95, 0.05),
+        (1.0, 1, 1.0, 0.0),
+        (1.0, 699, 0.5, 0.0),
+        (0.9, 0, 0.01, 0.0),
+        (2.0, 300, 0.999, 0.0),
+        (1.0, 0, 0.7, 0.3),
+    ]
+    rows, cfg = [], []
+    for i, c in enumerate(configs):
+        for shape in ("flat", "peaked", "wide"):
+            z = torch.randn(V, generator=gen) * {"flat": 0.3, "peaked": 2.0, "wide": 8.0}[shape]
+            if shape == "peaked":
+                z[torch.randperm(V, generator=gen)[:5]] += torch.tensor([9.0, 8.0, 8.0, 6.0, 3.0])
+            if i % 3 == 0:
+                z[torch.randperm(V, generator=gen)[:100]] = -math.inf  # banned tokens
+            rows.append(z)
+            cfg.append(c)
+    z = torch.stack(rows).to(dtype)
+    kept, passes = kernel_kept(z.to(device), *params(cfg, device))
+    for b, (t, k, p, m) in enumerate(cfg):
+        ref = reference_kept(z[b].float(), t, k, p, m)
+        assert torch.equal(kept[b].cpu(), ref), (b, cfg[b], int(kept[b].sum()), int(ref.sum()))
+    # one pass for the statistics, at most ⌈32 / log2(5)⌉ = 14 per search (module docstring)
+    assert int(passes.max()) <= 1 + 2 * 14
+
+
+def test_ties_at_the_threshold_keep_the_whole_tie_group_as_the_full_sampler_does(device):
+    """Top-k: 3 tokens tied at the 2nd..4th largest value with k = 2: all three kept. Top-p: the
+    boundary falls inside a tie group: the group is kept whole. Min-p: a tie at exactly the min-p
+    value is kept (≥). The full sampler's own filters agree, which is the rule being matched."""
+    neg = -30.0
+    z = torch.full((4, 12), neg)
+    z[0, [3, 7, 9, 11]] = torch.tensor([5.0, 4.0, 4.0, 4.0])  # top-k 2
+    z[1, [0, 5, 6, 8]] = torch.tensor([2.0, 1.0, 1.0, 1.0])  # top-p 0.5: boundary inside the 1.0s
+    at_min_p = float(torch.tensor(3.0) + torch.log(torch.tensor(0.25)))  # the sampler's float32 threshold
+    z[2, [1, 2, 4]] = torch.tensor([3.0, at_min_p, at_min_p])  # min-p 0.25
+    z[3, [2, 4, 10]] = torch.tensor([1.0, 1.0, 1.0])  # three-way tie at the top, top-k 1
+    cfg = [(1.0, 2, 1.0, 0.0), (1.0, 0, 0.5, 0.0), (1.0, 0, 1.0, 0.25), (1.0, 1, 1.0, 0.0)]
+    kept, _ = kernel_kept(z.to(device), *params(cfg, device))
+    expected = [[3, 7, 9, 11], [0, 5, 6, 8], [1, 2, 4], [2, 4, 10]]
+    for b, (t, k, p, m) in enumerate(cfg):
+        assert kept[b].nonzero().flatten().tolist() == expected[b], b
+        ref = reference_kept(z[b], t, k, p, m)
+        assert ref.nonzero().flatten().tolist() == expected[b], b
+        full = z[b : b + 1].clone()
+        apply_top_k_top_p(full, torch.tensor([k if k else 12]), torch.tensor([p]), max_top_k=k)
+        if m:
+            apply_min_p(full, torch.tensor([m]))
+        assert (full[0] > -math.inf).nonzero().flatten().tolist() == expected[b], b
+
+
+def test_draws_follow_the_truncated_distribution(device):
+    """Many rows of the same logits with distinct seeds, for top-k, top-p, min-p and a combination (one
+    batch): the empirical distribution of each block of rows matches the float64 truncated, renormalised
+    softmax (chi-square at the 0.999 quantile); removed tokens never appear. Tokens sit at shuffled
+    indices so the sorted order differs from the index order."""
+    n = 200
+    z = torch.tensor([1.0, -0.5, 0.3, 2.0, -2.0, 0.9, 1.6, 0.0])
+    configs = [(1.0, 3, 1.0, 0.0), (0.8, 0, 0.7, 0.0), (1.0, 0, 1.0, 0.2), (0.7, 5, 0.9, 0.05)]
+    # sample_top_k_top_p is this composition; the threshold depends on the row alone, so it is found once
+    # per configuration (the interpreter runs one program per row, slowly) and the draw runs over n seeds.
+    thr, _ = truncation_thresholds(z.expand(len(configs), -1).contiguous().to(device), *params(configs, device))
+    rows = len(configs) * n
+    seeds = torch.arange(rows, dtype=torch.int64, device=device) * 7919 + 5
+    t = torch.tensor([c[0] for c in configs], device=device).repeat_interleave(n)
+    logits = z.expand(rows, -1).contiguous().to(device)
+    ids = sample_greedy_or_gumbel(logits, t, seeds, thresholds=thr.repeat_interleave(n)).cpu()
+    for j, (temperature, top_k, top_p, min_p) in enumerate(configs):
+        kept = reference_kept(z, temperature, top_k, top_p, min_p)
+        p = torch.where(kept, torch.softmax(z.double() / temperature, 0), 0.0)
+        p /= p.sum()
+        counts = torch.bincount(ids[j * n : (j + 1) * n], minlength=8).double()
+        assert counts[~kept].sum() == 0, (j, counts)
+        expected = n * p[kept]
+        chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+        df = int(kept.sum()) - 1
+        assert df >= 1 and chi2 < CHI2_999[df], (j, chi2, counts.tolist(), expected.tolist())
+
+
+def _with_seeds(cfg, seeds, device):
+    t, k, p, m = params(cfg, device)
+    return t, seeds.to(device), k, p, m
+
+
+def test_same_seed_same_id_alone_and_anywhere_in_any_batch(device):
+    gen = torch.Generator().manual_seed(3)
+    V, B = 1200, 6
+    z = torch.randn(B, V, generator=gen) * 2
+    cfg = [(0.8, 40, 0.9, 0.0), (1.0, 0, 0.8, 0.0), (0.6, 0, 1.0, 0.1), (1.2, 7, 1.0, 0.0), (0.0, 5, 0.5, 0.0),
+           (0.9, 100, 0.95, 0.02)]  # fmt: skip
+    seeds = torch.tensor([11, 22, 33, 44, 55, 66])
+    ids = sample_top_k_top_p(z.to(device), *_with_seeds(cfg, seeds, device)).cpu()
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    again = sample_top_k_top_p(z[perm].to(device), *_with_seeds([cfg[i] for i in perm], seeds[perm], device), splits=2)
+    assert again.cpu().tolist() == ids[perm].tolist()
+    for b in (0, 5):
+        alone = sample_top_k_top_p(z[b : b + 1].to(device), *_with_seeds(cfg[b : b + 1], seeds[b : b + 1], device))
+        assert int(alone) == int(ids[b])
+    assert int(ids[4]) == int(z[4].argmax())  # greedy rows ignore the filters
+    for b in range(B):
+        assert reference_kept(z[b], max(cfg[b][0], 1e-3), *cfg[b][1:])[ids[b]]
+
+
+def test_nothing_truncated_draws_the_plain_fused_kernels_ids(device):
+    """top_p 1, top_k 0 or ≥ V, min_p 0: the same noise over the same tokens, so the same ids, with and
+    without a bitmask."""
+    gen = torch.Generator().manual_seed(5)
+    V, B = 5000, 5
+    z = torch.randn(B, V, generator=gen) * 3
+    z[1, :2000] = -math.inf
+    cfg = [(0.7, 0, 1.0, 0.0), (1.0, V, 1.0, 0.0), (1.5, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (0.3, V + 9, 1.0, 0.0)]
+    seeds = torch.arange(B, dtype=torch.int64) * 31 + 1
+    t, s, k, p, m = _with_seeds(cfg, seeds, device)
+    zd = z.to(device)
+    assert sample_top_k_top_p(zd, t, s, k, p, m).tolist() == sample_greedy_or_gumbel(zd, t, s).tolist()
+    allowed = torch.rand(B, V, generator=gen) < 0.1
+    bitmask = torch.from_numpy(pack_bitmask(allowed.numpy())).to(device)
+    ours = sample_top_k_top_p(zd, t, s, k, p, m, bitmask=bitmask)
+    assert ours.tolist() == sample_greedy_or_gumbel(zd, t, s, bitmask=bitmask).tolist()
+
+
+def test_edge_rows(device):
+    """top_k 1 is the argmax; all mass on one token; a row without a finite logit gives index 0 (as the
+    fused kernel); a bitmask restricts the kept set, then the filters apply to what it allows."""
+    gen = torch.Generator().manual_seed(9)
+    V = 1500
+    z = torch.randn(5, V, generator=gen)
+    z[1] = -1e4
+    z[1, 1234] = 5.0  # all the mass
+    z[2] = -math.inf
+    cfg = [(1.0, 1, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 0, 0.9, 0.1), (0.5, 0, 0.6, 0.0), (0.5, 3, 1.0, 0.0)]
+    allowed = torch.ones(5, V, dtype=torch.bool)
+    allowed[3:, ::3] = False
+    bitmask = torch.from_numpy(pack_bitmask(allowed.numpy())).to(device)
+    for seed in (1, 2, 3):
+        seeds = torch.full((5,), seed, dtype=torch.int64)
+        ids = sample_top_k_top_p(z.to(device), *_with_seeds(cfg, seeds, device), bitmask=bitmask).cpu()
+        assert ids[:3].tolist() == [int(z[0].argmax()), 1234, 0]
+        for b in (3, 4):
+            masked = z[b].masked_fill(~allowed[b], -math.inf)
+            assert reference_kept(masked, *cfg[b])[ids[b]], (b, int(ids[b]))
+    kept, _ = kernel_kept(z.to(device), *params(cfg, device), bitmask=bitmask)
+    kept = kept.cpu() & allowed  # the draw also skips what the bitmask disallows
+    for b in (3, 4):
+        masked = z[b].masked_fill(~allowed[b], -math.inf)
+        assert torch.equal(kept[b], reference_kept(masked, *cfg[b])), b
+    assert int(kept[1].sum()) == 1 and int(kept[2].sum()) == 0
+
+
+def test_bad_parameter_tensors_raise():
+    z = torch.zeros(2, 10)
+    t, s = torch.ones(2), torch.zeros(2, dtype=torch.int64)
+    k, p, m = torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.zeros(2)
+    with pytest.raises(ValueError, match="top_k must be"):
+        sample_top_k_top_p(z, t, s, k.long(), p, m)
+    with pytest.raises(ValueError, match="top_p must be"):
+        sample_top_k_top_p(z, t, s, k, p[:1], m)
