@@ -4,10 +4,16 @@
 costs ~0.3 s) compiles through the process's `GrammarCompiler` (futures, off the step loop), keeps a
 `RequestGrammar` per constrained sequence, and fills a step's token bitmask: xgrammar's packed int32
 layout, row r bit j of word w allowing token 32·w + j, [rows, ceil(V / 32)]. It fills the constrained
-rows of the step with `xgrammar.BatchGrammarMatcher` (several threads, the GIL released) and the other
+rows of the step with `xgrammar.BatchGrammarMatcher` (one C++ call, the GIL released) and the other
 rows with all ones (structured/utf8_guard.py then removes the tokens that would make ill-formed UTF-8);
 a step without constrained rows gets no bitmask at all, so it runs exactly the
 kernels it runs without this feature.
+
+Each step's host work is per row only where it must be: one `accept_token` per row (xgrammar's
+`batch_accept_token` measured slower than the loop, benchmarks/bench_structured_host.py), the
+termination check only after a stop token, the active rows read from Python flags, no fill of the
+constrained rows before xgrammar's (it writes whole rows), the UTF-8 guard on the few rows that need it
+and the dead-row check as one reduction over the step's mask.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
+import numpy as np
 import torch
 
 from tinyvllm.sampling.bitmask import bitmask_width
@@ -53,6 +60,7 @@ class StructuredOutputManager:
         self.reasoning_end_ids = reasoning_end_ids
         self.reasoning_start_ids = reasoning_start_ids
         self.grammars: dict[str, RequestGrammar] = {}
+        self.stop_token_ids = frozenset(self.compiler.tokenizer_info.stop_token_ids)
         # One thread: xgrammar's batch fill starts its worker threads on every call, which costs ~110 µs with
         # 2 threads and ~400 µs with 8 (the H200 host's "auto") even for one row, more than the fill itself
         # (~2-7 µs per row on one thread); filled on one thread, 256 rows take well under a decode step.
@@ -73,7 +81,7 @@ class StructuredOutputManager:
         closed = self.reasoning_end_ids is not None and prompt_closed_thinking(
             prompt_token_ids, self.reasoning_start_ids or (), self.reasoning_end_ids
         )
-        grammar = RequestGrammar(self.compiler.submit(params), self.reasoning_end_ids, closed)
+        grammar = RequestGrammar(self.compiler.submit(params), self.reasoning_end_ids, closed, self.stop_token_ids)
         self.grammars[request_id] = grammar
         self._compiling.add(request_id)
         return grammar
@@ -108,29 +116,46 @@ class StructuredOutputManager:
 
     def constrained_rows(self, request_ids: Sequence[str]) -> list[int]:
         """The rows (indices into `request_ids`) whose next token the grammar constrains."""
-        grammars = self.grammars
-        return [i for i, rid in enumerate(request_ids) if rid in grammars and grammars[rid].is_active]
+        get = self.grammars.get
+        return [i for i, rid in enumerate(request_ids) if (g := get(rid)) is not None and g.is_active]
 
     def fill(self, request_ids: Sequence[str], rows: Sequence[int], out: torch.Tensor) -> None:
         """Fill `out` [len(request_ids), width] int32 (host): the grammar's allowed tokens in `rows`,
         all ones elsewhere. A constrained row that allows nothing is recorded (`take_dead`)."""
-        out.fill_(-1)
-        grammars = [self.grammars[request_ids[i]] for i in rows]
-        self._batch.batch_fill_next_token_bitmask([g.get_matcher() for g in grammars], out, list(rows))
         view = out.numpy()
-        guard = self.utf8_guard
-        for i, grammar in zip(rows, grammars):
-            guard.apply(view[i], grammar.last_token)
-            if not view[i].any():
-                self._dead.append(request_ids[i])
+        n = view.shape[0]
+        if len(rows) < n:
+            free = np.ones(n, dtype=bool)
+            free[list(rows)] = False
+            view[free] = -1
+        if not rows:
+            return
+        grammars = [self.grammars[request_ids[i]] for i in rows]
+        matchers = [g.matcher or g.get_matcher() for g in grammars]
+        self._batch.batch_fill_next_token_bitmask(matchers, out, list(rows))
+        self.utf8_guard.apply(view, rows, [g.last_token for g in grammars])
+        filled = view if len(rows) == n else view[list(rows)]
+        words = filled.view(np.uint64) if filled.shape[1] % 2 == 0 else filled
+        alive = np.bitwise_or.reduce(words, axis=1)
+        if not alive.all():
+            self._dead += [request_ids[rows[j]] for j in np.flatnonzero(alive == 0)]
 
     def take_dead(self) -> list[str]:
         """The request ids whose mask allowed nothing since the last call."""
         dead, self._dead = self._dead, []
         return dead
 
-    def accept(self, request_id: str, token_id: int, output_token_ids: Sequence[int]) -> tuple[bool, bool]:
-        """Advance a sequence's grammar by its new output token: (accepted, grammar terminated)."""
-        grammar = self.grammars[request_id]
-        ok = grammar.accept(token_id, output_token_ids)
-        return ok, grammar.is_terminated()
+    def accept_tokens(self, items: Sequence[tuple[str, int, Sequence[int]]]) -> tuple[list[str], list[str]]:
+        """Advance the grammars of these sequences, each (request id, its new output token, all its
+        output tokens with that one last), by their new token. Returns (the ids whose grammar rejected
+        its token, the ids whose grammar is now complete)."""
+        grammars = self.grammars
+        rejected: list[str] = []
+        terminated: list[str] = []
+        for rid, token, output_token_ids in items:
+            grammar = grammars[rid]
+            if not grammar.accept(token, output_token_ids):
+                rejected.append(rid)
+            elif grammar.terminated:
+                terminated.append(rid)
+        return rejected, terminated
