@@ -408,7 +408,9 @@ class ModelRunner:
         sampled ids readable by the graph's placeholder gather when the step needs them, copy the arena
         over in one copy, replay, then sample the rows the in-graph sampler does not serve. A step with
         constrained rows (a grammar, allowed_token_ids or bad_words) samples every row after the replay,
-        from the graph's logits, under the bitmask filled while the graph runs."""
+        from the graph's logits, under the bitmask filled while the graph runs; with the pruned LM head
+        (batch 1, every row the fused sampler's), it replays the graph that stops at the hidden states and
+        samples through the pruned head under the bitmask (`DecodeGraphs.replay_io_hidden`)."""
         graphs = self.graphs
         host, device = graphs.next_arenas(bucket)
         inputs = self.builder.build(
@@ -430,6 +432,15 @@ class ModelRunner:
         constrained = bool(plan.masked_rows) or (
             structured is not None and bool(structured.constrained_rows([s.request_id for s in seqs]))
         )
+        if constrained and len(fused) == n and graphs.pruned_lm_head and graphs.runs_io(bucket):
+            # the forward's graph, the bitmask filled while it runs, then the pruned LM head under it
+            hidden, temperatures, dev_seeds, host_ids = graphs.replay_io_hidden(
+                bucket, inputs.prefix_len > 0, host, inputs.arena_bytes
+            )
+            bitmask = self._step_bitmask(seqs, plan, structured)
+            ids = graphs.last_sampled[:bucket]
+            self.executor.lm_head.sample_pruned(hidden, temperatures, dev_seeds, ids, host_ids, bitmask=bitmask)
+            return self._finish(seqs, inputs.sample_order, plan, ids[:n], None, None, bufs, host_ids[:n])
         if graphs.runs_io(bucket):
             # every row served by the in-graph sampler: no logits needed, the pruned LM head's graph if any
             logits, presampled, graph_ids = graphs.replay_io(
