@@ -126,3 +126,55 @@ def test_a_row_that_allows_nothing_is_reported_dead(manager):
     manager.fill(["x", "u", "y", "z"], [0, 3], out)
     assert manager.take_dead() == ["x", "z"] and manager.take_dead() == []
     assert not out[0].any() and not out[3].any() and torch.all(out[1:3] == -1)
+
+
+def test_fill_overlapped_with_accept_equals_fill_after_it(manager, tokenizer):
+    """begin_fill / accept_tokens / finish_fill (the rows filled on the worker thread, chunk by chunk, as
+    their tokens are accepted) give the mask that accepting all, then `fill`, gives: over 40 rows (two
+    chunks and a part), with a row that completes, rows that get no token and a row not in the step."""
+    from tinyvllm.structured.manager import FILL_CHUNK
+
+    n = FILL_CHUNK + 8
+    rng = np.random.default_rng(1)
+    schema_so, yes_no = SO(json=SCHEMA), SO(choice=["yes", "no"])
+    outs: dict[str, list[int]] = {}
+    for twin in ("s", "o"):  # sequential, overlapped: the same grammars, fed the same tokens
+        for i in range(n):
+            manager.add(f"{twin}{i}", yes_no if i == 5 else schema_so).compiled.result()
+            outs[f"{twin}{i}"] = []
+        manager.add(f"{twin}-other", schema_so).compiled.result()  # accepts tokens, not in the step
+        outs[f"{twin}-other"] = []
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    masks = {}
+    tokens: dict[int, int] = {}
+    for step in range(6):
+        for twin in ("s", "o"):
+            rids = [f"{twin}{i}" for i in range(n)]
+            fed = [i for i in range(n) if i in tokens and i % 7 != 3]  # rows 3, 10, ... get no token
+            items = []
+            for i in fed:
+                outs[rids[i]].append(tokens[i])
+                items.append((rids[i], tokens[i], list(outs[rids[i]])))
+            outs[f"{twin}-other"].append(tokens.get(0, 0))
+            items.insert(FILL_CHUNK // 2, (f"{twin}-other", outs[f"{twin}-other"][-1], outs[f"{twin}-other"]))
+            out = torch.full((n, manager.width), 0x33, dtype=torch.int32)
+            if twin == "s" or step == 0:
+                if step:
+                    manager.accept_tokens(items)
+                manager.fill(rids, manager.constrained_rows(rids), out)
+            else:
+                manager.begin_fill(rids, out)
+                manager.accept_tokens(items)
+                manager.finish_fill()
+            masks[twin] = out.numpy().copy()
+        assert np.array_equal(masks["s"], masks["o"]), step
+        assert manager.take_dead() == []
+        view = masks["s"]
+        for i in range(n):  # the next tokens: row 5 spells "yes" then stops; the others draw allowed tokens
+            if i == 5:
+                tokens[i] = yes[step] if step < len(yes) else tokenizer.eos_token_id
+            else:
+                bits = np.unpackbits(view[i].view(np.uint8), bitorder="little")
+                tokens[i] = int(rng.choice(np.flatnonzero(bits)))
+    assert len(yes) + 2 <= 6  # "yes" and its stop token were accepted: row 5 is free again
+    assert manager.grammars["s5"].terminated and manager.grammars["o5"].terminated and np.all(masks["o"][5] == -1)

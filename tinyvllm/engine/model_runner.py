@@ -465,26 +465,38 @@ class ModelRunner:
         """The step's token bitmask [N, ceil(V / 32)] int32 on the device, in the sampled rows' order: the
         grammars' masks ANDed with allowed_token_ids and bad-word bans (sampling/logits_processors.py),
         all ones for other rows; None when no row removes tokens. Filled on the host into one of two
-        pinned buffers (alternating, as the other host staging) and copied asynchronously."""
+        pinned buffers (alternating, as the other host staging) and copied asynchronously; with
+        `before_mask`, the constrained rows' fill overlaps the acceptance of the in-flight step's tokens."""
         rids = [s.request_id for s in seqs]
+        n = len(seqs)
+        host = self._next_bitmask_buf(n)
         if self._before_mask is not None and structured is not None and structured.has_grammar(rids):
-            self._before_mask()  # may advance or end grammars: the rows are read after it
-        rows = structured.constrained_rows(rids) if structured is not None else []
+            # the in-flight step's tokens are accepted inside before_mask; each row's mask is filled on the
+            # manager's worker thread as soon as its token is in (StructuredOutputManager.begin_fill)
+            structured.begin_fill(rids, host)
+            try:
+                self._before_mask()
+            finally:
+                rows = structured.finish_fill()
+        else:
+            rows = structured.constrained_rows(rids) if structured is not None else []
+            if rows:
+                structured.fill(rids, rows, host)
         if not rows and not plan.masked_rows:
             return None
-        n = len(seqs)
-        width = bitmask_width(self.sampler.vocab_size)
-        if not self._bitmask_bufs or self._bitmask_bufs[0].shape[0] < n:
-            shape = (max(self.builder_rows, n), width)
-            pin = self.device.type == "cuda"
-            self._bitmask_bufs = [torch.empty(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        host = self._bitmask_bufs[self._num_launched % 2][:n]
-        if rows:
-            structured.fill(rids, rows, host)
-        else:
+        if not rows:
             host.fill_(-1)
         apply_to_bitmask(seqs, plan.masked_rows, host.numpy(), self.sampler.vocab_size)
         return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+
+    def _next_bitmask_buf(self, n: int) -> torch.Tensor:
+        """This step's host bitmask [n, ceil(V / 32)] int32: one of two pinned buffers, alternating as the
+        other host staging does (a buffer is rewritten only after its copy has run)."""
+        if not self._bitmask_bufs or self._bitmask_bufs[0].shape[0] < n:
+            shape = (max(self.builder_rows, n), bitmask_width(self.sampler.vocab_size))
+            pin = self.device.type == "cuda"
+            self._bitmask_bufs = [torch.empty(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        return self._bitmask_bufs[self._num_launched % 2][:n]
 
     def _next_host_bufs(self) -> dict[str, torch.Tensor]:
         """This step's set of the runner's host staging (the two alternate between sampled steps)."""

@@ -14,12 +14,20 @@ Each step's host work is per row only where it must be: one `accept_token` per r
 termination check only after a stop token, the active rows read from Python flags, no fill of the
 constrained rows before xgrammar's (it writes whole rows), the UTF-8 guard on the few rows that need it
 and the dead-row check as one reduction over the step's mask.
+
+A step that accepts the previous step's tokens before filling its own mask (async scheduling: the
+runner's `before_mask`) overlaps the two: `begin_fill` names the step's rows and buffer, `accept_tokens`
+hands each chunk of `FILL_CHUNK` rows, once accepted, to a worker thread that fills their mask rows
+(xgrammar's fill releases the GIL) while the next chunk is accepted, and `finish_fill` fills the rows
+no chunk covered, waits for the worker and applies the guard. A row's mask is filled after its token is
+accepted and before anything else touches its matcher, so the mask is the one `fill` computes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +39,20 @@ from tinyvllm.structured.compiler import compiler_for
 from tinyvllm.structured.matcher import RequestGrammar
 from tinyvllm.structured.reasoning_gate import prompt_closed_thinking
 from tinyvllm.structured.utf8_guard import Utf8Guard
+
+FILL_CHUNK = 32
+"""Rows per fill handed to the worker thread while `accept_tokens` accepts the next ones."""
+
+
+@dataclass
+class _PendingFill:
+    """A step's mask being filled (`begin_fill` .. `finish_fill`)."""
+
+    request_ids: Sequence[str]
+    out: torch.Tensor
+    index: dict[str, int]  # request id -> its row
+    submitted: set[int] = field(default_factory=set)  # rows handed to the worker
+    futures: list[Future] = field(default_factory=list)
 
 
 class StructuredOutputManager:
@@ -65,6 +87,9 @@ class StructuredOutputManager:
         # 2 threads and ~400 µs with 8 (the H200 host's "auto") even for one row, more than the fill itself
         # (~2-7 µs per row on one thread); filled on one thread, 256 rows take well under a decode step.
         self._batch = xgr.BatchGrammarMatcher(1)
+        self._worker_batch = xgr.BatchGrammarMatcher(1)  # the worker thread's own
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+        self._pending: _PendingFill | None = None
         self._dead: list[str] = []
         self._compiling: set[str] = set()  # sequences whose grammar's future was not seen done yet
         self.utf8_guard = Utf8Guard(self.compiler.tokenizer_info.decoded_vocab)
@@ -122,18 +147,64 @@ class StructuredOutputManager:
     def fill(self, request_ids: Sequence[str], rows: Sequence[int], out: torch.Tensor) -> None:
         """Fill `out` [len(request_ids), width] int32 (host): the grammar's allowed tokens in `rows`,
         all ones elsewhere. A constrained row that allows nothing is recorded (`take_dead`)."""
+        if not rows:
+            out.fill_(-1)
+            return
+        self._fill_rows(self._batch, self._matchers(request_ids, rows), list(rows), out)
+        self._finish_rows(request_ids, rows, out)
+
+    def begin_fill(self, request_ids: Sequence[str], out: torch.Tensor) -> None:
+        """Start a step's mask into `out` [len(request_ids), width] int32 (host): the rows whose tokens
+        the following `accept_tokens` accepts are filled on the worker thread as they are accepted
+        (module docstring). `finish_fill` completes it."""
+        assert self._pending is None, "finish_fill the previous step's mask first"
+        self._pending = _PendingFill(request_ids, out, {rid: i for i, rid in enumerate(request_ids)})
+
+    def finish_fill(self) -> list[int]:
+        """Complete the mask `begin_fill` started, as `fill(request_ids, constrained_rows(request_ids), out)`
+        would, and return those rows; when there are none, `out` is left as it was."""
+        pending, self._pending = self._pending, None
+        assert pending is not None, "begin_fill first"
+        rows = self.constrained_rows(pending.request_ids)
+        rest = [i for i in rows if i not in pending.submitted]
+        if rest:
+            self._fill_rows(self._batch, self._matchers(pending.request_ids, rest), rest, pending.out)
+        for future in pending.futures:
+            future.result()
+        self._finish_rows(pending.request_ids, rows, pending.out)
+        return rows
+
+    def _submit_fill(self, pending: _PendingFill, rids: Sequence[str]) -> None:
+        """Hand the rows of `rids` (just accepted) that are in the pending step and active to the worker."""
+        grammars = self.grammars
+        rows = [i for rid in rids if (i := pending.index.get(rid)) is not None and grammars[rid].is_active]
+        if rows:
+            pending.submitted.update(rows)
+            matchers = self._matchers(pending.request_ids, rows)
+            job = self._worker.submit(self._fill_rows, self._worker_batch, matchers, rows, pending.out)
+            pending.futures.append(job)
+
+    def _matchers(self, request_ids: Sequence[str], rows: Sequence[int]) -> list[Any]:
+        grammars = self.grammars
+        return [(g := grammars[request_ids[i]]).matcher or g.get_matcher() for i in rows]
+
+    @staticmethod
+    def _fill_rows(batch: Any, matchers: list[Any], rows: list[int], out: torch.Tensor) -> None:
+        """xgrammar's mask of each matcher into its row of `out` (whole rows; on either thread)."""
+        batch.batch_fill_next_token_bitmask(matchers, out, rows)
+
+    def _finish_rows(self, request_ids: Sequence[str], rows: Sequence[int], out: torch.Tensor) -> None:
+        """All ones in the rows not in `rows`; the UTF-8 guard and the dead-row check in `rows` (not empty)."""
+        if not rows:
+            return
         view = out.numpy()
         n = view.shape[0]
         if len(rows) < n:
             free = np.ones(n, dtype=bool)
             free[list(rows)] = False
             view[free] = -1
-        if not rows:
-            return
-        grammars = [self.grammars[request_ids[i]] for i in rows]
-        matchers = [g.matcher or g.get_matcher() for g in grammars]
-        self._batch.batch_fill_next_token_bitmask(matchers, out, list(rows))
-        self.utf8_guard.apply(view, rows, [g.last_token for g in grammars])
+        grammars = self.grammars
+        self.utf8_guard.apply(view, rows, [grammars[request_ids[i]].last_token for i in rows])
         filled = view if len(rows) == n else view[list(rows)]
         words = filled.view(np.uint64) if filled.shape[1] % 2 == 0 else filled
         alive = np.bitwise_or.reduce(words, axis=1)
@@ -152,10 +223,16 @@ class StructuredOutputManager:
         grammars = self.grammars
         rejected: list[str] = []
         terminated: list[str] = []
-        for rid, token, output_token_ids in items:
-            grammar = grammars[rid]
-            if not grammar.accept(token, output_token_ids):
-                rejected.append(rid)
-            elif grammar.terminated:
-                terminated.append(rid)
+        pending = self._pending
+        chunk = len(items) if pending is None else FILL_CHUNK
+        for start in range(0, len(items), chunk):
+            part = items[start : start + chunk]
+            for rid, token, output_token_ids in part:
+                grammar = grammars[rid]
+                if not grammar.accept(token, output_token_ids):
+                    rejected.append(rid)
+                elif grammar.terminated:
+                    terminated.append(rid)
+            if pending is not None:
+                self._submit_fill(pending, [rid for rid, _, _ in part])
         return rejected, terminated
