@@ -12,7 +12,10 @@ engine does for its constrained rows, with the engine's own calls, and times eac
 * `fill`: the bitmask [B, 4,008] int32 of those rows (`StructuredOutputManager.fill`: xgrammar's fill,
   the UTF-8 guard and the dead-row check);
 * `xgr_fill`: xgrammar's batch fill alone for the same rows, at 1, 2 and 4 threads (the part of `fill`
-  that is xgrammar's; the rest is ours).
+  that is xgrammar's; the rest is ours);
+* `sequential`: accept + rows + fill, one after the other;
+* `overlapped`: the same step as the engine runs it under async scheduling (`begin_fill`, `accept_tokens`,
+  `finish_fill`): each chunk of rows is filled on the manager's worker thread while the next is accepted.
 
 The host-to-device copy of the mask is asynchronous from pinned memory (one enqueue, not host time) and
 is not measured on the CPU. The tokens are drawn uniformly among each row's allowed tokens (a random-weight
@@ -58,13 +61,14 @@ def draw(words: np.ndarray, rng: np.random.Generator) -> int:
     return int(rng.choice(np.flatnonzero(bits)))
 
 
-def run(manager: StructuredOutputManager, batch: int, steps: int, seed: int = 0) -> dict[str, float]:
-    """Median µs per step of each phase over `steps` steps of `batch` constrained rows."""
+def run(manager: StructuredOutputManager, batch: int, steps: int, overlap: bool, seed: int = 0) -> dict[str, float]:
+    """Median µs per step of each phase over `steps` steps of `batch` constrained rows; `overlap`: the
+    step as begin_fill / accept_tokens / finish_fill (one phase, `overlapped`)."""
     import xgrammar as xgr
 
     rng = np.random.default_rng(seed)
     so = StructuredOutputsParams(json=SCHEMA)
-    rids = [f"b{batch}-{i}" for i in range(batch)]
+    rids = [f"b{batch}-{i}-{overlap}" for i in range(batch)]
     for rid in rids:
         manager.add(rid, so).compiled.result()
     outputs: dict[str, list[int]] = {rid: [] for rid in rids}
@@ -75,10 +79,24 @@ def run(manager: StructuredOutputManager, batch: int, steps: int, seed: int = 0)
     twins = [xgr.GrammarMatcher(compiled) for _ in rids]  # xgrammar alone: accept_token in a loop
     batch_twins = [xgr.GrammarMatcher(compiled) for _ in rids]  # xgrammar alone: batch_accept_token
     names = ("accept", "xgr_accept", "xgr_batch_accept", "rows", "fill", *(f"xgr_fill_t{t}" for t in batches))
+    names = ("overlapped",) if overlap else (*names, "sequential")
     times: dict[str, list[float]] = {k: [] for k in names}
     tokens: list[int] | None = None
     clock = time.perf_counter
     for _ in range(steps):
+        if overlap:
+            t0 = clock()
+            manager.begin_fill(rids, host)
+            if tokens is not None:
+                for rid, token in zip(rids, tokens):
+                    outputs[rid].append(token)
+                manager.accept_tokens([(r, t, outputs[r]) for r, t in zip(rids, tokens)])
+            manager.finish_fill()
+            times["overlapped"].append(clock() - t0)
+            assert not manager.take_dead(), "the schema never dead-ends"
+            view = host.numpy()
+            tokens = [draw(view[i], rng) for i in range(batch)]
+            continue
         if tokens is not None:
             for rid, token in zip(rids, tokens):
                 outputs[rid].append(token)
@@ -104,6 +122,7 @@ def run(manager: StructuredOutputManager, batch: int, steps: int, seed: int = 0)
             t0 = clock()
             b.batch_fill_next_token_bitmask(matchers, scratch, list(rows))
             times[f"xgr_fill_t{t}"].append(clock() - t0)
+        times["sequential"].append(times["rows"][-1] + times["fill"][-1] + (times["accept"][-1] if tokens else 0.0))
         view = host.numpy()
         tokens = [draw(view[i], rng) for i in range(batch)]
     for rid in rids:
@@ -120,7 +139,7 @@ def main() -> None:
     start = time.perf_counter()
     manager = StructuredOutputManager(llama3_tokenizer(), VOCAB, EOS)
     print(f"manager built in {time.perf_counter() - start:.2f} s")
-    results = {b: run(manager, b, args.steps) for b in args.batch}
+    results = {b: {**run(manager, b, args.steps, False), **run(manager, b, args.steps, True)} for b in args.batch}
     phases = list(next(iter(results.values())))
     print(f"{'µs / step':>14}" + "".join(f"{'batch ' + str(b):>12}" for b in results))
     for phase in phases:

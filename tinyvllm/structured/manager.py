@@ -41,7 +41,8 @@ from tinyvllm.structured.reasoning_gate import prompt_closed_thinking
 from tinyvllm.structured.utf8_guard import Utf8Guard
 
 FILL_CHUNK = 32
-"""Rows per fill handed to the worker thread while `accept_tokens` accepts the next ones."""
+"""Rows per fill handed to the worker thread while `accept_tokens` accepts the next ones. A step of at most
+this many rows fills on the caller's thread (a hand-over costs more than such a step's fill)."""
 
 
 @dataclass
@@ -224,6 +225,8 @@ class StructuredOutputManager:
         rejected: list[str] = []
         terminated: list[str] = []
         pending = self._pending
+        if pending is not None and len(pending.request_ids) <= FILL_CHUNK:
+            pending = None  # finish_fill fills it all
         chunk = len(items) if pending is None else FILL_CHUNK
         for start in range(0, len(items), chunk):
             part = items[start : start + chunk]
