@@ -72,7 +72,7 @@ def test_constrained_batch_one_steps_sample_through_the_pruned_head(model_dir):
     params = [
         SamplingParams(temperature=0, max_tokens=12, structured_outputs=SO(regex=PATTERN)),
         SamplingParams(temperature=1.3, seed=7, max_tokens=12, structured_outputs=SO(regex=PATTERN)),
-        SamplingParams(temperature=0.9, seed=4, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=3, ignore_eos=True),
     ]
     results = {}
     for graphs in (False, True):
