@@ -25,7 +25,9 @@ the twin's `sampled_ids` (kernels/sampling.py). A batch-1 step is then one graph
 without copy kernels outside the graph and the device's idle time at their hand-overs. With
 `pruned_lm_head` those buckets get a second pair of graphs whose sampler reads the LM head at one byte per
 weight (`LMHead.sample_pruned`, kernels/lm_head_bounds.py: the same ids, no logits), for the steps whose
-every row that sampler serves.
+every row that sampler serves, and a third pair that stops at the final norm's hidden state: a constrained
+step replays it, fills its token bitmask while the device runs it, then launches the pruned head under
+the bitmask after it (three kernels, eagerly), so a constrained batch-1 step keeps the pruned head.
 """
 
 from __future__ import annotations
@@ -124,11 +126,12 @@ class DecodeGraphs:
         # sampler writes its ids here.
         self.last_sampled = torch.zeros(max(n, max_num_seqs), dtype=torch.int64, device=device)
         self.cascade_batch_sizes = sorted(b for b in cascade_batch_sizes if b in self.batch_sizes)
-        # (batch size, cascade, host twin or None, pruned) -> graph, and its (logits or None, sampled ids or
+        # (batch size, cascade, host twin or None, head) -> graph, and its (logits or None, sampled ids or
         # None) buffers; the twin's index for the buckets that load their own inputs (`runs_io`), else None;
-        # pruned: the graph samples through the pruned LM head (no logits)
-        self.graphs: dict[tuple[int, bool, int | None, bool], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, bool, int | None, bool], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        # head: "logits" (the LM head's product), "pruned" (samples through the pruned LM head, no logits)
+        # or "hidden" (stops at the final norm: its buffers are (hidden states, None))
+        self.graphs: dict[tuple[int, bool, int | None, str], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool, int | None, str], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
     def bucket(self, batch_size: int) -> int | None:
         for b in self.batch_sizes:
@@ -141,10 +144,11 @@ class DecodeGraphs:
         return bs <= self.io_max_rows
 
     def _run(
-        self, bs: int, cascade: bool, twin: int | None = None, pruned: bool = False
+        self, bs: int, cascade: bool, twin: int | None = None, head: str = "logits"
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The step's device work over the arena; `twin`: first load it from that host twin, and
-        write the sampled ids back there too; `pruned`: sample through the pruned LM head (no logits)."""
+        write the sampled ids back there too; `head` "pruned": sample through the pruned LM head (no
+        logits); "hidden": stop at the hidden states, (hidden, None)."""
         a = self.arena if twin is None else self.io_arena
         host = None if twin is None else self._io_host_arenas[twin]
         if host is None:
@@ -155,9 +159,11 @@ class DecodeGraphs:
             load_arena(a.buffer, host.buffer, a.input_ids[:bs], a.placeholder_src[:bs], self.last_sampled)
         meta = a.decode_meta(bs, self.max_seq_len, cascade)
         hidden = self.executor.hidden_states(a.input_ids[:bs], a.positions[:bs], meta, self.kv_caches)
+        if head == "hidden":
+            return hidden, None
         lm_head = self.executor.lm_head
         host_ids = None if host is None else host.sampled_ids[:bs]
-        if pruned:
+        if head == "pruned":
             lm_head.sample_pruned(hidden, a.temperatures[:bs], a.seeds[:bs], self.last_sampled[:bs], host_ids)
             return None, self.last_sampled[:bs]
         if self.sample_in_graph and self.sample_in_lm_head:
@@ -172,14 +178,14 @@ class DecodeGraphs:
             logits, a.temperatures[:bs], a.seeds[:bs], out=self.last_sampled[:bs], host_out=host_ids
         )
 
-    def _keys(self) -> list[tuple[int, bool, int | None, bool]]:
+    def _keys(self) -> list[tuple[int, bool, int | None, str]]:
         """Every graph to capture, largest bucket first."""
         keys = []
         for bs in reversed(self.batch_sizes):
             twins = range(len(self._io_host_arenas)) if self.runs_io(bs) else (None,)
-            prunes = (False, True) if self.runs_io(bs) and self.pruned_lm_head else (False,)
+            heads = ("logits", "pruned", "hidden") if self.runs_io(bs) and self.pruned_lm_head else ("logits",)
             for cascade in (False, True) if bs in self.cascade_batch_sizes else (False,):
-                keys += [(bs, cascade, t, p) for t in twins for p in prunes]
+                keys += [(bs, cascade, t, h) for t in twins for h in heads]
         return keys
 
     @torch.no_grad()
@@ -245,7 +251,7 @@ class DecodeGraphs:
         cascade size) over the arena as loaded, and return (logits [bs, V], sampled ids [bs] or None),
         static buffers valid until the next replay of this bucket (the sampled ids: of any bucket).
         With `sample_in_graph`, the sampled ids of rows past the step's sampled rows mean nothing."""
-        return self._replay((bs, cascade, None, False))
+        return self._replay((bs, cascade, None, "logits"))
 
     def replay_io(
         self, bs: int, cascade: bool, host: InputArena, nbytes: int, pruned: bool = False
@@ -258,10 +264,24 @@ class DecodeGraphs:
         serves every row): the graph of the pruned LM head, whose logits are None."""
         twin = next(i for i, h in enumerate(self._io_host_arenas) if h is host)
         host.set_copy_words(nbytes)
-        logits, sampled = self._replay((bs, cascade, twin, pruned and self.pruned_lm_head))
+        logits, sampled = self._replay((bs, cascade, twin, "pruned" if pruned and self.pruned_lm_head else "logits"))
         return logits, sampled, host.sampled_ids[:bs]
 
-    def _replay(self, key: tuple[int, bool, int | None, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def replay_io_hidden(
+        self, bs: int, cascade: bool, host: InputArena, nbytes: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`replay_io`'s step up to the final norm only (needs `pruned_lm_head`): returns (hidden [bs, H],
+        the arena's temperatures [bs] and seeds [bs] on the device, the twin's pinned `sampled_ids` [bs]),
+        static buffers for the caller's `LMHead.sample_pruned`, which writes the ids into `last_sampled`
+        (where the next step's placeholder gather reads them) and that twin."""
+        assert self.pruned_lm_head and self.runs_io(bs), "no hidden-state graph for this bucket"
+        twin = next(i for i, h in enumerate(self._io_host_arenas) if h is host)
+        host.set_copy_words(nbytes)
+        hidden, _ = self._replay((bs, cascade, twin, "hidden"))
+        a = self.io_arena
+        return hidden, a.temperatures[:bs], a.seeds[:bs], host.sampled_ids[:bs]
+
+    def _replay(self, key: tuple[int, bool, int | None, str]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Replay one captured graph; its output buffers."""
         self.graphs[key].replay()
         return self._outputs[key]

@@ -687,17 +687,21 @@ class LLMEngine:
         """Accept each constrained sequence's new token into its grammar; a grammar that is complete
         ends its request ("stop"), a token it rejects ends it with an error."""
         grammars = self._structured.grammars
-        for request, tokens in updated:
-            rid = request.request_id
-            if rid not in grammars:
-                continue
-            grammar = grammars[rid]
-            ok = grammar.accept(tokens[-1], request.output_token_ids)
-            if request.status._finished:
-                continue
-            if not ok:
-                self._end_with_error(rid, f"token {tokens[-1]} does not match the output's grammar")
-            elif grammar.is_terminated():
+        mine = [(request, tokens[-1]) for request, tokens in updated if request.request_id in grammars]
+        if not mine:
+            return
+        rejected, terminated = self._structured.accept_tokens(
+            [(request.request_id, token, request.output_token_ids) for request, token in mine]
+        )
+        if not (rejected or terminated):
+            return
+        by_id = {request.request_id: (request, token) for request, token in mine}
+        for rid in rejected:
+            request, token = by_id[rid]
+            if not request.status._finished:
+                self._end_with_error(rid, f"token {token} does not match the output's grammar")
+        for rid in terminated:
+            if not by_id[rid][0].status._finished:
                 self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
 
     def _end_with_error(self, request_id: str, message: str) -> None:

@@ -408,7 +408,9 @@ class ModelRunner:
         sampled ids readable by the graph's placeholder gather when the step needs them, copy the arena
         over in one copy, replay, then sample the rows the in-graph sampler does not serve. A step with
         constrained rows (a grammar, allowed_token_ids or bad_words) samples every row after the replay,
-        from the graph's logits, under the bitmask filled while the graph runs."""
+        from the graph's logits, under the bitmask filled while the graph runs; with the pruned LM head
+        (batch 1, every row the fused sampler's), it replays the graph that stops at the hidden states and
+        samples through the pruned head under the bitmask (`DecodeGraphs.replay_io_hidden`)."""
         graphs = self.graphs
         host, device = graphs.next_arenas(bucket)
         inputs = self.builder.build(
@@ -430,6 +432,15 @@ class ModelRunner:
         constrained = bool(plan.masked_rows) or (
             structured is not None and bool(structured.constrained_rows([s.request_id for s in seqs]))
         )
+        if constrained and len(fused) == n and graphs.pruned_lm_head and graphs.runs_io(bucket):
+            # the forward's graph, the bitmask filled while it runs, then the pruned LM head under it
+            hidden, temperatures, dev_seeds, host_ids = graphs.replay_io_hidden(
+                bucket, inputs.prefix_len > 0, host, inputs.arena_bytes
+            )
+            bitmask = self._step_bitmask(seqs, plan, structured)
+            ids = graphs.last_sampled[:bucket]
+            self.executor.lm_head.sample_pruned(hidden, temperatures, dev_seeds, ids, host_ids, bitmask=bitmask)
+            return self._finish(seqs, inputs.sample_order, plan, ids[:n], None, None, bufs, host_ids[:n])
         if graphs.runs_io(bucket):
             # every row served by the in-graph sampler: no logits needed, the pruned LM head's graph if any
             logits, presampled, graph_ids = graphs.replay_io(
@@ -454,26 +465,38 @@ class ModelRunner:
         """The step's token bitmask [N, ceil(V / 32)] int32 on the device, in the sampled rows' order: the
         grammars' masks ANDed with allowed_token_ids and bad-word bans (sampling/logits_processors.py),
         all ones for other rows; None when no row removes tokens. Filled on the host into one of two
-        pinned buffers (alternating, as the other host staging) and copied asynchronously."""
+        pinned buffers (alternating, as the other host staging) and copied asynchronously; with
+        `before_mask`, the constrained rows' fill overlaps the acceptance of the in-flight step's tokens."""
         rids = [s.request_id for s in seqs]
+        n = len(seqs)
+        host = self._next_bitmask_buf(n)
         if self._before_mask is not None and structured is not None and structured.has_grammar(rids):
-            self._before_mask()  # may advance or end grammars: the rows are read after it
-        rows = structured.constrained_rows(rids) if structured is not None else []
+            # the in-flight step's tokens are accepted inside before_mask; each row's mask is filled on the
+            # manager's worker thread as soon as its token is in (StructuredOutputManager.begin_fill)
+            structured.begin_fill(rids, host)
+            try:
+                self._before_mask()
+            finally:
+                rows = structured.finish_fill()
+        else:
+            rows = structured.constrained_rows(rids) if structured is not None else []
+            if rows:
+                structured.fill(rids, rows, host)
         if not rows and not plan.masked_rows:
             return None
-        n = len(seqs)
-        width = bitmask_width(self.sampler.vocab_size)
-        if not self._bitmask_bufs or self._bitmask_bufs[0].shape[0] < n:
-            shape = (max(self.builder_rows, n), width)
-            pin = self.device.type == "cuda"
-            self._bitmask_bufs = [torch.empty(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        host = self._bitmask_bufs[self._num_launched % 2][:n]
-        if rows:
-            structured.fill(rids, rows, host)
-        else:
+        if not rows:
             host.fill_(-1)
         apply_to_bitmask(seqs, plan.masked_rows, host.numpy(), self.sampler.vocab_size)
         return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+
+    def _next_bitmask_buf(self, n: int) -> torch.Tensor:
+        """This step's host bitmask [n, ceil(V / 32)] int32: one of two pinned buffers, alternating as the
+        other host staging does (a buffer is rewritten only after its copy has run)."""
+        if not self._bitmask_bufs or self._bitmask_bufs[0].shape[0] < n:
+            shape = (max(self.builder_rows, n), bitmask_width(self.sampler.vocab_size))
+            pin = self.device.type == "cuda"
+            self._bitmask_bufs = [torch.empty(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        return self._bitmask_bufs[self._num_launched % 2][:n]
 
     def _next_host_bufs(self) -> dict[str, torch.Tensor]:
         """This step's set of the runner's host staging (the two alternate between sampled steps)."""

@@ -30,6 +30,12 @@ sum of 2,048 products errs by at most ~2⁻¹³ ‖w_i‖₂ ‖h‖₂ in the w
    only the number of kept rows (pass 2's bytes) depends on them.
 For Llama-3.2-1B's LM head (128,256 × 2,048) the passes read 263 MB plus the kept rows, against the
 525 MB of the bf16 weight.
+
+With a token bitmask (structured outputs; xgrammar's packed [1, ceil(N / 32)] int32 row, the fused
+sampler's HAS_MASK variant) the draw is argmax over the allowed rows only. Both passes then treat a
+disallowed row as absent: its bounds are −inf, so it neither raises t nor keeps its block, and pass 2
+never takes it as a candidate. The argument above holds over the allowed rows, so the id is the masked
+sampler's. A compiled variant (HAS_MASK): a launch without a mask runs the kernels it ran before.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import triton.language as tl
 
 from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, check_sampling, default_config
 from tinyvllm.kernels.launch import cdiv, is_power_of_2, num_sms, upcast_dot
-from tinyvllm.kernels.sampling import best_of_block, log2, noise_at, reduce_partials, sampling_tile
+from tinyvllm.kernels.sampling import allowed_by, best_of_block, log2, noise_at, reduce_partials, sampling_tile
 
 ROUNDING_SLACK = 2.0**-10  # relative to ‖w_i‖₂ ‖h‖₂: both fp32 sums' rounding (module docstring)
 
@@ -98,6 +104,21 @@ def quantize_rows(weight: torch.Tensor, chunk_rows: int = 8192) -> QuantizedRows
     return QuantizedRows(packed, scale, slack)
 
 
+def check_bitmask(bitmask: torch.Tensor | None, n: int, x: torch.Tensor) -> None:
+    """Raise ValueError unless `bitmask` is None or one contiguous packed row [1, ceil(n / 32)] int32 on
+    x's device."""
+    if bitmask is None:
+        return
+    width = (n + 31) // 32
+    if bitmask.dtype != torch.int32 or bitmask.shape != (1, width) or bitmask.device != x.device:
+        raise ValueError(
+            f"bitmask must be [1, {width}] int32 on {x.device}, got {tuple(bitmask.shape)} {bitmask.dtype} "
+            f"on {bitmask.device}"
+        )
+    if not bitmask.is_contiguous():
+        raise ValueError("bitmask must be contiguous")
+
+
 class ScoreBounds(NamedTuple):
     """Pass 1's output for one row: hi [N] (each row's score at most), lo_max and hi_max [N / block_n]
     (each block's largest lower and upper bound; some row scores at least max(lo_max)), block_n."""
@@ -133,6 +154,7 @@ def _score_bounds_kernel(
     hi_ptr,
     lo_max_ptr,
     hi_max_ptr,
+    mask_ptr,
     N,
     K4,
     stride_pn,
@@ -141,9 +163,11 @@ def _score_bounds_kernel(
     STAGES: tl.constexpr,
     TILE: tl.constexpr,
     FAST_LOG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     """Pass 1, program p: rows [p·BLOCK_N, (p+1)·BLOCK_N) of the packed int8 weight [N, K4] (4 columns a
-    word) against x [4·K4] → each row's upper bound hi, and lo_max[p], hi_max[p] (module docstring)."""
+    word) against x [4·K4] → each row's upper bound hi, and lo_max[p], hi_max[p] (module docstring).
+    HAS_MASK: the rows the bitmask row at `mask_ptr` disallows get −inf bounds."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -191,9 +215,12 @@ def _score_bounds_kernel(
     else:
         s_hi = z_hi
         s_lo = z_lo
-    s_hi = tl.where(mask_n, s_hi, float("-inf"))
+    present = mask_n
+    if HAS_MASK:
+        present = present & allowed_by(mask_ptr, offs_n, mask_n)
+    s_hi = tl.where(present, s_hi, float("-inf"))
     tl.store(hi_ptr + offs_n, s_hi, mask=mask_n)
-    tl.store(lo_max_ptr + pid, tl.max(tl.where(mask_n, s_lo, float("-inf")), axis=0))
+    tl.store(lo_max_ptr + pid, tl.max(tl.where(present, s_lo, float("-inf")), axis=0))
     tl.store(hi_max_ptr + pid, tl.max(s_hi, axis=0))
 
 
@@ -209,6 +236,7 @@ def _pruned_product_kernel(
     seed_ptr,
     part_val_ptr,
     part_idx_ptr,
+    mask_ptr,
     N,
     K,
     stride_wn,
@@ -223,11 +251,12 @@ def _pruned_product_kernel(
     IEEE: tl.constexpr,
     TILE: tl.constexpr,
     FAST_LOG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     """Program p: the kept blocks of rank p, p + P, ... (module docstring, pass 2), each as gemv.py's
     one-row plain product over [BLOCK_N, BLOCK_K] tiles (SUBS = max(1, BOUND_N / BLOCK_N) of them per
     block, rows outside the block masked), then the best (value, index) of the program's rows into the
-    partials [P]."""
+    partials [P]. HAS_MASK: only the rows the bitmask row at `mask_ptr` allows are candidates."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     j = tl.arange(0, NB_POW2)
@@ -248,6 +277,8 @@ def _pruned_product_kernel(
             offs_n = blk * BOUND_N + sub * BLOCK_N + tl.arange(0, BLOCK_N)
             in_blk = (offs_n < blk * BOUND_N + BOUND_N) & (offs_n < N)
             mask_n = in_blk & ~(tl.load(hi_ptr + offs_n, mask=in_blk, other=float("-inf")) < threshold)
+            if HAS_MASK:
+                mask_n = mask_n & allowed_by(mask_ptr, offs_n, in_blk)
             w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
             # gemv.py's gemv_kernel at M = 1, plain products, no split: the same tiles and sums
             if USE_DOT:
@@ -298,6 +329,7 @@ def score_bounds(
     temperature: torch.Tensor,
     seeds: torch.Tensor,
     config: BoundsConfig | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> ScoreBounds:
     """Pass 1 (module docstring) for the one row x [1, K], the LM head's input.
 
@@ -305,6 +337,7 @@ def score_bounds(
         x: [1, K]; rows: the weight's int8 copy (`quantize_rows`).
         temperature: [1] float32 (0: greedy); seeds: [1] int64, as the fused sampler takes them.
         config: tiles and launch options (default: `default_bounds_config`).
+        bitmask: [1, ceil(N / 32)] int32 on x's device, the allowed rows (`check_bitmask`), or None: all.
     """
     packed, scale, slack = rows
     N, K4 = packed.shape
@@ -312,6 +345,7 @@ def score_bounds(
         raise ValueError(f"x must be [1, {4 * K4}], got {tuple(x.shape)}")
     if packed.dtype != torch.int32 or packed.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("rows.packed must be int32 with contiguous rows (quantize_rows), x contiguous")
+    check_bitmask(bitmask, N, x)
     cfg = config or default_bounds_config(x.device)
     if not (is_power_of_2(cfg.block_n) and is_power_of_2(cfg.block_c)):
         raise ValueError(f"block_n and block_c must be powers of two: {cfg}")
@@ -329,6 +363,7 @@ def score_bounds(
         hi,
         lo_max,
         hi_max,
+        hi if bitmask is None else bitmask,  # never read without HAS_MASK
         N,
         K4,
         packed.stride(0),
@@ -337,6 +372,7 @@ def score_bounds(
         STAGES=cfg.num_stages,
         TILE=sampling_tile(),
         FAST_LOG=x.is_cuda,
+        HAS_MASK=bitmask is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -350,10 +386,12 @@ def sample_pruned(
     sampling: GemvSampling,
     config: BoundsConfig | None = None,
     product: GemvConfig | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> None:
     """The fused sampler's id for the one row of x Wᵀ, into `sampling.ids` (and `host_ids`), from pass 1
     and the product over the rows pass 1 keeps; no logits. It is the id that
-    `fused_gemv_fwd(x, weight, sampling=sampling, config=product)` draws.
+    `fused_gemv_fwd(x, weight, sampling=sampling, config=product)` draws; with `bitmask`, the id that the
+    fused sampler draws from those logits under it (`sample_greedy_or_gumbel(..., bitmask=bitmask)`).
 
     Args:
         x: [1, K], the LM head's input.
@@ -361,6 +399,8 @@ def sample_pruned(
         sampling: temperature, seed and outputs of the one row (gemv.GemvSampling).
         config: pass 1's tiles and pass 2's programs (default: `default_bounds_config`).
         product: the product's config whose arithmetic pass 2 repeats (default: gemv.py's for this shape).
+        bitmask: [1, ceil(N / 32)] int32 on x's device: the rows that may be drawn (module docstring); a
+            row that allows nothing draws N. None: every row.
     """
     if rows.packed.shape != (weight.shape[0], weight.shape[1] // 4) or weight.shape[1] % 4:
         raise ValueError(f"rows {tuple(rows.packed.shape)} (packed) do not match the weight {tuple(weight.shape)}")
@@ -368,7 +408,7 @@ def sample_pruned(
         raise ValueError(f"weight ({weight.dtype}) must share x's dtype ({x.dtype}) and have contiguous rows")
     check_sampling(sampling, 1, x)  # gemv.py's, for its one row
     cfg = config or default_bounds_config(x.device)
-    bounds = score_bounds(x, rows, sampling.temperature, sampling.seeds, cfg)
+    bounds = score_bounds(x, rows, sampling.temperature, sampling.seeds, cfg, bitmask)
     N, K = weight.shape
     prod = product or default_config(1, N, K, num_sms(x.device))
     nb = bounds.lo_max.numel()
@@ -385,6 +425,7 @@ def sample_pruned(
         sampling.seeds,
         vals,
         idxs,
+        vals if bitmask is None else bitmask,  # never read without HAS_MASK
         N,
         K,
         weight.stride(0),
@@ -399,6 +440,7 @@ def sample_pruned(
         IEEE=x.dtype == torch.float32,
         TILE=sampling_tile(),
         FAST_LOG=x.is_cuda,
+        HAS_MASK=bitmask is not None,
         num_warps=prod.num_warps,
         num_stages=prod.num_stages,
     )

@@ -4,18 +4,33 @@
 costs ~0.3 s) compiles through the process's `GrammarCompiler` (futures, off the step loop), keeps a
 `RequestGrammar` per constrained sequence, and fills a step's token bitmask: xgrammar's packed int32
 layout, row r bit j of word w allowing token 32·w + j, [rows, ceil(V / 32)]. It fills the constrained
-rows of the step with `xgrammar.BatchGrammarMatcher` (several threads, the GIL released) and the other
+rows of the step with `xgrammar.BatchGrammarMatcher` (one C++ call, the GIL released) and the other
 rows with all ones (structured/utf8_guard.py then removes the tokens that would make ill-formed UTF-8);
 a step without constrained rows gets no bitmask at all, so it runs exactly the
 kernels it runs without this feature.
+
+Each step's host work is per row only where it must be: one `accept_token` per row (xgrammar's
+`batch_accept_token` measured slower than the loop, benchmarks/bench_structured_host.py), the
+termination check only after a stop token, the active rows read from Python flags, no fill of the
+constrained rows before xgrammar's (it writes whole rows), the UTF-8 guard on the few rows that need it
+and the dead-row check as one reduction over the step's mask.
+
+A step that accepts the previous step's tokens before filling its own mask (async scheduling: the
+runner's `before_mask`) overlaps the two: `begin_fill` names the step's rows and buffer, `accept_tokens`
+hands each chunk of `FILL_CHUNK` rows, once accepted, to a worker thread that fills their mask rows
+(xgrammar's fill releases the GIL) while the next chunk is accepted, and `finish_fill` fills the rows
+no chunk covered, waits for the worker and applies the guard. A row's mask is filled after its token is
+accepted and before anything else touches its matcher, so the mask is the one `fill` computes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tinyvllm.sampling.bitmask import bitmask_width
@@ -24,6 +39,21 @@ from tinyvllm.structured.compiler import compiler_for
 from tinyvllm.structured.matcher import RequestGrammar
 from tinyvllm.structured.reasoning_gate import prompt_closed_thinking
 from tinyvllm.structured.utf8_guard import Utf8Guard
+
+FILL_CHUNK = 32
+"""Rows per fill handed to the worker thread while `accept_tokens` accepts the next ones. A step of at most
+this many rows fills on the caller's thread (a hand-over costs more than such a step's fill)."""
+
+
+@dataclass
+class _PendingFill:
+    """A step's mask being filled (`begin_fill` .. `finish_fill`)."""
+
+    request_ids: Sequence[str]
+    out: torch.Tensor
+    index: dict[str, int]  # request id -> its row
+    submitted: set[int] = field(default_factory=set)  # rows handed to the worker
+    futures: list[Future] = field(default_factory=list)
 
 
 class StructuredOutputManager:
@@ -53,10 +83,14 @@ class StructuredOutputManager:
         self.reasoning_end_ids = reasoning_end_ids
         self.reasoning_start_ids = reasoning_start_ids
         self.grammars: dict[str, RequestGrammar] = {}
+        self.stop_token_ids = frozenset(self.compiler.tokenizer_info.stop_token_ids)
         # One thread: xgrammar's batch fill starts its worker threads on every call, which costs ~110 µs with
         # 2 threads and ~400 µs with 8 (the H200 host's "auto") even for one row, more than the fill itself
         # (~2-7 µs per row on one thread); filled on one thread, 256 rows take well under a decode step.
         self._batch = xgr.BatchGrammarMatcher(1)
+        self._worker_batch = xgr.BatchGrammarMatcher(1)  # the worker thread's own
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+        self._pending: _PendingFill | None = None
         self._dead: list[str] = []
         self._compiling: set[str] = set()  # sequences whose grammar's future was not seen done yet
         self.utf8_guard = Utf8Guard(self.compiler.tokenizer_info.decoded_vocab)
@@ -73,7 +107,7 @@ class StructuredOutputManager:
         closed = self.reasoning_end_ids is not None and prompt_closed_thinking(
             prompt_token_ids, self.reasoning_start_ids or (), self.reasoning_end_ids
         )
-        grammar = RequestGrammar(self.compiler.submit(params), self.reasoning_end_ids, closed)
+        grammar = RequestGrammar(self.compiler.submit(params), self.reasoning_end_ids, closed, self.stop_token_ids)
         self.grammars[request_id] = grammar
         self._compiling.add(request_id)
         return grammar
@@ -108,29 +142,100 @@ class StructuredOutputManager:
 
     def constrained_rows(self, request_ids: Sequence[str]) -> list[int]:
         """The rows (indices into `request_ids`) whose next token the grammar constrains."""
-        grammars = self.grammars
-        return [i for i, rid in enumerate(request_ids) if rid in grammars and grammars[rid].is_active]
+        get = self.grammars.get
+        return [i for i, rid in enumerate(request_ids) if (g := get(rid)) is not None and g.is_active]
 
     def fill(self, request_ids: Sequence[str], rows: Sequence[int], out: torch.Tensor) -> None:
         """Fill `out` [len(request_ids), width] int32 (host): the grammar's allowed tokens in `rows`,
         all ones elsewhere. A constrained row that allows nothing is recorded (`take_dead`)."""
-        out.fill_(-1)
-        grammars = [self.grammars[request_ids[i]] for i in rows]
-        self._batch.batch_fill_next_token_bitmask([g.get_matcher() for g in grammars], out, list(rows))
+        if not rows:
+            out.fill_(-1)
+            return
+        self._fill_rows(self._batch, self._matchers(request_ids, rows), list(rows), out)
+        self._finish_rows(request_ids, rows, out)
+
+    def begin_fill(self, request_ids: Sequence[str], out: torch.Tensor) -> None:
+        """Start a step's mask into `out` [len(request_ids), width] int32 (host): the rows whose tokens
+        the following `accept_tokens` accepts are filled on the worker thread as they are accepted
+        (module docstring). `finish_fill` completes it."""
+        assert self._pending is None, "finish_fill the previous step's mask first"
+        self._pending = _PendingFill(request_ids, out, {rid: i for i, rid in enumerate(request_ids)})
+
+    def finish_fill(self) -> list[int]:
+        """Complete the mask `begin_fill` started, as `fill(request_ids, constrained_rows(request_ids), out)`
+        would, and return those rows; when there are none, `out` is left as it was."""
+        pending, self._pending = self._pending, None
+        assert pending is not None, "begin_fill first"
+        rows = self.constrained_rows(pending.request_ids)
+        rest = [i for i in rows if i not in pending.submitted]
+        if rest:
+            self._fill_rows(self._batch, self._matchers(pending.request_ids, rest), rest, pending.out)
+        for future in pending.futures:
+            future.result()
+        self._finish_rows(pending.request_ids, rows, pending.out)
+        return rows
+
+    def _submit_fill(self, pending: _PendingFill, rids: Sequence[str]) -> None:
+        """Hand the rows of `rids` (just accepted) that are in the pending step and active to the worker."""
+        grammars = self.grammars
+        rows = [i for rid in rids if (i := pending.index.get(rid)) is not None and grammars[rid].is_active]
+        if rows:
+            pending.submitted.update(rows)
+            matchers = self._matchers(pending.request_ids, rows)
+            job = self._worker.submit(self._fill_rows, self._worker_batch, matchers, rows, pending.out)
+            pending.futures.append(job)
+
+    def _matchers(self, request_ids: Sequence[str], rows: Sequence[int]) -> list[Any]:
+        grammars = self.grammars
+        return [(g := grammars[request_ids[i]]).matcher or g.get_matcher() for i in rows]
+
+    @staticmethod
+    def _fill_rows(batch: Any, matchers: list[Any], rows: list[int], out: torch.Tensor) -> None:
+        """xgrammar's mask of each matcher into its row of `out` (whole rows; on either thread)."""
+        batch.batch_fill_next_token_bitmask(matchers, out, rows)
+
+    def _finish_rows(self, request_ids: Sequence[str], rows: Sequence[int], out: torch.Tensor) -> None:
+        """All ones in the rows not in `rows`; the UTF-8 guard and the dead-row check in `rows` (not empty)."""
+        if not rows:
+            return
         view = out.numpy()
-        guard = self.utf8_guard
-        for i, grammar in zip(rows, grammars):
-            guard.apply(view[i], grammar.last_token)
-            if not view[i].any():
-                self._dead.append(request_ids[i])
+        n = view.shape[0]
+        if len(rows) < n:
+            free = np.ones(n, dtype=bool)
+            free[list(rows)] = False
+            view[free] = -1
+        grammars = self.grammars
+        self.utf8_guard.apply(view, rows, [grammars[request_ids[i]].last_token for i in rows])
+        filled = view if len(rows) == n else view[list(rows)]
+        words = filled.view(np.uint64) if filled.shape[1] % 2 == 0 else filled
+        alive = np.bitwise_or.reduce(words, axis=1)
+        if not alive.all():
+            self._dead += [request_ids[rows[j]] for j in np.flatnonzero(alive == 0)]
 
     def take_dead(self) -> list[str]:
         """The request ids whose mask allowed nothing since the last call."""
         dead, self._dead = self._dead, []
         return dead
 
-    def accept(self, request_id: str, token_id: int, output_token_ids: Sequence[int]) -> tuple[bool, bool]:
-        """Advance a sequence's grammar by its new output token: (accepted, grammar terminated)."""
-        grammar = self.grammars[request_id]
-        ok = grammar.accept(token_id, output_token_ids)
-        return ok, grammar.is_terminated()
+    def accept_tokens(self, items: Sequence[tuple[str, int, Sequence[int]]]) -> tuple[list[str], list[str]]:
+        """Advance the grammars of these sequences, each (request id, its new output token, all its
+        output tokens with that one last), by their new token. Returns (the ids whose grammar rejected
+        its token, the ids whose grammar is now complete)."""
+        grammars = self.grammars
+        rejected: list[str] = []
+        terminated: list[str] = []
+        pending = self._pending
+        if pending is not None and len(pending.request_ids) <= FILL_CHUNK:
+            pending = None  # finish_fill fills it all
+        chunk = len(items) if pending is None else FILL_CHUNK
+        for start in range(0, len(items), chunk):
+            part = items[start : start + chunk]
+            for rid, token, output_token_ids in part:
+                grammar = grammars[rid]
+                if not grammar.accept(token, output_token_ids):
+                    rejected.append(rid)
+                elif grammar.terminated:
+                    terminated.append(rid)
+            if pending is not None:
+                self._submit_fill(pending, [rid for rid, _, _ in part])
+        return rejected, terminated

@@ -24,16 +24,31 @@ class RequestGrammar:
             tokens after them. None: from the first output token.
         prompt_closed_thinking: the prompt already closed its thinking block (`reasoning_gate`): the
             grammar applies from the first output token.
+        stop_token_ids: the grammar's stop tokens (`TokenizerInfo.stop_token_ids`): a matcher terminates
+            only by accepting one, so only those tokens are followed by a termination check. None: check
+            after every token.
+
+    Attributes:
+        terminated: the grammar is complete and its stop token accepted (kept in step with the matcher by
+            `accept` and `rollback`, so that reading it costs no call into xgrammar).
+        last_token: the last accepted token, or None.
     """
 
     def __init__(
-        self, compiled: Future, reasoning_end_ids: Sequence[int] | None = None, prompt_closed_thinking: bool = False
+        self,
+        compiled: Future,
+        reasoning_end_ids: Sequence[int] | None = None,
+        prompt_closed_thinking: bool = False,
+        stop_token_ids: frozenset[int] | None = None,
     ) -> None:
         self.compiled = compiled
         self.reasoning_end_ids = None if reasoning_end_ids is None else tuple(reasoning_end_ids)
         self.gate_open = reasoning_end_ids is None or prompt_closed_thinking
+        self.stop_token_ids = stop_token_ids
         self.matcher: Any = None  # xgrammar.GrammarMatcher, made on first use
         self.accepted: list[int] = []  # the tokens the grammar accepted, in order
+        self.terminated = False
+        self.last_token: int | None = None
 
     def is_ready(self) -> bool:
         """Whether the grammar has compiled (successfully: a failed one is the engine's to end)."""
@@ -55,8 +70,8 @@ class RequestGrammar:
 
     @property
     def is_active(self) -> bool:
-        """Whether the next token is constrained (compiled, past the reasoning, not terminated)."""
-        return self.gate_open and not self.get_matcher().is_terminated()
+        """Whether the next token is constrained (past the reasoning, not terminated)."""
+        return self.gate_open and not self.terminated
 
     def accept(self, token_id: int, output_token_ids: Sequence[int]) -> bool:
         """Advance by the request's new output token `token_id` (`output_token_ids`: all of them, this
@@ -66,26 +81,30 @@ class RequestGrammar:
             if reasoning_ended(output_token_ids[-len(self.reasoning_end_ids) :], self.reasoning_end_ids) is not None:
                 self.gate_open = True
             return True
-        ok = self.get_matcher().accept_token(token_id)
-        if ok:
-            self.accepted.append(token_id)
-        return ok
+        matcher = self.matcher or self.get_matcher()
+        if not matcher.accept_token(token_id):
+            return False
+        self.accepted.append(token_id)
+        self.last_token = token_id
+        stops = self.stop_token_ids
+        if stops is None or token_id in stops:
+            self.terminated = matcher.is_terminated()
+        return True
 
     def is_terminated(self) -> bool:
         """Whether the grammar is complete and its stop token accepted: the request is done."""
-        return self.gate_open and self.matcher is not None and self.matcher.is_terminated()
+        return self.terminated
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
         if num_tokens:
             assert num_tokens <= len(self.accepted), "rollback past the grammar's start"
-            self.get_matcher().rollback(num_tokens)
+            matcher = self.get_matcher()
+            matcher.rollback(num_tokens)
             del self.accepted[-num_tokens:]
+            self.last_token = self.accepted[-1] if self.accepted else None
+            self.terminated = matcher.is_terminated()
 
     @property
     def num_accepted(self) -> int:
         return len(self.accepted)
-
-    @property
-    def last_token(self) -> int | None:
-        return self.accepted[-1] if self.accepted else None

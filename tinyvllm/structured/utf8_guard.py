@@ -37,6 +37,7 @@ class Utf8Guard:
         valid: [W] int32, tokens whose bytes hold no ill-formed pair.
         after_lead: lead byte -> [W] int32, the valid tokens that may follow a token ending with it.
         ends_with_lead: token id -> the lead byte it ends with, for the tokens that end with one.
+        all_valid: every token is valid (`valid` is all ones, and `apply` skips it).
     """
 
     def __init__(self, decoded_vocab: Sequence[bytes]) -> None:
@@ -53,14 +54,26 @@ class Utf8Guard:
             if token[-1] in _FORBIDDEN_SECOND:
                 self.ends_with_lead[i] = token[-1]
         self.valid = pack_bitmask(valid[None])[0]
+        self.all_valid = bool(valid.all())
         self.after_lead = {
             lead: pack_bitmask((valid & ~((first >= lo) & (first <= hi)))[None])[0]
             for lead, (lo, hi) in _FORBIDDEN_SECOND.items()
         }
 
-    def apply(self, words: np.ndarray, last_token: int | None) -> None:
-        """AND one row's packed mask `words` [W] int32, in place, given the row's last output token."""
-        words &= self.valid
-        lead = None if last_token is None else self.ends_with_lead.get(last_token)
-        if lead is not None:
-            words &= self.after_lead[lead]
+    def apply(self, words: np.ndarray, rows: Sequence[int], last_tokens: Sequence[int | None]) -> None:
+        """AND the packed mask rows `words[rows]` ([B, W] int32, in place) given each row's last output
+        token (`last_tokens`, one per row of `rows`). The `valid` AND is skipped for a vocabulary whose
+        tokens are all valid (Llama 3's): then only the rows whose last token ends with a lead byte
+        (a few tokens of the vocabulary) are touched."""
+        if not len(rows):
+            return
+        if not self.all_valid:
+            if len(rows) == words.shape[0]:
+                words &= self.valid
+            else:
+                words[rows] &= self.valid
+        leads = self.ends_with_lead
+        for i, last in zip(rows, last_tokens):
+            lead = leads.get(last)
+            if lead is not None:
+                words[i] &= self.after_lead[lead]

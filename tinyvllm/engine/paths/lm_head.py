@@ -8,7 +8,8 @@
   `sampling=`: two kernels instead of three).
 - `sample_pruned`: one row's sampled id without its logits. An int8 copy of the LM head bounds every
   row's score, and the product runs over only the rows that can hold the sampled id
-  (kernels/lm_head_bounds.py: the same id, bit for bit, from about half the LM head's bytes).
+  (kernels/lm_head_bounds.py: the same id, bit for bit, from about half the LM head's bytes). With a
+  token bitmask (a constrained row) the same holds over the allowed tokens: the id is the masked sampler's.
 """
 
 from __future__ import annotations
@@ -87,11 +88,13 @@ class LMHead:
         seeds: torch.Tensor,
         ids: torch.Tensor,
         host_ids: torch.Tensor | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> None:
-        """`logits_sampled`'s ids for one row, without its logits (module docstring)."""
+        """`logits_sampled`'s ids for one row, without its logits (module docstring); with `bitmask`
+        ([1, ceil(V / 32)] int32 on the device), the id the fused sampler draws under it."""
         if not self.can_sample_pruned(hidden.shape[0]):
             raise RuntimeError("sample_pruned needs the int8 copy (pruned=True), the Triton ops and one row")
         from tinyvllm.kernels.gemv import GemvSampling
         from tinyvllm.kernels.lm_head_bounds import sample_pruned
 
-        sample_pruned(hidden, self.weight, self.rows, GemvSampling(temperature, seeds, ids, host_ids))
+        sample_pruned(hidden, self.weight, self.rows, GemvSampling(temperature, seeds, ids, host_ids), bitmask=bitmask)
