@@ -282,7 +282,9 @@ class DecodeGraphs:
                 stream.synchronize()
                 warm_s += time.perf_counter() - t
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                # thread_local: a lazy capture runs while other threads of a server live (none of them
+                # uses this private stream); only this thread's unsafe calls may not happen meanwhile
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                     self._outputs[key] = self._run(*key)
                 self.graphs[key] = graph
         torch.cuda.current_stream().wait_stream(stream)
