@@ -224,3 +224,21 @@ def test_lazy_runner_config_flag():
     assert EngineArgs(graph_capture="eager").runner_config("cuda").graph_capture == "eager"
     with pytest.raises(ValueError, match="graph_capture"):
         EngineArgs(graph_capture="sometimes").runner_config("cuda")
+
+
+def test_engine_core_captures_one_bucket_per_idle_iteration(model_dir):
+    """The serving loop (engine/core.py) with no request polls for commands without blocking while buckets
+    are left, capturing one per iteration, largest first, and blocks for commands once none is left."""
+    from tinyvllm.engine.core import EngineCore
+    from tinyvllm.engine.messages import Shutdown
+
+    llm, events = _llm(model_dir, graphs=True)
+    polls: list[bool] = []
+
+    def recv(block: bool):
+        polls.append(block)
+        return [Shutdown()] if block else []
+
+    EngineCore(llm.llm_engine).run(recv, lambda outputs: None)
+    assert polls == [False] * 4 + [True]
+    assert events == [("capture", 8), ("capture", 4), ("capture", 2), ("capture", 1)]
