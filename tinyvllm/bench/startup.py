@@ -144,6 +144,15 @@ def run_startup(ns: argparse.Namespace) -> dict[str, Any]:
         (k, f"{cold['seconds'][k]:.3f}", f"{warm_median[k]:.3f}", f"{cold['seconds'][k] - warm_median[k]:+.3f}")
         for k in keys
     ]
+    decode_warm = statistics.median(r["decode_s"] for r in warm)
+    rows.append(
+        (
+            f"then {ns.decode_tokens} decode tokens",
+            f"{cold['decode_s']:.3f}",
+            f"{decode_warm:.3f}",
+            f"{cold['decode_s'] - decode_warm:+.3f}",
+        )
+    )
     rows.append(("new Triton cache entries", str(cold["new_cache_entries"]), str(warm[0]["new_cache_entries"]), ""))
     device = cold["device"]
     print_table(

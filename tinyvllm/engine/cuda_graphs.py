@@ -219,9 +219,9 @@ class DecodeGraphs:
             self.wanted.append(bs)
 
     def next_capture(self, idle: bool = False) -> int | None:
-        """The bucket to capture next: the first wanted one; when `idle` (no request is running), else the
-        largest bucket not captured yet (largest first: smaller graphs then reuse the shared pool's memory);
-        None when there is nothing to capture now."""
+        """The bucket to capture next: the first wanted one; else, when `idle` (no request is running),
+        the largest bucket not captured yet (largest first: smaller graphs then reuse the shared pool's
+        memory); None when there is nothing to capture now."""
         if self.wanted:
             return self.wanted[0]
         if idle:
