@@ -60,7 +60,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_engine_cli_args(p)
     p.set_defaults(model="dummy:llama-3.2-1b", dtype="bfloat16")
     p.add_argument("--warm-runs", type=int, default=2, help="processes after the cold one, on its cache")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the first request")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens of the first request")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded after the first one")
     p.add_argument(
         "--triton-cache-dir",

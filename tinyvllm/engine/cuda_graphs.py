@@ -58,7 +58,7 @@ def graph_batch_sizes(max_num_seqs: int, limit: int = 256) -> list[int]:
     A step of B rows replays the smallest bucket b ≥ B, so it computes b − B padding rows: their attention
     is empty (length 0) and their sampling is dropped, so what they cost is their rows of the matrix
     products. A bf16 product reads each 2-byte weight once and does 2 FLOPs per weight per row, B FLOPs
-    per byte: below the device's ridge point (H200: ~990 TFLOP/s / 4.8 TB/s ≈ 200 FLOP/B) the step is
+    per byte: below the device's ridge point (H200, docs/workloads.md: 705 TFLOP/s / 4.25 TB/s ≈ 170) the step is
     bound by the weight reads, which padding does not add to, so padded rows are nearly free and powers of
     two suffice (vLLM's multiples of 8 there buy nothing). From 128 rows the products near the ridge, and
     a padded row costs compute: steps of 32 keep the waste at most 31 rows (≤ 24 % at 129, ≤ 14 % from
