@@ -155,17 +155,17 @@ def read_tensors(
     """Every tensor of the safetensors `files` as (name, file, tensor on `device`), in file and key order.
 
     How the bytes move, and nothing else: `num_threads` threads each take a tensor, read it from its
-    memory-mapped file (page faults: the page cache, or the disk) and, for a CUDA `device`, copy it there;
-    the caller consumes them in order while the next ones are read, at most 2 × `num_threads` tensors in
-    flight. The reads and host-to-device copies release the GIL, so they overlap each other and the
-    caller's work. A CPU `device` gets the file's tensors as they are (the caller's copy reads them).
+    memory-mapped file (page faults: the page cache, or the disk) and, for a CUDA `device`, copy it there
+    (`_to_device`); the caller consumes them in order while the next ones are read, at most 2 ×
+    `num_threads` tensors in flight. The reads and copies release the GIL, so they overlap each other and
+    the caller's work. A CPU `device` gets the file's tensors as they are (the caller's copy reads them).
     """
     handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
     jobs = [(f, name, path) for f, path in zip(handles, files) for name in list(f.keys())]  # keys(): no iteration
 
     def read(f, name: str) -> torch.Tensor:
         tensor = f.get_tensor(name)
-        return tensor.to(device) if device.type != "cpu" else tensor
+        return _to_device(tensor, device) if device.type == "cuda" else tensor
 
     if num_threads <= 1:
         for f, name, path in jobs:
@@ -181,6 +181,14 @@ def read_tensors(
         while pending:
             name, path, future = pending.popleft()
             yield name, path, future.result()
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (host memory, e.g. a memory-mapped file's) on the CUDA `device`: first copied into pinned
+    staging on the calling thread (the part that reads the file's pages, which the threads do in
+    parallel), then by DMA at the link's full rate, waited for (the staging is then free, and the result
+    complete for any stream)."""
+    return tensor.pin_memory().to(device)
 
 
 @torch.no_grad()
