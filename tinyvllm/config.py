@@ -351,6 +351,9 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return math.ceil(num_tokens / block_size)
 
 
+GRAPH_CAPTURE_MODES = ("lazy", "eager")
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """How the model runner executes a step: which execution path serves which step shape.
@@ -371,6 +374,10 @@ class RunnerConfig:
             token from an int8 copy of the LM head that bounds every row's score, plus the few rows it
             cannot rule out (the same token; vocab × hidden bytes more memory).
         cuda_graphs: capture decode steps as CUDA graphs (EngineArgs.enforce_eager turns them off).
+        graph_capture: "lazy": the engine is ready before any graph exists; a decode step whose bucket has
+            no graph yet runs eagerly and that bucket is captured before the next step, and an idle
+            serving engine captures the remaining buckets one at a time (engine/cuda_graphs.py).
+            "eager": every bucket is captured at start-up (steady state from the first step).
         sample_in_lm_head: graph steps find the fused sampler's per-block bests inside the LM head's
             kernel where that kernel is our fused product.
         graph_io_max_rows: graph buckets of at most this many rows load their own inputs and write their
@@ -390,6 +397,7 @@ class RunnerConfig:
     megakernel_max_hidden: int = 8192
     pruned_lm_head: bool = True
     cuda_graphs: bool = True
+    graph_capture: str = "lazy"
     sample_in_lm_head: bool = True
     graph_io_max_rows: int = 1
     kernel_copy_max_rows: int = 8
@@ -402,6 +410,8 @@ class RunnerConfig:
             raise ValueError(
                 f"fused_max_tokens must be in [1, 16] (the fused kernels' row limit), got {self.fused_max_tokens}"
             )
+        if self.graph_capture not in GRAPH_CAPTURE_MODES:
+            raise ValueError(f"graph_capture must be one of {GRAPH_CAPTURE_MODES}, got {self.graph_capture!r}")
         if self.graph_io_max_rows not in (0, 1):
             raise ValueError(
                 f"graph_io_max_rows must be 0 or 1 (one program loads a row), got {self.graph_io_max_rows}"

@@ -356,7 +356,8 @@ def add_common_cli_args(p: argparse.ArgumentParser) -> None:
     from tinyvllm.engine.args import add_engine_cli_args
 
     add_engine_cli_args(p)
-    p.set_defaults(model="dummy:llama-3.2-1b", dtype="bfloat16")
+    # eager graph capture: every decode bucket has its graph before the timed run (steady state)
+    p.set_defaults(model="dummy:llama-3.2-1b", dtype="bfloat16", graph_capture="eager")
     p.add_argument(
         "--baseline",
         choices=["none", "hf"],

@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from tinyvllm.config import RunnerConfig
+from tinyvllm.config import GRAPH_CAPTURE_MODES, RunnerConfig
 from tinyvllm.structured.reasoning_gate import REASONING_END_TEXT
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,12 @@ class EngineArgs:
     enable_prefix_caching: bool = _opt(True, "reuse the KV cache blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps")
     enforce_eager: bool = _opt(False, "no CUDA graphs")
+    graph_capture: str = _opt(
+        "lazy",
+        "when decode CUDA graphs are captured: lazy (ready at once; a bucket is captured after its first eager "
+        "step, the rest while a server idles) or eager (all at start-up: steady state from the first step)",
+        GRAPH_CAPTURE_MODES,
+    )
     async_scheduling: bool | None = _opt(
         None, "schedule step N+1 before reading step N's tokens (default: on for CUDA)"
     )

@@ -7,6 +7,9 @@ commands and read the same messages (`tinyvllm.engine.messages`):
 
 - commands, in lists, applied in order before each step: `AddRequest`, `AbortRequest` (a whole
   request, or one completion of it), `Shutdown`.
+- idle work: while no request is in the engine, the loop polls for commands and does one piece of the
+  engine's idle work between polls (`LLMEngine.do_idle_work`: capture one decode graph bucket), until
+  none is left; then it blocks for commands again.
 - messages: one `EngineCoreOutputs` per loop iteration that changed something: the `AddReply`s to the
   adds just applied (sent before the step runs, so a rejection reaches the caller without waiting for
   a possibly long step), then the step's token-level `EngineCoreOutput`s, with the engine's stats.
@@ -57,7 +60,8 @@ class EngineCore:
         engine propagate: the caller reports them."""
         engine = self.engine
         while True:
-            commands = recv(not engine.has_unfinished_requests())  # idle: wait for work
+            idle_work = engine.has_idle_work()  # start-up work left for idle moments (lazy graph capture)
+            commands = recv(not engine.has_unfinished_requests() and not idle_work)  # idle: wait for work
             if commands is None:
                 return
             replies, stop = self._apply(commands)
@@ -69,6 +73,8 @@ class EngineCore:
             if busy:
                 outputs = engine.core_step()
                 emit(EngineCoreOutputs(outputs, [], self.stats(), time.monotonic()))
+            elif idle_work:
+                engine.do_idle_work()
 
     def _apply(self, commands: Sequence[EngineCommand]) -> tuple[list[AddReply], bool]:
         replies = []

@@ -15,7 +15,16 @@ rows whose input is the previous step's sampled id, one launch) → embedding �
 logits and, with `sample_in_graph`, the fused greedy/Gumbel sampler over the arena's per-row
 temperatures and seeds (inside the LM head's kernel where that is the fused product), writing its ids
 into `last_sampled` (they are used for the rows that sampler serves; the rest take the logits to the full
-sampler). Graphs share one memory pool and are captured largest first.
+sampler). Graphs share one memory pool.
+
+When: `capture()` captures every bucket, largest first (`graph_capture="eager"`, the engine's start-up
+then pays for them all: ~10 s for the 1B shape with cold kernels). By default (`"lazy"`) the engine is
+ready with no graph: a decode step whose bucket has none runs eagerly and `want`s it, and the engine
+captures it (`capture_bucket`) before its next step, with no step in flight: a capture runs the model
+once per graph over the arena, and a graph must not be captured while another step runs on the device.
+A serving engine with no request captures the rest one bucket per idle moment, largest first
+(`next_capture`). Capture after traffic first resets the arenas to padding, so the warm-up run writes no
+KV cache slot; the graphs then replay exactly as if captured at start-up.
 
 Buckets of at most `io_max_rows` rows (with `sample_in_graph`) instead do their own copies, over an
 arena of their own (io_max_rows rows, so that a step's bytes are a few hundred): two graphs per bucket,
@@ -46,9 +55,20 @@ logger = logging.getLogger(__name__)
 
 
 def graph_batch_sizes(max_num_seqs: int, limit: int = 256) -> list[int]:
-    """1, 2, 4, 8, then multiples of 8 up to min(max_num_seqs, limit) (vLLM's buckets)."""
+    """Powers of two up to 128, then multiples of 32, up to min(max_num_seqs, limit) (which is always one).
+
+    A step of B rows replays the smallest bucket b ≥ B, so it computes b − B padding rows: their attention
+    is empty (length 0) and their sampling is dropped, so what they cost is their rows of the matrix
+    products. A bf16 product reads each 2-byte weight once and does 2 FLOPs per weight per row, B FLOPs
+    per byte: below the device's ridge point (H200, docs/workloads.md: 705 TFLOP/s / 4.25 TB/s ≈ 170) the step is
+    bound by the weight reads, which padding does not add to, so padded rows are nearly free and powers of
+    two suffice (vLLM's multiples of 8 there buy nothing). From 128 rows the products near the ridge, and
+    a padded row costs compute: steps of 32 keep the waste at most 31 rows (≤ 24 % at 129, ≤ 14 % from
+    224; half that on average). Each bucket saved is a graph (or, with cascade attention, two) less to
+    capture: 12 buckets instead of vLLM's 35 for 256 sequences.
+    """
     top = min(max_num_seqs, limit)
-    sizes = [b for b in (1, 2, 4) if b <= top] + list(range(8, top + 1, 8))
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= top] + list(range(160, top + 1, 32))
     if sizes[-1] != top:
         sizes.append(top)
     return sizes
@@ -132,6 +152,11 @@ class DecodeGraphs:
         # or "hidden" (stops at the final norm: its buffers are (hidden states, None))
         self.graphs: dict[tuple[int, bool, int | None, str], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, bool, int | None, str], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self.captured: set[int] = set()  # buckets whose graphs exist
+        self.wanted: list[int] = []  # buckets a step needed before they were captured, in that order
+        # (bucket, warm-up seconds, capture seconds) of each capture, in capture order
+        self.capture_log: list[tuple[int, float, float]] = []
+        self._pool = None  # the graphs' shared memory pool, made by the first capture
 
     def bucket(self, batch_size: int) -> int | None:
         for b in self.batch_sizes:
@@ -178,31 +203,44 @@ class DecodeGraphs:
             logits, a.temperatures[:bs], a.seeds[:bs], out=self.last_sampled[:bs], host_out=host_ids
         )
 
-    def _keys(self) -> list[tuple[int, bool, int | None, str]]:
-        """Every graph to capture, largest bucket first."""
+    def _keys(self, sizes: list[int] | None = None) -> list[tuple[int, bool, int | None, str]]:
+        """Every graph of the buckets `sizes` (default: all), largest bucket first."""
         keys = []
-        for bs in reversed(self.batch_sizes):
+        for bs in sorted(self.batch_sizes if sizes is None else sizes, reverse=True):
             twins = range(len(self._io_host_arenas)) if self.runs_io(bs) else (None,)
             heads = ("logits", "pruned", "hidden") if self.runs_io(bs) and self.pruned_lm_head else ("logits",)
             for cascade in (False, True) if bs in self.cascade_batch_sizes else (False,):
                 keys += [(bs, cascade, t, h) for t in twins for h in heads]
         return keys
 
+    # ------------------------------------------------------------------ capture
+    def is_captured(self, bs: int) -> bool:
+        """Whether bucket `bs`'s graphs exist (a step of that bucket can replay them)."""
+        return bs in self.captured
+
+    def want(self, bs: int) -> None:
+        """Note that a step needed bucket `bs` before its graphs existed (it ran eagerly): `next_capture`
+        returns it before any bucket no step has needed yet."""
+        if bs not in self.captured and bs not in self.wanted:
+            self.wanted.append(bs)
+
+    def next_capture(self, idle: bool = False) -> int | None:
+        """The bucket to capture next: the first wanted one; else, when `idle` (no request is running),
+        the largest bucket not captured yet (largest first: smaller graphs then reuse the shared pool's
+        memory); None when there is nothing to capture now."""
+        if self.wanted:
+            return self.wanted[0]
+        if idle:
+            left = [b for b in self.batch_sizes if b not in self.captured]
+            return left[-1] if left else None
+        return None
+
     @torch.no_grad()
     def capture(self) -> None:
+        """Capture every bucket not captured yet, largest first (graph_capture="eager")."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for key in self._keys():
-                self._run(*key)  # warm-up: compiles kernels, sizes workspaces
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._outputs[key] = self._run(*key)
-                self.graphs[key] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        for bs in sorted(set(self.batch_sizes) - self.captured, reverse=True):
+            self.capture_bucket(bs)
         logger.warning(
             "captured CUDA graphs for decode batch sizes %s (with cascade attention too: %s; "
             "loading their own inputs: up to %d rows; pruned LM head: %s) in %.1f s "
@@ -213,6 +251,51 @@ class DecodeGraphs:
             self.pruned_lm_head,
             time.perf_counter() - start,
         )
+
+    @torch.no_grad()
+    def capture_bucket(self, bs: int) -> None:
+        """Capture bucket `bs`'s graphs. Call it between steps with no step in flight: it resets the arenas
+        and their host twins to padding (the warm-up run then writes no KV cache slot) and overwrites
+        `last_sampled`, so the next step must not read the previous step's ids from there."""
+        assert bs in self.batch_sizes and bs not in self.captured, bs
+        start = time.perf_counter()
+        self._synchronize()
+        for arena in [self.arena, self.io_arena, *self._host_arenas, *self._io_host_arenas]:
+            if arena is not None:
+                arena.reset()
+        warm_s = self._capture_keys(self._keys([bs]))
+        self.captured.add(bs)
+        if bs in self.wanted:
+            self.wanted.remove(bs)
+        self.capture_log.append((bs, warm_s, time.perf_counter() - start - warm_s))
+        logger.debug("captured the decode graphs of bucket %d in %.3f s", bs, time.perf_counter() - start)
+
+    def _synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def _capture_keys(self, keys: list[tuple[int, bool, int | None, str]]) -> float:
+        """Warm up and capture the graphs `keys` on a side stream, into the shared pool; the seconds the
+        warm-up runs took (they compile the kernels' variants on first launch and size workspaces)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        warm_s = 0.0
+        with torch.cuda.stream(stream):
+            for key in keys:
+                t = time.perf_counter()
+                self._run(*key)  # warm-up: compiles kernels, sizes workspaces
+                stream.synchronize()
+                warm_s += time.perf_counter() - t
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: a lazy capture runs while other threads of a server live (none of them
+                # uses this private stream); only this thread's unsafe calls may not happen meanwhile
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                    self._outputs[key] = self._run(*key)
+                self.graphs[key] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        return warm_s
 
     def next_arenas(self, bs: int) -> tuple[InputArena, InputArena]:
         """(host twin, device arena) to pack the next graph step of bucket `bs` into: the `runs_io`

@@ -111,13 +111,20 @@ class InputArena:
         self.row_index: torch.Tensor = views["row_index"]
         self.copy_words: torch.Tensor = views["copy_words"]
         self.sampled_ids: torch.Tensor = views["sampled_ids"]
-        self.slot_mapping.fill_(-1)
-        self.placeholder_src.fill_(-1)
-        self.row_index.copy_(torch.arange(max_rows))
         self.arrays: ArenaArrays | None = None
         if self.buffer.device.type == "cpu":
             self.arrays = ArenaArrays(**{name: views[name].numpy() for name in ArenaArrays.__dataclass_fields__})
-        self.set_copy_words(self.bytes_through(max_rows, max_blocks_per_seq))
+        self.reset()
+
+    def reset(self) -> None:
+        """Every row back to padding (the state the class docstring gives): a graph run over the arena then
+        reads no previous step's inputs and writes no KV cache slot. The caller makes sure no copy from
+        or to the arena is still pending."""
+        self.buffer.zero_()
+        self.slot_mapping.fill_(-1)
+        self.placeholder_src.fill_(-1)
+        self.row_index.copy_(torch.arange(self.max_rows))
+        self.set_copy_words(self.bytes_through(self.max_rows, self.max_blocks_per_seq))
 
     def bytes_through(self, rows: int, table_width: int) -> int:
         """The leading bytes that hold every per-row region whole and the block tables' first `rows`

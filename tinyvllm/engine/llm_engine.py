@@ -44,6 +44,7 @@ from tinyvllm.engine.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs, def
 from tinyvllm.engine.messages import AbortRequest, EngineCoreOutput, RequestTimes
 from tinyvllm.engine.model_runner import ModelRunner, StepHandle
 from tinyvllm.engine.output_processor import OutputProcessor, streams_every_step
+from tinyvllm.engine.startup_timing import StartupTimer
 from tinyvllm.engine.step_timing import StepRecord, StepTimer
 from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
@@ -153,11 +154,17 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, show_progress: bool = False) -> None:
         self.args = args
-        self.model_dir = resolve_model(args.model or default_model())
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = Tokenizer.from_pretrained(args.tokenizer or self.model_dir)
-        self.generation_config = read_generation_config(self.model_dir)
+        timer = StartupTimer()
+        with timer.phase("config_tokenizer"):
+            self.model_dir = resolve_model(args.model or default_model())
+            self.model_config = ModelConfig.from_dir(self.model_dir)
+            self.tokenizer = Tokenizer.from_pretrained(args.tokenizer or self.model_dir)
+            self.generation_config = read_generation_config(self.model_dir)
         self.device = resolve_device(args.device)
+        timer.set_device(self.device)
+        with timer.phase("device_init"):
+            if self.device.type == "cuda":
+                torch.zeros(1, device=self.device)  # creates the context
         self.dtype = resolve_dtype(args.dtype, self.model_config)
         backend = default_backend(self.device.type) if args.kernel_backend == "auto" else args.kernel_backend
         self.eos_token_ids = self._eos_token_ids()
@@ -169,7 +176,38 @@ class LLMEngine:
                 "batch_invariant=True runs bf16/float32 weights and KV cache only (its matrix products and "
                 "attention have no FP8 form yet); drop quantization / kv_cache_dtype or batch_invariant"
             )
-        self.runner = ModelRunner(
+        with timer.phase("weights"):
+            self.runner = self._build_runner(backend, show_progress)
+        self._init_kv_cache_and_scheduler(timer)
+        with timer.phase("engine_state"):
+            self._init_request_state()
+            # Everything built so far (model, tokenizer, graphs, tables) lives as long as the engine: move
+            # it out of the garbage collector's generations, whose full passes otherwise rescan it every few
+            # hundred steps (measured: ~0.5 ms per batch-256 step on the development CPU).
+            gc.collect()
+            gc.freeze()
+        # Seconds per start-up phase (engine/startup_timing.py); lazily captured graphs are not in it.
+        self.startup_times: dict[str, float] = timer.times
+        logger.info(
+            "engine ready: %s on %s (%s, %s kernels%s), %d KV blocks of %d tokens (%s), max_model_len %d",
+            self.model_dir,
+            self.device,
+            self.dtype,
+            backend,
+            ", FP8 weights" if self.quantization is not None else "",
+            self.num_blocks,
+            args.block_size,
+            self.runner.kv_cache_dtype,
+            self.scheduler_config.max_model_len,
+        )
+        logger.info(
+            "start-up took %.2f s: %s", timer.total(), ", ".join(f"{k} {v:.2f} s" for k, v in timer.times.items())
+        )
+
+    def _build_runner(self, backend: str, show_progress: bool) -> ModelRunner:
+        """The model runner: builds the model and loads its weights."""
+        args = self.args
+        return ModelRunner(
             self.model_config,
             args.runner_config(self.device.type),
             quantization=self.quantization,
@@ -183,28 +221,10 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             show_progress=show_progress,
         )
-        self._init_kv_cache_and_scheduler()
-        self._init_request_state()
-        # Everything built so far (model, tokenizer, graphs, tables) lives as long as the engine: move it
-        # out of the garbage collector's generations, whose full passes otherwise rescan it every few
-        # hundred steps (measured: ~0.5 ms per batch-256 step on the development CPU).
-        gc.collect()
-        gc.freeze()
-        logger.info(
-            "engine ready: %s on %s (%s, %s kernels%s), %d KV blocks of %d tokens (%s), max_model_len %d",
-            self.model_dir,
-            self.device,
-            self.dtype,
-            backend,
-            ", FP8 weights" if self.quantization is not None else "",
-            self.num_blocks,
-            args.block_size,
-            self.runner.kv_cache_dtype,
-            self.scheduler_config.max_model_len,
-        )
 
-    def _init_kv_cache_and_scheduler(self) -> None:
-        """Size the KV cache (and max_model_len from it), allocate it in the runner, build the scheduler."""
+    def _init_kv_cache_and_scheduler(self, timer: StartupTimer) -> None:
+        """Size the KV cache (and max_model_len from it), allocate it in the runner, build the scheduler;
+        `timer` times the phases (engine/startup_timing.py)."""
         args = self.args
         cache_config = CacheConfig(
             block_size=args.block_size,
@@ -217,7 +237,8 @@ class LLMEngine:
         budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         limit = self.model_config.max_position_embeddings
         wanted_len = min(args.max_model_len or limit, limit)  # a larger max_model_len raises below
-        size = self.runner.determine_num_blocks(cache_config, budget, args.max_num_seqs, wanted_len)
+        with timer.phase("memory_profile"):
+            size = self.runner.determine_num_blocks(cache_config, budget, args.max_num_seqs, wanted_len)
         logger.info("KV cache: %s", size.describe(args.block_size))
         num_blocks = size.num_blocks
         # Where every layer slides, K/V older than the window is released (core.kv_cache_manager), so a
@@ -241,13 +262,17 @@ class LLMEngine:
         )
         self.cache_config = cache_config
         self.num_blocks = num_blocks
-        self.runner.initialize(
-            num_blocks=num_blocks,
-            block_size=args.block_size,
-            max_model_len=max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=budget,
-        )
+        with timer.phase("kv_allocation"):
+            self.runner.initialize(
+                num_blocks=num_blocks,
+                block_size=args.block_size,
+                max_model_len=max_model_len,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=budget,
+            )
+        captures = self.runner.graphs.capture_log if self.runner.graphs is not None else []
+        timer.move(sum(c[1] for c in captures), "kv_allocation", "graph_warmup")
+        timer.move(sum(c[2] for c in captures), "kv_allocation", "graph_capture")
         self.scheduler = Scheduler(self.scheduler_config, kv_manager)
 
     def _init_request_state(self) -> None:
@@ -574,6 +599,7 @@ class LLMEngine:
         if not overlap and self._in_flight is not None:
             outputs += self._process(*self._in_flight)
             self._in_flight = None
+        outputs += self._capture_wanted_graph()
         if self._structured is not None:
             self._end_failed_grammars()
         t1 = clock()
@@ -605,6 +631,33 @@ class LLMEngine:
                 StepRecord(sched.num_batched_tokens, len(sched.sequences), t2 - t1, t3 - t2, host_s, self._wait_s)
             )
         return outputs
+
+    def _capture_wanted_graph(self) -> list[EngineCoreOutput]:
+        """Capture the decode graph bucket that an earlier step ran eagerly for want of it (lazy
+        capture, engine/cuda_graphs.py), reading the in-flight step first: a capture must not overlap a
+        step. Returns that step's outputs; nothing when no bucket is wanted."""
+        bucket = self.runner.next_graph_capture()
+        if bucket is None:
+            return []
+        outputs = []
+        if self._in_flight is not None:
+            outputs = self._process(*self._in_flight)
+            self._in_flight = None
+        self.runner.capture_graph(bucket)
+        return outputs
+
+    def has_idle_work(self) -> bool:
+        """Whether `do_idle_work` has something to do: no request is in the engine and a decode graph
+        bucket is not captured yet (lazy capture)."""
+        return not self.has_unfinished_requests() and self.runner.next_graph_capture(idle=True) is not None
+
+    def do_idle_work(self) -> None:
+        """One short piece of start-up work left for idle time: capture one decode graph bucket. The
+        serving loop calls it while no request is in the engine, checking for new commands between
+        calls, so a request that arrives waits for at most one bucket's capture."""
+        bucket = self.runner.next_graph_capture(idle=True)
+        if bucket is not None and not self.has_unfinished_requests():
+            self.runner.capture_graph(bucket)
 
     def _process_in_flight_early(self) -> None:
         """Process the in-flight step now, from inside the next step's launch (see `core_step`)."""

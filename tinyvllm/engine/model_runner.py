@@ -332,7 +332,19 @@ class ModelRunner:
                 sample_in_lm_head=cfg.sample_in_lm_head,
                 pruned_lm_head=self.executor.lm_head.rows is not None,
             )
-            self.graphs.capture()
+            if cfg.graph_capture == "eager":
+                self.graphs.capture()
+
+    def next_graph_capture(self, idle: bool = False) -> int | None:
+        """The decode graph bucket to capture next (`DecodeGraphs.next_capture`); None: none now, or no
+        graphs. `idle`: no request is running, so any bucket not captured yet may be."""
+        return None if self.graphs is None else self.graphs.next_capture(idle)
+
+    def capture_graph(self, bucket: int) -> None:
+        """Capture one bucket's decode graphs; between steps, with no launched step left unread
+        (`DecodeGraphs.capture_bucket`)."""
+        assert self.graphs is not None
+        self.graphs.capture_bucket(bucket)
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
@@ -393,12 +405,16 @@ class ModelRunner:
 
     def _graph_bucket(self, sched: SchedulerOutput) -> int | None:
         """The decode graph bucket that runs this step: only decode-only steps (one token per row) whose
-        every row samples (the graph's logits rows are the sampled rows) and that fit a bucket."""
+        every row samples (the graph's logits rows are the sampled rows) and that fit a captured bucket."""
         if self.graphs is None or sched.num_batched_tokens != len(sched.sequences):
             return None
         if not all(s.sample for s in sched.sequences):
             return None
-        return self.graphs.bucket(len(sched.sequences))
+        bucket = self.graphs.bucket(len(sched.sequences))
+        if bucket is not None and not self.graphs.is_captured(bucket):
+            self.graphs.want(bucket)  # this step runs eagerly; the engine captures the bucket before the next
+            return None
+        return bucket
 
     def _launch_graph_step(
         self, sched: SchedulerOutput, bucket: int, structured: StructuredOutputManager | None = None

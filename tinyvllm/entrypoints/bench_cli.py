@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "latency": "tinyvllm.bench.latency",  # batch 1: TTFT and decode tokens/s
     "throughput": "tinyvllm.bench.throughput",  # the 256-request offline set
     "shared-prefix": "tinyvllm.bench.shared_prefix",  # prefix caching on vs off
+    "startup": "tinyvllm.bench.startup",  # process start to first token, by phase, cold and warm
     "serve": "tinyvllm.entrypoints.bench_serve",  # the `serving` workload against a running server
 }
 

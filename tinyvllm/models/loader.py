@@ -8,8 +8,11 @@ the tensor.
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,9 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # Tensors that some checkpoints carry and that hold nothing we need.
 _PROGRESS_MIN_BYTES = 512 << 20  # a progress bar only for checkpoints that take a while
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# Threads reading checkpoint tensors (read_tensors): enough to keep page-cache reads and host-to-device
+# copies of several tensors going at once.
+LOAD_THREADS = min(8, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -143,11 +149,46 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, Path, torch.Tensor]]:
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in list(f.keys()):  # safe_open has keys() but cannot be iterated
-                yield name, path, f.get_tensor(name)
+def read_tensors(
+    files: list[Path], device: torch.device, num_threads: int = LOAD_THREADS
+) -> Iterator[tuple[str, Path, torch.Tensor]]:
+    """Every tensor of the safetensors `files` as (name, file, tensor on `device`), in file and key order.
+
+    How the bytes move, and nothing else: `num_threads` threads each take a tensor, read it from its
+    memory-mapped file (page faults: the page cache, or the disk) and, for a CUDA `device`, copy it there
+    (`_to_device`); the caller consumes them in order while the next ones are read, at most 2 ×
+    `num_threads` tensors in flight. The reads and copies release the GIL, so they overlap each other and
+    the caller's work. A CPU `device` gets the file's tensors as they are (the caller's copy reads them).
+    """
+    handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
+    jobs = [(f, name, path) for f, path in zip(handles, files) for name in list(f.keys())]  # keys(): no iteration
+
+    def read(f, name: str) -> torch.Tensor:
+        tensor = f.get_tensor(name)
+        return _to_device(tensor, device) if device.type == "cuda" else tensor
+
+    if num_threads <= 1:
+        for f, name, path in jobs:
+            yield name, path, read(f, name)
+        return
+    with ThreadPoolExecutor(num_threads, thread_name_prefix="tinyvllm-load") as pool:
+        pending: deque[tuple[str, Path, Future]] = deque()
+        for f, name, path in jobs:
+            pending.append((name, path, pool.submit(read, f, name)))
+            if len(pending) >= 2 * num_threads:
+                name, path, future = pending.popleft()
+                yield name, path, future.result()
+        while pending:
+            name, path, future = pending.popleft()
+            yield name, path, future.result()
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (host memory, e.g. a memory-mapped file's) on the CUDA `device`: first copied into pinned
+    staging on the calling thread (the part that reads the file's pages, which the threads do in
+    parallel), then by DMA at the link's full rate, waited for (the staging is then free, and the result
+    complete for any stream)."""
+    return tensor.pin_memory().to(device)
 
 
 @torch.no_grad()
@@ -170,7 +211,8 @@ def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = F
     files = safetensors_files(model_dir)
     big = sum(f.stat().st_size for f in files) > _PROGRESS_MIN_BYTES
     bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not (show_progress and big))
-    for name, path, tensor in _iter_checkpoint(files):
+    device = next(model.parameters()).device
+    for name, path, tensor in read_tensors(files, device):
         target = targets.get(name) or optional.get(name)
         if target is None:
             if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
