@@ -263,3 +263,29 @@ def test_fp8_units_keep_the_bytes_of_a_bf16_unit():
     assert (rq, ro, rg, rd) == (8, 16, 8, 4)  # bf16: (4, 8, 4, 2)
     assert unit_rows(llama_1b, unit_tile(MegakernelConfig(), 2)) == (4, 8, 4, 2)
     assert phase_d_chunks(llama_1b, rg, 1) == (512, True)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "dtype,kind,preset",
+    [
+        (torch.float32, "decode", "tiny"),  # 3 rows: the tl.dot path
+        (torch.bfloat16, "decode", "tiny"),
+        (torch.float32, "mixed", "tiny-qwen2"),  # 7 rows, the qkv bias after the row scales
+    ],
+)
+def test_fp8_fused_path_equals_dequantized_reference(dtype, kind, preset):
+    """The fused small-batch path (paths/fused.py) of the FP8 model, every product on the FP8 matrix-vector
+    kernel, against the torch layer loop of the dequantized weights (module docstring's tolerances)."""
+    from tests.engine.test_fused_path import batch, caches, executor
+
+    device = device_for("triton")
+    model, ref = fp8_pair(dtype, device, preset=preset)
+    paths = executor(model, True)
+    ids, positions, meta = batch(kind, device)
+    assert paths.uses_fused_path(len(ids))
+    kv = caches(model, dtype, device)
+    with torch.no_grad():
+        h = paths.hidden_states(ids, positions, meta, [(k.clone(), v.clone()) for k, v in kv])
+        h_ref = paths_of(ref).hidden_states(ids, positions, meta, [(k.clone(), v.clone()) for k, v in kv])
+    assert rel(h, h_ref) <= (1e-5 if dtype == torch.float32 else 4e-2), rel(h, h_ref)
