@@ -319,7 +319,7 @@ def gemv_kernel(
             a = _load_a(x_ptr, nw_ptr, cols, full, full, rstd, K, MODE)
         else:
             a = _load_a(x_rows, nw_ptr, k[None, :], mask_m[:, None] & mask_k[None, :], mask_k[None, :], rstd, K, MODE)
-        if W_SCALE:  # FP8 weights: exact in a's dtype (and in float32)
+        if W_SCALE and USE_DOT:  # FP8 weights: exact in a's dtype (the FMA paths convert to float32)
             w = w.to(a.dtype)
         if USE_DOT:
             if UPCAST:  # CPU interpreter only: see launch.upcast_dot
