@@ -24,11 +24,13 @@ import torch
 from tests.engine.test_fused_path import backends, build, device_for
 from tests.engine.test_megakernel_path import (
     BLOCK,
+    CPU,
     forward,
     kv_buffer,
     paths_of,
     rel,
     step,
+    views,
     with_megakernel,
 )
 from tinyvllm.config import ModelConfig, RunnerConfig
@@ -289,3 +291,24 @@ def test_fp8_fused_path_equals_dequantized_reference(dtype, kind, preset):
         h = paths.hidden_states(ids, positions, meta, [(k.clone(), v.clone()) for k, v in kv])
         h_ref = paths_of(ref).hidden_states(ids, positions, meta, [(k.clone(), v.clone()) for k, v in kv])
     assert rel(h, h_ref) <= (1e-5 if dtype == torch.float32 else 4e-2), rel(h, h_ref)
+
+
+def test_megakernel_rejects_fp8_inputs_it_cannot_read():
+    """Raised before anything launches: an FP8 cache without the layers' scales, a cache of a third dtype,
+    FP8 weights without their row scales."""
+    import dataclasses
+
+    model, _ = fp8_pair(torch.float32, CPU)
+    mk = with_megakernel(model).megakernel
+    ids, positions, meta = step(5)
+    fp8 = kv_buffer(model, torch.float32).to(FP8_KV_DTYPE)
+    weights = mk.weights
+    mk.weights = dataclasses.replace(weights, kv_scales=None)
+    with pytest.raises(ValueError, match="kv_scales"):
+        mk(ids, positions, meta, views(fp8))
+    mk.weights = weights
+    with pytest.raises(ValueError, match=r"KV cache dtype torch\.float16"):
+        mk(ids, positions, meta, views(kv_buffer(model, torch.float16)))
+    mk.weights = dataclasses.replace(weights, down_scale=None)
+    with pytest.raises(ValueError, match=r"down_scale must be a contiguous float32 \[2, 64\]"):
+        mk(ids, positions, meta, views(kv_buffer(model, torch.float32)))

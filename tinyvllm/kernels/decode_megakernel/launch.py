@@ -253,10 +253,10 @@ def _check_family(shape: ModelShape, weights: StackedWeights, num_layers: int) -
         raise ValueError(f"megakernel: window must be a positive number of keys, got {shape.window}")
     if shape.window_mode == 1 and weights.sliding.dtype != torch.int32:
         raise ValueError(f"megakernel: sliding must be int32, got {weights.sliding.dtype}")
-    _check_fp8(shape, weights, num_layers)
+    _check_fp8(weights, num_layers)
 
 
-def _check_fp8(shape: ModelShape, weights: StackedWeights, num_layers: int) -> None:
+def _check_fp8(weights: StackedWeights, num_layers: int) -> None:
     """Raise ValueError unless the four stacked weights are all FP8 with contiguous float32 row scales
     [L, N], or all in the model's dtype."""
     w = weights
