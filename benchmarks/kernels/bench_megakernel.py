@@ -1,6 +1,7 @@
 """Batch-1 decode step: the one-launch megakernel against the layer-by-layer fused path, per model shape.
 
     python benchmarks/kernels/bench_megakernel.py [--preset llama-3.2-1b] [--contexts 128 640 2048] [--out DIR]
+        [--fp8] [--fp8-kv]
 
 A random-weight model of the preset's shape (default `llama-3.2-1b`, bf16) on the GPU, one sequence
 whose context is each of `--contexts` keys. Timed as CUDA-graph replays of a whole step (decoder
@@ -12,6 +13,11 @@ LM head) at the copy bandwidth measured at the start. Correctness: each megakern
 logits against the layered path's (relative error), in bf16 and (`--fp32`, default on) in float32.
 Traced launches give each phase's time per layer (program 0's clock) and every program's arrival at
 each barrier. Writes megakernel_<gpu>.json.
+
+`--fp8`: the decoder's linear layers quantized per output row from the random weights (Fp8Linear:
+float8_e4m3fn, a float32 scale per row), so the megakernel and the layered path (the fused path's FP8
+matrix-vector kernels) read half the weight bytes; the floor counts those bytes. `--fp8-kv`: the KV cache
+in float8_e4m3fn (scales 1). Either adds `_fp8` / `_fp8kv` to the results' name.
 """
 
 from __future__ import annotations
@@ -170,7 +176,16 @@ def program_trace(mk: DecodeMegakernel, ids, pos, meta, kv, reps: int = 10) -> d
     return out
 
 
-def setup(dev: torch.device, dtype: torch.dtype, max_ctx: int, preset: str = "llama-3.2-1b"):
+def setup(
+    dev: torch.device,
+    dtype: torch.dtype,
+    max_ctx: int,
+    preset: str = "llama-3.2-1b",
+    fp8: bool = False,
+    fp8_kv: bool = False,
+):
+    """The random model (`fp8`: its linear layers quantized, `quantize_layers`) and a KV buffer of random
+    values (`fp8_kv`: float8_e4m3fn, scales 1)."""
     config = ModelConfig.from_dict(make_config(preset))
     model = build_model(
         config,
@@ -190,8 +205,35 @@ def setup(dev: torch.device, dtype: torch.dtype, max_ctx: int, preset: str = "ll
         generator=gen,
         device=dev,
         dtype=torch.float32,
-    ).to(dtype)
+    ).to(torch.float8_e4m3fn if fp8_kv else dtype)
+    if fp8:
+        quantize_layers(model)
     return model, kv
+
+
+def quantize_layers(model) -> None:
+    """Replace every decoder linear layer by an Fp8Linear holding its weight quantized per output row."""
+    from tinyvllm.quantization.fp8 import quantize_rows
+    from tinyvllm.quantization.linear import Fp8Linear
+
+    dtype = model.embed_tokens.weight.dtype
+    for layer in model.layers:
+        for parent, name in (
+            (layer.self_attn, "qkv_proj"),
+            (layer.self_attn, "o_proj"),
+            (layer.mlp, "gate_up_proj"),
+            (layer.mlp, "down_proj"),
+        ):
+            old = getattr(parent, name)
+            with torch.device(old.weight.device):
+                new = Fp8Linear(old.in_features, old.out_features, bias=old.bias is not None, dtype=dtype)
+            q, scale = quantize_rows(old.weight.float())
+            new.weight.copy_(q)
+            new.weight_scale.copy_(scale)
+            if old.bias is not None:
+                new.bias.copy_(old.bias)
+            setattr(parent, name, new)
+    torch.cuda.empty_cache()
 
 
 def step_inputs(dev: torch.device, ctx: int, num_blocks: int):
@@ -233,7 +275,7 @@ def check(
     contexts: list[int],
     variants: list[tuple[MegakernelConfig, int | None]],
 ) -> list[dict]:
-    dev, dtype = kv.device, kv.dtype
+    dev, dtype = kv.device, model.embed_tokens.weight.dtype
     rows = []
     for ctx in contexts:
         ids, pos, meta = step_inputs(dev, ctx, kv.shape[2])
@@ -290,6 +332,8 @@ def parse_args() -> argparse.Namespace:
         help="time the default configuration and this one (MegakernelConfig fields, e.g. "
         "stages=4,ace_stages=2; repeatable) instead of the other variants",
     )
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights (per-row scales) from the random bf16 ones")
+    ap.add_argument("--fp8-kv", action="store_true", help="an FP8 (e4m3) KV cache")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     return ap.parse_args()
 
@@ -404,11 +448,11 @@ def main() -> None:
 
     checks = []
     if ns.fp32:  # float32 shows the schemes' arithmetic apart from bf16 rounding
-        model, kv = setup(dev, torch.float32, max(ns.contexts), ns.preset)
+        model, kv = setup(dev, torch.float32, max(ns.contexts), ns.preset, ns.fp8, ns.fp8_kv)
         checks += check(model, kv, DecodeMegakernel(model), ns.contexts, variants[:2])
         del model, kv
         torch.cuda.empty_cache()
-    model, kv = setup(dev, torch.bfloat16, max(ns.contexts), ns.preset)
+    model, kv = setup(dev, torch.bfloat16, max(ns.contexts), ns.preset, ns.fp8, ns.fp8_kv)
     base = DecodeMegakernel(model)
     checks += check(model, kv, base, ns.contexts, variants)
     print_table("correctness against the layered path", checks, CHECK_COLUMNS)
@@ -418,10 +462,15 @@ def main() -> None:
     print_table(
         "per-layer phase times (µs; program 0: its work + its wait at the phase's barrier)", phases, PHASE_COLUMNS
     )
-    print_table(f"batch-1 decode step, {ns.preset} shape, bf16 ({info['gpu']})", rows, STEP_COLUMNS)
-    json_path, _ = output_paths(ns.out, "megakernel" if ns.preset == "llama-3.2-1b" else f"megakernel_{ns.preset}")
+    what = "bf16" + (", FP8 weights" if ns.fp8 else "") + (", FP8 KV cache" if ns.fp8_kv else "")
+    print_table(f"batch-1 decode step, {ns.preset} shape, {what} ({info['gpu']})", rows, STEP_COLUMNS)
+    name = "megakernel" if ns.preset == "llama-3.2-1b" else f"megakernel_{ns.preset}"
+    name += ("_fp8" if ns.fp8 else "") + ("_fp8kv" if ns.fp8_kv else "")
+    json_path, _ = output_paths(ns.out, name)
     payload = {
         "preset": ns.preset,
+        "fp8_weights": ns.fp8,
+        "fp8_kv_cache": ns.fp8_kv,
         "device": info,
         "copy_bandwidth": copy,
         "checks": checks,

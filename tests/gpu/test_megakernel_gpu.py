@@ -219,3 +219,111 @@ def test_megakernel_launches_are_bitwise_reproducible(ctx, split_o):
             mk = mk.variant(config)  # the same weights, a fresh workspace: zeroed scratch, counters and tickets
         again, _ = forward(model, mk, ids, pos, meta, kv.clone())
         assert torch.equal(again, first), (launch, float((again.float() - first.float()).abs().max()))
+
+
+# FP8 (docs/fp8.md): weights float8_e4m3fn with a float32 scale per row, dequantized in registers, and/or a
+# float8_e4m3fn KV cache with per-layer scales (≠ 1, different for K and V and from layer to layer).
+FP8_KV_SCALES = (0.05, 0.125, 0.5, 0.02)  # layer l takes k_scale, v_scale = these at l % 2 · 2, + 1
+
+
+def fp8_setup(dtype: torch.dtype, fp8_weights: bool, fp8_kv: bool, preset: str = "llama-3.2-1b"):
+    """(model, reference model, kv buffer): with `fp8_weights` the model's decoder linear layers are FP8,
+    the dummy weights quantized per row, and the reference's plain layers hold the dequantized weights
+    q · s (rounded to dtype); without, both are the same model. With `fp8_kv` the buffer is FP8: the random
+    K/V of `setup` stored as e4m3(x) (so K = cache · k_scale), and both models carry the scales."""
+    from tinyvllm.models.decoder import CausalLM
+    from tinyvllm.quantization.config import QuantizationConfig
+    from tinyvllm.quantization.fp8 import quantize_rows
+    from tinyvllm.quantization.linear import Fp8Linear
+
+    ref, kv = setup(dtype, preset)
+    model = ref
+    if fp8_weights:
+        with torch.device("cuda"):
+            model = CausalLM(ref.config, get_ops("triton"), MAX_CTX, dtype, quant=QuantizationConfig())
+        model.init_rope_table()
+        with torch.no_grad():
+            plain = dict(ref.named_parameters())
+            for name, p in model.named_parameters():
+                if p.dtype != torch.float8_e4m3fn and not name.endswith("weight_scale"):
+                    p.copy_(plain[name])
+            for name, module in model.named_modules():
+                if isinstance(module, Fp8Linear):
+                    linear = ref.get_submodule(name)
+                    q, s = quantize_rows(linear.weight.float())
+                    module.weight.copy_(q)
+                    module.weight_scale.copy_(s)
+                    linear.weight.copy_((q.float() * s[:, None]).to(dtype))
+    if fp8_kv:
+        kv = kv.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+        for m in {id(ref): ref, id(model): model}.values():
+            for i, layer in enumerate(m.layers):
+                j = i % 2 * 2
+                layer.self_attn.k_scale, layer.self_attn.v_scale = FP8_KV_SCALES[j], FP8_KV_SCALES[j + 1]
+    return model, ref, kv
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "preset,dtype,fp8_weights,fp8_kv",
+    [
+        ("llama-3.2-1b", torch.float32, True, False),
+        ("llama-3.2-1b", torch.bfloat16, True, False),
+        ("llama-3.2-1b", torch.float32, False, True),
+        ("llama-3.2-1b", torch.bfloat16, True, True),
+        ("qwen3-0.6b", torch.float32, True, True),  # q/k norm: phase B writes the new key, quantized
+    ],
+    ids=["w-f32", "w-bf16", "kv-f32", "w-kv-bf16", "qwen3-w-kv-f32"],
+)
+def test_fp8_megakernel_equals_dequantized_reference(preset, dtype, fp8_weights, fp8_kv):
+    """The FP8 megakernel (x · dequant(W), the cache read and written with its scales) against the
+    reference's layer-by-layer path on the dequantized weights (cuBLAS / our bf16 kernels, and the decode
+    attention and KV-write kernels over the same FP8 cache): float32 1e-5 (sum order only; the new K/V,
+    rounded to e4m3 from float32 values that agree to 1e-7, agree to the same), bf16 4e-2 as above (the
+    reference's weights rounded to bf16 add 2⁻⁹ per weight; the new K/V: 0.1, a bf16 last-bit difference
+    now and then crossing an e4m3 rounding boundary)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, ref, kv = fp8_setup(dtype, fp8_weights, fp8_kv, preset)
+    mk = DecodeMegakernel(model)
+    assert mk.weights.fp8 == fp8_weights
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    kv_tol = tol if not fp8_kv or dtype == torch.float32 else 0.1
+    for ctx in (1, 333, 1500):
+        ids, pos, meta, slot = step(ctx, kv.shape[2])
+        kv_ref, kv_mk = kv.clone(), kv.clone()
+        h_ref, l_ref = forward(ref, None, ids, pos, meta, kv_ref)
+        h, logits = forward(model, mk, ids, pos, meta, kv_mk)
+        at = (slice(None), slice(None), slot // BLOCK, slice(None), slot % BLOCK)
+        assert max(rel(h, h_ref), rel(logits, l_ref)) <= tol, (ctx, rel(h, h_ref), rel(logits, l_ref))
+        assert rel(kv_mk[at].float(), kv_ref[at].float()) <= kv_tol, ctx
+        kv_mk[at] = kv_ref[at]
+        assert torch.equal(kv_mk.view(torch.uint8), kv_ref.view(torch.uint8))
+        assert int(mk.workspace.barrier.abs().sum()) == 0 and int(torch.count_nonzero(mk.workspace.o_sums)) == 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("split_o", [True, False], ids=["split_o", "ticket_merge"])
+def test_fp8_megakernel_reproducible_and_replays_in_a_cuda_graph(split_o):
+    """FP8 weights and cache: launches are bitwise equal (fresh workspaces and a reused one), and a CUDA
+    graph of the launch replays to the eager result."""
+    model, _, kv = fp8_setup(torch.bfloat16, True, True)
+    config = MegakernelConfig(split_o=split_o)
+    mk = DecodeMegakernel(model, config)
+    ids, pos, meta, _ = step(129, kv.shape[2])
+    first, _ = forward(model, mk, ids, pos, meta, kv.clone())
+    for launch in range(6):
+        if launch % 3 == 0:
+            mk = mk.variant(config)
+        again, _ = forward(model, mk, ids, pos, meta, kv.clone())
+        assert torch.equal(again, first), launch
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    buf = kv.clone()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        captured, _ = forward(model, mk, ids, pos, meta, buf)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first)

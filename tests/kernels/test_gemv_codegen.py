@@ -68,6 +68,7 @@ def compile_ptx(
     sig = {name: "*bf16" for name in ("x_ptr", "w_ptr", "nw_ptr", "res_ptr", "bias_ptr", "out_ptr")}
     sig.update(
         {
+            "ws_scale_ptr": "*fp32",
             "ws_ptr": "*fp32",
             "tickets_ptr": "*i32",
             "M": "i32",
@@ -89,6 +90,7 @@ def compile_ptx(
         "MODE": mode,
         "HAS_RESIDUAL": residual,
         "HAS_BIAS": False,
+        "W_SCALE": False,
         "SPLIT": not sample,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,

@@ -159,7 +159,7 @@ def test_compressed_tensors_checkpoint_loads(base, unquantized, tmp_path, weight
 def test_quantize_at_load(base, unquantized):
     ours, llm = our_logits(base, quantization="fp8")
     assert llm.llm_engine.runner.model.layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
-    assert llm.llm_engine.runner.executor.fused_max_tokens == 0  # the fused path does not read FP8 yet
+    assert llm.llm_engine.runner.executor.fused_max_tokens == 0  # the torch table has no FP8 fused product
     assert_matches(ours, hf_logits(oracle(base, None, True)), unquantized)
 
 

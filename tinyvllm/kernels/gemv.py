@@ -3,6 +3,7 @@
     out = round(a Wᵀ)                       a: [M, K], W: [N, K] (nn.Linear layout), fp32 accumulation
     out = round(round(a Wᵀ) + residual)      with `residual` [M, N] (added in fp32, as add_rms_norm does)
     out = round(a Wᵀ + b)                    with `bias` b [N] (added to the fp32 sum, as nn.Linear does)
+    W = q · s                                FP8 weights (`weight_scale`): q float8_e4m3fn [N, K], s float32 [N]
 
 where the input transform a is one of
     a = x                                     plain
@@ -10,7 +11,13 @@ where the input transform a is one of
         rstd = 1 / sqrt(mean(x²) + eps)           rstd over the whole row of x, in fp32
     a = round(silu(g) ⊙ u),  x = [g | u]      `silu_mul`: SwiGLU's gate (activation.py), x: [M, 2K]
 
-"round" is to x's dtype. So `fused_gemv(x, W, norm_weight=w)` computes rms_norm(x, w) @ Wᵀ and
+"round" is to x's dtype. FP8 weights (one float32 scale per output row, quantization/fp8.py) are
+dequantized in registers: each tile of q is converted to a's dtype (exactly: e4m3 ⊂ bf16/fp16/fp32),
+the float32 sums Σ_k a_k q[n, k] are taken as for any weight, and s[n] multiplies each row's sum once
+before the epilogue, so the product is a · dequant(W)ᵀ with the activations unquantized (the
+batch-1 maths of docs/fp8.md) at half the weight bytes.
+
+So `fused_gemv(x, W, norm_weight=w)` computes rms_norm(x, w) @ Wᵀ and
 `fused_gemv(h, W, silu_mul=True, residual=r)` computes add(silu_and_mul(h) @ Wᵀ, r) with the unfused
 ops' roundings: fusing changes only the order of the fp32 sums.
 
@@ -103,7 +110,7 @@ H200_SMS = 132
 
 
 @functools.lru_cache(maxsize=4096)  # host cost per launch: a dict lookup
-def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False) -> GemvConfig:
+def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False, fp8: bool = False) -> GemvConfig:
     """The launch config for x [M, K] and W [N, K] on a device with `sms` multiprocessors.
 
     The Llama-3.2-1B shapes at M = 1 on the H200 take their tuned configs (TUNED_M1_H200). Elsewhere a
@@ -112,12 +119,14 @@ def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False) -> G
     take ~80 registers per thread, so ~6 programs share an SM. M ≥ 2: [64, 128] tiles (16 KB) into wgmma
     (64 × 16 × 16), 3 stages of cp.async in ~60 KB of shared memory, ~3 programs per SM (the FMA path
     at M = 2 needs 120 registers and reshuffles x through shared memory each tile). Split-K by
-    `choose_split`."""
-    tuned = TUNED_M1_H200.get((N, K)) if M == 1 and sms == H200_SMS and not norm else None
+    `choose_split`. FP8 weights (`fp8`) take twice the FMA path's block_k, the same bytes per tile (the
+    tuned table is bf16's)."""
+    tuned = TUNED_M1_H200.get((N, K)) if M == 1 and sms == H200_SMS and not norm and not fp8 else None
     if tuned is not None:
         return tuned
     if M <= FMA_MAX_ROWS:
-        block_n, block_k, warps, stages, dot = 8, min(512, max(16, next_power_of_2(K))), 4, 2, False
+        block_k = 1024 if fp8 else 512
+        block_n, block_k, warps, stages, dot = 8, min(block_k, max(16, next_power_of_2(K))), 4, 2, False
     else:
         block_n, block_k, warps, stages, dot = 64, min(128, max(16, next_power_of_2(K))), 4, 3, True
     split = choose_split(M, N, K, sms, block_n, block_k, norm)
@@ -231,6 +240,7 @@ def _sample_epilogue(
 def gemv_kernel(
     x_ptr,
     w_ptr,
+    ws_scale_ptr,
     nw_ptr,
     res_ptr,
     bias_ptr,
@@ -253,6 +263,7 @@ def gemv_kernel(
     MODE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    W_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -267,7 +278,9 @@ def gemv_kernel(
 ):
     """Program (n-block, k-split): out[:, n-block] of a = f(x) [M, K] times W [N, K]ᵀ over the program's
     K range (module docstring), f by MODE (0 plain, 1 RMSNorm, 2 SwiGLU), plus the residual with
-    HAS_RESIDUAL, or the bias with HAS_BIAS. SPLIT: the K ranges' fp32 partials go to the workspace and
+    HAS_RESIDUAL, or the bias with HAS_BIAS. W_SCALE: W is FP8 with the row scales at ws_scale_ptr [N]
+    (each tile converted to a's dtype; the scales multiply the finished float32 sums). SPLIT: the K
+    ranges' fp32 partials go to the workspace and
     the last split to take the tile's ticket sums them in split order. SAMPLE: the tile's best (value,
     index) per row into the sampler's partials (`_sample_epilogue`)."""
     pid_n = tl.program_id(0)
@@ -306,6 +319,8 @@ def gemv_kernel(
             a = _load_a(x_ptr, nw_ptr, cols, full, full, rstd, K, MODE)
         else:
             a = _load_a(x_rows, nw_ptr, k[None, :], mask_m[:, None] & mask_k[None, :], mask_k[None, :], rstd, K, MODE)
+        if W_SCALE and USE_DOT:  # FP8 weights: exact in a's dtype (the FMA paths convert to float32)
+            w = w.to(a.dtype)
         if USE_DOT:
             if UPCAST:  # CPU interpreter only: see launch.upcast_dot
                 acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
@@ -326,6 +341,8 @@ def gemv_kernel(
 
     mask = mask_n[:, None] & mask_m[None, :]
     if not SPLIT:
+        if W_SCALE:
+            y = y * tl.load(ws_scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
         _epilogue(y, offs_n, offs_m, mask, res_ptr, bias_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL, HAS_BIAS)
         if SAMPLE:  # plain products only (the launcher checks): the logits are round(y)
             _sample_epilogue(
@@ -356,6 +373,8 @@ def gemv_kernel(
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for s in range(num_splits):
                 total += tl.load(ws_tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if W_SCALE:
+                total = total * tl.load(ws_scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
             _epilogue(
                 total, offs_n, offs_m, mask, res_ptr, bias_ptr, out_ptr, stride_rm, stride_om, HAS_RESIDUAL, HAS_BIAS
             )
@@ -420,15 +439,23 @@ def _check(
     silu_mul: bool,
     residual: torch.Tensor | None,
     bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[int, int, int]:
     """Validate the arguments; returns (M, N, K)."""
     check_dim("x", x, 2)
     check_dim("weight", weight, 2)
     check_float("x", x)
-    if weight.dtype != x.dtype:
-        raise TypeError(f"weight ({weight.dtype}) and x ({x.dtype}) must share a dtype")
     M, K_in = x.shape
     N, K = weight.shape
+    if weight_scale is not None:
+        if weight.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"weight_scale goes with a float8_e4m3fn weight, got {weight.dtype}")
+        if weight_scale.shape != (N,) or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous():
+            raise ValueError(
+                f"weight_scale must be [{N}] contiguous float32, got {tuple(weight_scale.shape)} {weight_scale.dtype}"
+            )
+    elif weight.dtype != x.dtype:
+        raise TypeError(f"weight ({weight.dtype}) and x ({x.dtype}) must share a dtype (FP8 weights need weight_scale)")
     if M > MAX_ROWS:
         raise ValueError(f"fused_gemv serves at most {MAX_ROWS} rows (decode batches), got {M}")
     if norm_weight is not None and silu_mul:
@@ -437,6 +464,8 @@ def _check(
         want = f"2·{K} (gate | up)" if silu_mul else str(K)
         raise ValueError(f"x has {K_in} columns; weight {tuple(weight.shape)} needs {want}")
     tensors = {"x": x, "weight": weight}
+    if weight_scale is not None:
+        tensors["weight_scale"] = weight_scale
     if norm_weight is not None:
         if norm_weight.shape != (K,) or norm_weight.dtype != x.dtype:
             raise ValueError(
@@ -479,6 +508,7 @@ def _launch(
     cfg: GemvConfig,
     sampling: GemvSampling | None,
     bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`gemv_kernel` on the grid (N / block_n, splits) into `out`. Returns the sampler's partials
     (values [M, blocks] float32, indices [M, blocks] int32) where `sampling` is given, else None."""
@@ -502,6 +532,7 @@ def _launch(
     gemv_kernel[(n_blocks, split)](
         x,
         weight,
+        weight_scale if weight_scale is not None else out,
         norm_weight if norm_weight is not None else x,
         residual if residual is not None else out,
         bias if bias is not None else out,
@@ -521,6 +552,7 @@ def _launch(
         MODE=_NORM if norm_weight is not None else _SILU if silu_mul else _PLAIN,
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
+        W_SCALE=weight_scale is not None,
         SPLIT=split > 1,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
@@ -549,17 +581,20 @@ def fused_gemv_fwd(
     config: GemvConfig | None = None,
     sampling: GemvSampling | None = None,
     bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out = the product of x's transformed rows and Wᵀ, with the residual added (module docstring).
 
     Args:
         x: [M ≤ 16, K], or [M, 2K] (gate | up) with `silu_mul`.
-        weight: [N, K] in x's dtype (nn.Linear layout).
+        weight: [N, K] in x's dtype (nn.Linear layout), or float8_e4m3fn with `weight_scale`.
         norm_weight: [K]: RMSNorm x's rows with this weight (and `eps`) first.
         silu_mul: take silu(gate) ⊙ up of x's halves first.
         residual: [M, N]: add it to the rounded product.
         bias: [N]: add it to the float32 product before its one rounding (nn.Linear's bias; not with
             `residual`).
+        weight_scale: [N] float32: W = weight · weight_scale[:, None], row by row (FP8 weights; module
+            docstring).
         config: tiles, split and launch options (default: `default_config`).
         sampling: plain products only (the LM head): also sample every row's id from out
             (`GemvSampling`).
@@ -567,7 +602,7 @@ def fused_gemv_fwd(
     Returns:
         out [M, N] in x's dtype.
     """
-    M, N, K = _check(x, weight, norm_weight, silu_mul, residual, bias)
+    M, N, K = _check(x, weight, norm_weight, silu_mul, residual, bias, weight_scale)
     if sampling is not None:
         if norm_weight is not None or silu_mul or residual is not None or bias is not None:
             raise ValueError("fused sampling needs a plain product (the logits)")
@@ -575,11 +610,12 @@ def fused_gemv_fwd(
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
-    cfg = config or default_config(M, N, K, num_sms(x.device), norm=norm_weight is not None)
+    fp8 = weight_scale is not None
+    cfg = config or default_config(M, N, K, num_sms(x.device), norm=norm_weight is not None, fp8=fp8)
     if sampling is not None:
         cfg = cfg._replace(split_k=1)  # each program's logits whole, for its partial
     check_config(cfg)
-    parts = _launch(x, weight, norm_weight, eps, silu_mul, residual, out, cfg, sampling, bias)
+    parts = _launch(x, weight, norm_weight, eps, silu_mul, residual, out, cfg, sampling, bias, weight_scale)
     if parts is not None:
         reduce_partials(*parts, N, sampling.ids, sampling.host_ids)
     return out

@@ -12,10 +12,17 @@ With `batch_invariant` every step takes the layer loop over the ops table's batc
 fused path, the megakernel and the pruned LM head are off (each has its own order of sums, chosen by the
 step's shape).
 
-FP8 (docs/fp8.md): a model with FP8 linear layers runs every step through the layer loop (the fused
-matrix-vector kernels and the megakernel read bf16 weights only, so both are off); an FP8 KV cache turns
-the megakernel off (its attention phase reads the cache in the model's dtype) but not the fused path,
-whose attention is the model's own.
+FP8 (docs/fp8.md): with FP8 linear layers the megakernel and the fused path (Triton table) read the FP8
+weights with their row scales and compute x · dequant(W) with the activations unquantized; the layer
+loop's FP8 layers compute x_q · W_q with the activations quantized per token (both within FP8's error of
+the unquantized model). The megakernel reads and writes an FP8 KV cache itself; the fused path's
+attention is the model's own. With the torch table the fused path stays off for FP8 weights (its
+reference product takes weights in the model's dtype).
+
+| FP8                   | megakernel | fused path          | layer loop |
+|-----------------------|------------|---------------------|------------|
+| weights               | on         | on (Triton table)   | x_q · W_q  |
+| KV cache              | on         | on                  | on         |
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from tinyvllm.config import RunnerConfig
 from tinyvllm.engine.paths.fused import fused_forward
 from tinyvllm.engine.paths.lm_head import LMHead
 from tinyvllm.kernels.attention_metadata import AttnMetadata
-from tinyvllm.models.decoder import FP8_KV_DTYPE, CausalLM, KVCache
+from tinyvllm.models.decoder import CausalLM, KVCache
 from tinyvllm.quantization.linear import has_fp8_linear
 
 logger = logging.getLogger(__name__)
@@ -56,7 +63,7 @@ class ModelExecutor:
         model: the loaded model.
         config: the runner's configuration (which paths are on, and their thresholds).
         device_type: "cuda" or "cpu"; the megakernel and the pruned LM head are CUDA paths.
-        kv_cache_dtype: the KV cache's dtype (None: the model's); an FP8 cache turns the megakernel off.
+        kv_cache_dtype: the KV cache's dtype (None: the model's); every path reads an FP8 cache.
     """
 
     def __init__(
@@ -65,19 +72,14 @@ class ModelExecutor:
         self.model = model
         self.ops = model.ops
         fp8_weights = has_fp8_linear(model)
-        fused = (
-            config.fused_gemv and model.ops.fused_gemv is not None and not config.batch_invariant and not fp8_weights
-        )
-        if config.fused_gemv and fp8_weights:
-            logger.info("fused matrix-vector path off: it does not read FP8 weights yet (the layer loop runs)")
+        fp8_gemv = not fp8_weights or model.ops.name == "triton"  # paths/fused.py: our FP8 kernel
+        fused = config.fused_gemv and model.ops.fused_gemv is not None and not config.batch_invariant and fp8_gemv
+        if config.fused_gemv and not fp8_gemv:
+            logger.info("fused matrix-vector path off: FP8 weights need the Triton kernels (the layer loop runs)")
         self.fused_max_tokens = config.fused_max_tokens if fused else 0
         self.megakernel = None
         if wants_megakernel(config, device_type, model.config.hidden_size):
-            if fp8_weights or kv_cache_dtype == FP8_KV_DTYPE:
-                what = "FP8 weights" if fp8_weights else "an FP8 KV cache"
-                logger.info("decode megakernel off: it does not read %s yet", what)
-            else:
-                self.megakernel = self._build_megakernel()
+            self.megakernel = self._build_megakernel()
         # The int8 copy serves only the batch-1 decode graphs that load their own inputs and sample inside
         # the LM head (engine/cuda_graphs.py).
         pruned = (

@@ -12,6 +12,12 @@ layer runs with the neighbouring ops folded into the products,
 so r is always the complete residual stream (the first layer's is the embeddings). The RMSNorms stay
 kernels of their own: folding them into the products' prologue would re-read r in every program. The
 roundings are those of the layer loop; only the order of the float32 sums inside the products differs.
+
+FP8 layers (quantization/linear.py `Fp8Linear`, Triton table only) run all four products through the
+matrix-vector kernel reading the FP8 weights with their row scales: each computes x · dequant(W)ᵀ with
+x unquantized (weight-only dequantization: the weight bytes are what a small batch pays for), where the
+layer loop computes x_q · W_qᵀ with x quantized per token. The two differ by the activations' FP8
+rounding (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -21,6 +27,15 @@ from torch.nn import functional as F
 
 from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.models.decoder import Attention, CausalLM, DecoderLayer, KVCache
+from tinyvllm.quantization.linear import Fp8Linear
+
+
+def fp8_product(layer: Fp8Linear, x: torch.Tensor, **fused) -> torch.Tensor:
+    """x · dequant(W)ᵀ (+ the layer's bias) by the matrix-vector kernel on the FP8 weight and its row
+    scales, with `fused` (residual=, silu_mul=) folded in as for any weight."""
+    from tinyvllm.kernels.gemv import fused_gemv_fwd
+
+    return fused_gemv_fwd(x, layer.weight, weight_scale=layer.weight_scale, bias=layer.bias, **fused)
 
 
 def qkv_projection(attn: Attention, h: torch.Tensor) -> torch.Tensor:
@@ -28,6 +43,8 @@ def qkv_projection(attn: Attention, h: torch.Tensor) -> torch.Tensor:
     added to its float32 sums as nn.Linear adds it. The reference table's fused product has no bias
     argument, so there a biased layer runs its own nn.Linear (the layer loop's op, same bits)."""
     weight, bias = attn.qkv_proj.weight, attn.qkv_proj.bias
+    if isinstance(attn.qkv_proj, Fp8Linear):
+        return fp8_product(attn.qkv_proj, h)
     if bias is None:
         return attn.ops.fused_gemv(h, weight)
     if attn.ops.name == "triton":
@@ -50,8 +67,17 @@ def fused_layer(
     gemv = attn.ops.fused_gemv
     qkv = qkv_projection(attn, layer.input_layernorm(r)[0])
     o = attn.attend(qkv, positions, cos_sin, meta, kv_cache)
-    r = gemv(o, attn.o_proj.weight, residual=r)
-    gate_up = F.linear(layer.post_attention_layernorm(r)[0], mlp.gate_up_proj.weight)
+    if isinstance(attn.o_proj, Fp8Linear):
+        r = fp8_product(attn.o_proj, o, residual=r)
+    else:
+        r = gemv(o, attn.o_proj.weight, residual=r)
+    h = layer.post_attention_layernorm(r)[0]
+    if isinstance(mlp.gate_up_proj, Fp8Linear):
+        gate_up = fp8_product(mlp.gate_up_proj, h)
+    else:
+        gate_up = F.linear(h, mlp.gate_up_proj.weight)
+    if isinstance(mlp.down_proj, Fp8Linear):
+        return fp8_product(mlp.down_proj, gate_up, silu_mul=True, residual=r)
     return gemv(gate_up, mlp.down_proj.weight, silu_mul=True, residual=r)
 
 

@@ -6,7 +6,9 @@ is then called in place of the layer loop for a decode step of one sequence:
 
     hidden = megakernel(input_ids, positions, meta, kv_caches)    # [1, H], final norm applied
 
-The result equals the fused small-batch path (paths/fused.py) up to the order of the float32 sums.
+The result equals the fused small-batch path (paths/fused.py) up to the order of the float32 sums. With
+FP8 weights both compute x · dequant(W) with the activations unquantized (docs/fp8.md); with an FP8 KV
+cache the kernel writes and reads it with each layer's k_scale and v_scale.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tinyvllm.kernels.decode_megakernel import (
     unsupported_reason,
 )
 from tinyvllm.models.decoder import CausalLM
+from tinyvllm.quantization.linear import Fp8Linear
 
 
 class MegakernelDoesNotFit(RuntimeError):
@@ -48,10 +51,22 @@ def model_shape(model: CausalLM) -> ModelShape:
     )
 
 
+def _linears(model: CausalLM) -> list[torch.nn.Module]:
+    """Every decoder layer's four linear layers."""
+    out = []
+    for layer in model.layers:
+        out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    return out
+
+
 def megakernel_unsupported(model: CausalLM) -> str | None:
-    """Why the megakernel cannot run this model (None: it can)."""
+    """Why the megakernel cannot run this model (None: it can). FP8 weights are served where every decoder
+    linear layer is FP8 (a checkpoint that leaves some of them unquantized runs the other paths)."""
     if model.ops.name != "triton":
         return f"the {model.ops.name!r} kernel backend"
+    fp8 = {isinstance(m, Fp8Linear) for m in _linears(model)}
+    if len(fp8) > 1:
+        return "FP8 weights on some decoder linear layers only"
     return unsupported_reason(model_shape(model), model.embed_tokens.weight.dtype)
 
 
@@ -79,9 +94,18 @@ class DecodeMegakernel:
             if c.qk_norm:
                 family["q_norm"] = _stack([a.q_norm.weight for a in attn])
                 family["k_norm"] = _stack([a.k_norm.weight for a in attn])
+            device = model.embed_tokens.weight.device
             if c.has_sliding_window:
                 windowed = [c.attention_window(i) is not None for i in range(c.num_hidden_layers)]
-                family["sliding"] = torch.tensor(windowed, dtype=torch.int32, device=model.embed_tokens.weight.device)
+                family["sliding"] = torch.tensor(windowed, dtype=torch.int32, device=device)
+            if isinstance(attn[0].qkv_proj, Fp8Linear):  # every layer's, by megakernel_unsupported
+                family["qkv_scale"] = _stack([a.qkv_proj.weight_scale for a in attn])
+                family["o_scale"] = _stack([a.o_proj.weight_scale for a in attn])
+                family["gate_up_scale"] = _stack([m.gate_up_proj.weight_scale for m in mlp])
+                family["down_scale"] = _stack([m.down_proj.weight_scale for m in mlp])
+            # an FP8 cache's scales (read only when the cache is FP8): fixed once the weights are loaded
+            kv = [[a.k_scale, a.v_scale] for a in attn]
+            family["kv_scales"] = torch.tensor(kv, dtype=torch.float32, device=device)
             self.weights = StackedWeights(
                 embed=model.embed_tokens.weight,
                 qkv=_stack([a.qkv_proj.weight for a in attn]),
@@ -99,7 +123,7 @@ class DecodeMegakernel:
         self.scale = self.shape.head_dim**-0.5
         self.config = config
         device = self.weights.qkv.device
-        self.workspace = Workspace(self.shape, self.weights.qkv.dtype, device, max_programs(device, config))
+        self.workspace = Workspace(self.shape, self.weights.dtype, device, max_programs(device, config))
 
     def variant(self, config: MegakernelConfig, num_splits: int | None = None) -> DecodeMegakernel:
         """The same stacked weights under another launch configuration (benchmarks), own workspace
@@ -107,9 +131,7 @@ class DecodeMegakernel:
         other = copy.copy(self)
         other.config = config
         device = self.weights.qkv.device
-        other.workspace = Workspace(
-            self.shape, self.weights.qkv.dtype, device, max_programs(device, config), num_splits
-        )
+        other.workspace = Workspace(self.shape, self.weights.dtype, device, max_programs(device, config), num_splits)
         return other
 
     def __call__(

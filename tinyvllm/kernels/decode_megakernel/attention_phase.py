@@ -23,6 +23,12 @@ QK_NORM (Qwen3): phase A left q and k unrotated; each unit normalises and rotate
 itself (`normed_rotated`, a few KB), and the unit whose split holds the new token's key computes that
 key, writes it to the cache and folds it into its running softmax first, from registers; the key tiles
 then stop before it (nothing reads the cache row this launch writes).
+
+FP8KV (an FP8 cache, kernels/flash_tiles.py): tiles are converted exactly to q's dtype as they load; K's
+scale is folded into qk_scale by the caller and V's into the normaliser each unit stores (l / v_scale),
+so the merge Σ 2^(m−M) acc / Σ 2^(m−M) l / v_scale scales the output by v_scale once, as the decode
+attention kernel does. QK_NORM's new key is written quantized (e4m3(k / k_scale)) and folded in as
+read back from the cache.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.decode_megakernel.grid_sync import now, trace_attention
+from tinyvllm.kernels.decode_megakernel.qkv_phase import cache_value
 from tinyvllm.kernels.flash_tiles import attn_inner, dot_pv, dot_qk
 
 
@@ -149,8 +156,10 @@ def _attn_first_tile(
     keys = lo + tl.arange(0, KEYS)
     newest = ((keys == seq_len - 1) & (keys < kv_end))[:, None]
     ptrs = rows[:, None] + tl.arange(0, D)[None, :]
-    k = tl.where(newest, tl.load(k_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), kp)
-    v = tl.where(newest, tl.load(v_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg"), vp)
+    k_new = tl.load(k_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg").to(q.dtype)
+    v_new = tl.load(v_head_ptr + ptrs, mask=newest, other=0.0, cache_modifier=".cg").to(q.dtype)
+    k = tl.where(newest, k_new, kp.to(q.dtype))  # an FP8 cache: exact in q's dtype
+    v = tl.where(newest, v_new, vp.to(q.dtype))
     qk = dot_qk(q, k, UPCAST, IEEE)
     visible = ((keys >= kv_start) & (keys < kv_end))[None, :]
     qk = tl.where(visible, qk * qk_scale, float("-inf"))
@@ -268,6 +277,8 @@ def attention_phase(
     kn_ptr,
     cs_row,
     eps,
+    k_scale,
+    v_scale,
     HQ: tl.constexpr,
     HK: tl.constexpr,
     D: tl.constexpr,
@@ -282,6 +293,8 @@ def attention_phase(
     SPLIT_O: tl.constexpr,
     WINDOW: tl.constexpr,
     QK_NORM: tl.constexpr,
+    FP8KV: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """Phase B of `layer` (the caller has waited at its barrier). (kp, vp, rows_pre): the first tile of
     unit `pid` from `preload_kv`. With SPLIT_O the units only store their partials (phase C merges them);
@@ -293,7 +306,9 @@ def attention_phase(
     kv_start without a window; WINDOW: some layer may have one, so a unit's first tile may start below
     kv_start). QK_NORM (module docstring): qn_ptr, kn_ptr this layer's q/k norm weights [D], cs_row the
     token's cos/sin row, eps the norms' epsilon; the new key goes to the cache at kv_off (slot ≥ 0; with
-    slot −1 it is read from the cache as every other key)."""
+    slot −1 it is read from the cache as every other key). FP8KV: the cache is e4m3 with this layer's
+    scales k_scale (already in qk_scale; used here to write QK_NORM's new key) and v_scale (module
+    docstring); EMULATE: the interpreter's e4m3 rounding."""
     G: tl.constexpr = HQ // HK
     g = tl.arange(0, GP)
     rows_g = tl.arange(0, BG)
@@ -326,8 +341,10 @@ def attention_phase(
                 k_head = HQ + kvh + tl.zeros([1], tl.int32)
                 k_new = normed_rotated(q_ptr, k_head, k_head >= 0, kn_ptr, cs_row, eps, D)  # [1, D]
                 kv_row = kv_off + kvh * stride_head + d[None, :]
-                tl.store(k_ptr + kv_row, k_new)
+                k_cached = cache_value(k_new.to(tl.float32), k_scale, q.dtype, FP8KV, EMULATE)
+                tl.store(k_ptr + kv_row, k_cached)
                 v_new = tl.load(v_ptr + kv_row, cache_modifier=".cg").to(tl.float32)  # [1, D], phase A's
+                k_new = k_cached.to(q.dtype)  # the key as every later step reads it from the cache
                 m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
                 l_i = tl.full([BG], 1.0, tl.float32)
                 acc = tl.zeros([BG, D], tl.float32) + v_new
@@ -408,6 +425,8 @@ def attention_phase(
             if u == pid:
                 trace_attention(trace_ptr, pid, layer, tb, 0, now(pid))
         m_i = tl.where(l_i > 0, m_i, float("-inf"))  # an empty split
+        if FP8KV:  # V's scale joins the normaliser: the merge's output is then v_scale · Σ acc / Σ l
+            l_i = l_i / v_scale
         if num_splits <= 4:  # runs of 4 slots (a narrow merge) when there are at most 4 splits, else SM
             _store_partial(part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, 4)
         else:

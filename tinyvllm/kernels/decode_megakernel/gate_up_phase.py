@@ -6,6 +6,10 @@ the unit's products run on the tensor cores: the unit is laid out as [rows × ch
 the normed input cut into the same chunks, [chunks, CW], in one tl.dot, and each row's product is the
 sum of its chunks' diagonal entries (`_gate_up_dot_unit`). This avoids reducing every tile across the
 program's threads, which `_gate_up_unit`, the other scheme, does.
+
+FP8W: Wgu is float8_e4m3fn with one float32 scale per row (ws_ptr, stacked [L, 2F]); the tile is
+converted exactly to the input's dtype as it is used, and each row's float32 sum is multiplied by its
+scale before the rounding: g, u = round(dequant(Wg) h), round(dequant(Wu) h).
 """
 
 from __future__ import annotations
@@ -29,10 +33,14 @@ def _gate_up_tile(w_ptr, layer, u, H: tl.constexpr, F: tl.constexpr, RG: tl.cons
 
 
 @triton.jit
-def _gate_up_unit(w, a, u, act_ptr, RG: tl.constexpr):
-    """Unit u: act[rows] = round(silu(g) ⊙ u) with g, u = round(W a) of its tile [RG, 2, BH]."""
+def _gate_up_unit(w, a, u, act_ptr, ws_ptr, F: tl.constexpr, RG: tl.constexpr, FP8W: tl.constexpr):
+    """Unit u: act[rows] = round(silu(g) ⊙ u) with g, u = round(W a) of its tile [RG, 2, BH]; FP8W: each
+    row's sum times its scale (ws_ptr: this layer's [2F])."""
     hh = tl.arange(0, 2)[None, :]
-    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2).to(act_ptr.dtype.element_ty).to(tl.float32)  # [RG, 2]
+    y = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=2)  # [RG, 2]
+    if FP8W:
+        y = y * tl.load(ws_ptr + u * RG + tl.arange(0, RG)[:, None] + hh * F)
+    y = y.to(act_ptr.dtype.element_ty).to(tl.float32)
     gate = tl.sum(tl.where(hh == 0, y, 0.0), axis=1)
     up = tl.sum(tl.where(hh == 1, y, 0.0), axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -55,16 +63,31 @@ def _gate_up_dot_tile(
 
 @triton.jit
 def _gate_up_dot_unit(
-    w, a, u, act_ptr, RG: tl.constexpr, NC: tl.constexpr, M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr
+    w,
+    a,
+    u,
+    act_ptr,
+    ws_ptr,
+    F: tl.constexpr,
+    RG: tl.constexpr,
+    NC: tl.constexpr,
+    M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    FP8W: tl.constexpr,
 ):
     """Unit u from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input as [M, CW]
     chunks (vectors.normed_chunks) gives every chunk of the input against every chunk of every row; row
-    r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`."""
-    y_all = dot_qk(a, w, UPCAST, IEEE)  # [M, 2·RG·NC]
+    r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`
+    (FP8W: w converted to A's dtype for the dot, each row's sum times its scale)."""
+    y_all = dot_qk(a, w.to(a.dtype), UPCAST, IEEE)  # [M, 2·RG·NC]
     n = tl.arange(0, 2 * RG * NC)
     mine = tl.sum(tl.where(tl.arange(0, M)[:, None] == (n % NC)[None, :], y_all, 0.0), axis=0)
-    y = tl.sum(tl.reshape(mine, [2 * RG, NC]), axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)  # [2·RG]
+    y = tl.sum(tl.reshape(mine, [2 * RG, NC]), axis=1)  # [2·RG]: RG gate rows, then the matching up rows
     hh = tl.arange(0, 2 * RG)
+    if FP8W:
+        y = y * tl.load(ws_ptr + u * RG + hh % RG + (hh // RG) * F)
+    y = y.to(act_ptr.dtype.element_ty).to(tl.float32)
     gate = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None], y[None, :], 0.0), axis=1)
     up = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None] + RG, y[None, :], 0.0), axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -80,6 +103,7 @@ def gate_up_phase(
     o_ptr,
     n2_ptr,
     wgu_ptr,
+    ws_ptr,
     act_ptr,
     eps,
     bar_ptr,
@@ -97,13 +121,15 @@ def gate_up_phase(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     SPLIT_O: tl.constexpr,
+    FP8W: tl.constexpr,
 ):
     """Phase D of `layer`, starting with the wait of barrier b inside the first iteration of its
     STAGES-deep pipelined unit loop; with DOT on the tensor cores; with SPLIT_O its input is the residual
-    plus phase C's sums o (vectors.residual_at)."""
+    plus phase C's sums o (vectors.residual_at); FP8W: ws_ptr the stacked row scales [L, 2F]."""
     NC: tl.constexpr = BH // CW
     M: tl.constexpr = 16 if NC <= 16 else NC
     n_units = F // RG
+    layer_scales = ws_ptr + tl.cast(layer, tl.int64) * (2 * F)
     if DOT:
         a = tl.zeros([M, CW], r_ptr.dtype.element_ty)
     else:
@@ -120,8 +146,8 @@ def gate_up_phase(
             else:
                 a = normed(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, BH, SPLIT_O)[None, None, :]
         if DOT:
-            _gate_up_dot_unit(w, a, u, act_ptr, RG, NC, M, UPCAST, IEEE)
+            _gate_up_dot_unit(w, a, u, act_ptr, layer_scales, F, RG, NC, M, UPCAST, IEEE, FP8W)
         else:
-            _gate_up_unit(w, a, u, act_ptr, RG)
+            _gate_up_unit(w, a, u, act_ptr, layer_scales, F, RG, FP8W)
     if pid >= n_units:
         end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)

@@ -32,6 +32,11 @@ def decode_megakernel_kernel(
     wo_ptr,
     wgu_ptr,
     wd_ptr,
+    sqkv_ptr,
+    so_ptr,
+    sgu_ptr,
+    sd_ptr,
+    kvs_ptr,
     n1_ptr,
     n2_ptr,
     nf_ptr,
@@ -90,11 +95,14 @@ def decode_megakernel_kernel(
     HAS_BIAS: tl.constexpr,
     QK_NORM: tl.constexpr,
     WINDOW: tl.constexpr,
+    FP8W: tl.constexpr,
+    FP8KV: tl.constexpr,
 ):
     """One token through `num_layers` layers, final norm applied: out = RMSNorm(r; nf) [H].
 
     Pointers: the token's id, position, cache slot and context length (with itself), its block table;
-    the embedding, the stacked weights [L, ...] and norms; the cos/sin table; layer 0's K cache (layer l's
+    the embedding, the stacked weights [L, ...], their row scales [L, N] (FP8W), the cache scales
+    [L, 2] (k_scale, v_scale per layer; FP8KV) and the norms; the cos/sin table; layer 0's K cache (layer l's
     K at + l·layer_stride, its V at + v_offset), a cache block's and a KV head's stride; the workspace
     (launch.Workspace: r, r2, o sums, q, attn, act, partials, tickets, barrier counters); out; the trace.
 
@@ -110,6 +118,11 @@ def decode_megakernel_kernel(
     every q and k head by the stacked weights qn, kn [L, D] before RoPE (phase B does it); WINDOW: 0 no
     layer has a sliding window, 1 the layers l with sliding[l] ≠ 0 have one of `window` keys, 2 every layer
     has it.
+
+    FP8 (docs/fp8.md): FP8W, the four stacked weights are float8_e4m3fn with one float32 scale per row,
+    dequantized in registers (each phase multiplies its rows' float32 sums by their scales; the
+    activations stay in the model's dtype); FP8KV, the cache is float8_e4m3fn holding K / k_scale and
+    V / v_scale (phase A writes it so, phase B folds the scales into the softmax and its normaliser).
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -162,6 +175,10 @@ def decode_megakernel_kernel(
         if layer == 0:
             x_ptr = emb_ptr + tok * H
         kv_start, base, rows = kv0, base0, rows_pre  # this layer's first visible key, split base, first tile
+        k_scale, v_scale = 1.0, 1.0
+        if FP8KV:
+            k_scale = tl.load(kvs_ptr + 2 * layer)
+            v_scale = tl.load(kvs_ptr + 2 * layer + 1)
         if WINDOW == 1:
             sliding = tl.load(sliding_ptr + layer) != 0
             kv_start = tl.where(sliding, kv_win, 0)
@@ -181,8 +198,11 @@ def decode_megakernel_kernel(
             k_ptr,
             v_ptr,
             bias_ptr,
+            sqkv_ptr,
             stride_blk,
             stride_head,
+            k_scale,
+            v_scale,
             eps,
             bar_ptr,
             b,
@@ -199,6 +219,9 @@ def decode_megakernel_kernel(
             ASM,
             HAS_BIAS,
             QK_NORM,
+            FP8W,
+            FP8KV,
+            UPCAST,
         )
         arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
         kp, vp = preload_kv(pid, k_ptr, v_ptr, rows, seq_len, splits, stride_head, base, kv_start, HK, D, KEYS)
@@ -218,7 +241,7 @@ def decode_megakernel_kernel(
             attn_ptr,
             stride_blk,
             stride_head,
-            scale * 1.4426950408889634,  # log2(e): scores in the log2 domain
+            scale * k_scale * 1.4426950408889634,  # log2(e): scores in the log2 domain; K's cache scale
             kp,
             vp,
             rows,
@@ -232,6 +255,8 @@ def decode_megakernel_kernel(
             kn_ptr + layer * D,
             cs_row,
             eps,
+            k_scale,
+            v_scale,
             HQ,
             HK,
             D,
@@ -246,6 +271,8 @@ def decode_megakernel_kernel(
             SPLIT_O,
             WINDOW != 0,
             QK_NORM,
+            FP8KV,
+            UPCAST,
         )
         arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
         o_ptr = osum_ptr + (layer % 2) * H  # SPLIT_O: this layer's sums (zeroed in phase E two layers back)
@@ -257,6 +284,7 @@ def decode_megakernel_kernel(
                 part_ptr,
                 splits,
                 wo_ptr,
+                so_ptr,
                 o_ptr,
                 bar_ptr,
                 b + 2,
@@ -271,6 +299,8 @@ def decode_megakernel_kernel(
                 PIPE,
                 TRACE,
                 ASM,
+                r_ptr.dtype.element_ty,
+                FP8W,
             )
         else:
             residual_phase(
@@ -279,6 +309,7 @@ def decode_megakernel_kernel(
                 P,
                 attn_ptr,
                 wo_ptr,
+                so_ptr,
                 r_ptr,
                 r_ptr,
                 bar_ptr,
@@ -292,6 +323,7 @@ def decode_megakernel_kernel(
                 PIPE,
                 TRACE,
                 ASM,
+                FP8W,
             )
         arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         gate_up_phase(
@@ -302,6 +334,7 @@ def decode_megakernel_kernel(
             o_ptr,
             n2_ptr,
             wgu_ptr,
+            sgu_ptr,
             act_ptr,
             eps,
             bar_ptr,
@@ -319,6 +352,7 @@ def decode_megakernel_kernel(
             UPCAST,
             IEEE,
             SPLIT_O,
+            FP8W,
         )
         if SPLIT_O:  # noqa: SIM102 (a constexpr test apart) -- the residual after attention, for phase E
             if pid == P - 1:  # a program with the fewest phase-D units
@@ -331,6 +365,7 @@ def decode_megakernel_kernel(
             P,
             act_ptr,
             wd_ptr,
+            sd_ptr,
             e_res_ptr,
             r_ptr,
             bar_ptr,
@@ -344,6 +379,7 @@ def decode_megakernel_kernel(
             E_PIPE,
             TRACE,
             ASM,
+            FP8W,
         )
         if SPLIT_O:  # noqa: SIM102 (a constexpr test apart)
             if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2

@@ -1,5 +1,8 @@
 """Host side of the decode megakernel: its configuration, the model shape it is specialised on, the
-stacked weights and the workspace it reads and writes, and the launcher `decode_megakernel_fwd`."""
+stacked weights and the workspace it reads and writes, and the launcher `decode_megakernel_fwd`.
+
+FP8 weights (float8_e4m3fn stacked weights with float32 row scales) and an FP8 KV cache (with per-layer
+scales) are recognised by their dtypes; kernel.py describes what the kernel does with them."""
 
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ class MegakernelConfig(NamedTuple):
     fixed point, residual_phases.py), though the two differ from each other in the last bits. The other
     fields are sizes."""
 
-    tile: int = 16384  # weight elements per unit (a power of two; `unit_tile` may halve it)
+    tile: int = 16384  # weight elements per unit at 2 bytes (a power of two; `unit_tile` doubles it for FP8
+    # weights, so a unit keeps its bytes, and may halve it)
     num_warps: int = 8
     stages: int = 3  # phase D's software pipeline: this many shared-memory stages (1: none)
     ace_stages: int = 3  # the same for phases A and C
@@ -93,6 +97,22 @@ class StackedWeights:
     q_norm: torch.Tensor | None = None  # [L, D] (ModelShape.qk_norm)
     k_norm: torch.Tensor | None = None  # [L, D]
     sliding: torch.Tensor | None = None  # [L] int32, 1 where the layer has the window (ModelShape.window)
+    # FP8 weights (qkv, o, gate_up and down float8_e4m3fn): W[l, n, :] = q[l, n, :] · scale[l, n]
+    qkv_scale: torch.Tensor | None = None  # [L, (Hq + 2·Hk)·D] float32
+    o_scale: torch.Tensor | None = None  # [L, H]
+    gate_up_scale: torch.Tensor | None = None  # [L, 2F]
+    down_scale: torch.Tensor | None = None  # [L, H]
+    kv_scales: torch.Tensor | None = None  # [L, 2] float32: (k_scale, v_scale) of an FP8 cache, per layer
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the layer weights are FP8 (with their row scales)."""
+        return self.qkv.dtype == torch.float8_e4m3fn
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype: the activations', the workspace's and the output's."""
+        return self.embed.dtype
 
 
 class Workspace:
@@ -179,9 +199,10 @@ def phase_d_chunks(shape: ModelShape, rg: int, elem_bytes: int) -> tuple[int, bo
 
 
 def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
-    """Weight elements per unit: config.tile, halved until the deepest pipeline's stages − 1 tiles in
-    flight fit in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
-    tile, stages = config.tile, max(config.stages, config.ace_stages, config.e_stages)
+    """Weight elements per unit: config.tile (twice that for 1-byte FP8 weights: the same bytes per unit,
+    so a phase has half the units), halved until the deepest pipeline's stages − 1 tiles in flight fit
+    in PIPELINE_BYTES (float32 weights take half the elements of bf16)."""
+    tile, stages = config.tile * (2 if elem_bytes == 1 else 1), max(config.stages, config.ace_stages, config.e_stages)
     while stages > 1 and tile > 256 and tile * elem_bytes * (stages - 1) > PIPELINE_BYTES:
         tile //= 2
     return tile
@@ -233,6 +254,40 @@ def _check_family(shape: ModelShape, weights: StackedWeights, num_layers: int) -
         raise ValueError(f"megakernel: window must be a positive number of keys, got {shape.window}")
     if shape.window_mode == 1 and weights.sliding.dtype != torch.int32:
         raise ValueError(f"megakernel: sliding must be int32, got {weights.sliding.dtype}")
+    _check_fp8(weights, num_layers)
+
+
+def _check_fp8(weights: StackedWeights, num_layers: int) -> None:
+    """Raise ValueError unless the four stacked weights are all FP8 with contiguous float32 row scales
+    [L, N], or all in the model's dtype."""
+    w = weights
+    mats = {"qkv": w.qkv, "o": w.o, "gate_up": w.gate_up, "down": w.down}
+    dtypes = {t.dtype for t in mats.values()}
+    if dtypes != {w.dtype} and dtypes != {torch.float8_e4m3fn}:
+        got = {k: str(t.dtype) for k, t in mats.items()}
+        raise ValueError(f"megakernel: the layer weights must all be {w.dtype} or all float8_e4m3fn, got {got}")
+    if not w.fp8:
+        return
+    for name, t in mats.items():
+        s = getattr(w, f"{name}_scale")
+        dims = (num_layers, t.shape[1])
+        if s is None or tuple(s.shape) != dims or s.dtype != torch.float32 or not s.is_contiguous():
+            got = None if s is None else (tuple(s.shape), s.dtype)
+            raise ValueError(f"megakernel: {name}_scale must be a contiguous float32 {list(dims)} tensor, got {got}")
+
+
+def _check_kv_dtype(kv_dtype: torch.dtype, weights: StackedWeights, num_layers: int) -> bool:
+    """Whether the cache is FP8 (then weights.kv_scales must be float32 [L, 2]); ValueError for a cache
+    in neither the model's dtype nor float8_e4m3fn."""
+    if kv_dtype == weights.dtype:
+        return False
+    if kv_dtype != torch.float8_e4m3fn:
+        raise ValueError(f"megakernel: KV cache dtype {kv_dtype}: the model's {weights.dtype} or float8_e4m3fn")
+    s = weights.kv_scales
+    if s is None or tuple(s.shape) != (num_layers, 2) or s.dtype != torch.float32 or not s.is_contiguous():
+        got = None if s is None else (tuple(s.shape), s.dtype)
+        raise ValueError(f"megakernel: an FP8 KV cache needs kv_scales, contiguous float32 [{num_layers}, 2]: {got}")
+    return True
 
 
 def _constexprs(
@@ -243,9 +298,10 @@ def _constexprs(
     weights: StackedWeights,
     device: torch.device,
     trace: bool,
+    fp8_kv: bool,
 ) -> dict:
     """The kernel's compile-time arguments and launch options for this shape, config and workspace."""
-    elem = weights.qkv.element_size()
+    elem = weights.qkv.element_size()  # 1 for FP8 weights
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, elem))
     cw, dot_d = phase_d_chunks(shape, rg, elem)
     cuda = device.type == "cuda"
@@ -265,7 +321,7 @@ def _constexprs(
         BG=max(16, next_power_of_2(shape.num_heads // shape.num_kv_heads)),
         GP=next_power_of_2(shape.num_heads // shape.num_kv_heads),
         UPCAST=upcast_dot(device),
-        IEEE=weights.qkv.dtype == torch.float32,
+        IEEE=weights.dtype == torch.float32,
         TRACE=trace and cuda,
         MAXU_C=next_power_of_2(-(-(shape.hidden // ro) // ws.programs)),
         MAXU_E=next_power_of_2(-(-(shape.hidden // rd) // ws.programs)),
@@ -279,6 +335,8 @@ def _constexprs(
         HAS_BIAS=shape.qkv_bias,
         QK_NORM=shape.qk_norm,
         WINDOW=shape.window_mode,
+        FP8W=weights.fp8,
+        FP8KV=fp8_kv,
         num_warps=config.num_warps,
         num_stages=1,
     )
@@ -308,7 +366,8 @@ def decode_megakernel_fwd(
         seq_lens: [1] int32, the context including the new token.
         block_table: [≥ cdiv(seq_len, block_size)] int32, the sequence's cache blocks.
         kv_caches: per layer (k, v), each [num_blocks, Hk, block_size, D], views of one buffer at a fixed
-            layer stride (as the model runner allocates them).
+            layer stride (as the model runner allocates them); in the model's dtype, or float8_e4m3fn
+            with weights.kv_scales.
         trace: (CUDA) record the global timer in workspace.trace (grid_sync.py describes the layout).
 
     Returns:
@@ -335,15 +394,19 @@ def decode_megakernel_fwd(
     if trace and ws.trace.numel() != TRACE_BASE + ws.programs * TRACE_BLOCK:
         ws.trace = torch.zeros(TRACE_BASE + ws.programs * TRACE_BLOCK, dtype=torch.int64, device=device)
     _check_family(shape, weights, num_layers)
-    out = torch.empty((1, shape.hidden), dtype=weights.qkv.dtype, device=device)
+    fp8_kv = _check_kv_dtype(kv_caches[0][0].dtype, weights, num_layers)
     w = weights
+    out = torch.empty((1, shape.hidden), dtype=w.dtype, device=device)
     family = tuple(t if t is not None else w.norm1 for t in (w.qkv_bias, w.q_norm, w.k_norm, w.sliding))
+    scales = tuple(
+        t if t is not None else w.norm1 for t in (w.qkv_scale, w.o_scale, w.gate_up_scale, w.down_scale, w.kv_scales)
+    )
     decode_megakernel_kernel[(ws.programs,)](
         *(input_ids, positions, slot_mapping, seq_lens, block_table),
-        *(w.embed, w.qkv, w.o, w.gate_up, w.down, w.norm1, w.norm2, w.norm_final, *family, cos_sin),
+        *(w.embed, w.qkv, w.o, w.gate_up, w.down, *scales, w.norm1, w.norm2, w.norm_final, *family, cos_sin),
         *(kv_caches[0][0], layer_stride, v_offset, kv_caches[0][0].stride(0), kv_caches[0][0].stride(1)),
         *(ws.r, ws.r2, ws.o_sums, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace),
         *(num_layers, ws.num_splits, eps, scale, shape.window or 0),
-        **_constexprs(shape, config, ws, block_size, weights, device, trace),
+        **_constexprs(shape, config, ws, block_size, weights, device, trace, fp8_kv),
     )
     return out
