@@ -71,6 +71,7 @@ class TensorParallelRunner:
         for local_rank in range(1, parallel.ranks_per_node):
             spec = WorkerSpec(parallel, port, local_rank, local_rank, device.type, os.getpid())
             self.workers[local_rank] = spawn_worker(spec)
+        self._threads = torch.get_num_threads()  # restored at shutdown
         if device.type == "cpu":
             share_cpu_threads(parallel)
         try:
@@ -145,6 +146,7 @@ class TensorParallelRunner:
         _kill_all(self.workers, grace_s=_STOP_GRACE_S if self._failure is None else 0.0)
         self._failure = self._failure or "the engine was shut down"
         destroy_tp_group()
+        torch.set_num_threads(self._threads)
 
 
 def _kill_all(workers: dict[int, subprocess.Popen], grace_s: float = 0.0) -> None:

@@ -2,12 +2,12 @@
 
 Two process groups span the same ranks: `device_group` (NCCL on CUDA, gloo on the CPU) carries the
 steps' all-reduces and all-gathers, with a timeout of `ParallelConfig.distributed_timeout_s` so a hung
-rank surfaces as an error; `cpu_group` (gloo, no practical timeout: workers wait on it between steps,
-however idle the server) carries the driver's commands as pickled objects.
+rank surfaces as an error; `cpu_group` (gloo, the default group, no practical timeout: workers wait on
+it between steps, however idle the server) carries the driver's commands as pickled objects.
 
 The rendezvous is torchrun's: rank 0 serves a TCP store at master_addr:master_port that every rank
-joins (the `tcp://` init method: the store env:// builds from MASTER_ADDR / MASTER_PORT, with the
-values passed as arguments instead of read from the environment).
+joins within `RENDEZVOUS_TIMEOUT_S` (the store env:// builds from MASTER_ADDR / MASTER_PORT, built here
+from arguments instead of the environment).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tinyvllm.config import ParallelConfig
 
 _IDLE_TIMEOUT = datetime.timedelta(days=365)  # the command channel: a worker may wait for work indefinitely
+RENDEZVOUS_TIMEOUT_S = 600.0  # every rank must join by then (other machines may be started by hand)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -74,20 +75,21 @@ class TPGroup:
 def init_tp_group(parallel: ParallelConfig, rank: int, device: torch.device, master_port: int) -> TPGroup:
     """Join the rendezvous at parallel.master_addr:`master_port` as global rank `rank` and build the
     group's two process groups (module docstring). Blocks until every rank has joined, or raises after
-    `distributed_timeout_s`."""
-    timeout = datetime.timedelta(seconds=parallel.distributed_timeout_s)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{parallel.master_addr}:{master_port}",
-        rank=rank,
-        world_size=parallel.world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
+    `RENDEZVOUS_TIMEOUT_S`."""
+    store = dist.TCPStore(
+        parallel.master_addr,
+        master_port,
+        parallel.world_size,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
     )
-    device_group = dist.group.WORLD
-    cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-    return TPGroup(rank, parallel.world_size, device_group, cpu_group)
+    dist.init_process_group(
+        backend="gloo", store=store, rank=rank, world_size=parallel.world_size, timeout=_IDLE_TIMEOUT
+    )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=parallel.distributed_timeout_s)
+    device_group = dist.new_group(backend=backend, timeout=timeout)
+    return TPGroup(rank, parallel.world_size, device_group, dist.group.WORLD)
 
 
 def share_cpu_threads(parallel: ParallelConfig) -> None:
