@@ -62,6 +62,11 @@ class TensorParallelRunner:
         from tinyvllm.engine.model_runner import ModelRunner
 
         assert parallel.node_rank == 0 and parallel.world_size > 1
+        if dist.is_initialized():
+            raise ValueError(
+                "this process already belongs to a process group (another tensor-parallel engine?): one per "
+                "process; shut the other engine down first (LLMEngine.shutdown())"
+            )
         self.parallel = parallel
         self._failure: str | None = None
         port = parallel.master_port or free_port(parallel.master_addr)
