@@ -79,6 +79,19 @@ def test_hung_worker_fails_the_step_after_the_timeout(model_dir):
     assert proc.poll() is not None, "shutdown left the hung worker running"
 
 
+def test_idle_engine_notices_a_dead_worker(model_dir):
+    llm = LLM(model=str(model_dir), device="cpu", dtype="float32", tensor_parallel_size=2)
+    try:
+        llm.llm_engine.check_health()
+        (proc,) = llm.llm_engine.runner.workers.values()
+        proc.kill()
+        proc.wait()
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            llm.llm_engine.check_health()
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.mark.parametrize(
     "overrides, tp, match",
     [

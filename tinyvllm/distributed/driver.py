@@ -113,12 +113,17 @@ class TensorParallelRunner:
 
         return self._guard(run)
 
-    def _guard(self, run: Callable[[], Any]) -> Any:
-        """`run()`, with a dead or hung rank raised as WorkerDiedError (module docstring)."""
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if a worker of this machine has died, without running anything: lets an
+        idle engine notice a dead rank before its next step."""
         if self._failure is None:
             self._failure = self._dead_workers()
         if self._failure is not None:
             raise WorkerDiedError(self._failure)
+
+    def _guard(self, run: Callable[[], Any]) -> Any:
+        """`run()`, with a dead or hung rank raised as WorkerDiedError (module docstring)."""
+        self.check_health()
         try:
             return run()
         except (RuntimeError, dist.DistError) as e:

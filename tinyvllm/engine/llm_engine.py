@@ -814,6 +814,11 @@ class LLMEngine:
         seq.logprobs.append({t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(entry, decoded)})
         seq.cumulative_logprob += entry[0][1]
 
+    def check_health(self) -> None:
+        """Raise (WorkerDiedError) if a tensor-parallel worker process of this machine has died; cheap
+        (a poll per worker), for an idle engine loop to call between steps. `step()` checks too."""
+        self.runner.check_health()
+
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); the engine cannot step afterwards."""
         self.runner.shutdown()

@@ -372,6 +372,9 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing to stop: a one-rank runner has no processes (distributed/driver.py's has)."""
 
+    def check_health(self) -> None:
+        """Nothing to check: a one-rank runner has no other processes (distributed/driver.py's has)."""
+
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def launch(
