@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.helpers import assert_greedy_is_decided
+from tests.helpers import LOGPROB_ATOL, assert_equal_up_to_rounding, assert_greedy_is_decided
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import ModelConfig
 from tinyvllm.distributed.group import TPGroup
@@ -27,7 +27,7 @@ from tinyvllm.models.loader import build_model
 from tinyvllm.models.presets import make_config
 
 INIT_STD = 0.1  # a confident random model: near-ties between its two best tokens are rare
-MAX_NEW = 16
+MAX_NEW = 12
 LENGTHS = [5, 29, 47, 83]
 # batched, chunked (16-token steps) and preempted (126 slots for ~250 tokens of work)
 REGIME = dict(block_size=7, num_gpu_blocks_override=18, max_model_len=112, max_num_batched_tokens=16)
@@ -58,6 +58,11 @@ def token_ids(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def as_tuples(steps) -> list:
+    """Logprob entries (msgspec Structs) as (logprob, rank, text) tuples, for assert_equal_up_to_rounding."""
+    return [None if s is None else {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in s.items()} for s in steps]
+
+
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_tp2_greedy_equals_tp1(tmp_path_factory, name):
     path, config = write_checkpoint(tmp_path_factory, name)
@@ -72,9 +77,18 @@ def test_tp2_greedy_equals_tp1(tmp_path_factory, name):
         metrics = two.get_metrics()
         assert metrics["num_preemptions"] > 0, "the regime was meant to force preemption"
         assert metrics["num_free_kv_blocks"] == metrics["num_kv_blocks"], "blocks leaked"
-        if name == "llama":  # seeded sampling: the same ids as one rank's
+        if name == "llama":  # seeded sampling: the same ids as one rank's; logprobs from the gathered logits
             seeded = [SamplingParams(temperature=0.8, seed=100 + i, max_tokens=MAX_NEW) for i in range(len(prompts))]
             assert token_ids(two, prompts, seeded) == token_ids(one, prompts, seeded)
+            scored = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+            got, want = (
+                [
+                    (as_tuples(o.prompt_logprobs), as_tuples(o.outputs[0].logprobs))
+                    for o in llm.generate(prompts, scored, use_tqdm=False)
+                ]
+                for llm in (two, one)
+            )
+            assert_equal_up_to_rounding(got, want, atol=LOGPROB_ATOL)
     finally:
         two.llm_engine.shutdown()
     workers = two.llm_engine.runner.workers.values()
