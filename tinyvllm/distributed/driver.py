@@ -122,15 +122,18 @@ class TensorParallelRunner:
             raise WorkerDiedError(self._failure)
 
     def _guard(self, run: Callable[[], Any]) -> Any:
-        """`run()`, with a dead or hung rank raised as WorkerDiedError (module docstring)."""
+        """`run()`, with a dead or hung rank raised as WorkerDiedError (module docstring). Any error leaves
+        the ranks out of step (some may wait in a collective the others never reach), so every later
+        call raises WorkerDiedError."""
         self.check_health()
         try:
             return run()
-        except (RuntimeError, dist.DistError) as e:
+        except BaseException as e:
             if isinstance(e, WorkerDiedError):
                 raise
             dead = self._dead_workers(wait_s=1.0)
             if dead is None and not _is_collective_error(e):
+                self._failure = f"rank 0 failed in a step ({type(e).__name__}: {e}); the ranks are out of step"
                 raise
             self._failure = dead or f"a tensor-parallel rank stopped answering ({type(e).__name__}: {e})"
             raise WorkerDiedError(self._failure) from e
@@ -167,6 +170,8 @@ def _is_collective_error(e: BaseException) -> bool:
     """Whether `e` is a failed or timed-out collective (torch raises some as plain RuntimeErrors)."""
     if isinstance(e, dist.DistError):
         return True
+    if not isinstance(e, RuntimeError):
+        return False
     text = str(e).lower()
     return any(w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
 
