@@ -420,3 +420,87 @@ class RunnerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes: tensor parallelism over `tensor_parallel_size` ranks, on
+    `nnodes` machines of `tensor_parallel_size / nnodes` ranks each (one GPU per rank on CUDA).
+
+    The rendezvous fields are torchrun's: every machine is launched with the same `nnodes`,
+    `master_addr` and `master_port` and its own `node_rank`; machine k hosts global ranks
+    k·L .. (k+1)·L − 1 with L = tensor_parallel_size / nnodes. Rank 0 (machine 0) is the driver: it owns
+    the scheduler and the KV-cache manager and sends every step to the others (docs/parallelism.md).
+
+    Attributes:
+        tensor_parallel_size: the number of ranks the model's heads, MLP and vocabulary are split over.
+        nnodes, node_rank: the machines, and which one this is.
+        master_addr, master_port: where rank 0 listens for the rendezvous (None: a free port, one machine
+            only).
+        distributed_timeout_s: how long a collective (a step's all-reduce) waits for a rank before the
+            driver declares it hung.
+    """
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    distributed_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes ({self.nnodes}): "
+                "every machine hosts the same number of ranks"
+            )
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if self.master_port is not None and not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
+            raise ValueError(f"master_port must be a TCP port (1..65535), got {self.master_port!r}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("several machines (nnodes > 1) need --master-port: every machine must be given the same")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this machine hosts."""
+        per = self.ranks_per_node
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+    def check_model(self, config: ModelConfig) -> None:
+        """Raise ValueError unless `config` splits over `tensor_parallel_size` ranks: query heads, the MLP's
+        intermediate size and the vocabulary divide evenly; KV heads divide evenly or, when there are fewer
+        KV heads than ranks, the ranks divide evenly among them (each KV head is then replicated)."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        problems = []
+        if config.num_attention_heads % tp:
+            problems.append(f"num_attention_heads ({config.num_attention_heads})")
+        hk = config.num_key_value_heads
+        if (hk >= tp and hk % tp) or (hk < tp and tp % hk):
+            problems.append(
+                f"num_key_value_heads ({hk}: a multiple of the ranks, or a divisor of them to replicate KV heads)"
+            )
+        if config.intermediate_size % tp:
+            problems.append(f"intermediate_size ({config.intermediate_size})")
+        if config.vocab_size % tp:
+            problems.append(f"vocab_size ({config.vocab_size})")
+        if problems:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not split this model: " + "; ".join(problems) + f" must divide by {tp}"
+            )

@@ -37,9 +37,7 @@ def _engine_args(ns: argparse.Namespace, **changes: Any) -> EngineArgs:
 
 
 def _params(w: Workload) -> list[SamplingParams]:
-    return [
-        SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=True, **w.filters) for m in w.max_tokens
-    ]
+    return [SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=True, **w.filters) for m in w.max_tokens]
 
 
 def _token_ids(prompts: list[list[int]], vocab_size: int) -> list[list[int]]:

@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from tinyvllm.config import GRAPH_CAPTURE_MODES, RunnerConfig
+from tinyvllm.config import GRAPH_CAPTURE_MODES, ParallelConfig, RunnerConfig
 from tinyvllm.structured.reasoning_gate import REASONING_END_TEXT
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,10 @@ def default_model() -> str:
     return FALLBACK_MODEL
 
 
-def _opt(default, help: str, choices: tuple | None = None, cli: bool = True):
-    """A field with its CLI help (and choices); `cli=False` keeps it out of the generated flags."""
-    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+def _opt(default, help: str, choices: tuple | None = None, cli: bool = True, aliases: tuple[str, ...] = ()):
+    """A field with its CLI help (and choices, and short flags such as -tp); `cli=False` keeps it out of
+    the generated flags."""
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli, "aliases": aliases})
 
 
 _RUNNER = {f.name for f in dataclasses.fields(RunnerConfig)}
@@ -106,6 +107,19 @@ class EngineArgs:
         "constrain only the answer",
         tuple(REASONING_END_TEXT),
     )
+    # Parallelism (ParallelConfig); docs/parallelism.md. The rendezvous flags are torchrun's.
+    tensor_parallel_size: int = _opt(
+        1, "split the model over this many processes (one GPU each on CUDA)", aliases=("-tp",)
+    )
+    nnodes: int = _opt(1, "machines the tensor-parallel ranks span (each runs the same command)")
+    node_rank: int = _opt(
+        0, "this machine's index; machines other than 0 run workers only (python -m tinyvllm.distributed.headless)"
+    )
+    master_addr: str = _opt("127.0.0.1", "address of machine 0, where the ranks meet")
+    master_port: int | None = _opt(None, "port of the rendezvous on machine 0 (default: a free one; one machine only)")
+    distributed_timeout_s: float = _opt(
+        60.0, "seconds a step's collective waits for a rank before the engine declares it hung"
+    )
     # Execution paths (RunnerConfig); docs/perf.md has the measurements behind the defaults.
     fused_gemv: bool = _opt(
         True, "small decode steps through our matrix-vector kernels, with SwiGLU and the residual adds folded in"
@@ -143,6 +157,17 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    def parallel_config(self) -> ParallelConfig:
+        """The typed parallelism config (raises ValueError on an impossible one)."""
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            distributed_timeout_s=self.distributed_timeout_s,
+        )
+
     def runner_config(self, device_type: str) -> RunnerConfig:
         """The runner's typed config; CUDA graphs only on CUDA and without `enforce_eager`."""
         values = {name: getattr(self, name) for name in _RUNNER if name != "cuda_graphs"}
@@ -156,13 +181,15 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         if not f.metadata.get("cli", True):
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = [*f.metadata.get("aliases", ()), "--" + f.name.replace("_", "-")]
         kind = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text)
+            group.add_argument(
+                *flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text
+            )
 
 
 def _base_type(hint) -> type:

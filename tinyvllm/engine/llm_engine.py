@@ -30,11 +30,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from tinyvllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from tinyvllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tinyvllm.core.block_pool import BlockPool
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.outputs import SchedulerOutput
@@ -53,6 +53,9 @@ from tinyvllm.quantization.config import resolve_quantization
 from tinyvllm.sampling.logits_processors import bad_words_token_ids, check_vocab, needs_history
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer, check_text
+
+if TYPE_CHECKING:
+    from tinyvllm.distributed.driver import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,31 @@ def resolve_device(device: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {device!r}; expected auto, cpu or cuda[:N]")
     return dev
+
+
+def check_tensor_parallel(
+    parallel: ParallelConfig, model_config: ModelConfig, device: torch.device, quantization: Any
+) -> None:
+    """Raise ValueError, before any process starts, for a tensor-parallel engine that cannot run: a model
+    that does not split (ParallelConfig.check_model), a machine other than 0 (it runs workers only), more
+    ranks on a machine than it has GPUs, FP8 weights (not sharded yet)."""
+    parallel.check_model(model_config)
+    if parallel.node_rank != 0:
+        raise ValueError(
+            f"node_rank={parallel.node_rank}: machines other than 0 run tensor-parallel workers only; start them "
+            "with `python -m tinyvllm.distributed.headless` and the same flags (docs/parallelism.md)"
+        )
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise ValueError(f"tensor parallelism runs rank r on cuda:r; device={device} is not supported")
+        count = torch.cuda.device_count()
+        if parallel.ranks_per_node > count:
+            raise ValueError(
+                f"tensor_parallel_size={parallel.tensor_parallel_size} over nnodes={parallel.nnodes} needs "
+                f"{parallel.ranks_per_node} GPUs on this machine; it has {count}"
+            )
+    if quantization is not None:
+        raise ValueError("tensor parallelism with FP8 weights is not supported yet; drop quantization or use -tp 1")
 
 
 def resolve_dtype(dtype: str, model_config: ModelConfig) -> torch.dtype:
@@ -154,6 +182,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, show_progress: bool = False) -> None:
         self.args = args
+        self.parallel_config = args.parallel_config()
         timer = StartupTimer()
         with timer.phase("config_tokenizer"):
             self.model_dir = resolve_model(args.model or default_model())
@@ -204,16 +233,16 @@ class LLMEngine:
             "start-up took %.2f s: %s", timer.total(), ", ".join(f"{k} {v:.2f} s" for k, v in timer.times.items())
         )
 
-    def _build_runner(self, backend: str, show_progress: bool) -> ModelRunner:
-        """The model runner: builds the model and loads its weights."""
+    def _build_runner(self, backend: str, show_progress: bool) -> ModelRunner | TensorParallelRunner:
+        """The model runner: builds the model and loads its weights (under tensor parallelism, one per
+        rank: distributed/driver.py)."""
         args = self.args
-        return ModelRunner(
-            self.model_config,
-            args.runner_config(self.device.type),
+        runner_kwargs = dict(
+            model_config=self.model_config,
+            runner_config=args.runner_config(self.device.type),
             quantization=self.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
             model_dir=str(self.model_dir),
-            device=self.device,
             dtype=self.dtype,
             kernel_backend=backend,
             load_format=args.load_format,
@@ -221,6 +250,12 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             show_progress=show_progress,
         )
+        if self.parallel_config.world_size > 1:
+            from tinyvllm.distributed.driver import TensorParallelRunner
+
+            check_tensor_parallel(self.parallel_config, self.model_config, self.device, self.quantization)
+            return TensorParallelRunner(self.parallel_config, runner_kwargs, self.device)
+        return ModelRunner(**runner_kwargs, device=self.device)
 
     def _init_kv_cache_and_scheduler(self, timer: StartupTimer) -> None:
         """Size the KV cache (and max_model_len from it), allocate it in the runner, build the scheduler;
@@ -838,6 +873,15 @@ class LLMEngine:
         decoded = self.tokenizer.token_texts([t for t, _, _ in entry])  # "" for ids past the tokenizer
         seq.logprobs.append({t: Logprob(lp, rank, text) for (t, lp, rank), text in zip(entry, decoded)})
         seq.cumulative_logprob += entry[0][1]
+
+    def check_health(self) -> None:
+        """Raise (WorkerDiedError) if a tensor-parallel worker process of this machine has died; cheap
+        (a poll per worker), for an idle engine loop to call between steps. `step()` checks too."""
+        self.runner.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); the engine cannot step afterwards."""
+        self.runner.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's name). Only possible while no request holds blocks;

@@ -18,6 +18,14 @@ is the replay and an event. With `pruned_lm_head` (the engine's default on CUDA)
 every row the fused sampler serves replay graphs that sample from an int8 copy of the LM head and the rows
 it cannot rule out, without logits (kernels/lm_head_bounds.py: the same ids).
 
+Tensor parallelism (`group`): the runner holds its rank's shard of the model and of the KV cache (its
+KV heads of every block: the driver's block ids mean the same blocks on every rank) and runs the same
+steps as every other rank, in the same order, so their collectives pair up. The paths that read whole
+weights are off (the fused matrix-vector path, the megakernel, the pruned LM head; decode graphs do not
+sample inside the graph); the LM head gathers the full logits on every rank, and after sampling rank 0's
+ids are broadcast, so every rank feeds the same ids to its next step (rank 0 alone applies the grammars'
+bitmasks and computes logprobs for its caller).
+
 Rows of requests that asked for prompt logprobs (prompt chunks, never graph steps) are scored after the
 forward, eagerly: their hidden states go through the LM head in slices of at most
 `PROMPT_LOGPROBS_MAX_ROWS` rows (sampling/prompt_logprobs.py); steps without such rows skip it.
@@ -25,6 +33,7 @@ forward, eagerly: their hidden states go through the LM head in slices of at mos
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +43,8 @@ import torch
 
 from tinyvllm.config import CacheConfig, ModelConfig, RunnerConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from tinyvllm.distributed.group import TPGroup
+from tinyvllm.distributed.shard import ModelShard
 from tinyvllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tinyvllm.engine.kv_cache_size import (
     KVCacheSize,
@@ -129,6 +140,7 @@ class ModelRunner:
         seed: seeds dummy weights and the sampler's random state.
         eos_token_ids: banned while a request is shorter than its min_tokens.
         show_progress: show the weight-loading progress bar.
+        group: this rank's tensor-parallel group (None: one rank holds the whole model).
     """
 
     def __init__(
@@ -146,7 +158,14 @@ class ModelRunner:
         show_progress: bool = False,
         quantization: QuantizationConfig | None = None,
         kv_cache_dtype: str = "auto",
+        group: TPGroup | None = None,
     ) -> None:
+        self.group = group if group is not None and group.world_size > 1 else None
+        if self.group is not None:
+            self.shard = ModelShard.for_rank(model_config, group.rank, group.world_size)
+            runner_config = sharded_runner_config(runner_config)
+        else:
+            self.shard = ModelShard.whole(model_config)
         self.model_config = model_config
         self.config = runner_config
         self.device = device
@@ -165,10 +184,14 @@ class ModelRunner:
             seed=seed,
             show_progress=show_progress,
             quant=quantization,
+            shard=self.shard,
+            group=self.group,
         )
         # Built before the memory profile, which then counts the megakernel's workspace and the pruned LM
         # head's int8 copy.
-        self.executor = ModelExecutor(self.model, runner_config, device.type, kv_cache_dtype=self.kv_cache_dtype)
+        self.executor = ModelExecutor(
+            self.model, runner_config, device.type, kv_cache_dtype=self.kv_cache_dtype, group=self.group
+        )
         triton = kernel_backend == "triton"
         self.sampler = StepSampler(model_config.vocab_size, device, seed, eos_token_ids, fused_kernel=triton)
         self.kv_caches: list[KVCache] = []
@@ -190,9 +213,21 @@ class ModelRunner:
     def bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
         elem = self.kv_cache_dtype.itemsize  # FP8: one byte per value, so twice the tokens fit
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * elem
+        return 2 * c.num_hidden_layers * self.shard.num_kv_heads * block_size * c.head_dim * elem
 
     def determine_num_blocks(
+        self, cache: CacheConfig, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
+    ) -> KVCacheSize:
+        """`_num_blocks`, the smallest over the tensor-parallel ranks (each holds every block)."""
+        size = self._num_blocks(cache, max_num_batched_tokens, max_num_seqs, max_model_len)
+        if self.group is None:
+            return size
+        num_blocks = self.group.min_int(size.num_blocks)
+        if num_blocks == size.num_blocks:
+            return size
+        return dataclasses.replace(size, num_blocks=num_blocks, reason=f"{size.reason}; the smallest of the ranks")
+
+    def _num_blocks(
         self, cache: CacheConfig, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
     ) -> KVCacheSize:
         """How many blocks, and why (`tinyvllm.engine.kv_cache_size`): the override if given, else
@@ -270,7 +305,7 @@ class ModelRunner:
         """One K and one V tensor per layer, [num_blocks, Hk, block_size, D], carved from one buffer."""
         c = self.model_config
         self.block_size = block_size
-        shape = (c.num_hidden_layers, 2, num_blocks, c.num_key_value_heads, block_size, c.head_dim)
+        shape = (c.num_hidden_layers, 2, num_blocks, self.shard.num_kv_heads, block_size, c.head_dim)
         buffer = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         self.kv_caches = [(buffer[i, 0], buffer[i, 1]) for i in range(c.num_hidden_layers)]
 
@@ -327,7 +362,7 @@ class ModelRunner:
                 resolve_placeholders=self.ops.resolve_placeholders,
                 max_num_seqs=max_num_seqs,
                 cascade_batch_sizes=[b for b in sizes if b >= cfg.cascade_min_batch] if cascade else [],
-                sample_in_graph=self.kernel_backend == "triton",
+                sample_in_graph=self.kernel_backend == "triton" and self.group is None,
                 io_max_rows=cfg.graph_io_max_rows if triton else 0,
                 sample_in_lm_head=cfg.sample_in_lm_head,
                 pruned_lm_head=self.executor.lm_head.rows is not None,
@@ -345,6 +380,12 @@ class ModelRunner:
         (`DecodeGraphs.capture_bucket`)."""
         assert self.graphs is not None
         self.graphs.capture_bucket(bucket)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: a one-rank runner has no processes (distributed/driver.py's has)."""
+
+    def check_health(self) -> None:
+        """Nothing to check: a one-rank runner has no other processes (distributed/driver.py's has)."""
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
@@ -534,6 +575,9 @@ class ModelRunner:
         """Keep this step's sampled ids for the next step's placeholders, enqueue their copy to the host
         (and an event after it, on CUDA), and return the step's handle. `graph_ids`: the same ids, already
         being written into pinned host memory by the step's graph (no copy)."""
+        if self.group is not None:  # rank 0's ids (its grammars' masks applied) are every rank's
+            sampled = self.group.broadcast_(sampled if sampled.is_contiguous() else sampled.contiguous())
+            graph_ids = None
         self._prev_sampled = sampled
         self._prev_index = plan.index
         event = None
@@ -561,3 +605,15 @@ class ModelRunner:
         """Whether a step of `rows` sampled rows moves its inputs and ids by kernels (`kernel_copy_max_rows`)."""
         triton_on_cuda = self.kernel_backend == "triton" and self.device.type == "cuda"
         return triton_on_cuda and rows <= self.config.kernel_copy_max_rows
+
+
+def sharded_runner_config(config: RunnerConfig) -> RunnerConfig:
+    """`config` with the paths that read whole weights, or sample inside a graph, off (module docstring)."""
+    return dataclasses.replace(
+        config,
+        fused_gemv=False,
+        decode_megakernel=False,
+        pruned_lm_head=False,
+        graph_io_max_rows=0,
+        sample_in_lm_head=False,
+    )

@@ -23,6 +23,9 @@ import torch
 from torch import nn
 
 from tinyvllm.config import ModelConfig
+from tinyvllm.distributed.group import TPGroup
+from tinyvllm.distributed.layers import VocabParallelEmbedding
+from tinyvllm.distributed.shard import ModelShard
 from tinyvllm.kernels import Ops
 from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.models.rope import cos_sin_table
@@ -35,10 +38,10 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blo
 
 def apply_linear(ops: Ops, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x · Wᵀ (+ b) by the ops table's product for a plain nn.Linear (its batch-invariant one under
-    `batch_invariant`), by the layer itself for a quantized one (Fp8Linear: its own scaled product)."""
-    if type(layer) is nn.Linear:
-        return ops.linear(x, layer.weight, layer.bias)
-    return layer(x)
+    `batch_invariant`), by the layer itself for a quantized one (Fp8Linear: its own scaled product); a
+    row-parallel layer's partial product is then summed over its `reduce_group` (make_linear)."""
+    y = ops.linear(x, layer.weight, layer.bias) if type(layer) is nn.Linear else layer(x)
+    return y if layer.reduce_group is None else layer.reduce_group.all_reduce(y)
 
 
 class RMSNorm(nn.Module):
@@ -57,17 +60,28 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention of one layer. `k_scale`, `v_scale`: an FP8 KV cache stores K / k_scale and V / v_scale
-    (1, or the checkpoint's per-layer scales); a cache in the model's dtype ignores them."""
+    (1, or the checkpoint's per-layer scales); a cache in the model's dtype ignores them.
+
+    Under tensor parallelism the layer holds its rank's query and KV heads (`shard`): QKV is
+    column-parallel, o_proj row-parallel (its all-reduce over `group` completes the layer's output)."""
 
     def __init__(
-        self, config: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, quant: QuantizationConfig | None = None
+        self,
+        config: ModelConfig,
+        layer: int,
+        ops: Ops,
+        dtype: torch.dtype,
+        quant: QuantizationConfig | None = None,
+        shard: ModelShard | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        shard = ModelShard.whole(config) if shard is None else shard
         self.ops = ops
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size, self.kv_size = shard.q_size(config.head_dim), shard.kv_size(config.head_dim)
         self.scale = self.head_dim**-0.5
         self.window = config.attention_window(layer)
         hf = f"model.layers.{layer}.self_attn"
@@ -80,7 +94,13 @@ class Attention(nn.Module):
             hf_modules=(f"{hf}.q_proj", f"{hf}.k_proj", f"{hf}.v_proj"),
         )
         self.o_proj = make_linear(
-            self.q_size, config.hidden_size, bias=False, dtype=dtype, quant=quant, hf_modules=(f"{hf}.o_proj",)
+            self.q_size,
+            config.hidden_size,
+            bias=False,
+            dtype=dtype,
+            quant=quant,
+            hf_modules=(f"{hf}.o_proj",),
+            reduce_group=None if shard.is_whole else group,
         )
         self.k_scale = 1.0
         self.v_scale = 1.0
@@ -145,17 +165,35 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU over the rank's MLP columns (`shard`): gate/up column-parallel, down_proj row-parallel."""
+
     def __init__(
-        self, config: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, quant: QuantizationConfig | None = None
+        self,
+        config: ModelConfig,
+        layer: int,
+        ops: Ops,
+        dtype: torch.dtype,
+        quant: QuantizationConfig | None = None,
+        shard: ModelShard | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        shard = ModelShard.whole(config) if shard is None else shard
         self.ops = ops
         hf = f"model.layers.{layer}.mlp"
-        h, f = config.hidden_size, config.intermediate_size
+        h, f = config.hidden_size, shard.intermediate_size
         self.gate_up_proj = make_linear(
             h, 2 * f, bias=False, dtype=dtype, quant=quant, hf_modules=(f"{hf}.gate_proj", f"{hf}.up_proj")
         )
-        self.down_proj = make_linear(f, h, bias=False, dtype=dtype, quant=quant, hf_modules=(f"{hf}.down_proj",))
+        self.down_proj = make_linear(
+            f,
+            h,
+            bias=False,
+            dtype=dtype,
+            quant=quant,
+            hf_modules=(f"{hf}.down_proj",),
+            reduce_group=None if shard.is_whole else group,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = apply_linear(self.ops, self.gate_up_proj, x)
@@ -164,11 +202,18 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, ops: Ops, dtype: torch.dtype, quant: QuantizationConfig | None = None
+        self,
+        config: ModelConfig,
+        layer: int,
+        ops: Ops,
+        dtype: torch.dtype,
+        quant: QuantizationConfig | None = None,
+        shard: ModelShard | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer, ops, dtype, quant)
-        self.mlp = MLP(config, layer, ops, dtype, quant)
+        self.self_attn = Attention(config, layer, ops, dtype, quant, shard, group)
+        self.mlp = MLP(config, layer, ops, dtype, quant, shard, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
@@ -195,6 +240,10 @@ class CausalLM(nn.Module):
     meta device and materialises it with `to_empty`); `init_rope_table` must run once on the real device.
     With `quant`, the decoder layers' linear layers it does not ignore are FP8 (quantization/linear.py);
     the embeddings and the LM head stay in `dtype`.
+
+    Tensor parallelism: `shard` is the rank's slice of the model (distributed/shard.py) and `group` the
+    ranks' group; the embedding and the LM head then hold the rank's vocabulary rows, and
+    `compute_logits` gathers every rank's columns. Without them the model is whole.
     """
 
     def __init__(
@@ -204,25 +253,33 @@ class CausalLM(nn.Module):
         max_positions: int,
         dtype: torch.dtype,
         quant: QuantizationConfig | None = None,
+        shard: ModelShard | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        shard = ModelShard.whole(config) if shard is None else shard
+        assert shard.is_whole or group is not None, "a shard of the model needs its group"
         self.config = config
         self.quant = quant
         self.ops = ops
         self.max_positions = max_positions
-        # Given its weight, nn.Embedding skips its random init: on the meta device that init would import
-        # torch._dynamo (seconds of start-up on a CPU) for values the loader overwrites anyway.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size,
-            config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+        self.shard = shard
+        self.group = None if shard.is_whole else group
+        h, v = config.hidden_size, shard.vocab_size
+        if self.group is None:
+            # Given its weight, nn.Embedding skips its random init: on the meta device that init would
+            # import torch._dynamo (seconds of start-up on a CPU) for values the loader overwrites anyway.
+            self.embed_tokens = nn.Embedding(v, h, _weight=torch.empty(v, h, dtype=dtype))
+        else:
+            self.embed_tokens = VocabParallelEmbedding(v, h, vocab_start=shard.vocab_start, group=group, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, ops, dtype, quant, shard, self.group) for i in range(config.num_hidden_layers)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, dtype, quant) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = nn.Linear(h, v, bias=False, dtype=dtype)
         self.register_buffer("cos_sin", torch.empty(max_positions, config.head_dim), persistent=False)
 
     def init_rope_table(self) -> None:
@@ -234,7 +291,8 @@ class CausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """[V, H]: the LM head's weight, which is the embedding table when the two are tied."""
+        """[V, H]: the LM head's weight, which is the embedding table when the two are tied (the rank's
+        vocabulary rows under tensor parallelism)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(
@@ -252,4 +310,6 @@ class CausalLM(nn.Module):
         """[N, H] → [N, V] logits in `dtype` (None: the model's dtype, which the samplers upcast as they read
         it, saving an [N, V] float32 copy per step)."""
         logits = self.ops.linear(hidden, self.lm_head_weight)
+        if self.group is not None:
+            logits = self.group.all_gather_last(logits)
         return logits if dtype is None else logits.to(dtype)

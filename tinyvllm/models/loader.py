@@ -3,6 +3,9 @@
 The name map is explicit: every Hugging Face tensor name maps to one of our parameters and, for the
 fused projections, the rows it fills. Anything missing, unexpected or mis-shaped is an error that names
 the tensor.
+
+Under tensor parallelism a rank's name map also says which slice of each checkpoint tensor it holds
+(distributed/shard.py), and the loader reads only that slice from the file (safetensors' `get_slice`).
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from tinyvllm.config import ModelConfig
+from tinyvllm.distributed.group import TPGroup
+from tinyvllm.distributed.shard import ModelShard
 from tinyvllm.kernels import Ops
 from tinyvllm.models.decoder import CausalLM
 from tinyvllm.quantization.config import QuantizationConfig
@@ -50,25 +56,45 @@ class Target:
     start: int | None = None  # None: the whole parameter
     rows: int | None = None
     kind: str = "copy"
+    src: tuple[int, int, int] | None = None  # (dim, start, length): the slice of the tensor read; None: all
 
 
-def weight_name_map(config: ModelConfig) -> dict[str, Target]:
-    """Hugging Face tensor name → our parameter (and row range, for the fused QKV and gate/up)."""
-    q, kv, f = config.q_size, config.kv_size, config.intermediate_size
-    names = {"model.embed_tokens.weight": Target("embed_tokens.weight"), "model.norm.weight": Target("norm.weight")}
+def weight_name_map(config: ModelConfig, shard: ModelShard | None = None) -> dict[str, Target]:
+    """Hugging Face tensor name → our parameter (and row range, for the fused QKV and gate/up), and the
+    slice of the tensor that `shard` holds (None: the whole model)."""
+    if shard is None or shard.is_whole:
+        slices = {}
+        q, kv, f = config.q_size, config.kv_size, config.intermediate_size
+    else:
+        d = config.head_dim
+        q, kv, f = shard.q_size(d), shard.kv_size(d), shard.intermediate_size
+        slices = {  # which slice of the checkpoint tensor: rows (dim 0) or columns (dim 1)
+            "q": (0, shard.head_start * d, q),
+            "kv": (0, shard.kv_head_start * d, kv),
+            "o": (1, shard.head_start * d, q),
+            "gate_up": (0, shard.intermediate_start, f),
+            "down": (1, shard.intermediate_start, f),
+            "vocab": (0, shard.vocab_start, shard.vocab_size),
+        }
+    s = slices.get
+    names = {
+        "model.embed_tokens.weight": Target("embed_tokens.weight", src=s("vocab")),
+        "model.norm.weight": Target("norm.weight"),
+    }
     if not config.tie_word_embeddings:
-        names["lm_head.weight"] = Target("lm_head.weight")
+        names["lm_head.weight"] = Target("lm_head.weight", src=s("vocab"))
     for i in range(config.num_hidden_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
+        qkv, gate_up = f"{ours}.self_attn.qkv_proj", f"{ours}.mlp.gate_up_proj"
         names.update(
             {
-                f"{hf}.self_attn.q_proj.weight": Target(f"{ours}.self_attn.qkv_proj.weight", 0, q),
-                f"{hf}.self_attn.k_proj.weight": Target(f"{ours}.self_attn.qkv_proj.weight", q, kv),
-                f"{hf}.self_attn.v_proj.weight": Target(f"{ours}.self_attn.qkv_proj.weight", q + kv, kv),
-                f"{hf}.self_attn.o_proj.weight": Target(f"{ours}.self_attn.o_proj.weight"),
-                f"{hf}.mlp.gate_proj.weight": Target(f"{ours}.mlp.gate_up_proj.weight", 0, f),
-                f"{hf}.mlp.up_proj.weight": Target(f"{ours}.mlp.gate_up_proj.weight", f, f),
-                f"{hf}.mlp.down_proj.weight": Target(f"{ours}.mlp.down_proj.weight"),
+                f"{hf}.self_attn.q_proj.weight": Target(f"{qkv}.weight", 0, q, src=s("q")),
+                f"{hf}.self_attn.k_proj.weight": Target(f"{qkv}.weight", q, kv, src=s("kv")),
+                f"{hf}.self_attn.v_proj.weight": Target(f"{qkv}.weight", q + kv, kv, src=s("kv")),
+                f"{hf}.self_attn.o_proj.weight": Target(f"{ours}.self_attn.o_proj.weight", src=s("o")),
+                f"{hf}.mlp.gate_proj.weight": Target(f"{gate_up}.weight", 0, f, src=s("gate_up")),
+                f"{hf}.mlp.up_proj.weight": Target(f"{gate_up}.weight", f, f, src=s("gate_up")),
+                f"{hf}.mlp.down_proj.weight": Target(f"{ours}.mlp.down_proj.weight", src=s("down")),
                 f"{hf}.input_layernorm.weight": Target(f"{ours}.input_layernorm.weight"),
                 f"{hf}.post_attention_layernorm.weight": Target(f"{ours}.post_attention_layernorm.weight"),
             }
@@ -76,9 +102,9 @@ def weight_name_map(config: ModelConfig) -> dict[str, Target]:
         if config.qkv_bias:
             names.update(
                 {
-                    f"{hf}.self_attn.q_proj.bias": Target(f"{ours}.self_attn.qkv_proj.bias", 0, q),
-                    f"{hf}.self_attn.k_proj.bias": Target(f"{ours}.self_attn.qkv_proj.bias", q, kv),
-                    f"{hf}.self_attn.v_proj.bias": Target(f"{ours}.self_attn.qkv_proj.bias", q + kv, kv),
+                    f"{hf}.self_attn.q_proj.bias": Target(f"{qkv}.bias", 0, q, src=s("q")),
+                    f"{hf}.self_attn.k_proj.bias": Target(f"{qkv}.bias", q, kv, src=s("kv")),
+                    f"{hf}.self_attn.v_proj.bias": Target(f"{qkv}.bias", q + kv, kv, src=s("kv")),
                 }
             )
         if config.qk_norm:
@@ -150,9 +176,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def read_tensors(
-    files: list[Path], device: torch.device, num_threads: int = LOAD_THREADS
+    files: list[Path],
+    device: torch.device,
+    slices: dict[str, tuple[int, int, int] | None] | None = None,
+    num_threads: int = LOAD_THREADS,
 ) -> Iterator[tuple[str, Path, torch.Tensor]]:
-    """Every tensor of the safetensors `files` as (name, file, tensor on `device`), in file and key order.
+    """Every tensor of the safetensors `files` as (name, file, tensor on `device`), in file and key order;
+    a name with a slice in `slices`, (dim, start, length), comes as that slice only, read from the file
+    without the rest (a tensor-parallel rank's part).
 
     How the bytes move, and nothing else: `num_threads` threads each take a tensor, read it from its
     memory-mapped file (page faults: the page cache, or the disk) and, for a CUDA `device`, copy it there
@@ -160,21 +191,22 @@ def read_tensors(
     `num_threads` tensors in flight. The reads and copies release the GIL, so they overlap each other and
     the caller's work. A CPU `device` gets the file's tensors as they are (the caller's copy reads them).
     """
+    slices = slices or {}
     handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
     jobs = [(f, name, path) for f, path in zip(handles, files) for name in list(f.keys())]  # keys(): no iteration
 
-    def read(f, name: str) -> torch.Tensor:
-        tensor = f.get_tensor(name)
+    def read(f, name: str, path: Path) -> torch.Tensor:
+        tensor = _read(f, name, path, slices.get(name))
         return _to_device(tensor, device) if device.type == "cuda" else tensor
 
     if num_threads <= 1:
         for f, name, path in jobs:
-            yield name, path, read(f, name)
+            yield name, path, read(f, name, path)
         return
     with ThreadPoolExecutor(num_threads, thread_name_prefix="tinyvllm-load") as pool:
         pending: deque[tuple[str, Path, Future]] = deque()
         for f, name, path in jobs:
-            pending.append((name, path, pool.submit(read, f, name)))
+            pending.append((name, path, pool.submit(read, f, name, path)))
             if len(pending) >= 2 * num_threads:
                 name, path, future = pending.popleft()
                 yield name, path, future.result()
@@ -191,13 +223,32 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device)
 
 
+def _read(f: Any, name: str, path: Path, src: tuple[int, int, int] | None) -> torch.Tensor:
+    """Tensor `name` of the open file `f`, or only its slice `src` = (dim, start, length), read from the
+    file without the rest (a tensor-parallel rank's part)."""
+    if src is None:
+        return f.get_tensor(name)
+    dim, start, length = src
+    part = f.get_slice(name)
+    shape = part.get_shape()
+    if dim >= len(shape) or start + length > shape[dim]:
+        raise ValueError(
+            f"tensor {name!r} in {path.name} has shape {tuple(shape)}; the config implies at least "
+            f"{start + length} along dim {dim}"
+        )
+    return part[start : start + length] if dim == 0 else part[:, start : start + length]
+
+
 @torch.no_grad()
 def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = False) -> None:
     """Copy every checkpoint tensor into its place (converting dtype, moving to the model's device;
-    quantizing to FP8 where the model's layer is FP8 and the checkpoint is not)."""
+    quantizing to FP8 where the model's layer is FP8 and the checkpoint is not); a tensor-parallel
+    rank's model (`model.shard`) reads only its slices."""
     model_dir = Path(model_dir)
     config: ModelConfig = model.config
-    targets = weight_name_map(config)
+    if model.quant is not None and not model.shard.is_whole:
+        raise ValueError("FP8 weights are not sharded yet: tensor parallelism runs bf16/fp16/float32 weights only")
+    targets = weight_name_map(config, model.shard)
     optional: dict[str, Target] = {}
     quant = model.quant
     if quant is not None and quant.checkpoint_quantized:
@@ -212,7 +263,8 @@ def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = F
     big = sum(f.stat().st_size for f in files) > _PROGRESS_MIN_BYTES
     bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not (show_progress and big))
     device = next(model.parameters()).device
-    for name, path, tensor in read_tensors(files, device):
+    slices = {name: t.src for name, t in (targets | optional).items() if t.src is not None}
+    for name, path, tensor in read_tensors(files, device, slices):
         target = targets.get(name) or optional.get(name)
         if target is None:
             if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
@@ -347,13 +399,17 @@ def build_model(
     seed: int = 0,
     show_progress: bool = False,
     quant: QuantizationConfig | None = None,
+    shard: ModelShard | None = None,
+    group: TPGroup | None = None,
 ) -> CausalLM:
     """Construct on the meta device, materialise on `device`, then load (or randomise) the weights; with
-    `quant`, the linear layers it covers are FP8 (quantization/)."""
+    `quant`, the linear layers it covers are FP8 (quantization/); with `shard` and `group`, the
+    tensor-parallel rank's slice of the model (random dummy weights are then the rank's own draw, not a
+    slice of the one-rank model's)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {list(LOAD_FORMATS)}")
     with torch.device("meta"):
-        model = CausalLM(config, ops, max_positions, dtype, quant)
+        model = CausalLM(config, ops, max_positions, dtype, quant, shard, group)
     model = model.to_empty(device=device)
     model.init_rope_table()
     if load_format == "dummy":

@@ -15,11 +15,16 @@ dequantized operands, the reference the GPU path is checked against.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from tinyvllm.quantization.config import QuantizationConfig
 from tinyvllm.quantization.fp8 import FP8_DTYPE, amax_scale, quantize_rows, to_fp8
+
+if TYPE_CHECKING:
+    from tinyvllm.distributed.group import TPGroup
 
 
 class Fp8Linear(nn.Module):
@@ -131,9 +136,28 @@ def make_linear(
     dtype: torch.dtype,
     quant: QuantizationConfig | None,
     hf_modules: tuple[str, ...],
+    reduce_group: TPGroup | None = None,
 ) -> nn.Module:
     """The layer for the Hugging Face module(s) `hf_modules` (several for a fused layer): nn.Linear, or
-    Fp8Linear when `quant` quantizes them. Fused modules must be all quantized or all ignored."""
+    Fp8Linear when `quant` quantizes them. Fused modules must be all quantized or all ignored.
+
+    The layer knows its tensor-parallel role through `reduce_group`: a row-parallel layer (it holds some
+    of the input features, so its product is a partial sum) names the group whose all-reduce completes
+    it; None for a whole or a column-parallel layer (`apply_linear` in models/decoder.py reads it)."""
+    layer = _make_layer(in_features, out_features, bias=bias, dtype=dtype, quant=quant, hf_modules=hf_modules)
+    layer.reduce_group = reduce_group
+    return layer
+
+
+def _make_layer(
+    in_features: int,
+    out_features: int,
+    *,
+    bias: bool,
+    dtype: torch.dtype,
+    quant: QuantizationConfig | None,
+    hf_modules: tuple[str, ...],
+) -> nn.Module:
     if quant is None:
         return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
     ignored = {quant.is_ignored(m) for m in hf_modules}

@@ -32,6 +32,7 @@ import logging
 import torch
 
 from tinyvllm.config import RunnerConfig
+from tinyvllm.distributed.group import TPGroup
 from tinyvllm.engine.paths.fused import fused_forward
 from tinyvllm.engine.paths.lm_head import LMHead
 from tinyvllm.kernels.attention_metadata import AttnMetadata
@@ -64,10 +65,17 @@ class ModelExecutor:
         config: the runner's configuration (which paths are on, and their thresholds).
         device_type: "cuda" or "cpu"; the megakernel and the pruned LM head are CUDA paths.
         kv_cache_dtype: the KV cache's dtype (None: the model's); every path reads an FP8 cache.
+        group: the tensor-parallel group of a sharded model, whose LM head gathers the logits' columns
+            (the runner turns the paths that read whole weights off: model_runner.sharded_runner_config).
     """
 
     def __init__(
-        self, model: CausalLM, config: RunnerConfig, device_type: str, kv_cache_dtype: torch.dtype | None = None
+        self,
+        model: CausalLM,
+        config: RunnerConfig,
+        device_type: str,
+        kv_cache_dtype: torch.dtype | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         self.model = model
         self.ops = model.ops
@@ -91,7 +99,7 @@ class ModelExecutor:
             and config.sample_in_lm_head
             and model.config.hidden_size % 4 == 0
         )
-        self.lm_head = LMHead(model.lm_head_weight, model.ops, self.fused_max_tokens, pruned=pruned)
+        self.lm_head = LMHead(model.lm_head_weight, model.ops, self.fused_max_tokens, pruned=pruned, group=group)
 
     def _build_megakernel(self):
         from tinyvllm.engine.paths.megakernel import DecodeMegakernel, megakernel_unsupported

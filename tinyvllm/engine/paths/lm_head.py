@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from tinyvllm.distributed.group import TPGroup
 from tinyvllm.kernels import Ops
 
 
@@ -28,11 +29,17 @@ class LMHead:
         fused_max_rows: batches of at most this many rows take the fused matrix-vector product;
             0: never (the ops table has no fused product, or the runner turned it off).
         pruned: keep an int8 copy of the weight (V·H bytes) for `sample_pruned`; needs the Triton ops.
+        group: under tensor parallelism, the ranks' group: `weight` is the rank's vocabulary rows and
+            `logits` gathers every rank's columns (no fused sampling inside the product then).
     """
 
-    def __init__(self, weight: torch.Tensor, ops: Ops, fused_max_rows: int, pruned: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor, ops: Ops, fused_max_rows: int, pruned: bool = False, group: TPGroup | None = None
+    ) -> None:
+        assert group is None or not pruned, "the pruned LM head reads the whole weight"
         self.weight = weight
         self.ops = ops
+        self.group = group
         self.fused_max_rows = fused_max_rows if ops.fused_gemv is not None else 0
         self.rows = None
         if pruned and ops.name == "triton" and self.fused_max_rows >= 1:
@@ -50,6 +57,8 @@ class LMHead:
             logits = self.ops.fused_gemv(hidden, self.weight)
         else:
             logits = self.ops.linear(hidden, self.weight)
+        if self.group is not None:
+            logits = self.group.all_gather_last(logits)
         return logits if dtype is None else logits.to(dtype)
 
     def logits_sampled(
@@ -67,7 +76,7 @@ class LMHead:
             temperature: [N] float32, 0 for greedy rows.
             seeds: [N] int64, the rows' Gumbel-noise seeds.
         """
-        if self.is_fused(hidden.shape[0]) and self.ops.name == "triton":
+        if self.is_fused(hidden.shape[0]) and self.ops.name == "triton" and self.group is None:
             from tinyvllm.kernels.gemv import GemvSampling, fused_gemv_fwd
 
             return fused_gemv_fwd(hidden, self.weight, sampling=GemvSampling(temperature, seeds, ids, host_ids))
