@@ -91,6 +91,11 @@ class TensorParallelRunner:
     def kv_cache_dtype(self) -> torch.dtype:
         return self.runner.kv_cache_dtype
 
+    @property
+    def graphs(self):
+        """Rank 0's decode graphs (every rank captures the same buckets): for timing and inspection."""
+        return self.runner.graphs
+
     def determine_num_blocks(self, *args: Any, **kwargs: Any):
         return self._call("determine_num_blocks", args, kwargs)
 

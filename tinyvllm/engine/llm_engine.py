@@ -207,7 +207,11 @@ class LLMEngine:
             )
         with timer.phase("weights"):
             self.runner = self._build_runner(backend, show_progress)
-        self._init_kv_cache_and_scheduler(timer)
+        try:
+            self._init_kv_cache_and_scheduler(timer)
+        except BaseException:
+            self.runner.shutdown()  # a tensor-parallel runner's workers must not outlive a failed start
+            raise
         with timer.phase("engine_state"):
             self._init_request_state()
             # Everything built so far (model, tokenizer, graphs, tables) lives as long as the engine: move
