@@ -408,3 +408,22 @@ class RunnerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the engine spreads over processes and devices.
+
+    Attributes:
+        data_parallel_size: engine cores, each a process of its own with its own device(s) (on CUDA,
+            GPUs i*tp .. i*tp+tp-1 for core i), behind one API server that routes each request to
+            one of them (`tinyvllm.engine.dp_client`, `tinyvllm serve` only). A request runs on
+            one core from start to end.
+    """
+
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        dp = self.data_parallel_size
+        if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer (engine cores), got {dp!r}")

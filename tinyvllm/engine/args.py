@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from tinyvllm.config import RunnerConfig
+from tinyvllm.config import ParallelConfig, RunnerConfig
 from tinyvllm.structured.reasoning_gate import REASONING_END_TEXT
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,10 @@ def default_model() -> str:
     return FALLBACK_MODEL
 
 
-def _opt(default, help: str, choices: tuple | None = None, cli: bool = True):
-    """A field with its CLI help (and choices); `cli=False` keeps it out of the generated flags."""
-    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+def _opt(default, help: str, choices: tuple | None = None, cli: bool = True, short: str | None = None):
+    """A field with its CLI help (and choices, and a short flag such as "-dp"); `cli=False` keeps it
+    out of the generated flags."""
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli, "short": short})
 
 
 _RUNNER = {f.name for f in dataclasses.fields(RunnerConfig)}
@@ -100,6 +101,12 @@ class EngineArgs:
         "constrain only the answer",
         tuple(REASONING_END_TEXT),
     )
+    data_parallel_size: int = _opt(
+        1,
+        "engine cores behind one server (tinyvllm serve), each a process of its own with its own GPU(s); "
+        "each request runs on the least-loaded core",
+        short="-dp",
+    )
     # Execution paths (RunnerConfig); docs/perf.md has the measurements behind the defaults.
     fused_gemv: bool = _opt(
         True, "small decode steps through our matrix-vector kernels, with SwiGLU and the residual adds folded in"
@@ -135,6 +142,10 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    def parallel_config(self) -> ParallelConfig:
+        """The typed parallel config (raises ValueError for an impossible one)."""
+        return ParallelConfig(data_parallel_size=self.data_parallel_size)
+
     def runner_config(self, device_type: str) -> RunnerConfig:
         """The runner's typed config; CUDA graphs only on CUDA and without `enforce_eager`."""
         values = {name: getattr(self, name) for name in _RUNNER if name != "cuda_graphs"}
@@ -148,13 +159,15 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         if not f.metadata.get("cli", True):
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")]
+        if f.metadata.get("short"):
+            flags.append(f.metadata["short"])
         kind = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text)
+            group.add_argument(*flags, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text)
 
 
 def _base_type(hint) -> type:

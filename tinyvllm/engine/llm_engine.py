@@ -153,6 +153,11 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, show_progress: bool = False) -> None:
         self.args = args
+        if args.parallel_config().data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={args.data_parallel_size}: an LLMEngine (and LLM) is one engine core; "
+                "serve several with `tinyvllm serve -dp N`, or run one LLM per device"
+            )
         self.model_dir = resolve_model(args.model or default_model())
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(args.tokenizer or self.model_dir)
