@@ -13,14 +13,22 @@ import functools
 import json
 import os
 import signal
+import socket
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+import uvicorn
 
-from .conftest import MODEL_NAME
-from .faults import hanging_engine
+from tinyvllm.engine.args import EngineArgs
+from tinyvllm.engine.mp_client import MPAsyncLLMEngine
+from tinyvllm.entrypoints.server import ServerArgs, build_app
+from tinyvllm.entrypoints.shutdown import GracefulServer
+
+from .conftest import ENGINE_DEFAULTS, MODEL_NAME
+from .faults import failing_engine, hanging_engine
 from .test_cli_and_shutdown import _children, _gone, _start_serve
 
 NUM_REQUESTS = 64
@@ -155,3 +163,34 @@ def test_serve_exits_1_within_30_s_of_a_core_dying(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_engine_that_raises_stops_the_server_with_engine_died(model_dir):
+    """The core's step raises (a dead tensor-parallel worker surfaces this way): the stream ends with
+    the error, and `GracefulServer` (what `tinyvllm serve` runs) drains and stops on its own with
+    `engine_died` set, the exit status 1 of `run_server`."""
+    args = EngineArgs(model=str(model_dir), **{**ENGINE_DEFAULTS, "max_model_len": 512})
+    engine = MPAsyncLLMEngine(args, engine_factory=functools.partial(failing_engine, after_steps=5)).start(timeout=120)
+    app = build_app(engine, ServerArgs([MODEL_NAME]))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = GracefulServer(uvicorn.Config(app, log_level="warning"), app.state.drain, 60.0, engine=engine)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.01)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            resp, lines, first = _open_stream(c, "a stream that fails")
+            events = [first, *_rest(lines)]
+            resp.close()
+        assert events[-1] == "data: [DONE]" and "injected device failure" in events[-2]
+        thread.join(30)
+        assert not thread.is_alive() and server.engine_died
+        assert "injected device failure" in app.state.drain.reason
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.shutdown()
