@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tinyvllm.engine.async_llm import EngineInfo, RequestRejected, RequestStream, StatsListener, _prompt_parts
+from tinyvllm.engine.async_llm import EngineInfo, RequestRejected, RequestStream, StatsListener
 from tinyvllm.engine.dp_router import DEFAULT_AFFINITY_MARGIN, Router
 from tinyvllm.engine.messages import RequestDelta
 from tinyvllm.engine.mp_client import DEFAULT_STEP_TIMEOUT_S, EngineFactory, EngineStartError, MPAsyncLLMEngine
@@ -136,6 +136,15 @@ def aggregate_stats(snapshots: Sequence[dict[str, float]]) -> dict[str, float]:
         else:
             total["kv_cache_usage"] = sum(usages) / len(snapshots)
     return total
+
+
+def _prompt_token_ids(prompt: Any) -> list[int]:
+    """The token ids a prompt comes with ([] for a text-only prompt: the core tokenizes it)."""
+    if isinstance(prompt, dict):
+        return prompt.get("prompt_token_ids") or []
+    if isinstance(prompt, (list, tuple)):
+        return list(prompt)
+    return []
 
 
 class _SerialListener:
@@ -273,8 +282,7 @@ class DPAsyncLLMEngine:
         dead = next((core for core in self.cores if core.is_dead), None)
         if dead is not None:
             raise dead._dead()
-        _, ids = _prompt_parts(prompt)
-        key = self.router.affinity_key(ids)
+        key = self.router.affinity_key(_prompt_token_ids(prompt))
         with self._route_lock:
             if any(request_id in core._streams or request_id in core._adding for core in self.cores):
                 raise RequestRejected(f"request id {request_id!r} is already in use")
