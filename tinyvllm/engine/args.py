@@ -39,10 +39,10 @@ def default_model() -> str:
     return FALLBACK_MODEL
 
 
-def _opt(default, help: str, choices: tuple | None = None, cli: bool = True, short: str | None = None):
-    """A field with its CLI help (and choices, and a short flag such as "-dp"); `cli=False` keeps it
-    out of the generated flags."""
-    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli, "short": short})
+def _opt(default, help: str, choices: tuple | None = None, cli: bool = True, aliases: tuple[str, ...] = ()):
+    """A field with its CLI help (and choices, and short flags such as -tp); `cli=False` keeps it out of
+    the generated flags."""
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli, "aliases": aliases})
 
 
 _RUNNER = {f.name for f in dataclasses.fields(RunnerConfig)}
@@ -105,7 +105,7 @@ class EngineArgs:
         1,
         "engine cores behind one server (tinyvllm serve), each a process of its own with its own GPU(s); "
         "each request runs on the least-loaded core",
-        short="-dp",
+        aliases=("-dp",),
     )
     # Execution paths (RunnerConfig); docs/perf.md has the measurements behind the defaults.
     fused_gemv: bool = _opt(
@@ -159,15 +159,15 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         if not f.metadata.get("cli", True):
             continue
-        flags = ["--" + f.name.replace("_", "-")]
-        if f.metadata.get("short"):
-            flags.append(f.metadata["short"])
+        flags = [*f.metadata.get("aliases", ()), "--" + f.name.replace("_", "-")]
         kind = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
         if kind is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
-            group.add_argument(*flags, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text)
+            group.add_argument(
+                *flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text
+            )
 
 
 def _base_type(hint) -> type:
