@@ -15,12 +15,14 @@ from tinyvllm.entrypoints.cli import main
 BLOCK = 4
 
 
-def test_router_picks_the_least_loaded_core_lowest_index_among_equals():
+def test_router_picks_the_least_loaded_core_taking_turns_among_equals():
     router = Router(num_cores=3, block_size=BLOCK)
     assert router.choose([5, 2, 7]) == 1
     assert router.choose([3, 3, 1]) == 2
-    assert router.choose([0, 0, 0]) == 0
+    assert [router.choose([0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
     assert router.choose([4, 1, 1]) == 1
+    assert router.choose([4, 1, 1]) == 2
+    assert router.choose([1, 0, 3]) == 1
 
 
 def test_router_spreads_a_burst_evenly():

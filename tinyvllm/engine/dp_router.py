@@ -4,8 +4,9 @@ Each core has its own KV cache, so a prompt prefix cached on one core saves noth
 router remembers, for the first full KV block of each prompt it routed (`affinity_key`: a hash of
 its `block_size` token ids), the core it chose, and sends a later prompt starting with the same block
 to that core while the core's load is within `affinity_margin` requests of the least-loaded core's;
-otherwise (or for a prompt shorter than one block, or one it has not seen) to the least-loaded core,
-the lowest index among equals. The load of a core is its requests in flight (waiting + running, as
+otherwise (or for a prompt shorter than one block, or one it has not seen) to the least-loaded core;
+among equally loaded cores, the next in turn (round robin), so that requests arriving one at a time
+still spread over the cores. The load of a core is its requests in flight (waiting + running, as
 the API process counts them).
 
 No I/O and no locks: the caller (`tinyvllm.engine.dp_client`) serialises `choose` calls.
@@ -48,6 +49,7 @@ class Router:
         self.affinity_margin = affinity_margin
         self.max_prefixes = max_prefixes
         self._homes: OrderedDict[int, int] = OrderedDict()  # affinity key -> the core it was sent to
+        self._turn = 0  # the core that wins the next tie
 
     def affinity_key(self, prompt_token_ids: Sequence[int]) -> int | None:
         """A hash of the prompt's first KV block (None when the prompt fills no block: nothing of it
@@ -60,7 +62,10 @@ class Router:
         """The core for a request whose prompt has affinity `key`, given each core's load."""
         if len(loads) != self.num_cores:
             raise ValueError(f"expected {self.num_cores} loads, got {len(loads)}")
-        least = min(range(self.num_cores), key=loads.__getitem__)
+        low = min(loads)
+        n = self.num_cores
+        least = next(c % n for c in range(self._turn, self._turn + n) if loads[c % n] == low)
+        self._turn = (least + 1) % n
         if key is None:
             return least
         home = self._homes.get(key)
