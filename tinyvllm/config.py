@@ -424,8 +424,9 @@ class RunnerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is split over processes: tensor parallelism over `tensor_parallel_size` ranks, on
-    `nnodes` machines of `tensor_parallel_size / nnodes` ranks each (one GPU per rank on CUDA).
+    """How the engine spreads over processes and devices: `data_parallel_size` engine cores behind one
+    server, each splitting the model by tensor parallelism over `tensor_parallel_size` ranks, on `nnodes`
+    machines of `tensor_parallel_size / nnodes` ranks each (one GPU per rank on CUDA).
 
     The rendezvous fields are torchrun's: every machine is launched with the same `nnodes`,
     `master_addr` and `master_port` and its own `node_rank`; machine k hosts global ranks
@@ -433,6 +434,10 @@ class ParallelConfig:
     the scheduler and the KV-cache manager and sends every step to the others (docs/parallelism.md).
 
     Attributes:
+        data_parallel_size: engine cores, each a process of its own with its own device(s) (on CUDA,
+            GPUs i*tp .. i*tp+tp-1 for core i), behind one API server that routes each request to
+            one of them (`tinyvllm.engine.dp_client`, `tinyvllm serve` only). A request runs on
+            one core from start to end.
         tensor_parallel_size: the number of ranks the model's heads, MLP and vocabulary are split over.
         nnodes, node_rank: the machines, and which one this is.
         master_addr, master_port: where rank 0 listens for the rendezvous (None: a free port, one machine
@@ -442,6 +447,7 @@ class ParallelConfig:
     """
 
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -449,10 +455,15 @@ class ParallelConfig:
     distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "nnodes"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError(
+                "data_parallel_size > 1 runs its engine cores on one machine: nnodes must be 1 (run one server "
+                "per machine behind a load balancer instead)"
+            )
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(
                 f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes ({self.nnodes}): "

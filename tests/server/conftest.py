@@ -1,10 +1,11 @@
 """A live server on loopback: uvicorn in a background thread around a tiny random-weight model.
 
 `make_server(mode, **engine_overrides, max_waiting_requests=..., api_key=..., engine_factory=...,
-server_kw={ServerArgs fields}, model=another checkpoint directory)`
+server_kw={ServerArgs fields}, model=another checkpoint directory, client_kw={more client arguments})`
 starts an engine (mode "process": MPAsyncLLMEngine, the default of `tinyvllm serve`, its engine in a
-spawned process; "thread": AsyncLLMEngine around an LLMEngine built here) and an app, and serves it on
-a free port. `server` is the shared default one, in both modes (module tests reuse it).
+spawned process, or DPAsyncLLMEngine with data_parallel_size > 1; "thread": AsyncLLMEngine around an
+LLMEngine built here) and an app, and serves it on a free port. `server` is the shared default one,
+in both modes (module tests reuse it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import uvicorn
 
 from tinyvllm.engine.args import EngineArgs
 from tinyvllm.engine.async_llm import AsyncLLMEngine, EngineClient
+from tinyvllm.engine.dp_client import DPAsyncLLMEngine
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.engine.mp_client import MPAsyncLLMEngine
 from tinyvllm.entrypoints.server import ServerArgs, build_app
@@ -93,6 +95,7 @@ def make_server(model_dir) -> Iterator[Callable[..., LiveServer]]:
         engine_factory=None,
         server_kw: dict | None = None,
         model: str | None = None,
+        client_kw: dict | None = None,
         **engine_kw,
     ) -> LiveServer:
         args = EngineArgs(model=model or str(model_dir), **{**ENGINE_DEFAULTS, **engine_kw})
@@ -100,8 +103,9 @@ def make_server(model_dir) -> Iterator[Callable[..., LiveServer]]:
             core = engine_factory(args) if engine_factory is not None else LLMEngine(args)
             engine: EngineClient = AsyncLLMEngine(core, max_waiting_requests=max_waiting_requests).start()
         else:
-            engine = MPAsyncLLMEngine(
-                args, max_waiting_requests=max_waiting_requests, engine_factory=engine_factory
+            client = DPAsyncLLMEngine if args.data_parallel_size > 1 else MPAsyncLLMEngine
+            engine = client(
+                args, max_waiting_requests=max_waiting_requests, engine_factory=engine_factory, **(client_kw or {})
             ).start(timeout=120)
         live = start_server(engine, api_key, **(server_kw or {}))
         started.append(live)

@@ -30,3 +30,25 @@ def failing_engine(args: Any, after_steps: int = 5) -> Any:
 
 def unbuildable_engine(args: Any) -> Any:
     raise ValueError("no such checkpoint (injected)")
+
+
+def hanging_engine(args: Any, after_steps: int = 5) -> Any:
+    """An LLMEngine whose core_step() never returns after `after_steps` steps (a core stuck in a
+    collective or on a device that stopped answering: alive, silent)."""
+    import time
+
+    from tinyvllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(args)
+    real_step = engine.core_step
+    calls = 0
+
+    def core_step():
+        nonlocal calls
+        calls += 1
+        if calls > after_steps:
+            time.sleep(3600)
+        return real_step()
+
+    engine.core_step = core_step
+    return engine

@@ -108,6 +108,12 @@ class EngineArgs:
         tuple(REASONING_END_TEXT),
     )
     # Parallelism (ParallelConfig); docs/parallelism.md. The rendezvous flags are torchrun's.
+    data_parallel_size: int = _opt(
+        1,
+        "engine cores behind one server (tinyvllm serve), each a process of its own with its own GPU(s); "
+        "each request runs on the least-loaded core",
+        aliases=("-dp",),
+    )
     tensor_parallel_size: int = _opt(
         1, "split the model over this many processes (one GPU each on CUDA)", aliases=("-tp",)
     )
@@ -161,6 +167,7 @@ class EngineArgs:
         """The typed parallelism config (raises ValueError on an impossible one)."""
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
             nnodes=self.nnodes,
             node_rank=self.node_rank,
             master_addr=self.master_addr,

@@ -249,6 +249,12 @@ class EngineClient:
     def is_running(self) -> bool:
         raise NotImplementedError
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished or aborted, as this client counts them (the load a
+        data-parallel router compares: exact at once, where the core's stats lag by a step)."""
+        return len(self._streams) + len(self._adding)
+
     def start(self) -> EngineClient:
         raise NotImplementedError
 

@@ -183,6 +183,11 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, show_progress: bool = False) -> None:
         self.args = args
         self.parallel_config = args.parallel_config()
+        if self.parallel_config.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={args.data_parallel_size}: an LLMEngine (and LLM) is one engine core; "
+                "serve several with `tinyvllm serve -dp N`, or run one LLM per device"
+            )
         timer = StartupTimer()
         with timer.phase("config_tokenizer"):
             self.model_dir = resolve_model(args.model or default_model())

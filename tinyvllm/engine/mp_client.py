@@ -19,9 +19,12 @@ are done here, and a stop string sends the core an abort) and dispatches them to
 
 Failures: an exception in the engine loop is sent as EngineDead before the process exits
 with status 1; a process that vanishes (killed, crashed) closes its pipe. Either way the reader thread
-marks the engine dead. The engine process ignores SIGINT (a Ctrl-C in the terminal reaches the whole
-process group; the API process drains in-flight requests, then stops the engine) and exits when its
-command pipe closes, so it never outlives the API process.
+marks the engine dead. A process that hangs (alive, but stuck in a step: a collective that never
+completes, a device that stopped answering) is caught by a deadline: while requests are in flight the
+core sends a message after every step, so when none comes for `step_timeout_s` seconds the reader
+thread kills the process and marks the engine dead the same way. The engine process ignores SIGINT
+(a Ctrl-C in the terminal reaches the whole process group; the API process drains in-flight requests,
+then stops the engine) and exits when its command pipe closes, so it never outlives the API process.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tinyvllm.engine.async_llm import EngineClient, EngineInfo
+from tinyvllm.engine.async_llm import EngineClient, EngineDeadError, EngineInfo
 from tinyvllm.engine.core import EngineCore
 from tinyvllm.engine.messages import (
     EngineCommand,
@@ -54,6 +58,8 @@ from tinyvllm.engine.messages import (
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[Any], Any]  # EngineArgs -> LLMEngine, run in the engine process; must pickle
+DEFAULT_STEP_TIMEOUT_S = 120.0  # longer than any step, Triton compiling a new shape included
+_POLL_S = 1.0  # how often the reader thread checks the deadline while the core is quiet
 
 
 class EngineStartError(RuntimeError):
@@ -69,6 +75,12 @@ class MPAsyncLLMEngine(EngineClient):
         engine_factory: builds the engine in the engine process (default: LLMEngine(engine_args));
             a picklable callable, for tests that need a fake or failing engine.
         show_progress: show the model-loading progress bar.
+        step_timeout_s: with requests in flight, a core that sends nothing for this long is hung: it
+            is killed and the engine is dead. None: no deadline.
+        name: names the engine in its errors and its process ("data-parallel core 1 of 2").
+        env: environment variables the engine process sets before it builds the engine (which GPUs
+            it sees: CUDA_VISIBLE_DEVICES).
+        num_threads: torch's CPU threads in the engine process (default: one fewer than the cores).
     """
 
     def __init__(
@@ -77,11 +89,22 @@ class MPAsyncLLMEngine(EngineClient):
         max_waiting_requests: int | None = None,
         engine_factory: EngineFactory | None = None,
         show_progress: bool = False,
+        step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
+        num_threads: int | None = None,
     ) -> None:
         super().__init__(max_waiting_requests)
+        if step_timeout_s is not None and not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be positive (or None: no deadline), got {step_timeout_s}")
         self.engine_args = engine_args
+        self.step_timeout_s = step_timeout_s
+        self.name = name
+        self._env = dict(env or {})
+        self._num_threads = num_threads
         self._factory = engine_factory
         self._show_progress = show_progress
+        self._hung_after: float | None = None  # set when the deadline killed the process
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._to_core: Connection | None = None
@@ -108,12 +131,18 @@ class MPAsyncLLMEngine(EngineClient):
         Raises:
             EngineStartError: the engine could not be built, or the process died while building it.
         """
+        self.launch()
+        return self.wait_until_ready(timeout)
+
+    def launch(self) -> None:
+        """Spawn the engine process (the first half of `start`: several engines build at once when
+        each is launched before any is waited for)."""
         ctx = multiprocessing.get_context("spawn")
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         out_recv, out_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(
+        proc = ctx.Process(
             target=run_engine_process,
-            name="tinyvllm-engine-core",
+            name="tinyvllm-engine-core" if self.name is None else f"tinyvllm-{self.name.replace(' ', '-')}",
             daemon=True,
             args=(
                 self.engine_args,
@@ -123,13 +152,24 @@ class MPAsyncLLMEngine(EngineClient):
                 logging.getLogger().level,
                 cmd_recv,
                 out_send,
+                self._env,
+                self._num_threads,
             ),
         )
         _grow_pipe(out_recv)
-        self._proc.start()
+        proc.start()
+        self._proc = proc  # only once started: shutdown() waits for a started process
         cmd_recv.close()  # the child's ends: closing ours lets each side see the other's death as EOF
         out_send.close()
         self._to_core, self._from_core = cmd_send, out_recv
+
+    def wait_until_ready(self, timeout: float | None = None) -> MPAsyncLLMEngine:
+        """Wait until the launched engine process has built its engine (`timeout` seconds at most),
+        then start the reader and sender threads (the second half of `start`).
+
+        Raises:
+            EngineStartError: as `start`.
+        """
         try:
             ready = self._wait_until_ready(timeout)
             from tinyvllm.tokenizer import Tokenizer
@@ -192,6 +232,11 @@ class MPAsyncLLMEngine(EngineClient):
     def _send(self, command: EngineCommand) -> None:
         self._commands.put(command)
 
+    def _dead(self) -> EngineDeadError:
+        if self.name is None:
+            return super()._dead()
+        return EngineDeadError(f"the engine is not running ({self.name}: {self.dead_error})")
+
     # ------------------------------------------------------------------ the two threads
     def _write(self) -> None:
         """Sender thread: one pipe message per batch of queued commands, until Shutdown."""
@@ -221,8 +266,13 @@ class MPAsyncLLMEngine(EngineClient):
         error: BaseException | None = None
         conn = self._from_core
         decode = output_decoder.decode
+        heard = time.monotonic()  # when the core last sent something, or last had nothing to do
         try:
             while True:
+                if not conn.poll(_POLL_S):
+                    heard = self._check_deadline(heard)
+                    continue
+                heard = time.monotonic()
                 message = decode(conn.recv_bytes())
                 if isinstance(message, EngineDead):
                     error = RuntimeError(message.message)
@@ -235,13 +285,36 @@ class MPAsyncLLMEngine(EngineClient):
             error = e
             self._kill()  # nobody reads its outputs any more
         if error is None:
-            if self._stopping:
+            if self._hung_after is not None:
+                error = RuntimeError(
+                    f"the engine process sent nothing for {self._hung_after:.0f} s with requests in flight "
+                    f"(hung; the deadline is {self.step_timeout_s:g} s); it was killed"
+                )
+            elif self._stopping:
                 error = RuntimeError("the engine was shut down")
             else:
                 error = RuntimeError(f"the engine process died unexpectedly ({_exit(self._wait(5))})")
         if not self._stopping:
             logger.error("engine dead: %s", error)
         self._die(error)
+
+    def _check_deadline(self, heard: float) -> float:
+        """On the reader thread while the core is quiet: kill a core that owes an answer (requests in
+        flight) and has sent nothing for `step_timeout_s`; returns the new `heard` time (now, while
+        nothing is in flight: an idle core owes nothing)."""
+        now = time.monotonic()
+        if not self.num_in_flight or self._stopping:
+            return now
+        if self.step_timeout_s is not None and now - heard > self.step_timeout_s and self._hung_after is None:
+            self._hung_after = now - heard
+            logger.error(
+                "%s sent nothing for %.0f s with %d request(s) in flight; killing it",
+                self.name or "the engine process",
+                self._hung_after,
+                self.num_in_flight,
+            )
+            self._kill()  # its pipe closes: the loop ends on EOF and reports the hang
+        return heard
 
 
 def _grow_pipe(conn: Connection, size: int = 1 << 20) -> None:
@@ -273,13 +346,18 @@ def _build_engine(engine_args: Any, show_progress: bool = False) -> Any:
     return LLMEngine(engine_args, show_progress=show_progress)
 
 
-def _leave_a_core_to_the_server() -> None:
+def _leave_a_core_to_the_server(num_threads: int | None = None) -> None:
     """torch's CPU thread pool defaults to one thread per core, and its idle threads spin: with the
     API process wanting a core too, steps on a small machine slowed down up to 30x (2 cores, CPU
-    device). Unless OMP_NUM_THREADS says otherwise, use one thread fewer than the cores we may use."""
+    device). Unless OMP_NUM_THREADS says otherwise, use one thread fewer than the cores we may use
+    (or `num_threads`, where the caller shares the cores among several engines)."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     import torch
+
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+        return
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
@@ -293,12 +371,15 @@ def run_engine_process(
     log_level: int,
     commands: Connection,
     out: Connection,
+    env: dict[str, str] | None = None,
+    num_threads: int | None = None,
 ) -> None:
-    """Main of the engine process: build the engine, report EngineReady, run the loop."""
+    """Main of the engine process: set `env`, build the engine, report EngineReady, run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when the engine stops
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.update(env or {})  # before anything initialises CUDA (CUDA_VISIBLE_DEVICES is read then)
     try:
-        _leave_a_core_to_the_server()
+        _leave_a_core_to_the_server(num_threads)
         engine = factory(engine_args) if factory is not None else _build_engine(engine_args, show_progress)
     except BaseException as e:
         logger.exception("could not build the engine")

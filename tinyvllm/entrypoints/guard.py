@@ -53,7 +53,7 @@ class RequestGuard:
             return
         if self.drain.draining:
             self.drain.refused += 1
-            await send_error(send, 503, "the server is shutting down", close=True)
+            await send_error(send, 503, self.drain.reason, close=True)
             return
         limit = self.limits.max_body_bytes
         length = dict(scope["headers"]).get(b"content-length")

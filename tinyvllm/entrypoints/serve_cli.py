@@ -7,7 +7,8 @@ import argparse
 import os
 import sys
 
-from tinyvllm.engine.args import add_engine_cli_args
+from tinyvllm.engine.args import add_engine_cli_args, engine_args_from_cli
+from tinyvllm.engine.mp_client import DEFAULT_STEP_TIMEOUT_S
 from tinyvllm.entrypoints.limits import ServerLimits, limits_from_cli
 from tinyvllm.tool_parsers import TOOL_CALL_PARSERS
 
@@ -39,6 +40,13 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="after SIGINT/SIGTERM, new requests get 503 and those in flight get this many seconds to "
         "finish; then each remaining stream ends with an error event and [DONE] (a second signal: now)",
+    )
+    g.add_argument(
+        "--engine-step-timeout",
+        type=float,
+        default=DEFAULT_STEP_TIMEOUT_S,
+        help="with requests in flight, an engine process that sends nothing for this many seconds is hung: "
+        "it is killed, its requests fail and the server exits 1 (0: no deadline)",
     )
     g.add_argument("--keep-alive-timeout", type=int, default=5, help="seconds an idle connection stays open")
     g.add_argument(
@@ -126,6 +134,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         ns.model = ns.model_tag
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 1:
         print("tinyvllm serve: --max-waiting-requests must be at least 1", file=sys.stderr)
+        return 2
+    if ns.engine_step_timeout < 0:
+        print("tinyvllm serve: --engine-step-timeout must be at least 0 (0: no deadline)", file=sys.stderr)
+        return 2
+    try:
+        parallel = engine_args_from_cli(ns).parallel_config()
+    except ValueError as e:
+        print(f"tinyvllm serve: {e}", file=sys.stderr)
+        return 2
+    if ns.engine_in_thread and parallel.data_parallel_size > 1:
+        print("tinyvllm serve: -dp N runs N engine processes; drop --engine-in-thread", file=sys.stderr)
         return 2
     if ns.tokenizer_pool_size < 1:
         print("tinyvllm serve: --tokenizer-pool-size must be at least 1", file=sys.stderr)

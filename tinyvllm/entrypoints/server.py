@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP server (FastAPI), a drop-in for `vllm serve`. Needs the [server] extra.
 
 `build_app(engine, args)` makes the app around a started engine client (tests run it on uvicorn in a
-thread); `run_server(ns)` starts the engine process (`MPAsyncLLMEngine`; with `--engine-in-thread`, an
-engine thread in this process instead) and serves until SIGINT/SIGTERM, then shuts down as
-`tinyvllm.entrypoints.shutdown` describes (new requests 503, in-flight ones get `--shutdown-timeout`
-seconds, then end with an error event), stops the engine and exits 0.
+thread); `run_server(ns)` starts the engine process (`MPAsyncLLMEngine`; with `-dp N`, N of them behind
+`DPAsyncLLMEngine`; with `--engine-in-thread`, an engine thread in this process instead) and serves
+until SIGINT/SIGTERM, then shuts down as `tinyvllm.entrypoints.shutdown` describes (new requests 503,
+in-flight ones get `--shutdown-timeout` seconds, then end with an error event), stops the engine and
+exits 0. If the engine dies, the server shuts down the same way on its own and exits 1.
 
 Every request first passes `RequestGuard` (body size and time limits, the drain, internal errors);
 POST bodies are parsed and validated on a worker pool (`ServingContext.parse`, limits in
@@ -279,15 +280,17 @@ class APIKeyMiddleware:
 
 # ---------------------------------------------------------------------- `tinyvllm serve`
 def run_server(ns: argparse.Namespace) -> int:
-    """Start the engine from the CLI flags, serve until SIGINT/SIGTERM, shut down cleanly; returns 0
-    (1 when the engine could not be built)."""
+    """Start the engine from the CLI flags, serve until SIGINT/SIGTERM, shut down cleanly; returns 0,
+    1 when the engine could not be built or died, 2 for an impossible placement of its cores."""
     import uvicorn
 
     from tinyvllm.engine.args import DEFAULT_MODEL, engine_args_from_cli
+    from tinyvllm.engine.dp_client import DPAsyncLLMEngine
     from tinyvllm.engine.mp_client import EngineStartError, MPAsyncLLMEngine
 
     engine_args = engine_args_from_cli(ns)
-    engine: EngineClient
+    step_timeout = ns.engine_step_timeout or None
+    engine: Any
     if ns.engine_in_thread:
         from tinyvllm.engine.llm_engine import LLMEngine
 
@@ -295,9 +298,25 @@ def run_server(ns: argparse.Namespace) -> int:
         engine = AsyncLLMEngine(core, max_waiting_requests=ns.max_waiting_requests).start()
     else:
         try:
-            engine = MPAsyncLLMEngine(
-                engine_args, max_waiting_requests=ns.max_waiting_requests, show_progress=True
-            ).start()
+            if engine_args.data_parallel_size > 1:
+                engine = DPAsyncLLMEngine(
+                    engine_args,
+                    max_waiting_requests=ns.max_waiting_requests,
+                    show_progress=True,
+                    step_timeout_s=step_timeout,
+                )
+            else:
+                engine = MPAsyncLLMEngine(
+                    engine_args,
+                    max_waiting_requests=ns.max_waiting_requests,
+                    show_progress=True,
+                    step_timeout_s=step_timeout,
+                )
+        except ValueError as e:
+            print(f"tinyvllm serve: {e}", file=sys.stderr)
+            return 2
+        try:
+            engine.start()
         except EngineStartError as e:
             print(f"tinyvllm serve: the engine could not start: {e}", file=sys.stderr)
             return 1
@@ -325,7 +344,7 @@ def run_server(ns: argparse.Namespace) -> int:
         **({"http": protocol} if protocol is not None else {}),
     )
     _return_freed_memory()
-    server = GracefulServer(config, app.state.drain, ns.shutdown_timeout)
+    server = GracefulServer(config, app.state.drain, ns.shutdown_timeout, engine=engine)
     try:
         with _signals_end_the_server():
             server.run()
@@ -333,6 +352,9 @@ def run_server(ns: argparse.Namespace) -> int:
         engine.shutdown()
     if app.state.drain.draining:
         logger.warning(app.state.drain.summary())
+    if server.engine_died:
+        logger.error("server stopped: the engine died (%s)", engine.dead_error)
+        return 1
     logger.info("server stopped")
     return 0
 

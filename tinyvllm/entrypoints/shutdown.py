@@ -10,6 +10,13 @@
 
 A second signal skips what is left: the remaining streams end at once (with the same error event)
 and the server exits as soon as they are written (at most uvicorn's 1 s graceful timeout).
+
+An engine that dies (a core process killed, crashed, raised, or hung past its deadline) ends the
+server the same way, without a signal: its own in-flight requests have already failed with the
+engine's error (a stream gets an error event and [DONE], a non-streamed request a 503); `/health` and
+every new request get 503 at once; requests on other data-parallel cores get `DEATH_GRACE_S`
+seconds to finish; then the server exits with status 1 (`GracefulServer.engine_died`), well within
+30 s of the death.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from tinyvllm.engine.async_llm import RequestRejected, RequestStream
 logger = logging.getLogger(__name__)
 
 FLUSH_S = 2.0  # after the streams are ended: time for their last events to reach the clients
+DEATH_GRACE_S = 5.0  # after the engine died: time for requests on the surviving cores to finish
 
 
 class ServerShuttingDown(RequestRejected):
@@ -48,9 +56,12 @@ class Drain:
         self.ended = 0  # requests ended with ServerShuttingDown
         self.refused = 0  # requests answered 503 while draining
         self.cut = 0  # requests cancelled by uvicorn at the very end
+        self.reason = "the server is shutting down"  # what refused requests are told
 
-    def begin(self, grace_s: float) -> None:
+    def begin(self, grace_s: float, reason: str | None = None) -> None:
         if not self.draining:
+            if reason is not None:
+                self.reason = f"the server is shutting down: {reason}"
             self.grace_s = grace_s
             self.begun_at = time.monotonic()
             self.draining = True
@@ -95,12 +106,16 @@ class Drain:
 
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server whose first SIGINT/SIGTERM starts `drain` instead of closing the listener, and
-    whose second one exits at once (uvicorn's force_exit)."""
+    whose second one exits at once (uvicorn's force_exit). With `engine` given (anything with
+    `is_dead` and `dead_error`), its death starts the drain too, with at most `DEATH_GRACE_S`
+    seconds of grace, and sets `engine_died` (the server's exit status is then 1)."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, grace_s: float, engine: Any = None) -> None:
         super().__init__(config)
         self.drain = drain
         self.grace_s = grace_s
+        self.engine = engine
+        self.engine_died = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self._captured_signals.append(sig)
@@ -110,6 +125,10 @@ class GracefulServer(uvicorn.Server):
             self.drain.begin(self.grace_s)
 
     async def on_tick(self, counter: int) -> bool:
+        if self.engine is not None and not self.engine_died and self.engine.is_dead:
+            self.engine_died = True
+            logger.error("the engine died (%s); the server stops", self.engine.dead_error)
+            self.drain.begin(min(self.grace_s, DEATH_GRACE_S), f"the engine died ({self.engine.dead_error})")
         if await super().on_tick(counter):
             if self.drain.draining:
                 self.drain.ended_at = self.drain.ended_at or time.monotonic()
