@@ -24,11 +24,13 @@ PATTERN = r"(ab|c)[0-9]{1,3}-(x|yz)"
 
 
 class _EagerGraphs(DecodeGraphs):
-    """DecodeGraphs whose "replay" runs the captured function eagerly; records each replay's head."""
+    """DecodeGraphs whose "replay" runs the captured function eagerly; records each replay's head. Every
+    bucket counts as captured from the start (as with graph_capture="eager"), so every step replays."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.heads: list[str] = []
+        self.captured = set(self.batch_sizes)
 
     def _replay(self, key):
         self.heads.append(key[3])

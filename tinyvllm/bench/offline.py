@@ -40,6 +40,16 @@ def _params(w: Workload) -> list[SamplingParams]:
     return [SamplingParams(temperature=w.temperature, max_tokens=m, ignore_eos=True, **w.filters) for m in w.max_tokens]
 
 
+def _costs(llm: LLM) -> ModelCosts:
+    """The roofline's counts for the engine's model as it stores it (FP8 weights, FP8 KV cache)."""
+    engine = llm.llm_engine
+    return ModelCosts.of(
+        engine.model_config,
+        fp8_weights=engine.quantization is not None,
+        fp8_kv_cache=engine.runner.kv_cache_dtype.itemsize == 1,
+    )
+
+
 def _token_ids(prompts: list[list[int]], vocab_size: int) -> list[list[int]]:
     """Workload token ids (drawn from [0, 10000]), folded into small test vocabularies."""
     return [[t % vocab_size for t in p] for p in prompts]
@@ -52,7 +62,8 @@ def _prompts(w: Workload, vocab_size: int) -> list[dict]:
 
 def _warm_up(llm: LLM, w: Workload | None = None) -> None:
     """One short request (docs/workloads.md: one warm-up request first), then, when a workload is given, its
-    first 16 prompts with 4 output tokens each: Triton compiles a kernel variant the first time it meets
+    first 16 prompts with 4 output tokens each, sampled as the workload samples (its filters: the
+    truncating sampler's kernels): Triton compiles a kernel variant the first time it meets
     a new specialisation (tile config, split count, arguments divisible by 16), and a fresh machine
     otherwise pays seconds of compilation inside the timed run (measured on the H200: 14.0k vs 42.3k
     output tokens/s for the throughput workload, cold vs warm Triton cache)."""
@@ -61,7 +72,7 @@ def _warm_up(llm: LLM, w: Workload | None = None) -> None:
     )
     if w is not None:
         vocab = llm.llm_engine.model_config.vocab_size
-        head = Workload(w.prompts[:16], [4] * min(16, len(w.prompts)), w.temperature)
+        head = Workload(w.prompts[:16], [4] * min(16, len(w.prompts)), w.temperature, w.filters)
         llm.generate(_prompts(head, vocab), _params(head), use_tqdm=False)
 
 
@@ -173,7 +184,7 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
             }
         )
     ours = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    costs = ModelCosts.of(llm.llm_engine.model_config)
+    costs = _costs(llm)
     floor = latency_floor(costs, ns.input_len, ns.output_len, ceil, batch) if ceil else None
     rows = [("tinyvllm", f"{ours['decode_tokens_per_s']:.0f}", f"{ours['ttft_s'] * 1e3:.1f}")]
     if hf:
@@ -245,7 +256,7 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         "triton_compiles_in_timed_run": compiled,
         "steps": steps,
     }
-    costs = ModelCosts.of(llm.llm_engine.model_config)
+    costs = _costs(llm)
     floor = throughput_floor(costs, [len(p) for p in w.prompts], w.max_tokens, ceil) if ceil else None
     rows = [("tinyvllm", f"{ours['output_tokens_per_s']:.0f}", f"{elapsed:.2f}")]
     if hf:

@@ -72,18 +72,30 @@ class ModelCosts:
     attn_flops_per_ctx_token: int  # 4·Hq·D·layers: attention FLOPs per query token per context token
 
     @classmethod
-    def of(cls, c: ModelConfig, bytes_per_param: int = 2) -> ModelCosts:
-        per_layer = (
+    def of(
+        cls, c: ModelConfig, bytes_per_param: int = 2, fp8_weights: bool = False, fp8_kv_cache: bool = False
+    ) -> ModelCosts:
+        """The counts for `c` stored at `bytes_per_param`; `fp8_weights`: the decoder layers' projections
+        at one byte per weight plus a float32 scale per output row (the embedding, norms and LM head stay
+        at `bytes_per_param`, as FP8 checkpoints keep them); `fp8_kv_cache`: one byte per K/V value."""
+        linear_in_layer = (
             c.hidden_size * (c.q_size + 2 * c.kv_size)
             + c.q_size * c.hidden_size
             + 3 * c.hidden_size * c.intermediate_size
         )
-        matmul = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size
+        linear = c.num_hidden_layers * linear_in_layer
+        matmul = linear + c.hidden_size * c.vocab_size
         embedding = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size  # read one row a step
+        rest = c.num_parameters() - embedding - linear
+        if fp8_weights:
+            rows = c.num_hidden_layers * (c.q_size + 2 * c.kv_size + 2 * c.hidden_size + 2 * c.intermediate_size)
+            weight_bytes = rest * bytes_per_param + linear + 4 * rows
+        else:
+            weight_bytes = (rest + linear) * bytes_per_param
         return cls(
             matmul_params=matmul,
-            weight_bytes=(c.num_parameters() - embedding) * bytes_per_param,
-            kv_bytes_per_token=c.num_hidden_layers * 2 * c.kv_size * bytes_per_param,
+            weight_bytes=weight_bytes,
+            kv_bytes_per_token=c.num_hidden_layers * 2 * c.kv_size * (1 if fp8_kv_cache else bytes_per_param),
             attn_flops_per_ctx_token=4 * c.num_hidden_layers * c.q_size,
         )
 

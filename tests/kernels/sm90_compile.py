@@ -1,0 +1,55 @@
+"""Compile every Triton kernel a piece of code launches for the H200 (sm_90) on a machine without a GPU.
+
+The CPU interpreter that runs the kernel tests executes kernels as Python: it never sees what only the
+compiler checks (the types that branches, returns and loops carry; a constexpr branch that produces a
+different dtype; inline assembly). `compile_only_for_sm90()` makes Triton believe an sm_90 device is
+active and turns every launch into a compile (`JITFunction.run(..., warmup=True)`): the code under it runs
+as usual on CPU tensors, each launch compiles its kernel variant to PTX and SASS (ptxas ships with
+Triton) and launches nothing, so the kernels' outputs are whatever the tensors held. Run it in a process
+of its own without TRITON_INTERPRET (the interpreter replaces the kernels by Python functions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+
+class _Sm90Driver:
+    """The three questions Triton's launcher asks the active driver, answered for one sm_90 device."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+@contextlib.contextmanager
+def compile_only_for_sm90() -> Iterator[list[tuple[str, object]]]:
+    """Within: every Triton launch compiles for sm_90 and runs nothing; yields the list of (kernel name,
+    compiled kernel) it appends each launch to (`.asm["ptx"]` holds the PTX)."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    launched: list[tuple[str, object]] = []
+    original = JITFunction.run
+    previous = driver._active  # None where no driver was made yet (and none can be: no GPU)
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+        launched.append((self.__name__, kernel))
+        return kernel
+
+    driver.set_active(_Sm90Driver())
+    JITFunction.run = compile_only
+    try:
+        yield launched
+    finally:
+        JITFunction.run = original
+        driver._active = previous
