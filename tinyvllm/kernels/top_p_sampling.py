@@ -143,23 +143,19 @@ def _search(
     while not done:
         keys = _candidates(lo, hi, a, NC)
         x = _from_key(keys)
-        # Per-lane sums, reduced across the program once after the row: a reduction across threads
-        # inside the loop would cost a shared-memory round trip and a barrier per BLOCK logits.
-        cnt_i = tl.zeros([BLOCK, NC], tl.int32)
-        mass_i = tl.zeros([BLOCK, NC], tl.float32)
+        cnt = tl.zeros([NC], tl.int32)
+        mass = tl.zeros([NC], tl.float32)
         vmin = tl.full([BLOCK], float("inf"), tl.float32)
         vmax = tl.full([BLOCK], float("-inf"), tl.float32)
         for start in range(0, V, BLOCK):
             sl = _scaled(row_ptr, mask_row_ptr, start + tl.arange(0, BLOCK), V, inv_t, HAS_MASK)
             e = tl.exp2((sl - m) * 1.4426950408889634)
             gt = sl[:, None] > x[None, :]
-            cnt_i += gt.to(tl.int32)
-            mass_i += tl.where(gt, e[:, None], 0.0)
+            cnt += tl.sum(gt.to(tl.int32), axis=0)
+            mass += tl.sum(tl.where(gt, e[:, None], 0.0), axis=0)
             inside = (sl > lo) & (sl <= hi)
             vmin = tl.minimum(vmin, tl.where(inside, sl, float("inf")))
             vmax = tl.maximum(vmax, tl.where(inside, sl, float("-inf")))
-        cnt = tl.sum(cnt_i, axis=0)
-        mass = tl.sum(mass_i, axis=0)
         vmin_r = tl.min(vmin, axis=0)
         vmax_r = tl.max(vmax, axis=0)
         cond = (cnt < k) & (mass < P)
