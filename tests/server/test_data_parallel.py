@@ -194,3 +194,31 @@ def test_an_engine_that_raises_stops_the_server_with_engine_died(model_dir):
         server.should_exit = True
         thread.join(10)
         engine.shutdown()
+
+
+def test_serve_tp2_exits_1_within_30_s_of_a_worker_dying(model_dir):
+    """`tinyvllm serve -tp 2`: SIGKILL to the tensor-parallel worker (rank 1, a child of the engine core)
+    mid-stream fails the stream with an error naming the dead rank, /health turns 503, the server exits 1
+    within 30 s and no process of it is left."""
+    proc, url = _start_serve(model_dir, "-tp", "2")
+    try:
+        (core,) = _children(proc.pid)
+        (worker,) = _children(core)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            resp, lines, _ = _open_stream(c, "a stream on two ranks")
+            os.kill(worker, signal.SIGKILL)
+            killed_at = time.monotonic()
+            events = _rest(lines)
+            resp.close()
+        assert events[-1] == "data: [DONE]"
+        message = json.loads(events[-2][6:])["error"]["message"]
+        assert "tensor-parallel worker died" in message and "rank 1" in message and "SIGKILL" in message
+        with contextlib.suppress(httpx.TransportError):  # or already gone
+            assert httpx.get(url + "/health", timeout=2).status_code == 503
+        assert proc.wait(timeout=30) == 1
+        assert time.monotonic() - killed_at < 30
+        assert _gone(core, timeout=10) and _gone(worker, timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
