@@ -1,10 +1,7 @@
-"""Weights to the GPU through the loader's pinned staging (models/staging.py, models/loader.py): every
-tensor of a real sharded checkpoint arrives on CUDA bit for bit what safetensors reads, from 8 threads
-with chunks smaller than most tensors; and `PinnedStaging` alone, for sizes around its chunk."""
+"""Weights to the GPU through the loader's threads (models/loader.py `read_tensors`): every tensor of a
+real sharded checkpoint arrives on CUDA bit for bit what safetensors reads, from 8 threads."""
 
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,7 +9,6 @@ from safetensors.torch import load_file
 
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 from tinyvllm.models.loader import read_tensors, safetensors_files
-from tinyvllm.models.staging import PinnedStaging
 
 pytestmark = pytest.mark.gpu
 
@@ -25,15 +21,3 @@ def test_read_tensors_to_cuda_is_bitwise(tmp_path):
     assert len(got) == len(want)
     for name, _, tensor in got:
         assert tensor.is_cuda and torch.equal(tensor.cpu(), want[name]), name
-
-
-def test_pinned_staging_chunks_around_the_buffer_size():
-    chunk = 1 << 20
-    staging = PinnedStaging(torch.device("cuda"), chunk_bytes=chunk)
-    g = torch.Generator().manual_seed(1)
-    sizes = [1, chunk // 4 - 1, chunk // 4, chunk // 4 + 1, 3 * chunk // 4 + 5, 5 * chunk]  # float32 elements
-    tensors = [torch.randn(n, generator=g) for n in sizes] * 4
-    with ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(staging.to_device, tensors))
-    for src, out in zip(tensors, got):
-        assert out.is_cuda and torch.equal(out.cpu(), src)
