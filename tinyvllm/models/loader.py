@@ -29,7 +29,6 @@ from tinyvllm.distributed.group import TPGroup
 from tinyvllm.distributed.shard import ModelShard
 from tinyvllm.kernels import Ops
 from tinyvllm.models.decoder import CausalLM
-from tinyvllm.models.staging import PinnedStaging
 from tinyvllm.quantization.config import QuantizationConfig
 from tinyvllm.quantization.fp8 import FP8_DTYPE, quantize_rows
 from tinyvllm.quantization.linear import Fp8Linear
@@ -188,20 +187,17 @@ def read_tensors(
 
     How the bytes move, and nothing else: `num_threads` threads each take a tensor, read it from its
     memory-mapped file (page faults: the page cache, or the disk) and, for a CUDA `device`, copy it there
-    through the thread's pinned staging buffers (models/staging.py); the caller consumes them in order
-    while the next ones are read, at most 2 × `num_threads` tensors in flight. The reads and copies
-    release the GIL, so they overlap each other and the caller's work. A CPU `device` gets the file's
-    tensors as they are (the caller's copy reads them).
+    (`_to_device`); the caller consumes them in order while the next ones are read, at most 2 ×
+    `num_threads` tensors in flight. The reads and copies release the GIL, so they overlap each other and
+    the caller's work. A CPU `device` gets the file's tensors as they are (the caller's copy reads them).
     """
     slices = slices or {}
     handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
     jobs = [(f, name, path) for f, path in zip(handles, files) for name in list(f.keys())]  # keys(): no iteration
 
-    staging = PinnedStaging(device) if device.type == "cuda" else None
-
     def read(f, name: str, path: Path) -> torch.Tensor:
         tensor = _read(f, name, path, slices.get(name))
-        return tensor if staging is None else staging.to_device(tensor)
+        return _to_device(tensor, device) if device.type == "cuda" else tensor
 
     if num_threads <= 1:
         for f, name, path in jobs:
@@ -217,6 +213,14 @@ def read_tensors(
         while pending:
             name, path, future = pending.popleft()
             yield name, path, future.result()
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (host memory, e.g. a memory-mapped file's) on the CUDA `device`: first copied into pinned
+    staging on the calling thread (the part that reads the file's pages, which the threads do in
+    parallel), then by DMA at the link's full rate, waited for (the staging is then free, and the result
+    complete for any stream)."""
+    return tensor.pin_memory().to(device)
 
 
 def _read(f: Any, name: str, path: Path, src: tuple[int, int, int] | None) -> torch.Tensor:
