@@ -44,6 +44,7 @@ ENGINE_PHASES = (
     "config_tokenizer",
     "device_init",
     "weights",
+    "derived_weights",
     "memory_profile",
     "kv_allocation",
     "graph_warmup",

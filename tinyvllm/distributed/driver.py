@@ -92,6 +92,10 @@ class TensorParallelRunner:
         return self.runner.kv_cache_dtype
 
     @property
+    def derived_weights_s(self) -> float:
+        return self.runner.derived_weights_s
+
+    @property
     def graphs(self):
         """Rank 0's decode graphs (every rank captures the same buckets): for timing and inspection."""
         return self.runner.graphs

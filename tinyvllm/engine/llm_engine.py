@@ -212,6 +212,7 @@ class LLMEngine:
             )
         with timer.phase("weights"):
             self.runner = self._build_runner(backend, show_progress)
+        timer.move(self.runner.derived_weights_s, "weights", "derived_weights")
         try:
             self._init_kv_cache_and_scheduler(timer)
         except BaseException:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -189,9 +190,14 @@ class ModelRunner:
         )
         # Built before the memory profile, which then counts the megakernel's workspace and the pruned LM
         # head's int8 copy.
+        start = time.perf_counter()
         self.executor = ModelExecutor(
             self.model, runner_config, device.type, kv_cache_dtype=self.kv_cache_dtype, group=self.group
         )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        # Seconds spent on the copies derived from the weights (engine/startup_timing.py: derived_weights).
+        self.derived_weights_s = time.perf_counter() - start
         triton = kernel_backend == "triton"
         self.sampler = StepSampler(model_config.vocab_size, device, seed, eos_token_ids, fused_kernel=triton)
         self.kv_caches: list[KVCache] = []

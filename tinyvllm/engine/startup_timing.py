@@ -7,8 +7,9 @@ cache's zero fill) is counted in that phase and not in the next. The phases (eng
 
     device_init       the device's context (CUDA: driver and context creation, ~0.3 s)
     config_tokenizer  the checkpoint's config.json, generation_config.json and the tokenizer
-    weights           build the model and read its weights, plus the copies derived from them
-                      (the pruned LM head's int8 copy, the megakernel's workspace)
+    weights           build the model and read its weights
+    derived_weights   the copies derived from them (the pruned LM head's int8 copy, the megakernel's
+                      stacked weights and workspace)
     memory_profile    size the KV cache (on CUDA: a profiling forward of the largest step, which
                       compiles the prefill path's kernels on a cold Triton cache)
     kv_allocation     allocate the KV cache, the step-input staging and the decode graphs' arenas
