@@ -138,10 +138,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall")
+    parser.add_argument("--fill-threads", type=int, default=None, help="the manager's fill workers (default: its own)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    manager = StructuredOutputManager(llama3_tokenizer(), VOCAB, EOS)
+    kw = {} if args.fill_threads is None else {"fill_threads": args.fill_threads}
+    manager = StructuredOutputManager(llama3_tokenizer(), VOCAB, EOS, **kw)
     print(f"manager built in {time.perf_counter() - start:.2f} s")
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     results = {

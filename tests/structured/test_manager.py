@@ -128,13 +128,16 @@ def test_a_row_that_allows_nothing_is_reported_dead(manager):
     assert not out[0].any() and not out[3].any() and torch.all(out[1:3] == -1)
 
 
-def test_fill_overlapped_with_accept_equals_fill_after_it(manager, tokenizer):
-    """begin_fill / accept_tokens / finish_fill (the rows filled on the worker thread, chunk by chunk, as
-    their tokens are accepted) give the mask that accepting all, then `fill`, gives: over 40 rows (two
-    chunks and a part), with a row that completes, rows that get no token and a row not in the step."""
+@pytest.mark.parametrize("chunks,threads", [(1, 1), (4, 3)], ids=["2-chunks-1-thread", "5-chunks-3-threads"])
+def test_fill_overlapped_with_accept_equals_fill_after_it(tokenizer, chunks, threads):
+    """begin_fill / accept_tokens / finish_fill (the rows filled on the worker threads, chunk by chunk, as
+    their tokens are accepted, several chunks at once with several threads) give the mask that accepting
+    all, then `fill`, gives: over chunks · 32 + 8 rows (the last chunk a part), with a row that completes,
+    rows that get no token and a row not in the step."""
     from tinyvllm.structured.manager import FILL_CHUNK
 
-    n = FILL_CHUNK + 8
+    manager = StructuredOutputManager(tokenizer, tokenizer.vocab_size, [tokenizer.eos_token_id], fill_threads=threads)
+    n = chunks * FILL_CHUNK + 8
     rng = np.random.default_rng(1)
     schema_so, yes_no = SO(json=SCHEMA), SO(choice=["yes", "no"])
     outs: dict[str, list[int]] = {}

@@ -17,14 +17,16 @@ and the dead-row check as one reduction over the step's mask.
 
 A step that accepts the previous step's tokens before filling its own mask (async scheduling: the
 runner's `before_mask`) overlaps the two: `begin_fill` names the step's rows and buffer, `accept_tokens`
-hands each chunk of `FILL_CHUNK` rows, once accepted, to a worker thread that fills their mask rows
-(xgrammar's fill releases the GIL) while the next chunk is accepted, and `finish_fill` fills the rows
+hands each chunk of `FILL_CHUNK` rows, once accepted, to a pool of worker threads that fill their mask
+rows (xgrammar's fill releases the GIL; chunks write disjoint rows, so several fill at once) while the
+next chunk is accepted, and `finish_fill` fills the rows
 no chunk covered, waits for the worker and applies the guard. A row's mask is filled after its token is
 accepted and before anything else touches its matcher, so the mask is the one `fill` computes.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -41,8 +43,12 @@ from tinyvllm.structured.reasoning_gate import prompt_closed_thinking
 from tinyvllm.structured.utf8_guard import Utf8Guard
 
 FILL_CHUNK = 32
-"""Rows per fill handed to the worker thread while `accept_tokens` accepts the next ones. A step of at most
+"""Rows per fill handed to a worker thread while `accept_tokens` accepts the next ones. A step of at most
 this many rows fills on the caller's thread (a hand-over costs more than such a step's fill)."""
+FILL_THREADS = 1
+"""Worker threads that fill accepted chunks of a step's mask. One: on the 2-core development machine two
+fills at once took as long as one after the other (471 against 460 µs for 256 rows, the GIL released), and
+the 16-core device host is not measured yet (`python -m benchmarks.bench_structured_host --fill-threads N`)."""
 
 
 @dataclass
@@ -74,6 +80,7 @@ class StructuredOutputManager:
         eos_token_ids: Sequence[int],
         reasoning_end_ids: Sequence[int] | None = None,
         reasoning_start_ids: Sequence[int] | None = None,
+        fill_threads: int = FILL_THREADS,
     ) -> None:
         import xgrammar as xgr
 
@@ -84,12 +91,14 @@ class StructuredOutputManager:
         self.reasoning_start_ids = reasoning_start_ids
         self.grammars: dict[str, RequestGrammar] = {}
         self.stop_token_ids = frozenset(self.compiler.tokenizer_info.stop_token_ids)
-        # One thread: xgrammar's batch fill starts its worker threads on every call, which costs ~110 µs with
-        # 2 threads and ~400 µs with 8 (the H200 host's "auto") even for one row, more than the fill itself
-        # (~2-7 µs per row on one thread); filled on one thread, 256 rows take well under a decode step.
+        # xgrammar's batch fill on one thread per call: its own threads start on every call, which costs
+        # ~110 µs with 2 threads and ~400 µs with 8 (the H200 host's "auto") even for one row, more than
+        # the fill itself (~2-7 µs per row). Parallel fills run on our persistent workers instead, each
+        # chunk of rows on one of them with that thread's own single-threaded BatchGrammarMatcher.
         self._batch = xgr.BatchGrammarMatcher(1)
-        self._worker_batch = xgr.BatchGrammarMatcher(1)  # the worker thread's own
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+        self._new_batch = xgr.BatchGrammarMatcher
+        self._worker_local = threading.local()
+        self._worker = ThreadPoolExecutor(fill_threads, thread_name_prefix="grammar-fill")
         self._pending: _PendingFill | None = None
         self._dead: list[str] = []
         self._compiling: set[str] = set()  # sequences whose grammar's future was not seen done yet
@@ -182,12 +191,19 @@ class StructuredOutputManager:
         if rows:
             pending.submitted.update(rows)
             matchers = self._matchers(pending.request_ids, rows)
-            job = self._worker.submit(self._fill_rows, self._worker_batch, matchers, rows, pending.out)
+            job = self._worker.submit(self._fill_on_worker, matchers, rows, pending.out)
             pending.futures.append(job)
 
     def _matchers(self, request_ids: Sequence[str], rows: Sequence[int]) -> list[Any]:
         grammars = self.grammars
         return [(g := grammars[request_ids[i]]).matcher or g.get_matcher() for i in rows]
+
+    def _fill_on_worker(self, matchers: list[Any], rows: list[int], out: torch.Tensor) -> None:
+        """`_fill_rows` on a worker thread, with that thread's own batch matcher."""
+        batch = getattr(self._worker_local, "batch", None)
+        if batch is None:
+            batch = self._worker_local.batch = self._new_batch(1)
+        self._fill_rows(batch, matchers, rows, out)
 
     @staticmethod
     def _fill_rows(batch: Any, matchers: list[Any], rows: list[int], out: torch.Tensor) -> None:
