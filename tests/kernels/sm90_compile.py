@@ -6,13 +6,48 @@ different dtype; inline assembly). `compile_only_for_sm90()` makes Triton believ
 active and turns every launch into a compile (`JITFunction.run(..., warmup=True)`): the code under it runs
 as usual on CPU tensors, each launch compiles its kernel variant to PTX and SASS (ptxas ships with
 Triton) and launches nothing, so the kernels' outputs are whatever the tensors held. Run it in a process
-of its own without TRITON_INTERPRET (the interpreter replaces the kernels by Python functions).
+of its own without TRITON_INTERPRET (the interpreter replaces the kernels by Python functions):
+`facts_from_subprocess` runs a test module that way and reads back what it found.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def missing_cuda_backend() -> str | None:
+    """Why this Triton cannot compile for CUDA ahead of time, or None when it can."""
+    try:
+        for module in ("triton.backends.nvidia", "triton.backends.compiler", "triton.compiler"):
+            importlib.import_module(module)
+    except ImportError as e:
+        return f"no CUDA backend or AOT API in this Triton: {e}"
+    return None
+
+
+def facts_from_subprocess(script: str, timeout: float) -> dict:
+    """Run the test module `script`, whose `__main__` prints what it compiled as one JSON line, in a
+    process of its own without TRITON_INTERPRET; that JSON, or a pytest skip with the reason it gives
+    under "skip"."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    return result
 
 
 class _Sm90Driver:

@@ -12,17 +12,13 @@ the real launches of test_gpu_shapes.py cover the same ground.
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backend
+
 DIVISIBLE = [
     "x_ptr",
     "w_ptr",
@@ -121,11 +117,9 @@ def k_loop(ptx: str) -> str:
 
 def summarise() -> dict:
     """{path/variant: facts about its PTX}, or {"skip": reason}."""
-    try:
-        for module in ("triton.backends.nvidia", "triton.backends.compiler", "triton.compiler"):
-            importlib.import_module(module)
-    except ImportError as e:
-        return {"skip": f"no CUDA backend or AOT API in this Triton: {e}"}
+    missing = missing_cuda_backend()
+    if missing is not None:
+        return {"skip": missing}
     out = {}
     for path, cfg in PATHS.items():
         for variant, (mode, residual) in {**VARIANTS, "plain_sample": (0, False)}.items():
@@ -148,14 +142,7 @@ def summarise() -> dict:
 
 @pytest.fixture(scope="module")
 def facts() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(result["skip"])
-    return result
+    return facts_from_subprocess(__file__, timeout=300)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

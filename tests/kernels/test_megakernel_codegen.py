@@ -11,16 +11,12 @@ skipped where this Triton cannot compile for CUDA.
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backend
+
 GROUP_OF_3 = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2}  # padded to 4
 # name -> (preset, dtype, FP8 weights, FP8 KV cache, config.json overrides)
 VARIANTS = {
@@ -73,11 +69,9 @@ def compile_variant(preset: str, dtype_name: str, fp8w: bool, fp8kv: bool, overr
 
 
 def summarise() -> dict:
-    try:
-        for module in ("triton.backends.nvidia", "triton.backends.compiler", "triton.compiler"):
-            importlib.import_module(module)
-    except ImportError as e:
-        return {"skip": f"no CUDA backend in this Triton: {e}"}
+    missing = missing_cuda_backend()
+    if missing is not None:
+        return {"skip": missing}
     out = {}
     for name, variant in VARIANTS.items():
         try:
@@ -91,14 +85,7 @@ def summarise() -> dict:
 
 @pytest.fixture(scope="module")
 def facts() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(result["skip"])
-    return result
+    return facts_from_subprocess(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -109,5 +96,4 @@ def test_decode_paths_compile_for_sm90(facts, variant):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     print(json.dumps(summarise()))

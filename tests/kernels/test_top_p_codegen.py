@@ -10,16 +10,11 @@ Python functions); skipped where this Triton cannot compile for CUDA.
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backend
 
 
 def compile_ptx(kernel, sig: dict, consts: dict, warps: int) -> str:
@@ -36,11 +31,9 @@ def compile_ptx(kernel, sig: dict, consts: dict, warps: int) -> str:
 
 def summarise() -> dict:
     """{variant: {"local": whether its PTX touches local memory}}, or {"skip": reason}."""
-    try:
-        for module in ("triton.backends.nvidia", "triton.backends.compiler", "triton.compiler"):
-            importlib.import_module(module)
-    except ImportError as e:
-        return {"skip": f"no CUDA backend or AOT API in this Triton: {e}"}
+    missing = missing_cuda_backend()
+    if missing is not None:
+        return {"skip": missing}
     from tinyvllm.kernels.sampling import sample_partial_kernel
     from tinyvllm.kernels.top_p_sampling import truncation_threshold_kernel
 
@@ -72,14 +65,7 @@ def summarise() -> dict:
 
 @pytest.fixture(scope="module")
 def facts() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(result["skip"])
-    return result
+    return facts_from_subprocess(__file__, timeout=300)
 
 
 def test_kernels_compile_for_sm90_without_spills(facts):

@@ -30,15 +30,14 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tinyvllm.engine.async_llm import EngineInfo, RequestRejected, RequestStream, StatsListener
+from tinyvllm.engine.async_llm import EngineClient, EngineInfo, RequestRejected, RequestStream, StatsListener
 from tinyvllm.engine.dp_router import DEFAULT_AFFINITY_MARGIN, Router
 from tinyvllm.engine.messages import RequestDelta
 from tinyvllm.engine.mp_client import DEFAULT_STEP_TIMEOUT_S, EngineFactory, EngineStartError, MPAsyncLLMEngine
-from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -289,13 +288,4 @@ class DPAsyncLLMEngine:
             index = self.router.choose([core.num_in_flight for core in self.cores], key)
         return await self.cores[index].add_request(request_id, prompt, params, arrival_time)
 
-    async def generate(
-        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """add_request + iterate; aborts the request if the caller stops early (or is cancelled)."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.abort()
+    generate = EngineClient.generate  # add_request (routed above) + iterate, aborting on an early stop
