@@ -14,6 +14,7 @@ import torch
 from kernel_helpers import assert_close, make_paged_cache
 
 from tinyvllm.kernels import batch_invariant, get_ops, reference
+from tinyvllm.kernels import invariant_matmul as im
 from tinyvllm.kernels.invariant_matmul import matmul_fwd
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -44,6 +45,52 @@ def test_invariant_matmul_rows_do_not_depend_on_m(dtype, device):
             assert torch.equal(batched[t : t + 1], matmul_fwd(x[t : t + 1], w, bias))
         ref = (x.double() @ w.double().T + bias.double()).to(dtype)
         assert_close(batched, ref, dtype)
+
+
+def test_tile_table_lookup():
+    """pick_config: the first rule with M ≤ max_m and N ≤ max_n; float32 always FLOAT32_CONFIG; a custom
+    table is used as given; every rule's config shares BLOCK_K and stays on wgmma."""
+    table = im.TILE_TABLE
+    for M, N in [(1, 2048), (64, 2048), (65, 2048), (64, 128256), (200, 16384), (5000, 2048), (10**6, 10**6)]:
+        want = next(r.config for r in table if r.max_m >= M and r.max_n >= N)
+        assert im.pick_config(M, N, BF16) == want
+        assert im.pick_config(M, N, torch.float16) == want
+        assert im.pick_config(M, N, F32) == im.FLOAT32_CONFIG
+    assert im.pick_config(1, 2048, BF16).block_n <= 32  # decode: narrow column tiles, many programs
+    assert im.pick_config(8192, 2048, BF16).block_m == 128  # prefill: wide tiles
+    assert len({c.block_k for c in im.all_configs()}) == 1
+    one = (im.TileRule(im.ANY, im.ANY, im.DEFAULT_CONFIG),)
+    assert im.pick_config(1, 2048, BF16, one) == im.DEFAULT_CONFIG
+    with pytest.raises(ValueError, match="block_k"):
+        im.check_table((im.TileRule(im.ANY, im.ANY, im.MatmulConfig(64, 64, 32, 4, 3)),))
+    with pytest.raises(ValueError, match="block_m"):
+        im.check_config(im.MatmulConfig(32, 64, 64, 4, 3))  # mma.sync, another sum
+    with pytest.raises(ValueError, match="num_warps"):
+        im.check_config(im.MatmulConfig(64, 64, 64, 2, 3))
+    with pytest.raises(ValueError, match="last rule"):
+        im.check_table((im.TileRule(64, im.ANY, im.DEFAULT_CONFIG),))
+    with pytest.raises(ValueError, match="block_k"):
+        matmul_fwd(torch.zeros(1, 8), torch.zeros(8, 8), config=im.MatmulConfig(64, 64, 32, 4, 3))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_every_config_computes_the_product(dtype, device):
+    """Every config of the table and of the sweep's candidates computes the float64 product (rounded,
+    within the dtype's tolerance), with a bias, at a K that is not a multiple of BLOCK_K and an N that is
+    not a multiple of BLOCK_N; and under each config row t has the same bits for every M. (That the bits
+    also agree across configs is the tensor cores' property, not the interpreter's, whose dot is numpy's
+    matmul: tests/gpu/test_invariant_matmul_gpu.py checks it on the GPU.)"""
+    gen = torch.Generator(device=device).manual_seed(3)
+    K, N = 136, 72
+    w = torch.randn(N, K, generator=gen, device=device).to(dtype)
+    bias = torch.randn(N, generator=gen, device=device).to(dtype)
+    x = torch.randn(130, K, generator=gen, device=device).to(dtype)
+    ref = (x.double() @ w.double().T + bias.double()).to(dtype)
+    for config in im.all_configs():
+        full = matmul_fwd(x, w, bias, config=config)
+        assert_close(full, ref, dtype)
+        for M in (1, 3, 65):
+            assert torch.equal(matmul_fwd(x[:M], w, bias, config=config), full[:M]), (config, M)
 
 
 def test_torch_invariant_linear_rows_do_not_depend_on_m():

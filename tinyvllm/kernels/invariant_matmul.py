@@ -4,18 +4,36 @@
 
 cuBLAS picks its kernel, its tile and its split-K from (M, N, K), so a row's last bits change with the
 number of rows beside it (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025, §"Batch
-invariant matmul"). Here one tile config serves every M: a program owns a BLOCK_M × BLOCK_N output tile
-and walks K in BLOCK_K steps from 0 upwards, accumulating `tl.dot` products in float32; there is no
-split-K and no stream-K. Each output element is then the same sequence of float32 tensor-core
-accumulations (k-block 0, 1, 2, ...) whatever M is and wherever row t falls inside its tile: rows of a
-tile never mix. The bias is added to the float32 sum, rounding once to x's dtype (as F.linear does).
+invariant matmul"). Here a program owns a BLOCK_M × BLOCK_N output tile and walks K in BLOCK_K steps from 0
+upwards, accumulating `tl.dot` products in float32; there is no split-K and no stream-K. Each output
+element is then the float32 chain
 
-The fixed tile costs speed at small M (a decode step of 8 rows pads its tile to BLOCK_M), which is the
-price of the mode; docs/determinism.md has the measurements.
+    acc ← 0;  for k-block j = 0, 1, 2, ...:  for k-step i of the block:  acc ← mma(x[t, 16 steps], W[n, ...], acc)
+
+whose value depends on BLOCK_K, the K order, the tensor-core instruction family and its k-step (16 for
+16-bit inputs) and nothing else: not on BLOCK_M, BLOCK_N, the warp count, the pipeline depth or the order
+in which tiles run (rows and columns of a tile never mix). So the tile may change with M without changing
+any row's bits, as long as every config keeps the invariants `check_table` enforces:
+
+  * one BLOCK_K (64) for every config;
+  * BLOCK_M ∈ {64, 128} and num_warps ∈ {4, 8}, which keeps every 16-bit product on Hopper's warpgroup MMA
+    (wgmma m64nNk16; a smaller BLOCK_M or 1–2 warps make Triton fall back to mma.sync m16n8k16, whose
+    accumulation may round differently). tests/kernels/test_invariant_matmul_codegen.py compiles every
+    config of the table for sm_90 and checks its PTX holds wgmma k16 only; tests/gpu/
+    test_invariant_matmul_gpu.py checks the bits on the GPU across every config and M.
+
+`TILE_TABLE` picks the tile from M's bucket and N (N is the weight's, fixed for a layer, so choosing by
+it is invariant too): at decode sizes (M ≤ 64: one row tile) narrow column tiles give enough programs to
+stream the weight over every SM; at prefill sizes wide tiles reuse each loaded operand. float32 inputs
+(exact products, no TF32: FMA dots, summed per element in k order) take `FLOAT32_CONFIG` for every M.
+The bias is added to the float32 sum, rounding once to x's dtype (as F.linear does).
+
+benchmarks/kernels/bench_invariant_matmul.py times the candidates per bucket against cuBLAS.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -33,8 +51,107 @@ class MatmulConfig(NamedTuple):
     num_stages: int
 
 
-# One config for every M (that is the point); 16-bit inputs on Hopper: wgmma tiles of 64 × 128 × 64.
-DEFAULT_CONFIG = MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+class TileRule(NamedTuple):
+    """The config for products with M ≤ max_m rows and N ≤ max_n output columns."""
+
+    max_m: int
+    max_n: int
+    config: MatmulConfig
+
+
+BLOCK_K = 64  # every config's: a different BLOCK_K is a different sum (module docstring)
+WGMMA_BLOCK_M = (64, 128)
+WGMMA_WARPS = (4, 8)
+GROUP_M = 8  # row tiles per group in the launch order (L2 reuse of W's column tiles at large M)
+ANY = sys.maxsize
+
+
+def _c(block_m: int, block_n: int, num_warps: int, num_stages: int) -> MatmulConfig:
+    return MatmulConfig(block_m, block_n, BLOCK_K, num_warps, num_stages)
+
+
+# The config of the mode's first form: one tile for every M; float32 products keep it.
+DEFAULT_CONFIG = _c(64, 128, 4, 4)
+FLOAT32_CONFIG = DEFAULT_CONFIG
+
+# First matching rule wins. Columns: M bucket, N bound, tile (block_m, block_n, warps, stages). The decode
+# buckets size BLOCK_N so that N / BLOCK_N fills the 132 SMs of an H200 for the 1B model's widths
+# (qkv 3072, o/down 2048, gate_up 16384, LM head 128256); the sweep bench times the alternatives.
+TILE_TABLE: tuple[TileRule, ...] = (
+    TileRule(64, 4096, _c(64, 16, 4, 8)),
+    TileRule(64, 32768, _c(64, 64, 4, 5)),
+    TileRule(64, ANY, _c(64, 128, 4, 4)),
+    TileRule(128, 4096, _c(64, 32, 4, 6)),
+    TileRule(128, ANY, _c(64, 128, 4, 4)),
+    TileRule(256, 4096, _c(64, 64, 4, 5)),
+    TileRule(256, ANY, _c(128, 128, 8, 4)),
+    TileRule(1024, ANY, _c(128, 128, 8, 4)),
+    TileRule(ANY, ANY, _c(128, 256, 8, 3)),
+)
+
+
+# What the sweep bench (benchmarks/kernels/bench_invariant_matmul.py) times per M bucket, and what the GPU
+# test checks for equal bits across: the table's configs and their neighbours in BLOCK_N, warps, stages.
+CANDIDATES: dict[int, tuple[MatmulConfig, ...]] = {
+    64: (
+        _c(64, 8, 4, 8),
+        _c(64, 16, 4, 8),
+        _c(64, 32, 4, 6),
+        _c(64, 64, 4, 5),
+        _c(64, 128, 4, 4),
+        _c(64, 256, 8, 3),
+    ),
+    128: (_c(64, 32, 4, 6), _c(64, 64, 4, 5), _c(64, 128, 4, 4), _c(128, 64, 4, 4), _c(128, 128, 8, 4)),
+    256: (_c(64, 64, 4, 5), _c(64, 128, 4, 4), _c(128, 64, 4, 4), _c(128, 128, 8, 4), _c(128, 256, 8, 3)),
+    1024: (_c(64, 128, 4, 4), _c(128, 128, 4, 4), _c(128, 128, 8, 4), _c(128, 256, 8, 3), _c(64, 256, 8, 3)),
+    ANY: (_c(64, 128, 4, 4), _c(128, 128, 4, 4), _c(128, 128, 8, 4), _c(128, 256, 8, 3), _c(128, 256, 8, 4)),
+}
+
+
+def all_configs(table: tuple[TileRule, ...] | None = None) -> tuple[MatmulConfig, ...]:
+    """Every distinct config of the candidates and of `table` (default TILE_TABLE), in a fixed order."""
+    seen: dict[MatmulConfig, None] = {}
+    for configs in CANDIDATES.values():
+        seen.update(dict.fromkeys(configs))
+    seen.update(dict.fromkeys(rule.config for rule in (TILE_TABLE if table is None else table)))
+    return tuple(seen)
+
+
+def check_config(config: MatmulConfig) -> None:
+    """Raise unless `config` keeps the reduction order every config shares (module docstring)."""
+    if config.block_k != BLOCK_K or config.block_m not in WGMMA_BLOCK_M or config.num_warps not in WGMMA_WARPS:
+        raise ValueError(
+            f"{config}: a batch-invariant tile needs block_k={BLOCK_K}, block_m in {WGMMA_BLOCK_M} and "
+            f"num_warps in {WGMMA_WARPS} (one reduction order for every config)"
+        )
+    if config.block_n < 8 or config.block_n > 256 or config.block_n & (config.block_n - 1):
+        raise ValueError(f"{config}: block_n must be a power of two in [8, 256]")
+    if config.num_stages < 1:
+        raise ValueError(f"{config}: num_stages must be ≥ 1")
+
+
+def check_table(table: tuple[TileRule, ...]) -> None:
+    """Raise unless every config of `table` passes check_config and the table covers every (M, N)."""
+    for rule in table:
+        check_config(rule.config)
+    if not table or table[-1].max_m != ANY or table[-1].max_n != ANY:
+        raise ValueError("a tile table's last rule must cover every M and N (max_m = max_n = ANY)")
+
+
+check_table(TILE_TABLE)
+for _config in all_configs():  # the sweep's candidates keep the order too
+    check_config(_config)
+
+
+def pick_config(M: int, N: int, dtype: torch.dtype, table: tuple[TileRule, ...] | None = None) -> MatmulConfig:
+    """The tile for an [M, K] × [N, K]ᵀ product of `dtype`: the first rule of `table` (default
+    TILE_TABLE) with M ≤ max_m and N ≤ max_n; FLOAT32_CONFIG for float32."""
+    if dtype == torch.float32:
+        return FLOAT32_CONFIG
+    for rule in TILE_TABLE if table is None else table:
+        if rule.max_m >= M and rule.max_n >= N:
+            return rule.config
+    raise ValueError(f"no tile rule covers M={M}, N={N}")
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M (no M == 1 or M % 16 variant)
@@ -53,12 +170,21 @@ def _matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Program (tile m, tile n): out[m-tile, n-tile] = round(x[m-tile] Wᵀ[:, n-tile] (+ b)), K in order."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """Program p → tile (m, n) in GROUP-row-tile groups, column-major within a group (the order tiles
+    run in; it does not enter any element's sum): out[m-tile, n-tile] = round(x[m-tile] Wᵀ[:, n-tile] (+ b)),
+    K in order."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP * tiles_n
+    first_m = (pid // per_group) * GROUP
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -82,25 +208,21 @@ def _matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def matmul_fwd(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: MatmulConfig = DEFAULT_CONFIG
-) -> torch.Tensor:
-    """x [M, K] @ weightᵀ [N, K] (+ bias [N]) → [M, N] in x's dtype, batch-invariant (module docstring).
-
-    float32 inputs multiply exactly (no TF32), so the float32 product is invariant too."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"expected x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype != weight.dtype or (bias is not None and bias.shape != (weight.shape[0],)):
-        raise ValueError("x, weight (and bias [N]) must share a dtype")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+def launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: MatmulConfig,
+    upcast: bool,
+):
+    """One launch of the kernel over contiguous-row x [M, K], weight [N, K] into out [M, N] (M ≥ 1);
+    `upcast`: fp32 dot operands (the interpreter; launch.upcast_dot). Returns what Triton's launch does."""
     M, K = x.shape
     N = weight.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out
     c = config
-    _matmul_kernel[(cdiv(M, c.block_m), cdiv(N, c.block_n))](
+    grid = (cdiv(M, c.block_m) * cdiv(N, c.block_n),)
+    return _matmul_kernel[grid](
         x,
         weight,
         bias if bias is not None else weight,
@@ -115,11 +237,38 @@ def matmul_fwd(
         BLOCK_M=c.block_m,
         BLOCK_N=c.block_n,
         BLOCK_K=c.block_k,
-        UPCAST=upcast_dot(x.device),
+        GROUP=GROUP_M,
+        UPCAST=upcast,
         IEEE=x.dtype == torch.float32,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
+
+
+def matmul_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: MatmulConfig | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weightᵀ [N, K] (+ bias [N]) → [M, N] in x's dtype, batch-invariant (module docstring).
+
+    `config`: the tile (default: `pick_config`'s for M, N and the dtype); any config that passes
+    check_config gives the same bits. float32 inputs multiply exactly (no TF32), so the float32 product is
+    invariant too."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and bias.shape != (weight.shape[0],)):
+        raise ValueError("x, weight (and bias [N]) must share a dtype")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    M = x.shape[0]
+    N = weight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    if config is None:
+        config = pick_config(M, N, x.dtype)
+    else:
+        check_config(config)
+    launch(x, weight, bias, out, config, upcast_dot(x.device))
     return out
 
 
