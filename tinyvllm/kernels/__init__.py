@@ -7,8 +7,8 @@ kernels (CUDA, or the CPU under TRITON_INTERPRET=1). Both have exactly the signa
 `batch_invariant=True` swaps in ops whose result for a token row does not depend on the other rows of
 the step, on the chunk its prompt was cut into, or on prefix-cache hits (docs/determinism.md): on the
 torch backend the row-by-row reference (kernels/batch_invariant.py); on the Triton backend our matrix
-product with one tile shape for every M (kernels/invariant_matmul.py) and one attention kernel, with
-the same key tiles, for prefill and decode rows (prefill_attention.invariant_*). No fused small-batch
+product, whose tile changes with M but no row's sum does (kernels/invariant_matmul.py), and one attention
+kernel, with the same key tiles, for prefill and decode rows (prefill_attention.invariant_*). No fused small-batch
 product there: the runner keeps the fused paths off under it.
 
 `flash_attention` (kernels/flash_attention_op.py) is the training op: attention differentiable through
