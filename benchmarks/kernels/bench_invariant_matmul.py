@@ -223,7 +223,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: the docstring's)")
     ap.add_argument("--shapes", default=None, help="comma-separated projections (default: all five)")
-    ap.add_argument("--max-configs", type=int, default=6, help="candidates per bucket to time")
+    ap.add_argument("--max-configs", type=int, default=8, help="candidates per bucket to time")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()

@@ -93,6 +93,18 @@ def test_every_config_computes_the_product(dtype, device):
             assert torch.equal(matmul_fwd(x[:M], w, bias, config=config), full[:M]), (config, M)
 
 
+def test_grouped_launch_order_covers_every_tile(device):
+    """More row tiles than a launch group (GROUP_M) and a partial last group: every output tile is written
+    once (torch.empty is NaN-poisoned in these tests) and holds its product."""
+    gen = torch.Generator(device=device).manual_seed(4)
+    config = im.MatmulConfig(64, 16, 64, 4, 2)
+    M = 64 * (im.GROUP_M + 2) + 5  # two groups, the second of 3 row tiles, the last one partial
+    x = torch.randn(M, 24, generator=gen, device=device)
+    w = torch.randn(40, 24, generator=gen, device=device)
+    out = matmul_fwd(x, w, config=config)
+    assert_close(out, x.double() @ w.double().T, F32)
+
+
 def test_torch_invariant_linear_rows_do_not_depend_on_m():
     """The CPU form: row t of `batch_invariant.linear` is the same bits in every batch (here against the
     float64 product too)."""
