@@ -16,12 +16,13 @@ at the table's tiles vs cuBLAS.
     python benchmarks/kernels/bench_invariant_matmul.py --smoke         # tiny shapes, CPU interpreter (no timing value)
 
 The LM head is timed up to M = 1024 only (the engine computes logits for a step's sampled rows alone).
-Writes invariant_matmul_<gpu>.json (benchmarks/results/ or --out-dir).
+Writes invariant_matmul_<gpu>.json (benchmarks/results/ or --out-dir); after each M a partial one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -246,11 +247,14 @@ def main() -> None:
         ms = tuple(int(m) for m in args.ms.split(","))
     if args.shapes:
         shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
+    json_path, _ = common.output_paths(args.out_dir, "invariant_matmul")
     rows = []
     for M in ms:
         for proj, (N, K, max_m) in shapes.items():
             if max_m is None or max_m >= M:
                 rows += run_case(proj, N, K, M, device, cuda, floors, max_configs)
+        partial = {"device": info, "floors": floors, "rows": rows, "partial": True}
+        json_path.write_text(json.dumps(partial, default=float))  # what a timeout leaves
     tab = [r for r in rows if r["table"]]
     common.print_table(
         "The tile table's choice vs cuBLAS (vs_cublas > 1: faster than cuBLAS)",
@@ -287,7 +291,6 @@ def main() -> None:
         f"\nbits equal across configs in {len(rows) - len(bad)}/{len(rows)} cases"
         + (f"; DIFFER: {bad[:3]}" if bad else "")
     )
-    json_path, _ = common.output_paths(args.out_dir, "invariant_matmul")
     common.write_json(json_path, {"device": info, "floors": floors, "rows": rows, "suggested": sug, "step": est})
 
 
