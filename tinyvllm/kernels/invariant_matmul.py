@@ -8,7 +8,8 @@ invariant matmul"). Here a program owns a BLOCK_M × BLOCK_N output tile and wal
 upwards, accumulating `tl.dot` products in float32; there is no split-K and no stream-K. Each output
 element is then the float32 chain
 
-    acc ← 0;  for k-block j = 0, 1, 2, ...:  for k-step i of the block:  acc ← mma(x[t, 16 steps], W[n, ...], acc)
+    acc ← 0;  for k-block j = 0, 1, 2, ...:  for k-step i = 0 .. BLOCK_K/16 − 1:
+        acc ← mma(x[t, ks], W[n, ks], acc)     ks = the 16 k's of step i of block j
 
 whose value depends on BLOCK_K, the K order, the tensor-core instruction family and its k-step (16 for
 16-bit inputs) and nothing else: not on BLOCK_M, BLOCK_N, the warp count, the pipeline depth or the order
@@ -26,7 +27,8 @@ any row's bits, as long as every config keeps the invariants `check_table` enfor
 it is invariant too): at decode sizes (M ≤ 64: one row tile) narrow column tiles give enough programs to
 stream the weight over every SM; at prefill sizes wide tiles reuse each loaded operand. float32 inputs
 (exact products, no TF32: FMA dots, summed per element in k order) take `FLOAT32_CONFIG` for every M.
-The bias is added to the float32 sum, rounding once to x's dtype (as F.linear does).
+The bias is added to the float32 sum, rounding once to x's dtype (as F.linear does). Another table: assign
+`TILE_TABLE` (after `check_table`); one product's tile: `matmul_fwd(config=...)`.
 
 benchmarks/kernels/bench_invariant_matmul.py times the candidates per bucket against cuBLAS.
 """
