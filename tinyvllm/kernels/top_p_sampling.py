@@ -199,7 +199,8 @@ def truncation_threshold_kernel(
     HAS_MASK: tl.constexpr,
 ):
     """Program b: thr[b] with kept set {i : l_i > thr[b]} (module docstring), and the passes over the
-    row it took. Greedy rows (T = 0) and rows without a finite logit get −inf."""
+    row it took. Greedy rows (T = 0), rows without a filter (k = 0, p ≥ 1, min_p = 0: nothing read) and
+    rows without a finite logit get −inf."""
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
     k = tl.load(top_k_ptr + row)  # 0: off
@@ -212,7 +213,8 @@ def truncation_threshold_kernel(
     # tensors, not constants: the branches and the search's loop carry them
     thr = tl.full([], float("-inf"), tl.float32)
     passes = tl.zeros([], tl.int32)
-    if not greedy:
+    filtered = (k > 0) | (p < 1.0) | (min_p > 0.0)
+    if (temperature != 0.0) & filtered:
         m, z, lmin, n = _row_stats(row_ptr, mask_row_ptr, V, inv_t, BLOCK, HAS_MASK)
         passes += 1
         none_above_m = tl.zeros([], tl.int32)
