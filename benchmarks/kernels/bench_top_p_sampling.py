@@ -1,6 +1,7 @@
 """The fused top-k / top-p / min-p sampler beside the full sampler and beside one read of the logits.
 
-    python benchmarks/kernels/bench_top_p_sampling.py [--batches 1 256] [--vocab 128256] [--out DIR]
+    python benchmarks/kernels/bench_top_p_sampling.py [--batches 1 256] [--vocab 128256] [--dtypes bfloat16]
+        [--out DIR]
     python benchmarks/kernels/bench_top_p_sampling.py --cpu-smoke   # tiny, on the CPU (Triton interpreter)
 
 Per (logits dtype, batch, filters), at temperature 0.6 over random logits (randn · 2):
@@ -37,6 +38,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 256])
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="logits dtypes (CUDA)")
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--cpu-smoke", action="store_true", help="batch 2 × 4,096 float32 on the CPU under TRITON_INTERPRET=1"
@@ -76,7 +78,7 @@ def main() -> None:
     copy = copy_bandwidth(dev) if cuda else None
     sampler = Sampler()
     rows = []
-    for dtype in (torch.bfloat16, torch.float32) if cuda else (torch.float32,):
+    for dtype in [getattr(torch, d) for d in ns.dtypes] if cuda else (torch.float32,):
         for batch in ns.batches:
             for name, filters in CONFIGS.items():
                 params = SamplingParams(temperature=TEMPERATURE, **filters)
