@@ -297,14 +297,15 @@ def _llm(
 )
 def test_graph_steps_equal_eager_steps(model_dir, reference_llm, backend, io, lm_head):
     """Async scheduling (placeholder inputs every decode): batch-1 greedy, then a mixed batch (greedy,
-    seeded temperature, a seeded top-p row, a logprobs row for the full sampler), through the graph
-    step and through the eager path: the same tokens and logprobs. With the Triton kernels the top-p
-    row is drawn by the truncating sampler's graph, replayed after the forward graph of its steps. With the in-graph sampler serving
-    every row (triton, batch 1) the previous ids are found in `last_sampled` after the first decode;
-    otherwise each placeholder step copies them there. `io`: graphs of up to that many rows load their
-    own inputs from the host twin and write the ids back there (the batch-1 steps' tokens come from that
-    write; the mixed batch's logprobs row sends its step through the full sampler and the runner's copy).
-    `lm_head`: the graphs' sampler inside the LM head's product (else its own kernels after it).
+    seeded temperature, a seeded top-p row, a logprobs row for the full sampler), through the graph step
+    and through the eager path: the same tokens and logprobs. With the Triton kernels the top-p row is
+    drawn by the truncating sampler's graph, replayed after the forward graph of its steps. With the
+    in-graph sampler serving every row (triton, batch 1) the previous ids are found in `last_sampled`
+    after the first decode; otherwise each placeholder step copies them there. `io`: graphs of up to
+    that many rows load their own inputs from the host twin and write the ids back there (the batch-1
+    steps' tokens come from that write; the mixed batch's logprobs row sends its step through the full
+    sampler and the runner's copy). `lm_head`: the graphs' sampler inside the LM head's product (else
+    its own kernels after it).
 
     The two engines pad batches differently (a graph step runs its bucket's row count), so their logits
     may differ by rounding: logprobs are compared up to it, and greedy tokens exactly because no greedy

@@ -487,10 +487,11 @@ class ModelRunner:
         sampled ids readable by the graph's placeholder gather when the step needs them, copy the arena
         over in one copy, replay, then sample the rows the in-graph sampler does not serve (a step with rows
         for the truncating sampler replays its graph after the forward's, `DecodeGraphs.replay_truncating`,
-        which then serves the plain fused rows as well). A step with constrained rows (a grammar, allowed_token_ids or bad_words) samples every row after the replay,
-        from the graph's logits, under the bitmask filled while the graph runs; with the pruned LM head
-        (batch 1, every row the fused sampler's), it replays the graph that stops at the hidden states and
-        samples through the pruned head under the bitmask (`DecodeGraphs.replay_io_hidden`)."""
+        which then serves the plain fused rows as well). A step with constrained rows (a grammar,
+        allowed_token_ids or bad_words) samples every row after the replay, from the graph's logits, under
+        the bitmask filled while the graph runs; with the pruned LM head (batch 1, every row the fused
+        sampler's), it replays the graph that stops at the hidden states and samples through the pruned
+        head under the bitmask (`DecodeGraphs.replay_io_hidden`)."""
         graphs = self.graphs
         host, device = graphs.next_arenas(bucket)
         inputs = self.builder.build(

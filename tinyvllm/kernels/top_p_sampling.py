@@ -45,9 +45,9 @@ and the same id for a row alone or anywhere in any batch.
 
 Cost at B × V: 1 + passes(top-k) + passes(top-p) reads of each row by the search (the row is re-read
 while it sits in L2 at moderate batch) plus one read by the draw; each search pass does O(NC) compares
-and adds per logit, spread over B × ceil(V / 8,192) programs; 2 launches per split pass. Masses are float32 sums, so a row whose top-p boundary lies within float32
-rounding (~1e-6 relative) of p may keep one token more or fewer than an exact computation would, as
-the full sampler's float32 cumsum may.
+and adds per logit, spread over B × ceil(V / 8,192) programs; 2 launches per split pass. Masses are
+float32 sums, so a row whose top-p boundary lies within float32 rounding (~1e-6 relative) of p may keep
+one token more or fewer than an exact computation would, as the full sampler's float32 cumsum may.
 """
 
 from __future__ import annotations
