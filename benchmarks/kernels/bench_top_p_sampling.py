@@ -1,12 +1,14 @@
 """The fused top-k / top-p / min-p sampler beside the full sampler and beside one read of the logits.
 
-    python benchmarks/kernels/bench_top_p_sampling.py [--batches 1 256] [--vocab 128256] [--out DIR]
+    python benchmarks/kernels/bench_top_p_sampling.py [--batches 1 256] [--vocab 128256] [--dtypes bfloat16]
+        [--out DIR]
     python benchmarks/kernels/bench_top_p_sampling.py --cpu-smoke   # tiny, on the CPU (Triton interpreter)
 
 Per (logits dtype, batch, filters), at temperature 0.6 over random logits (randn · 2):
   * fused: `sample_top_k_top_p` (threshold search + thresholded Gumbel draw), as CUDA-graph replays;
-  * search: `truncation_thresholds` alone, and the passes over each row it made (mean, max), with the
-    default 8 candidates per pass and with 16 (fewer passes, twice the compares per logit);
+  * search: `truncation_thresholds` alone (default: 16 candidates per pass, 10 passes split over rows ×
+    chunks), and the passes over each row it made (mean, max); "per-row": every pass by one program per
+    row with 8 candidates (split_passes=0), the search's earlier layout, for comparison;
   * full: today's torch sampler (sampling/sampler.py: sort, softmax, cumsum, exponential race), do_bench;
   * amax: `torch.amax(logits, -1)`, one read of the logits, as CUDA-graph replays;
   * floor: B·V·bytes at the measured read bandwidth (copy rate / 2), the time of one read.
@@ -29,12 +31,14 @@ CONFIGS = {
     "min_p=0.05": dict(min_p=0.05),
 }
 TEMPERATURE = 0.6
+PER_ROW = dict(split_passes=0, candidates=8)  # every search pass by one program per row
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 256])
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="logits dtypes (CUDA)")
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--cpu-smoke", action="store_true", help="batch 2 × 4,096 float32 on the CPU under TRITON_INTERPRET=1"
@@ -74,7 +78,7 @@ def main() -> None:
     copy = copy_bandwidth(dev) if cuda else None
     sampler = Sampler()
     rows = []
-    for dtype in (torch.bfloat16, torch.float32) if cuda else (torch.float32,):
+    for dtype in [getattr(torch, d) for d in ns.dtypes] if cuda else (torch.float32,):
         for batch in ns.batches:
             for name, filters in CONFIGS.items():
                 params = SamplingParams(temperature=TEMPERATURE, **filters)
@@ -96,7 +100,7 @@ def main() -> None:
                 tensors = SamplingTensors.from_rows([SamplingRow(params, [], [])] * batch, ns.vocab, dev)
                 _, passes = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:])
                 passes = passes.float()
-                _, passes16 = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:], candidates=16)
+                _, passes_row = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:], **PER_ROW)
 
                 def fused(s):
                     return sample_top_k_top_p(*s)
@@ -104,8 +108,8 @@ def main() -> None:
                 def search(s):
                     return truncation_thresholds(s[0], s[1], *s[3:])
 
-                def search16(s):
-                    return truncation_thresholds(s[0], s[1], *s[3:], candidates=16)
+                def search_row(s):
+                    return truncation_thresholds(s[0], s[1], *s[3:], **PER_ROW)
 
                 def full(s):
                     return sampler(s[0], tensors, gen).sampled_token_ids
@@ -116,13 +120,13 @@ def main() -> None:
                 if cuda:
                     fused_us = bench_graph([lambda s=s: fused(s) for s in sets]) * 1e3
                     search_us = bench_graph([lambda s=s: search(s) for s in sets]) * 1e3
-                    search16_us = bench_graph([lambda s=s: search16(s) for s in sets]) * 1e3
+                    search_row_us = bench_graph([lambda s=s: search_row(s) for s in sets]) * 1e3
                     amax_us = bench_graph([lambda s=s: amax(s) for s in sets]) * 1e3
                     full_us = bench(lambda: full(sets[0]))["ms"] * 1e3
                     floor_us = batch * ns.vocab * sets[0][0].element_size() / (copy / 2) * 1e6
                 else:
-                    fused_us, search_us, search16_us, full_us, amax_us = (
-                        cpu_time_ms(lambda f=f: f(sets[0])) * 1e3 for f in (fused, search, search16, full, amax)
+                    fused_us, search_us, search_row_us, full_us, amax_us = (
+                        cpu_time_ms(lambda f=f: f(sets[0])) * 1e3 for f in (fused, search, search_row, full, amax)
                     )
                     floor_us = None
                 rows.append(
@@ -134,8 +138,9 @@ def main() -> None:
                         "passes_max": int(passes.max()),
                         "fused_us": fused_us,
                         "search_us": search_us,
-                        "passes16_mean": float(passes16.float().mean()),
-                        "search16_us": search16_us,
+                        "passes_row_mean": float(passes_row.float().mean()),
+                        "search_row_us": search_row_us,
+                        "row/split": search_row_us / search_us,
                         "full_us": full_us,
                         "amax_us": amax_us,
                         "floor_us": floor_us,
@@ -154,8 +159,9 @@ def main() -> None:
             ("passes_max", "max", "d"),
             ("fused_us", "fused µs", ".1f"),
             ("search_us", "search µs", ".1f"),
-            ("passes16_mean", "passes NC16", ".1f"),
-            ("search16_us", "search NC16 µs", ".1f"),
+            ("passes_row_mean", "passes per-row", ".1f"),
+            ("search_row_us", "search per-row µs", ".1f"),
+            ("row/split", "per-row/split", ".2f"),
             ("full_us", "full µs", ".1f"),
             ("amax_us", "amax µs", ".1f"),
             ("floor_us", "floor µs", ".1f"),

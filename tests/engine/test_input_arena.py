@@ -197,13 +197,15 @@ def test_graph_step_rejects_what_the_graph_cannot_run():
 # ---------------------------------------------------------------------------------------------------
 class _EagerGraphs(DecodeGraphs):
     """DecodeGraphs whose "replay" runs the captured function eagerly (a CPU has no CUDA graphs);
-    records each replay and whether each placeholder step found the previous ids in `last_sampled`."""
+    records each replay and whether each placeholder step found the previous ids in `last_sampled`, and
+    the replays of the truncating sampler's graphs."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.replays: list[tuple[int, bool]] = []
         self.io_replays = 0  # replays of graphs that load their own inputs and write their own ids
         self.feeds: list[bool] = []  # True: the ids were already in last_sampled (no copy)
+        self.truncating_replays: list[tuple[int, bool]] = []
 
     def _synchronize(self) -> None:
         pass
@@ -217,7 +219,13 @@ class _EagerGraphs(DecodeGraphs):
         assert key in self.graphs, f"replay of graph {key}, which was not captured"
         self.replays.append(key[:2])
         self.io_replays += key[2] is not None
-        return self._run(*key)
+        self._outputs[key] = self._run(*key)  # the buffers the truncating sampler reads
+        return self._outputs[key]
+
+    def _replay_truncating(self, key):
+        assert self.sample_in_graph and key in self.graphs and key[3] == "logits", key
+        self.truncating_replays.append(key[:2])
+        return self._truncate(key)
 
     def feed_previous_samples(self, prev_sampled: torch.Tensor) -> None:
         self.feeds.append(self.holds_previous_samples(prev_sampled))
@@ -289,13 +297,15 @@ def _llm(
 )
 def test_graph_steps_equal_eager_steps(model_dir, reference_llm, backend, io, lm_head):
     """Async scheduling (placeholder inputs every decode): batch-1 greedy, then a mixed batch (greedy,
-    seeded temperature, a seeded top-p row for the full sampler, a logprobs row), through the graph
-    step and through the eager path: the same tokens and logprobs. With the in-graph sampler serving
-    every row (triton, batch 1) the previous ids are found in `last_sampled` after the first decode;
-    otherwise each placeholder step copies them there. `io`: graphs of up to that many rows load their
-    own inputs from the host twin and write the ids back there (the batch-1 steps' tokens come from that
-    write; the mixed batch's top-p row sends its step through the full sampler and the runner's copy).
-    `lm_head`: the graphs' sampler inside the LM head's product (else its own kernels after it).
+    seeded temperature, a seeded top-p row, a logprobs row for the full sampler), through the graph step
+    and through the eager path: the same tokens and logprobs. With the Triton kernels the top-p row is
+    drawn by the truncating sampler's graph, replayed after the forward graph of its steps. With the
+    in-graph sampler serving every row (triton, batch 1) the previous ids are found in `last_sampled`
+    after the first decode; otherwise each placeholder step copies them there. `io`: graphs of up to
+    that many rows load their own inputs from the host twin and write the ids back there (the batch-1
+    steps' tokens come from that write; the mixed batch's logprobs row sends its step through the full
+    sampler and the runner's copy). `lm_head`: the graphs' sampler inside the LM head's product (else
+    its own kernels after it).
 
     The two engines pad batches differently (a graph step runs its bucket's row count), so their logits
     may differ by rounding: logprobs are compared up to it, and greedy tokens exactly because no greedy
@@ -321,6 +331,11 @@ def test_graph_steps_equal_eager_steps(model_dir, reference_llm, backend, io, lm
         if fake is not None:
             assert any(bs == 4 for bs, _ in fake.replays[4:])  # the mixed batch ran as padded graph steps
             assert fake.io_replays == (len(fake.replays) if io else 0)
+            # the top-p row's decode steps replay the truncating sampler's graph after the forward's
+            if backend == "triton":
+                assert len(fake.truncating_replays) == 3 and set(fake.truncating_replays) <= set(fake.replays[4:])
+            else:
+                assert fake.truncating_replays == []
         results[graphs] = (one.token_ids, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
     assert_equal_up_to_rounding(results[True], results[False])
     assert results[True][1][0][0] == results[True][0]  # the greedy row ignores its batch

@@ -208,6 +208,40 @@ def test_decode_graphs_with_async_placeholders_equal_eager_fp32(ckpt):
     assert got[False] == got[True]
 
 
+def test_truncating_rows_in_decode_graphs_equal_eager_fp32(ckpt):
+    """Seeded top-k / top-p / min-p rows beside plain, greedy and full-sampler (logprobs) rows: the decode
+    graphs draw them with the truncating sampler's graph (replayed after the forward's; filters from the
+    input arena) and give enforce_eager's tokens, in a batch and alone (batch 1: the graphs that load
+    their own inputs and write the ids to the host themselves). Float32, TF32 off."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ps = prompts(6, 20, 80, seed=8)
+
+    def sp(**kw):
+        return SamplingParams(max_tokens=10, ignore_eos=True, **kw)
+
+    params = [
+        sp(temperature=0.9, top_p=0.9, top_k=50, seed=1),
+        sp(temperature=1.0, min_p=0.1, seed=2),
+        sp(temperature=0.7, top_k=5, seed=3),
+        sp(temperature=0.8, seed=4),
+        sp(temperature=0),
+        sp(temperature=1.0, top_p=0.5, seed=5, logprobs=2),
+    ]
+    got = {}
+    for eager in (True, False):
+        llm = engine(ckpt, "float32", kv=1 << 30, max_model_len=512, enforce_eager=eager)
+        runner = llm.llm_engine.runner
+        alone = llm.generate({"prompt_token_ids": ps[0]}, params[0], use_tqdm=False)[0].outputs[0].token_ids
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        got[eager] = (alone, [o.outputs[0].token_ids for o in outs])
+        if not eager:
+            assert runner.graphs._truncating, "no truncating sampler graph was captured"
+        del llm, runner
+        torch.cuda.empty_cache()
+    assert got[False] == got[True]
+    assert got[True][0] == got[True][1][0]  # a seeded top-p row draws the same tokens alone
+
+
 def test_pruned_lm_head_draws_the_same_tokens_bf16(ckpt):
     """Batch-1 decode graph steps sample through the pruned LM head (an int8 copy bounds every row's score,
     the product runs over the rows it cannot rule out; kernels/lm_head_bounds.py) by default. In bf16 their

@@ -2,10 +2,11 @@
 
 The interpreter that runs the other kernel tests on a CPU executes the kernels as Python, so it never
 sees what only the compiler checks: the types that branches and `while` loops carry (a constant that
-becomes a tensor in one branch fails to compile). This compiles the threshold kernel (with and without
-a bitmask, bf16 and float32 logits) and the fused draw with thresholds, and checks that nothing spills
-to local memory. The compiler runs in a subprocess (the tests' interpreter mode replaces the kernels by
-Python functions); skipped where this Triton cannot compile for CUDA.
+becomes a tensor in one branch fails to compile). This compiles every kernel the truncating sampler
+launches (the threshold search's and the draw's; with and without a bitmask, bf16 and float32 logits)
+and checks that nothing spills to local memory. The compiler runs in a subprocess (the tests'
+interpreter mode replaces the kernels by Python functions); skipped where this Triton cannot compile
+for CUDA.
 """
 
 from __future__ import annotations
@@ -17,49 +18,38 @@ import pytest
 from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backend
 
 
-def compile_ptx(kernel, sig: dict, consts: dict, warps: int) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {**sig, **{name: "constexpr" for name in consts}}
-    compiled = triton.compile(
-        ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
-    )
-    return compiled.asm["ptx"]
-
-
 def summarise() -> dict:
-    """{variant: {"local": whether its PTX touches local memory}}, or {"skip": reason}."""
+    """{launch: {"local": whether its PTX touches local memory}}, or {"skip": reason}: every kernel
+    `sample_top_k_top_p` launches (the threshold search's five and the draw's two), bf16 with and without
+    a bitmask and float32 without."""
     missing = missing_cuda_backend()
     if missing is not None:
         return {"skip": missing}
-    from tinyvllm.kernels.sampling import sample_partial_kernel
-    from tinyvllm.kernels.top_p_sampling import truncation_threshold_kernel
+    import torch
 
+    from tests.kernels.sm90_compile import compile_only_for_sm90
+    from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p
+
+    B, V = 4, 128256
     out = {}
-    variants = []
-    for dtype in ("bf16", "fp32"):
-        for has_mask in (False, True):
-            sig = {"logits_ptr": f"*{dtype}", "stride_row": "i32", "temperature_ptr": "*fp32", "top_k_ptr": "*i32"}
-            sig.update({"top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "mask_ptr": "*i32", "stride_mask": "i32"})
-            sig.update({"thr_ptr": "*fp32", "passes_ptr": "*i32", "V": "i32"})
-            consts = {"BLOCK": 1024, "NC": 8, "HAS_MASK": has_mask}
-            variants.append((f"threshold/{dtype}/mask={has_mask}", truncation_threshold_kernel, sig, consts))
-    sig = {"logits_ptr": "*bf16", "stride_row": "i32", "temperature_ptr": "*fp32", "seed_ptr": "*i64"}
-    sig.update({"val_ptr": "*fp32", "idx_ptr": "*i32", "mask_ptr": "*i32", "stride_mask": "i32", "thr_ptr": "*fp32"})
-    sig.update({"V": "i32", "CHUNK": "i32", "NUM_SPLITS": "i32"})
-    consts = {"BLOCK": 2048, "FAST_LOG": True, "HAS_MASK": True, "HAS_THR": True}
-    variants.append(("draw/bf16/thresholds", sample_partial_kernel, sig, consts))
-    for name, kernel, sig, consts in variants:
+    for dtype, has_mask in ((torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)):
+        logits = torch.zeros(B, V, dtype=dtype)
+        ones = torch.ones(B)
+        bitmask = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32) if has_mask else None
+        args = (logits, ones, torch.zeros(B, dtype=torch.int64), torch.full((B,), 50, dtype=torch.int32), ones, ones)
         try:
-            ptx = compile_ptx(kernel, sig, consts, warps=8)
+            with compile_only_for_sm90() as launched:
+                sample_top_k_top_p(*args, bitmask=bitmask)
         except Exception as e:
             if "ptxas" in str(e):
                 return {"skip": f"no ptxas: {e}"}
-            out[name] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+            out[f"{dtype}/mask={has_mask}"] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
             continue
-        out[name] = {"local": "ld.local" in ptx or "st.local" in ptx}
+        for name, compiled in launched:
+            ptx = compiled.asm["ptx"]
+            out[f"{name}/{str(dtype).removeprefix('torch.')}/mask={has_mask}"] = {
+                "local": "ld.local" in ptx or "st.local" in ptx
+            }
     return out
 
 
@@ -69,7 +59,9 @@ def facts() -> dict:
 
 
 def test_kernels_compile_for_sm90_without_spills(facts):
-    assert len(facts) == 5, facts
+    names = {name.split("/")[0] for name in facts}
+    assert {"threshold_stats_kernel", "threshold_begin_kernel", "threshold_pass_kernel"} <= names, facts
+    assert {"threshold_reduce_kernel", "threshold_finish_kernel", "sample_partial_kernel"} <= names, facts
     for name, fact in facts.items():
         assert "error" not in fact, (name, fact)
         assert not fact["local"], f"{name} spills to local memory"

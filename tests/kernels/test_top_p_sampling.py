@@ -42,9 +42,10 @@ def reference_kept(z: torch.Tensor, temperature: float, top_k: int, top_p: float
     return kept
 
 
-def kernel_kept(z, temperature, top_k, top_p, min_p, bitmask=None):
-    """The kernel's kept masks [B, V]: z · (1 / T) > thr, the comparison its draw makes."""
-    thr, passes = truncation_thresholds(z, temperature, top_k, top_p, min_p, bitmask)
+def kernel_kept(z, temperature, top_k, top_p, min_p, bitmask=None, **search):
+    """The kernel's kept masks [B, V]: z · (1 / T) > thr, the comparison its draw makes (`search`: the
+    search's layout, `truncation_thresholds`' candidates, split_passes, chunk)."""
+    thr, passes = truncation_thresholds(z, temperature, top_k, top_p, min_p, bitmask, **search)
     scaled = z.float() * (1.0 / temperature)[:, None]
     return scaled > thr[:, None], passes
 
@@ -60,8 +61,20 @@ def params(rows, device):
     )
 
 
+# (candidates, split_passes, chunk): the default; every pass by the per-row programs; split passes over
+# several chunks per row, ending in the per-row programs or not; 8 candidates per pass
+LAYOUTS = [{}, dict(split_passes=0, chunk=256), dict(split_passes=2, chunk=256), dict(candidates=8, chunk=128)]
+
+
+@pytest.mark.parametrize("search", LAYOUTS[1:])
+def test_kept_set_equals_the_float64_reference_in_every_search_layout(device, search):
+    """The search's launches (split over chunks or not, any number of split passes, NC) change where its
+    sums are made, not the kept set."""
+    test_kept_set_equals_the_float64_reference_on_random_rows(device, torch.bfloat16, search)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kept_set_equals_the_float64_reference_on_random_rows(device, dtype):
+def test_kept_set_equals_the_float64_reference_on_random_rows(device, dtype, search=None):
     """Assorted shapes of logits (flat, peaked, wide, with −inf) and every filter alone and combined."""
     gen = torch.Generator().manual_seed(40)
     V = 700
@@ -88,12 +101,67 @@ def test_kept_set_equals_the_float64_reference_on_random_rows(device, dtype):
             rows.append(z)
             cfg.append(c)
     z = torch.stack(rows).to(dtype)
-    kept, passes = kernel_kept(z.to(device), *params(cfg, device))
+    search = search or {}
+    kept, passes = kernel_kept(z.to(device), *params(cfg, device), **search)
     for b, (t, k, p, m) in enumerate(cfg):
         ref = reference_kept(z[b].float(), t, k, p, m)
         assert torch.equal(kept[b].cpu(), ref), (b, cfg[b], int(kept[b].sum()), int(ref.sum()))
-    # one pass for the statistics, at most ⌈32 / log2(5)⌉ = 14 per search (module docstring)
-    assert int(passes.max()) <= 1 + 2 * 14
+    # one pass for the statistics, at most ⌈32 / log2(NC / 2 + 1)⌉ per search (module docstring)
+    nc = search.get("candidates", 16)
+    assert int(passes.max()) <= 1 + 2 * math.ceil(32 / math.log2(nc // 2 + 1))
+
+
+@pytest.mark.parametrize("search", LAYOUTS)
+def test_edge_rows_keep_what_the_reference_keeps_in_every_layout(device, search):
+    """All-equal rows (one tie group: kept whole by top-k and top-p), a tie at the top with k = 1, a tiny
+    p, p = 1 with a huge k (nothing cut), k = 1, mostly −inf rows, min-p alone and with top-p, and a
+    row whose values all lie within a few floats of each other."""
+    gen = torch.Generator().manual_seed(11)
+    V = 600
+    rows, cfg = [], []
+
+    def add(z, c):
+        rows.append(z)
+        cfg.append(c)
+
+    add(torch.zeros(V), (1.0, 3, 1.0, 0.0))
+    add(torch.full((V,), 2.5), (0.7, 0, 0.5, 0.0))
+    z = torch.randn(V, generator=gen)
+    z[[5, 99, 421]] = 9.0
+    add(z, (1.0, 1, 1.0, 0.0))
+    add(torch.randn(V, generator=gen) * 3, (0.9, 0, 1e-6, 0.0))
+    add(torch.randn(V, generator=gen) * 3, (0.9, 10**6, 1.0, 0.0))
+    add(torch.randn(V, generator=gen) * 3, (1.1, 1, 0.9, 0.1))
+    z = torch.full((V,), -math.inf)
+    z[[17, 555]] = torch.tensor([1.0, 0.5])
+    add(z, (1.0, 0, 0.6, 0.0))
+    add(torch.randn(V, generator=gen) * 2, (0.8, 0, 1.0, 0.3))
+    add(torch.randn(V, generator=gen) * 2, (0.8, 0, 0.8, 0.05))
+    add(1.0 + torch.randint(0, 4, (V,), generator=gen) * 2.0**-20, (1.0, 0, 0.5, 0.0))
+    add(torch.randn(V, generator=gen) * 5, (1.0, 599, 0.999, 0.0))
+    z = torch.stack(rows)
+    kept, _ = kernel_kept(z.to(device), *params(cfg, device), **search)
+    for b, (t, k, p, m) in enumerate(cfg):
+        ref = reference_kept(z[b], t, k, p, m)
+        assert torch.equal(kept[b].cpu(), ref), (b, cfg[b], int(kept[b].sum()), int(ref.sum()))
+    assert kept[0].all() and kept[1].all() and kept[2].nonzero().flatten().tolist() == [5, 99, 421]
+    assert kept[6].nonzero().flatten().tolist() in ([17], [17, 555])
+
+
+def test_thresholds_are_the_rows_own_whatever_the_batch(device):
+    """Split over chunks, a row's threshold (its sums) is the same bits alone, first or last in a batch."""
+    gen = torch.Generator().manual_seed(21)
+    V, B = 1000, 4
+    z = (torch.randn(B, V, generator=gen) * 2).to(device)
+    cfg = [(0.8, 40, 0.9, 0.0), (1.0, 0, 0.8, 0.0), (0.6, 0, 1.0, 0.1), (1.2, 7, 0.95, 0.0)]
+    search = dict(split_passes=2, chunk=256)
+    thr, _ = truncation_thresholds(z, *params(cfg, device), **search)
+    perm = [3, 1, 0, 2]
+    again, _ = truncation_thresholds(z[perm], *params([cfg[i] for i in perm], device), **search)
+    assert again.cpu().tolist() == thr[perm].cpu().tolist()
+    for b in (0, 3):
+        alone, _ = truncation_thresholds(z[b : b + 1], *params(cfg[b : b + 1], device), **search)
+        assert float(alone) == float(thr[b])
 
 
 def test_ties_at_the_threshold_keep_the_whole_tie_group_as_the_full_sampler_does(device):

@@ -37,6 +37,14 @@ weight (`LMHead.sample_pruned`, kernels/lm_head_bounds.py: the same ids, no logi
 every row that sampler serves, and a third pair that stops at the final norm's hidden state: a constrained
 step replays it, fills its token bitmask while the device runs it, then launches the pruned head under
 the bitmask after it (three kernels, eagerly), so a constrained batch-1 step keeps the pruned head.
+
+With `sample_in_graph`, every graph that computes logits also gets a truncating sampler graph, captured
+with it: the fused top-k/top-p/min-p sampler (kernels/top_p_sampling.py) over that graph's logits and the
+arena's per-row temperatures, seeds and filters, writing its ids into `last_sampled` (and the twin's
+`sampled_ids` for the buckets that do their own copies). A step with rows that sampler serves replays it
+right after the forward's graph (`replay_truncating`), instead of launching the sampler's kernels
+eagerly. A row without a filter costs that sampler no read of its logits and draws the id of the plain
+fused kernel, so one launch serves the step's plain and truncating rows.
 """
 
 from __future__ import annotations
@@ -151,6 +159,8 @@ class DecodeGraphs:
         # head: "logits" (the LM head's product), "pruned" (samples through the pruned LM head, no logits)
         # or "hidden" (stops at the final norm: its buffers are (hidden states, None))
         self.graphs: dict[tuple[int, bool, int | None, str], torch.cuda.CUDAGraph] = {}
+        # forward key (head "logits") -> its truncating sampler's graph and sampled ids (module docstring)
+        self._truncating: dict[tuple[int, bool, int | None, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._outputs: dict[tuple[int, bool, int | None, str], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.captured: set[int] = set()  # buckets whose graphs exist
         self.wanted: list[int] = []  # buckets a step needed before they were captured, in that order
@@ -202,6 +212,20 @@ class DecodeGraphs:
         return logits, sample_greedy_or_gumbel(
             logits, a.temperatures[:bs], a.seeds[:bs], out=self.last_sampled[:bs], host_out=host_ids
         )
+
+    def _truncate(self, key: tuple[int, bool, int | None, str]) -> torch.Tensor:
+        """The truncating sampler over the logits of graph `key` (its captured output buffer): ids of its
+        rows into `last_sampled` (and the twin's `sampled_ids`), from the arena's per-row parameters."""
+        from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p
+
+        bs, _, twin, _ = key
+        a = self.arena if twin is None else self.io_arena
+        host_ids = None if twin is None else self._io_host_arenas[twin].sampled_ids[:bs]
+        logits = self._outputs[key][0]
+        return sample_top_k_top_p(
+            logits, a.temperatures[:bs], a.seeds[:bs], a.top_k[:bs], a.top_p[:bs], a.min_p[:bs],
+            out=self.last_sampled[:bs], host_out=host_ids,
+        )  # fmt: skip
 
     def _keys(self, sizes: list[int] | None = None) -> list[tuple[int, bool, int | None, str]]:
         """Every graph of the buckets `sizes` (default: all), largest bucket first."""
@@ -293,6 +317,15 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                     self._outputs[key] = self._run(*key)
                 self.graphs[key] = graph
+                if self.sample_in_graph and key[3] == "logits":
+                    t = time.perf_counter()
+                    self._truncate(key)  # warm-up
+                    stream.synchronize()
+                    warm_s += time.perf_counter() - t
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                        ids = self._truncate(key)
+                    self._truncating[key] = (graph, ids)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         return warm_s
@@ -363,6 +396,20 @@ class DecodeGraphs:
         hidden, _ = self._replay((bs, cascade, twin, "hidden"))
         a = self.io_arena
         return hidden, a.temperatures[:bs], a.seeds[:bs], host.sampled_ids[:bs]
+
+    def replay_truncating(self, bs: int, cascade: bool, host: InputArena | None = None) -> torch.Tensor:
+        """After the replay of bucket `bs`'s logits graph (`host`: the twin `replay_io` was given, for a
+        `runs_io` bucket), replay its truncating sampler (module docstring) and return the sampled ids [bs]
+        on the device (`last_sampled`'s leading rows; for a `runs_io` bucket also in the twin's
+        `sampled_ids`). Needs `sample_in_graph`."""
+        twin = None if host is None else next(i for i, h in enumerate(self._io_host_arenas) if h is host)
+        return self._replay_truncating((bs, cascade, twin, "logits"))
+
+    def _replay_truncating(self, key: tuple[int, bool, int | None, str]) -> torch.Tensor:
+        """Replay the truncating sampler's graph of forward graph `key`; its sampled ids."""
+        graph, ids = self._truncating[key]
+        graph.replay()
+        return ids
 
     def _replay(self, key: tuple[int, bool, int | None, str]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Replay one captured graph; its output buffers."""

@@ -6,8 +6,9 @@ Layout for n rows and W blocks per sequence, every region starting on a 16-byte 
 specialises pointer arguments on that alignment):
 
     copy_words [1] int32 | input_ids [n] int64 | positions [n] int64 | slot_mapping [n] int64 |
-    placeholder_src [n] int64 | seeds [n] int64 | temperatures [n] float32 | seq_lens [n] int32 |
-    prefix_len [1] int32 | block_tables [n, W] int32 | row_index [n] int64 | sampled_ids [n] int64
+    placeholder_src [n] int64 | seeds [n] int64 | temperatures [n] float32 | top_k [n] int32 |
+    top_p [n] float32 | min_p [n] float32 | seq_lens [n] int32 | prefix_len [1] int32 |
+    block_tables [n, W] int32 | row_index [n] int64 | sampled_ids [n] int64
 
 `placeholder_src[i]` ≥ 0: row i's input is that row of the previous step's sampled ids (async
 scheduling; the graph gathers it, kernels/placeholders.py); −1: the row's id is in `input_ids`. The
@@ -16,7 +17,8 @@ rows only (`bytes_through`). `row_index` (0, 1, …, n−1, the logits rows of a
 once and never copied. Two regions serve the graphs that do their own copies (cuda_graphs.py, small
 buckets): `copy_words`, the number of leading 32-bit words a step needs copied (written by
 `set_copy_words`, read by the graph's load kernel from the pinned twin), and `sampled_ids`, where that
-graph's sampler writes the step's ids into the pinned twin (never copied in).
+graph's sampler writes the step's ids into the pinned twin (never copied in). `top_k`, `top_p` and
+`min_p` (0, 1, 0: off) are read by the decode graphs' truncating sampler only (cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def _regions(n: int, max_blocks_per_seq: int) -> list[tuple[str, torch.dtype, tu
         ("placeholder_src", i64, (n,)),
         ("seeds", i64, (n,)),
         ("temperatures", torch.float32, (n,)),
+        ("top_k", i32, (n,)),
+        ("top_p", torch.float32, (n,)),
+        ("min_p", torch.float32, (n,)),
         ("seq_lens", i32, (n,)),
         ("prefix_len", i32, (1,)),
         ("block_tables", i32, (n, max_blocks_per_seq)),
@@ -64,6 +69,9 @@ class ArenaArrays:
     placeholder_src: np.ndarray
     seeds: np.ndarray
     temperatures: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
     seq_lens: np.ndarray
     prefix_len: np.ndarray
     block_tables: np.ndarray
@@ -75,7 +83,8 @@ class InputArena:
     """One arena (module docstring); a host arena (CPU) also has numpy views in `arrays`.
 
     Starts with every row padding: ids, positions, lengths 0, slots and placeholder sources −1, block
-    tables 0; `copy_words` covers every region up to the block tables' end.
+    tables 0, no sampling filter (temperature 0, top_k 0, top_p 1, min_p 0); `copy_words` covers every
+    region up to the block tables' end.
 
     Args:
         max_rows: Rows of every per-row region (the largest graph's batch).
@@ -105,6 +114,9 @@ class InputArena:
         self.placeholder_src: torch.Tensor = views["placeholder_src"]
         self.seeds: torch.Tensor = views["seeds"]
         self.temperatures: torch.Tensor = views["temperatures"]
+        self.top_k: torch.Tensor = views["top_k"]
+        self.top_p: torch.Tensor = views["top_p"]
+        self.min_p: torch.Tensor = views["min_p"]
         self.seq_lens: torch.Tensor = views["seq_lens"]
         self.prefix_len: torch.Tensor = views["prefix_len"]
         self.block_tables: torch.Tensor = views["block_tables"]
@@ -123,6 +135,7 @@ class InputArena:
         self.buffer.zero_()
         self.slot_mapping.fill_(-1)
         self.placeholder_src.fill_(-1)
+        self.top_p.fill_(1.0)
         self.row_index.copy_(torch.arange(self.max_rows))
         self.set_copy_words(self.bytes_through(self.max_rows, self.max_blocks_per_seq))
 

@@ -375,6 +375,22 @@ class ModelRunner:
             )
             if cfg.graph_capture == "eager":
                 self.graphs.capture()
+        if triton and self.device.type == "cuda" and self.group is None:
+            self._warm_truncating_sampler()
+
+    def _warm_truncating_sampler(self) -> None:
+        """Compile the truncating sampler's kernels (kernels/top_p_sampling.py) for logits in the LM head's
+        dtype, the decode graphs' logits, at start-up rather than at the first step or capture that needs
+        them: one launch over two rows of zeros."""
+        from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p
+
+        weight = self.executor.lm_head.weight
+        logits = torch.zeros(2, weight.shape[0], dtype=weight.dtype, device=self.device)
+        ones = torch.ones(2, dtype=torch.float32, device=self.device)
+        seeds = torch.zeros(2, dtype=torch.int64, device=self.device)
+        top_k = torch.full((2,), 50, dtype=torch.int32, device=self.device)
+        sample_top_k_top_p(logits, ones, seeds, top_k, ones * 0.9, ones * 0.0)
+        torch.cuda.synchronize(self.device)
 
     def next_graph_capture(self, idle: bool = False) -> int | None:
         """The decode graph bucket to capture next (`DecodeGraphs.next_capture`); None: none now, or no
@@ -469,11 +485,13 @@ class ModelRunner:
         """A decode step replayed as the graph of `bucket` rows: pack its inputs (with the sampler's
         temperatures and seeds) into a host twin of the graphs' input arena, make the previous step's
         sampled ids readable by the graph's placeholder gather when the step needs them, copy the arena
-        over in one copy, replay, then sample the rows the in-graph sampler does not serve. A step with
-        constrained rows (a grammar, allowed_token_ids or bad_words) samples every row after the replay,
-        from the graph's logits, under the bitmask filled while the graph runs; with the pruned LM head
-        (batch 1, every row the fused sampler's), it replays the graph that stops at the hidden states and
-        samples through the pruned head under the bitmask (`DecodeGraphs.replay_io_hidden`)."""
+        over in one copy, replay, then sample the rows the in-graph sampler does not serve (a step with rows
+        for the truncating sampler replays its graph after the forward's, `DecodeGraphs.replay_truncating`,
+        which then serves the plain fused rows as well). A step with constrained rows (a grammar,
+        allowed_token_ids or bad_words) samples every row after the replay, from the graph's logits, under
+        the bitmask filled while the graph runs; with the pruned LM head (batch 1, every row the fused
+        sampler's), it replays the graph that stops at the hidden states and samples through the pruned
+        head under the bitmask (`DecodeGraphs.replay_io_hidden`)."""
         graphs = self.graphs
         host, device = graphs.next_arenas(bucket)
         inputs = self.builder.build(
@@ -484,11 +502,17 @@ class ModelRunner:
         n = len(seqs)
         plan = self.sampler.plan(sched, seqs)
         fused = self.sampler.fused_rows(plan, seqs)
+        truncating = self.sampler.truncating_rows(plan, seqs) if graphs.sample_in_graph else []
         seeds = None
         if self.sampler.needs_seeds(plan, seqs):
             seeds = host.seeds[:n]
             self.sampler.draw_seeds(plan, seqs, host.arrays.seeds)
             host.arrays.temperatures[:n] = plan.host_temperatures
+        if truncating:  # the graphs' truncating sampler reads every row's filters; padding rows: greedy
+            arrays = host.arrays
+            arrays.temperatures[n:bucket] = 0.0
+            for region, values in zip((arrays.top_k, arrays.top_p, arrays.min_p), plan.host_filters):
+                region[:n] = values
         if inputs.num_placeholders:
             graphs.feed_previous_samples(self._prev_sampled)
         graph_ids = None
@@ -504,21 +528,28 @@ class ModelRunner:
             ids = graphs.last_sampled[:bucket]
             self.executor.lm_head.sample_pruned(hidden, temperatures, dev_seeds, ids, host_ids, bitmask=bitmask)
             return self._finish(seqs, inputs.sample_order, plan, ids[:n], None, None, bufs, host_ids[:n])
-        if graphs.runs_io(bucket):
+        cascade = inputs.prefix_len > 0
+        io = graphs.runs_io(bucket)
+        if io:
             # every row served by the in-graph sampler: no logits needed, the pruned LM head's graph if any
             logits, presampled, graph_ids = graphs.replay_io(
-                bucket, inputs.prefix_len > 0, host, inputs.arena_bytes, pruned=len(fused) == n and not constrained
+                bucket, cascade, host, inputs.arena_bytes, pruned=len(fused) == n and not constrained
             )
         else:
             graphs.load_inputs(host, inputs.arena_bytes, by_kernel=self._copies_by_kernel(n))
-            logits, presampled = graphs.replay(bucket, cascade=inputs.prefix_len > 0)
+            logits, presampled = graphs.replay(bucket, cascade=cascade)
+        if truncating and not constrained:  # the truncating sampler's graph serves the fused rows too
+            presampled = graphs.replay_truncating(bucket, cascade, host if io else None)
+            fused = fused + truncating
+        else:
+            truncating = []
         logits = None if logits is None else logits[:n]
         bitmask = self._step_bitmask(seqs, plan, structured) if constrained else None
         presampled = presampled[:n] if fused and graphs.sample_in_graph and bitmask is None else None
         sampled, logprobs, logprob_rows = self.sampler.sample(
-            logits, seqs, plan, fused, seeds, presampled, bufs, bitmask
+            logits, seqs, plan, fused, seeds, presampled, bufs, bitmask, truncated_in=bool(truncating)
         )
-        # The graph's own copy of the ids holds the step's tokens when its sampler served every row.
+        # The graph's own copy of the ids holds the step's tokens when its samplers served every row.
         graph_ids = graph_ids[:n] if graph_ids is not None and len(fused) == n and bitmask is None else None
         return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs, graph_ids)
 

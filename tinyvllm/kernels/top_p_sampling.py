@@ -16,7 +16,7 @@ Each rule keeps {l_i ≥ t*} for the smallest value t* it accepts: C and M only 
 values, so the accepted values form an upper set. The kept set is written as one strict threshold
 per row, K = {i : l_i > thr}, with thr any value in [the largest value below t*, t*).
 
-Finding thr (`truncation_threshold_kernel`, one program per row), each pass a streaming read of the row:
+Finding thr, each pass a streaming read of the row:
 
 1. m = max l, Z = Σ exp(l − m) (online), the smallest finite value and the count of finite values;
 2. top-k, then top-p: a search over x keeping cond(lo) false and cond(hi) true, cond(x) = C(x) < k and
@@ -29,15 +29,25 @@ Finding thr (`truncation_threshold_kernel`, one program per row), each pass a st
    found when (lo, hi] shrinks to that one float: at most ⌈32 / log2(NC/2 + 1)⌉ passes.
 3. min-p: thr ≥ the float just below max l + log(min_p).
 
+Launches (`truncation_thresholds`), a fixed sequence whatever the data, so that a CUDA graph captures
+it: each row is cut into chunks of a fixed length (8,192 logits: never a function of the batch, so a
+row's sums are its own). The statistics run over rows × chunks, then one program per row combines them
+in chunk order and starts the row's search (a row state in a small device buffer: phase, m, lo, C(lo),
+M(lo), hi, C(hi), ...). Each of a fixed number of split passes runs over rows × chunks (C and M at the
+row's candidates over one chunk each), then one program per row sums the chunks' counts and masses in
+chunk order and moves lo and hi; a row whose search is over skips both. Last, one program per row makes
+the passes its search still needs (usually none) itself, summing chunk by chunk the same way, and
+writes thr. A row that does not truncate (greedy, no filter) reads nothing.
+
 Then the fused Gumbel-max pass (kernels/sampling.py, HAS_THR) draws argmax_{i ∈ K} (l_i + g_i) with
 each index's seeded noise g_i: the same ids as the plain fused kernel when K holds every finite token,
 and the same id for a row alone or anywhere in any batch.
 
 Cost at B × V: 1 + passes(top-k) + passes(top-p) reads of each row by the search (the row is re-read
 while it sits in L2 at moderate batch) plus one read by the draw; each search pass does O(NC) compares
-and adds per logit. Masses are float32 sums, so a row whose top-p boundary lies within float32
-rounding (~1e-6 relative) of p may keep one token more or fewer than an exact computation would, as
-the full sampler's float32 cumsum may.
+and adds per logit, spread over B × ceil(V / 8,192) programs; 2 launches per split pass. Masses are
+float32 sums, so a row whose top-p boundary lies within float32 rounding (~1e-6 relative) of p may keep
+one token more or fewer than an exact computation would, as the full sampler's float32 cumsum may.
 """
 
 from __future__ import annotations
@@ -53,16 +63,18 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _key(x):
-    """The float32 x as an int64 that orders as the floats do (−0.0 and +0.0 apart; callers add 0.0 first)."""
-    b = x.to(tl.int32, bitcast=True)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
+    """The float32 x as an int64 that orders as the floats compare: consecutive keys are consecutive
+    floats, and −0.0 has +0.0's key 0 (so the key just below 0.0 is the largest negative float, which
+    compares below 0.0: −0.0 does not)."""
+    b = x.to(tl.int32, bitcast=True).to(tl.int64)
+    return tl.where(b >= 0, b, (b ^ 0x7FFFFFFF) + 1)
 
 
 @triton.jit
 def _from_key(k):
-    """The inverse of `_key`."""
-    b = k.to(tl.int32)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    """The inverse of `_key` (+0.0 for key 0)."""
+    b = tl.where(k >= 0, k, (k - 1) ^ 0x7FFFFFFF)
+    return b.to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -76,13 +88,13 @@ def _scaled(row_ptr, mask_row_ptr, offs, V, inv_t, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(row_ptr, mask_row_ptr, V, inv_t, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
-    """(max l, Σ exp(l − max l), smallest finite l, count of finite l) of one row, in one read (sl: l)."""
+def _chunk_stats(row_ptr, mask_row_ptr, V, inv_t, c0, CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
+    """(max l, Σ exp(l − max l), smallest finite l, count of finite l) over [c0, c0 + CHUNK) of a row."""
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     s_i = tl.zeros([BLOCK], tl.float32)
     lo_i = tl.full([BLOCK], float("inf"), tl.float32)
     n_i = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
+    for start in range(c0, c0 + CHUNK, BLOCK):
         sl = _scaled(row_ptr, mask_row_ptr, start + tl.arange(0, BLOCK), V, inv_t, HAS_MASK)
         finite = sl > float("-inf")
         m_new = tl.maximum(m_i, sl)
@@ -95,6 +107,124 @@ def _row_stats(row_ptr, mask_row_ptr, V, inv_t, BLOCK: tl.constexpr, HAS_MASK: t
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     s = tl.sum(s_i * tl.exp2((m_i - m_safe) * 1.4426950408889634), axis=0)
     return m, s, tl.min(lo_i, axis=0), tl.sum(n_i, axis=0)
+
+
+@triton.jit
+def _combine_stats(m, s, lmin, n, m_c, s_c, lmin_c, n_c):
+    """The statistics of two consecutive spans of a row from each one's (`_chunk_stats`)."""
+    m_new = tl.maximum(m, m_c)
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    s = s * tl.exp2((m - m_safe) * 1.4426950408889634) + s_c * tl.exp2((m_c - m_safe) * 1.4426950408889634)
+    return m_new, s, tl.minimum(lmin, lmin_c), n + n_c
+
+
+@triton.jit
+def _chunk_eval(
+    row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c0,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """Over [c0, c0 + CHUNK) of a row: C and M at the NC candidates x (counts and masses of the values
+    above each), and the smallest and largest value in (lo, hi]."""
+    cnt = tl.zeros([NC], tl.int32)
+    mass = tl.zeros([NC], tl.float32)
+    vmin = tl.full([BLOCK], float("inf"), tl.float32)
+    vmax = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(c0, c0 + CHUNK, BLOCK):
+        sl = _scaled(row_ptr, mask_row_ptr, start + tl.arange(0, BLOCK), V, inv_t, HAS_MASK)
+        e = tl.exp2((sl - m) * 1.4426950408889634)
+        gt = sl[:, None] > x[None, :]
+        cnt += tl.sum(gt.to(tl.int32), axis=0)
+        mass += tl.sum(tl.where(gt, e[:, None], 0.0), axis=0)
+        inside = (sl > lo) & (sl <= hi)
+        vmin = tl.minimum(vmin, tl.where(inside, sl, float("inf")))
+        vmax = tl.maximum(vmax, tl.where(inside, sl, float("-inf")))
+    return cnt, mass, tl.min(vmin, axis=0), tl.max(vmax, axis=0)
+
+
+@triton.jit
+def _update(keys, cnt, mass, vmin, vmax, lo, c_lo, s_lo, hi, c_hi, kk, P):
+    """One search pass's step from C and M at the candidates `keys` over the whole row (module
+    docstring): lo and hi move to the tightest candidates where cond(x) = C(x) < kk and M(x) < P is
+    false and true, then past the gaps without values to just below vmin and to vmax."""
+    cond = (cnt < kk) & (mass < P)
+    # lo: the largest candidate where cond is false (cond is monotone in x); hi: the smallest true one
+    klo = tl.maximum(tl.max(tl.where(cond, -(1 << 40), keys), axis=0), _key(lo))
+    khi = tl.minimum(tl.min(tl.where(cond, keys, 1 << 40), axis=0), _key(hi))
+    new_lo = klo > _key(lo)
+    new_hi = khi < _key(hi)
+    c_lo = tl.where(new_lo, tl.min(tl.where(keys == klo, cnt, 1 << 30), axis=0), c_lo)
+    s_lo = tl.where(new_lo, tl.min(tl.where(keys == klo, mass, float("inf")), axis=0), s_lo)
+    c_hi = tl.where(new_hi, tl.min(tl.where(keys == khi, cnt, 1 << 30), axis=0), c_hi)
+    # No value lies in (old lo, vmin) nor in (vmax, old hi]: C and M do not change across a gap without
+    # values, so lo moves up to just below vmin and hi down to vmax when they are tighter.
+    klo = tl.maximum(klo, _key(vmin) - 1)
+    khi = tl.minimum(khi, _key(vmax))
+    return _from_key(klo), c_lo, s_lo, _from_key(khi), c_hi
+
+
+@triton.jit
+def _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p):
+    """Leave the finished searches: phase 0 (top-k) ends when (lo, hi] holds one token or one float, or
+    when exactly kk tokens lie above lo; then phase 1 (top-p over what top-k kept) starts when p < 1 and
+    more than one token is left, else phase 2 (done, thr = lo). Phase 1 ends the same way."""
+    done = (c_lo - c_hi <= 1) | (_key(hi) - _key(lo) <= 1)
+    if (phase == 0) & (done | (c_lo <= kk)):
+        if (p < 1.0) & (c_lo > 1):
+            phase = tl.full([], 1, tl.int32)
+            hi = m
+            c_hi = tl.zeros([], tl.int32)
+            kk = tl.full([], 1 << 30, tl.int32)
+            P = p * s_lo
+            # tokens below a hold at most c_lo · exp(a − m) = (1 − p) · s_lo / e: t* lies above a
+            a = m + tl.log(s_lo * (1.0 - p) / c_lo.to(tl.float32)) - 1.0
+            done = (c_lo - c_hi <= 1) | (_key(hi) - _key(lo) <= 1)
+        else:
+            phase = tl.full([], 2, tl.int32)
+    if (phase == 1) & done:
+        phase = tl.full([], 2, tl.int32)
+    return phase, hi, c_hi, a, kk, P
+
+
+@triton.jit
+def _load_state(stf_ptr, sti_ptr, row):
+    f = stf_ptr + row * 8
+    i = sti_ptr + row * 8
+    return (
+        tl.load(i), tl.load(f), tl.load(f + 1), tl.load(i + 1), tl.load(f + 2), tl.load(f + 3), tl.load(i + 2),
+        tl.load(f + 4), tl.load(i + 3), tl.load(f + 5), tl.load(i + 4),
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes):
+    """A row's search state: phase (0: top-k search, 1: top-p search, 2: done, 3: no truncation, thr
+    −inf), the row max m, (lo, C(lo), M(lo)), (hi, C(hi)), the placement bound a, cond's kk and P, and
+    the reads of the row so far."""
+    f = stf_ptr + row * 8
+    i = sti_ptr + row * 8
+    tl.store(i, phase)
+    tl.store(f, m)
+    tl.store(f + 1, lo)
+    tl.store(i + 1, c_lo)
+    tl.store(f + 2, s_lo)
+    tl.store(f + 3, hi)
+    tl.store(i + 2, c_hi)
+    tl.store(f + 4, a)
+    tl.store(i + 3, kk)
+    tl.store(f + 5, P)
+    tl.store(i + 4, passes)
+
+
+@triton.jit
+def _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row):
+    """(1 / T (1 for greedy rows), whether the row truncates, k, p, min_p) of a row."""
+    temperature = tl.load(temperature_ptr + row)
+    k = tl.load(top_k_ptr + row)  # 0: off
+    p = tl.load(top_p_ptr + row)  # ≥ 1: off
+    min_p = tl.load(min_p_ptr + row)  # 0: off
+    active = (temperature != 0.0) & ((k > 0) | (p < 1.0) | (min_p > 0.0))
+    inv_t = 1.0 / tl.where(temperature == 0.0, 1.0, temperature)
+    return inv_t, active, k, p, min_p
 
 
 @triton.jit
@@ -117,131 +247,159 @@ def _candidates(lo, hi, a, NC: tl.constexpr):
 
 
 @triton.jit
-def _search(
-    row_ptr,
-    mask_row_ptr,
-    V,
-    inv_t,
-    m,
-    lo,
-    c_lo,
-    s_lo,
-    hi,
-    c_hi,
-    a,
-    k,
-    P,
-    passes,
-    BLOCK: tl.constexpr,
-    NC: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-):
-    """The threshold thr with {l > thr} = {l ≥ t*} for cond(x) = C(x) < k and M(x) < P (module
-    docstring), given cond(lo) false and cond(hi) true, with c_lo = C(lo), s_lo = M(lo), c_hi = C(hi).
-    Returns (thr, C(thr), M(thr), passes + the passes it made)."""
-    done = (c_lo - c_hi <= 1) | (_key(hi) - _key(lo) <= 1)
-    while not done:
+def threshold_stats_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask, part_ptr, V,
+    NUM_CHUNKS, CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """Program (b, c): `_chunk_stats` of chunk c of row b into part[b, c, 0:4] (rows that do not
+    truncate read nothing)."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    inv_t, active, _k, _p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
+    if active:
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
+        m, s, lmin, n = _chunk_stats(row_ptr, mask_row_ptr, V, inv_t, c * CHUNK, CHUNK, BLOCK, HAS_MASK)
+        out = part_ptr + (row * NUM_CHUNKS + c) * 4
+        tl.store(out, m)
+        tl.store(out + 1, s)
+        tl.store(out + 2, lmin)
+        tl.store(out + 3, n.to(tl.float32))  # exact: at most CHUNK ≤ 2^24
+
+
+@triton.jit
+def threshold_begin_kernel(
+    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, stf_ptr, sti_ptr, NUM_CHUNKS,
+):  # fmt: skip
+    """Program b: row b's statistics from its chunks' (in chunk order), and its search state: every
+    finite token kept (lo just below the smallest finite value: C(lo) = n, M(lo) = Z), the first search
+    to run, or phase 3 for a row that does not truncate (greedy, no filter, no finite logit)."""
+    row = tl.program_id(0)
+    _inv_t, active, k, p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
+    m = tl.full([], float("-inf"), tl.float32)
+    z = tl.zeros([], tl.float32)
+    lmin = tl.full([], float("inf"), tl.float32)
+    n = tl.zeros([], tl.int32)
+    if active:
+        for c in range(0, NUM_CHUNKS):
+            part = part_ptr + (row * NUM_CHUNKS + c) * 4
+            m_c = tl.load(part)
+            s_c = tl.load(part + 1)
+            lmin_c = tl.load(part + 2)
+            n_c = tl.load(part + 3).to(tl.int32)
+            m, z, lmin, n = _combine_stats(m, z, lmin, n, m_c, s_c, lmin_c, n_c)
+    lo = _from_key(_key(lmin) - 1)
+    kk = tl.where((k > 0) & (k < n), k, n)  # top-k off: its search is over at once (C(lo) = n ≤ kk)
+    phase = tl.zeros([], tl.int32)
+    hi = m
+    c_hi = tl.zeros([], tl.int32)
+    a = lo
+    P = tl.full([], float("inf"), tl.float32)
+    phase, hi, c_hi, a, kk, P = _advance(phase, m, lo, n, z, hi, c_hi, a, kk, P, p)
+    phase = tl.where(active & (n > 0), phase, 3)
+    _store_state(stf_ptr, sti_ptr, row, phase, m, lo, n, z, hi, c_hi, a, kk, P, tl.full([], 1, tl.int32))
+
+
+@triton.jit
+def threshold_pass_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
+    stf_ptr, sti_ptr, cnt_ptr, mass_ptr, vmm_ptr, V, NUM_CHUNKS,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """Program (b, c): C and M at row b's NC candidates over chunk c, and the smallest and largest value
+    in (lo, hi] there, into cnt[b, c], mass[b, c], vmm[b, c] (rows whose search is over do nothing)."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    phase, m, lo, _c_lo, _s_lo, hi, _c_hi, a, _kk, _P, _passes = _load_state(stf_ptr, sti_ptr, row)
+    if phase < 2:
+        inv_t, _active, _k, _p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
+        keys = _candidates(lo, hi, a, NC)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
+        cnt, mass, vmin, vmax = _chunk_eval(
+            row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, _from_key(keys), c * CHUNK, CHUNK, BLOCK, NC, HAS_MASK
+        )
+        j = tl.arange(0, NC)
+        at = (row * NUM_CHUNKS + c) * NC
+        tl.store(cnt_ptr + at + j, cnt)
+        tl.store(mass_ptr + at + j, mass)
+        tl.store(vmm_ptr + (row * NUM_CHUNKS + c) * 2, vmin)
+        tl.store(vmm_ptr + (row * NUM_CHUNKS + c) * 2 + 1, vmax)
+
+
+@triton.jit
+def threshold_reduce_kernel(
+    top_p_ptr, stf_ptr, sti_ptr, cnt_ptr, mass_ptr, vmm_ptr, NUM_CHUNKS, NC: tl.constexpr,
+):  # fmt: skip
+    """Program b: row b's pass from its chunks' partials, summed in chunk order (`_update`), then
+    `_advance`."""
+    row = tl.program_id(0)
+    phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
+    if phase < 2:
+        keys = _candidates(lo, hi, a, NC)
+        j = tl.arange(0, NC)
+        cnt = tl.zeros([NC], tl.int32)
+        mass = tl.zeros([NC], tl.float32)
+        vmin = tl.full([], float("inf"), tl.float32)
+        vmax = tl.full([], float("-inf"), tl.float32)
+        for c in range(0, NUM_CHUNKS):
+            at = row * NUM_CHUNKS + c
+            cnt += tl.load(cnt_ptr + at * NC + j)
+            mass += tl.load(mass_ptr + at * NC + j)
+            vmin = tl.minimum(vmin, tl.load(vmm_ptr + at * 2))
+            vmax = tl.maximum(vmax, tl.load(vmm_ptr + at * 2 + 1))
+        lo, c_lo, s_lo, hi, c_hi = _update(keys, cnt, mass, vmin, vmax, lo, c_lo, s_lo, hi, c_hi, kk, P)
+        a = tl.full([], float("-inf"), tl.float32)  # the bound places the first pass only
+        p = tl.load(top_p_ptr + row)
+        phase, hi, c_hi, a, kk, P = _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p)
+        _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes + 1)
+
+
+@triton.jit
+def threshold_finish_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
+    stf_ptr, sti_ptr, thr_ptr, passes_ptr, V, NUM_CHUNKS,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """Program b: the passes row b's search still needs, each over the whole row by this one program
+    (the same sums, chunk by chunk in chunk order, as the split passes make), then thr[b] (min-p applied)
+    and the reads of the row it took."""
+    row = tl.program_id(0)
+    phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
+    inv_t, _active, _k, p, min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
+    while phase < 2:
         keys = _candidates(lo, hi, a, NC)
         x = _from_key(keys)
         cnt = tl.zeros([NC], tl.int32)
         mass = tl.zeros([NC], tl.float32)
-        vmin = tl.full([BLOCK], float("inf"), tl.float32)
-        vmax = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, V, BLOCK):
-            sl = _scaled(row_ptr, mask_row_ptr, start + tl.arange(0, BLOCK), V, inv_t, HAS_MASK)
-            e = tl.exp2((sl - m) * 1.4426950408889634)
-            gt = sl[:, None] > x[None, :]
-            cnt += tl.sum(gt.to(tl.int32), axis=0)
-            mass += tl.sum(tl.where(gt, e[:, None], 0.0), axis=0)
-            inside = (sl > lo) & (sl <= hi)
-            vmin = tl.minimum(vmin, tl.where(inside, sl, float("inf")))
-            vmax = tl.maximum(vmax, tl.where(inside, sl, float("-inf")))
-        vmin_r = tl.min(vmin, axis=0)
-        vmax_r = tl.max(vmax, axis=0)
-        cond = (cnt < k) & (mass < P)
-        # lo: the largest candidate where cond is false (cond is monotone in x); hi: the smallest true one
-        klo = tl.maximum(tl.max(tl.where(cond, -(1 << 40), keys), axis=0), _key(lo))
-        khi = tl.minimum(tl.min(tl.where(cond, keys, 1 << 40), axis=0), _key(hi))
-        new_lo = klo > _key(lo)
-        new_hi = khi < _key(hi)
-        c_lo = tl.where(new_lo, tl.min(tl.where(keys == klo, cnt, 1 << 30), axis=0), c_lo)
-        s_lo = tl.where(new_lo, tl.min(tl.where(keys == klo, mass, float("inf")), axis=0), s_lo)
-        c_hi = tl.where(new_hi, tl.min(tl.where(keys == khi, cnt, 1 << 30), axis=0), c_hi)
-        # No value lies in (old lo, vmin) nor in (vmax, old hi]: move lo up to just below vmin and hi
-        # down to vmax when they are tighter; C and M do not change across a gap without values.
-        kmin = _key(vmin_r) - 1
-        kmax = _key(vmax_r)
-        klo = tl.maximum(klo, kmin)
-        khi = tl.minimum(khi, kmax)
-        lo = _from_key(klo)
-        hi = _from_key(khi)
+        vmin = tl.full([], float("inf"), tl.float32)
+        vmax = tl.full([], float("-inf"), tl.float32)
+        for c in range(0, NUM_CHUNKS):
+            cnt_c, mass_c, vmin_c, vmax_c = _chunk_eval(
+                row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c * CHUNK, CHUNK, BLOCK, NC, HAS_MASK
+            )
+            cnt += cnt_c
+            mass += mass_c
+            vmin = tl.minimum(vmin, vmin_c)
+            vmax = tl.maximum(vmax, vmax_c)
+        lo, c_lo, s_lo, hi, c_hi = _update(keys, cnt, mass, vmin, vmax, lo, c_lo, s_lo, hi, c_hi, kk, P)
+        a = tl.full([], float("-inf"), tl.float32)
+        phase, hi, c_hi, a, kk, P = _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p)
         passes += 1
-        a = tl.full([], float("-inf"), tl.float32)  # the bound places the first pass only: a wrong one costs one pass
-        done = (c_lo - c_hi <= 1) | (khi - klo <= 1)
-    return lo, c_lo, s_lo, passes
-
-
-@triton.jit
-def truncation_threshold_kernel(
-    logits_ptr,
-    stride_row,
-    temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
-    min_p_ptr,
-    mask_ptr,
-    stride_mask,
-    thr_ptr,
-    passes_ptr,
-    V,
-    BLOCK: tl.constexpr,
-    NC: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-):
-    """Program b: thr[b] with kept set {i : l_i > thr[b]} (module docstring), and the passes over the
-    row it took. Greedy rows (T = 0) and rows without a finite logit get −inf."""
-    row = tl.program_id(0)
-    temperature = tl.load(temperature_ptr + row)
-    k = tl.load(top_k_ptr + row)  # 0: off
-    p = tl.load(top_p_ptr + row)  # ≥ 1: off
-    min_p = tl.load(min_p_ptr + row)  # 0: off
-    greedy = temperature == 0.0
-    inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
-    # tensors, not constants: the branches and the search's loop carry them
-    thr = tl.full([], float("-inf"), tl.float32)
-    passes = tl.zeros([], tl.int32)
-    if not greedy:
-        m, z, lmin, n = _row_stats(row_ptr, mask_row_ptr, V, inv_t, BLOCK, HAS_MASK)
-        passes += 1
-        none_above_m = tl.zeros([], tl.int32)
-        if n > 0:
-            # thr = just below the smallest finite value keeps every finite token: C = n, M = Z
-            lo = _from_key(_key(lmin) - 1)
-            c_lo = n
-            s_lo = z
-            if (k > 0) & (k < n):
-                lo, c_lo, s_lo, passes = _search(
-                    row_ptr, mask_row_ptr, V, inv_t, m, lo, c_lo, s_lo, m, none_above_m, lo, k, float("inf"), passes,
-                    BLOCK, NC, HAS_MASK,
-                )  # fmt: skip
-            if (p < 1.0) & (c_lo > 1):
-                # tokens below a hold at most c_lo · exp(a − m) = (1 − p) · s_lo / e: t* lies above a
-                a = m + tl.log(s_lo * (1.0 - p) / c_lo.to(tl.float32)) - 1.0
-                lo, c_lo, s_lo, passes = _search(
-                    row_ptr, mask_row_ptr, V, inv_t, m, lo, c_lo, s_lo, m, none_above_m, a, 1 << 30, p * s_lo, passes,
-                    BLOCK, NC, HAS_MASK,
-                )  # fmt: skip
-            thr = lo
-            if min_p > 0.0:
-                thr = tl.maximum(thr, _from_key(_key(m + tl.log(min_p) + 0.0) - 1))
+    thr = lo
+    if min_p > 0.0:
+        thr = tl.maximum(thr, _from_key(_key(m + tl.log(min_p) + 0.0) - 1))
+    thr = tl.where(phase == 3, float("-inf"), thr)
     tl.store(thr_ptr + row, thr)
-    tl.store(passes_ptr + row, passes)
+    tl.store(passes_ptr + row, tl.where(phase == 3, 0, passes))
 
 
 _BLOCK = 1024
-_NC = 8
+_CHUNK = 8192  # a row's chunk per program of the split passes: fixed, so that a row's sums never depend on B
+_NC = 16
+_SPLIT_PASSES = 10
 
 
 def truncation_thresholds(
@@ -252,8 +410,15 @@ def truncation_thresholds(
     min_p: torch.Tensor,
     bitmask: torch.Tensor | None = None,
     candidates: int = _NC,
+    split_passes: int = _SPLIT_PASSES,
+    chunk: int = _CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's strict threshold on l = z · (1 / T): the kept set is {i : l_i > thr} (module docstring).
+
+    A fixed sequence of launches whatever the data (graph-capturable, no host synchronisation): the
+    statistics over rows × chunks and their reduction, `split_passes` search passes over rows × chunks
+    (each a launch over the chunks and a reduction per row; rows already done return at once), then
+    one program per row for the passes its search still needs (usually none) and the threshold.
 
     Args:
         logits: [B, V], any float dtype; row-contiguous.
@@ -262,33 +427,51 @@ def truncation_thresholds(
         bitmask: [B, ceil(V / 32)] int32 or None, as in `sample_greedy_or_gumbel`.
         candidates: thresholds tried per search pass (NC: an even power of two); more cut the passes and
             cost more compares per logit.
+        split_passes: search passes spread over rows × chunks before the per-row programs take over.
+        chunk: logits per program of the split launches (a multiple of 1,024 or a power of two); the
+            sums a row's search compares depend on it, never on the batch.
 
     Returns:
-        thr [B] float32, and passes [B] int32: the reads of each row the search made (for benchmarks).
+        thr [B] float32, and passes [B] int32: the reads of each row the search made (0: none, the row
+        does not truncate).
     """
     B, V = logits.shape
     if candidates < 2 or candidates & (candidates - 1):
         raise ValueError(f"candidates must be a power of two ≥ 2, got {candidates}")
-    thr = torch.empty(B, dtype=torch.float32, device=logits.device)
-    passes = torch.empty(B, dtype=torch.int32, device=logits.device)
-    if B:
-        truncation_threshold_kernel[(B,)](
-            logits,
-            logits.stride(0),
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            temperature if bitmask is None else bitmask,  # never read without HAS_MASK
-            0 if bitmask is None else bitmask.stride(0),
-            thr,
-            passes,
-            V,
-            BLOCK=min(_BLOCK, triton.next_power_of_2(V)),
-            NC=candidates,
-            HAS_MASK=bitmask is not None,
-            num_warps=8,
-        )
+    block = min(_BLOCK, triton.next_power_of_2(chunk))
+    if chunk % block:
+        raise ValueError(f"chunk must be a multiple of {block}, got {chunk}")
+    dev = logits.device
+    thr = torch.empty(B, dtype=torch.float32, device=dev)
+    passes = torch.empty(B, dtype=torch.int32, device=dev)
+    if not B:
+        return thr, passes
+    S = triton.cdiv(V, chunk)
+    stf = torch.empty(B, 8, dtype=torch.float32, device=dev)
+    sti = torch.empty(B, 8, dtype=torch.int32, device=dev)
+    part = torch.empty(B, S, 4, dtype=torch.float32, device=dev)
+    mask = temperature if bitmask is None else bitmask  # never read without HAS_MASK
+    stride_mask = 0 if bitmask is None else bitmask.stride(0)
+    params = (temperature, top_k, top_p, min_p)
+    consts = dict(CHUNK=chunk, BLOCK=block, HAS_MASK=bitmask is not None)
+    threshold_stats_kernel[(B, S)](
+        logits, logits.stride(0), *params, mask, stride_mask, part, V, S, **consts, num_warps=8
+    )
+    threshold_begin_kernel[(B,)](*params, part, stf, sti, S, num_warps=1)
+    if split_passes:
+        cnt = torch.empty(B, S, candidates, dtype=torch.int32, device=dev)
+        mass = torch.empty(B, S, candidates, dtype=torch.float32, device=dev)
+        vmm = torch.empty(B, S, 2, dtype=torch.float32, device=dev)
+        for _ in range(split_passes):
+            threshold_pass_kernel[(B, S)](
+                logits, logits.stride(0), *params, mask, stride_mask, stf, sti, cnt, mass, vmm, V, S,
+                NC=candidates, **consts, num_warps=8,
+            )  # fmt: skip
+            threshold_reduce_kernel[(B,)](top_p, stf, sti, cnt, mass, vmm, S, NC=candidates, num_warps=1)
+    threshold_finish_kernel[(B,)](
+        logits, logits.stride(0), *params, mask, stride_mask, stf, sti, thr, passes, V, S,
+        NC=candidates, **consts, num_warps=8,
+    )  # fmt: skip
     return thr, passes
 
 

@@ -6,7 +6,7 @@ Three samplers serve a step's rows:
   run inside the decode graph or the LM head's product (`presampled`);
 - the fused top-k/top-p/min-p kernel (kernels/top_p_sampling.py) for random rows with those filters and
   nothing else the full sampler is needed for (`FusedSamplingPlan.truncating_rows`), over the logits
-  (eagerly, after a decode graph's replay);
+  (inside a decode graph's truncating sampler graph, engine/cuda_graphs.py, or eagerly);
 - the full sampler (sampling/sampler.py: penalties, logit_bias, logprobs, bans) for the others.
 
 A seeded request samples a function of (its seed, its output index) alone, so it samples the same
@@ -90,6 +90,7 @@ class StepSampler:
         presampled: torch.Tensor | None,
         staging: dict[str, torch.Tensor],
         bitmask: torch.Tensor | None = None,
+        truncated_in: bool = False,
     ) -> tuple[torch.Tensor, LogprobsTensors | None, list[int] | None]:
         """Sampled ids [N], logprobs, and the rows the logprobs cover (None: all).
 
@@ -105,9 +106,11 @@ class StepSampler:
             bitmask: [N, ceil(V / 32)] int32 on the device: the tokens each row may sample
                 (sampling/bitmask.py; all ones for unconstrained rows), or None. With a bitmask,
                 `presampled` must be None (it was drawn without it).
+            truncated_in: `presampled` comes from the truncating kernel (a decode graph's, over every
+                row), so it serves `truncating_rows` too; `fused` then lists them as well.
         """
         n = len(seqs)
-        truncating = self.truncating_rows(plan, seqs)
+        truncating = [] if truncated_in else self.truncating_rows(plan, seqs)
         if not fused and not truncating:
             out = self._sample_full(logits, seqs, bitmask)
             return out.sampled_token_ids, out.logprobs, None
