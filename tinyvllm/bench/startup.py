@@ -43,13 +43,19 @@ HELP = "start-up time, process start to first token, by phase, with a cold and a
 ENGINE_PHASES = (
     "config_tokenizer",
     "device_init",
+    "kernels_import",
+    "model_init",
+    "weights_read",
     "weights",
     "derived_weights",
+    "sampler_init",
     "memory_profile",
+    "scheduler",
     "kv_allocation",
     "graph_warmup",
     "graph_capture",
     "engine_state",
+    "gc_freeze",
 )
 PHASES = ("import", *ENGINE_PHASES, "llm_other", "first_step")
 TOTALS = ("ready", "first_token")

@@ -92,8 +92,9 @@ class TensorParallelRunner:
         return self.runner.kv_cache_dtype
 
     @property
-    def derived_weights_s(self) -> float:
-        return self.runner.derived_weights_s
+    def startup_times(self) -> dict[str, float]:
+        """Rank 0's runner's start-up phases (ModelRunner.startup_times)."""
+        return self.runner.startup_times
 
     @property
     def graphs(self):

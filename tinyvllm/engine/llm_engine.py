@@ -212,7 +212,8 @@ class LLMEngine:
             )
         with timer.phase("weights"):
             self.runner = self._build_runner(backend, show_progress)
-        timer.move(self.runner.derived_weights_s, "weights", "derived_weights")
+        for name, seconds in self.runner.startup_times.items():  # its own phases, out of "weights"
+            timer.move(seconds, "weights", name)
         try:
             self._init_kv_cache_and_scheduler(timer)
         except BaseException:
@@ -220,6 +221,7 @@ class LLMEngine:
             raise
         with timer.phase("engine_state"):
             self._init_request_state()
+        with timer.phase("gc_freeze"):
             # Everything built so far (model, tokenizer, graphs, tables) lives as long as the engine: move
             # it out of the garbage collector's generations, whose full passes otherwise rescan it every few
             # hundred steps (measured: ~0.5 ms per batch-256 step on the development CPU).
@@ -290,9 +292,12 @@ class LLMEngine:
         # request holds at most the window's blocks plus one step's chunk: the cache then bounds
         # max_model_len only if that span does not fit.
         window = self.model_config.sliding_window if self.model_config.all_layers_sliding else None
-        kv_manager = KVCacheManager(
-            BlockPool(num_blocks, enable_caching=args.enable_prefix_caching), args.block_size, sliding_window=window
-        )
+        with timer.phase("scheduler"):
+            kv_manager = KVCacheManager(
+                BlockPool(num_blocks, enable_caching=args.enable_prefix_caching),
+                args.block_size,
+                sliding_window=window,
+            )
         cache_tokens = num_blocks * args.block_size
         if window is not None and kv_manager.max_blocks_held(wanted_len, budget) <= num_blocks:
             cache_tokens = wanted_len
@@ -318,7 +323,8 @@ class LLMEngine:
         captures = self.runner.graphs.capture_log if self.runner.graphs is not None else []
         timer.move(sum(c[1] for c in captures), "kv_allocation", "graph_warmup")
         timer.move(sum(c[2] for c in captures), "kv_allocation", "graph_capture")
-        self.scheduler = Scheduler(self.scheduler_config, kv_manager)
+        with timer.phase("scheduler"):
+            self.scheduler = Scheduler(self.scheduler_config, kv_manager)
 
     def _init_request_state(self) -> None:
         """Step scheduling, timing and the per-request bookkeeping (empty)."""

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -56,6 +55,7 @@ from tinyvllm.engine.kv_cache_size import (
     total_memory_bytes,
 )
 from tinyvllm.engine.paths.executor import ModelExecutor
+from tinyvllm.engine.startup_timing import StartupTimer
 from tinyvllm.engine.step_inputs import StepInputBuilder, StepInputs
 from tinyvllm.kernels import get_ops
 from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN, AttnMetadata
@@ -173,7 +173,11 @@ class ModelRunner:
         self.dtype = dtype
         self.kernel_backend = kernel_backend
         self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
-        self.ops = get_ops(kernel_backend, batch_invariant=runner_config.batch_invariant)
+        # Start-up phases inside the runner's construction, by name (engine/startup_timing.py); the engine
+        # moves them out of its own "weights" phase.
+        timer = StartupTimer(device)
+        with timer.phase("kernels_import"):
+            self.ops = get_ops(kernel_backend, batch_invariant=runner_config.batch_invariant)
         self.model = build_model(
             model_config,
             self.ops,
@@ -187,19 +191,18 @@ class ModelRunner:
             quant=quantization,
             shard=self.shard,
             group=self.group,
+            timer=timer,
         )
         # Built before the memory profile, which then counts the megakernel's workspace and the pruned LM
         # head's int8 copy.
-        start = time.perf_counter()
-        self.executor = ModelExecutor(
-            self.model, runner_config, device.type, kv_cache_dtype=self.kv_cache_dtype, group=self.group
-        )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        # Seconds spent on the copies derived from the weights (engine/startup_timing.py: derived_weights).
-        self.derived_weights_s = time.perf_counter() - start
+        with timer.phase("derived_weights"):
+            self.executor = ModelExecutor(
+                self.model, runner_config, device.type, kv_cache_dtype=self.kv_cache_dtype, group=self.group
+            )
         triton = kernel_backend == "triton"
-        self.sampler = StepSampler(model_config.vocab_size, device, seed, eos_token_ids, fused_kernel=triton)
+        with timer.phase("sampler_init"):
+            self.sampler = StepSampler(model_config.vocab_size, device, seed, eos_token_ids, fused_kernel=triton)
+        self.startup_times: dict[str, float] = timer.times
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.builder: StepInputBuilder | None = None

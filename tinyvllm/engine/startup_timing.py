@@ -5,18 +5,29 @@
 CUDA a phase ends with a device synchronization, so device work a phase enqueued (weight copies, the
 cache's zero fill) is counted in that phase and not in the next. The phases (engine/llm_engine.py):
 
-    device_init       the device's context (CUDA: driver and context creation, ~0.3 s)
     config_tokenizer  the checkpoint's config.json, generation_config.json and the tokenizer
-    weights           build the model and read its weights
+    device_init       the device's context (CUDA: driver and context creation, ~0.3 s)
+    kernels_import    the kernel backend's modules (Triton's compiler and runtime, our kernels)
+    model_init        the model built on the meta device and materialised on the device, the RoPE table
+    weights_read      loading the weights, the part spent waiting for reads and host-to-device copies
+                      (models/loader.py read_tensors)
+    weights           loading the weights, the rest: placing each tensor (the fused QKV and gate/up rows,
+                      dtype conversion, FP8 quantization), the checks
     derived_weights   the copies derived from them (the pruned LM head's int8 copy, the megakernel's
                       stacked weights and workspace)
+    sampler_init      the sampler's state and workspace
     memory_profile    size the KV cache (on CUDA: a profiling forward of the largest step, which
                       compiles the prefill path's kernels on a cold Triton cache)
+    scheduler         the block pool (one object per KV block) and the scheduler
     kv_allocation     allocate the KV cache, the step-input staging and the decode graphs' arenas
     graph_warmup      the eager run before each graph's capture (first launches compile the decode
                       path's kernel variants; 0 with lazy capture, which defers it past start-up)
     graph_capture     the captures themselves (0 with lazy capture)
-    engine_state      the scheduler, the request state and moving the heap out of the collector
+    engine_state      the request state
+    gc_freeze         a full garbage collection, then moving the heap out of the collector
+
+The runner's phases (kernels_import to sampler_init) are timed inside its construction
+(`ModelRunner.startup_times`) and moved out of the engine's "weights" phase, which keeps the rest.
 """
 
 from __future__ import annotations

@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -29,6 +32,7 @@ from tinyvllm.distributed.group import TPGroup
 from tinyvllm.distributed.shard import ModelShard
 from tinyvllm.kernels import Ops
 from tinyvllm.models.decoder import CausalLM
+from tinyvllm.models.safetensors_reader import byte_view, read_header, read_into
 from tinyvllm.quantization.config import QuantizationConfig
 from tinyvllm.quantization.fp8 import FP8_DTYPE, quantize_rows
 from tinyvllm.quantization.linear import Fp8Linear
@@ -40,6 +44,11 @@ _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # Threads reading checkpoint tensors (read_tensors): enough to keep page-cache reads and host-to-device
 # copies of several tensors going at once.
 LOAD_THREADS = min(8, os.cpu_count() or 1)
+# Bytes one thread reads and copies at a time (read_tensors, direct): the size of its pinned staging.
+CHUNK_BYTES = 16 << 20
+# Tensors read ahead of the loader's consumer, in bytes (device memory held by the reads in flight); a
+# larger tensor is read alone.
+_READ_AHEAD_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -175,33 +184,162 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+class PhaseTimer(Protocol):
+    """What `build_model` times its phases with (engine/startup_timing.py's StartupTimer)."""
+
+    def phase(self, name: str) -> AbstractContextManager[None]: ...
+
+    def move(self, seconds: float, source: str, target: str) -> None: ...
+
+
+@dataclass
+class ReadStats:
+    """What `read_tensors` read, and how long its caller waited for it."""
+
+    tensors: int = 0
+    bytes: int = 0  # of the tensors read directly (`direct`)
+    wait_s: float = 0.0  # the caller blocked on reads and copies not yet done
+
+
 def read_tensors(
     files: list[Path],
     device: torch.device,
     slices: dict[str, tuple[int, int, int] | None] | None = None,
     num_threads: int = LOAD_THREADS,
+    *,
+    direct: bool | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    stats: ReadStats | None = None,
 ) -> Iterator[tuple[str, Path, torch.Tensor]]:
     """Every tensor of the safetensors `files` as (name, file, tensor on `device`), in file and key order;
     a name with a slice in `slices`, (dim, start, length), comes as that slice only, read from the file
     without the rest (a tensor-parallel rank's part).
 
-    How the bytes move, and nothing else: `num_threads` threads each take a tensor, read it from its
-    memory-mapped file (page faults: the page cache, or the disk) and, for a CUDA `device`, copy it there
-    (`_to_device`); the caller consumes them in order while the next ones are read, at most 2 ×
-    `num_threads` tensors in flight. The reads and copies release the GIL, so they overlap each other and
-    the caller's work. A CPU `device` gets the file's tensors as they are (the caller's copy reads them).
+    How the bytes move, and nothing else. `direct` (default: on CUDA): each tensor's bytes are read in
+    pieces of `chunk_bytes` by `num_threads` threads with positional reads (safetensors_reader.py), one
+    copy out of the page cache: on CUDA into the thread's pinned staging, then by DMA into the tensor
+    on the thread's own stream, waited for by that thread alone; on the CPU straight into the tensor. A
+    large tensor is thus read by every thread at once. Up to `_READ_AHEAD_BYTES` of tensors are in
+    flight ahead of the caller, who consumes them in order. Sliced tensors and dtypes outside
+    safetensors_reader.TORCH_DTYPES go through safetensors (`_read`, then `_to_device`).
+
+    Not `direct` (the CPU default): the file's tensors as safetensors maps them, without a copy (the
+    caller's copy reads them). `stats`, if given, is filled in.
     """
     slices = slices or {}
+    direct = device.type == "cuda" if direct is None else direct
+    stats = stats if stats is not None else ReadStats()
     handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
     jobs = [(f, name, path) for f, path in zip(handles, files) for name in list(f.keys())]  # keys(): no iteration
+    if not direct:
+        yield from _read_mapped(jobs, device, slices, num_threads, stats)
+        return
+    headers = {path: read_header(path) for path in files}
+    fds = {path: os.open(path, os.O_RDONLY) for path in files}
+    local = threading.local()
+
+    def read_chunk(fd: int, offset: int, out: torch.Tensor, allocated: torch.cuda.Event | None) -> None:
+        if device.type != "cuda":
+            read_into(fd, byte_view(out), offset)
+            return
+        if not hasattr(local, "staging"):
+            local.staging = torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
+            local.stream = torch.cuda.Stream(device)
+        staging = local.staging[: out.numel()]
+        read_into(fd, byte_view(staging), offset)
+        # `out` may reuse memory that work queued earlier on the caller's stream still reads (a freed
+        # tensor's placement): the copy waits for that work.
+        local.stream.wait_event(allocated)
+        with torch.cuda.stream(local.stream):
+            out.copy_(staging, non_blocking=True)
+        local.stream.synchronize()  # the staging is free again, and `out` complete for any stream
+
+    def read_whole(f: Any, name: str, path: Path) -> torch.Tensor:
+        tensor = _read(f, name, path, slices.get(name))
+        return _to_device(tensor, device) if device.type == "cuda" else tensor
+
+    def submit(f: Any, name: str, path: Path) -> tuple[list[Future], Any]:
+        entry = headers[path].get(name)
+        if name in slices or entry is None or entry.dtype is None:
+            future = pool.submit(read_whole, f, name, path)
+            return [future], future.result
+        # Allocated here, on the caller's thread and stream: the caller uses and frees it on that stream.
+        out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+        allocated = None
+        if device.type == "cuda":
+            allocated = torch.cuda.Event()
+            allocated.record(torch.cuda.current_stream(device))
+        fd = fds[path]
+        futures = [
+            pool.submit(read_chunk, fd, entry.offset + s, out[s : s + chunk_bytes], allocated)
+            for s in range(0, entry.nbytes, chunk_bytes)
+        ]
+        stats.bytes += entry.nbytes
+        return futures, lambda: out.view(entry.dtype).view(entry.shape)
+
+    def size(path: Path, name: str) -> int:
+        entry = headers[path].get(name)
+        return entry.nbytes if entry is not None else 0
+
+    pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="tinyvllm-load")
+    pending: deque[tuple[str, Path, list[Future], Any, int]] = deque()
+    in_flight = 0
+
+    def take() -> tuple[str, Path, torch.Tensor]:
+        nonlocal in_flight
+        name, path, futures, result, nbytes = pending.popleft()
+        start = time.perf_counter()
+        for future in futures:
+            future.result()
+        tensor = result()
+        stats.wait_s += time.perf_counter() - start
+        stats.tensors += 1
+        in_flight -= nbytes
+        return name, path, tensor
+
+    try:
+        for f, name, path in jobs:
+            nbytes = size(path, name)
+            while pending and in_flight + nbytes > _READ_AHEAD_BYTES:
+                yield take()
+            pending.append((name, path, *submit(f, name, path), nbytes))
+            in_flight += nbytes
+        while pending:
+            yield take()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # before the files close under the threads
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _read_mapped(
+    jobs: list[tuple[Any, str, Path]],
+    device: torch.device,
+    slices: dict[str, tuple[int, int, int] | None],
+    num_threads: int,
+    stats: ReadStats,
+) -> Iterator[tuple[str, Path, torch.Tensor]]:
+    """`read_tensors` without `direct`: safetensors' own reads (memory-mapped), on `num_threads` threads,
+    at most 2 × `num_threads` tensors in flight."""
 
     def read(f, name: str, path: Path) -> torch.Tensor:
         tensor = _read(f, name, path, slices.get(name))
         return _to_device(tensor, device) if device.type == "cuda" else tensor
 
+    def timed(future_or_tensor: Future) -> torch.Tensor:
+        start = time.perf_counter()
+        tensor = future_or_tensor.result()
+        stats.wait_s += time.perf_counter() - start
+        stats.tensors += 1
+        return tensor
+
     if num_threads <= 1:
         for f, name, path in jobs:
-            yield name, path, read(f, name, path)
+            start = time.perf_counter()
+            tensor = read(f, name, path)
+            stats.wait_s += time.perf_counter() - start
+            stats.tensors += 1
+            yield name, path, tensor
         return
     with ThreadPoolExecutor(num_threads, thread_name_prefix="tinyvllm-load") as pool:
         pending: deque[tuple[str, Path, Future]] = deque()
@@ -209,17 +347,16 @@ def read_tensors(
             pending.append((name, path, pool.submit(read, f, name, path)))
             if len(pending) >= 2 * num_threads:
                 name, path, future = pending.popleft()
-                yield name, path, future.result()
+                yield name, path, timed(future)
         while pending:
             name, path, future = pending.popleft()
-            yield name, path, future.result()
+            yield name, path, timed(future)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` (host memory, e.g. a memory-mapped file's) on the CUDA `device`: first copied into pinned
-    staging on the calling thread (the part that reads the file's pages, which the threads do in
-    parallel), then by DMA at the link's full rate, waited for (the staging is then free, and the result
-    complete for any stream)."""
+    staging on the calling thread, then by DMA at the link's full rate, waited for (the staging is then
+    free, and the result complete for any stream)."""
     return tensor.pin_memory().to(device)
 
 
@@ -240,10 +377,12 @@ def _read(f: Any, name: str, path: Path, src: tuple[int, int, int] | None) -> to
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = False) -> None:
+def load_weights(
+    model: CausalLM, model_dir: str | Path, show_progress: bool = False, stats: ReadStats | None = None
+) -> None:
     """Copy every checkpoint tensor into its place (converting dtype, moving to the model's device;
     quantizing to FP8 where the model's layer is FP8 and the checkpoint is not); a tensor-parallel
-    rank's model (`model.shard`) reads only its slices."""
+    rank's model (`model.shard`) reads only its slices. `stats` gets the reads' (`read_tensors`)."""
     model_dir = Path(model_dir)
     config: ModelConfig = model.config
     if model.quant is not None and not model.shard.is_whole:
@@ -264,7 +403,7 @@ def load_weights(model: CausalLM, model_dir: str | Path, show_progress: bool = F
     bar = tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not (show_progress and big))
     device = next(model.parameters()).device
     slices = {name: t.src for name, t in (targets | optional).items() if t.src is not None}
-    for name, path, tensor in read_tensors(files, device, slices):
+    for name, path, tensor in read_tensors(files, device, slices, stats=stats):
         target = targets.get(name) or optional.get(name)
         if target is None:
             if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
@@ -401,19 +540,33 @@ def build_model(
     quant: QuantizationConfig | None = None,
     shard: ModelShard | None = None,
     group: TPGroup | None = None,
+    timer: PhaseTimer | None = None,
 ) -> CausalLM:
     """Construct on the meta device, materialise on `device`, then load (or randomise) the weights; with
     `quant`, the linear layers it covers are FP8 (quantization/); with `shard` and `group`, the
     tensor-parallel rank's slice of the model (random dummy weights are then the rank's own draw, not a
-    slice of the one-rank model's)."""
+    slice of the one-rank model's).
+
+    `timer` (a PhaseTimer), if given, times the phases: "model_init" (construction,
+    materialisation, the RoPE table), "weights" (loading), of which the time spent waiting for the reads
+    goes to "weights_read"."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {list(LOAD_FORMATS)}")
-    with torch.device("meta"):
-        model = CausalLM(config, ops, max_positions, dtype, quant, shard, group)
-    model = model.to_empty(device=device)
-    model.init_rope_table()
-    if load_format == "dummy":
-        init_dummy_weights(model, seed)
-    else:
-        load_weights(model, model_dir, show_progress=show_progress)
+
+    def phase(name: str) -> AbstractContextManager[None]:
+        return timer.phase(name) if timer is not None else nullcontext()
+
+    with phase("model_init"):
+        with torch.device("meta"):
+            model = CausalLM(config, ops, max_positions, dtype, quant, shard, group)
+        model = model.to_empty(device=device)
+        model.init_rope_table()
+    stats = ReadStats()
+    with phase("weights"):
+        if load_format == "dummy":
+            init_dummy_weights(model, seed)
+        else:
+            load_weights(model, model_dir, show_progress=show_progress, stats=stats)
+    if timer is not None:
+        timer.move(stats.wait_s, "weights", "weights_read")
     return model.eval().requires_grad_(False)
