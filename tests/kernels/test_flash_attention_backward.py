@@ -1,8 +1,10 @@
 """`flash_attention`, the training op (FlashAttention-2 forward and backward kernels), against float64
 autograd through `reference.attention` on the same rounded inputs: out, logsumexp, dq, dk, dv on packed
 sequences whose lengths are off the tile grid (and an empty one), causal and not, GQA groups 1/2/4 and
-MQA, head dims 16..128, square and non-square tiles; `gradcheck` of the kernels in float64; two
-backward runs bitwise equal; the argument errors.
+MQA, head dims 16..128, square and non-square tiles; the same for the fused dQ modes ("atomic": dQ added
+inside the dK/dV kernel with atomics; "ordered": those adds in a fixed order); `gradcheck` of the
+kernels in float64 in each dQ mode; two backward runs bitwise equal by default and in the "ordered"
+mode; the argument errors.
 
 Gradient tolerances are twice the output's (`kernel_helpers.TOL`): the backward rounds P and
 dS = P ∘ (dP − D) to the input dtype before its products, two roundings where the forward has one, and
@@ -94,16 +96,56 @@ def test_dense_layout_and_scale(device):
         assert_close(got.reshape(want.shape), want, BF16, factor)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_gradcheck_float64(causal, device):
+FUSED_CASES = [  # dq_mode, dtype, Hq, Hk, D, causal, dK/dV tiles (M, N)
+    ("atomic", BF16, 4, 2, 64, True, (16, 32)),
+    ("atomic", F32, 4, 1, 32, False, (32, 16)),
+    ("ordered", BF16, 4, 2, 64, True, (32, 16)),
+    ("ordered", F16, 8, 2, 32, False, (16, 32)),
+    ("ordered", F32, 2, 2, 16, True, (16, 16)),
+]
+
+
+@pytest.mark.parametrize(
+    "mode,dtype,hq,hk,d,causal,tiles",
+    FUSED_CASES,
+    ids=[f"{c[0]}-{str(c[1])[6:]}-g{c[2] // c[3]}-d{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}" for c in FUSED_CASES],
+)
+def test_fused_dq_modes_match_float64_autograd(mode, dtype, hq, hk, d, causal, tiles, device):
+    """dQ summed inside the dK/dV kernel (float32 atomic adds, in any or in key-tile order), on packed
+    sequences off the tile grid (and an empty one), GQA/MQA, causal and not."""
+    q, k, v, cu, do = make_inputs(LENS, hq, hk, d, dtype, device, seed=4)
+    cfg = BackwardConfig(*tiles, 4, 1, 16, 16, 4, 1, 16, mode)
+    _, dq, dk, dv = kernel_grads(q, k, v, do, causal=causal, cu_seqlens=cu, bwd_config=cfg, deterministic=False)
+    _, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, cu, causal)
+    assert_close(dq, ref_dq, dtype, GRAD_FACTOR)
+    assert_close(dk, ref_dk, dtype, GRAD_FACTOR)
+    assert_close(dv, ref_dv, dtype, GRAD_FACTOR)
+
+
+def test_deterministic_false_defaults_to_atomic(device):
+    """deterministic=False without a config takes the atomic mode's default tiles; the gradients match."""
+    q, k, v, cu, do = make_inputs([23, 9], 4, 2, 32, BF16, device, seed=5)
+    _, dq, dk, dv = kernel_grads(q, k, v, do, causal=True, cu_seqlens=cu, deterministic=False)
+    for got, want in zip((dq, dk, dv), reference_grads(q, k, v, do, cu, True)[1:]):
+        assert_close(got, want, BF16, GRAD_FACTOR)
+    from tinyvllm.kernels.flash_attention_op import default_configs
+
+    assert default_configs(32, BF16, device, 32, deterministic=False)[1].dq_mode == "atomic"
+    assert default_configs(32, BF16, device, 32)[1].dq_mode in ("separate", "ordered")
+
+
+@pytest.mark.parametrize("causal,mode", [(True, "separate"), (False, "separate"), (True, "atomic"), (False, "ordered")])
+def test_gradcheck_float64(causal, mode, device):
     """torch.autograd.gradcheck of the Triton kernels in float64 (IEEE products, float64 accumulation;
     the scale reaches the kernels as a float32 scalar, so the analytic and numerical Jacobians share it).
     Fast mode (a random projection of the Jacobian) keeps the interpreter to a few forward passes."""
     q, k, v, cu, _ = make_inputs([5, 19], 2, 1, 16, F64, device, seed=1)
     inputs = tuple(t.detach().contiguous().requires_grad_() for t in (q, k, v))
 
+    cfg = BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, mode)
+
     def fn(q, k, v):
-        return flash_attention(q, k, v, causal, cu, backend="triton")
+        return flash_attention(q, k, v, causal, cu, backend="triton", bwd_config=cfg, deterministic=mode != "atomic")
 
     if inputs[0].device.type == "cuda":  # float64 is an interpreter-only kernel dtype: a clear error on CUDA
         with pytest.raises(TypeError, match="backend='torch'"):
@@ -112,11 +154,14 @@ def test_gradcheck_float64(causal, device):
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, fast_mode=True)
 
 
-def test_backward_is_deterministic(device):
-    """Two backward passes of the same inputs give bitwise equal gradients (no atomics)."""
+@pytest.mark.parametrize("mode", [None, "separate", "ordered"])
+def test_backward_is_deterministic(mode, device):
+    """Two backward passes of the same inputs give bitwise equal gradients: by default (no config) and
+    in each deterministic dQ mode."""
     q, k, v, cu, do = make_inputs(LENS, 4, 2, 32, BF16, device, seed=2)
-    first = kernel_grads(q, k, v, do, causal=True, cu_seqlens=cu)
-    second = kernel_grads(q, k, v, do, causal=True, cu_seqlens=cu)
+    kw = {} if mode is None else dict(bwd_config=BackwardConfig(16, 32, 4, 1, 16, 16, 4, 1, 16, mode))
+    first = kernel_grads(q, k, v, do, causal=True, cu_seqlens=cu, **kw)
+    second = kernel_grads(q, k, v, do, causal=True, cu_seqlens=cu, **kw)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -154,6 +199,8 @@ def test_errors(device, monkeypatch):
         (TypeError, "causal must be a bool", dict(causal=1)),
         (ValueError, "dense", dict(q=q[None], k=k[None], v=v[None])),
         (ValueError, "share one device", dict(k=k.to("meta"))),
+        (TypeError, "deterministic must be a bool", dict(deterministic=None)),
+        (ValueError, "deterministic=False", dict(bwd_config=BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, "atomic"))),
     ]
     for exc, message, change in cases:
         with pytest.raises(exc, match=message):

@@ -14,8 +14,9 @@ Triton on CUDA and the reference elsewhere. The kernels take float16 and bfloat1
 accumulation; P and dS rounded to the input dtype before their matrix products, as FA2) and float32 and
 float64 (IEEE products, accumulating in float32 resp. float64: for tests and `gradcheck`; float64 only
 under the interpreter), head dims 16, 32, 64 and 128. Everything else is a TypeError/ValueError naming
-the fix (often backend="torch"). The kernels never use atomics: two backward passes give bitwise equal
-gradients.
+the fix (often backend="torch"). By default (`deterministic=True`) two backward passes give bitwise
+equal gradients; `deterministic=False` lets dQ be summed with float32 atomic adds in an order that
+varies from run to run (`flash_backward`'s "atomic" dQ mode).
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ class ForwardConfig(NamedTuple):
 
 class BackwardConfig(NamedTuple):
     """Tiles of the backward: the dK/dV kernel owns dkdv_n keys and loops over dkdv_m query rows at a
-    time; the dQ kernel owns dq_m query rows and loops over dq_n keys; the preprocess takes block_pre rows."""
+    time; the dQ kernel owns dq_m query rows and loops over dq_n keys; the preprocess (and the fused
+    modes' dQ conversion) takes block_pre rows. dq_mode (`flash_backward` module docstring): "separate"
+    (a second pass, deterministic), "atomic" (dQ added inside the dK/dV kernel, not deterministic) or
+    "ordered" (the same adds in a fixed order, deterministic); the fused modes ignore the dq_* tiles."""
 
     dkdv_m: int
     dkdv_n: int
@@ -53,16 +57,42 @@ class BackwardConfig(NamedTuple):
     dq_warps: int
     dq_stages: int
     block_pre: int = 64
+    dq_mode: str = "separate"
 
 
-# 16-bit inputs on Hopper (227 KB of shared memory per SM), from the Triton fused-attention tutorial's
-# H100 backward (small query tiles against large key tiles for dK/dV, the transpose for dQ);
-# `bench_attention_backward.py --sweep` times the candidates below on the lead's H200.
-HOPPER_BACKWARD: dict[int, BackwardConfig] = {
-    16: BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5),
-    32: BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5),
-    64: BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5),
-    128: BackwardConfig(32, 128, 8, 3, 128, 32, 8, 3),
+DETERMINISTIC_DQ_MODES = ("separate", "ordered")
+
+
+# 16-bit inputs on Hopper (227 KB of shared memory per SM): per head dim, (config for sequences up to
+# SHORT_SEQLEN, config for longer ones). HOPPER_BACKWARD is the deterministic default, HOPPER_BACKWARD_ATOMIC
+# the one `deterministic=False` takes. Both tables are printed, ready to paste, by
+# `benchmarks/kernels/bench_attention_backward.py --sweep` (candidates in attention_backward_sweep.py);
+# the entries below are the Triton fused-attention tutorial's H100 tiles (small query tiles against
+# large key tiles for dK/dV, the transpose for dQ).
+SHORT_SEQLEN = 2048
+HOPPER_BACKWARD: dict[int, tuple[BackwardConfig, BackwardConfig]] = {
+    16: (BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5), BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5)),
+    32: (BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5), BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5)),
+    64: (BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5), BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5)),
+    128: (BackwardConfig(32, 128, 8, 3, 128, 32, 8, 3), BackwardConfig(32, 128, 8, 3, 128, 32, 8, 3)),
+}
+HOPPER_BACKWARD_ATOMIC: dict[int, tuple[BackwardConfig, BackwardConfig]] = {
+    16: (
+        BackwardConfig(32, 128, 4, 3, 0, 0, 0, 0, 64, "atomic"),
+        BackwardConfig(32, 128, 4, 3, 0, 0, 0, 0, 64, "atomic"),
+    ),
+    32: (
+        BackwardConfig(32, 128, 4, 3, 0, 0, 0, 0, 64, "atomic"),
+        BackwardConfig(32, 128, 4, 3, 0, 0, 0, 0, 64, "atomic"),
+    ),
+    64: (
+        BackwardConfig(32, 128, 4, 3, 0, 0, 0, 0, 64, "atomic"),
+        BackwardConfig(32, 128, 4, 3, 0, 0, 0, 0, 64, "atomic"),
+    ),
+    128: (
+        BackwardConfig(32, 128, 8, 2, 0, 0, 0, 0, 64, "atomic"),
+        BackwardConfig(32, 128, 8, 2, 0, 0, 0, 0, 64, "atomic"),
+    ),
 }
 HOPPER_FORWARD: dict[int, ForwardConfig] = {
     16: ForwardConfig(128, 64, 4, 3),
@@ -70,28 +100,28 @@ HOPPER_FORWARD: dict[int, ForwardConfig] = {
     64: ForwardConfig(128, 64, 4, 3),
     128: ForwardConfig(128, 64, 8, 3),
 }
-CANDIDATE_BACKWARD: list[BackwardConfig] = [
-    BackwardConfig(m1, n1, w, s, n1, m1, w, s)
-    for m1, n1 in ((32, 128), (64, 128), (64, 64))
-    for w in (4, 8)
-    for s in (2, 3, 5)
-]
 # The CPU interpreter: small tiles (several per sequence at test lengths), no pipelining.
 INTERPRETER_FORWARD = ForwardConfig(16, 16, 4, 1)
 INTERPRETER_BACKWARD = BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1, 16)
 
 
-def default_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[ForwardConfig, BackwardConfig]:
-    """Tile configs for this head dim, dtype and device: the Hopper table for 16-bit inputs, its tiles
-    halved for 4- and 8-byte inputs, 2 pipeline stages before Hopper (less shared memory)."""
+def default_configs(
+    head_dim: int, dtype: torch.dtype, device: torch.device, max_seqlen: int | None = None, deterministic: bool = True
+) -> tuple[ForwardConfig, BackwardConfig]:
+    """Tile configs for this head dim, dtype, device and longest sequence (None: a long one): the Hopper
+    tables for 16-bit inputs (HOPPER_BACKWARD_ATOMIC when not deterministic), their tiles halved for 4-
+    and 8-byte inputs, 2 pipeline stages before Hopper (less shared memory)."""
     if device.type != "cuda":
-        return INTERPRETER_FORWARD, INTERPRETER_BACKWARD
-    fwd, bwd = HOPPER_FORWARD[head_dim], HOPPER_BACKWARD[head_dim]
+        return INTERPRETER_FORWARD, INTERPRETER_BACKWARD._replace(dq_mode="separate" if deterministic else "atomic")
+    table = HOPPER_BACKWARD if deterministic else HOPPER_BACKWARD_ATOMIC
+    short, long = table[head_dim]
+    fwd, bwd = HOPPER_FORWARD[head_dim], short if max_seqlen is not None and max_seqlen <= SHORT_SEQLEN else long
     if dtype in (torch.float32, torch.float64):
         fwd = ForwardConfig(fwd.block_m // 2, fwd.block_n // 2, fwd.num_warps, 2)
-        bwd = BackwardConfig(
-            bwd.dkdv_m // 2, bwd.dkdv_n // 2, bwd.dkdv_warps, 2, bwd.dq_m // 2, bwd.dq_n // 2, bwd.dq_warps, 2
-        )
+        bwd = bwd._replace(
+            dkdv_m=bwd.dkdv_m // 2, dkdv_n=bwd.dkdv_n // 2, dkdv_stages=2,
+            dq_m=max(bwd.dq_m // 2, 16), dq_n=max(bwd.dq_n // 2, 16), dq_stages=2,
+        )  # fmt: skip
     if torch.cuda.get_device_capability(device)[0] < 9:
         fwd = fwd._replace(num_stages=min(fwd.num_stages, 2))
         bwd = bwd._replace(dkdv_stages=min(bwd.dkdv_stages, 2), dq_stages=min(bwd.dq_stages, 2))
@@ -178,6 +208,22 @@ def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return float(scale)
 
 
+def _backward_config(
+    q: torch.Tensor, max_seqlen: int, deterministic: bool, bwd_config: BackwardConfig | None
+) -> BackwardConfig:
+    """The backward's config: the given one (which must be deterministic when asked to), else the default."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if bwd_config is None:
+        return default_configs(q.shape[-1], q.dtype, q.device, max_seqlen, deterministic)[1]
+    if deterministic and bwd_config.dq_mode not in DETERMINISTIC_DQ_MODES:
+        raise ValueError(
+            f"bwd_config.dq_mode={bwd_config.dq_mode!r} is not deterministic; pass deterministic=False for it, "
+            f"or a dq_mode of {list(DETERMINISTIC_DQ_MODES)}"
+        )
+    return bwd_config
+
+
 # ------------------------------------------------------------------------------------------ the op
 def _kernel_forward(q, k, v, cu_seqlens, max_seqlen, scale, causal, fwd: ForwardConfig):
     from tinyvllm.kernels.flash_forward import flash_forward
@@ -247,6 +293,7 @@ def flash_attention(
     *,
     max_seqlen: int | None = None,
     backend: str | None = None,
+    deterministic: bool = True,
     fwd_config: ForwardConfig | None = None,
     bwd_config: BackwardConfig | None = None,
 ) -> torch.Tensor:
@@ -265,7 +312,10 @@ def flash_attention(
         max_seqlen: the longest sequence (sizes the kernel grid); None: read from cu_seqlens, which
             synchronises with the device and checks cu_seqlens. A given value is trusted.
         backend: "triton", "torch" or None (Triton on CUDA, the reference elsewhere).
-        fwd_config, bwd_config: tile configs for the kernels (default: `default_configs`).
+        deterministic: the backward gives bitwise equal gradients on every run (the default); False
+            allows dQ's float32 atomic adds, whose order varies (the kernels' "atomic" dQ mode).
+        fwd_config, bwd_config: tile configs for the kernels (default: `default_configs`); a bwd_config
+            whose dq_mode is "atomic" needs deterministic=False.
 
     Returns:
         out, q's shape and dtype.
@@ -277,10 +327,9 @@ def flash_attention(
     if backend == "torch":
         out = reference.attention(q, k, v, cu_seqlens, scale, causal)
     else:
-        fwd_default, bwd_default = default_configs(q.shape[-1], q.dtype, q.device)
-        out = FlashAttentionFunction.apply(
-            q, k, v, cu_seqlens, max_seqlen, scale, causal, fwd_config or fwd_default, bwd_config or bwd_default
-        )
+        fwd = fwd_config or default_configs(q.shape[-1], q.dtype, q.device)[0]
+        bwd = _backward_config(q, max_seqlen, deterministic, bwd_config)
+        out = FlashAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, scale, causal, fwd, bwd)
     return out.reshape(q_in_shape) if dense is not None else out
 
 
@@ -325,17 +374,21 @@ def flash_attention_bwd(
     scale: float,
     causal: bool = True,
     bwd_config: BackwardConfig | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward kernels alone (benchmarks time them without autograd): packed, checked inputs as
-    `FlashAttentionFunction.backward` receives them; returns (dq, dk, dv)."""
+    `FlashAttentionFunction.backward` receives them; returns (dq, dk, dv). bwd_config and deterministic
+    as `flash_attention`'s."""
     from tinyvllm.kernels.flash_backward import flash_backward
 
-    cfg = bwd_config or default_configs(q.shape[-1], q.dtype, q.device)[1]
+    cfg = _backward_config(q, max_seqlen, deterministic, bwd_config)
     return flash_backward(do, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal, cfg)
 
 
 __all__ = [
-    "CANDIDATE_BACKWARD",
+    "DETERMINISTIC_DQ_MODES",
+    "HOPPER_BACKWARD",
+    "HOPPER_BACKWARD_ATOMIC",
     "BackwardConfig",
     "FlashAttentionFunction",
     "ForwardConfig",

@@ -8,20 +8,37 @@ O = P V, the gradients of a loss with upstream gradient dO are
 P is never stored: each tile recomputes it from the forward's logsumexp L as P = exp(S − L), which is
 exp2(qk · qk_scale − L · log2 e) with qk_scale = scale · log2 e (one exp2 per score).
 
-Three kernels, none with atomics, so the result is bitwise reproducible:
-  1. `_bwd_preprocess_kernel`: D = rowsum(dO ∘ O) per (query head, row), in the accumulation dtype.
+Kernels:
+  1. `_bwd_preprocess_kernel`: D = rowsum(dO ∘ O) per (query head, row), in the accumulation dtype; in
+     the fused modes below it also zeroes the float32 dQ accumulator.
   2. `_bwd_dkdv_kernel` (FA2 §3.2, the backward's sequence parallelism): one program per (key tile of
-     BLOCK_N keys, KV head, sequence) holds K_j, V_j and accumulates dK_j, dV_j over the query tiles
-     and over every query head of the KV head's group (GQA/MQA: dK and dV are summed over the group in
-     registers; K and V are never repeated). Causal: query tiles wholly before the key tile are
-     skipped, those that straddle the diagonal are masked, the rest run unmasked.
-  3. `_bwd_dq_kernel`: one program per (query tile, query head, sequence) accumulates dQ_i over the key
-     tiles it sees (the forward's loop shape); it recomputes S and P a second time, which costs the
-     2 matrix products of S and dP again, instead of FA2's atomic dQ adds in kernel 2.
+     BLOCK_N keys, KV head, sequence) loads K_j, V_j once, keeps dK_j, dV_j in registers and streams
+     the query tiles (Q, dO, L, D) of every query head of the KV head's group (GQA/MQA: dK and dV are
+     summed over the group in registers; K and V are never repeated). Causal: query tiles wholly
+     before the key tile are skipped, those that straddle the diagonal are masked (a loop of their
+     own), the rest run unmasked.
+  3. dQ, by one of three modes (`BackwardConfig.dq_mode`):
+     * "separate" (deterministic): `_bwd_dq_kernel`, one program per (query tile, query head, sequence),
+       accumulates dQ_i over the key tiles it sees (the forward's loop shape, the same split into
+       unmasked tiles then the masked diagonal); it recomputes S and dP, 7 matrix products per score
+       tile where 5 are needed, and a second exp2 per score.
+     * "atomic" (not deterministic, FA2's Algorithm 2 line 13): kernel 2 also computes dS_i K_j for
+       each query tile it visits and adds it to a float32 dQ accumulator with atomic adds; the order
+       of the adds into one element varies from run to run, so the float32 sums (and their rounding
+       to the output dtype) may differ in the last bits. `_bwd_dq_convert_kernel` then writes
+       dQ = scale · accumulator in the input dtype.
+     * "ordered" (deterministic, FlashAttention-3's deterministic mode): as "atomic", but the adds into
+       query tile i happen in key-tile order: a per-(sequence, head, query tile) ticket counts the key
+       tiles that have added; key tile j spins (one thread, acquire) until the ticket reads j, adds,
+       and releases j + 1. Every key tile 0 .. j − 1 of a sequence visits each query tile that key tile
+       j visits (causal skipping only drops query tiles before a key tile), so the ticket reaches j;
+       and program j − 1 of a (KV head, sequence) has the lower block index, so it is running or done
+       whenever program j waits (CUDA starts blocks in index order; the interpreter runs the grid in
+       order of the key-tile axis), so the wait always ends.
 Rows past a sequence's end load Q = dO = 0 (and L = D = 0), so in kernel 2 they add exactly zero to dK
-and dV; key rows past the end are loaded as zero and their dK, dV never stored. Accumulation is float32
-(float64 for float64 inputs); products of 16-bit inputs round P and dS to the input dtype first, as FA2.
-All row offsets are int64.
+and dV; key rows past the end are loaded as zero, so they add zero to dQ, and their dK, dV are never
+stored. Accumulation is float32 (float64 for float64 inputs); products of 16-bit inputs round P and dS
+to the input dtype first, as FA2. All row offsets are int64.
 """
 
 from __future__ import annotations
@@ -35,6 +52,7 @@ from tinyvllm.kernels.flash_tiles import dot_pv, dot_qk
 from tinyvllm.kernels.launch import cdiv
 
 LOG2E = 1.4426950408889634
+DQ_MODES = {"separate": 0, "atomic": 1, "ordered": 2}  # the DQ_MODE constexpr of `_bwd_dkdv_kernel`
 
 
 @triton.jit
@@ -42,16 +60,21 @@ def _bwd_preprocess_kernel(
     o_ptr,
     do_ptr,
     delta_ptr,
+    dq_acc_ptr,
     T,
     stride_ot,
     stride_oh,
     stride_dot,
     stride_doh,
     stride_delta_h,
+    stride_at,
+    stride_ah,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    ZERO_DQ: tl.constexpr,
 ):
-    """Program (row tile, query head h): delta[h, rows] = Σ_d dO[rows, h, d] · O[rows, h, d]."""
+    """Program (row tile, query head h): delta[h, rows] = Σ_d dO[rows, h, d] · O[rows, h, d]; ZERO_DQ:
+    also dq_acc[rows, h, :] = 0 (the fused dQ modes' accumulator)."""
     h = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -61,6 +84,9 @@ def _bwd_preprocess_kernel(
     acc_dtype = tl.float64 if o.dtype == tl.float64 else tl.float32
     delta = tl.sum(o.to(acc_dtype) * do.to(acc_dtype), axis=1)
     tl.store(delta_ptr + h * stride_delta_h + rows, delta, mask=valid)
+    if ZERO_DQ:
+        zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=dq_acc_ptr.dtype.element_ty)
+        tl.store(dq_acc_ptr + rows[:, None] * stride_at + h * stride_ah + offs_d[None, :], zero, mask=valid[:, None])
 
 
 @triton.jit
@@ -74,22 +100,29 @@ def _dkdv_tiles(
     do_ptr,
     lse_ptr,
     delta_ptr,
+    dq_acc_ptr,
+    ticket_ptr,
+    key_tile,
     lo,
     hi,
     seq_len,
     qk_scale,
     stride_qt,
     stride_dot,
+    stride_at,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr,
+    DQ_MODE: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Fold query rows lo .. hi−1 (lo a multiple of BLOCK_M, hi ≤ seq_len) of one query head into the
     key tile's (dk, dv) [BLOCK_N, HEAD_DIM]. k, v: the tile's keys [BLOCK_N, HEAD_DIM] at positions
-    offs_n; q_ptr, do_ptr, lse_ptr, delta_ptr: offset to the sequence's first row of this head.
-    MASKED: the causal mask (key ≤ query); unmasked tiles must lie wholly on or below the diagonal."""
+    offs_n; q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr: offset to the sequence's first row of this
+    head; ticket_ptr: this (sequence, head)'s tickets, one per query tile; key_tile: j.
+    MASKED: the causal mask (key ≤ query); unmasked tiles must lie wholly on or below the diagonal.
+    DQ_MODE 1 ("atomic") and 2 ("ordered"): also add dS Kⱼ (unscaled) into the dQ accumulator."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -107,7 +140,19 @@ def _dkdv_tiles(
         dv = dot_pv(p_t.to(do.dtype), do, dv, UPCAST, IEEE)  # dV += Pᵀ dO
         dp_t = dot_qk(v, do, UPCAST, IEEE)  # dPᵀ = V dOᵀ
         ds_t = p_t * (dp_t - delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ − D), without the scale
-        dk = dot_pv(ds_t.to(q.dtype), q, dk, UPCAST, IEEE)  # dK += dSᵀ Q
+        ds_t = ds_t.to(q.dtype)
+        dk = dot_pv(ds_t, q, dk, UPCAST, IEEE)  # dK += dSᵀ Q
+        if DQ_MODE != 0:
+            dq = dot_pv(tl.trans(ds_t), k, tl.zeros([BLOCK_M, HEAD_DIM], dtype=dk.dtype), UPCAST, IEEE)  # dS Kⱼ
+            dq_ptrs = dq_acc_ptr + rows[:, None] * stride_at + offs_d[None, :]
+            if DQ_MODE == 2:
+                ticket = ticket_ptr + start_m // BLOCK_M
+                while tl.atomic_add(ticket, 0, sem="acquire") != key_tile:  # key tiles 0 .. j − 1 first
+                    pass
+            tl.atomic_add(dq_ptrs, dq, mask=row_valid[:, None], sem="relaxed")
+            if DQ_MODE == 2:
+                tl.debug_barrier()  # every thread's adds precede the release
+                tl.atomic_add(ticket, 1, sem="release")
     return dk, dv
 
 
@@ -121,6 +166,8 @@ def _bwd_dkdv_kernel(
     delta_ptr,
     dk_ptr,
     dv_ptr,
+    dq_acc_ptr,
+    tickets_ptr,
     cu_seqlens_ptr,
     scale,
     qk_scale,
@@ -137,21 +184,28 @@ def _bwd_dkdv_kernel(
     stride_dvt,
     stride_dvh,
     stride_lse_h,
+    stride_at,
+    stride_ah,
+    stride_ticket_s,
+    stride_ticket_h,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    DQ_MODE: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Program (key tile, KV head hk, sequence s): dK, dV of BLOCK_N keys, summed over the GROUP query
-    heads hk·GROUP .. hk·GROUP + GROUP − 1 (module docstring, kernel 2)."""
+    heads hk·GROUP .. hk·GROUP + GROUP − 1 (module docstring, kernel 2); DQ_MODE 1, 2: also their
+    contributions to dQ (kernel 3's fused modes). dq_acc_ptr, tickets_ptr: unused in DQ_MODE 0."""
     hk = tl.program_id(1)
     s = tl.program_id(2)
     seq_start = tl.load(cu_seqlens_ptr + s)
     seq_len = tl.load(cu_seqlens_ptr + s + 1) - seq_start
-    start_n = tl.program_id(0) * BLOCK_N  # causal: the first key tiles see the most queries, and run first
+    key_tile = tl.program_id(0)
+    start_n = key_tile * BLOCK_N  # causal: the first key tiles see the most queries, and run first
     if start_n >= seq_len:
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -180,14 +234,16 @@ def _bwd_dkdv_kernel(
         do_h = do_ptr + row0 * stride_dot + h * stride_doh
         lse_h = lse_ptr + h * stride_lse_h + row0
         delta_h = delta_ptr + h * stride_lse_h + row0
+        dq_h = dq_acc_ptr + row0 * stride_at + h * stride_ah
+        tickets_h = tickets_ptr + s * stride_ticket_s + h * stride_ticket_h
         if CAUSAL:  # the diagonal, masked
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, lo, mid, seq_len, qk_scale, stride_qt, stride_dot,
-                HEAD_DIM, BLOCK_M, True, UPCAST, IEEE,
+                dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, lo, mid, seq_len,
+                qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, True, DQ_MODE, UPCAST, IEEE,
             )  # fmt: skip
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, mid, seq_len, seq_len, qk_scale, stride_qt, stride_dot,
-            HEAD_DIM, BLOCK_M, False, UPCAST, IEEE,
+            dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, mid, seq_len, seq_len,
+            qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, False, DQ_MODE, UPCAST, IEEE,
         )  # fmt: skip
     dk = dk * scale
     tl.store(
@@ -330,6 +386,117 @@ def _bwd_dq_kernel(
     )
 
 
+@triton.jit
+def _bwd_dq_convert_kernel(
+    dq_acc_ptr,
+    dq_ptr,
+    T,
+    scale,
+    stride_at,
+    stride_ah,
+    stride_dqt,
+    stride_dqh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Program (row tile, query head h): dq[rows, h] = scale · dq_acc[rows, h] in dq's dtype."""
+    h = tl.program_id(1)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = rows < T
+    acc = tl.load(dq_acc_ptr + rows[:, None] * stride_at + h * stride_ah + offs_d[None, :], mask=valid[:, None])
+    tl.store(
+        dq_ptr + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+        (acc * scale).to(dq_ptr.dtype.element_ty),
+        mask=valid[:, None],
+    )
+
+
+class BackwardLaunch:
+    """One backward's buffers and launches, so that a tile sweep can time each kernel alone:
+    `preprocess()`, then `dkdv()`, then `dq()` (dq_mode "separate") or `convert()` (the fused modes).
+
+    do, q, out [T, Hq, D]; k, v [T, Hk, D], all with unit last stride; lse [Hq, T] (the forward's);
+    cu_seqlens [S + 1] int32; cfg a `flash_attention_op.BackwardConfig`. The outputs dq [T, Hq, D],
+    dk, dv [T, Hk, D] are in the inputs' dtype."""
+
+    def __init__(self, do, q, k, v, out, lse, cu_seqlens, max_seqlen: int, scale: float, causal: bool, cfg):
+        if cfg.dq_mode not in DQ_MODES:
+            raise ValueError(f"dq_mode must be one of {list(DQ_MODES)}, got {cfg.dq_mode!r}")
+        self.do, self.q, self.k, self.v, self.out, self.lse, self.cu = do, q, k, v, out, lse, cu_seqlens
+        self.max_seqlen, self.scale, self.causal, self.cfg = max_seqlen, scale, causal, cfg
+        self.mode = DQ_MODES[cfg.dq_mode]
+        T, Hq, D = q.shape
+        self.T, self.Hq, self.Hk, self.D, self.S = T, Hq, k.shape[1], D, cu_seqlens.shape[0] - 1
+        self.dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        self.dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        self.dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        self.delta = torch.empty_like(lse)
+        # The fused modes' dQ accumulator (zeroed by the preprocess) and the ordered mode's tickets.
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.dq_acc = torch.empty((T, Hq, D), dtype=acc_dtype, device=q.device) if self.mode else self.dq
+        self.tickets = self.delta  # a placeholder unless "ordered"
+        if self.mode == 2:  # zeroed before each dkdv()
+            self.tickets = torch.empty((self.S, Hq, cdiv(max_seqlen, cfg.dkdv_m)), dtype=torch.int32, device=q.device)
+        self.common = dict(GROUP=Hq // self.Hk, HEAD_DIM=D, CAUSAL=causal, UPCAST=upcast_operands(q),
+                           IEEE=q.dtype in (torch.float32, torch.float64))  # fmt: skip
+
+    @property
+    def empty(self) -> bool:
+        return self.T == 0 or self.S == 0 or self.max_seqlen == 0
+
+    def _strides(self) -> tuple[int, ...]:
+        q, k, v, do = self.q, self.k, self.v, self.do
+        return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                do.stride(0), do.stride(1))  # fmt: skip
+
+    def preprocess(self) -> None:
+        out, do, a = self.out, self.do, self.dq_acc
+        _bwd_preprocess_kernel[(cdiv(self.T, self.cfg.block_pre), self.Hq)](
+            out, do, self.delta, a, self.T, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
+            self.delta.stride(0), a.stride(0), a.stride(1),
+            HEAD_DIM=self.D, BLOCK_M=self.cfg.block_pre, ZERO_DQ=self.mode != 0,
+        )  # fmt: skip
+
+    def dkdv(self) -> None:
+        cfg, dk, dv, a, t = self.cfg, self.dk, self.dv, self.dq_acc, self.tickets
+        if self.mode == 2:
+            t.zero_()
+        _bwd_dkdv_kernel[(cdiv(self.max_seqlen, cfg.dkdv_n), self.Hk, self.S)](
+            self.q, self.k, self.v, self.do, self.lse, self.delta, dk, dv, a, t, self.cu, self.scale,
+            self.scale * LOG2E, *self._strides(), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            self.lse.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
+            BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, DQ_MODE=self.mode, num_warps=cfg.dkdv_warps,
+            num_stages=cfg.dkdv_stages, **self.common,
+        )  # fmt: skip
+
+    def dq_pass(self) -> None:
+        cfg, dq = self.cfg, self.dq
+        _bwd_dq_kernel[(cdiv(self.max_seqlen, cfg.dq_m), self.Hq, self.S)](
+            self.q, self.k, self.v, self.do, self.lse, self.delta, dq, self.cu, self.scale, self.scale * LOG2E,
+            *self._strides(), dq.stride(0), dq.stride(1), self.lse.stride(0),
+            BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **self.common,
+        )  # fmt: skip
+
+    def convert(self) -> None:
+        a, dq = self.dq_acc, self.dq
+        _bwd_dq_convert_kernel[(cdiv(self.T, self.cfg.block_pre), self.Hq)](
+            a, dq, self.T, self.scale, a.stride(0), a.stride(1), dq.stride(0), dq.stride(1),
+            HEAD_DIM=self.D, BLOCK_M=self.cfg.block_pre,
+        )  # fmt: skip
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every launch in order; returns (dq, dk, dv)."""
+        if not self.empty:
+            self.preprocess()
+            self.dkdv()
+            if self.mode == 0:
+                self.dq_pass()
+            else:
+                self.convert()
+        return self.dq, self.dk, self.dv
+
+
 def flash_backward(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -343,35 +510,6 @@ def flash_backward(
     causal: bool,
     cfg,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the three kernels on checked arguments (module docstring).
-
-    do, q, out [T, Hq, D]; k, v [T, Hk, D], all with unit last stride; lse [Hq, T] (the forward's);
-    cu_seqlens [S + 1] int32; cfg a `flash_attention_op.BackwardConfig`.
+    """Launch the backward on checked arguments (module docstring; arguments as `BackwardLaunch`).
     Returns (dq [T, Hq, D], dk [T, Hk, D], dv [T, Hk, D]) in the inputs' dtype."""
-    T, Hq, D = q.shape
-    Hk = k.shape[1]
-    S = cu_seqlens.shape[0] - 1
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    if T == 0 or S == 0 or max_seqlen == 0:
-        return dq, dk, dv
-    delta = torch.empty_like(lse)
-    _bwd_preprocess_kernel[(cdiv(T, cfg.block_pre), Hq)](
-        out, do, delta, T, out.stride(0), out.stride(1), do.stride(0), do.stride(1), delta.stride(0),
-        HEAD_DIM=D, BLOCK_M=cfg.block_pre,
-    )  # fmt: skip
-    common = dict(GROUP=Hq // Hk, HEAD_DIM=D, CAUSAL=causal, UPCAST=upcast_operands(q),
-                  IEEE=q.dtype in (torch.float32, torch.float64))  # fmt: skip
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1))
-    _bwd_dkdv_kernel[(cdiv(max_seqlen, cfg.dkdv_n), Hk, S)](
-        q, k, v, do, lse, delta, dk, dv, cu_seqlens, scale, scale * LOG2E, *strides,
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-        BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common,
-    )  # fmt: skip
-    _bwd_dq_kernel[(cdiv(max_seqlen, cfg.dq_m), Hq, S)](
-        q, k, v, do, lse, delta, dq, cu_seqlens, scale, scale * LOG2E, *strides,
-        dq.stride(0), dq.stride(1), lse.stride(0),
-        BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **common,
-    )  # fmt: skip
-    return dq, dk, dv
+    return BackwardLaunch(do, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, causal, cfg).run()

@@ -1,0 +1,256 @@
+"""The tile sweep of the attention backward (`bench_attention_backward.py --sweep`): for each head dim and
+length, every candidate of each kernel timed alone, and the winners printed as the two tables of
+`flash_attention_op` (HOPPER_BACKWARD, the deterministic default; HOPPER_BACKWARD_ATOMIC), ready to paste.
+
+The backward's pieces are swept independently, so the candidates add up instead of multiplying:
+  * "dkdv": the dK/dV kernel alone (dkdv_m query rows streamed past dkdv_n keys held in registers);
+  * "dq": the separate dQ pass alone (dq_m query rows held, dq_n keys streamed);
+  * "atomic", "ordered": the whole fused backward (preprocess, dK/dV with dQ adds, dQ conversion).
+The "separate" mode's time is preprocess + best dkdv + best dq. Per length range (up to
+SHORT_SEQLEN, and beyond it) the winner is the candidate with the least geometric-mean time over the
+range's lengths; the deterministic table takes "separate" or "ordered", whichever is faster.
+
+Every candidate is compiled first by a pool of worker processes (one CUDA context each) on a small
+problem with the same strides, so the timing process finds each kernel in Triton's on-disk cache
+instead of compiling about 150 kernel variants one after another. Each candidate's outputs are checked
+against the float32 reference slice before it is timed; a wrong or failing candidate is left out.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from tinyvllm.kernels.flash_attention_op import (
+    HOPPER_BACKWARD,
+    HOPPER_BACKWARD_ATOMIC,
+    SHORT_SEQLEN,
+    BackwardConfig,
+    flash_attention_fwd,
+)
+from tinyvllm.kernels.flash_backward import BackwardLaunch
+
+WARPS = (4, 8)
+STAGES = (2, 3, 4)
+DKDV_TILES = ((32, 64), (32, 128), (64, 64), (64, 128))  # (query rows streamed, keys held)
+DQ_TILES = ((64, 32), (128, 32), (64, 64), (128, 64))  # (query rows held, keys streamed)
+FUSED_TILES = ((32, 64), (32, 128), (64, 64), (64, 128))
+FUSED_STAGES = (2, 3)
+KINDS = ("dkdv", "dq", "atomic", "ordered")
+PLACEHOLDER = BackwardConfig(32, 128, 4, 2, 128, 32, 4, 2)  # the other kernel's tiles while one is swept
+
+
+def candidates(d: int, limit: int | None = None) -> dict[str, list[BackwardConfig]]:
+    """Per kind, the configs to time at head dim d (the tables' current entries included); limit: the
+    first few of each kind only (the CPU smoke run)."""
+    table = [c for c in HOPPER_BACKWARD[d]]
+    dkdv = {PLACEHOLDER._replace(dkdv_m=m, dkdv_n=n, dkdv_warps=w, dkdv_stages=s)
+            for m, n in DKDV_TILES for w in WARPS for s in STAGES}  # fmt: skip
+    dkdv |= {PLACEHOLDER._replace(dkdv_m=c.dkdv_m, dkdv_n=c.dkdv_n, dkdv_warps=c.dkdv_warps,
+                                  dkdv_stages=c.dkdv_stages) for c in table if c.dq_mode == "separate"}  # fmt: skip
+    dq = {PLACEHOLDER._replace(dq_m=m, dq_n=n, dq_warps=w, dq_stages=s)
+          for m, n in DQ_TILES for w in WARPS for s in STAGES}  # fmt: skip
+    dq |= {PLACEHOLDER._replace(dq_m=c.dq_m, dq_n=c.dq_n, dq_warps=c.dq_warps, dq_stages=c.dq_stages)
+           for c in table if c.dq_mode == "separate"}  # fmt: skip
+    fused = {BackwardConfig(m, n, w, s, 0, 0, 0, 0) for m, n in FUSED_TILES for w in WARPS for s in FUSED_STAGES}
+    fused |= {
+        BackwardConfig(*c[:4], 0, 0, 0, 0) for c in (*HOPPER_BACKWARD_ATOMIC[d], *table) if c.dq_mode != "separate"
+    }
+    return {
+        "dkdv": sorted(dkdv)[:limit],
+        "dq": sorted(dq)[:limit],
+        "atomic": [c._replace(dq_mode="atomic") for c in sorted(fused)][:limit],
+        "ordered": [c._replace(dq_mode="ordered") for c in sorted(fused)][:limit],
+    }
+
+
+# ------------------------------------------------------------------------------------------ timed pieces
+def launch_fn(launch: BackwardLaunch, kind: str) -> Callable[[], None]:
+    """What is timed for one kind: the dK/dV kernel, the dQ pass, or the whole fused backward."""
+    return {"dkdv": launch.dkdv, "dq": launch.dq_pass}.get(kind, launch.run)
+
+
+def run_once(launch: BackwardLaunch, kind: str) -> list[torch.Tensor]:
+    """Run a kind once from a fresh preprocess; the outputs it produced (dq, dk, dv or a subset)."""
+    launch.preprocess()
+    if kind == "dkdv":
+        launch.dkdv()
+        return [launch.dk, launch.dv]
+    if kind == "dq":
+        launch.dq_pass()
+        return [launch.dq]
+    launch.dkdv()
+    launch.convert()
+    return [launch.dq, launch.dk, launch.dv]
+
+
+# ------------------------------------------------------------------------------------------ compile pool
+def _compile_job(job: tuple[int, int, str, tuple]) -> tuple[str, str | None]:
+    """Worker: run one candidate on a small problem with the real one's strides (hidden // d heads of
+    head dim d, packed rows), which compiles it into Triton's cache; (label, error or None)."""
+    d, hidden, kind, cfg_tuple = job
+    cfg = BackwardConfig(*cfg_tuple)
+    label = f"{kind} d{d} {tuple(cfg)}"
+    try:
+        T, H = 1024, hidden // d  # ⌈T / 16..64⌉ ≡ 0 mod 16, as at the swept lengths: the same specialisation
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(T, H, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+        out, lse = flash_attention_fwd(q, k, v, True, cu, d**-0.5, max_seqlen=T, backend="triton")
+        run_once(BackwardLaunch(do, q, k, v, out, lse, cu, T, d**-0.5, True, cfg), kind)
+        torch.cuda.synchronize()
+        return label, None
+    except Exception as e:  # a config that does not fit: reported, and left out of the timing
+        return label, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def precompile(head_dims: list[int], hidden: int, workers: int) -> None:
+    jobs = [(d, hidden, kind, tuple(c)) for d in head_dims for kind, cs in candidates(d).items() for c in cs]
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        errors = [(label, err) for label, err in pool.imap_unordered(_compile_job, jobs) if err]
+    print(f"  compiled {len(jobs)} candidates in {time.perf_counter() - t0:.0f} s with {workers} workers; "
+          f"{len(errors)} failed", flush=True)  # fmt: skip
+    for label, err in errors[:8]:
+        print(f"    {label}: {err}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ timing
+def time_ms(fn: Callable[[], None]) -> float:
+    """Median ms per call: do_bench (short warm-up and repetition: there are many candidates) on CUDA,
+    one wall-clock call under the interpreter."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+
+def sweep_shape(p, ref: list[torch.Tensor], flops: float, max_err: float, rel_err, limit: int | None = None) -> dict:
+    """Time every candidate on one problem (the bench's `Problem`: packed qp, kp, vp, dop, cu; ref the
+    float32 reference's out, dq, dk, dv of batch 0, heads 0..1 as [h, L, D]); per kind, [(config, ms)]
+    of the correct candidates, fastest first, and the preprocess's ms."""
+    out, lse = flash_attention_fwd(p.qp, p.kp, p.vp, True, p.cu, p.scale, max_seqlen=p.length, backend="triton")
+    args = (p.dop, p.qp, p.kp, p.vp, out, lse, p.cu, p.length, p.scale, True)
+    want = {"dkdv": ref[2:], "dq": ref[1:2], "atomic": ref[1:], "ordered": ref[1:]}
+    result: dict = {"L": p.length, "d": p.d}
+    pre = BackwardLaunch(*args, PLACEHOLDER)
+    result["pre_ms"] = time_ms(pre.preprocess)
+    for kind, cs in candidates(p.d, limit).items():
+        timed = []
+        for c in cs:
+            try:
+                launch = BackwardLaunch(*args, c)
+                got = run_once(launch, kind)
+                errs = [rel_err(p.bhld(g)[0, : w.shape[0]], w) for g, w in zip(got, want[kind])]
+                if max(errs) > max_err:
+                    print(f"  {kind} {tuple(c)}: WRONG, relative errors {[f'{e:.1e}' for e in errs]}", flush=True)
+                    continue
+                timed.append((c, time_ms(launch_fn(launch, kind))))
+            except Exception as e:
+                print(f"  {kind} {tuple(c)}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+        timed.sort(key=lambda t: t[1])
+        result[kind] = timed
+        if timed:
+            c, ms = timed[0]
+            tiles = tuple(c)[4:8] if kind == "dq" else tuple(c)[:4]
+            print(
+                f"  d={p.d} L={p.length} {kind:8s} best {tiles} {ms:.3f} ms ({len(timed)} ok of {len(cs)})", flush=True
+            )
+    if result.get("dkdv") and result.get("dq"):
+        sep = result["pre_ms"] + result["dkdv"][0][1] + result["dq"][0][1]
+        line = f"  d={p.d} L={p.length} TFLOP/s: separate {flops / sep / 1e9:.0f}"
+        for kind in ("atomic", "ordered"):
+            if result.get(kind):
+                line += f", {kind} {flops / result[kind][0][1] / 1e9:.0f}"
+        print(line, flush=True)
+    return result
+
+
+# ------------------------------------------------------------------------------------------ winners
+def _geomean_best(results: list[dict], kind: str) -> tuple[BackwardConfig, float] | None:
+    """The config of `kind` with the least geometric-mean time over the results (the shapes it ran
+    correctly at all of them); (config, geometric-mean ms)."""
+    per: dict[BackwardConfig, list[float]] = {}
+    for r in results:
+        for c, ms in r.get(kind, []):
+            per.setdefault(c, []).append(ms)
+    full = {c: math.exp(sum(map(math.log, t)) / len(t)) for c, t in per.items() if len(t) == len(results)}
+    return min(full.items(), key=lambda kv: kv[1]) if full else None
+
+
+def winners(results: list[dict]) -> dict:
+    """For one head dim and length range: the best separate config (best dkdv + best dq tiles), the
+    best atomic and ordered configs, and the deterministic choice; each with its geometric-mean ms."""
+    out = {}
+    dkdv, dq = _geomean_best(results, "dkdv"), _geomean_best(results, "dq")
+    if dkdv and dq:
+        pre = math.exp(sum(math.log(r["pre_ms"]) for r in results) / len(results))
+        c = dkdv[0]._replace(dq_m=dq[0].dq_m, dq_n=dq[0].dq_n, dq_warps=dq[0].dq_warps, dq_stages=dq[0].dq_stages)
+        out["separate"] = (c, pre + dkdv[1] + dq[1])
+    for kind in ("atomic", "ordered"):
+        best = _geomean_best(results, kind)
+        if best:
+            out[kind] = best
+    det = [out[k] for k in ("separate", "ordered") if k in out]
+    if det:
+        out["deterministic"] = min(det, key=lambda t: t[1])
+    return out
+
+
+def _cfg_literal(c: BackwardConfig) -> str:
+    head = ", ".join(str(x) for x in c[:9])
+    return f"BackwardConfig({head})" if c.dq_mode == "separate" else f'BackwardConfig({head}, "{c.dq_mode}")'
+
+
+def print_tables(all_results: list[dict], head_dims: list[int]) -> dict:
+    """Per head dim and length range the winners; then both tables as Python to paste into
+    flash_attention_op (head dims not swept keep their entries). Returns the winners for the JSON."""
+    chosen: dict = {}
+    for d in head_dims:
+        for rng, pick in (("short", lambda L: L <= SHORT_SEQLEN), ("long", lambda L: L > SHORT_SEQLEN)):
+            rs = [r for r in all_results if r["d"] == d and pick(r["L"])]
+            if rs:
+                w = winners(rs)
+                chosen[(d, rng)] = w
+                lens = ",".join(str(r["L"]) for r in rs)
+                for kind, (c, ms) in w.items():
+                    print(f"  best d={d} {rng} (L {lens}) {kind:13s} {_cfg_literal(c)}  geomean {ms:.3f} ms")
+    for name, table, kind in (("HOPPER_BACKWARD", HOPPER_BACKWARD, "deterministic"),
+                              ("HOPPER_BACKWARD_ATOMIC", HOPPER_BACKWARD_ATOMIC, "atomic")):  # fmt: skip
+        print(f"{name}: dict[int, tuple[BackwardConfig, BackwardConfig]] = {{")
+        for d, (short, long) in table.items():
+            short = chosen.get((d, "short"), {}).get(kind, (short,))[0]
+            long = chosen.get((d, "long"), {}).get(kind, (long,))[0]
+            print(f"    {d}: (\n        {_cfg_literal(short)},\n        {_cfg_literal(long)},\n    ),")
+        print("}")
+    return {f"d{d} {rng}": {k: [list(c), ms] for k, (c, ms) in w.items()} for (d, rng), w in chosen.items()}
+
+
+def run(make_problem, head_dims: list[int], lengths: list[int], hidden: int, flops_of, max_err: float, rel_err,
+        reference_of, limit: int | None = None) -> dict:  # fmt: skip
+    """The whole sweep: compile in parallel (CUDA), time each (d, L), print the winners and tables.
+    make_problem(L, d) -> the bench's Problem; flops_of, reference_of: its backward FLOPs and float32
+    reference slice; rel_err(got, want); limit: candidates per kind (None: all)."""
+    if torch.cuda.is_available():
+        precompile(head_dims, hidden, max(1, min(12, (os.cpu_count() or 2) - 2)))
+    results = []
+    for d in head_dims:
+        for length in lengths:
+            t0 = time.perf_counter()
+            p = make_problem(length, d)
+            results.append(sweep_shape(p, reference_of(p), flops_of(p), max_err, rel_err, limit))
+            print(f"  (d={d} L={length}: {time.perf_counter() - t0:.0f} s)", flush=True)
+            del p
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    best = print_tables(results, head_dims)
+    plain = [{k: ([[list(c), ms] for c, ms in v] if isinstance(v, list) else v) for k, v in r.items()} for r in results]
+    return {"shapes": plain, "winners": best}
