@@ -270,8 +270,9 @@ def test_pruned_lm_head_draws_the_same_tokens_bf16(ckpt):
 
 # Each family at a real shape, by (preset, config.json overrides): Qwen3-0.6B itself (q/k norm, query width
 # ≠ hidden, tied 151,936-row LM head); Mistral layers with a window of 128 keys on every layer and Qwen2.5
-# biases with the window on layers 14.. only (3 KV heads: the megakernel needs power-of-two groups), both
-# at sizes the megakernel is on for by default. Prompts of 150–300 tokens run past the windows.
+# biases with the window on layers 4.. only, both at a power-of-two hidden size and query group (where the
+# megakernel is on by default; Qwen2.5-1.5B's own 1536 and groups of 6 run the layered path). Prompts of
+# 150–300 tokens run past the windows.
 FAMILY_CHECKPOINTS = {
     "qwen3-0.6b": ("qwen3-0.6b", {}),
     "mistral-window": (
@@ -286,7 +287,16 @@ FAMILY_CHECKPOINTS = {
     ),
     "qwen2-mixed-window": (
         "qwen2.5-1.5b",
-        {"num_key_value_heads": 3, "use_sliding_window": True, "sliding_window": 128, "max_window_layers": 14},
+        {
+            "num_hidden_layers": 8,
+            "hidden_size": 2048,
+            "intermediate_size": 4096,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "use_sliding_window": True,
+            "sliding_window": 128,
+            "max_window_layers": 4,
+        },
     ),
 }
 
