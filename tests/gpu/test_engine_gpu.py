@@ -109,6 +109,7 @@ def test_greedy_fp32_batched_and_preempted_equals_alone_and_hf(ckpt):
             attention_mask=torch.ones_like(ids),
             max_new_tokens=24,
             do_sample=False,
+            repetition_penalty=1.0,  # a checkpoint's generation_config.json (Qwen2.5's: 1.05) would apply
             eos_token_id=None,
             pad_token_id=0,
         )[0, len(p) :].tolist()
@@ -336,6 +337,7 @@ def test_every_family_greedy_fp32_equals_transformers(family, tmp_path):
             attention_mask=torch.ones_like(ids),
             max_new_tokens=24,
             do_sample=False,
+            repetition_penalty=1.0,  # a checkpoint's generation_config.json (Qwen2.5's: 1.05) would apply
             eos_token_id=None,
             pad_token_id=0,
         )[0, len(p) :].tolist()
