@@ -67,14 +67,14 @@ DETERMINISTIC_DQ_MODES = ("separate", "ordered")
 # SHORT_SEQLEN, config for longer ones). HOPPER_BACKWARD is the deterministic default, HOPPER_BACKWARD_ATOMIC
 # the one `deterministic=False` takes. Both tables are printed, ready to paste, by
 # `benchmarks/kernels/bench_attention_backward.py --sweep` (candidates in attention_backward_sweep.py);
-# the entries below are the Triton fused-attention tutorial's H100 tiles (small query tiles against
-# large key tiles for dK/dV, the transpose for dQ).
+# the entries below are that sweep's winners on the H200 (d 64 and 128 at L 1k for the short entry, the
+# geometric mean over L 4k and 16k for the long one; 16 and 32 keep the d 64 candidates' small tiles).
 SHORT_SEQLEN = 2048
 HOPPER_BACKWARD: dict[int, tuple[BackwardConfig, BackwardConfig]] = {
-    16: (BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5), BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5)),
-    32: (BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5), BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5)),
-    64: (BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5), BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5)),
-    128: (BackwardConfig(32, 128, 8, 3, 128, 32, 8, 3), BackwardConfig(32, 128, 8, 3, 128, 32, 8, 3)),
+    16: (BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5, 64), BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5, 64)),
+    32: (BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5, 64), BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5, 64)),
+    64: (BackwardConfig(32, 64, 4, 3, 64, 32, 4, 3, 64), BackwardConfig(64, 128, 4, 3, 128, 64, 4, 3, 64)),
+    128: (BackwardConfig(64, 128, 8, 3, 64, 64, 4, 2, 64), BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3, 64)),
 }
 HOPPER_BACKWARD_ATOMIC: dict[int, tuple[BackwardConfig, BackwardConfig]] = {
     16: (
@@ -86,12 +86,12 @@ HOPPER_BACKWARD_ATOMIC: dict[int, tuple[BackwardConfig, BackwardConfig]] = {
         BackwardConfig(32, 128, 4, 3, 0, 0, 0, 0, 64, "atomic"),
     ),
     64: (
-        BackwardConfig(32, 128, 4, 3, 0, 0, 0, 0, 64, "atomic"),
-        BackwardConfig(32, 128, 4, 3, 0, 0, 0, 0, 64, "atomic"),
+        BackwardConfig(64, 64, 4, 2, 0, 0, 0, 0, 64, "atomic"),
+        BackwardConfig(64, 128, 8, 3, 0, 0, 0, 0, 64, "atomic"),
     ),
     128: (
-        BackwardConfig(32, 128, 8, 2, 0, 0, 0, 0, 64, "atomic"),
-        BackwardConfig(32, 128, 8, 2, 0, 0, 0, 0, 64, "atomic"),
+        BackwardConfig(64, 128, 8, 3, 0, 0, 0, 0, 64, "atomic"),
+        BackwardConfig(64, 128, 8, 3, 0, 0, 0, 0, 64, "atomic"),
     ),
 }
 HOPPER_FORWARD: dict[int, ForwardConfig] = {

@@ -84,10 +84,14 @@ TILE_TABLE: tuple[TileRule, ...] = (
     TileRule(64, 32768, _c(64, 64, 4, 5)),
     TileRule(64, ANY, _c(64, 128, 4, 4)),
     TileRule(128, 4096, _c(64, 32, 4, 6)),
-    TileRule(128, ANY, _c(64, 128, 4, 4)),
+    TileRule(128, 32768, _c(128, 64, 4, 4)),
+    TileRule(128, ANY, _c(128, 128, 8, 4)),
     TileRule(256, 4096, _c(64, 64, 4, 5)),
-    TileRule(256, ANY, _c(128, 128, 8, 4)),
+    TileRule(256, 32768, _c(128, 128, 8, 4)),
+    TileRule(256, ANY, _c(128, 256, 8, 3)),
     TileRule(1024, ANY, _c(128, 128, 8, 4)),
+    TileRule(ANY, 4096, _c(128, 256, 8, 4)),
+    TileRule(ANY, 32768, _c(128, 128, 8, 4)),
     TileRule(ANY, ANY, _c(128, 256, 8, 3)),
 )
 
