@@ -116,7 +116,8 @@ def cost(ns: argparse.Namespace) -> dict:
     thr_w = _cap(throughput_workload(ns.throughput_prompts), ns.cap)
     results: dict[str, dict] = {}
     for name in ns.variants:
-        llm = _engine(ns, **VARIANTS[name])
+        # graphs captured up front, as the offline benches do: the timed runs are steady state
+        llm = _engine(ns, graph_capture="eager", **VARIANTS[name])
         vocab = llm.llm_engine.model_config.vocab_size
         _warm(llm, lat_w)
         sp = SamplingParams(temperature=0.0, max_tokens=lat_w.max_tokens[0], ignore_eos=True)

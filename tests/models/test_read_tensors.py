@@ -99,3 +99,25 @@ def test_read_header_rejects_a_truncated_file(tmp_path):
     path.write_bytes(data[:4])
     with pytest.raises(ValueError, match="too short"):
         read_header(path)
+
+
+def test_materialize_gives_meta_tensors_storage_and_keeps_sharing():
+    """`materialize` is `Module.to_empty` without its meta-tensor `empty_like`: every parameter and
+    buffer gets storage of its shape and dtype on the device, a tensor shared by two modules stays one
+    tensor, and a parameter keeps its class, requires_grad and attributes."""
+    from tinyvllm.models.loader import materialize
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight  # tied
+        model.register_buffer("table", torch.zeros(3, 2, dtype=torch.int64))
+        model[0].weight.shard_dim = 0
+        frozen = torch.nn.Linear(2, 2, dtype=torch.bfloat16).requires_grad_(False)
+    model.append(frozen)
+    materialize(model, "cpu")
+    assert model[0].weight is model[1].weight
+    assert model[0].weight.device.type == "cpu" and model[0].weight.shape == (10, 4)
+    assert isinstance(model[0].weight, torch.nn.Parameter) and model[0].weight.shard_dim == 0
+    assert model.table.shape == (3, 2) and model.table.dtype == torch.int64 and model.table.device.type == "cpu"
+    assert model[2].weight.dtype == torch.bfloat16 and not model[2].weight.requires_grad
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])

@@ -237,7 +237,8 @@ class CausalLM(nn.Module):
     `compute_logits(hidden)` → logits [N, V].
 
     Parameters are created in `dtype` on the current default device (the loader builds the model on the
-    meta device and materialises it with `to_empty`); `init_rope_table` must run once on the real device.
+    meta device and materialises it with `loader.materialize`); `init_rope_table` must run once on the
+    real device.
     With `quant`, the decoder layers' linear layers it does not ignore are FP8 (quantization/linear.py);
     the embeddings and the LM head stay in `dtype`.
 

@@ -526,6 +526,29 @@ def init_dummy_weights(model: CausalLM, seed: int, std: float = 0.02) -> None:
                 param.copy_(values)
 
 
+def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Give every meta-device parameter and buffer of `model` uninitialised storage on `device`, in place
+    (`Module.to_empty`'s work; a tensor shared by two modules stays shared, a parameter keeps its class,
+    `requires_grad` and attributes). Each tensor is `torch.empty` of its shape: `to_empty` calls
+    `empty_like` on the meta tensors, whose first call imports torch's symbolic-shapes module and sympy,
+    ~2 s of start-up on the device machine."""
+    new: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in new:
+                data = torch.empty(p.shape, dtype=p.dtype, device=device)
+                q = type(p)(data, requires_grad=p.requires_grad)
+                q.__dict__.update(p.__dict__)
+                new[id(p)] = q
+            if p is not None:
+                module._parameters[name] = new[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None and id(b) not in new:
+                new[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            if b is not None:
+                module._buffers[name] = new[id(b)]
+
+
 def build_model(
     config: ModelConfig,
     ops: Ops,
@@ -559,7 +582,7 @@ def build_model(
     with phase("model_init"):
         with torch.device("meta"):
             model = CausalLM(config, ops, max_positions, dtype, quant, shard, group)
-        model = model.to_empty(device=device)
+        materialize(model, device)
         model.init_rope_table()
     stats = ReadStats()
     with phase("weights"):
