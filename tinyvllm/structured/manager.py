@@ -48,7 +48,8 @@ this many rows fills on the caller's thread (a hand-over costs more than such a 
 FILL_THREADS = 1
 """Worker threads that fill accepted chunks of a step's mask. One: on the 2-core development machine two
 fills at once took as long as one after the other (471 against 460 µs for 256 rows, the GIL released), and
-the 16-core device host is not measured yet (`python -m benchmarks.bench_structured_host --fill-threads N`)."""
+on the 16-core H200 host the overlapped accept + fill of 256 rows took 4.0 ms a step with one thread and
+4.3–5.1 ms with 2–8 (`python -m benchmarks.bench_structured_host --fill-threads N`, docs/perf.md §10)."""
 
 
 @dataclass
