@@ -135,12 +135,14 @@ def _chunk_eval(
 
     Every candidate lies in [lo, hi) (`_candidates`), so a value ≤ lo lies above none and a value > hi
     above all: those add once to per-lane "above hi" sums; only values in (lo, hi] are compared with
-    the NC candidates, into per-lane [BLOCK_E, NC] partials. Each lane adds its values in index order;
+    the NC candidates, into per-lane [NC, BLOCK_E] partials. Each lane adds its values in index order;
     the lanes are summed once at the end (a fixed tree: the order depends on the chunk alone). SKIP: an
     iteration whose BLOCK_E values have none in (lo, hi] skips the NC-wide compares (one block-wide max
     decides; the sums are the same, only zeros are left out)."""
-    cnt2 = tl.zeros([BLOCK_E, NC], tl.int32)
-    mass2 = tl.zeros([BLOCK_E, NC], tl.float32)
+    # [NC, BLOCK_E], lanes last: each thread holds all NC partials of its lanes, so a loaded value
+    # reaches the compares where it was loaded (no layout exchange through shared memory)
+    cnt2 = tl.zeros([NC, BLOCK_E], tl.int32)
+    mass2 = tl.zeros([NC, BLOCK_E], tl.float32)
     c_hi = tl.zeros([BLOCK_E], tl.int32)
     s_hi = tl.zeros([BLOCK_E], tl.float32)
     vmin = tl.full([BLOCK_E], float("inf"), tl.float32)
@@ -157,15 +159,15 @@ def _chunk_eval(
         s_in = tl.where(inside, sl, float("-inf"))  # above no candidate unless in (lo, hi]
         if SKIP:
             if tl.max(s_in, axis=0) > lo:
-                gt = s_in[:, None] > x[None, :]
+                gt = s_in[None, :] > x[:, None]
                 cnt2 += gt.to(tl.int32)
-                mass2 += tl.where(gt, e[:, None], 0.0)
+                mass2 += tl.where(gt, e[None, :], 0.0)
         else:
-            gt = s_in[:, None] > x[None, :]
+            gt = s_in[None, :] > x[:, None]
             cnt2 += gt.to(tl.int32)
-            mass2 += tl.where(gt, e[:, None], 0.0)
-    cnt = tl.sum(cnt2, axis=0) + tl.sum(c_hi, axis=0)
-    mass = tl.sum(mass2, axis=0) + tl.sum(s_hi, axis=0)
+            mass2 += tl.where(gt, e[None, :], 0.0)
+    cnt = tl.sum(cnt2, axis=1) + tl.sum(c_hi, axis=0)
+    mass = tl.sum(mass2, axis=1) + tl.sum(s_hi, axis=0)
     return cnt, mass, tl.min(vmin, axis=0), tl.max(vmax, axis=0)
 
 
@@ -494,7 +496,8 @@ def truncation_thresholds(
     stride_mask = 0 if bitmask is None else bitmask.stride(0)
     params = (temperature, top_k, top_p, min_p)
     consts = dict(CHUNK=chunk, HAS_MASK=bitmask is not None)
-    search = dict(NC=candidates, BLOCK_E=block_e, SKIP=skip, **consts)
+    # one lane per thread in a search pass (the split passes and the per-row programs alike: the same sums)
+    search = dict(NC=candidates, BLOCK_E=block_e, SKIP=skip, **consts, num_warps=min(8, max(1, block_e // 32)))
     threshold_stats_kernel[(B, S)](
         logits, logits.stride(0), *params, mask, stride_mask, part, V, S, BLOCK=block, **consts, num_warps=8
     )
@@ -506,12 +509,12 @@ def truncation_thresholds(
         for _ in range(split_passes):
             threshold_pass_kernel[(B, S)](
                 logits, logits.stride(0), *params, mask, stride_mask, stf, sti, cnt, mass, vmm, V, S,
-                **search, num_warps=8,
+                **search,
             )  # fmt: skip
             threshold_reduce_kernel[(B,)](top_p, stf, sti, cnt, mass, vmm, S, NC=candidates, num_warps=1)
     threshold_finish_kernel[(B,)](
         logits, logits.stride(0), *params, mask, stride_mask, stf, sti, thr, passes, V, S,
-        **search, num_warps=8,
+        **search,
     )  # fmt: skip
     return thr, passes
 
