@@ -18,8 +18,9 @@ Writes top_p_sampling_<gpu>.json (top_p_sampling_cpu.json with --cpu-smoke, timi
 --sweep: `truncation_thresholds` alone (bf16 logits, CUDA-graph replays) for top_p=0.9 and
 top_k=50,top_p=0.9 in each search layout: candidates NC ∈ {4, 8, 16} × lanes per iteration
 BLOCK_E ∈ {128, 256} × skip (iterations without values in (lo, hi] skip the candidate compares) on or
-off; prints µs, the mean passes per row (the statistics' read included), µs per pass, whether the skip
-left every threshold the same bits (it must), and the fastest layout per (batch, filters) and overall
+off, and two blocks per iteration (unroll 2) for some (`SEARCH_LAYOUTS`); prints µs, the mean passes per
+row (the statistics' read included), µs per pass, whether the other skip setting without the unroll
+gave every threshold the same bits (it must), and the fastest layout per (batch, filters) and overall
 (summed over the cases). Writes top_p_sweep_<gpu>.json.
 """
 
@@ -41,9 +42,6 @@ CONFIGS = {
 TEMPERATURE = 0.6
 PER_ROW = dict(split_passes=0, candidates=8)  # every search pass by one program per row
 SWEEP_FILTERS = ("top_p=0.9", "top_k=50,top_p=0.9")
-SWEEP_LAYOUTS = [
-    dict(candidates=nc, block_e=be, skip=skip) for nc in (4, 8, 16) for be in (128, 256) for skip in (False, True)
-]
 
 
 def parse() -> argparse.Namespace:
@@ -74,16 +72,16 @@ def cpu_time_ms(fn, reps: int = 1) -> float:
 
 
 def sweep(ns: argparse.Namespace) -> None:
-    """The search alone in every layout of SWEEP_LAYOUTS (module docstring, --sweep)."""
+    """The search alone in every layout of `SEARCH_LAYOUTS` (module docstring, --sweep)."""
     import torch
     from common import bench_graph, device_info, output_paths, print_table, write_json
 
-    from tinyvllm.kernels.top_p_sampling import truncation_thresholds
+    from tinyvllm.kernels.top_p_sampling import SEARCH_LAYOUTS, truncation_thresholds
 
     cuda = torch.cuda.is_available() and not ns.cpu_smoke
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    layouts = SWEEP_LAYOUTS if cuda else SWEEP_LAYOUTS[::5]
+    layouts = SEARCH_LAYOUTS if cuda else SEARCH_LAYOUTS[::5]
     rows = []
     for batch in ns.batches:
         gen = torch.Generator(device=dev).manual_seed(batch)
@@ -99,7 +97,7 @@ def sweep(ns: argparse.Namespace) -> None:
             )
             for layout in layouts:
                 thr, passes = truncation_thresholds(logits[0], *args, **layout)
-                other = dict(layout, skip=not layout["skip"])
+                other = dict(layout, skip=1 - layout["skip"], unroll=1)
                 thr_other, _ = truncation_thresholds(logits[0], *args, **other)
                 fns = [lambda z=z: truncation_thresholds(z, *args, **layout) for z in logits]
                 us = bench_graph(fns, calls=4, replays=7) * 1e3 if cuda else cpu_time_ms(fns[0]) * 1e3
@@ -112,7 +110,7 @@ def sweep(ns: argparse.Namespace) -> None:
                         "us": us,
                         "passes_mean": mean_passes,
                         "us_per_pass": us / mean_passes,
-                        "skip_same": bool(torch.equal(thr, thr_other)),
+                        "same_bits": bool(torch.equal(thr, thr_other)),
                     }
                 )
                 print(f"  {batch} {name} {layout}: {us:.1f} µs, {mean_passes:.2f} passes", flush=True)
@@ -126,10 +124,11 @@ def sweep(ns: argparse.Namespace) -> None:
             ("candidates", "NC", "d"),
             ("block_e", "BLOCK_E", "d"),
             ("skip", "skip", "d"),
+            ("unroll", "unroll", "d"),
             ("us", "search µs", ".1f"),
             ("passes_mean", "passes", ".2f"),
             ("us_per_pass", "µs/pass", ".1f"),
-            ("skip_same", "skip same thr", "d"),
+            ("same_bits", "same thr", "d"),
         ],
     )
     best = {}
@@ -138,16 +137,16 @@ def sweep(ns: argparse.Namespace) -> None:
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r
     for (batch, name), r in best.items():
-        layout = f"NC={r['candidates']} BLOCK_E={r['block_e']} skip={r['skip']}"
+        layout = f"NC={r['candidates']} BLOCK_E={r['block_e']} skip={r['skip']} unroll={r['unroll']}"
         print(f"best at batch {batch}, {name}: {layout}: {r['us']:.1f} µs")
     totals = {}
     for r in rows:
-        key = (r["candidates"], r["block_e"], r["skip"])
+        key = (r["candidates"], r["block_e"], r["skip"], r["unroll"])
         totals[key] = totals.get(key, 0.0) + r["us"]
     ranked = sorted(totals.items(), key=lambda kv: kv[1])
-    for (nc, be, skip), total in ranked[:3]:
-        print(f"overall (sum over cases): NC={nc} BLOCK_E={be} skip={skip}: {total:.1f} µs")
-    print(f"skip gave the same thresholds in every case: {all(r['skip_same'] for r in rows)}")
+    for (nc, be, skip, unroll), total in ranked[:3]:
+        print(f"overall (sum over cases): NC={nc} BLOCK_E={be} skip={skip} unroll={unroll}: {total:.1f} µs")
+    print(f"skip and unroll gave the same thresholds in every case: {all(r['same_bits'] for r in rows)}")
     json_path, _ = output_paths(ns.out, "top_p_sweep")
     info = device_info(dev) if cuda else {"gpu": None, "torch": torch.__version__}
     write_json(json_path, {"device": info, "vocab": ns.vocab, "temperature": TEMPERATURE, "results": rows})
@@ -244,6 +243,7 @@ def main() -> None:
                         "fused/amax": fused_us / amax_us,
                     }
                 )
+                print(f"  {dtype} {batch} {name}: fused {fused_us:.1f} µs, search {search_us:.1f} µs", flush=True)
     print_table(
         f"top-k / top-p / min-p sampling, V = {ns.vocab}, T = {TEMPERATURE}" + (" (CPU smoke)" if not cuda else ""),
         rows,

@@ -173,9 +173,10 @@ def test_thresholds_are_the_rows_own_whatever_the_batch(device):
 
 
 @pytest.mark.parametrize("candidates", [4, 8, 16])
-def test_skipping_iterations_outside_the_interval_changes_no_sum(device, candidates):
-    """The skip only leaves out zeros: the thresholds and passes are the same bits with and without it,
-    for several lane counts, and the kept sets are the float64 reference's."""
+def test_skipping_and_unrolling_change_no_sum(device, candidates):
+    """The skip only leaves out zeros and the unroll keeps each lane's order: the thresholds and passes
+    are the same bits with and without either, for several lane counts, and the kept sets are the
+    float64 reference's."""
     gen = torch.Generator().manual_seed(17 + candidates)
     V = 900
     z = torch.randn(6, V, generator=gen) * torch.tensor([0.3, 2.0, 8.0, 1.0, 3.0, 0.5])[:, None]
@@ -187,8 +188,9 @@ def test_skipping_iterations_outside_the_interval_changes_no_sum(device, candida
         layout = dict(candidates=candidates, chunk=256, split_passes=2, block_e=block_e)
         thr, passes = truncation_thresholds(zd, *params(cfg, device), skip=True, **layout)
         thr_all, passes_all = truncation_thresholds(zd, *params(cfg, device), skip=False, **layout)
-        assert thr.cpu().tolist() == thr_all.cpu().tolist(), block_e
-        assert passes.cpu().tolist() == passes_all.cpu().tolist(), block_e
+        thr_2, passes_2 = truncation_thresholds(zd, *params(cfg, device), skip=True, unroll=2, **layout)
+        assert thr.cpu().tolist() == thr_all.cpu().tolist() == thr_2.cpu().tolist(), block_e
+        assert passes.cpu().tolist() == passes_all.cpu().tolist() == passes_2.cpu().tolist(), block_e
         kept = z.float() * (1.0 / params(cfg, "cpu")[0])[:, None] > thr.cpu()[:, None]
         for b, c in enumerate(cfg):
             assert torch.equal(kept[b], reference_kept(z[b], *c)), (block_e, b, c)
@@ -199,6 +201,8 @@ def test_bad_search_layouts_raise():
     k, p, m = torch.zeros(1, dtype=torch.int32), torch.ones(1), torch.zeros(1)
     with pytest.raises(ValueError, match="block_e"):
         truncation_thresholds(z, t, k, p, m, block_e=96)
+    with pytest.raises(ValueError, match="unroll"):
+        truncation_thresholds(z, t, k, p, m, unroll=3)
     with pytest.raises(ValueError, match="candidates"):
         truncation_thresholds(z, t, k, p, m, candidates=12)
 

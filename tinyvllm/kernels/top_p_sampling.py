@@ -51,7 +51,8 @@ with the NC candidates). Each program keeps per-lane partials in registers (BLOC
 masses) and sums its lanes once, at the end of its chunk: no cross-thread reduction per iteration. The
 NC-wide compare and add run on every value (those outside (lo, hi] as −inf); with `skip`, only in the
 iterations whose BLOCK_E values hold one in (lo, hi] (one block-wide max per iteration decides), which
-after the first passes are few. Masses are float32 sums (each lane's in index order, then a fixed tree
+after the first passes are few; with `unroll` 2, each iteration issues two blocks' loads before using
+either. Masses are float32 sums (each lane's in index order, then a fixed tree
 over the lanes: fixed by chunk, block_e and NC, never by B), so a row whose top-p boundary lies within
 float32 rounding (~1e-6 relative) of p may keep one token more or fewer than an exact computation
 would, as the full sampler's float32 cumsum may.
@@ -126,19 +127,45 @@ def _combine_stats(m, s, lmin, n, m_c, s_c, lmin_c, n_c):
 
 
 @triton.jit
+def _eval_block(sl, m, lo, hi, x, cnt2, mass2, c_hi, s_hi, vmin, vmax, SKIP: tl.constexpr):
+    """`_chunk_eval`'s per-lane partials after one more value per lane (sl: [BLOCK_E])."""
+    e = tl.exp2((sl - m) * 1.4426950408889634)
+    above = sl > hi
+    c_hi += above.to(tl.int32)
+    s_hi += tl.where(above, e, 0.0)
+    inside = (sl > lo) & (sl <= hi)
+    vmin = tl.minimum(vmin, tl.where(inside, sl, float("inf")))
+    vmax = tl.maximum(vmax, tl.where(inside, sl, float("-inf")))
+    s_in = tl.where(inside, sl, float("-inf"))  # above no candidate unless in (lo, hi]
+    if SKIP:
+        if tl.max(s_in, axis=0) > lo:
+            gt = s_in[None, :] > x[:, None]
+            cnt2 += gt.to(tl.int32)
+            mass2 += tl.where(gt, e[None, :], 0.0)
+    else:
+        gt = s_in[None, :] > x[:, None]
+        cnt2 += gt.to(tl.int32)
+        mass2 += tl.where(gt, e[None, :], 0.0)
+    return cnt2, mass2, c_hi, s_hi, vmin, vmax
+
+
+@triton.jit
 def _chunk_eval(
     row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c0,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Over [c0, c0 + CHUNK) of a row: C and M at the NC candidates x (counts and masses of the values
     above each), and the smallest and largest value in (lo, hi].
 
     Every candidate lies in [lo, hi) (`_candidates`), so a value ≤ lo lies above none and a value > hi
     above all: those add once to per-lane "above hi" sums; only values in (lo, hi] are compared with
-    the NC candidates, into per-lane [NC, BLOCK_E] partials. Each lane adds its values in index order;
-    the lanes are summed once at the end (a fixed tree: the order depends on the chunk alone). SKIP: an
-    iteration whose BLOCK_E values have none in (lo, hi] skips the NC-wide compares (one block-wide max
-    decides; the sums are the same, only zeros are left out)."""
+    the NC candidates, into per-lane [NC, BLOCK_E] partials. Lane i takes the values at i + j · BLOCK_E,
+    j = 0, 1, ..., in that order; the lanes are summed once at the end (a fixed tree: the order depends
+    on the chunk, BLOCK_E and NC alone). SKIP: a block of BLOCK_E values none of which lies in (lo, hi]
+    skips the NC-wide compares (one block-wide max decides; the sums are the same, only zeros are left
+    out). UNROLL (1 or 2): blocks loaded per iteration, both loads issued before either is used (more
+    bytes in flight; each lane's order, so each sum, is the same)."""
     # [NC, BLOCK_E], lanes last: each thread holds all NC partials of its lanes, so a loaded value
     # reaches the compares where it was loaded (no layout exchange through shared memory)
     cnt2 = tl.zeros([NC, BLOCK_E], tl.int32)
@@ -147,25 +174,15 @@ def _chunk_eval(
     s_hi = tl.zeros([BLOCK_E], tl.float32)
     vmin = tl.full([BLOCK_E], float("inf"), tl.float32)
     vmax = tl.full([BLOCK_E], float("-inf"), tl.float32)
-    for start in range(c0, c0 + CHUNK, BLOCK_E):
+    for start in range(c0, c0 + CHUNK, BLOCK_E * UNROLL):
         sl = _scaled(row_ptr, mask_row_ptr, start + tl.arange(0, BLOCK_E), V, inv_t, HAS_MASK)
-        e = tl.exp2((sl - m) * 1.4426950408889634)
-        above = sl > hi
-        c_hi += above.to(tl.int32)
-        s_hi += tl.where(above, e, 0.0)
-        inside = (sl > lo) & (sl <= hi)
-        vmin = tl.minimum(vmin, tl.where(inside, sl, float("inf")))
-        vmax = tl.maximum(vmax, tl.where(inside, sl, float("-inf")))
-        s_in = tl.where(inside, sl, float("-inf"))  # above no candidate unless in (lo, hi]
-        if SKIP:
-            if tl.max(s_in, axis=0) > lo:
-                gt = s_in[None, :] > x[:, None]
-                cnt2 += gt.to(tl.int32)
-                mass2 += tl.where(gt, e[None, :], 0.0)
-        else:
-            gt = s_in[None, :] > x[:, None]
-            cnt2 += gt.to(tl.int32)
-            mass2 += tl.where(gt, e[None, :], 0.0)
+        if UNROLL == 2:
+            sl2 = _scaled(row_ptr, mask_row_ptr, start + BLOCK_E + tl.arange(0, BLOCK_E), V, inv_t, HAS_MASK)
+        cnt2, mass2, c_hi, s_hi, vmin, vmax = _eval_block(sl, m, lo, hi, x, cnt2, mass2, c_hi, s_hi, vmin, vmax, SKIP)
+        if UNROLL == 2:
+            cnt2, mass2, c_hi, s_hi, vmin, vmax = _eval_block(
+                sl2, m, lo, hi, x, cnt2, mass2, c_hi, s_hi, vmin, vmax, SKIP
+            )
     cnt = tl.sum(cnt2, axis=1) + tl.sum(c_hi, axis=0)
     mass = tl.sum(mass2, axis=1) + tl.sum(s_hi, axis=0)
     return cnt, mass, tl.min(vmin, axis=0), tl.max(vmax, axis=0)
@@ -335,6 +352,7 @@ def threshold_pass_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
     stf_ptr, sti_ptr, cnt_ptr, mass_ptr, vmm_ptr, V, NUM_CHUNKS,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program (b, c): C and M at row b's NC candidates over chunk c, and the smallest and largest value
     in (lo, hi] there, into cnt[b, c], mass[b, c], vmm[b, c] (rows whose search is over do nothing)."""
@@ -346,8 +364,9 @@ def threshold_pass_kernel(
         keys = _candidates(lo, hi, a, NC)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
+        x = _from_key(keys)
         cnt, mass, vmin, vmax = _chunk_eval(
-            row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, _from_key(keys), c * CHUNK, CHUNK, BLOCK_E, NC, HAS_MASK, SKIP
+            row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c * CHUNK, CHUNK, BLOCK_E, NC, HAS_MASK, SKIP, UNROLL
         )
         j = tl.arange(0, NC)
         at = (row * NUM_CHUNKS + c) * NC
@@ -390,6 +409,7 @@ def threshold_finish_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
     stf_ptr, sti_ptr, thr_ptr, passes_ptr, V, NUM_CHUNKS,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program b: the passes row b's search still needs, each over the whole row by this one program
     (the same sums, chunk by chunk in chunk order, as the split passes make), then thr[b] (min-p applied)
@@ -408,7 +428,7 @@ def threshold_finish_kernel(
         vmax = tl.full([], float("-inf"), tl.float32)
         for c in range(0, NUM_CHUNKS):
             cnt_c, mass_c, vmin_c, vmax_c = _chunk_eval(
-                row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c * CHUNK, CHUNK, BLOCK_E, NC, HAS_MASK, SKIP
+                row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c * CHUNK, CHUNK, BLOCK_E, NC, HAS_MASK, SKIP, UNROLL
             )
             cnt += cnt_c
             mass += mass_c
@@ -431,7 +451,13 @@ _BLOCK_E = 256  # logits per iteration of a search pass (its partials: BLOCK_E �
 _CHUNK = 8192  # a row's chunk per program of the split passes: fixed, so that a row's sums never depend on B
 _NC = 16
 _SKIP = True
+_UNROLL = 1
 _SPLIT_PASSES = 10
+# the search-pass layouts `bench_top_p_sampling.py --sweep` times (and the sm_90 compile test builds):
+# candidates × lanes × skip, and two blocks per iteration for the larger candidate counts
+SEARCH_LAYOUTS = [
+    dict(candidates=nc, block_e=be, skip=skip, unroll=1) for nc in (4, 8, 16) for be in (128, 256) for skip in (0, 1)
+] + [dict(candidates=nc, block_e=be, skip=1, unroll=2) for nc in (8, 16) for be in (128, 256)]
 
 
 def truncation_thresholds(
@@ -446,6 +472,7 @@ def truncation_thresholds(
     chunk: int = _CHUNK,
     block_e: int = _BLOCK_E,
     skip: bool = _SKIP,
+    unroll: int = _UNROLL,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's strict threshold on l = z · (1 / T): the kept set is {i : l_i > thr} (module docstring).
 
@@ -469,6 +496,8 @@ def truncation_thresholds(
             depends on it (as on chunk and candidates), never on the batch.
         skip: a search pass skips the candidate compares of an iteration without values in (lo, hi]
             (the same sums either way).
+        unroll: 1 or 2 blocks of block_e logits loaded per iteration of a search pass (the same sums
+            either way; capped so that the chunk holds a whole number of iterations).
 
     Returns:
         thr [B] float32, and passes [B] int32: the reads of each row the search made (0: none, the row
@@ -483,6 +512,9 @@ def truncation_thresholds(
     if chunk % block:
         raise ValueError(f"chunk must be a multiple of {block}, got {chunk}")
     block_e = min(block_e, block)  # a power of two dividing block, so the chunk too
+    if unroll not in (1, 2):
+        raise ValueError(f"unroll must be 1 or 2, got {unroll}")
+    unroll = min(unroll, chunk // block_e)
     dev = logits.device
     thr = torch.empty(B, dtype=torch.float32, device=dev)
     passes = torch.empty(B, dtype=torch.int32, device=dev)
@@ -497,7 +529,8 @@ def truncation_thresholds(
     params = (temperature, top_k, top_p, min_p)
     consts = dict(CHUNK=chunk, HAS_MASK=bitmask is not None)
     # one lane per thread in a search pass (the split passes and the per-row programs alike: the same sums)
-    search = dict(NC=candidates, BLOCK_E=block_e, SKIP=skip, **consts, num_warps=min(8, max(1, block_e // 32)))
+    search = dict(NC=candidates, BLOCK_E=block_e, SKIP=skip, UNROLL=unroll, **consts)
+    search["num_warps"] = min(8, max(1, block_e // 32))
     threshold_stats_kernel[(B, S)](
         logits, logits.stride(0), *params, mask, stride_mask, part, V, S, BLOCK=block, **consts, num_warps=8
     )
