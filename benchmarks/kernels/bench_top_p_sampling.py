@@ -3,6 +3,7 @@
     python benchmarks/kernels/bench_top_p_sampling.py [--batches 1 256] [--vocab 128256] [--dtypes bfloat16]
         [--out DIR]
     python benchmarks/kernels/bench_top_p_sampling.py --cpu-smoke   # tiny, on the CPU (Triton interpreter)
+    python benchmarks/kernels/bench_top_p_sampling.py --sweep [--batches 256 64]   # the search's layouts
 
 Per (logits dtype, batch, filters), at temperature 0.6 over random logits (randn · 2):
   * fused: `sample_top_k_top_p` (threshold search + thresholded Gumbel draw), as CUDA-graph replays;
@@ -13,6 +14,14 @@ Per (logits dtype, batch, filters), at temperature 0.6 over random logits (randn
   * amax: `torch.amax(logits, -1)`, one read of the logits, as CUDA-graph replays;
   * floor: B·V·bytes at the measured read bandwidth (copy rate / 2), the time of one read.
 Writes top_p_sampling_<gpu>.json (top_p_sampling_cpu.json with --cpu-smoke, timings meaningless there).
+
+--sweep: `truncation_thresholds` alone (bf16 logits, CUDA-graph replays) for top_p=0.9 and
+top_k=50,top_p=0.9 in each search layout: candidates NC ∈ {4, 8, 16} × lanes per iteration
+BLOCK_E ∈ {128, 256} × skip (iterations without values in (lo, hi] skip the candidate compares) on or
+off, and two blocks per iteration (unroll 2) for some (`SEARCH_LAYOUTS`); prints µs, the mean passes per
+row (the statistics' read included), µs per pass, whether the other skip setting without the unroll
+gave every threshold the same bits (it must), and the fastest layout per (batch, filters) and overall
+(summed over the cases). Writes top_p_sweep_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ CONFIGS = {
 }
 TEMPERATURE = 0.6
 PER_ROW = dict(split_passes=0, candidates=8)  # every search pass by one program per row
+SWEEP_FILTERS = ("top_p=0.9", "top_k=50,top_p=0.9")
 
 
 def parse() -> argparse.Namespace:
@@ -43,6 +53,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--cpu-smoke", action="store_true", help="batch 2 × 4,096 float32 on the CPU under TRITON_INTERPRET=1"
     )
+    ap.add_argument("--sweep", action="store_true", help="time the search's layouts (NC × BLOCK_E × skip)")
     ns = ap.parse_args()
     if ns.cpu_smoke:
         ns.batches, ns.vocab = [2], 4096
@@ -60,10 +71,94 @@ def cpu_time_ms(fn, reps: int = 1) -> float:
     return statistics.median(times)
 
 
+def sweep(ns: argparse.Namespace) -> None:
+    """The search alone in every layout of `SEARCH_LAYOUTS` (module docstring, --sweep)."""
+    import torch
+    from common import bench_graph, device_info, output_paths, print_table, write_json
+
+    from tinyvllm.kernels.top_p_sampling import SEARCH_LAYOUTS, truncation_thresholds
+
+    cuda = torch.cuda.is_available() and not ns.cpu_smoke
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    layouts = SEARCH_LAYOUTS if cuda else SEARCH_LAYOUTS[::5]
+    rows = []
+    for batch in ns.batches:
+        gen = torch.Generator(device=dev).manual_seed(batch)
+        n_sets = 4 if cuda else 1  # rotated input sets: together more than the L2 cache
+        logits = [(torch.randn(batch, ns.vocab, device=dev, generator=gen) * 2).to(dtype) for _ in range(n_sets)]
+        for name in SWEEP_FILTERS:
+            filters = CONFIGS[name]
+            args = (
+                torch.full((batch,), TEMPERATURE, device=dev),
+                torch.full((batch,), filters.get("top_k", 0), dtype=torch.int32, device=dev),
+                torch.full((batch,), filters.get("top_p", 1.0), device=dev),
+                torch.zeros(batch, device=dev),
+            )
+            for layout in layouts:
+                thr, passes = truncation_thresholds(logits[0], *args, **layout)
+                other = dict(layout, skip=1 - layout["skip"], unroll=1)
+                thr_other, _ = truncation_thresholds(logits[0], *args, **other)
+                fns = [lambda z=z: truncation_thresholds(z, *args, **layout) for z in logits]
+                us = bench_graph(fns, calls=4, replays=7) * 1e3 if cuda else cpu_time_ms(fns[0]) * 1e3
+                mean_passes = float(passes.float().mean())
+                rows.append(
+                    {
+                        "batch": batch,
+                        "filters": name,
+                        **layout,
+                        "us": us,
+                        "passes_mean": mean_passes,
+                        "us_per_pass": us / mean_passes,
+                        "same_bits": bool(torch.equal(thr, thr_other)),
+                    }
+                )
+                print(f"  {batch} {name} {layout}: {us:.1f} µs, {mean_passes:.2f} passes", flush=True)
+    print_table(
+        f"threshold search layouts, V = {ns.vocab}, {str(dtype).removeprefix('torch.')} logits, T = {TEMPERATURE}"
+        + ("" if cuda else " (CPU smoke)"),
+        rows,
+        [
+            ("batch", "batch", "d"),
+            ("filters", "filters", "s"),
+            ("candidates", "NC", "d"),
+            ("block_e", "BLOCK_E", "d"),
+            ("skip", "skip", "d"),
+            ("unroll", "unroll", "d"),
+            ("us", "search µs", ".1f"),
+            ("passes_mean", "passes", ".2f"),
+            ("us_per_pass", "µs/pass", ".1f"),
+            ("same_bits", "same thr", "d"),
+        ],
+    )
+    best = {}
+    for r in rows:
+        key = (r["batch"], r["filters"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    for (batch, name), r in best.items():
+        layout = f"NC={r['candidates']} BLOCK_E={r['block_e']} skip={r['skip']} unroll={r['unroll']}"
+        print(f"best at batch {batch}, {name}: {layout}: {r['us']:.1f} µs")
+    totals = {}
+    for r in rows:
+        key = (r["candidates"], r["block_e"], r["skip"], r["unroll"])
+        totals[key] = totals.get(key, 0.0) + r["us"]
+    ranked = sorted(totals.items(), key=lambda kv: kv[1])
+    for (nc, be, skip, unroll), total in ranked[:3]:
+        print(f"overall (sum over cases): NC={nc} BLOCK_E={be} skip={skip} unroll={unroll}: {total:.1f} µs")
+    print(f"skip and unroll gave the same thresholds in every case: {all(r['same_bits'] for r in rows)}")
+    json_path, _ = output_paths(ns.out, "top_p_sweep")
+    info = device_info(dev) if cuda else {"gpu": None, "torch": torch.__version__}
+    write_json(json_path, {"device": info, "vocab": ns.vocab, "temperature": TEMPERATURE, "results": rows})
+
+
 def main() -> None:
     ns = parse()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if ns.sweep:
+        sweep(ns)
+        return
 
     import torch
     from common import bench, bench_graph, copy_bandwidth, device_info, output_paths, print_table, write_json
@@ -148,6 +243,7 @@ def main() -> None:
                         "fused/amax": fused_us / amax_us,
                     }
                 )
+                print(f"  {dtype} {batch} {name}: fused {fused_us:.1f} µs, search {search_us:.1f} µs", flush=True)
     print_table(
         f"top-k / top-p / min-p sampling, V = {ns.vocab}, T = {TEMPERATURE}" + (" (CPU smoke)" if not cuda else ""),
         rows,

@@ -3,10 +3,10 @@
 The interpreter that runs the other kernel tests on a CPU executes the kernels as Python, so it never
 sees what only the compiler checks: the types that branches and `while` loops carry (a constant that
 becomes a tensor in one branch fails to compile). This compiles every kernel the truncating sampler
-launches (the threshold search's and the draw's; with and without a bitmask, bf16 and float32 logits)
-and checks that nothing spills to local memory. The compiler runs in a subprocess (the tests'
-interpreter mode replaces the kernels by Python functions); skipped where this Triton cannot compile
-for CUDA.
+launches (the threshold search's and the draw's; with and without a bitmask, bf16 and float32 logits;
+the search pass in each layout of `SEARCH_LAYOUTS`, which the benchmark sweeps) and checks that nothing
+spills to local memory. The compiler runs in a subprocess (the tests' interpreter mode replaces the
+kernels by Python functions); skipped where this Triton cannot compile for CUDA.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def summarise() -> dict:
     import torch
 
     from tests.kernels.sm90_compile import compile_only_for_sm90
-    from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p
+    from tinyvllm.kernels.top_p_sampling import SEARCH_LAYOUTS, sample_top_k_top_p, truncation_thresholds
 
     B, V = 4, 128256
     out = {}
@@ -50,6 +50,19 @@ def summarise() -> dict:
             out[f"{name}/{str(dtype).removeprefix('torch.')}/mask={has_mask}"] = {
                 "local": "ld.local" in ptx or "st.local" in ptx
             }
+    logits, ones, k = torch.zeros(B, V, dtype=torch.bfloat16), torch.ones(B), torch.full((B,), 50, dtype=torch.int32)
+    for search in SEARCH_LAYOUTS:
+        layout = ",".join(f"{key}={value}" for key, value in search.items())
+        try:
+            with compile_only_for_sm90() as launched:
+                truncation_thresholds(logits, ones, k, ones, ones, **search)
+        except Exception as e:
+            out[f"search/{layout}"] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+            continue
+        for name, compiled in launched:
+            if name in ("threshold_pass_kernel", "threshold_finish_kernel"):
+                ptx = compiled.asm["ptx"]
+                out[f"{name}/{layout}"] = {"local": "ld.local" in ptx or "st.local" in ptx}
     return out
 
 
@@ -62,6 +75,7 @@ def test_kernels_compile_for_sm90_without_spills(facts):
     names = {name.split("/")[0] for name in facts}
     assert {"threshold_stats_kernel", "threshold_begin_kernel", "threshold_pass_kernel"} <= names, facts
     assert {"threshold_reduce_kernel", "threshold_finish_kernel", "sample_partial_kernel"} <= names, facts
+    assert sum(name.startswith("threshold_pass_kernel/candidates=") for name in facts) == 16, facts
     for name, fact in facts.items():
         assert "error" not in fact, (name, fact)
         assert not fact["local"], f"{name} spills to local memory"

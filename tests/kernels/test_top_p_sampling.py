@@ -61,9 +61,17 @@ def params(rows, device):
     )
 
 
-# (candidates, split_passes, chunk): the default; every pass by the per-row programs; split passes over
-# several chunks per row, ending in the per-row programs or not; 8 candidates per pass
-LAYOUTS = [{}, dict(split_passes=0, chunk=256), dict(split_passes=2, chunk=256), dict(candidates=8, chunk=128)]
+# (candidates, split_passes, chunk, block_e, skip): the default; every pass by the per-row programs;
+# split passes over several chunks per row, ending in the per-row programs or not; 8 candidates per pass;
+# 4 candidates over 16-lane iterations without the skip; 8 over 128-lane ones
+LAYOUTS = [
+    {},
+    dict(split_passes=0, chunk=256),
+    dict(split_passes=2, chunk=256),
+    dict(candidates=8, chunk=128),
+    dict(candidates=4, chunk=256, block_e=16, skip=False),
+    dict(candidates=8, chunk=256, block_e=128, split_passes=3),
+]
 
 
 @pytest.mark.parametrize("search", LAYOUTS[1:])
@@ -162,6 +170,41 @@ def test_thresholds_are_the_rows_own_whatever_the_batch(device):
     for b in (0, 3):
         alone, _ = truncation_thresholds(z[b : b + 1], *params(cfg[b : b + 1], device), **search)
         assert float(alone) == float(thr[b])
+
+
+@pytest.mark.parametrize("candidates", [4, 8, 16])
+def test_skipping_and_unrolling_change_no_sum(device, candidates):
+    """The skip only leaves out zeros and the unroll keeps each lane's order: the thresholds and passes
+    are the same bits with and without either, for several lane counts, and the kept sets are the
+    float64 reference's."""
+    gen = torch.Generator().manual_seed(17 + candidates)
+    V = 900
+    z = torch.randn(6, V, generator=gen) * torch.tensor([0.3, 2.0, 8.0, 1.0, 3.0, 0.5])[:, None]
+    z[3, 100:400] = -math.inf
+    cfg = [(0.7, 50, 0.9, 0.0), (1.0, 0, 0.9, 0.0), (0.6, 20, 1.0, 0.0), (1.0, 0, 0.5, 0.1), (1.2, 300, 0.99, 0.0),
+           (0.9, 0, 0.2, 0.0)]  # fmt: skip
+    zd = z.to(device)
+    for block_e in (32, 256):
+        layout = dict(candidates=candidates, chunk=256, split_passes=2, block_e=block_e)
+        thr, passes = truncation_thresholds(zd, *params(cfg, device), skip=True, **layout)
+        thr_all, passes_all = truncation_thresholds(zd, *params(cfg, device), skip=False, **layout)
+        thr_2, passes_2 = truncation_thresholds(zd, *params(cfg, device), skip=True, unroll=2, **layout)
+        assert thr.cpu().tolist() == thr_all.cpu().tolist() == thr_2.cpu().tolist(), block_e
+        assert passes.cpu().tolist() == passes_all.cpu().tolist() == passes_2.cpu().tolist(), block_e
+        kept = z.float() * (1.0 / params(cfg, "cpu")[0])[:, None] > thr.cpu()[:, None]
+        for b, c in enumerate(cfg):
+            assert torch.equal(kept[b], reference_kept(z[b], *c)), (block_e, b, c)
+
+
+def test_bad_search_layouts_raise():
+    z, t = torch.zeros(1, 256), torch.ones(1)
+    k, p, m = torch.zeros(1, dtype=torch.int32), torch.ones(1), torch.zeros(1)
+    with pytest.raises(ValueError, match="block_e"):
+        truncation_thresholds(z, t, k, p, m, block_e=96)
+    with pytest.raises(ValueError, match="unroll"):
+        truncation_thresholds(z, t, k, p, m, unroll=3)
+    with pytest.raises(ValueError, match="candidates"):
+        truncation_thresholds(z, t, k, p, m, candidates=12)
 
 
 def test_ties_at_the_threshold_keep_the_whole_tie_group_as_the_full_sampler_does(device):

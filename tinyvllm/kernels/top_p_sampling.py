@@ -44,10 +44,18 @@ each index's seeded noise g_i: the same ids as the plain fused kernel when K hol
 and the same id for a row alone or anywhere in any batch.
 
 Cost at B × V: 1 + passes(top-k) + passes(top-p) reads of each row by the search (the row is re-read
-while it sits in L2 at moderate batch) plus one read by the draw; each search pass does O(NC) compares
-and adds per logit, spread over B × ceil(V / 8,192) programs; 2 launches per split pass. Masses are
-float32 sums, so a row whose top-p boundary lies within float32 rounding (~1e-6 relative) of p may keep
-one token more or fewer than an exact computation would, as the full sampler's float32 cumsum may.
+while it sits in L2 at moderate batch) plus one read by the draw; 2 launches per split pass, over
+B × ceil(V / 8,192) programs. A search pass sorts each value three ways: at most lo (above no
+candidate), above hi (above every candidate: one count and one mass per lane), or in (lo, hi] (compared
+with the NC candidates). Each program keeps per-lane partials in registers (BLOCK_E lanes × NC counts and
+masses) and sums its lanes once, at the end of its chunk: no cross-thread reduction per iteration. The
+NC-wide compare and add run on every value (those outside (lo, hi] as −inf); with `skip`, only in the
+iterations whose BLOCK_E values hold one in (lo, hi] (one block-wide max per iteration decides), which
+after the first passes are few; with `unroll` 2, each iteration issues two blocks' loads before using
+either. Masses are float32 sums (each lane's in index order, then a fixed tree
+over the lanes: fixed by chunk, block_e and NC, never by B), so a row whose top-p boundary lies within
+float32 rounding (~1e-6 relative) of p may keep one token more or fewer than an exact computation
+would, as the full sampler's float32 cumsum may.
 """
 
 from __future__ import annotations
@@ -119,25 +127,64 @@ def _combine_stats(m, s, lmin, n, m_c, s_c, lmin_c, n_c):
 
 
 @triton.jit
+def _eval_block(sl, m, lo, hi, x, cnt2, mass2, c_hi, s_hi, vmin, vmax, SKIP: tl.constexpr):
+    """`_chunk_eval`'s per-lane partials after one more value per lane (sl: [BLOCK_E])."""
+    e = tl.exp2((sl - m) * 1.4426950408889634)
+    above = sl > hi
+    c_hi += above.to(tl.int32)
+    s_hi += tl.where(above, e, 0.0)
+    inside = (sl > lo) & (sl <= hi)
+    vmin = tl.minimum(vmin, tl.where(inside, sl, float("inf")))
+    vmax = tl.maximum(vmax, tl.where(inside, sl, float("-inf")))
+    s_in = tl.where(inside, sl, float("-inf"))  # above no candidate unless in (lo, hi]
+    if SKIP:
+        if tl.max(s_in, axis=0) > lo:
+            gt = s_in[None, :] > x[:, None]
+            cnt2 += gt.to(tl.int32)
+            mass2 += tl.where(gt, e[None, :], 0.0)
+    else:
+        gt = s_in[None, :] > x[:, None]
+        cnt2 += gt.to(tl.int32)
+        mass2 += tl.where(gt, e[None, :], 0.0)
+    return cnt2, mass2, c_hi, s_hi, vmin, vmax
+
+
+@triton.jit
 def _chunk_eval(
     row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c0,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Over [c0, c0 + CHUNK) of a row: C and M at the NC candidates x (counts and masses of the values
-    above each), and the smallest and largest value in (lo, hi]."""
-    cnt = tl.zeros([NC], tl.int32)
-    mass = tl.zeros([NC], tl.float32)
-    vmin = tl.full([BLOCK], float("inf"), tl.float32)
-    vmax = tl.full([BLOCK], float("-inf"), tl.float32)
-    for start in range(c0, c0 + CHUNK, BLOCK):
-        sl = _scaled(row_ptr, mask_row_ptr, start + tl.arange(0, BLOCK), V, inv_t, HAS_MASK)
-        e = tl.exp2((sl - m) * 1.4426950408889634)
-        gt = sl[:, None] > x[None, :]
-        cnt += tl.sum(gt.to(tl.int32), axis=0)
-        mass += tl.sum(tl.where(gt, e[:, None], 0.0), axis=0)
-        inside = (sl > lo) & (sl <= hi)
-        vmin = tl.minimum(vmin, tl.where(inside, sl, float("inf")))
-        vmax = tl.maximum(vmax, tl.where(inside, sl, float("-inf")))
+    above each), and the smallest and largest value in (lo, hi].
+
+    Every candidate lies in [lo, hi) (`_candidates`), so a value ≤ lo lies above none and a value > hi
+    above all: those add once to per-lane "above hi" sums; only values in (lo, hi] are compared with
+    the NC candidates, into per-lane [NC, BLOCK_E] partials. Lane i takes the values at i + j · BLOCK_E,
+    j = 0, 1, ..., in that order; the lanes are summed once at the end (a fixed tree: the order depends
+    on the chunk, BLOCK_E and NC alone). SKIP: a block of BLOCK_E values none of which lies in (lo, hi]
+    skips the NC-wide compares (one block-wide max decides; the sums are the same, only zeros are left
+    out). UNROLL (1 or 2): blocks loaded per iteration, both loads issued before either is used (more
+    bytes in flight; each lane's order, so each sum, is the same)."""
+    # [NC, BLOCK_E], lanes last: each thread holds all NC partials of its lanes, so a loaded value
+    # reaches the compares where it was loaded (no layout exchange through shared memory)
+    cnt2 = tl.zeros([NC, BLOCK_E], tl.int32)
+    mass2 = tl.zeros([NC, BLOCK_E], tl.float32)
+    c_hi = tl.zeros([BLOCK_E], tl.int32)
+    s_hi = tl.zeros([BLOCK_E], tl.float32)
+    vmin = tl.full([BLOCK_E], float("inf"), tl.float32)
+    vmax = tl.full([BLOCK_E], float("-inf"), tl.float32)
+    for start in range(c0, c0 + CHUNK, BLOCK_E * UNROLL):
+        sl = _scaled(row_ptr, mask_row_ptr, start + tl.arange(0, BLOCK_E), V, inv_t, HAS_MASK)
+        if UNROLL == 2:
+            sl2 = _scaled(row_ptr, mask_row_ptr, start + BLOCK_E + tl.arange(0, BLOCK_E), V, inv_t, HAS_MASK)
+        cnt2, mass2, c_hi, s_hi, vmin, vmax = _eval_block(sl, m, lo, hi, x, cnt2, mass2, c_hi, s_hi, vmin, vmax, SKIP)
+        if UNROLL == 2:
+            cnt2, mass2, c_hi, s_hi, vmin, vmax = _eval_block(
+                sl2, m, lo, hi, x, cnt2, mass2, c_hi, s_hi, vmin, vmax, SKIP
+            )
+    cnt = tl.sum(cnt2, axis=1) + tl.sum(c_hi, axis=0)
+    mass = tl.sum(mass2, axis=1) + tl.sum(s_hi, axis=0)
     return cnt, mass, tl.min(vmin, axis=0), tl.max(vmax, axis=0)
 
 
@@ -304,7 +351,8 @@ def threshold_begin_kernel(
 def threshold_pass_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
     stf_ptr, sti_ptr, cnt_ptr, mass_ptr, vmm_ptr, V, NUM_CHUNKS,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program (b, c): C and M at row b's NC candidates over chunk c, and the smallest and largest value
     in (lo, hi] there, into cnt[b, c], mass[b, c], vmm[b, c] (rows whose search is over do nothing)."""
@@ -316,8 +364,9 @@ def threshold_pass_kernel(
         keys = _candidates(lo, hi, a, NC)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
+        x = _from_key(keys)
         cnt, mass, vmin, vmax = _chunk_eval(
-            row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, _from_key(keys), c * CHUNK, CHUNK, BLOCK, NC, HAS_MASK
+            row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c * CHUNK, CHUNK, BLOCK_E, NC, HAS_MASK, SKIP, UNROLL
         )
         j = tl.arange(0, NC)
         at = (row * NUM_CHUNKS + c) * NC
@@ -359,7 +408,8 @@ def threshold_reduce_kernel(
 def threshold_finish_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
     stf_ptr, sti_ptr, thr_ptr, passes_ptr, V, NUM_CHUNKS,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program b: the passes row b's search still needs, each over the whole row by this one program
     (the same sums, chunk by chunk in chunk order, as the split passes make), then thr[b] (min-p applied)
@@ -378,7 +428,7 @@ def threshold_finish_kernel(
         vmax = tl.full([], float("-inf"), tl.float32)
         for c in range(0, NUM_CHUNKS):
             cnt_c, mass_c, vmin_c, vmax_c = _chunk_eval(
-                row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c * CHUNK, CHUNK, BLOCK, NC, HAS_MASK
+                row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c * CHUNK, CHUNK, BLOCK_E, NC, HAS_MASK, SKIP, UNROLL
             )
             cnt += cnt_c
             mass += mass_c
@@ -396,10 +446,18 @@ def threshold_finish_kernel(
     tl.store(passes_ptr + row, tl.where(phase == 3, 0, passes))
 
 
-_BLOCK = 1024
+_BLOCK = 1024  # logits per iteration of the statistics
+_BLOCK_E = 256  # logits per iteration of a search pass (its partials: BLOCK_E × NC counts and masses)
 _CHUNK = 8192  # a row's chunk per program of the split passes: fixed, so that a row's sums never depend on B
 _NC = 16
+_SKIP = True
+_UNROLL = 1
 _SPLIT_PASSES = 10
+# the search-pass layouts `bench_top_p_sampling.py --sweep` times (and the sm_90 compile test builds):
+# candidates × lanes × skip, and two blocks per iteration for the larger candidate counts
+SEARCH_LAYOUTS = [
+    dict(candidates=nc, block_e=be, skip=skip, unroll=1) for nc in (4, 8, 16) for be in (128, 256) for skip in (0, 1)
+] + [dict(candidates=nc, block_e=be, skip=1, unroll=2) for nc in (8, 16) for be in (128, 256)]
 
 
 def truncation_thresholds(
@@ -412,6 +470,9 @@ def truncation_thresholds(
     candidates: int = _NC,
     split_passes: int = _SPLIT_PASSES,
     chunk: int = _CHUNK,
+    block_e: int = _BLOCK_E,
+    skip: bool = _SKIP,
+    unroll: int = _UNROLL,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's strict threshold on l = z · (1 / T): the kept set is {i : l_i > thr} (module docstring).
 
@@ -430,6 +491,13 @@ def truncation_thresholds(
         split_passes: search passes spread over rows × chunks before the per-row programs take over.
         chunk: logits per program of the split launches (a multiple of 1,024 or a power of two); the
             sums a row's search compares depend on it, never on the batch.
+        block_e: logits per iteration of a search pass (a power of two; capped at the chunk): the lanes
+            whose partial sums the pass keeps, BLOCK_E × NC of each per program. The masses' rounding
+            depends on it (as on chunk and candidates), never on the batch.
+        skip: a search pass skips the candidate compares of an iteration without values in (lo, hi]
+            (the same sums either way).
+        unroll: 1 or 2 blocks of block_e logits loaded per iteration of a search pass (the same sums
+            either way; capped so that the chunk holds a whole number of iterations).
 
     Returns:
         thr [B] float32, and passes [B] int32: the reads of each row the search made (0: none, the row
@@ -438,9 +506,15 @@ def truncation_thresholds(
     B, V = logits.shape
     if candidates < 2 or candidates & (candidates - 1):
         raise ValueError(f"candidates must be a power of two ≥ 2, got {candidates}")
+    if block_e < 16 or block_e & (block_e - 1):
+        raise ValueError(f"block_e must be a power of two ≥ 16, got {block_e}")
     block = min(_BLOCK, triton.next_power_of_2(chunk))
     if chunk % block:
         raise ValueError(f"chunk must be a multiple of {block}, got {chunk}")
+    block_e = min(block_e, block)  # a power of two dividing block, so the chunk too
+    if unroll not in (1, 2):
+        raise ValueError(f"unroll must be 1 or 2, got {unroll}")
+    unroll = min(unroll, chunk // block_e)
     dev = logits.device
     thr = torch.empty(B, dtype=torch.float32, device=dev)
     passes = torch.empty(B, dtype=torch.int32, device=dev)
@@ -453,9 +527,12 @@ def truncation_thresholds(
     mask = temperature if bitmask is None else bitmask  # never read without HAS_MASK
     stride_mask = 0 if bitmask is None else bitmask.stride(0)
     params = (temperature, top_k, top_p, min_p)
-    consts = dict(CHUNK=chunk, BLOCK=block, HAS_MASK=bitmask is not None)
+    consts = dict(CHUNK=chunk, HAS_MASK=bitmask is not None)
+    # one lane per thread in a search pass (the split passes and the per-row programs alike: the same sums)
+    search = dict(NC=candidates, BLOCK_E=block_e, SKIP=skip, UNROLL=unroll, **consts)
+    search["num_warps"] = min(8, max(1, block_e // 32))
     threshold_stats_kernel[(B, S)](
-        logits, logits.stride(0), *params, mask, stride_mask, part, V, S, **consts, num_warps=8
+        logits, logits.stride(0), *params, mask, stride_mask, part, V, S, BLOCK=block, **consts, num_warps=8
     )
     threshold_begin_kernel[(B,)](*params, part, stf, sti, S, num_warps=1)
     if split_passes:
@@ -465,12 +542,12 @@ def truncation_thresholds(
         for _ in range(split_passes):
             threshold_pass_kernel[(B, S)](
                 logits, logits.stride(0), *params, mask, stride_mask, stf, sti, cnt, mass, vmm, V, S,
-                NC=candidates, **consts, num_warps=8,
+                **search,
             )  # fmt: skip
             threshold_reduce_kernel[(B,)](top_p, stf, sti, cnt, mass, vmm, S, NC=candidates, num_warps=1)
     threshold_finish_kernel[(B,)](
         logits, logits.stride(0), *params, mask, stride_mask, stf, sti, thr, passes, V, S,
-        NC=candidates, **consts, num_warps=8,
+        **search,
     )  # fmt: skip
     return thr, passes
 
