@@ -447,10 +447,10 @@ def threshold_finish_kernel(
 
 
 _BLOCK = 1024  # logits per iteration of the statistics
-_BLOCK_E = 256  # logits per iteration of a search pass (its partials: BLOCK_E × NC counts and masses)
+_BLOCK_E = 128  # logits per iteration of a search pass (its partials: BLOCK_E × NC counts and masses)
 _CHUNK = 8192  # a row's chunk per program of the split passes: fixed, so that a row's sums never depend on B
-_NC = 16
-_SKIP = True
+_NC = 8
+_SKIP = False
 _UNROLL = 1
 _SPLIT_PASSES = 10
 # the search-pass layouts `bench_top_p_sampling.py --sweep` times (and the sm_90 compile test builds):
