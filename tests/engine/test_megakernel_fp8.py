@@ -255,7 +255,8 @@ def test_megakernel_refuses_fp8_on_some_layers_only():
 
 def test_fp8_units_keep_the_bytes_of_a_bf16_unit():
     """A unit of FP8 weights holds twice the elements of a bf16 one (the same bytes, half the units), still
-    halved where the pipeline's tiles would not fit; phase D's chunks stay one warp's 16-byte vectors."""
+    halved where the pipeline's tiles would not fit; phase D runs as a reduction, never on the tensor
+    cores (launch.phase_d_chunks), which bf16 weights of the same shape use."""
     from tinyvllm.kernels.decode_megakernel import ModelShape
 
     assert unit_tile(MegakernelConfig(tile=16384), 1) == 32768  # 3 stages in flight: 96 KB, as bf16
@@ -264,7 +265,8 @@ def test_fp8_units_keep_the_bytes_of_a_bf16_unit():
     rq, ro, rg, rd = unit_rows(llama_1b, unit_tile(MegakernelConfig(), 1))
     assert (rq, ro, rg, rd) == (8, 16, 8, 4)  # bf16: (4, 8, 4, 2)
     assert unit_rows(llama_1b, unit_tile(MegakernelConfig(), 2)) == (4, 8, 4, 2)
-    assert phase_d_chunks(llama_1b, rg, 1) == (512, True)
+    assert phase_d_chunks(llama_1b, rg, 1) == (512, False)
+    assert phase_d_chunks(llama_1b, 4, 2) == (256, True)
 
 
 @needs_triton

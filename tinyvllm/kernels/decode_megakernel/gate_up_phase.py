@@ -8,9 +8,8 @@ sum of its chunks' diagonal entries (`_gate_up_dot_unit`). This avoids reducing 
 program's threads, which `_gate_up_unit`, the other scheme, does.
 
 FP8W: Wgu is float8_e4m3fn with one float32 scale per row (ws_ptr, stacked [L, 2F]); the tile is
-converted exactly to the input's dtype as it is used (F16, on the tensor cores with a bf16 or float16
-model: both operands to float16, the input scaled by a power of two, vectors.as_f16), and each row's
-float32 sum is multiplied by its scale before the rounding: g, u = round(dequant(Wg) h), round(dequant(Wu) h).
+converted exactly to the input's dtype as it is used, and each row's float32 sum is multiplied by its
+scale before the rounding: g, u = round(dequant(Wg) h), round(dequant(Wu) h).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.decode_megakernel.grid_sync import end_phase
-from tinyvllm.kernels.decode_megakernel.vectors import as_f16, normed, normed_chunks
+from tinyvllm.kernels.decode_megakernel.vectors import normed, normed_chunks
 from tinyvllm.kernels.flash_tiles import dot_qk
 
 
@@ -66,7 +65,6 @@ def _gate_up_dot_tile(
 def _gate_up_dot_unit(
     w,
     a,
-    a_inv,
     u,
     act_ptr,
     ws_ptr,
@@ -77,20 +75,16 @@ def _gate_up_dot_unit(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     FP8W: tl.constexpr,
-    F16: tl.constexpr,
 ):
     """Unit u from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input as [M, CW]
     chunks (vectors.normed_chunks) gives every chunk of the input against every chunk of every row; row
     r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`
-    (FP8W: w converted to A's dtype for the dot, each row's sum times its scale; F16: A is the input
-    times 1 / a_inv in float16, vectors.as_f16)."""
+    (FP8W: w converted to A's dtype for the dot, each row's sum times its scale)."""
     y_all = dot_qk(a, w.to(a.dtype), UPCAST, IEEE)  # [M, 2·RG·NC]
     n = tl.arange(0, 2 * RG * NC)
     mine = tl.sum(tl.where(tl.arange(0, M)[:, None] == (n % NC)[None, :], y_all, 0.0), axis=0)
     y = tl.sum(tl.reshape(mine, [2 * RG, NC]), axis=1)  # [2·RG]: RG gate rows, then the matching up rows
     hh = tl.arange(0, 2 * RG)
-    if F16:
-        y = y * a_inv
     if FP8W:
         y = y * tl.load(ws_ptr + u * RG + hh % RG + (hh // RG) * F)
     y = y.to(act_ptr.dtype.element_ty).to(tl.float32)
@@ -128,20 +122,15 @@ def gate_up_phase(
     IEEE: tl.constexpr,
     SPLIT_O: tl.constexpr,
     FP8W: tl.constexpr,
-    F16: tl.constexpr,
 ):
     """Phase D of `layer`, starting with the wait of barrier b inside the first iteration of its
-        STAGES-deep pipelined unit loop; with DOT on the tensor cores; with SPLIT_O its input is the residual
-        plus phase C's sums o (vectors.residual_at); FP8W: ws_ptr the stacked row scales [L, 2F]; F16 (set only
-    with DOT and FP8W): the products in float16 (vectors.as_f16)."""
+    STAGES-deep pipelined unit loop; with DOT on the tensor cores; with SPLIT_O its input is the residual
+    plus phase C's sums o (vectors.residual_at); FP8W: ws_ptr the stacked row scales [L, 2F]."""
     NC: tl.constexpr = BH // CW
     M: tl.constexpr = 16 if NC <= 16 else NC
     n_units = F // RG
     layer_scales = ws_ptr + tl.cast(layer, tl.int64) * (2 * F)
-    a_inv = tl.cast(1.0, tl.float32)
-    if F16:
-        a = tl.zeros([M, CW], tl.float16)
-    elif DOT:
+    if DOT:
         a = tl.zeros([M, CW], r_ptr.dtype.element_ty)
     else:
         a = tl.zeros([1, 1, BH], r_ptr.dtype.element_ty)
@@ -152,14 +141,12 @@ def gate_up_phase(
             w = _gate_up_tile(wgu_ptr, layer, u, H, F, RG, BH)
         if u == pid:  # the pipeline's first tiles are in flight
             end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-            if F16:
-                a, a_inv = as_f16(normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O))
-            elif DOT:
+            if DOT:
                 a = normed_chunks(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, M, NC, CW, BH, SPLIT_O)
             else:
                 a = normed(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, BH, SPLIT_O)[None, None, :]
         if DOT:
-            _gate_up_dot_unit(w, a, a_inv, u, act_ptr, layer_scales, F, RG, NC, M, UPCAST, IEEE, FP8W, F16)
+            _gate_up_dot_unit(w, a, u, act_ptr, layer_scales, F, RG, NC, M, UPCAST, IEEE, FP8W)
         else:
             _gate_up_unit(w, a, u, act_ptr, layer_scales, F, RG, FP8W)
     if pid >= n_units:

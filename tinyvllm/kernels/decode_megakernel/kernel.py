@@ -97,9 +97,6 @@ def decode_megakernel_kernel(
     WINDOW: tl.constexpr,
     FP8W: tl.constexpr,
     FP8KV: tl.constexpr,
-    F16_D: tl.constexpr,
-    DOT_E: tl.constexpr,
-    CW_E: tl.constexpr,
 ):
     """One token through `num_layers` layers, final norm applied: out = RMSNorm(r; nf) [H].
 
@@ -126,8 +123,6 @@ def decode_megakernel_kernel(
     dequantized in registers (each phase multiplies its rows' float32 sums by their scales; the
     activations stay in the model's dtype); FP8KV, the cache is float8_e4m3fn holding K / k_scale and
     V / v_scale (phase A writes it so, phase B folds the scales into the softmax and its normaliser).
-    With FP8 weights in a bf16 or float16 model, phases D (F16_D) and E (DOT_E, chunks of CW_E columns)
-    run their products on the tensor cores in float16 (vectors.as_f16).
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -358,7 +353,6 @@ def decode_megakernel_kernel(
             IEEE,
             SPLIT_O,
             FP8W,
-            F16_D,
         )
         if SPLIT_O:  # noqa: SIM102 (a constexpr test apart) -- the residual after attention, for phase E
             if pid == P - 1:  # a program with the fewest phase-D units
@@ -386,9 +380,6 @@ def decode_megakernel_kernel(
             TRACE,
             ASM,
             FP8W,
-            DOT_E,
-            CW_E,
-            UPCAST,
         )
         if SPLIT_O:  # noqa: SIM102 (a constexpr test apart)
             if pid == P - 1:  # every program has read this layer's sums in phase D: zero them for layer + 2

@@ -34,9 +34,6 @@ class MegakernelConfig(NamedTuple):
     e_stages: int = 4  # the same for phase E: its deeper prologue lands during phase D's tail
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself
     programs: int = 0  # CUDA: at most this many programs (0: one on every multiprocessor)
-    fp8_dot_d: bool = False  # FP8 weights: phase D on the tensor cores (in float16 with a bf16/float16 model)
-    # rather than by reduction, which the H200 runs faster for 1-byte weights
-    fp8_dot_e: bool = False  # FP8 weights in a bf16/float16 model: phase E too (also measured slower)
 
 
 DEFAULT_CONFIG = MegakernelConfig()
@@ -192,24 +189,15 @@ def split_o_rows(shape: ModelShape, tile: int) -> int:
     return r
 
 
-def dot_chunks(k: int, rows: int, elem_bytes: int) -> tuple[int, bool]:
-    """(CW, usable) of a phase on the tensor cores whose units hold `rows` weight rows of k columns: a row
-    is cut into chunks of CW columns (one warp's 16-byte vectors, at most k rounded up to a power of two),
-    at most 32 of them, and the unit's tile [rows · chunks, CW] must meet tl.dot's minimum of 16 in every
-    dimension."""
-    bk = next_power_of_2(k)
-    cw = min(bk, 32 * 16 // elem_bytes)
-    return cw, bk // cw <= 32 and rows * (bk // cw) >= 16 and cw >= 16
-
-
 def phase_d_chunks(shape: ModelShape, rg: int, elem_bytes: int) -> tuple[int, bool]:
-    """(CW, usable) of phase D on the tensor cores (`dot_chunks` of its units' 2·RG rows)."""
-    return dot_chunks(shape.hidden, 2 * rg, elem_bytes)
-
-
-def phase_e_chunks(shape: ModelShape, rd: int, elem_bytes: int) -> tuple[int, bool]:
-    """(CW, usable) of phase E on the tensor cores (`dot_chunks` of its units' RD rows of F columns)."""
-    return dot_chunks(shape.intermediate, rd, elem_bytes)
+    """(CW, usable) of phase D on the tensor cores: a weight row is cut into chunks of CW columns (one
+    warp's 16-byte vectors, at most the padded hidden size), at most 32 of them, and the unit's tile
+    [2·RG·chunks, CW] must meet tl.dot's minimum of 16 in every dimension. Never for 1-byte FP8 weights:
+    their conversion before the product (to the input's dtype, or to float16) makes the tensor-core
+    layout slower than the reduction on the H200 (docs/perf.md §9)."""
+    bh = next_power_of_2(shape.hidden)
+    cw = min(bh, 32 * 16 // elem_bytes)
+    return cw, elem_bytes > 1 and bh // cw <= 32 and 2 * rg * (bh // cw) >= 16 and cw >= 16
 
 
 def unit_tile(config: MegakernelConfig, elem_bytes: int) -> int:
@@ -318,9 +306,6 @@ def _constexprs(
     elem = weights.qkv.element_size()  # 1 for FP8 weights
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, elem))
     cw, dot_d = phase_d_chunks(shape, rg, elem)
-    cw_e, dot_e = phase_e_chunks(shape, rd, elem)
-    dot_d = dot_d and (config.fp8_dot_d or not weights.fp8)
-    f16 = weights.fp8 and weights.dtype != torch.float32  # FP8 products on the tensor cores in float16
     cuda = device.type == "cuda"
     return dict(
         H=shape.hidden,
@@ -354,9 +339,6 @@ def _constexprs(
         WINDOW=shape.window_mode,
         FP8W=weights.fp8,
         FP8KV=fp8_kv,
-        F16_D=f16 and dot_d,
-        DOT_E=f16 and dot_e and config.fp8_dot_e,
-        CW_E=cw_e,
         num_warps=config.num_warps,
         num_stages=1,
     )

@@ -20,12 +20,6 @@ FP8W: W is float8_e4m3fn with one float32 scale per row (ws_ptr, stacked [L, N])
 exactly as they are multiplied and each row's float32 (partial) sum is multiplied by its scale: the
 product is dequant(W) x, before any rounding, and the split phase C's partials are scaled before they
 become fixed point (the scale distributes over the groups' sum).
-
-DOT (phase E with FP8 weights in a bf16 or float16 model): the unit's product runs on the tensor cores
-as phase D's does (gate_up_phase.py): the tile laid out as [R · NC, CW] (row n: chunk n mod NC of weight
-row n // NC), the input as [M, CW] chunks in float16 (vectors.as_f16), and row r's sum is Σ_c Y[c, r·NC + c]
-of Y = A wᵀ. Converting a byte to float16 is half an instruction on the H200; converting it to float32
-for a multiply-add, as the reduction scheme does, is two more.
 """
 
 from __future__ import annotations
@@ -35,8 +29,6 @@ import triton.language as tl
 
 from tinyvllm.kernels.decode_megakernel.attention_phase import group_attention
 from tinyvllm.kernels.decode_megakernel.grid_sync import end_phase
-from tinyvllm.kernels.decode_megakernel.vectors import as_f16, chunks_of
-from tinyvllm.kernels.flash_tiles import dot_qk
 
 O_SCALE = 2.0**32  # fixed-point units per 1.0 of phase C's row sums (int64: exact while |sum| < 2**31)
 
@@ -49,48 +41,6 @@ def _rows_tile(w_ptr, layer, u, N: tl.constexpr, K: tl.constexpr, R: tl.constexp
     cols = tl.arange(0, BK)[None, :]
     base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
     return tl.load(base + rows * K + cols, mask=cols < K, other=0.0)
-
-
-@triton.jit
-def _rows_dot_tile(
-    w_ptr, layer, u, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr
-):
-    """Unit u's rows u·R + [0, R) of W [N, K] as [R·NC, CW]: row n is chunk n mod NC (columns
-    c·CW + [0, CW)) of weight row u·R + n // NC."""
-    n = tl.arange(0, R * NC)
-    rows = u * R + n // NC
-    cols = (n % NC)[:, None] * CW + tl.arange(0, CW)[None, :]
-    base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
-    return tl.load(base + rows[:, None] * K + cols, mask=cols < K, other=0.0)
-
-
-@triton.jit
-def _residual_dot_unit(
-    w,
-    a,
-    a_inv,
-    res,
-    u,
-    out_ptr,
-    ws_ptr,
-    N: tl.constexpr,
-    R: tl.constexpr,
-    NC: tl.constexpr,
-    M: tl.constexpr,
-    UPCAST: tl.constexpr,
-    FP8W: tl.constexpr,
-):
-    """`_residual_unit` from `_rows_dot_tile`'s w on the tensor cores, a the input chunks [M, CW] in float16
-    times 1 / a_inv (vectors.as_f16)."""
-    rows = u * R + tl.arange(0, R)
-    y_all = dot_qk(a, w.to(tl.float16), UPCAST, False)  # [M, R·NC]
-    n = tl.arange(0, R * NC)
-    mine = tl.sum(tl.where(tl.arange(0, M)[:, None] == (n % NC)[None, :], y_all, 0.0), axis=0)
-    y = tl.sum(tl.reshape(mine, [R, NC]), axis=1) * a_inv
-    if FP8W:
-        y = y * tl.load(ws_ptr + rows)
-    y = y.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows, (y.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
@@ -127,12 +77,9 @@ def residual_phase(
     TRACE: tl.constexpr,
     ASM: tl.constexpr,
     FP8W: tl.constexpr,
-    DOT: tl.constexpr = False,
-    CW: tl.constexpr = 16,
-    UPCAST: tl.constexpr = False,
 ):
     """out ← round(round(W x) + r) over the units of W [N, K] (out may be r; FP8W: W = q · ws_ptr's row
-    scales, stacked [L, N]; DOT: on the tensor cores in float16, chunks of CW columns), starting with the wait of
+    scales, stacked [L, N]), starting with the wait of
     barrier b inside the first iteration of the PIPE-deep pipelined unit loop. The residual rows of all of
     this program's units (at most MAXU) are read once after the wait, not by the loop: the pipeline's
     loads are issued ahead of the wait and may be cached in L1, which does not see other SMs' stores."""
@@ -142,31 +89,16 @@ def residual_phase(
     cols = tl.arange(0, BK)
     it = tl.arange(0, MAXU)
     my_rows = (pid + it * P)[:, None] * R + rr[None, :]  # [MAXU, R]: row i holds this program's i-th unit
-    NC: tl.constexpr = BK // CW
-    M: tl.constexpr = 16 if NC <= 16 else NC
-    a_inv = tl.cast(1.0, tl.float32)
-    if DOT:
-        a = tl.zeros([M, CW], tl.float16)
-    else:
-        a = tl.zeros([1, BK], x_ptr.dtype.element_ty)
+    a = tl.zeros([1, BK], x_ptr.dtype.element_ty)
     res_all = tl.zeros([MAXU, R], r_ptr.dtype.element_ty)
     for u in tl.range(pid, n_units, P, num_stages=PIPE):
-        if DOT:
-            w = _rows_dot_tile(w_ptr, layer, u, N, K, R, NC, CW)
-        else:
-            w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
+        w = _rows_tile(w_ptr, layer, u, N, K, R, BK)
         if u == pid:  # the pipeline's first tiles are in flight
             end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-            if DOT:
-                a, a_inv = as_f16(chunks_of(x_ptr, K, M, NC, CW))
-            else:
-                a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
+            a = tl.load(x_ptr + cols, mask=cols < K, other=0.0, cache_modifier=".cg")[None, :]
             res_all = tl.load(r_ptr + my_rows, mask=my_rows < N, other=0.0, cache_modifier=".cg")
         res = tl.sum(tl.where(it[:, None] == (u - pid) // P, res_all.to(tl.float32), 0.0), axis=0)
-        if DOT:
-            _residual_dot_unit(w, a, a_inv, res, u, out_ptr, layer_scales, N, R, NC, M, UPCAST, FP8W)
-        else:
-            _residual_unit(w, a, res, u, out_ptr, layer_scales, N, R, FP8W)
+        _residual_unit(w, a, res, u, out_ptr, layer_scales, N, R, FP8W)
     if pid >= n_units:
         end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
 

@@ -68,29 +68,3 @@ def normed_chunks(
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     y = (x.to(tl.float32) * inv_rms).to(x.dtype)
     return (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
-def as_f16(x):
-    """(x · 2^k as float16, 2^−k) for a tile x of bf16 (or float16) values, with k chosen from max |x| so
-    that the largest lands in [2^14, 2^15): every value whose magnitude is at least 2^−28 of the largest
-    is then exact in float16 (bf16's 8 significant bits fit in float16's 11 inside its normal range), and
-    dot(x · 2^k, w) · 2^−k is dot(x, w) up to those tiny values. FP8 weights convert to float16 in one
-    instruction per two (`cvt.rn.f16x2.e4m3x2`) and exactly, so their products run on the tensor cores in
-    float16 with float32 accumulation at the cost of one cheap conversion per weight."""
-    xf = x.to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(xf), axis=1), axis=0)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    k = tl.minimum(tl.maximum(14 - e, -60), 60)
-    up = ((k + 127) << 23).to(tl.float32, bitcast=True)
-    down = ((127 - k) << 23).to(tl.float32, bitcast=True)
-    return (xf * up).to(tl.float16), down
-
-
-@triton.jit
-def chunks_of(x_ptr, K, M: tl.constexpr, NC: tl.constexpr, CW: tl.constexpr):
-    """The vector x [K] (written inside the launch: `.cg`) laid out as [M, CW]: row c < NC holds columns
-    c·CW + [0, CW), the other rows are zero (the A operand of a phase's tensor-core product)."""
-    c = tl.arange(0, M)[:, None]
-    cols = c * CW + tl.arange(0, CW)[None, :]
-    return tl.load(x_ptr + cols, mask=(c < NC) & (cols < K), other=0.0, cache_modifier=".cg")
