@@ -7,7 +7,9 @@ shard. The scheduler, the KV-cache manager, the grammars and the output processi
 
 Faults: before each command the driver polls its machine's workers; a dead one, or a collective that
 fails (gloo: the peer closed its connection) or times out (`distributed_timeout_s`: a hung rank), raises
-`WorkerDiedError` out of the engine's step instead of hanging, and every later call raises it again.
+`WorkerDiedError` out of the engine's step instead of hanging, and every later call raises it again. A
+step's command itself is sent with that deadline too (distributed/commands.py): a rank stopped while it
+waited for the command would otherwise block the sending broadcast for good.
 `shutdown` stops the workers (and kills any that do not stop within seconds); it also runs when the
 driver is garbage collected or the interpreter exits, and workers whose driver died exit on their own
 (distributed/worker.py).
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tinyvllm.config import ParallelConfig
+from tinyvllm.distributed.commands import CommandSender
 from tinyvllm.distributed.group import TPGroup, destroy_tp_group, free_port, init_tp_group, share_cpu_threads
 from tinyvllm.distributed.worker import WorkerSpec, spawn_worker
 
@@ -72,6 +75,7 @@ class TensorParallelRunner:
         port = parallel.master_port or free_port(parallel.master_addr)
         self.workers: dict[int, subprocess.Popen] = {}
         self.group: TPGroup | None = None
+        self._commands: CommandSender | None = None
         self._finalizer = weakref.finalize(self, _kill_all, self.workers)
         for local_rank in range(1, parallel.ranks_per_node):
             spec = WorkerSpec(parallel, port, local_rank, local_rank, device.type, os.getpid())
@@ -81,7 +85,8 @@ class TensorParallelRunner:
             share_cpu_threads(parallel)
         try:
             self.group = init_tp_group(parallel, 0, device, port)
-            self._guard(lambda: self.group.broadcast_object({**runner_kwargs, "show_progress": False}))
+            self._commands = CommandSender(self.group)
+            self._guard(lambda: self._commands.send({**runner_kwargs, "show_progress": False}, None))
             self.runner = ModelRunner(**runner_kwargs, device=device, group=self.group)
         except BaseException:
             self.shutdown()
@@ -111,14 +116,14 @@ class TensorParallelRunner:
         """Send the step to every worker, then run it here (ModelRunner.launch)."""
 
         def run():
-            self.group.broadcast_object(("launch", sched))
+            self._commands.send(("launch", sched), self.parallel.distributed_timeout_s)  # workers wait for it
             return self.runner.launch(sched, structured, before_mask)
 
         return self._guard(run)
 
     def _call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         def run():
-            self.group.broadcast_object(("call", method, args, kwargs))
+            self._commands.send(("call", method, args, kwargs), None)  # workers may still be building
             return getattr(self.runner, method)(*args, **kwargs)
 
         return self._guard(run)
@@ -172,10 +177,12 @@ class TensorParallelRunner:
 
     def shutdown(self) -> None:
         """Stop the workers (kill those that do not stop within seconds) and leave the group."""
-        if self._failure is None and self.group is not None and self._dead_workers() is None:
-            with contextlib.suppress(RuntimeError, dist.DistError):
-                self.group.broadcast_object(("stop",))
+        if self._failure is None and self._commands is not None and self._dead_workers() is None:
+            with contextlib.suppress(RuntimeError, dist.DistError, TimeoutError):
+                self._commands.send(("stop",), self.parallel.distributed_timeout_s)
         _kill_all(self.workers, grace_s=_STOP_GRACE_S if self._failure is None else 0.0)
+        if self._commands is not None:
+            self._commands.close()
         self._failure = self._failure or "the engine was shut down"
         destroy_tp_group()
         torch.set_num_threads(self._threads)
@@ -187,7 +194,7 @@ def _kill_all(workers: dict[int, subprocess.Popen], grace_s: float = 0.0) -> Non
 
 def _is_collective_error(e: BaseException) -> bool:
     """Whether `e` is a failed or timed-out collective (torch raises some as plain RuntimeErrors)."""
-    if isinstance(e, dist.DistError):
+    if isinstance(e, (dist.DistError, TimeoutError)):  # TimeoutError: CommandSender gave up on a rank
         return True
     if not isinstance(e, RuntimeError):
         return False
