@@ -59,3 +59,14 @@ def test_the_broadcasts_own_error_reaches_the_caller():
     with pytest.raises(RuntimeError, match="Connection closed"):
         sender.send(("launch", 0), 1.0)
     sender.close()
+
+
+def test_close_waits_for_a_blocked_broadcast_to_end():
+    group = FakeGroup()
+    group.block = True
+    sender = CommandSender(group)
+    with pytest.raises(TimeoutError):
+        sender.send(("launch", 0), 0.1)
+    assert not sender.close(wait_s=0.1)  # still blocked
+    group.release.set()
+    assert sender.close(wait_s=2.0)

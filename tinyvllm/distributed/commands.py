@@ -53,6 +53,9 @@ class CommandSender:
         except FutureTimeout:
             raise TimeoutError(f"the ranks did not take a command within {timeout_s:g} s (timed out)") from None
 
-    def close(self) -> None:
-        """End the sending thread once it is free (a broadcast still blocked ends it when gloo gives up)."""
+    def close(self, wait_s: float = 0.0) -> bool:
+        """End the sending thread once it is free, waiting up to `wait_s` for it (a broadcast still blocked
+        ends when gloo's connections close). Returns whether the thread has ended."""
         self._queue.put(None)
+        self._thread.join(timeout=wait_s)
+        return not self._thread.is_alive()

@@ -181,8 +181,8 @@ class TensorParallelRunner:
             with contextlib.suppress(RuntimeError, dist.DistError, TimeoutError):
                 self._commands.send(("stop",), self.parallel.distributed_timeout_s)
         _kill_all(self.workers, grace_s=_STOP_GRACE_S if self._failure is None else 0.0)
-        if self._commands is not None:
-            self._commands.close()
+        if self._commands is not None and not self._commands.close(wait_s=_STOP_GRACE_S):
+            logger.warning("a tensor-parallel command is still blocked after the workers were stopped")
         self._failure = self._failure or "the engine was shut down"
         destroy_tp_group()
         torch.set_num_threads(self._threads)
