@@ -7,9 +7,10 @@ the normed input cut into the same chunks, [chunks, CW], in one tl.dot, and each
 sum of its chunks' diagonal entries (`_gate_up_dot_unit`). This avoids reducing every tile across the
 program's threads, which `_gate_up_unit`, the other scheme, does.
 
-FP8W: Wgu is float8_e4m3fn with one float32 scale per row (ws_ptr, stacked [L, 2F]); the tile is
-converted exactly to the input's dtype as it is used, and each row's float32 sum is multiplied by its
-scale before the rounding: g, u = round(dequant(Wg) h), round(dequant(Wu) h).
+FP8W: Wgu is float8_e4m3fn with one float32 scale per row (ws_ptr, stacked [L, 2F]); it always takes
+`_gate_up_unit` (launch.phase_d_chunks), which converts the tile exactly to float32 as it is used, and
+each row's float32 sum is multiplied by its scale before the rounding:
+g, u = round(dequant(Wg) h), round(dequant(Wu) h).
 """
 
 from __future__ import annotations
@@ -67,26 +68,22 @@ def _gate_up_dot_unit(
     a,
     u,
     act_ptr,
-    ws_ptr,
     F: tl.constexpr,
     RG: tl.constexpr,
     NC: tl.constexpr,
     M: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
-    FP8W: tl.constexpr,
 ):
     """Unit u from `_gate_up_dot_tile` on the tensor cores: Y = A wᵀ with A the normed input as [M, CW]
     chunks (vectors.normed_chunks) gives every chunk of the input against every chunk of every row; row
-    r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`
-    (FP8W: w converted to A's dtype for the dot, each row's sum times its scale)."""
-    y_all = dot_qk(a, w.to(a.dtype), UPCAST, IEEE)  # [M, 2·RG·NC]
+    r's product is the sum of its chunks' own entries, Σ_c Y[c, r·NC + c]. Then as `_gate_up_unit`. Never
+    for FP8 weights (launch.phase_d_chunks): they take `_gate_up_unit`."""
+    y_all = dot_qk(a, w, UPCAST, IEEE)  # [M, 2·RG·NC]
     n = tl.arange(0, 2 * RG * NC)
     mine = tl.sum(tl.where(tl.arange(0, M)[:, None] == (n % NC)[None, :], y_all, 0.0), axis=0)
     y = tl.sum(tl.reshape(mine, [2 * RG, NC]), axis=1)  # [2·RG]: RG gate rows, then the matching up rows
     hh = tl.arange(0, 2 * RG)
-    if FP8W:
-        y = y * tl.load(ws_ptr + u * RG + hh % RG + (hh // RG) * F)
     y = y.to(act_ptr.dtype.element_ty).to(tl.float32)
     gate = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None], y[None, :], 0.0), axis=1)
     up = tl.sum(tl.where(hh[None, :] == tl.arange(0, RG)[:, None] + RG, y[None, :], 0.0), axis=1)
@@ -146,7 +143,7 @@ def gate_up_phase(
             else:
                 a = normed(r_ptr, o_ptr, n2_ptr + layer * H, H, eps, BH, SPLIT_O)[None, None, :]
         if DOT:
-            _gate_up_dot_unit(w, a, u, act_ptr, layer_scales, F, RG, NC, M, UPCAST, IEEE, FP8W)
+            _gate_up_dot_unit(w, a, u, act_ptr, F, RG, NC, M, UPCAST, IEEE)
         else:
             _gate_up_unit(w, a, u, act_ptr, layer_scales, F, RG, FP8W)
     if pid >= n_units:
