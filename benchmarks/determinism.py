@@ -9,9 +9,10 @@
     the issue measures); then with `batch_invariant=True`, each prompt alone vs inside a
     `--batch-size`-request batch. Prints identical counts and first divergences.
 (b) cost: the `latency` workload (batch 1, 128 in, 512 out, greedy) and the `throughput` workload (256
-    requests) per variant (`--variants`: default, batch_invariant, no_megakernel), in one process, as
-    tokens/s and as ratios to the default. For "today's build" run `--part cost --variants default` on
-    the commit before the change (the script only needs the LLM API there).
+    requests), each `--iters` times (the median reported, every run kept), per variant (`--variants`:
+    default, batch_invariant, no_megakernel), in one process, as tokens/s and as ratios to the default.
+    For "today's build" run `--part cost --variants default` on the commit before the change (the
+    script only needs the LLM API there).
 
 `--cap N` cuts every workload prompt and output to at most N tokens (a CPU smoke run; not for numbers).
 Writes benchmarks/results/determinism_<gpu>.json.
@@ -128,16 +129,22 @@ def cost(ns: argparse.Namespace) -> dict:
             rates.append((len(o.outputs[0].token_ids) - 1) / (m.finished_time - m.first_token_time))
         _warm(llm, thr_w)
         sps = [SamplingParams(temperature=thr_w.temperature, max_tokens=m, ignore_eos=True) for m in thr_w.max_tokens]
-        start = time.perf_counter()
-        outs = llm.generate(_inputs(thr_w, vocab), sps, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs = []
+        for _ in range(ns.iters):
+            start = time.perf_counter()
+            outs = llm.generate(_inputs(thr_w, vocab), sps, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            runs.append((sum(len(o.outputs[0].token_ids) for o in outs) / seconds, seconds))
+            del outs
+        runs.sort()
         results[name] = {
             "latency_decode_tokens_per_s": statistics.median(rates),
-            "throughput_output_tokens_per_s": produced / seconds,
-            "throughput_seconds": seconds,
+            "latency_runs": rates,
+            "throughput_output_tokens_per_s": runs[len(runs) // 2][0],  # the median run
+            "throughput_seconds": runs[len(runs) // 2][1],
+            "throughput_runs": [r for r, _ in runs],
         }
-        del llm, outs
+        del llm
         _collect()
     base = results.get("default")
     rows = []
