@@ -263,6 +263,33 @@ def fp8_setup(dtype: torch.dtype, fp8_weights: bool, fp8_kv: bool, preset: str =
     return model, ref, kv
 
 
+def e4m3_ordinal(codes: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn codes → int ordinals in value order (adjacent representable values differ by 1;
+    +0 and −0 share 0)."""
+    u = codes.view(torch.uint8).to(torch.int32)
+    mag = u & 0x7F
+    return torch.where(u >= 0x80, -mag, mag)
+
+
+def first_flip(new_a: torch.Tensor, new_b: torch.Tensor) -> tuple[int | None, torch.Tensor]:
+    """Two steps' new K/V codes, [layers, 2, heads, D] each: (the first layer whose codes differ or None,
+    that layer's code distances |ordinal_a − ordinal_b|)."""
+    dist = (e4m3_ordinal(new_a) - e4m3_ordinal(new_b)).abs()
+    differing = dist.flatten(1).amax(1).nonzero()
+    if differing.numel() == 0:
+        return None, dist[0]
+    first = int(differing[0])
+    return first, dist[first]
+
+
+# How far one e4m3 code flipped in a layer moves the final hidden state: 3.5e-3 measured in float32 at one
+# key, 0.058 in bf16 (docs/fp8.md, "Two correct paths, neighbouring codes").
+FLIP_TOL = {torch.float32: 1e-2, torch.bfloat16: 1e-1}
+# Codes of the first differing layer that may differ: float32 values agree to ~1e-7, so a flip is rare (two
+# at most); bf16 values differ in their last bit (2⁻⁸ against e4m3's 2⁻³ steps), ~1 code in 32.
+MAX_FLIPS = {torch.float32: 2 / 1024, torch.bfloat16: 0.1}
+
+
 @torch.no_grad()
 @pytest.mark.parametrize(
     "preset,dtype,fp8_weights,fp8_kv",
@@ -278,24 +305,42 @@ def fp8_setup(dtype: torch.dtype, fp8_weights: bool, fp8_kv: bool, preset: str =
 def test_fp8_megakernel_equals_dequantized_reference(preset, dtype, fp8_weights, fp8_kv):
     """The FP8 megakernel (x · dequant(W), the cache read and written with its scales) against the
     reference's layer-by-layer path on the dequantized weights (cuBLAS / our bf16 kernels, and the decode
-    attention and KV-write kernels over the same FP8 cache): float32 1e-5 (sum order only; the new K/V,
-    rounded to e4m3 from float32 values that agree to 1e-7, agree to the same), bf16 4e-2 as above (the
-    reference's weights rounded to bf16 add 2⁻⁹ per weight; the new K/V: 0.1, a bf16 last-bit difference
-    now and then crossing an e4m3 rounding boundary)."""
+    attention and KV-write kernels over the same FP8 cache): float32 1e-5 (sum order only), bf16 4e-2 (the
+    reference's weights rounded to bf16 add 2⁻⁹ per weight).
+
+    With an FP8 cache the two paths round their new keys and values to e4m3 from values that agree to the
+    last bits, not bit for bit: a value that close to a rounding midpoint takes neighbouring codes in the
+    two paths, and the flipped code changes every later layer (at one key, the whole attention output of
+    its head). So every layer before the first one whose new codes differ agrees code for code; in that
+    layer a few codes differ (MAX_FLIPS), each by one e4m3 step (a wrong scale, slot or a stale key differs
+    in many codes, or by more); without a flip the tolerances above hold, after one the hidden state agrees
+    within what one flipped code moves it (FLIP_TOL)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model, ref, kv = fp8_setup(dtype, fp8_weights, fp8_kv, preset)
     mk = DecodeMegakernel(model)
     assert mk.weights.fp8 == fp8_weights
     tol = 1e-5 if dtype == torch.float32 else 4e-2
     kv_tol = tol if not fp8_kv or dtype == torch.float32 else 0.1
-    for ctx in (1, 333, 1500):
+    for ctx in (1, 2, 333, 1500):
         ids, pos, meta, slot = step(ctx, kv.shape[2])
         kv_ref, kv_mk = kv.clone(), kv.clone()
         h_ref, l_ref = forward(ref, None, ids, pos, meta, kv_ref)
         h, logits = forward(model, mk, ids, pos, meta, kv_mk)
         at = (slice(None), slice(None), slot // BLOCK, slice(None), slot % BLOCK)
-        assert max(rel(h, h_ref), rel(logits, l_ref)) <= tol, (ctx, rel(h, h_ref), rel(logits, l_ref))
-        assert rel(kv_mk[at].float(), kv_ref[at].float()) <= kv_tol, ctx
+        err = max(rel(h, h_ref), rel(logits, l_ref))
+        flip = None
+        if fp8_kv:
+            flip, dist = first_flip(kv_mk[at], kv_ref[at])
+            if flip is not None:
+                flipped = int((dist > 0).sum())
+                assert int(dist.max()) == 1 and flipped <= MAX_FLIPS[dtype] * dist.numel(), (ctx, flip, flipped)
+        if flip is None:
+            assert err <= tol, (ctx, rel(h, h_ref), rel(logits, l_ref))
+            assert rel(kv_mk[at].float(), kv_ref[at].float()) <= kv_tol, ctx
+        else:
+            assert err <= FLIP_TOL[dtype], (ctx, flip, err)
+            if flip > 0:
+                assert rel(kv_mk[at][:flip].float(), kv_ref[at][:flip].float()) <= kv_tol, ctx
         kv_mk[at] = kv_ref[at]
         assert torch.equal(kv_mk.view(torch.uint8), kv_ref.view(torch.uint8))
         assert int(mk.workspace.barrier.abs().sum()) == 0 and int(torch.count_nonzero(mk.workspace.o_sums)) == 0
