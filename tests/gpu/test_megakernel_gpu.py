@@ -285,9 +285,9 @@ def first_flip(new_a: torch.Tensor, new_b: torch.Tensor) -> tuple[int | None, to
 # How far one e4m3 code flipped in a layer moves the final hidden state: 3.5e-3 measured in float32 at one
 # key, 0.058 in bf16 (docs/fp8.md, "Two correct paths, neighbouring codes").
 FLIP_TOL = {torch.float32: 1e-2, torch.bfloat16: 1e-1}
-# Codes of the first differing layer that may differ: float32 values agree to ~1e-7, so a flip is rare (two
-# at most); bf16 values differ in their last bit (2⁻⁸ against e4m3's 2⁻³ steps), ~1 code in 32.
-MAX_FLIPS = {torch.float32: 2 / 1024, torch.bfloat16: 0.1}
+# The share of a float32 layer's new codes that may flip (two of the 1B shape's 1,024): values that agree
+# to ~1e-7 rarely straddle a rounding midpoint.
+MAX_FLIPS = 2 / 1024
 
 
 @torch.no_grad()
@@ -311,10 +311,12 @@ def test_fp8_megakernel_equals_dequantized_reference(preset, dtype, fp8_weights,
     With an FP8 cache the two paths round their new keys and values to e4m3 from values that agree to the
     last bits, not bit for bit: a value that close to a rounding midpoint takes neighbouring codes in the
     two paths, and the flipped code changes every later layer (at one key, the whole attention output of
-    its head). So every layer before the first one whose new codes differ agrees code for code; in that
-    layer a few codes differ (MAX_FLIPS), each by one e4m3 step (a wrong scale, slot or a stale key differs
-    in many codes, or by more); without a flip the tolerances above hold, after one the hidden state agrees
-    within what one flipped code moves it (FLIP_TOL)."""
+    its head). So, in float32, every layer before the first one whose new codes differ agrees code for
+    code, and in that layer a few codes differ (MAX_FLIPS), each by one e4m3 step (a wrong scale, slot or a
+    stale key differs in many codes, or by more). In bf16 the paths' values differ in their last bits
+    (2⁻⁸ against e4m3's 2⁻³ steps, more codes apart near zero), so codes differ from the first layer and
+    the new K/V agree within 0.1 as a whole. Without a flip the tolerances above hold; after one the hidden
+    state agrees within what flipped codes move it (FLIP_TOL)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model, ref, kv = fp8_setup(dtype, fp8_weights, fp8_kv, preset)
     mk = DecodeMegakernel(model)
@@ -331,16 +333,17 @@ def test_fp8_megakernel_equals_dequantized_reference(preset, dtype, fp8_weights,
         flip = None
         if fp8_kv:
             flip, dist = first_flip(kv_mk[at], kv_ref[at])
-            if flip is not None:
+            if flip is not None and dtype == torch.float32:
                 flipped = int((dist > 0).sum())
-                assert int(dist.max()) == 1 and flipped <= MAX_FLIPS[dtype] * dist.numel(), (ctx, flip, flipped)
+                assert int(dist.max()) == 1 and flipped <= MAX_FLIPS * dist.numel(), (ctx, flip, flipped)
         if flip is None:
             assert err <= tol, (ctx, rel(h, h_ref), rel(logits, l_ref))
             assert rel(kv_mk[at].float(), kv_ref[at].float()) <= kv_tol, ctx
         else:
             assert err <= FLIP_TOL[dtype], (ctx, flip, err)
-            if flip > 0:
-                assert rel(kv_mk[at][:flip].float(), kv_ref[at][:flip].float()) <= kv_tol, ctx
+            before = slice(None) if dtype == torch.bfloat16 else slice(0, flip)
+            if flip > 0 or dtype == torch.bfloat16:
+                assert rel(kv_mk[at][before].float(), kv_ref[at][before].float()) <= kv_tol, ctx
         kv_mk[at] = kv_ref[at]
         assert torch.equal(kv_mk.view(torch.uint8), kv_ref.view(torch.uint8))
         assert int(mk.workspace.barrier.abs().sum()) == 0 and int(torch.count_nonzero(mk.workspace.o_sums)) == 0
