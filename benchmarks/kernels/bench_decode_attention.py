@@ -10,6 +10,11 @@ ends up) and in order; the baselines get contiguous [B, Hk, L, D] K/V: SDPA flas
     python benchmarks/kernels/bench_decode_attention.py            # the workload (~2 min)
     python benchmarks/kernels/bench_decode_attention.py --quick    # 4 shapes
     python benchmarks/kernels/bench_decode_attention.py --sweep    # also try the candidate configs
+    python benchmarks/kernels/bench_decode_attention.py --fp8      # also ours over an FP8 (e4m3) cache
+
+With `--fp8` each shape also runs ours over the same K/V quantized to e4m3 (one scale per tensor, as the
+engine's per-layer scales), its fraction counted in the bytes it moves (1-byte K/V), and its output
+against SDPA's on the bf16 K/V; writes decode_attention_fp8_<gpu>.json then.
 
 Writes decode_attention_<gpu>.json and a plot of the fractions, decode_attention_<gpu>.png.
 """
@@ -61,6 +66,21 @@ class Problem:
         self.seq_lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
         self.scale = D**-0.5
         self.bytes = 2 * self.k.numel() * 2 + 2 * self.q.numel() * 2  # K + V read, Q read, O written
+        self.fp8_bytes = 2 * self.k.numel() + 2 * self.q.numel() * 2  # the same with 1-byte K/V
+        self.kv_scales = (float(self.k.abs().amax()) / 448, float(self.v.abs().amax()) / 448)
+        self.k_fp8 = self.v_fp8 = None
+
+    def quantize(self) -> None:
+        """The e4m3 copies of the paged K/V (per-tensor scales)."""
+        e4m3 = torch.float8_e4m3fn
+        self.k_fp8 = (self.k_cache.float() / self.kv_scales[0]).to(e4m3)
+        self.v_fp8 = (self.v_cache.float() / self.kv_scales[1]).to(e4m3)
+
+    def ours_fp8(self, tables):
+        ks, vs = self.kv_scales
+        return lambda: decode_attention_fwd(
+            self.q, self.k_fp8, self.v_fp8, self.seq_lens, tables, self.scale, self.ctx, k_scale=ks, v_scale=vs
+        )
 
     def ours(self, tables, config: DecodeConfig | None = None):
         return lambda: decode_attention_fwd(
@@ -83,9 +103,11 @@ class Problem:
         return lambda: compiled_flex(q4, self.k, self.v, scale=self.scale, enable_gqa=True)
 
 
-def try_time(name, fn, p: Problem, copy_bw: float, ref, row: dict, graph_fns=None) -> None:
+def try_time(name, fn, p: Problem, copy_bw: float, ref, row: dict, graph_fns=None, nbytes=None) -> None:
     """Eager timing (do_bench, L2 flushed) of fn into row[name...]; with graph_fns (the same call
-    over rotated inputs), also CUDA-graph replay timing into row[name + '_graph...']."""
+    over rotated inputs), also CUDA-graph replay timing into row[name + '_graph...']. Fractions count
+    `nbytes` (default p.bytes)."""
+    nbytes = p.bytes if nbytes is None else nbytes
     try:
         out = fn()
         torch.cuda.synchronize()
@@ -93,12 +115,12 @@ def try_time(name, fn, p: Problem, copy_bw: float, ref, row: dict, graph_fns=Non
             row[f"{name}_err"] = common.rel_err(out.reshape(ref.shape), ref)
         t = common.bench(fn)
         row[f"{name}_us"] = t["ms"] * 1e3
-        row[name] = p.bytes / (t["ms"] * 1e-3) / 1e9  # GB/s
+        row[name] = nbytes / (t["ms"] * 1e-3) / 1e9  # GB/s
         row[f"{name}_frac"] = row[name] * 1e9 / copy_bw
         if graph_fns:
             ms = common.bench_graph(graph_fns)
             row[f"{name}_graph_us"] = ms * 1e3
-            row[f"{name}_graph_frac"] = p.bytes / (ms * 1e-3) / copy_bw
+            row[f"{name}_graph_frac"] = nbytes / (ms * 1e-3) / copy_bw
     except Exception as e:
         print(f"  {name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
 
@@ -110,11 +132,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sweep", action="store_true", help="time the candidate configs on a few shapes")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     ap.add_argument("--quick", action="store_true", help="4 shapes")
+    ap.add_argument("--fp8", action="store_true", help="also time ours over an e4m3 copy of the cache")
     ap.add_argument("--out", default=None, help="directory for the JSON and PNG (default benchmarks/results)")
     return ap.parse_args()
 
 
-def measure_shape(p: Problem, rotation: list[Problem], copy_bw: float, compiled_flex, device) -> dict:
+def measure_shape(p: Problem, rotation: list[Problem], copy_bw: float, compiled_flex, device, fp8: bool) -> dict:
     """One shape's row: ours (blocks shuffled and in order), SDPA flash and cuDNN, FlexAttention."""
     from torch.nn.attention import SDPBackend
 
@@ -132,6 +155,15 @@ def measure_shape(p: Problem, rotation: list[Problem], copy_bw: float, compiled_
         try_time("flex", p.flex(compiled_flex), p, copy_bw, ref, row)
     if row.get("ours_shuffled") and row.get("cudnn"):
         row["ours/cudnn"] = row["ours_shuffled"] / row["cudnn"]
+    if fp8:
+        for r in rotation:
+            r.quantize()
+        graphs = [r.ours_fp8(r.tables_shuffled) for r in rotation]
+        try_time("fp8_shuffled", p.ours_fp8(p.tables_shuffled), p, copy_bw, ref, row, graphs, p.fp8_bytes)
+        if row.get("fp8_shuffled_graph_us") and row.get("ours_shuffled_graph_us"):
+            row["fp8_speedup"] = row["ours_shuffled_graph_us"] / row["fp8_shuffled_graph_us"]
+        for r in rotation:
+            r.k_fp8 = r.v_fp8 = None
     return row
 
 
@@ -206,13 +238,20 @@ def main() -> None:
         p = Problem(batch, ctx, device)
         # Graph timing rotates over enough input sets to spill the 60 MB L2 several times.
         rotation = [p] + [Problem(batch, ctx, device, seed=i) for i in range(1, min(64, -(-256_000_000 // p.bytes)))]
-        rows.append(measure_shape(p, rotation, copy_bw, compiled_flex, device))
+        rows.append(measure_shape(p, rotation, copy_bw, compiled_flex, device, args.fp8))
         if args.sweep and (batch, ctx) in SWEEP_SHAPES:
             sweep_rows += sweep_shape(p, rotation, copy_bw, rows[-1])
         del p, rotation
         torch.cuda.empty_cache()
 
     cols = COLUMNS + ([("sweep_best_frac", "sweep best", ".2f")] if args.sweep else [])
+    if args.fp8:
+        cols += [
+            ("fp8_shuffled_graph_us", "fp8 us", ".1f"),
+            ("fp8_shuffled_graph_frac", "fp8 frac", ".2f"),
+            ("fp8_speedup", "fp8 speed-up", ".2f"),
+            ("fp8_shuffled_err", "fp8 err", ".1e"),
+        ]
     common.print_table(
         f"decode attention, bf16, fraction of copy bandwidth ({copy_bw / 1e12:.2f} TB/s); "
         "eager = do_bench with L2 flushed (host launch cost included where the GPU waits "
@@ -220,7 +259,7 @@ def main() -> None:
         rows,
         cols,
     )
-    json_path, png_path = common.output_paths(args.out, "decode_attention")
+    json_path, png_path = common.output_paths(args.out, "decode_attention_fp8" if args.fp8 else "decode_attention")
     payload = {
         "workload": "decode-attention",
         "device": info,
