@@ -95,6 +95,37 @@ def _kv_rows(
 
 
 @triton.jit
+def _e4m3_byte_to_f16(w, SHIFT: tl.constexpr):
+    """Byte SHIFT/8 of int32 words holding four e4m3 codes → float16, exact: the code's sign, 4 exponent
+    and 3 mantissa bits placed at float16's sign and the top of its exponent and mantissa give the value
+    · 2⁻⁸ (the biases differ by 8; e4m3's subnormals land on float16 subnormals of the same scaling)."""
+    b = (w >> SHIFT) & 0xFF
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def load_e4m3_as_f16(ptrs_row, mask_row, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """The e4m3 rows at ptrs_row [N] (HEAD_DIM codes each, 4-byte aligned) as float16 [N, HEAD_DIM].
+
+    Loaded as int32 words and widened with integer operations in the load's own layout: loading the
+    codes as a float8 dot operand compiles to byte-wide shared-memory reads in the MMA layout, which cost
+    more than the bytes saved."""
+    offs_w = tl.arange(0, HEAD_DIM // 4)
+    words = ptrs_row.to(tl.pointer_type(tl.int32))[:, None] + offs_w[None, :]
+    if MASKED:
+        w = tl.load(words, mask=mask_row[:, None], other=0)
+    else:
+        w = tl.load(words)
+    e0 = _e4m3_byte_to_f16(w, 0)
+    e1 = _e4m3_byte_to_f16(w, 8)
+    e2 = _e4m3_byte_to_f16(w, 16)
+    e3 = _e4m3_byte_to_f16(w, 24)
+    x = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [N, HEAD_DIM / 4, 2, 2]: element 4j + 2i + a
+    return tl.reshape(x, [ptrs_row.shape[0], HEAD_DIM])
+
+
+@triton.jit
 def attn_inner(
     acc,
     l_i,
@@ -146,14 +177,16 @@ def attn_inner(
             bt_row_ptr, start, offs_n, kv_end, stride_kb, stride_kt, BLOCK_SIZE, PAGE_TILE, MASKED, kv_start, HAS_WINDOW
         )
         kv_ptrs = rows[:, None] + offs_d[None, :]
-        if MASKED:
-            kv_valid = (start + offs_n) < kv_end
-            if HAS_WINDOW:
-                kv_valid = kv_valid & ((start + offs_n) >= kv_start)
+        kv_valid = (start + offs_n) < kv_end  # used by MASKED tiles only
+        if MASKED and HAS_WINDOW:
+            kv_valid = kv_valid & ((start + offs_n) >= kv_start)
+        if k_ptr.dtype.element_ty == tl.float8e4nv:  # q is float16 then; the scale is folded into qk_scale
+            k = load_e4m3_as_f16(k_ptr + rows, kv_valid, HEAD_DIM, MASKED)
+        elif MASKED:
             k = tl.load(k_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + kv_ptrs)
-        k = k.to(q.dtype)  # an FP8 cache: exact in q's dtype; its scale is folded into qk_scale
+        k = k.to(q.dtype)
         qk = dot_qk(q, k, UPCAST, IEEE)
         if MASKED:
             visible = ((start + offs_n)[None, :] <= q_pos[:, None]) & kv_valid[None, :]
@@ -173,11 +206,13 @@ def attn_inner(
         p = tl.math.exp2(qk)
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
+        if v_ptr.dtype.element_ty == tl.float8e4nv:  # its scale multiplies the output in the caller's epilogue
+            v = load_e4m3_as_f16(v_ptr + rows, kv_valid, HEAD_DIM, MASKED)
+        elif MASKED:
             v = tl.load(v_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + kv_ptrs)
-        v = v.to(q.dtype)  # an FP8 cache: its scale multiplies the output once, in the caller's epilogue
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None]
         acc = dot_pv(p.to(v.dtype), v, acc, UPCAST, IEEE)
         m_i = m_ij
