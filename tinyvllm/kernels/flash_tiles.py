@@ -96,31 +96,50 @@ def _kv_rows(
 
 @triton.jit
 def _e4m3_byte_to_f16(w, SHIFT: tl.constexpr):
-    """Byte SHIFT/8 of int32 words holding four e4m3 codes → float16, exact: the code's sign, 4 exponent
-    and 3 mantissa bits placed at float16's sign and the top of its exponent and mantissa give the value
-    · 2⁻⁸ (the biases differ by 8; e4m3's subnormals land on float16 subnormals of the same scaling)."""
+    """Byte SHIFT/8 of int32 words holding four e4m3 codes → float16, exact, with integer operations (the
+    CPU interpreter's path): the code's sign, 4 exponent and 3 mantissa bits placed at float16's sign and
+    the top of its exponent and mantissa give the value · 2⁻⁸ (the biases differ by 8; e4m3's subnormals
+    land on float16 subnormals of the same scaling)."""
     b = (w >> SHIFT) & 0xFF
     bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
     return bits.to(tl.int16).to(tl.float16, bitcast=True) * 256.0
 
 
 @triton.jit
-def load_e4m3_as_f16(ptrs_row, mask_row, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
-    """The e4m3 rows at ptrs_row [N] (HEAD_DIM codes each, 4-byte aligned) as float16 [N, HEAD_DIM].
+def load_e4m3_as_f16(ptrs_row, mask_row, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, EMULATE: tl.constexpr):
+    """The e4m3 rows at ptrs_row [N] (HEAD_DIM codes each, 4-byte aligned) as float16 [N, HEAD_DIM], exact.
 
-    Loaded as int32 words and widened with integer operations in the load's own layout: loading the
-    codes as a float8 dot operand compiles to byte-wide shared-memory reads in the MMA layout, which cost
-    more than the bytes saved."""
+    Loaded as int32 words and widened in the load's own layout, two codes per `cvt.rn.f16x2.e4m3x2`
+    (EMULATE, the interpreter: integer operations): a float8 tile converted as a dot operand compiles to
+    byte-wide shared-memory reads in the MMA layout instead."""
     offs_w = tl.arange(0, HEAD_DIM // 4)
     words = ptrs_row.to(tl.pointer_type(tl.int32))[:, None] + offs_w[None, :]
     if MASKED:
         w = tl.load(words, mask=mask_row[:, None], other=0)
     else:
         w = tl.load(words)
-    e0 = _e4m3_byte_to_f16(w, 0)
-    e1 = _e4m3_byte_to_f16(w, 8)
-    e2 = _e4m3_byte_to_f16(w, 16)
-    e3 = _e4m3_byte_to_f16(w, 24)
+    if EMULATE:
+        e0 = _e4m3_byte_to_f16(w, 0)
+        e1 = _e4m3_byte_to_f16(w, 8)
+        e2 = _e4m3_byte_to_f16(w, 16)
+        e3 = _e4m3_byte_to_f16(w, 24)
+    else:
+        e0, e1, e2, e3 = tl.inline_asm_elementwise(
+            """{
+            .reg .b16 lo, hi;
+            .reg .b32 a, b;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 a, lo;
+            cvt.rn.f16x2.e4m3x2 b, hi;
+            mov.b32 {$0, $1}, a;
+            mov.b32 {$2, $3}, b;
+            }""",
+            "=h,=h,=h,=h,r",
+            [w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
     x = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [N, HEAD_DIM / 4, 2, 2]: element 4j + 2i + a
     return tl.reshape(x, [ptrs_row.shape[0], HEAD_DIM])
 
@@ -181,7 +200,7 @@ def attn_inner(
         if MASKED and HAS_WINDOW:
             kv_valid = kv_valid & ((start + offs_n) >= kv_start)
         if k_ptr.dtype.element_ty == tl.float8e4nv:  # q is float16 then; the scale is folded into qk_scale
-            k = load_e4m3_as_f16(k_ptr + rows, kv_valid, HEAD_DIM, MASKED)
+            k = load_e4m3_as_f16(k_ptr + rows, kv_valid, HEAD_DIM, MASKED, UPCAST)
         elif MASKED:
             k = tl.load(k_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
@@ -207,7 +226,7 @@ def attn_inner(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         if v_ptr.dtype.element_ty == tl.float8e4nv:  # its scale multiplies the output in the caller's epilogue
-            v = load_e4m3_as_f16(v_ptr + rows, kv_valid, HEAD_DIM, MASKED)
+            v = load_e4m3_as_f16(v_ptr + rows, kv_valid, HEAD_DIM, MASKED, UPCAST)
         elif MASKED:
             v = tl.load(v_ptr + kv_ptrs, mask=kv_valid[:, None], other=0.0)
         else:
