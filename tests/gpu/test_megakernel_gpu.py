@@ -283,7 +283,7 @@ def first_flip(new_a: torch.Tensor, new_b: torch.Tensor) -> tuple[int | None, to
 
 
 # How far one e4m3 code flipped in a layer moves the final hidden state: 3.5e-3 measured in float32 at one
-# key, 0.058 in bf16 (docs/fp8.md, "Two correct paths, neighbouring codes").
+# key, 0.058 in bf16 (docs/perf.md §9, "Two correct paths, neighbouring codes").
 FLIP_TOL = {torch.float32: 1e-2, torch.bfloat16: 1e-1}
 # The share of a float32 layer's new codes that may flip (two of the 1B shape's 1,024): values that agree
 # to ~1e-7 rarely straddle a rounding midpoint.
