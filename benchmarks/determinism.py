@@ -10,7 +10,8 @@
     `--batch-size`-request batch. Prints identical counts and first divergences.
 (b) cost: the `latency` workload (batch 1, 128 in, 512 out, greedy) and the `throughput` workload (256
     requests), each `--iters` times (the median reported, every run kept), per variant (`--variants`:
-    default, batch_invariant, no_megakernel), in one process, as tokens/s and as ratios to the default.
+    default, batch_invariant, no_megakernel; also fp8_kv, fp8, fp8_both), in one process, as tokens/s
+    and as ratios to the default.
     For "today's build" run `--part cost --variants default` on the commit before the change (the
     script only needs the LLM API there).
 
@@ -39,6 +40,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "batch_invariant": {"batch_invariant": True},
     "no_megakernel": {"decode_megakernel": False},
+    # not determinism: other engine settings whose cost is measured the same way (issue #36)
+    "fp8_kv": {"kv_cache_dtype": "fp8"},
+    "fp8": {"quantization": "fp8"},
+    "fp8_both": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
 }
 
 
