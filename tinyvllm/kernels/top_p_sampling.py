@@ -43,6 +43,28 @@ Then the fused Gumbel-max pass (kernels/sampling.py, HAS_THR) draws argmax_{i �
 each index's seeded noise g_i: the same ids as the plain fused kernel when K holds every finite token,
 and the same id for a row alone or anywhere in any batch.
 
+The plain draw first (`truncation_plan(precheck=True)`, `sample_top_k_top_p`'s default). Let x1 be the
+plain sampler's id, argmax over every token of l_i + g_i with the same noise. If x1 ∈ K, the draw over K
+is x1 (x1 maximises l + g over everything), so a row whose x1 is provably kept needs neither the search
+nor the draw. The statistics pass also finds x1 (each chunk's best (value, index) with the sampler's
+noise, arithmetic and lowest-index rule, combined in chunk order: its id bit for bit) and one check pass
+over rows × chunks sums, in the search passes' way, C_gt = C(l_x1), M_gt = M(l_x1) and S = Σ_{l ≥ l_x1}
+exp(l − m). x1 is kept when:
+
+* min-p: l_x1 ≥ max l + log(min_p) (the float32 value above): decided by the statistics alone, and a
+  row that fails it is searched without the check;
+* top-k: C_gt < k (its tie group is kept whole);
+* top-p alone: M_gt < p · Z;
+* top-k and top-p: C_gt < k and M_gt < p · S. Every token ≥ l_x1 then has at most C_gt values above it,
+  so lies in the top-k set: S ≤ Z_k, and the test is sufficient, not necessary.
+
+A kept x1 is the row's id (thr just below l_x1, so {l > thr} ⊆ K holds x1; the draw skips the row). A
+row whose x1 fails cond itself (C_gt ≥ k, or M_gt ≥ p · Z for top-p alone) searches from lo = l_x1 (every
+kept token lies above it); one whose x1 passes top-k but not the sufficient top-p test searches top-k
+from hi = l_x1. Reads of a decided row: 2 (1 for min-p alone) against 2 + P. The check's sums round
+differently from the search's, so a row whose boundary lies within float32 rounding of x1 may be decided
+differently from the search's own kept set, as the search's rounding itself may.
+
 Cost at B × V: 1 + passes(top-k) + passes(top-p) reads of each row by the search (the row is re-read
 while it sits in L2 at moderate batch) plus one read by the draw; 2 launches per split pass, over
 B × ceil(V / 8,192) programs. A search pass sorts each value three ways: at most lo (above no
