@@ -118,16 +118,36 @@ def _scaled(row_ptr, mask_row_ptr, offs, V, inv_t, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _noise(seed, start, TILE: tl.constexpr, NR: tl.constexpr, NQ: tl.constexpr):
-    """The plain sampler's uniforms (kernels/sampling.py, tiles of TILE: `noise_at`) for the NR · NQ
-    indices from `start` (a multiple of NR · NQ, which divides TILE), as [NR, NQ]: element (r, j) is index
-    start + r · NQ + j. NQ = min(NR · NQ, TILE / 4): the NR rows are quarters of one tile that share one
-    Philox call per lane, as in the sampler."""
+def _draw_block(
+    row_ptr, mask_row_ptr, V, inv_t, seed, start, g_val, g_idx, HAS_MASK: tl.constexpr, TILE: tl.constexpr,
+    NR: tl.constexpr, NQ: tl.constexpr, FAST_LOG: tl.constexpr,
+):  # fmt: skip
+    """The plain sampler's per-lane running best (value, index) after the NR · NQ indices from `start`
+    (a multiple of NR · NQ, which divides TILE; NQ = min(NR · NQ, TILE / 4)): the NR pieces of NQ lie in
+    consecutive quarters of one of the sampler's tiles and take their noise from one Philox call per lane,
+    as in the sampler (`sample_partial_kernel`, `noise_at`); each is folded in as `_best_of_quarter` folds
+    a quarter (its value expression, strict >, indices in increasing order per lane). The values are
+    loaded again (from L1: the statistics just read them) in the layout the noise has, so that no value
+    moves between threads."""
     QUARTER: tl.constexpr = TILE // 4
-    lane = (start // TILE) * QUARTER + start % QUARTER + tl.arange(0, NQ)
-    n0, n1, n2, n3 = tl.rand4x(seed, lane[None, :])
-    q = (start % TILE) // QUARTER + tl.arange(0, NR)[:, None]
-    return tl.where(q == 0, n0, tl.where(q == 1, n1, tl.where(q == 2, n2, n3)))
+    n0, n1, n2, n3 = tl.rand4x(seed, (start // TILE) * QUARTER + start % QUARTER + tl.arange(0, NQ))
+    q0 = (start % TILE) // QUARTER
+    for r in tl.static_range(NR):
+        # one index per thread and lane, as the noise (and the sampler's loads): offsets known aligned
+        # would vectorise the load and move the noise between threads in every iteration
+        offs = tl.multiple_of(start + r * NQ + tl.arange(0, NQ), 1)
+        valid = offs < V
+        if HAS_MASK:
+            valid = valid & allowed_by(mask_row_ptr, offs, valid)
+        z = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        q = q0 + r
+        u = tl.maximum(tl.where(q == 0, n0, tl.where(q == 1, n1, tl.where(q == 2, n2, n3))), 1e-20)
+        g = z * inv_t - 0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
+        g = tl.where(valid, g, float("-inf"))
+        better = g > g_val
+        g_val = tl.where(better, g, g_val)
+        g_idx = tl.where(better, offs, g_idx)
+    return g_val, g_idx
 
 
 @triton.jit
@@ -146,8 +166,8 @@ def _chunk_stats(
     s_i = tl.zeros([BLOCK], tl.float32)
     lo_i = tl.full([BLOCK], float("inf"), tl.float32)
     n_i = tl.zeros([BLOCK], tl.int32)
-    g_val = tl.full([NR, NQ], float("-inf"), tl.float32)
-    g_idx = tl.full([NR, NQ], V, tl.int32)
+    g_val = tl.full([NQ], float("-inf"), tl.float32)
+    g_idx = tl.full([NQ], V, tl.int32)
     for start in range(c0, c0 + CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         valid = offs < V
@@ -163,18 +183,14 @@ def _chunk_stats(
         lo_i = tl.minimum(lo_i, tl.where(finite, sl, float("inf")))
         n_i += finite.to(tl.int32)
         if DRAW:
-            u = tl.maximum(_noise(seed, start, TILE, NR, NQ), 1e-20)
-            # the sampler's value (`_best_of_quarter`), with its expression
-            g = tl.reshape(z, [NR, NQ]) * inv_t - 0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
-            g = tl.where(tl.reshape(valid, [NR, NQ]), g, float("-inf"))
-            better = g > g_val
-            g_val = tl.where(better, g, g_val)
-            g_idx = tl.where(better, tl.reshape(offs, [NR, NQ]), g_idx)
+            g_val, g_idx = _draw_block(
+                row_ptr, mask_row_ptr, V, inv_t, seed, start, g_val, g_idx, HAS_MASK, TILE, NR, NQ, FAST_LOG
+            )
     m = tl.max(m_i, axis=0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     s = tl.sum(s_i * tl.exp2((m_i - m_safe) * 1.4426950408889634), axis=0)
-    g_top = tl.max(tl.max(g_val, axis=1), axis=0)
-    g_arg = tl.min(tl.min(tl.where(g_val == g_top, g_idx, V), axis=1), axis=0)
+    g_top = tl.max(g_val, axis=0)
+    g_arg = tl.min(tl.where(g_val == g_top, g_idx, V), axis=0)
     return m, s, tl.min(lo_i, axis=0), tl.sum(n_i, axis=0), g_top, g_arg
 
 
@@ -767,8 +783,8 @@ def truncation_plan(
     # one lane per thread in a search pass (the split passes and the per-row programs alike: the same sums)
     search = dict(NC=candidates, BLOCK_E=block_e, SKIP=skip, UNROLL=unroll, **consts)
     search["num_warps"] = min(8, max(1, block_e // 32))
-    # the plain draw in the statistics: blocks of `block` logits as [NR, block / NR], the quarters of the
-    # sampler's tile that a block spans (one Philox call per lane serves them, as in the sampler)
+    # the plain draw in the statistics: a block of `block` logits spans NR quarters of the sampler's tile
+    # (one Philox call per lane serves them, as in the sampler)
     tile = sampling_tile()
     draw = dict(PRECHECK=precheck, TILE=tile, NR=max(1, block // (tile // 4)), FAST_LOG=logits.is_cuda)
     threshold_stats_kernel[(B, S)](
