@@ -1,15 +1,21 @@
 """The fused top-k / top-p / min-p sampler beside the full sampler and beside one read of the logits.
 
     python benchmarks/kernels/bench_top_p_sampling.py [--batches 1 256] [--vocab 128256] [--dtypes bfloat16]
-        [--out DIR]
+        [--shapes randn peaked] [--out DIR]
     python benchmarks/kernels/bench_top_p_sampling.py --cpu-smoke   # tiny, on the CPU (Triton interpreter)
     python benchmarks/kernels/bench_top_p_sampling.py --sweep [--batches 256 64]   # the search's layouts
 
-Per (logits dtype, batch, filters), at temperature 0.6 over random logits (randn · 2):
-  * fused: `sample_top_k_top_p` (threshold search + thresholded Gumbel draw), as CUDA-graph replays;
-  * search: `truncation_thresholds` alone (default: 16 candidates per pass, 10 passes split over rows ×
-    chunks), and the passes over each row it made (mean, max); "per-row": every pass by one program per
-    row with 8 candidates (split_passes=0), the search's earlier layout, for comparison;
+Per (logits dtype, batch, logits shape, filters), at temperature 0.6 over random logits: "randn" is
+randn · 2, "peaked" the same plus 30 tokens at random indices raised by 12 down to 4 (evenly spaced), an
+instruct model's peaked rows:
+  * fused: `sample_top_k_top_p` (threshold search + thresholded Gumbel draw), as CUDA-graph replays, with
+    the precheck (the default: the plain draw kept where it is provably kept) and without ("no pre");
+  * search: `truncation_thresholds` alone (default: 8 candidates per pass, 10 passes split over rows ×
+    chunks), and the passes over each row it made (mean, max); "pre": `truncation_plan` with the precheck,
+    its reads per row (statistics, check, search passes), the fraction of rows it decided ("accepted"),
+    and the reads per row with the draw's ("reads": search + 1 without the precheck; decided rows skip
+    the draw); "per-row": every pass by one program per row with 8 candidates (split_passes=0), the
+    search's earlier layout, for comparison;
   * full: today's torch sampler (sampling/sampler.py: sort, softmax, cumsum, exponential race), do_bench;
   * amax: `torch.amax(logits, -1)`, one read of the logits, as CUDA-graph replays;
   * floor: B·V·bytes at the measured read bandwidth (copy rate / 2), the time of one read.
@@ -42,6 +48,20 @@ CONFIGS = {
 TEMPERATURE = 0.6
 PER_ROW = dict(split_passes=0, candidates=8)  # every search pass by one program per row
 SWEEP_FILTERS = ("top_p=0.9", "top_k=50,top_p=0.9")
+SHAPES = ("randn", "peaked")
+
+
+def make_logits(shape: str, batch: int, vocab: int, dev, gen, dtype):
+    """[batch, vocab] logits of a shape (module docstring): randn · 2, or that plus 30 raised tokens."""
+    import torch
+
+    z = torch.randn(batch, vocab, device=dev, generator=gen) * 2
+    if shape == "peaked":
+        rise = torch.linspace(12.0, 4.0, 30, device=dev)
+        for r in range(batch):
+            idx = torch.randperm(vocab, device=dev, generator=gen)[:30]
+            z[r, idx] += rise
+    return z.to(dtype)
 
 
 def parse() -> argparse.Namespace:
@@ -49,6 +69,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 256])
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="logits dtypes (CUDA)")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="logits shapes")
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--cpu-smoke", action="store_true", help="batch 2 × 4,096 float32 on the CPU under TRITON_INTERPRET=1"
@@ -152,6 +173,107 @@ def sweep(ns: argparse.Namespace) -> None:
     write_json(json_path, {"device": info, "vocab": ns.vocab, "temperature": TEMPERATURE, "results": rows})
 
 
+def measure(ns, cuda, dev, copy, sampler, dtype, batch, shape, name, filters) -> dict:
+    """One row of the table: (logits dtype, batch, logits shape, filters), timed and counted."""
+    import torch
+    from common import bench, bench_graph
+
+    from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p, truncation_plan, truncation_thresholds
+    from tinyvllm.sampling.tensors import SamplingRow, SamplingTensors
+    from tinyvllm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=TEMPERATURE, **filters)
+    n_sets = 4 if cuda else 1  # rotated input sets: together more than the L2 cache
+    gen = torch.Generator(device=dev).manual_seed(batch)
+    sets = []
+    for k in range(n_sets):
+        sets.append(
+            (
+                make_logits(shape, batch, ns.vocab, dev, gen, dtype),
+                torch.full((batch,), TEMPERATURE, device=dev),
+                torch.arange(batch, device=dev) + 17 * k,
+                torch.full((batch,), params.top_k, dtype=torch.int32, device=dev),
+                torch.full((batch,), params.top_p, device=dev),
+                torch.full((batch,), params.min_p, device=dev),
+            )
+        )
+    tensors = SamplingTensors.from_rows([SamplingRow(params, [], [])] * batch, ns.vocab, dev)
+    _, passes = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:])
+    passes = passes.float()
+    _, passes_pre, decided = truncation_plan(*sets[0])
+    passes_pre = passes_pre.float()
+    undecided = (decided < 0).float()
+    _, passes_row = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:], **PER_ROW)
+    # the ids with and without the precheck (equal but for rows within float rounding of a boundary)
+    same_ids = bool(torch.equal(sample_top_k_top_p(*sets[0]), sample_top_k_top_p(*sets[0], precheck=False)))
+
+    def fused(s):
+        return sample_top_k_top_p(*s)
+
+    def fused_nopre(s):
+        return sample_top_k_top_p(*s, precheck=False)
+
+    def search(s):
+        return truncation_thresholds(s[0], s[1], *s[3:])
+
+    def search_pre(s):
+        return truncation_plan(*s)
+
+    def search_row(s):
+        return truncation_thresholds(s[0], s[1], *s[3:], **PER_ROW)
+
+    def full(s):
+        return sampler(s[0], tensors, gen).sampled_token_ids
+
+    def amax(s):
+        return torch.amax(s[0], dim=-1)
+
+    timed = (fused, fused_nopre, search, search_pre, search_row, amax)
+    if cuda:
+        fused_us, fused_nopre_us, search_us, search_pre_us, search_row_us, amax_us = (
+            bench_graph([lambda s=s, f=f: f(s) for s in sets]) * 1e3 for f in timed
+        )
+        full_us = bench(lambda: full(sets[0]))["ms"] * 1e3
+        floor_us = batch * ns.vocab * sets[0][0].element_size() / (copy / 2) * 1e6
+    else:
+        fused_us, fused_nopre_us, search_us, search_pre_us, search_row_us, amax_us, full_us = (
+            cpu_time_ms(lambda f=f: f(sets[0])) * 1e3 for f in (*timed, full)
+        )
+        floor_us = None
+    print(
+        f"  {dtype} {batch} {shape} {name}: fused {fused_us:.1f} µs (no precheck {fused_nopre_us:.1f}), "
+        f"search {search_us:.1f} µs (precheck {search_pre_us:.1f}), accepted {1 - float(undecided.mean()):.2f}",
+        flush=True,
+    )
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch": batch,
+        "shape": shape,
+        "filters": name,
+        "passes_mean": float(passes.mean()),
+        "passes_max": int(passes.max()),
+        "passes_pre_mean": float(passes_pre.mean()),
+        "passes_pre_max": int(passes_pre.max()),
+        "accepted": 1.0 - float(undecided.mean()),
+        "reads_mean": float(passes.mean()) + 1.0,
+        "reads_pre_mean": float((passes_pre + undecided).mean()),
+        "same_ids": same_ids,
+        "fused_us": fused_us,
+        "fused_nopre_us": fused_nopre_us,
+        "nopre/pre": fused_nopre_us / fused_us,
+        "search_us": search_us,
+        "search_pre_us": search_pre_us,
+        "passes_row_mean": float(passes_row.float().mean()),
+        "search_row_us": search_row_us,
+        "row/split": search_row_us / search_us,
+        "full_us": full_us,
+        "amax_us": amax_us,
+        "floor_us": floor_us,
+        "full/fused": full_us / fused_us,
+        "fused/amax": fused_us / amax_us,
+    }
+
+
 def main() -> None:
     ns = parse()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -161,12 +283,9 @@ def main() -> None:
         return
 
     import torch
-    from common import bench, bench_graph, copy_bandwidth, device_info, output_paths, print_table, write_json
+    from common import copy_bandwidth, device_info, output_paths, print_table, write_json
 
-    from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p, truncation_thresholds
     from tinyvllm.sampling.sampler import Sampler
-    from tinyvllm.sampling.tensors import SamplingRow, SamplingTensors
-    from tinyvllm.sampling_params import SamplingParams
 
     cuda = torch.cuda.is_available() and not ns.cpu_smoke
     dev = torch.device("cuda" if cuda else "cpu")
@@ -175,86 +294,28 @@ def main() -> None:
     rows = []
     for dtype in [getattr(torch, d) for d in ns.dtypes] if cuda else (torch.float32,):
         for batch in ns.batches:
-            for name, filters in CONFIGS.items():
-                params = SamplingParams(temperature=TEMPERATURE, **filters)
-                n_sets = 4 if cuda else 1  # rotated input sets: together more than the L2 cache
-                gen = torch.Generator(device=dev).manual_seed(batch)
-                sets = []
-                for k in range(n_sets):
-                    logits = (torch.randn(batch, ns.vocab, device=dev, generator=gen) * 2).to(dtype)
-                    sets.append(
-                        (
-                            logits,
-                            torch.full((batch,), TEMPERATURE, device=dev),
-                            torch.arange(batch, device=dev) + 17 * k,
-                            torch.full((batch,), params.top_k, dtype=torch.int32, device=dev),
-                            torch.full((batch,), params.top_p, device=dev),
-                            torch.full((batch,), params.min_p, device=dev),
-                        )
-                    )
-                tensors = SamplingTensors.from_rows([SamplingRow(params, [], [])] * batch, ns.vocab, dev)
-                _, passes = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:])
-                passes = passes.float()
-                _, passes_row = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:], **PER_ROW)
-
-                def fused(s):
-                    return sample_top_k_top_p(*s)
-
-                def search(s):
-                    return truncation_thresholds(s[0], s[1], *s[3:])
-
-                def search_row(s):
-                    return truncation_thresholds(s[0], s[1], *s[3:], **PER_ROW)
-
-                def full(s):
-                    return sampler(s[0], tensors, gen).sampled_token_ids
-
-                def amax(s):
-                    return torch.amax(s[0], dim=-1)
-
-                if cuda:
-                    fused_us = bench_graph([lambda s=s: fused(s) for s in sets]) * 1e3
-                    search_us = bench_graph([lambda s=s: search(s) for s in sets]) * 1e3
-                    search_row_us = bench_graph([lambda s=s: search_row(s) for s in sets]) * 1e3
-                    amax_us = bench_graph([lambda s=s: amax(s) for s in sets]) * 1e3
-                    full_us = bench(lambda: full(sets[0]))["ms"] * 1e3
-                    floor_us = batch * ns.vocab * sets[0][0].element_size() / (copy / 2) * 1e6
-                else:
-                    fused_us, search_us, search_row_us, full_us, amax_us = (
-                        cpu_time_ms(lambda f=f: f(sets[0])) * 1e3 for f in (fused, search, search_row, full, amax)
-                    )
-                    floor_us = None
-                rows.append(
-                    {
-                        "dtype": str(dtype).removeprefix("torch."),
-                        "batch": batch,
-                        "filters": name,
-                        "passes_mean": float(passes.mean()),
-                        "passes_max": int(passes.max()),
-                        "fused_us": fused_us,
-                        "search_us": search_us,
-                        "passes_row_mean": float(passes_row.float().mean()),
-                        "search_row_us": search_row_us,
-                        "row/split": search_row_us / search_us,
-                        "full_us": full_us,
-                        "amax_us": amax_us,
-                        "floor_us": floor_us,
-                        "full/fused": full_us / fused_us,
-                        "fused/amax": fused_us / amax_us,
-                    }
-                )
-                print(f"  {dtype} {batch} {name}: fused {fused_us:.1f} µs, search {search_us:.1f} µs", flush=True)
+            for shape in ns.shapes:
+                for name, filters in CONFIGS.items():
+                    rows.append(measure(ns, cuda, dev, copy, sampler, dtype, batch, shape, name, filters))
     print_table(
         f"top-k / top-p / min-p sampling, V = {ns.vocab}, T = {TEMPERATURE}" + (" (CPU smoke)" if not cuda else ""),
         rows,
         [
             ("dtype", "logits", "s"),
             ("batch", "batch", "d"),
+            ("shape", "shape", "s"),
             ("filters", "filters", "s"),
             ("passes_mean", "passes", ".1f"),
             ("passes_max", "max", "d"),
+            ("passes_pre_mean", "passes pre", ".1f"),
+            ("accepted", "accepted", ".2f"),
+            ("reads_mean", "reads", ".1f"),
+            ("reads_pre_mean", "reads pre", ".1f"),
             ("fused_us", "fused µs", ".1f"),
+            ("fused_nopre_us", "fused no pre µs", ".1f"),
+            ("nopre/pre", "no pre/pre", ".2f"),
             ("search_us", "search µs", ".1f"),
+            ("search_pre_us", "search pre µs", ".1f"),
             ("passes_row_mean", "passes per-row", ".1f"),
             ("search_row_us", "search per-row µs", ".1f"),
             ("row/split", "per-row/split", ".2f"),

@@ -20,8 +20,8 @@ from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backe
 
 def summarise() -> dict:
     """{launch: {"local": whether its PTX touches local memory}}, or {"skip": reason}: every kernel
-    `sample_top_k_top_p` launches (the threshold search's five and the draw's two), bf16 with and without
-    a bitmask and float32 without."""
+    `sample_top_k_top_p` launches (the threshold search's five, the precheck's two and the draw's two;
+    with the precheck and without), bf16 with and without a bitmask and float32 without."""
     missing = missing_cuda_backend()
     if missing is not None:
         return {"skip": missing}
@@ -40,14 +40,17 @@ def summarise() -> dict:
         try:
             with compile_only_for_sm90() as launched:
                 sample_top_k_top_p(*args, bitmask=bitmask)
+                first = len(launched)
+                sample_top_k_top_p(*args, bitmask=bitmask, precheck=False)
         except Exception as e:
             if "ptxas" in str(e):
                 return {"skip": f"no ptxas: {e}"}
             out[f"{dtype}/mask={has_mask}"] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
             continue
-        for name, compiled in launched:
+        for i, (name, compiled) in enumerate(launched):
             ptx = compiled.asm["ptx"]
-            out[f"{name}/{str(dtype).removeprefix('torch.')}/mask={has_mask}"] = {
+            variant = "precheck" if i < first else "search"
+            out[f"{name}/{str(dtype).removeprefix('torch.')}/mask={has_mask}/{variant}"] = {
                 "local": "ld.local" in ptx or "st.local" in ptx
             }
     logits, ones, k = torch.zeros(B, V, dtype=torch.bfloat16), torch.ones(B), torch.full((B,), 50, dtype=torch.int32)
@@ -75,6 +78,8 @@ def test_kernels_compile_for_sm90_without_spills(facts):
     names = {name.split("/")[0] for name in facts}
     assert {"threshold_stats_kernel", "threshold_begin_kernel", "threshold_pass_kernel"} <= names, facts
     assert {"threshold_reduce_kernel", "threshold_finish_kernel", "sample_partial_kernel"} <= names, facts
+    assert {"threshold_check_kernel", "threshold_check_reduce_kernel"} <= names, facts
+    assert sum(name.endswith("/search") for name in facts) == sum(name.endswith("/precheck") for name in facts) - 6
     assert sum(name.startswith("threshold_pass_kernel/candidates=") for name in facts) == 16, facts
     for name, fact in facts.items():
         assert "error" not in fact, (name, fact)

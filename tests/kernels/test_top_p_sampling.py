@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
-from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p, truncation_thresholds
+from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p, truncation_plan, truncation_thresholds
 from tinyvllm.sampling.bitmask import pack_bitmask
 from tinyvllm.sampling.sampler import apply_min_p, apply_top_k_top_p
 
@@ -232,22 +232,33 @@ def test_ties_at_the_threshold_keep_the_whole_tie_group_as_the_full_sampler_does
         assert (full[0] > -math.inf).nonzero().flatten().tolist() == expected[b], b
 
 
-def test_draws_follow_the_truncated_distribution(device):
+@pytest.mark.parametrize("precheck", [False, True])
+def test_draws_follow_the_truncated_distribution(device, precheck):
     """Many rows of the same logits with distinct seeds, for top-k, top-p, min-p and a combination (one
     batch): the empirical distribution of each block of rows matches the float64 truncated, renormalised
     softmax (chi-square at the 0.999 quantile); removed tokens never appear. Tokens sit at shuffled
-    indices so the sorted order differs from the index order."""
+    indices so the sorted order differs from the index order. With the precheck, each row's own plain
+    draw decides whether it is searched, so the plan runs over every row."""
     n = 200
     z = torch.tensor([1.0, -0.5, 0.3, 2.0, -2.0, 0.9, 1.6, 0.0])
     configs = [(1.0, 3, 1.0, 0.0), (0.8, 0, 0.7, 0.0), (1.0, 0, 1.0, 0.2), (0.7, 5, 0.9, 0.05)]
-    # sample_top_k_top_p is this composition; the threshold depends on the row alone, so it is found once
-    # per configuration (the interpreter runs one program per row, slowly) and the draw runs over n seeds.
-    thr, _ = truncation_thresholds(z.expand(len(configs), -1).contiguous().to(device), *params(configs, device))
     rows = len(configs) * n
     seeds = torch.arange(rows, dtype=torch.int64, device=device) * 7919 + 5
     t = torch.tensor([c[0] for c in configs], device=device).repeat_interleave(n)
     logits = z.expand(rows, -1).contiguous().to(device)
+    # sample_top_k_top_p is this composition; without the precheck the threshold depends on the row alone,
+    # so it is found once per configuration (the interpreter runs one program per row, slowly) and the
+    # draw runs over n seeds.
+    thr, _ = truncation_thresholds(z.expand(len(configs), -1).contiguous().to(device), *params(configs, device))
     ids = sample_greedy_or_gumbel(logits, t, seeds, thresholds=thr.repeat_interleave(n)).cpu()
+    if precheck:
+        # every row's plan (one-program-per-row passes over 8-logit chunks: fewer interpreted programs)
+        t_rows, k_rows, p_rows, m_rows = params([c for c in configs for _ in range(n)], device)
+        thr, _, decided = truncation_plan(logits, t_rows, seeds, k_rows, p_rows, m_rows, chunk=8, split_passes=0)
+        prechecked = sample_greedy_or_gumbel(logits, t, seeds, thresholds=thr, decided=decided).cpu()
+        assert 0 < int((decided >= 0).sum()) < rows
+        assert prechecked.tolist() == ids.tolist()
+        ids = prechecked
     for j, (temperature, top_k, top_p, min_p) in enumerate(configs):
         kept = reference_kept(z, temperature, top_k, top_p, min_p)
         p = torch.where(kept, torch.softmax(z.double() / temperature, 0), 0.0)
@@ -338,3 +349,169 @@ def test_bad_parameter_tensors_raise():
         sample_top_k_top_p(z, t, s, k.long(), p, m)
     with pytest.raises(ValueError, match="top_p must be"):
         sample_top_k_top_p(z, t, s, k, p[:1], m)
+
+
+# The precheck (`truncation_plan(precheck=True)`, `sample_top_k_top_p`'s default): the plain draw x1 is
+# found with the statistics and kept where a check pass proves it kept; the ids must be the search's.
+
+
+def _plan_draw(z, cfg, seeds, bitmask=None, precheck=True, **search):
+    """`sample_top_k_top_p`'s composition with a chosen search layout: (ids, passes, decided ids or None)."""
+    t, s, k, p, m = _with_seeds(cfg, seeds, z.device)
+    thr, passes, decided = truncation_plan(z, t, s, k, p, m, bitmask, precheck=precheck, **search)
+    ids = sample_greedy_or_gumbel(z, t, s, bitmask=bitmask, thresholds=thr, decided=decided)
+    return ids.cpu(), passes.cpu(), None if decided is None else decided.cpu()
+
+
+def _mixed_rows(gen, V, n_rows, configs):
+    """Rows of assorted shapes (flat, peaked, wide, some with −inf) under a cycle of configurations."""
+    rows, cfg = [], []
+    for i in range(n_rows):
+        shape = ("flat", "peaked", "wide")[i % 3]
+        z = torch.randn(V, generator=gen) * {"flat": 0.5, "peaked": 2.0, "wide": 6.0}[shape]
+        if shape == "peaked":
+            z[torch.randperm(V, generator=gen)[:6]] += torch.tensor([9.0, 8.0, 8.0, 6.0, 4.0, 3.0])
+        if i % 4 == 1:
+            z[torch.randperm(V, generator=gen)[: V // 5]] = -math.inf
+        rows.append(z)
+        cfg.append(configs[i % len(configs)])
+    return torch.stack(rows), cfg
+
+
+PRECHECK_CONFIGS = [
+    (0.8, 0, 0.9, 0.0),  # top-p alone
+    (0.7, 30, 1.0, 0.0),  # top-k alone
+    (0.6, 30, 0.9, 0.0),  # top-k + top-p
+    (1.0, 0, 1.0, 0.1),  # min-p alone
+    (0.9, 0, 0.8, 0.05),  # top-p + min-p
+    (1.1, 8, 0.95, 0.02),  # all three
+    (1.0, 3, 1.0, 0.0),  # a small k
+    (0.8, 0, 0.5, 0.0),  # a small p
+    (1.0, 0, 1.0, 0.0),  # no filter
+    (0.0, 10, 0.5, 0.1),  # greedy: filters ignored
+]
+
+
+@pytest.mark.parametrize("search", [dict(chunk=1024), dict(chunk=256, split_passes=2), dict(chunk=512, candidates=4)])
+def test_precheck_draws_the_searchs_ids_by_both_routes(device, search):
+    """Many rows and seeds: with the precheck the ids are the ones the search alone gives; rows whose x1
+    is kept (decided) draw the plain kernel's id, and both routes (decided and searched) occur for each
+    filter that cuts. Chunks of 1,024 (statistics in blocks of two quarters of the sampler's tile) and of
+    256 and 512 (a block inside one quarter; several chunks whose bests combine in chunk order)."""
+    gen = torch.Generator().manual_seed(77)
+    V = 2500
+    z, cfg = _mixed_rows(gen, V, 60, PRECHECK_CONFIGS)
+    zd = z.to(device)
+    seeds = torch.arange(len(cfg), dtype=torch.int64) * 7919 + 3
+    ids, passes, decided = _plan_draw(zd, cfg, seeds, **search)
+    old, old_passes, _ = _plan_draw(zd, cfg, seeds, precheck=False, **search)
+    assert ids.tolist() == old.tolist()
+    t, s = _with_seeds(cfg, seeds, device)[:2]
+    plain = sample_greedy_or_gumbel(zd, t, s).cpu()
+    routes = {}
+    for b, c in enumerate(cfg):
+        truncating = c[0] > 0 and (c[1] > 0 or c[2] < 1 or c[3] > 0)
+        if not truncating:
+            assert int(decided[b]) == -1 and int(passes[b]) == 0 and int(ids[b]) == int(plain[b]), b
+            continue
+        assert reference_kept(z[b], *c)[ids[b]], (b, c)
+        if int(decided[b]) >= 0:
+            assert int(decided[b]) == int(ids[b]) == int(plain[b]), (b, c)
+            assert int(passes[b]) <= 2  # the statistics, and the check unless min-p alone decided
+        else:
+            assert int(passes[b]) >= 2 or c[1:3] == (0, 1.0), (b, c)  # min-p alone: no check, no search
+        key = c[1:]
+        routes.setdefault(key, [0, 0])[int(decided[b]) < 0] += 1
+    for key in ((0, 0.9, 0.0), (30, 1.0, 0.0), (30, 0.9, 0.0), (0, 1.0, 0.1)):
+        assert min(routes[key]) >= 1, (key, routes)  # decided and searched rows, each filter
+    assert sum(r[0] for r in routes.values()) >= 10 and sum(r[1] for r in routes.values()) >= 10, routes
+    assert float(passes.float().sum()) < float(old_passes.float().sum())
+
+
+@pytest.mark.parametrize("search", [{}, dict(chunk=256)])
+def test_filters_that_cut_nothing_are_decided_by_the_statistics_with_the_plain_id(device, search):
+    """A row with k ≥ V or min_p so small nothing is cut truncates nothing: the statistics' x1 is kept
+    at once (one read) and must be the plain kernel's id bit for bit, for many seeds, with a bitmask too."""
+    gen = torch.Generator().manual_seed(8)
+    V, B = 3000, 24
+    z = torch.randn(B, V, generator=gen) * 3
+    z[::4, 1000:] = -math.inf
+    cfg = [(0.3 + 0.1 * (b % 7), V + b if b % 2 else 0, 1.0, 0.0 if b % 2 else 1e-30) for b in range(B)]
+    seeds = torch.arange(B, dtype=torch.int64) * 104729 + 11
+    allowed = torch.rand(B, V, generator=gen) < 0.3
+    bitmask = torch.from_numpy(pack_bitmask(allowed.numpy())).to(device)
+    zd = z.to(device)
+    t, s = _with_seeds(cfg, seeds, device)[:2]
+    for mask in (None, bitmask):
+        ids, passes, decided = _plan_draw(zd, cfg, seeds, bitmask=mask, **search)
+        plain = sample_greedy_or_gumbel(zd, t, s, bitmask=mask).cpu()
+        assert decided.tolist() == plain.tolist() == ids.tolist()
+        assert passes.tolist() == [1] * B
+
+
+def test_precheck_at_ties_on_the_boundary(device):
+    """x1 in a tie group at the boundary (kept whole, so x1 is kept), and x1 just outside one: top-k with
+    the k-th value tied, top-p whose boundary falls inside a tie group, top-k + top-p, min-p at exactly its
+    value. Over many seeds each row's x1 falls in and out of the kept set; the ids are the search's and
+    within the reference's kept set, and both routes occur."""
+    neg = -30.0
+    V = 16
+    z = torch.full((6, V), neg)
+    z[0, [3, 7, 9, 11]] = torch.tensor([1.0, 0.6, 0.6, 0.6])  # top-k 2: the three 0.6s are kept with the 1.0
+    z[1, [3, 7, 9, 11, 12]] = torch.tensor([1.0, 1.0, 1.0, 0.4, 0.2])  # top-k 2: the tied top three kept
+    z[2, [0, 5, 6, 8, 13]] = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0])  # top-p 0.5: boundary inside the 1.0s
+    z[3, [1, 4, 6, 10]] = torch.tensor([1.5, 1.0, 1.0, 0.9])  # top-k 3 (ties at the 2nd) + top-p 0.8
+    at_min_p = float(torch.tensor(3.0) + torch.log(torch.tensor(0.25)))
+    z[4, [1, 2, 4, 5]] = torch.tensor([3.0, at_min_p, at_min_p, at_min_p - 0.01])  # min-p 0.25: ≥ is kept
+    z[5, [0, 1, 2, 3]] = torch.tensor([0.5, 0.5, 0.5, 0.5])  # a four-way tie with top-k 1 and top-p 0.1
+    base = [(1.0, 2, 1.0, 0.0), (1.0, 2, 1.0, 0.0), (1.0, 0, 0.5, 0.0), (1.0, 3, 0.8, 0.0), (1.0, 0, 1.0, 0.25),
+            (1.0, 1, 0.1, 0.0)]  # fmt: skip
+    n = 12
+    rows = z.repeat_interleave(n, 0)
+    cfg = [c for c in base for _ in range(n)]
+    seeds = torch.arange(len(cfg), dtype=torch.int64) * 31 + 7
+    ids, _, decided = _plan_draw(rows.to(device), cfg, seeds, chunk=16)
+    old, _, _ = _plan_draw(rows.to(device), cfg, seeds, precheck=False, chunk=16)
+    assert ids.tolist() == old.tolist()
+    for j, c in enumerate(base):
+        kept = reference_kept(z[j], *c)
+        got = ids[j * n : (j + 1) * n]
+        assert kept[got].all(), (j, got.tolist())
+        assert (decided[j * n : (j + 1) * n] >= 0).any(), j
+    # a plain draw x1 inside the boundary's tie group is kept: decided by the precheck; one outside the
+    # kept set is searched
+    t, s = _with_seeds(cfg, seeds, device)[:2]
+    plain = sample_greedy_or_gumbel(rows.to(device), t, s).cpu()
+    tied = {0: [7, 9, 11], 1: [3, 7, 9], 2: [5, 6, 8], 3: [4, 6], 4: [2, 4], 5: [0, 1, 2, 3]}
+    for j, group in tied.items():
+        block = range(j * n, (j + 1) * n)
+        hits = [b for b in block if int(plain[b]) in group]
+        assert hits and all(int(decided[b]) == int(plain[b]) == int(ids[b]) for b in hits), (j, plain[j * n :])
+        outside = [b for b in block if not reference_kept(z[j], *base[j])[plain[b]]]
+        assert all(int(decided[b]) == -1 for b in outside), j
+    assert (decided < 0).sum() >= 5
+
+
+def test_precheck_ids_are_the_rows_own_whatever_the_batch(device):
+    """Decided and searched rows alike: the same ids alone, and permuted in a batch with other rows."""
+    gen = torch.Generator().manual_seed(12)
+    V = 1500
+    z, cfg = _mixed_rows(gen, V, 10, PRECHECK_CONFIGS)
+    seeds = torch.arange(10, dtype=torch.int64) * 17 + 2
+    ids, _, decided = _plan_draw(z.to(device), cfg, seeds, chunk=512)
+    assert (decided >= 0).sum() >= 2 and (decided < 0).sum() >= 2
+    perm = torch.tensor([7, 2, 9, 0, 5, 1, 8, 3, 6, 4])
+    again, _, again_decided = _plan_draw(z[perm].to(device), [cfg[i] for i in perm], seeds[perm], chunk=512)
+    assert again.tolist() == ids[perm].tolist() and again_decided.tolist() == decided[perm].tolist()
+    for b in (0, 1, 2, 3):
+        alone, _, _ = _plan_draw(z[b : b + 1].to(device), cfg[b : b + 1], seeds[b : b + 1], chunk=512)
+        assert int(alone) == int(ids[b])
+    full = sample_top_k_top_p(z.to(device), *_with_seeds(cfg, seeds, device)).cpu()
+    assert full.tolist() == sample_top_k_top_p(z.to(device), *_with_seeds(cfg, seeds, device), precheck=False).tolist()
+
+
+def test_precheck_needs_seeds():
+    z, t = torch.zeros(1, 256), torch.ones(1)
+    k, p, m = torch.zeros(1, dtype=torch.int32), torch.ones(1), torch.zeros(1)
+    with pytest.raises(ValueError, match="seeds"):
+        truncation_plan(z, t, None, k, p, m)

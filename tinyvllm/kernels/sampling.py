@@ -124,12 +124,16 @@ def sample_partial_kernel(
     FAST_LOG: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_THR: tl.constexpr = False,
+    ids_ptr=None,
+    HAS_IDS: tl.constexpr = False,
 ):
     """Program (row, split): the best (value, index) among indices [split·CHUNK, (split+1)·CHUNK).
 
     A tile of BLOCK indices takes its noise from one Philox call per lane: `rand4x` keyed by
     (seed, tile start / 4 + lane) gives four uniforms, one for each quarter of the tile. Tiles start
-    at multiples of BLOCK whatever the split count, so every index always gets the same noise."""
+    at multiples of BLOCK whatever the split count, so every index always gets the same noise.
+    HAS_IDS: a row whose ids[row] ≥ 0 reads nothing; its split 0 offers (+inf, ids[row]) and the others
+    (−inf, V), so the reduce picks that id."""
     QUARTER: tl.constexpr = BLOCK // 4
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -146,6 +150,9 @@ def sample_partial_kernel(
     best_idx = tl.full([QUARTER], 0, tl.int32)
     begin = split * CHUNK
     end = tl.minimum(begin + CHUNK, V)
+    if HAS_IDS:
+        decided = tl.load(ids_ptr + row)
+        end = tl.where(decided >= 0, begin, end)  # a decided row's loop runs no iteration
     for start in range(begin, end, BLOCK):
         if greedy:
             n0 = tl.zeros([QUARTER], tl.float32)
@@ -221,6 +228,9 @@ def sample_partial_kernel(
     top = tl.max(best_val, axis=0)
     # Lowest index among the lanes holding the maximum (an empty split offers −inf at index V).
     idx = tl.min(tl.where(best_val == top, best_idx, V), axis=0)
+    if HAS_IDS:
+        top = tl.where(decided >= 0, tl.where(split == 0, float("inf"), float("-inf")), top)
+        idx = tl.where(decided >= 0, tl.where(split == 0, decided, V), idx)
     tl.store(val_ptr + row * NUM_SPLITS + split, top)
     tl.store(idx_ptr + row * NUM_SPLITS + split, idx)
 
@@ -271,6 +281,7 @@ def sample_greedy_or_gumbel(
     host_out: torch.Tensor | None = None,
     bitmask: torch.Tensor | None = None,
     thresholds: torch.Tensor | None = None,
+    decided: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row's greedy or Gumbel-max token (module docstring); the same (logits, T, seed) gives the same
     token whatever the batch or `splits`.
@@ -291,6 +302,8 @@ def sample_greedy_or_gumbel(
         thresholds: [B] float32 on the logits' device: row b samples only among the tokens whose scaled
             logit z · (1 / T_b) exceeds thresholds[b] (top_p_sampling.py; −inf: every finite one), with
             the same noise, so a row whose threshold removes nothing draws the id it draws without.
+        decided: [B] int32 on the logits' device: a row with decided[b] ≥ 0 takes that id without reading
+            its logits (top_p_sampling.py's rows whose draw is already known); −1: the row is drawn.
 
     Returns:
         The sampled ids [B] int64 (`out`).
@@ -332,6 +345,8 @@ def sample_greedy_or_gumbel(
             FAST_LOG=logits.is_cuda,
             HAS_MASK=bitmask is not None,
             HAS_THR=thresholds is not None,
+            ids_ptr=seeds if decided is None else decided,  # never read without HAS_IDS
+            HAS_IDS=decided is not None,
             num_warps=8,
         )
         reduce_partials(vals, idxs, V, out, host_out)

@@ -43,6 +43,28 @@ Then the fused Gumbel-max pass (kernels/sampling.py, HAS_THR) draws argmax_{i �
 each index's seeded noise g_i: the same ids as the plain fused kernel when K holds every finite token,
 and the same id for a row alone or anywhere in any batch.
 
+The plain draw first (`truncation_plan(precheck=True)`, `sample_top_k_top_p`'s default). Let x1 be the
+plain sampler's id, argmax over every token of l_i + g_i with the same noise. If x1 ∈ K, the draw over K
+is x1 (x1 maximises l + g over everything), so a row whose x1 is provably kept needs neither the search
+nor the draw. The statistics pass also finds x1 (each chunk's best (value, index) with the sampler's
+noise, arithmetic and lowest-index rule, combined in chunk order: its id bit for bit) and one check pass
+over rows × chunks sums, in the search passes' way, C_gt = C(l_x1), M_gt = M(l_x1) and S = Σ_{l ≥ l_x1}
+exp(l − m). x1 is kept when:
+
+* min-p: l_x1 ≥ max l + log(min_p) (the float32 value above): decided by the statistics alone, and a
+  row that fails it is searched without the check;
+* top-k: C_gt < k (its tie group is kept whole);
+* top-p alone: M_gt < p · Z;
+* top-k and top-p: C_gt < k and M_gt < p · S. Every token ≥ l_x1 then has at most C_gt values above it,
+  so lies in the top-k set: S ≤ Z_k, and the test is sufficient, not necessary.
+
+A kept x1 is the row's id (thr just below l_x1, so {l > thr} ⊆ K holds x1; the draw skips the row). A
+row whose x1 fails cond itself (C_gt ≥ k, or M_gt ≥ p · Z for top-p alone) searches from lo = l_x1 (every
+kept token lies above it); one whose x1 passes top-k but not the sufficient top-p test searches top-k
+from hi = l_x1. Reads of a decided row: 2 (1 for min-p alone) against 2 + P. The check's sums round
+differently from the search's, so a row whose boundary lies within float32 rounding of x1 may be decided
+differently from the search's own kept set, as the search's rounding itself may.
+
 Cost at B × V: 1 + passes(top-k) + passes(top-p) reads of each row by the search (the row is re-read
 while it sits in L2 at moderate batch) plus one read by the draw; 2 launches per split pass, over
 B × ceil(V / 8,192) programs. A search pass sorts each value three ways: at most lo (above no
@@ -64,7 +86,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.sampling import allowed_by, sample_greedy_or_gumbel
+from tinyvllm.kernels.sampling import allowed_by, log2, sample_greedy_or_gumbel, sampling_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -96,14 +118,63 @@ def _scaled(row_ptr, mask_row_ptr, offs, V, inv_t, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _chunk_stats(row_ptr, mask_row_ptr, V, inv_t, c0, CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
-    """(max l, Σ exp(l − max l), smallest finite l, count of finite l) over [c0, c0 + CHUNK) of a row."""
+def _draw_block(
+    row_ptr, mask_row_ptr, V, inv_t, seed, start, g_val, g_idx, HAS_MASK: tl.constexpr, TILE: tl.constexpr,
+    NR: tl.constexpr, NQ: tl.constexpr, FAST_LOG: tl.constexpr,
+):  # fmt: skip
+    """The plain sampler's per-lane running best (value, index) after the NR · NQ indices from `start`
+    (a multiple of NR · NQ, which divides TILE; NQ = min(NR · NQ, TILE / 4)): the NR pieces of NQ lie in
+    consecutive quarters of one of the sampler's tiles and take their noise from one Philox call per lane,
+    as in the sampler (`sample_partial_kernel`, `noise_at`); each is folded in as `_best_of_quarter` folds
+    a quarter (its value expression, strict >, indices in increasing order per lane). The values are
+    loaded again (from L1: the statistics just read them) in the layout the noise has, so that no value
+    moves between threads."""
+    QUARTER: tl.constexpr = TILE // 4
+    n0, n1, n2, n3 = tl.rand4x(seed, (start // TILE) * QUARTER + start % QUARTER + tl.arange(0, NQ))
+    q0 = (start % TILE) // QUARTER
+    for r in tl.static_range(NR):
+        # one index per thread and lane, as the noise (and the sampler's loads): offsets known aligned
+        # would vectorise the load and move the noise between threads in every iteration
+        offs = tl.multiple_of(start + r * NQ + tl.arange(0, NQ), 1)
+        valid = offs < V
+        if HAS_MASK:
+            valid = valid & allowed_by(mask_row_ptr, offs, valid)
+        z = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        q = q0 + r
+        u = tl.maximum(tl.where(q == 0, n0, tl.where(q == 1, n1, tl.where(q == 2, n2, n3))), 1e-20)
+        g = z * inv_t - 0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
+        g = tl.where(valid, g, float("-inf"))
+        better = g > g_val
+        g_val = tl.where(better, g, g_val)
+        g_idx = tl.where(better, offs, g_idx)
+    return g_val, g_idx
+
+
+@triton.jit
+def _chunk_stats(
+    row_ptr, mask_row_ptr, V, inv_t, seed, c0, CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
+    DRAW: tl.constexpr, TILE: tl.constexpr, NR: tl.constexpr, FAST_LOG: tl.constexpr,
+):  # fmt: skip
+    """(max l, Σ exp(l − max l), smallest finite l, count of finite l) over [c0, c0 + CHUNK) of a row,
+    and with DRAW the plain sampler's best (value, index) there: the largest z · inv_t + g_i with each
+    index's noise g_i and arithmetic (kernels/sampling.py), the lowest index among equal values (−inf, V
+    when no value is finite). The per-lane running best (strict >, indices in increasing order per lane)
+    and the final lowest-index-of-the-maximum are the sampler's own, so the combination over the chunks
+    gives its id bit for bit."""
+    NQ: tl.constexpr = BLOCK // NR
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     s_i = tl.zeros([BLOCK], tl.float32)
     lo_i = tl.full([BLOCK], float("inf"), tl.float32)
     n_i = tl.zeros([BLOCK], tl.int32)
+    g_val = tl.full([NQ], float("-inf"), tl.float32)
+    g_idx = tl.full([NQ], V, tl.int32)
     for start in range(c0, c0 + CHUNK, BLOCK):
-        sl = _scaled(row_ptr, mask_row_ptr, start + tl.arange(0, BLOCK), V, inv_t, HAS_MASK)
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < V
+        if HAS_MASK:
+            valid = valid & allowed_by(mask_row_ptr, offs, valid)
+        z = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        sl = z * inv_t + 0.0  # `_scaled`
         finite = sl > float("-inf")
         m_new = tl.maximum(m_i, sl)
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # lanes still at −inf keep a zero sum, no NaN
@@ -111,10 +182,16 @@ def _chunk_stats(row_ptr, mask_row_ptr, V, inv_t, c0, CHUNK: tl.constexpr, BLOCK
         m_i = m_new
         lo_i = tl.minimum(lo_i, tl.where(finite, sl, float("inf")))
         n_i += finite.to(tl.int32)
+        if DRAW:
+            g_val, g_idx = _draw_block(
+                row_ptr, mask_row_ptr, V, inv_t, seed, start, g_val, g_idx, HAS_MASK, TILE, NR, NQ, FAST_LOG
+            )
     m = tl.max(m_i, axis=0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     s = tl.sum(s_i * tl.exp2((m_i - m_safe) * 1.4426950408889634), axis=0)
-    return m, s, tl.min(lo_i, axis=0), tl.sum(n_i, axis=0)
+    g_top = tl.max(g_val, axis=0)
+    g_arg = tl.min(tl.where(g_val == g_top, g_idx, V), axis=0)
+    return m, s, tl.min(lo_i, axis=0), tl.sum(n_i, axis=0), g_top, g_arg
 
 
 @triton.jit
@@ -245,8 +322,9 @@ def _load_state(stf_ptr, sti_ptr, row):
 @triton.jit
 def _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes):
     """A row's search state: phase (0: top-k search, 1: top-p search, 2: done, 3: no truncation, thr
-    −inf), the row max m, (lo, C(lo), M(lo)), (hi, C(hi)), the placement bound a, cond's kk and P, and
-    the reads of the row so far."""
+    −inf; with the precheck, 4: the plain draw x1 to check, 5: done, x1 kept and drawn), the row max m,
+    (lo, C(lo), M(lo)), (hi, C(hi)), the placement bound a, cond's kk and P, and the reads of the row so
+    far (`_store_x1`: the precheck's words)."""
     f = stf_ptr + row * 8
     i = sti_ptr + row * 8
     tl.store(i, phase)
@@ -260,6 +338,20 @@ def _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, k
     tl.store(i + 3, kk)
     tl.store(f + 5, P)
     tl.store(i + 4, passes)
+
+
+@triton.jit
+def _store_x1(stf_ptr, sti_ptr, row, x1, l_x1, saved):
+    """The precheck's part of a row's state: the plain draw x1, its l, and the search phase a row in
+    phase 4 resumes if x1 is not provably kept."""
+    tl.store(stf_ptr + row * 8 + 6, l_x1)
+    tl.store(sti_ptr + row * 8 + 5, x1)
+    tl.store(sti_ptr + row * 8 + 6, saved)
+
+
+@triton.jit
+def _load_x1(stf_ptr, sti_ptr, row):
+    return tl.load(sti_ptr + row * 8 + 5), tl.load(stf_ptr + row * 8 + 6), tl.load(sti_ptr + row * 8 + 6)
 
 
 @triton.jit
@@ -296,45 +388,69 @@ def _candidates(lo, hi, a, NC: tl.constexpr):
 @triton.jit
 def threshold_stats_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask, part_ptr, V,
-    NUM_CHUNKS, CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
+    NUM_CHUNKS, seed_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
+    PRECHECK: tl.constexpr = False, TILE: tl.constexpr = 2048, NR: tl.constexpr = 1, FAST_LOG: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (b, c): `_chunk_stats` of chunk c of row b into part[b, c, 0:4] (rows that do not
-    truncate read nothing)."""
+    """Program (b, c): `_chunk_stats` of chunk c of row b into part[b, c, 0:4] and, with PRECHECK, the
+    plain sampler's best (value, index) over the chunk into part[b, c, 4:6] (rows that do not truncate
+    read nothing)."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     inv_t, active, _k, _p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
     if active:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
-        m, s, lmin, n = _chunk_stats(row_ptr, mask_row_ptr, V, inv_t, c * CHUNK, CHUNK, BLOCK, HAS_MASK)
-        out = part_ptr + (row * NUM_CHUNKS + c) * 4
+        seed = 0
+        if PRECHECK:
+            seed = tl.load(seed_ptr + row)
+        m, s, lmin, n, g_top, g_arg = _chunk_stats(
+            row_ptr, mask_row_ptr, V, inv_t, seed, c * CHUNK, CHUNK, BLOCK, HAS_MASK, PRECHECK, TILE, NR, FAST_LOG
+        )
+        out = part_ptr + (row * NUM_CHUNKS + c) * 6
         tl.store(out, m)
         tl.store(out + 1, s)
         tl.store(out + 2, lmin)
         tl.store(out + 3, n.to(tl.float32))  # exact: at most CHUNK ≤ 2^24
+        if PRECHECK:
+            tl.store(out + 4, g_top)
+            tl.store(out + 5, g_arg.to(tl.float32))  # exact: an index below V ≤ 2^24
 
 
 @triton.jit
 def threshold_begin_kernel(
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, stf_ptr, sti_ptr, NUM_CHUNKS,
+    logits_ptr, stride_row, mask_ptr, stride_mask, V, HAS_MASK: tl.constexpr, PRECHECK: tl.constexpr = False,
 ):  # fmt: skip
     """Program b: row b's statistics from its chunks' (in chunk order), and its search state: every
     finite token kept (lo just below the smallest finite value: C(lo) = n, M(lo) = Z), the first search
-    to run, or phase 3 for a row that does not truncate (greedy, no filter, no finite logit)."""
+    to run, or phase 3 for a row that does not truncate (greedy, no filter, no finite logit).
+
+    PRECHECK: also the plain draw x1 (the chunks' best (value, index), the lowest index among equal
+    values, combined in chunk order) and l_x1. A row whose kept set is decided here (no top-k or top-p
+    search to run: only min-p cuts) takes phase 5 (x1 kept: its id) when l_x1 passes min-p; a row with a
+    search to run and x1 within min-p takes phase 4 (`threshold_check_kernel` decides), the search's
+    phase saved for it; a row whose x1 fails min-p searches as without the precheck (x1 is not kept)."""
     row = tl.program_id(0)
-    _inv_t, active, k, p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
+    inv_t, active, k, p, min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
     m = tl.full([], float("-inf"), tl.float32)
     z = tl.zeros([], tl.float32)
     lmin = tl.full([], float("inf"), tl.float32)
     n = tl.zeros([], tl.int32)
+    g_top = tl.full([], float("-inf"), tl.float32)
+    x1 = V
     if active:
         for c in range(0, NUM_CHUNKS):
-            part = part_ptr + (row * NUM_CHUNKS + c) * 4
+            part = part_ptr + (row * NUM_CHUNKS + c) * 6
             m_c = tl.load(part)
             s_c = tl.load(part + 1)
             lmin_c = tl.load(part + 2)
             n_c = tl.load(part + 3).to(tl.int32)
             m, z, lmin, n = _combine_stats(m, z, lmin, n, m_c, s_c, lmin_c, n_c)
+            if PRECHECK:
+                g_c = tl.load(part + 4)
+                better = g_c > g_top  # strict: an earlier chunk (lower indices) keeps a tie
+                x1 = tl.where(better, tl.load(part + 5).to(tl.int32), x1)
+                g_top = tl.maximum(g_top, g_c)
     lo = _from_key(_key(lmin) - 1)
     kk = tl.where((k > 0) & (k < n), k, n)  # top-k off: its search is over at once (C(lo) = n ≤ kk)
     phase = tl.zeros([], tl.int32)
@@ -344,7 +460,95 @@ def threshold_begin_kernel(
     P = tl.full([], float("inf"), tl.float32)
     phase, hi, c_hi, a, kk, P = _advance(phase, m, lo, n, z, hi, c_hi, a, kk, P, p)
     phase = tl.where(active & (n > 0), phase, 3)
+    if PRECHECK:
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
+        # l of x1 with `_scaled`'s arithmetic (the bits the check pass compares with); −inf when x1 = V
+        l_x1 = _scaled(row_ptr, mask_row_ptr, x1, V, inv_t, HAS_MASK)
+        # min-p keeps l > this (`threshold_finish_kernel`'s own expression)
+        log_min_p = tl.log(tl.where(min_p > 0.0, min_p, 1.0))
+        minp_ok = (min_p <= 0.0) | (l_x1 > _from_key(_key(m + log_min_p + 0.0) - 1))
+        saved = phase
+        phase = tl.where((phase == 2) & minp_ok, 5, tl.where((phase < 2) & minp_ok, 4, phase))
+        _store_x1(stf_ptr, sti_ptr, row, x1, l_x1, saved)
     _store_state(stf_ptr, sti_ptr, row, phase, m, lo, n, z, hi, c_hi, a, kk, P, tl.full([], 1, tl.int32))
+
+
+@triton.jit
+def threshold_check_kernel(
+    logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
+    stf_ptr, sti_ptr, chk_cnt_ptr, chk_mass_ptr, V, NUM_CHUNKS,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, HAS_MASK: tl.constexpr, UNROLL: tl.constexpr,
+):  # fmt: skip
+    """Program (b, c), for a row in phase 4 (its plain draw x1 to check): over chunk c, C and M at the
+    float just below l_x1 and at l_x1, i.e. the count and mass of the values ≥ l_x1 and > l_x1, into
+    chk_cnt[b, c, 0:2] and chk_mass[b, c, 0:2] (`_chunk_eval` with the two candidates and (lo, hi] =
+    (−inf, max l]: the search passes' sums; other rows do nothing)."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    phase, m, _lo, _c_lo, _s_lo, _hi, _c_hi, _a, _kk, _P, _passes = _load_state(stf_ptr, sti_ptr, row)
+    if phase == 4:
+        _x1, l_x1, _saved = _load_x1(stf_ptr, sti_ptr, row)
+        inv_t, _active, _k, _p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
+        j = tl.arange(0, 2)
+        x = tl.where(j == 0, _from_key(_key(l_x1) - 1), l_x1)
+        lo = tl.full([], float("-inf"), tl.float32)
+        cnt, mass, _vmin, _vmax = _chunk_eval(
+            row_ptr, mask_row_ptr, V, inv_t, m, lo, m, x, c * CHUNK, CHUNK, BLOCK_E, 2, HAS_MASK, False, UNROLL
+        )
+        at = (row * NUM_CHUNKS + c) * 2
+        tl.store(chk_cnt_ptr + at + j, cnt)
+        tl.store(chk_mass_ptr + at + j, mass)
+
+
+@triton.jit
+def threshold_check_reduce_kernel(top_p_ptr, stf_ptr, sti_ptr, chk_cnt_ptr, chk_mass_ptr, NUM_CHUNKS):
+    """Program b, for a row in phase 4: its check from the chunks' sums (in chunk order), C_ge = #{l ≥
+    l_x1}, C_gt = C(l_x1), S = M_ge = Σ_{l ≥ l_x1} exp(l − m), M_gt = M(l_x1), and the decision whether the
+    plain draw x1 is kept (then the thresholded draw, argmax over the kept set of the same l + g, is x1):
+
+    * top-k search pending (saved phase 0: kk = k < n): x1 passes top-k iff C_gt < kk (its tie group is
+      kept whole). Then with top-p off it is kept; with top-p it is kept when M_gt < p · S: every token
+      ≥ l_x1 has at most C_gt values above it, so lies in the top-k set, and S ≤ Z_k (a sufficient test;
+      its failure decides nothing about top-p).
+    * top-p search pending (saved phase 1: top-k cuts nothing, P = p · Z): x1 is kept iff M_gt < P.
+
+    A kept x1 ends the row (phase 5). Otherwise the search runs from its saved phase with its bracket
+    narrowed where the check proves it: when cond(l_x1) = C_gt < kk and M_gt < P is false (x1 fails
+    top-k, or fails top-p alone), every kept token lies above l_x1: lo = l_x1 (C(lo) = C_gt, M(lo) =
+    M_gt); when x1 passes top-k but the top-p test is not met, cond(l_x1) is true in the top-k search:
+    hi = l_x1 (C(hi) = C_gt)."""
+    row = tl.program_id(0)
+    phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
+    if phase == 4:
+        _x1, l_x1, saved = _load_x1(stf_ptr, sti_ptr, row)
+        j = tl.arange(0, 2)
+        cnt = tl.zeros([2], tl.int32)
+        mass = tl.zeros([2], tl.float32)
+        for c in range(0, NUM_CHUNKS):
+            at = (row * NUM_CHUNKS + c) * 2
+            cnt += tl.load(chk_cnt_ptr + at + j)
+            mass += tl.load(chk_mass_ptr + at + j)
+        c_gt = tl.sum(tl.where(j == 1, cnt, 0), axis=0)
+        s_ge = tl.sum(tl.where(j == 0, mass, 0.0), axis=0)
+        s_gt = tl.sum(tl.where(j == 1, mass, 0.0), axis=0)
+        p = tl.load(top_p_ptr + row)
+        topk_ok = c_gt < kk  # phase 1: kk = 2^30, always
+        bound = tl.where(saved == 0, p * s_ge, P)
+        keep = topk_ok & ((p >= 1.0) | (s_gt < bound))
+        definite = (~topk_ok) | (saved == 1)  # x1 fails cond itself, not only the sufficient test
+        up = (~keep) & definite
+        lo = tl.where(up, l_x1, lo)
+        c_lo = tl.where(up, c_gt, c_lo)
+        s_lo = tl.where(up, s_gt, s_lo)
+        down = (~keep) & (~definite)
+        hi = tl.where(down, l_x1, hi)
+        c_hi = tl.where(down, c_gt, c_hi)
+        phase = tl.where(keep, 5, saved)
+        phase, hi, c_hi, a, kk, P = _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p)
+        _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes + 1)
 
 
 @triton.jit
@@ -407,13 +611,15 @@ def threshold_reduce_kernel(
 @triton.jit
 def threshold_finish_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
-    stf_ptr, sti_ptr, thr_ptr, passes_ptr, V, NUM_CHUNKS,
+    stf_ptr, sti_ptr, thr_ptr, passes_ptr, V, NUM_CHUNKS, ids_ptr,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
-    UNROLL: tl.constexpr,
+    UNROLL: tl.constexpr, PRECHECK: tl.constexpr = False,
 ):  # fmt: skip
     """Program b: the passes row b's search still needs, each over the whole row by this one program
     (the same sums, chunk by chunk in chunk order, as the split passes make), then thr[b] (min-p applied)
-    and the reads of the row it took."""
+    and the reads of the row it took. PRECHECK: ids[b] = x1 for a row whose plain draw is kept (phase 5;
+    thr[b] then lies just below l_x1: {l > thr} = {l ≥ l_x1} is a subset of the kept set that holds x1, so
+    a draw over it is x1 too), −1 for the others."""
     row = tl.program_id(0)
     phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
     inv_t, _active, _k, p, min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
@@ -439,6 +645,10 @@ def threshold_finish_kernel(
         phase, hi, c_hi, a, kk, P = _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p)
         passes += 1
     thr = lo
+    if PRECHECK:
+        x1, l_x1, _saved = _load_x1(stf_ptr, sti_ptr, row)
+        thr = tl.where(phase == 5, _from_key(_key(l_x1) - 1), thr)
+        tl.store(ids_ptr + row, tl.where(phase == 5, x1, -1))
     if min_p > 0.0:
         thr = tl.maximum(thr, _from_key(_key(m + tl.log(min_p) + 0.0) - 1))
     thr = tl.where(phase == 3, float("-inf"), thr)
@@ -503,6 +713,45 @@ def truncation_thresholds(
         thr [B] float32, and passes [B] int32: the reads of each row the search made (0: none, the row
         does not truncate).
     """
+    thr, passes, _ids = truncation_plan(
+        logits, temperature, None, top_k, top_p, min_p, bitmask, precheck=False, candidates=candidates,
+        split_passes=split_passes, chunk=chunk, block_e=block_e, skip=skip, unroll=unroll,
+    )  # fmt: skip
+    return thr, passes
+
+
+def truncation_plan(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor | None,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    bitmask: torch.Tensor | None = None,
+    precheck: bool = True,
+    candidates: int = _NC,
+    split_passes: int = _SPLIT_PASSES,
+    chunk: int = _CHUNK,
+    block_e: int = _BLOCK_E,
+    skip: bool = _SKIP,
+    unroll: int = _UNROLL,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What `sample_top_k_top_p` draws from: each row's threshold, and with `precheck` the rows whose id
+    is already known (module docstring, "The plain draw first").
+
+    precheck (needs `seeds`, [B] int64, the draw's): the statistics also find the plain sampler's id x1
+    (its Gumbel-max over every token with the same noise); one check pass over rows × chunks then counts
+    the values and the mass ≥ and > l_x1, and a row whose x1 is provably kept ends there: the draw over
+    the kept set is x1. The other rows search as without the precheck, from a bracket the check narrowed
+    where it proves it. Launches: statistics, begin, check, check reduce, the split passes, finish,
+    whatever the data. Without `precheck` the launches and results are `truncation_thresholds`'.
+
+    Returns:
+        thr [B] float32: the kept set is {i : l_i > thr}, except for a row decided by the precheck, whose
+        thr lies just below l_x1 (a subset of its kept set that holds x1: a draw over it gives x1 too);
+        passes [B] int32: the reads of each row (statistics, check, search passes; 0: none);
+        ids [B] int32 with precheck, else None: x1 for a decided row, −1 for a row still to draw.
+    """
     B, V = logits.shape
     if candidates < 2 or candidates & (candidates - 1):
         raise ValueError(f"candidates must be a power of two ≥ 2, got {candidates}")
@@ -514,16 +763,19 @@ def truncation_thresholds(
     block_e = min(block_e, block)  # a power of two dividing block, so the chunk too
     if unroll not in (1, 2):
         raise ValueError(f"unroll must be 1 or 2, got {unroll}")
+    if precheck and seeds is None:
+        raise ValueError("precheck needs the draw's seeds")
     unroll = min(unroll, chunk // block_e)
     dev = logits.device
     thr = torch.empty(B, dtype=torch.float32, device=dev)
     passes = torch.empty(B, dtype=torch.int32, device=dev)
+    ids = torch.empty(B, dtype=torch.int32, device=dev) if precheck else None
     if not B:
-        return thr, passes
+        return thr, passes, ids
     S = triton.cdiv(V, chunk)
     stf = torch.empty(B, 8, dtype=torch.float32, device=dev)
     sti = torch.empty(B, 8, dtype=torch.int32, device=dev)
-    part = torch.empty(B, S, 4, dtype=torch.float32, device=dev)
+    part = torch.empty(B, S, 6, dtype=torch.float32, device=dev)
     mask = temperature if bitmask is None else bitmask  # never read without HAS_MASK
     stride_mask = 0 if bitmask is None else bitmask.stride(0)
     params = (temperature, top_k, top_p, min_p)
@@ -531,10 +783,26 @@ def truncation_thresholds(
     # one lane per thread in a search pass (the split passes and the per-row programs alike: the same sums)
     search = dict(NC=candidates, BLOCK_E=block_e, SKIP=skip, UNROLL=unroll, **consts)
     search["num_warps"] = min(8, max(1, block_e // 32))
+    # the plain draw in the statistics: a block of `block` logits spans NR quarters of the sampler's tile
+    # (one Philox call per lane serves them, as in the sampler)
+    tile = sampling_tile()
+    draw = dict(PRECHECK=precheck, TILE=tile, NR=max(1, block // (tile // 4)), FAST_LOG=logits.is_cuda)
     threshold_stats_kernel[(B, S)](
-        logits, logits.stride(0), *params, mask, stride_mask, part, V, S, BLOCK=block, **consts, num_warps=8
-    )
-    threshold_begin_kernel[(B,)](*params, part, stf, sti, S, num_warps=1)
+        logits, logits.stride(0), *params, mask, stride_mask, part, V, S, seeds if precheck else part, BLOCK=block,
+        **consts, **draw, num_warps=8,
+    )  # fmt: skip
+    threshold_begin_kernel[(B,)](
+        *params, part, stf, sti, S, logits, logits.stride(0), mask, stride_mask, V, HAS_MASK=bitmask is not None,
+        PRECHECK=precheck, num_warps=1,
+    )  # fmt: skip
+    if precheck:
+        chk_cnt = torch.empty(B, S, 2, dtype=torch.int32, device=dev)
+        chk_mass = torch.empty(B, S, 2, dtype=torch.float32, device=dev)
+        threshold_check_kernel[(B, S)](
+            logits, logits.stride(0), *params, mask, stride_mask, stf, sti, chk_cnt, chk_mass, V, S,
+            BLOCK_E=block_e, UNROLL=unroll, **consts, num_warps=search["num_warps"],
+        )  # fmt: skip
+        threshold_check_reduce_kernel[(B,)](top_p, stf, sti, chk_cnt, chk_mass, S, num_warps=1)
     if split_passes:
         cnt = torch.empty(B, S, candidates, dtype=torch.int32, device=dev)
         mass = torch.empty(B, S, candidates, dtype=torch.float32, device=dev)
@@ -547,9 +815,9 @@ def truncation_thresholds(
             threshold_reduce_kernel[(B,)](top_p, stf, sti, cnt, mass, vmm, S, NC=candidates, num_warps=1)
     threshold_finish_kernel[(B,)](
         logits, logits.stride(0), *params, mask, stride_mask, stf, sti, thr, passes, V, S,
-        **search,
+        passes if ids is None else ids, PRECHECK=precheck, **search,
     )  # fmt: skip
-    return thr, passes
+    return thr, passes, ids
 
 
 def sample_top_k_top_p(
@@ -563,6 +831,7 @@ def sample_top_k_top_p(
     host_out: torch.Tensor | None = None,
     bitmask: torch.Tensor | None = None,
     splits: int | None = None,
+    precheck: bool = True,
 ) -> torch.Tensor:
     """One id per row from softmax(z / T) truncated by top-k, top-p and min-p (module docstring),
     with the fused kernel's seeded Gumbel-max noise: the same (logits, parameters, seed) gives the same
@@ -572,6 +841,8 @@ def sample_top_k_top_p(
         logits: [B, V], any float dtype (made row-contiguous if needed).
         temperature, top_k, top_p, min_p, bitmask: as in `truncation_thresholds`; seeds: [B] int64.
         out, host_out, splits: as in `sample_greedy_or_gumbel`.
+        precheck: draw the plain id first and keep it where it is provably kept (`truncation_plan`; the
+            same ids, the search and the draw's read skipped for those rows); False: search every row.
 
     Returns:
         The sampled ids [B] int64 (`out`).
@@ -591,7 +862,8 @@ def sample_top_k_top_p(
         raise ValueError(f"bitmask must be [{B}, {(V + 31) // 32}] int32, got {tuple(bitmask.shape)} {bitmask.dtype}")
     if bitmask is not None and bitmask.stride(1) != 1:
         bitmask = bitmask.contiguous()
-    thr, _ = truncation_thresholds(logits, temperature, top_k, top_p, min_p, bitmask)
+    thr, _, ids = truncation_plan(logits, temperature, seeds, top_k, top_p, min_p, bitmask, precheck=precheck)
     return sample_greedy_or_gumbel(
-        logits, temperature, seeds, out=out, splits=splits, host_out=host_out, bitmask=bitmask, thresholds=thr
-    )
+        logits, temperature, seeds, out=out, splits=splits, host_out=host_out, bitmask=bitmask, thresholds=thr,
+        decided=ids,
+    )  # fmt: skip
