@@ -515,3 +515,94 @@ def test_precheck_needs_seeds():
     k, p, m = torch.zeros(1, dtype=torch.int32), torch.ones(1), torch.zeros(1)
     with pytest.raises(ValueError, match="seeds"):
         truncation_plan(z, t, None, k, p, m)
+
+
+def _open_top_p_rows(gen, V, n):
+    """n rows each of two shapes for top-k + top-p, whose plain draw often lies in the top-k set without
+    passing the check's top-p test (M(l_x1) ≥ p · Σ_{l ≥ l_x1}): 20 tokens stepping down by 0.05 from 3
+    over a tail near −2, top-k 20, top-p 0.6 (x1 low in the top-k set is kept or not by Z_k); and
+    2.0, 1.0 × 3, 0.0 × 3 over −30, top-k 5 (cut inside the 0.0s: the group kept whole), top-p 0.45
+    (M(1.0) = e² lies between p · S and p · Z_k: the 1.0s are kept, the 0.0s not)."""
+    rows, cfg = [], []
+    for i in range(n):
+        z = torch.randn(V, generator=gen) * 0.5 - 2.0
+        z[torch.randperm(V, generator=gen)[:20]] = 3.0 - 0.05 * torch.arange(20.0)
+        rows.append(z)
+        cfg.append((1.0 if i % 2 else 0.9, 20, 0.6, 0.0))
+        z = torch.full((V,), -30.0)
+        z[torch.randperm(V, generator=gen)[:7]] = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+        rows.append(z)
+        cfg.append((1.0, 5, 0.45, 0.0))
+    return torch.stack(rows), cfg
+
+
+def _open_routes(z, cfg, plain):
+    """Per row, whether its plain draw x1 lies in the top-k set with the check's top-p test failed
+    (float64), and whether the reference keeps it."""
+    open_, kept = [], []
+    for b, (t, k, p, m) in enumerate(cfg):
+        y = z[b].double() / t
+        x1 = int(plain[b])
+        in_top_k = bool(reference_kept(z[b], t, k, 1.0, 0.0)[x1])
+        e = torch.exp(y - y.max())
+        open_.append(in_top_k and float(e[y > y[x1]].sum()) >= p * float(e[y >= y[x1]].sum()))
+        kept.append(bool(reference_kept(z[b], t, k, p, m)[x1]))
+    return open_, kept
+
+
+@pytest.mark.parametrize("search", [dict(chunk=256), dict(chunk=256, split_passes=0), dict(chunk=512, split_passes=1)])
+def test_precheck_decides_top_p_when_the_top_k_search_ends(device, search):
+    """Top-k + top-p rows whose x1 passes top-k but not the check's sufficient top-p test: once the top-k
+    search has Z_k, x1 is kept iff M(l_x1) < p · Z_k (decided there: no top-p search, no draw; its reads
+    exceed the check's two), else the top-p search runs from lo = l_x1. Both happen, in each layout (the
+    decision in the split reductions and in the per-row programs), with a tie group at the top-k cut and
+    one at the top-p boundary; the ids are the search's without the precheck and in the reference's kept
+    set."""
+    gen = torch.Generator().manual_seed(31)
+    V = 1000
+    z, cfg = _open_top_p_rows(gen, V, 24)
+    zd = z.to(device)
+    seeds = torch.arange(len(cfg), dtype=torch.int64) * 7919 + 13
+    ids, passes, decided = _plan_draw(zd, cfg, seeds, **search)
+    old, _, _ = _plan_draw(zd, cfg, seeds, precheck=False, **search)
+    assert ids.tolist() == old.tolist()
+    t, s = _with_seeds(cfg, seeds, device)[:2]
+    plain = sample_greedy_or_gumbel(zd, t, s).cpu()
+    open_, kept = _open_routes(z, cfg, plain)
+    after_top_k = {0: 0, 1: 0}  # rows decided when the top-k search ended, per shape
+    narrowed = {0: 0, 1: 0}  # rows whose top-p search started from l_x1
+    for b, c in enumerate(cfg):
+        assert reference_kept(z[b], *c)[ids[b]], (b, c)
+        if open_[b] and kept[b]:
+            assert int(decided[b]) == int(plain[b]) == int(ids[b]) and int(passes[b]) > 2, (b, c)
+            after_top_k[b % 2] += 1
+        elif open_[b]:
+            assert int(decided[b]) == -1, (b, c)
+            narrowed[b % 2] += 1
+        else:  # decided by the check (two reads) or searched as before
+            assert int(decided[b]) == -1 or int(passes[b]) <= 2, (b, c)
+    assert min(after_top_k.values()) >= 2 and min(narrowed.values()) >= 2, (after_top_k, narrowed)
+    # the ties: x1 in the 1.0s is kept whole with its group, in the 0.0s (kept by top-k) it is not
+    for b in range(1, len(cfg), 2):
+        if float(z[b, plain[b]]) == 1.0:
+            assert int(decided[b]) == int(plain[b]), b
+        if float(z[b, plain[b]]) == 0.0:
+            assert int(decided[b]) == -1 and float(z[b, ids[b]]) >= 1.0, b
+
+
+def test_precheck_decided_after_top_k_is_the_rows_own_whatever_the_batch(device):
+    """Rows decided when their top-k search ends and rows searched from l_x1: the same ids, decisions and
+    reads alone and permuted in a batch."""
+    gen = torch.Generator().manual_seed(5)
+    z, cfg = _open_top_p_rows(gen, 1000, 6)
+    seeds = torch.arange(len(cfg), dtype=torch.int64) * 104729 + 1
+    ids, passes, decided = _plan_draw(z.to(device), cfg, seeds, chunk=256)
+    open_, _ = _open_routes(z, cfg, sample_greedy_or_gumbel(z, *_with_seeds(cfg, seeds, "cpu")[:2]))
+    assert any(o and d >= 0 for o, d in zip(open_, decided.tolist())), (open_, decided)
+    assert any(o and d < 0 for o, d in zip(open_, decided.tolist())), (open_, decided)
+    perm = torch.randperm(len(cfg), generator=gen)
+    again = _plan_draw(z[perm].to(device), [cfg[i] for i in perm], seeds[perm], chunk=256)
+    assert [x.tolist() for x in again] == [ids[perm].tolist(), passes[perm].tolist(), decided[perm].tolist()]
+    for b in range(4):
+        alone = _plan_draw(z[b : b + 1].to(device), cfg[b : b + 1], seeds[b : b + 1], chunk=256)
+        assert [int(x) for x in alone] == [int(ids[b]), int(passes[b]), int(decided[b])], b

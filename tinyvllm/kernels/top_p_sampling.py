@@ -61,9 +61,14 @@ exp(l − m). x1 is kept when:
 A kept x1 is the row's id (thr just below l_x1, so {l > thr} ⊆ K holds x1; the draw skips the row). A
 row whose x1 fails cond itself (C_gt ≥ k, or M_gt ≥ p · Z for top-p alone) searches from lo = l_x1 (every
 kept token lies above it); one whose x1 passes top-k but not the sufficient top-p test searches top-k
-from hi = l_x1. Reads of a decided row: 2 (1 for min-p alone) against 2 + P. The check's sums round
-differently from the search's, so a row whose boundary lies within float32 rounding of x1 may be decided
-differently from the search's own kept set, as the search's rounding itself may.
+from hi = l_x1, and its top-p test stays open until that search ends: then Z_k = M(lo) is known and the
+exact rule decides. x1 is kept iff M_gt < p · Z_k (with its tie group): the row ends there, without the
+top-p search and the draw; else every token top-p keeps has M < p · Z_k ≤ M_gt, so lies strictly above
+l_x1, and the top-p search starts from lo = l_x1 (C(lo) = C_gt, M(lo) = M_gt; P = p · Z_k). Reads of a
+row decided by the check: 2 (1 for min-p alone) against 2 + P; of one decided when its top-k search
+ends: 2 + P(top-k). The check's sums round differently from the search's, so a row whose boundary lies
+within float32 rounding of x1 may be decided differently from the search's own kept set, as the
+search's rounding itself may.
 
 Cost at B × V: 1 + passes(top-k) + passes(top-p) reads of each row by the search (the row is re-read
 while it sits in L2 at moderate batch) plus one read by the draw; 2 launches per split pass, over
@@ -287,10 +292,16 @@ def _update(keys, cnt, mass, vmin, vmax, lo, c_lo, s_lo, hi, c_hi, kk, P):
 
 
 @triton.jit
-def _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p):
+def _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p, c_x1, l_x1, s_x1):
     """Leave the finished searches: phase 0 (top-k) ends when (lo, hi] holds one token or one float, or
     when exactly kk tokens lie above lo; then phase 1 (top-p over what top-k kept) starts when p < 1 and
-    more than one token is left, else phase 2 (done, thr = lo). Phase 1 ends the same way."""
+    more than one token is left, else phase 2 (done, thr = lo). Phase 1 ends the same way.
+
+    c_x1 ≥ 0 (a precheck row whose plain draw x1 lies in the top-k set, its top-p test left open; C, M at
+    l_x1: c_x1, s_x1): when the top-k search ends, Z_k = M(lo) is known and top-p keeps x1 iff
+    M(l_x1) < p · Z_k (its tie group with it): then the row is decided (phase 5); else every token top-p
+    keeps has M < p · Z_k ≤ M(l_x1), so lies strictly above l_x1, and the top-p search starts from
+    lo = l_x1 (C(lo) = c_x1, M(lo) = s_x1; P and the placement bound a from the top-k set)."""
     done = (c_lo - c_hi <= 1) | (_key(hi) - _key(lo) <= 1)
     if (phase == 0) & (done | (c_lo <= kk)):
         if (p < 1.0) & (c_lo > 1):
@@ -301,12 +312,18 @@ def _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p):
             P = p * s_lo
             # tokens below a hold at most c_lo · exp(a − m) = (1 − p) · s_lo / e: t* lies above a
             a = m + tl.log(s_lo * (1.0 - p) / c_lo.to(tl.float32)) - 1.0
+            if c_x1 >= 0:
+                keep = s_x1 < P
+                phase = tl.where(keep, 5, phase)
+                lo = tl.where(keep, lo, l_x1)
+                c_lo = tl.where(keep, c_lo, c_x1)
+                s_lo = tl.where(keep, s_lo, s_x1)
             done = (c_lo - c_hi <= 1) | (_key(hi) - _key(lo) <= 1)
         else:
             phase = tl.full([], 2, tl.int32)
     if (phase == 1) & done:
         phase = tl.full([], 2, tl.int32)
-    return phase, hi, c_hi, a, kk, P
+    return phase, lo, c_lo, s_lo, hi, c_hi, a, kk, P
 
 
 @triton.jit
@@ -324,7 +341,7 @@ def _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, k
     """A row's search state: phase (0: top-k search, 1: top-p search, 2: done, 3: no truncation, thr
     −inf; with the precheck, 4: the plain draw x1 to check, 5: done, x1 kept and drawn), the row max m,
     (lo, C(lo), M(lo)), (hi, C(hi)), the placement bound a, cond's kk and P, and the reads of the row so
-    far (`_store_x1`: the precheck's words)."""
+    far (`_store_x1`, `_store_open`: the precheck's words)."""
     f = stf_ptr + row * 8
     i = sti_ptr + row * 8
     tl.store(i, phase)
@@ -352,6 +369,20 @@ def _store_x1(stf_ptr, sti_ptr, row, x1, l_x1, saved):
 @triton.jit
 def _load_x1(stf_ptr, sti_ptr, row):
     return tl.load(sti_ptr + row * 8 + 5), tl.load(stf_ptr + row * 8 + 6), tl.load(sti_ptr + row * 8 + 6)
+
+
+@triton.jit
+def _store_open(stf_ptr, sti_ptr, row, c_x1, s_x1):
+    """A row's open top-p test of x1 (`_advance`): C(l_x1) (−1: none, every row but those whose x1
+    passed top-k and not the check's top-p test) and M(l_x1)."""
+    tl.store(sti_ptr + row * 8 + 7, c_x1)
+    tl.store(stf_ptr + row * 8 + 7, s_x1)
+
+
+@triton.jit
+def _load_open(stf_ptr, sti_ptr, row):
+    """(C(l_x1), l_x1, M(l_x1)) of a row's open test (`_store_open`; C = −1: none)."""
+    return tl.load(sti_ptr + row * 8 + 7), tl.load(stf_ptr + row * 8 + 6), tl.load(stf_ptr + row * 8 + 7)
 
 
 @triton.jit
@@ -458,7 +489,8 @@ def threshold_begin_kernel(
     c_hi = tl.zeros([], tl.int32)
     a = lo
     P = tl.full([], float("inf"), tl.float32)
-    phase, hi, c_hi, a, kk, P = _advance(phase, m, lo, n, z, hi, c_hi, a, kk, P, p)
+    none = tl.full([], -1, tl.int32)
+    phase, lo, c_lo, s_lo, hi, c_hi, a, kk, P = _advance(phase, m, lo, n, z, hi, c_hi, a, kk, P, p, none, lo, z)
     phase = tl.where(active & (n > 0), phase, 3)
     if PRECHECK:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -471,7 +503,8 @@ def threshold_begin_kernel(
         saved = phase
         phase = tl.where((phase == 2) & minp_ok, 5, tl.where((phase < 2) & minp_ok, 4, phase))
         _store_x1(stf_ptr, sti_ptr, row, x1, l_x1, saved)
-    _store_state(stf_ptr, sti_ptr, row, phase, m, lo, n, z, hi, c_hi, a, kk, P, tl.full([], 1, tl.int32))
+    _store_open(stf_ptr, sti_ptr, row, none, z)
+    _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, tl.full([], 1, tl.int32))
 
 
 @triton.jit
@@ -519,7 +552,8 @@ def threshold_check_reduce_kernel(top_p_ptr, stf_ptr, sti_ptr, chk_cnt_ptr, chk_
     narrowed where the check proves it: when cond(l_x1) = C_gt < kk and M_gt < P is false (x1 fails
     top-k, or fails top-p alone), every kept token lies above l_x1: lo = l_x1 (C(lo) = C_gt, M(lo) =
     M_gt); when x1 passes top-k but the top-p test is not met, cond(l_x1) is true in the top-k search:
-    hi = l_x1 (C(hi) = C_gt)."""
+    hi = l_x1 (C(hi) = C_gt), and x1's top-p test stays open (`_store_open`) until the top-k search ends
+    and `_advance` decides it with Z_k."""
     row = tl.program_id(0)
     phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
     if phase == 4:
@@ -547,7 +581,12 @@ def threshold_check_reduce_kernel(top_p_ptr, stf_ptr, sti_ptr, chk_cnt_ptr, chk_
         hi = tl.where(down, l_x1, hi)
         c_hi = tl.where(down, c_gt, c_hi)
         phase = tl.where(keep, 5, saved)
-        phase, hi, c_hi, a, kk, P = _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p)
+        # x1 in the top-k set, its top-p test open until Z_k is known (`_advance`)
+        c_x1 = tl.where(down, c_gt, -1)
+        phase, lo, c_lo, s_lo, hi, c_hi, a, kk, P = _advance(
+            phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p, c_x1, l_x1, s_gt
+        )
+        _store_open(stf_ptr, sti_ptr, row, c_x1, s_gt)
         _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes + 1)
 
 
@@ -604,7 +643,10 @@ def threshold_reduce_kernel(
         lo, c_lo, s_lo, hi, c_hi = _update(keys, cnt, mass, vmin, vmax, lo, c_lo, s_lo, hi, c_hi, kk, P)
         a = tl.full([], float("-inf"), tl.float32)  # the bound places the first pass only
         p = tl.load(top_p_ptr + row)
-        phase, hi, c_hi, a, kk, P = _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p)
+        c_x1, l_x1, s_x1 = _load_open(stf_ptr, sti_ptr, row)
+        phase, lo, c_lo, s_lo, hi, c_hi, a, kk, P = _advance(
+            phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p, c_x1, l_x1, s_x1
+        )
         _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes + 1)
 
 
@@ -625,6 +667,7 @@ def threshold_finish_kernel(
     inv_t, _active, _k, p, min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
+    c_x1, l_x1, s_x1 = _load_open(stf_ptr, sti_ptr, row)
     while phase < 2:
         keys = _candidates(lo, hi, a, NC)
         x = _from_key(keys)
@@ -642,7 +685,9 @@ def threshold_finish_kernel(
             vmax = tl.maximum(vmax, vmax_c)
         lo, c_lo, s_lo, hi, c_hi = _update(keys, cnt, mass, vmin, vmax, lo, c_lo, s_lo, hi, c_hi, kk, P)
         a = tl.full([], float("-inf"), tl.float32)
-        phase, hi, c_hi, a, kk, P = _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p)
+        phase, lo, c_lo, s_lo, hi, c_hi, a, kk, P = _advance(
+            phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p, c_x1, l_x1, s_x1
+        )
         passes += 1
     thr = lo
     if PRECHECK:
@@ -743,8 +788,9 @@ def truncation_plan(
     (its Gumbel-max over every token with the same noise); one check pass over rows × chunks then counts
     the values and the mass ≥ and > l_x1, and a row whose x1 is provably kept ends there: the draw over
     the kept set is x1. The other rows search as without the precheck, from a bracket the check narrowed
-    where it proves it. Launches: statistics, begin, check, check reduce, the split passes, finish,
-    whatever the data. Without `precheck` the launches and results are `truncation_thresholds`'.
+    where it proves it; a top-k + top-p row whose x1 passes top-k is decided when its top-k search ends
+    (x1 kept, or the top-p search from l_x1). Launches: statistics, begin, check, check reduce, the split
+    passes, finish, whatever the data. Without `precheck` the launches and results are `truncation_thresholds`'.
 
     Returns:
         thr [B] float32: the kept set is {i : l_i > thr}, except for a row decided by the precheck, whose
