@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN  # the tile of both kernels
-from tinyvllm.kernels.flash_tiles import attn_inner
+from tinyvllm.kernels.flash_tiles import attn_inner, queries_for_cache
 from tinyvllm.kernels.launch import (
     cdiv,
     check_kv_scales,
@@ -149,8 +149,7 @@ def _decode_kernel(
     heads = kvh * GROUP + offs_g
     g_valid = offs_g < GROUP
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_valid[:, None], other=0.0)
-    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
-        q = q.to(tl.float16)  # exact below 65,504: products with float16-widened codes (load_e4m3_as_f16)
+    q = queries_for_cache(q, k_cache_ptr)
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + (seq_len - 1)
 
     kv_off = kvh.to(tl.int64) * stride_kh
@@ -311,8 +310,7 @@ def _prefix_kernel(
     q = tl.load(
         q_ptr + seq64[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=live[:, None], other=0.0
     )
-    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
-        q = q.to(tl.float16)  # exact below 65,504: products with float16-widened codes (load_e4m3_as_f16)
+    q = queries_for_cache(q, k_cache_ptr)
     prefix_len = tl.load(prefix_len_ptr)
     kv_off = kvh.to(tl.int64) * stride_kh
     m_i = tl.full([M], float("-inf"), dtype=tl.float32)

@@ -106,6 +106,15 @@ def _e4m3_byte_to_f16(w, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def queries_for_cache(q, k_ptr):
+    """q as the products over the cache at k_ptr want it: bf16 queries become float16 over an FP8 cache
+    (exact below 65,504), whose codes `load_e4m3_as_f16` widens to float16; otherwise q unchanged."""
+    if k_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def load_e4m3_as_f16(ptrs_row, mask_row, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, EMULATE: tl.constexpr):
     """The e4m3 rows at ptrs_row [N] (HEAD_DIM codes each, 4-byte aligned) as float16 [N, HEAD_DIM], exact.
 

@@ -91,8 +91,7 @@ FLOAT32_CONFIG = DEFAULT_CONFIG
 # First matching rule wins. Columns: M bucket, N bound, tile (block_m, block_n, warps, stages; `_t`: TMA
 # loads). The decode buckets size BLOCK_N so that N / BLOCK_N fills the 132 SMs of an H200 for the 1B
 # model's widths (qkv 3072, o/down 2048, gate_up 16384, LM head 128256); each rule is the sweep's winner
-# for its bucket (benchmarks/kernels/bench_invariant_matmul.py, H200): pointer loads up to 64 rows, TMA
-# loads above, 5–25 % faster there.
+# for its bucket (benchmarks/kernels/bench_invariant_matmul.py; docs/perf.md §11 has its figures).
 TILE_TABLE: tuple[TileRule, ...] = (
     TileRule(64, 4096, _c(64, 16, 4, 8)),
     TileRule(64, 32768, _c(64, 64, 4, 5)),
@@ -202,6 +201,15 @@ def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.
     return first_m + (pid % per_group) % rows_in_group, (pid % per_group) // rows_in_group
 
 
+@triton.jit
+def _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr):
+    """out[offs_m, offs_n] = round(acc (+ b[offs_n])): the bias added to the float32 sum, one rounding."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M (no M == 1 or M % 16 variant)
 def _matmul_kernel(
     x_ptr,
@@ -243,10 +251,7 @@ def _matmul_kernel(
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -282,10 +287,7 @@ def _matmul_tma_kernel(
         acc = tl.dot(a, b.T, acc)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
 
 
 def tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:

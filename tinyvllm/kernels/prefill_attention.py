@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.flash_tiles import attn_inner
+from tinyvllm.kernels.flash_tiles import attn_inner, queries_for_cache
 from tinyvllm.kernels.launch import cdiv, check_kv_scales, check_paged_attention, check_window, upcast_dot
 
 LOG2E = 1.4426950408889634
@@ -162,8 +162,7 @@ def _prefill_kernel(
         o_rows = rows[:, None] * stride_ot + h * stride_oh
         kv_off = (h // GROUP).to(tl.int64) * stride_kh
     q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=row_valid[:, None], other=0.0)
-    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
-        q = q.to(tl.float16)  # exact below 65,504: products with float16-widened codes (load_e4m3_as_f16)
+    q = queries_for_cache(q, k_cache_ptr)
 
     k_ptr = k_cache_ptr + kv_off
     v_ptr = v_cache_ptr + kv_off
