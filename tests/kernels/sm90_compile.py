@@ -18,7 +18,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,20 @@ def missing_cuda_backend() -> str | None:
     except ImportError as e:
         return f"no CUDA backend or AOT API in this Triton: {e}"
     return None
+
+
+def compiled_or_skip(key: str, compile_all: Callable[[], object]) -> dict:
+    """{key: compile_all()}, or {"skip": reason} where this Triton cannot compile for CUDA or ships no
+    ptxas: what a codegen test module's `__main__` prints for `facts_from_subprocess`."""
+    missing = missing_cuda_backend()
+    if missing is not None:
+        return {"skip": missing}
+    try:
+        return {key: compile_all()}
+    except Exception as e:
+        if "ptxas" in str(e) and "not found" in str(e):
+            return {"skip": f"no ptxas: {e}"}
+        raise
 
 
 def facts_from_subprocess(script: str, timeout: float) -> dict:

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backend
+from tests.kernels.sm90_compile import compiled_or_skip, facts_from_subprocess
 
 PATTERNS = {
     "cvt_e4m3x2": r"cvt\.rn\.f16x2\.e4m3x2",
@@ -52,18 +52,6 @@ def compile_kernels() -> dict:
     return out
 
 
-def summarise() -> dict:
-    missing = missing_cuda_backend()
-    if missing is not None:
-        return {"skip": missing}
-    try:
-        return {"kernels": compile_kernels()}
-    except Exception as e:
-        if "ptxas" in str(e) and "not found" in str(e):
-            return {"skip": f"no ptxas: {e}"}
-        raise
-
-
 @pytest.fixture(scope="module")
 def facts() -> dict:
     return facts_from_subprocess(__file__, timeout=600)
@@ -80,4 +68,4 @@ def test_fp8_cache_is_widened_by_word_on_float16_tensor_cores(facts):
 
 
 if __name__ == "__main__":
-    print(json.dumps(summarise()))
+    print(json.dumps(compiled_or_skip("kernels", compile_kernels)))

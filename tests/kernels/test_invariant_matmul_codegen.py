@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backend
+from tests.kernels.sm90_compile import compiled_or_skip, facts_from_subprocess
 
 MMA = re.compile(r"(wgmma\.mma_async[\w.]*|mma\.sync[\w.]*)")
 
@@ -43,18 +43,6 @@ def compile_configs() -> dict:
     return out
 
 
-def summarise() -> dict:
-    missing = missing_cuda_backend()
-    if missing is not None:
-        return {"skip": missing}
-    try:
-        return {"configs": compile_configs()}
-    except Exception as e:
-        if "ptxas" in str(e) and "not found" in str(e):
-            return {"skip": f"no ptxas: {e}"}
-        raise
-
-
 @pytest.fixture(scope="module")
 def facts() -> dict:
     return facts_from_subprocess(__file__, timeout=600)
@@ -76,4 +64,4 @@ def test_every_config_is_wgmma_k16(facts):
 
 
 if __name__ == "__main__":
-    print(json.dumps(summarise()))
+    print(json.dumps(compiled_or_skip("configs", compile_configs)))
