@@ -363,6 +363,13 @@ def _plan_draw(z, cfg, seeds, bitmask=None, precheck=True, **search):
     return ids.cpu(), passes.cpu(), None if decided is None else decided.cpu()
 
 
+def _plain_ids(z, cfg, seeds, bitmask=None):
+    """The plain fused sampler's ids for the rows (no truncation), on z's device: the draw x1 the precheck
+    keeps or hands to the search."""
+    t, s = _with_seeds(cfg, seeds, z.device)[:2]
+    return sample_greedy_or_gumbel(z, t, s, bitmask=bitmask).cpu()
+
+
 def _mixed_rows(gen, V, n_rows, configs):
     """Rows of assorted shapes (flat, peaked, wide, some with −inf) under a cycle of configurations."""
     rows, cfg = [], []
@@ -406,8 +413,7 @@ def test_precheck_draws_the_searchs_ids_by_both_routes(device, search):
     ids, passes, decided = _plan_draw(zd, cfg, seeds, **search)
     old, old_passes, _ = _plan_draw(zd, cfg, seeds, precheck=False, **search)
     assert ids.tolist() == old.tolist()
-    t, s = _with_seeds(cfg, seeds, device)[:2]
-    plain = sample_greedy_or_gumbel(zd, t, s).cpu()
+    plain = _plain_ids(zd, cfg, seeds)
     routes = {}
     for b, c in enumerate(cfg):
         truncating = c[0] > 0 and (c[1] > 0 or c[2] < 1 or c[3] > 0)
@@ -441,10 +447,9 @@ def test_filters_that_cut_nothing_are_decided_by_the_statistics_with_the_plain_i
     allowed = torch.rand(B, V, generator=gen) < 0.3
     bitmask = torch.from_numpy(pack_bitmask(allowed.numpy())).to(device)
     zd = z.to(device)
-    t, s = _with_seeds(cfg, seeds, device)[:2]
     for mask in (None, bitmask):
         ids, passes, decided = _plan_draw(zd, cfg, seeds, bitmask=mask, **search)
-        plain = sample_greedy_or_gumbel(zd, t, s, bitmask=mask).cpu()
+        plain = _plain_ids(zd, cfg, seeds, bitmask=mask)
         assert decided.tolist() == plain.tolist() == ids.tolist()
         assert passes.tolist() == [1] * B
 
@@ -480,8 +485,7 @@ def test_precheck_at_ties_on_the_boundary(device):
         assert (decided[j * n : (j + 1) * n] >= 0).any(), j
     # a plain draw x1 inside the boundary's tie group is kept: decided by the precheck; one outside the
     # kept set is searched
-    t, s = _with_seeds(cfg, seeds, device)[:2]
-    plain = sample_greedy_or_gumbel(rows.to(device), t, s).cpu()
+    plain = _plain_ids(rows.to(device), cfg, seeds)
     tied = {0: [7, 9, 11], 1: [3, 7, 9], 2: [5, 6, 8], 3: [4, 6], 4: [2, 4], 5: [0, 1, 2, 3]}
     for j, group in tied.items():
         block = range(j * n, (j + 1) * n)
@@ -566,8 +570,7 @@ def test_precheck_decides_top_p_when_the_top_k_search_ends(device, search):
     ids, passes, decided = _plan_draw(zd, cfg, seeds, **search)
     old, _, _ = _plan_draw(zd, cfg, seeds, precheck=False, **search)
     assert ids.tolist() == old.tolist()
-    t, s = _with_seeds(cfg, seeds, device)[:2]
-    plain = sample_greedy_or_gumbel(zd, t, s).cpu()
+    plain = _plain_ids(zd, cfg, seeds)
     open_, kept = _open_routes(z, cfg, plain)
     after_top_k = {0: 0, 1: 0}  # rows decided when the top-k search ended, per shape
     narrowed = {0: 0, 1: 0}  # rows whose top-p search started from l_x1
@@ -597,7 +600,7 @@ def test_precheck_decided_after_top_k_is_the_rows_own_whatever_the_batch(device)
     z, cfg = _open_top_p_rows(gen, 1000, 6)
     seeds = torch.arange(len(cfg), dtype=torch.int64) * 104729 + 1
     ids, passes, decided = _plan_draw(z.to(device), cfg, seeds, chunk=256)
-    plain = sample_greedy_or_gumbel(z.to(device), *_with_seeds(cfg, seeds, device)[:2]).cpu()
+    plain = _plain_ids(z.to(device), cfg, seeds)
     open_, _ = _open_routes(z, cfg, plain)
     assert any(o and d >= 0 for o, d in zip(open_, decided.tolist())), (open_, decided)
     assert any(o and d < 0 for o, d in zip(open_, decided.tolist())), (open_, decided)
