@@ -282,8 +282,8 @@ def first_flip(new_a: torch.Tensor, new_b: torch.Tensor) -> tuple[int | None, to
     return first, dist[first]
 
 
-# How far one e4m3 code flipped in a layer moves the final hidden state: 3.5e-3 measured in float32 at one
-# key, 0.058 in bf16 (docs/perf.md §9, "Two correct paths, neighbouring codes").
+# How far flipped e4m3 codes may move the final hidden state: one code moves every later layer, most at
+# one key, where it is that head's whole attention output (docs/perf.md §9 has the sizes seen).
 FLIP_TOL = {torch.float32: 1e-2, torch.bfloat16: 1e-1}
 # The share of a float32 layer's new codes that may flip (two of the 1B shape's 1,024): values that agree
 # to ~1e-7 rarely straddle a rounding midpoint.

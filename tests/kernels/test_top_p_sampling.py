@@ -582,7 +582,7 @@ def test_precheck_decides_top_p_when_the_top_k_search_ends(device, search):
         elif open_[b]:
             assert int(decided[b]) == -1, (b, c)
             narrowed[b % 2] += 1
-        else:  # decided by the check (two reads) or searched as before
+        else:  # decided by the check (two reads) or searched from the precheck's bracket
             assert int(decided[b]) == -1 or int(passes[b]) <= 2, (b, c)
     assert min(after_top_k.values()) >= 2 and min(narrowed.values()) >= 2, (after_top_k, narrowed)
     # the ties: x1 in the 1.0s is kept whole with its group, in the 0.0s (kept by top-k) it is not
