@@ -15,13 +15,15 @@ engine does for its constrained rows, with the engine's own calls, and times eac
   that is xgrammar's; the rest is ours);
 * `sequential`: accept + rows + fill, one after the other;
 * `overlapped`: the same step as the engine runs it under async scheduling (`begin_fill`, `accept_tokens`,
-  `finish_fill`): each chunk of rows is filled on the manager's worker thread while the next is accepted.
+  `finish_fill`): each chunk of rows is filled on the manager's worker thread while the next is accepted;
+* `overlapped_wN` (`--workers N ...`): that step with the rows on N grammar worker processes
+  (structured/workers.py), each accepting and filling its own rows.
 
 The host-to-device copy of the mask is asynchronous from pinned memory (one enqueue, not host time) and
 is not measured on the CPU. The tokens are drawn uniformly among each row's allowed tokens (a random-weight
 model's choice), so the grammars walk through the schema's states as a real run does.
 
-    python -m benchmarks.bench_structured_host [--batch 1 32 256] [--steps 60] [--clock thread]
+    python -m benchmarks.bench_structured_host [--batch 1 32 256] [--steps 60] [--clock thread] [--workers 2 4]
 
 Prints median µs per step for each phase and batch size: wall-clock time, or with `--clock thread` the
 calling thread's CPU time (steadier on a shared machine; for `overlapped` it leaves out the worker's fill,
@@ -76,7 +78,7 @@ def run(
     for rid in rids:
         manager.add(rid, so).compiled.result()
     outputs: dict[str, list[int]] = {rid: [] for rid in rids}
-    host = torch.empty((batch, manager.width), dtype=torch.int32)
+    host = manager.host_masks(batch, False)[0]
     scratch = torch.empty_like(host)
     batches = {t: xgr.BatchGrammarMatcher(t) for t in (1, 2, 4)}
     compiled = manager.grammars[rids[0]].compiled.result()
@@ -139,6 +141,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall")
     parser.add_argument("--fill-threads", type=int, default=None, help="the manager's fill workers (default: its own)")
+    parser.add_argument("--workers", type=int, nargs="*", default=[], help="grammar worker processes to time too")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -150,6 +153,14 @@ def main() -> None:
         b: {**run(manager, b, args.steps, False, clock=clock), **run(manager, b, args.steps, True, clock=clock)}
         for b in args.batch
     }
+    tokenizer = llama3_tokenizer()
+    for workers in args.workers:
+        pooled = StructuredOutputManager(tokenizer, VOCAB, EOS, num_workers=workers)
+        while not all(w.ready.is_set() for w in pooled.pool.workers):
+            time.sleep(0.05)
+        for b in args.batch:
+            results[b][f"overlapped_w{workers}"] = run(pooled, b, args.steps, True, clock=clock)["overlapped"]
+        pooled.close()
     phases = list(next(iter(results.values())))
     print(f"{'µs / step':>14}" + "".join(f"{'batch ' + str(b):>12}" for b in results))
     for phase in phases:

@@ -123,6 +123,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     vocab = llm.llm_engine.model_config.vocab_size
     schema = StructuredOutputsParams(json=SCHEMA)
     compile_times = _compile_times(llm)  # first: the cold figure must not find the schema cached
+    llm.llm_engine.structured.wait_for_workers(120)  # grammar workers (if any) up: the steady state timed
 
     tw = throughput_workload(ns.num_prompts)
     prompts = _prompts(tw, vocab)

@@ -505,8 +505,16 @@ class LLMEngine:
             parser = self.args.reasoning_parser
             end_ids = None if parser is None else end_token_ids(self.tokenizer, parser)
             start_ids = None if parser is None else start_token_ids(self.tokenizer, parser)
+            from tinyvllm.structured.workers import default_num_workers
+
+            workers = self.args.structured_outputs_workers
             self._structured = StructuredOutputManager(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, end_ids, start_ids
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.eos_token_ids,
+                end_ids,
+                start_ids,
+                num_workers=default_num_workers() if workers is None else workers,
             )
         return self._structured
 
@@ -896,8 +904,11 @@ class LLMEngine:
         self.runner.check_health()
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes (tensor parallelism); the engine cannot step afterwards."""
+        """Stop the engine's worker processes (tensor parallelism, grammar workers); the engine cannot step
+        afterwards."""
         self.runner.shutdown()
+        if self._structured is not None:
+            self._structured.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's name). Only possible while no request holds blocks;

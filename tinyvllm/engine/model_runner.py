@@ -566,7 +566,7 @@ class ModelRunner:
         `before_mask`, the constrained rows' fill overlaps the acceptance of the in-flight step's tokens."""
         rids = [s.request_id for s in seqs]
         n = len(seqs)
-        host = self._next_bitmask_buf(n)
+        host = self._next_bitmask_buf(n, structured)
         if self._before_mask is not None and structured is not None and structured.has_grammar(rids):
             # the in-flight step's tokens are accepted inside before_mask; each row's mask is filled on the
             # manager's worker thread as soon as its token is in (StructuredOutputManager.begin_fill)
@@ -586,13 +586,19 @@ class ModelRunner:
         apply_to_bitmask(seqs, plan.masked_rows, host.numpy(), self.sampler.vocab_size)
         return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
-    def _next_bitmask_buf(self, n: int) -> torch.Tensor:
+    def _next_bitmask_buf(self, n: int, structured: StructuredOutputManager | None = None) -> torch.Tensor:
         """This step's host bitmask [n, ceil(V / 32)] int32: one of two pinned buffers, alternating as the
-        other host staging does (a buffer is rewritten only after its copy has run)."""
-        if not self._bitmask_bufs or self._bitmask_bufs[0].shape[0] < n:
-            shape = (max(self.builder_rows, n), bitmask_width(self.sampler.vocab_size))
+        other host staging does (a buffer is rewritten only after its copy has run). With a grammar
+        manager, its buffers (shared with its grammar workers, if any)."""
+        bufs = self._bitmask_bufs
+        if not bufs or bufs[0].shape[0] < n or (structured is not None and not structured.fills_into(bufs[0])):
+            rows = max(self.builder_rows, n)
             pin = self.device.type == "cuda"
-            self._bitmask_bufs = [torch.empty(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+            if structured is not None:
+                self._bitmask_bufs = structured.host_masks(rows, pin)
+            else:
+                shape = (rows, bitmask_width(self.sampler.vocab_size))
+                self._bitmask_bufs = [torch.empty(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         return self._bitmask_bufs[self._num_launched % 2][:n]
 
     def _next_host_bufs(self) -> dict[str, torch.Tensor]:

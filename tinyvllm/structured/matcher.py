@@ -1,7 +1,10 @@
 """One request's grammar state: its compiled grammar (a future), its matcher, its reasoning gate.
 
 The matcher holds exactly the request's accepted output tokens after the end of its thinking (all
-of them without a reasoning parser). The engine accepts each token it appends to the request, so a
+of them without a reasoning parser). It lives in the engine's process, or in a grammar worker
+(structured/workers.py) once the manager places the sequence there (`worker`): then `accept` only
+passes the reasoning gate, and the manager sends the token to the worker and records its answer
+(`record_remote`). The engine accepts each token it appends to the request, so a
 preempted request (whose output tokens are kept and recomputed) resumes with the same state; tokens
 the engine discards are never accepted. `rollback(k)` undoes the last k accepted tokens.
 """
@@ -32,6 +35,9 @@ class RequestGrammar:
         terminated: the grammar is complete and its stop token accepted (kept in step with the matcher by
             `accept` and `rollback`, so that reading it costs no call into xgrammar).
         last_token: the last accepted token, or None.
+        worker: the grammar worker holding the matcher; None while it is in this process. Set once, by
+            the manager, before the matcher is first used.
+        remote_rollback: for a sequence on a worker, `rollback`'s call into it (num_tokens) -> terminated.
     """
 
     def __init__(
@@ -49,6 +55,9 @@ class RequestGrammar:
         self.accepted: list[int] = []  # the tokens the grammar accepted, in order
         self.terminated = False
         self.last_token: int | None = None
+        self.worker: int | None = None
+        self.placed = False  # the manager chose where the matcher lives (this process or `worker`)
+        self.remote_rollback: Any = None
 
     def is_ready(self) -> bool:
         """Whether the grammar has compiled (successfully: a failed one is the engine's to end)."""
@@ -62,6 +71,7 @@ class RequestGrammar:
         return None if error is None else str(error)
 
     def get_matcher(self) -> Any:
+        assert self.worker is None, "the matcher lives in a grammar worker"
         if self.matcher is None:
             import xgrammar as xgr
 
@@ -77,9 +87,7 @@ class RequestGrammar:
         """Advance by the request's new output token `token_id` (`output_token_ids`: all of them, this
         one last). Before the gate opens, only looks for the end of thinking. Returns False when the
         grammar rejects the token."""
-        if not self.gate_open:
-            if reasoning_ended(output_token_ids[-len(self.reasoning_end_ids) :], self.reasoning_end_ids) is not None:
-                self.gate_open = True
+        if not self.gate_passes(output_token_ids):
             return True
         matcher = self.matcher or self.get_matcher()
         if not matcher.accept_token(token_id):
@@ -91,6 +99,21 @@ class RequestGrammar:
             self.terminated = matcher.is_terminated()
         return True
 
+    def gate_passes(self, output_token_ids: Sequence[int]) -> bool:
+        """Whether the request's new token (the last of `output_token_ids`) goes to the matcher. Before the
+        gate opens it does not, and the gate opens after the token that ends the thinking."""
+        if self.gate_open:
+            return True
+        if reasoning_ended(output_token_ids[-len(self.reasoning_end_ids) :], self.reasoning_end_ids) is not None:
+            self.gate_open = True
+        return False
+
+    def record_remote(self, token_id: int, terminated: bool) -> None:
+        """A grammar worker accepted `token_id` (and found the grammar complete after it, or not)."""
+        self.accepted.append(token_id)
+        self.last_token = token_id
+        self.terminated = terminated
+
     def is_terminated(self) -> bool:
         """Whether the grammar is complete and its stop token accepted: the request is done."""
         return self.terminated
@@ -99,11 +122,14 @@ class RequestGrammar:
         """Undo the last `num_tokens` accepted tokens."""
         if num_tokens:
             assert num_tokens <= len(self.accepted), "rollback past the grammar's start"
-            matcher = self.get_matcher()
-            matcher.rollback(num_tokens)
+            if self.worker is not None:
+                self.terminated = self.remote_rollback(num_tokens)
+            else:
+                matcher = self.get_matcher()
+                matcher.rollback(num_tokens)
+                self.terminated = matcher.is_terminated()
             del self.accepted[-num_tokens:]
             self.last_token = self.accepted[-1] if self.accepted else None
-            self.terminated = matcher.is_terminated()
 
     @property
     def num_accepted(self) -> int:

@@ -1,0 +1,140 @@
+"""A grammar shard: the xgrammar matchers of a subset of the constrained sequences, and one step's work on them.
+
+A `GrammarWorkerPool` (structured/workers.py) runs one shard per worker process, so that several cores
+accept tokens and fill mask rows at once: xgrammar's `accept_token` and its fill are CPU work of a few
+microseconds per row, which on one core is longer than a batch-256 decode step on the GPU. The shard
+holds, per sequence, its matcher and the tokens it accepted (for `rollback`); the engine's process keeps
+everything else (the reasoning gate, which rows a step samples, the requests' fates).
+
+`step(accepts, fills, out)` is the whole per-step exchange: accept one token per sequence of `accepts`,
+then fill the mask row of each sequence of `fills` into `out` [rows, W] int32 (xgrammar's packed layout):
+the grammar's allowed tokens ANDed with the UTF-8 guard; the row of a sequence whose grammar the step's
+token completed is left to the engine, for which that row is no longer constrained. It reports the
+sequences whose token was rejected, those whose grammar completed, and those whose filled row allows
+nothing (a dead end).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tinyvllm.structured.utf8_guard import Utf8Guard
+
+
+@dataclass
+class StepResult:
+    """What one shard step found (request ids)."""
+
+    rejected: list[str] = field(default_factory=list)  # the grammar rejected the token (matcher unchanged)
+    terminated: list[str] = field(default_factory=list)  # the token completed the grammar
+    dead: list[str] = field(default_factory=list)  # the filled row allows no token
+
+
+class GrammarShard:
+    """The matchers of some sequences (module docstring).
+
+    Args:
+        tokenizer_info: the vocabulary (`xgrammar.TokenizerInfo`); its stop tokens are the only ones after
+            which a grammar can complete.
+        utf8_guard: the vocabulary's `Utf8Guard` (built from `tokenizer_info` when not given).
+    """
+
+    def __init__(self, tokenizer_info: Any, utf8_guard: Utf8Guard | None = None) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.tokenizer_info = tokenizer_info
+        self.stop_token_ids = frozenset(tokenizer_info.stop_token_ids)
+        self.utf8_guard = utf8_guard or Utf8Guard(tokenizer_info.decoded_vocab)
+        self.grammars: dict[str, Any] = {}  # key -> xgrammar.CompiledGrammar
+        self.matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
+        self.accepted: dict[str, list[int]] = {}  # request id -> its accepted tokens
+        self._batch = xgr.BatchGrammarMatcher(1)  # fills on the calling thread (no thread start-up per call)
+
+    def add_grammar(self, key: Any, serialized: str) -> None:
+        """Register a compiled grammar (`CompiledGrammar.serialize_json`) under `key`."""
+        if key not in self.grammars:
+            self.grammars[key] = self._xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
+
+    def add(self, request_id: str, key: Any, accepted: Sequence[int] = ()) -> None:
+        """A matcher for `request_id` on the grammar of `key`, advanced by `accepted` (its tokens so far)."""
+        matcher = self._xgr.GrammarMatcher(self.grammars[key])
+        for token in accepted:
+            if not matcher.accept_token(token):
+                raise ValueError(f"token {token} of {request_id}'s accepted output is not in its grammar")
+        self.matchers[request_id] = matcher
+        self.accepted[request_id] = list(accepted)
+
+    def remove(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+        self.accepted.pop(request_id, None)
+
+    def rollback(self, request_id: str, num_tokens: int) -> bool:
+        """Undo the last `num_tokens` accepted tokens; returns whether the grammar is complete after it."""
+        matcher = self.matchers[request_id]
+        if num_tokens:
+            matcher.rollback(num_tokens)
+            del self.accepted[request_id][-num_tokens:]
+        return matcher.is_terminated()
+
+    def step(
+        self, accepts: Sequence[tuple[str, int]], fills: Sequence[tuple[str, int]], out: np.ndarray | None
+    ) -> StepResult:
+        """Accept each (request id, token) of `accepts`, then fill the row of each (request id, row) of
+        `fills` into `out` [rows, W] int32 (module docstring). A rejected token leaves its matcher as it was."""
+        result = StepResult()
+        matchers = self.matchers
+        terminated: set[str] = set()
+        if accepts:
+            rids = [rid for rid, _ in accepts]
+            tokens = [token for _, token in accepts]
+            ok = self._xgr.BatchGrammarMatcher.batch_accept_token([matchers[r] for r in rids], tokens)
+            stops = self.stop_token_ids
+            for rid, token, good in zip(rids, tokens, ok):
+                if not good:
+                    result.rejected.append(rid)
+                    continue
+                self.accepted[rid].append(token)
+                if token in stops and matchers[rid].is_terminated():
+                    terminated.add(rid)
+                    result.terminated.append(rid)
+        if fills and out is not None:
+            self._fill(fills, terminated, out, result)
+        return result
+
+    def _fill(
+        self, fills: Sequence[tuple[str, int]], terminated: set[str], out: np.ndarray, result: StepResult
+    ) -> None:
+        # a grammar completed by this step's token leaves its row to the engine (no longer constrained)
+        live = [(rid, row) for rid, row in fills if rid not in terminated]
+        if not live:
+            return
+        rows = [row for _, row in live]
+        self._batch.batch_fill_next_token_bitmask([self.matchers[rid] for rid, _ in live], out, rows)
+        last = [acc[-1] if (acc := self.accepted[rid]) else None for rid, _ in live]
+        self.utf8_guard.apply(out, rows, last)
+        result.dead += [live[j][0] for j in empty_rows(out, rows)]
+
+
+PREFIX_WORDS = 64
+"""Words of a mask row `empty_rows` reads first: nearly every live row has an allowed token among its
+first 2,048 ids, so only the rest are read whole (reading every row whole costs ~0.5 ms at 256 rows)."""
+
+
+def empty_rows(words: np.ndarray, rows: Sequence[int]) -> list[int]:
+    """The positions j in `rows` whose packed mask row `words[rows[j]]` ([*, W] int32) allows no token."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not len(rows):
+        return []
+    head = np.bitwise_or.reduce(words[rows, :PREFIX_WORDS], axis=1)
+    maybe = np.flatnonzero(head == 0)
+    if not len(maybe):
+        return []
+    if words.shape[1] <= PREFIX_WORDS:
+        return [int(j) for j in maybe]
+    rest = np.bitwise_or.reduce(words[rows[maybe], PREFIX_WORDS:], axis=1)
+    return [int(j) for j in maybe[rest == 0]]
