@@ -7,9 +7,14 @@ tuples, the operation first; only `init`, `step` and `rollback` are answered, in
 
 * ``("init", tokenizer_info_json)`` → ``("ready",)``
 * ``("buffer", name, rows, width)``: attach the engine's shared-memory mask buffer `name`
-* ``("grammar", key, compiled_json)``, ``("add", request_id, key, accepted)``, ``("remove", request_id)``
-* ``("step", buffer_name | None, accepts, fills)`` → ``(rejected, terminated, dead)`` (`GrammarShard.step`)
-* ``("rollback", request_id, num_tokens)`` → whether the grammar is complete after it
+* ``("grammar", key, compiled_json)``, ``("add", sid, key, accepted)``, ``("remove", sid)``
+* ``("step", buffer_name | None, accept_ids, tokens, fill_ids, rows)`` → ``(rejected, terminated)`` when
+  `accept_ids` is not empty, sent as soon as they are accepted, then ``dead`` when `fill_ids` is not
+  empty, once the rows are filled (`GrammarShard.accept`, `GrammarShard.fill`): the engine reads the
+  first while the worker fills
+* ``("rollback", sid, num_tokens)`` → whether the grammar is complete after it
+
+A sequence is named by the integer id (sid) the engine gave it when it placed it on this worker.
 * ``("stop",)``, or the connection closing: exit.
 
 An operation that fails answers ``("error", text)`` in place of its reply; one that has no reply reports
@@ -58,14 +63,12 @@ def serve(conn: Connection) -> None:
         op = message[0]
         if op == "stop":
             return
-        answers = op in ("step", "rollback")
-        reply: Any = None
+        if op == "step":
+            failure = _step(conn, shard, buffers, message, failure)
+            continue
         try:
-            if op == "step":
-                _, name, accepts, fills = message
-                result = shard.step(accepts, fills, None if name is None else buffers[name][0])
-                reply = (result.rejected, result.terminated, result.dead)
-            elif op == "rollback":
+            reply = None
+            if op == "rollback":
                 reply = shard.rollback(message[1], message[2])
             elif op == "buffer":
                 buffers[message[1]] = _attach(*message[1:])
@@ -79,11 +82,31 @@ def serve(conn: Connection) -> None:
                 raise ValueError(f"unknown operation {op!r}")
         except Exception:
             failure = failure or traceback.format_exc()
-        if not answers:
-            continue
-        if failure is not None:
-            reply, failure = ("error", failure), None
-        conn.send(reply)
+        if op == "rollback":
+            reply, failure = (reply, None) if failure is None else (("error", failure), None)
+            conn.send(reply)
+
+
+def _step(conn: Connection, shard: Any, buffers: dict, message: tuple, failure: str | None) -> str | None:
+    """One step: the accept answer, then the fill answer (each only when asked for); a failure is sent
+    in place of every answer still due. Returns the failure still to report (None once sent)."""
+    _, name, accept_ids, tokens, fill_ids, rows = message
+    skip: list = []
+    if accept_ids:
+        if failure is None:
+            try:
+                rejected, skip = shard.accept(accept_ids, tokens)
+            except Exception:
+                failure = traceback.format_exc()
+        conn.send(("error", failure) if failure is not None else (rejected, skip))
+    if fill_ids:
+        if failure is None:
+            try:
+                dead = shard.fill(fill_ids, rows, buffers[name][0], skip)
+            except Exception:
+                failure = traceback.format_exc()
+        conn.send(("error", failure) if failure is not None else dead)
+    return None if (accept_ids or fill_ids) else failure
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ from tinyvllm.sampling_params import StructuredOutputsParams
 from tinyvllm.structured.compiler import compiler_for
 from tinyvllm.structured.matcher import RequestGrammar
 from tinyvllm.structured.reasoning_gate import prompt_closed_thinking
-from tinyvllm.structured.shard import StepResult, empty_rows
+from tinyvllm.structured.shard import empty_rows
 from tinyvllm.structured.utf8_guard import Utf8Guard
 
 FILL_CHUNK = 32
@@ -116,6 +116,8 @@ class StructuredOutputManager:
         self.utf8_guard = Utf8Guard(self.compiler.tokenizer_info.decoded_vocab)
         self._keys: dict[str, Any] = {}  # request id -> its constraint's key (the worker's grammar cache)
         self._held_here: set[str] = set()  # sequences whose matcher was made in this process
+        self._sids: dict[int, str] = {}  # a worker's name for a sequence placed on it -> its request id
+        self._next_sid = 0
         self.worker_min_sequences = WORKER_MIN_SEQUENCES
         self.pool = None
         if num_workers > 0:
@@ -170,7 +172,8 @@ class StructuredOutputManager:
         self._compiling.discard(request_id)
         self._held_here.discard(request_id)
         if grammar is not None and grammar.worker is not None and self.pool is not None:
-            self.pool.remove(grammar.worker, request_id)
+            self.pool.remove(grammar.worker, grammar.sid)
+            del self._sids[grammar.sid]
 
     def _worker_of(self, request_id: str, grammar: RequestGrammar) -> int | None:
         """Where the sequence's matcher lives: a grammar worker's index, or None (this process). Chosen at
@@ -192,10 +195,12 @@ class StructuredOutputManager:
 
     def _place(self, request_id: str, grammar: RequestGrammar, worker: int) -> None:
         """Put the sequence's matcher on `worker`, advanced by the tokens it accepted so far."""
-        self.pool.add(worker, request_id, self._keys[request_id], grammar.compiled.result(), grammar.accepted)
-        grammar.worker = worker
+        sid, self._next_sid = self._next_sid, self._next_sid + 1
+        self.pool.add(worker, sid, self._keys[request_id], grammar.compiled.result(), grammar.accepted)
+        self._sids[sid] = request_id
+        grammar.worker, grammar.sid = worker, sid
         grammar.matcher = None
-        grammar.remote_rollback = functools.partial(self.pool.rollback, worker, request_id)
+        grammar.remote_rollback = functools.partial(self.pool.rollback, worker, sid)
 
     def _move_to_workers(self) -> None:
         """Move the sequences held in this process to the workers, once they are ready and the engine holds
@@ -233,7 +238,9 @@ class StructuredOutputManager:
     def constrained_rows(self, request_ids: Sequence[str]) -> list[int]:
         """The rows (indices into `request_ids`) whose next token the grammar constrains."""
         get = self.grammars.get
-        return [i for i, rid in enumerate(request_ids) if (g := get(rid)) is not None and g.is_active]
+        return [
+            i for i, rid in enumerate(request_ids) if (g := get(rid)) is not None and g.gate_open and not g.terminated
+        ]
 
     def fill(self, request_ids: Sequence[str], rows: Sequence[int], out: torch.Tensor) -> None:
         """Fill `out` [len(request_ids), width] int32 (host): the grammar's allowed tokens in `rows`,
@@ -243,10 +250,10 @@ class StructuredOutputManager:
             return
         self._move_to_workers()
         local, remote = self._split_rows(request_ids, rows)
-        sent = self._send_fills(remote, out)
+        self._send_fills(remote, out)
         if local:
             self._fill_rows(self._batch, self._matchers(request_ids, local), local, out)
-        self._recv_steps(sent)
+        self._recv_fills()
         self._finish_rows(request_ids, rows, local, out)
 
     def begin_fill(self, request_ids: Sequence[str], out: torch.Tensor) -> None:
@@ -264,56 +271,62 @@ class StructuredOutputManager:
         assert pending is not None, "begin_fill first"
         ids = pending.request_ids
         rows = self.constrained_rows(ids)
-        local_rest, remote = self._split_rows(ids, [i for i in rows if i not in pending.submitted])
-        sent = self._send_fills(remote, pending.out)
+        submitted = pending.submitted
+        local_rest, remote = self._split_rows(ids, [i for i in rows if i not in submitted])
+        self._send_fills(remote, pending.out)
         if local_rest:
             self._fill_rows(self._batch, self._matchers(ids, local_rest), local_rest, pending.out)
         for future in pending.futures:
             future.result()
-        self._recv_steps(sent)
+        self._recv_fills()
         grammars = self.grammars
-        self._finish_rows(ids, rows, [i for i in rows if grammars[ids[i]].worker is None], pending.out)
+        local = [i for i in rows if grammars[ids[i]].worker is None] if self._held_here or self.pool is None else []
+        self._finish_rows(ids, rows, local, pending.out)
         return rows
 
     def _split_rows(self, request_ids: Sequence[str], rows: Sequence[int]) -> tuple[list[int], dict[int, list]]:
-        """`rows` as (those held in this process, {worker: [(request id, row)]})."""
+        """`rows` as (those held in this process, {worker: ([sid], [row])})."""
         grammars = self.grammars
         local: list[int] = []
-        remote: dict[int, list] = {}
+        remote: dict[int, tuple[list, list]] = {}
         for i in rows:
-            rid = request_ids[i]
-            worker = self._worker_of(rid, grammars[rid])
+            grammar = grammars[request_ids[i]]
+            worker = self._worker_of(request_ids[i], grammar)
             if worker is None:
                 local.append(i)
             else:
-                remote.setdefault(worker, []).append((rid, i))
+                sids, where = remote.setdefault(worker, ([], []))
+                sids.append(grammar.sid)
+                where.append(i)
         return local, remote
 
-    def _send_fills(self, remote: dict[int, list], out: torch.Tensor) -> list[tuple[int, list]]:
-        """Send each worker its fill-only step; returns what `_recv_steps` reads."""
-        for worker, fills in remote.items():
-            self.pool.send_step(worker, (), fills, out)
-        return [(worker, []) for worker in remote]
+    def _send_fills(self, remote: dict[int, tuple[list, list]], out: torch.Tensor) -> None:
+        """Send each worker its fill-only step (`_recv_fills` reads the answers)."""
+        for worker, (sids, rows) in remote.items():
+            self.pool.send_step(worker, [], [], sids, rows, out)
 
-    def _recv_steps(self, sent: list[tuple[int, list]]) -> StepResult:
-        """Read the answers of the steps sent to workers (each with the (request id, token) it accepted):
-        records accepted tokens and completions in the grammars, dead rows in `take_dead`'s list. Returns
-        the rejected and completed ids of all of them."""
-        total = StepResult()
-        grammars = self.grammars
-        for worker, accepts in sent:
-            result = self.pool.recv_step(worker)
-            self._dead += result.dead
-            if not accepts:
-                continue
-            rejected = set(result.rejected)
-            terminated = set(result.terminated)
-            for rid, token in accepts:
-                if rid not in rejected:
-                    grammars[rid].record_remote(token, rid in terminated)
-            total.rejected += result.rejected
-            total.terminated += result.terminated
-        return total
+    def _recv_accepts(self, sent: Sequence[int]) -> tuple[list[str], list[str]]:
+        """Read the accept answers of these workers: completions into the grammars. Returns the (rejected,
+        completed) request ids of all of them."""
+        rejected: list[str] = []
+        terminated: list[str] = []
+        sids = self._sids
+        for worker in sent:
+            worker_rejected, worker_terminated = self.pool.recv_accept(worker)
+            rejected += [sids[sid] for sid in worker_rejected]
+            for sid in worker_terminated:
+                rid = sids[sid]
+                self.grammars[rid].terminated = True
+                terminated.append(rid)
+        return rejected, terminated
+
+    def _recv_fills(self) -> None:
+        """Wait for every fill a worker owes; their dead rows into `take_dead`'s list."""
+        if self.pool is None:
+            return
+        sids = self._sids
+        for worker in self.pool.fills_due():  # a sequence removed since its step was sent is left out
+            self._dead += [rid for sid in self.pool.recv_fills(worker) if (rid := sids.get(sid)) is not None]
 
     def _submit_fill(self, pending: _PendingFill, rids: Sequence[str]) -> None:
         """Hand the rows of `rids` (just accepted) that are in the pending step and active to the worker."""
@@ -377,27 +390,37 @@ class StructuredOutputManager:
         terminated: list[str] = []
         pending = self._pending
         local_items = items
-        sent: list[tuple[int, list]] = []
+        sent: list[int] = []
         if self.pool is not None:
             local_items = []
-            remote: dict[int, tuple[list, list]] = {}
+            remote: dict[int, tuple[list, list, list, list]] = {}  # worker -> (sids, tokens, fill sids, rows)
+            index = None if pending is None else pending.index
+            submitted = None if pending is None else pending.submitted
             for item in items:
                 rid = item[0]
                 grammar = grammars[rid]
-                if not grammar.gate_passes(item[2]):
-                    continue  # still thinking (or the token that ends it): nothing for the matcher
-                worker = self._worker_of(rid, grammar)
-                if worker is None:  # held in this process: accepted below
-                    local_items.append(item)
-                    continue
-                accepts, fills = remote.setdefault(worker, ([], []))
-                accepts.append((rid, item[1]))
-                if pending is not None and (row := pending.index.get(rid)) is not None:
-                    fills.append((rid, row))
-                    pending.submitted.add(row)
-            for worker, (accepts, fills) in remote.items():
-                self.pool.send_step(worker, accepts, fills, pending.out if pending is not None else None)
-                sent.append((worker, accepts))
+                worker = grammar.worker  # placed on a worker only once its gate is open
+                if worker is None:
+                    if not grammar.gate_passes(item[2]):
+                        continue  # still thinking (or the token that ends it): nothing for the matcher
+                    worker = self._worker_of(rid, grammar)
+                    if worker is None:  # held in this process: accepted below
+                        local_items.append(item)
+                        continue
+                lists = remote.get(worker)
+                if lists is None:
+                    lists = remote[worker] = ([], [], [], [])
+                sid = grammar.sid
+                lists[0].append(sid)
+                lists[1].append(item[1])
+                if index is not None and (row := index.get(rid)) is not None:
+                    lists[2].append(sid)
+                    lists[3].append(row)
+                    submitted.add(row)
+            out = None if pending is None else pending.out
+            for worker, (sids, tokens, fill_sids, rows) in remote.items():
+                self.pool.send_step(worker, sids, tokens, fill_sids, rows, out)
+                sent.append(worker)
         if pending is not None and len(pending.request_ids) <= FILL_CHUNK:
             pending = None  # finish_fill fills it all
         chunk = max(1, len(local_items) if pending is None else FILL_CHUNK)
@@ -412,7 +435,7 @@ class StructuredOutputManager:
             if pending is not None:
                 self._submit_fill(pending, [rid for rid, _, _ in part])
         if sent:
-            remote_result = self._recv_steps(sent)
-            rejected += remote_result.rejected
-            terminated += remote_result.terminated
+            remote_rejected, remote_terminated = self._recv_accepts(sent)
+            rejected += remote_rejected
+            terminated += remote_terminated
         return rejected, terminated

@@ -2,9 +2,9 @@
 
 The matcher holds exactly the request's accepted output tokens after the end of its thinking (all
 of them without a reasoning parser). It lives in the engine's process, or in a grammar worker
-(structured/workers.py) once the manager places the sequence there (`worker`): then `accept` only
-passes the reasoning gate, and the manager sends the token to the worker and records its answer
-(`record_remote`). The engine accepts each token it appends to the request, so a
+(structured/workers.py) once the manager places the sequence there (`worker`): from then on the
+manager sends the tokens to the worker, which keeps them; `accepted` and `last_token` stay as they
+were at the move, and `terminated` is the worker's answer. The engine accepts each token it appends to the request, so a
 preempted request (whose output tokens are kept and recomputed) resumes with the same state; tokens
 the engine discards are never accepted. `rollback(k)` undoes the last k accepted tokens.
 """
@@ -35,8 +35,8 @@ class RequestGrammar:
         terminated: the grammar is complete and its stop token accepted (kept in step with the matcher by
             `accept` and `rollback`, so that reading it costs no call into xgrammar).
         last_token: the last accepted token, or None.
-        worker: the grammar worker holding the matcher; None while it is in this process. Set once, by
-            the manager, before the matcher is first used.
+        worker: the grammar worker holding the matcher; None while it is in this process. Set by the
+            manager, once, when it places the sequence there (sid: its name on that worker).
         remote_rollback: for a sequence on a worker, `rollback`'s call into it (num_tokens) -> terminated.
     """
 
@@ -52,10 +52,11 @@ class RequestGrammar:
         self.gate_open = reasoning_end_ids is None or prompt_closed_thinking
         self.stop_token_ids = stop_token_ids
         self.matcher: Any = None  # xgrammar.GrammarMatcher, made on first use
-        self.accepted: list[int] = []  # the tokens the grammar accepted, in order
+        self.accepted: list[int] = []  # the tokens the grammar accepted in this process, in order
         self.terminated = False
         self.last_token: int | None = None
         self.worker: int | None = None
+        self.sid: int | None = None  # its name on that worker
         self.placed = False  # the manager chose where the matcher lives (this process or `worker`)
         self.remote_rollback: Any = None
 
@@ -108,28 +109,23 @@ class RequestGrammar:
             self.gate_open = True
         return False
 
-    def record_remote(self, token_id: int, terminated: bool) -> None:
-        """A grammar worker accepted `token_id` (and found the grammar complete after it, or not)."""
-        self.accepted.append(token_id)
-        self.last_token = token_id
-        self.terminated = terminated
-
     def is_terminated(self) -> bool:
         """Whether the grammar is complete and its stop token accepted: the request is done."""
         return self.terminated
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
-        if num_tokens:
-            assert num_tokens <= len(self.accepted), "rollback past the grammar's start"
-            if self.worker is not None:
-                self.terminated = self.remote_rollback(num_tokens)
-            else:
-                matcher = self.get_matcher()
-                matcher.rollback(num_tokens)
-                self.terminated = matcher.is_terminated()
-            del self.accepted[-num_tokens:]
-            self.last_token = self.accepted[-1] if self.accepted else None
+        if not num_tokens:
+            return
+        if self.worker is not None:  # the worker holds the tokens (and checks the bound)
+            self.terminated = self.remote_rollback(num_tokens)
+            return
+        assert num_tokens <= len(self.accepted), "rollback past the grammar's start"
+        matcher = self.get_matcher()
+        matcher.rollback(num_tokens)
+        self.terminated = matcher.is_terminated()
+        del self.accepted[-num_tokens:]
+        self.last_token = self.accepted[-1] if self.accepted else None
 
     @property
     def num_accepted(self) -> int:

@@ -6,32 +6,21 @@ microseconds per row, which on one core is longer than a batch-256 decode step o
 holds, per sequence, its matcher and the tokens it accepted (for `rollback`); the engine's process keeps
 everything else (the reasoning gate, which rows a step samples, the requests' fates).
 
-`step(accepts, fills, out)` is the whole per-step exchange: accept one token per sequence of `accepts`,
-then fill the mask row of each sequence of `fills` into `out` [rows, W] int32 (xgrammar's packed layout):
-the grammar's allowed tokens ANDed with the UTF-8 guard; the row of a sequence whose grammar the step's
-token completed is left to the engine, for which that row is no longer constrained. It reports the
-sequences whose token was rejected, those whose grammar completed, and those whose filled row allows
-nothing (a dead end).
+A step is `accept` (one token per sequence; reports the sequences whose token was rejected and those
+whose grammar it completed), then `fill` (each sequence's mask row into `out` [rows, W] int32,
+xgrammar's packed layout: the grammar's allowed tokens ANDed with the UTF-8 guard; reports the rows
+that allow nothing, dead ends). The row of a sequence whose grammar the step's token completed is left
+to the engine, for which that row is no longer constrained.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
 from tinyvllm.structured.utf8_guard import Utf8Guard
-
-
-@dataclass
-class StepResult:
-    """What one shard step found (request ids)."""
-
-    rejected: list[str] = field(default_factory=list)  # the grammar rejected the token (matcher unchanged)
-    terminated: list[str] = field(default_factory=list)  # the token completed the grammar
-    dead: list[str] = field(default_factory=list)  # the filled row allows no token
 
 
 class GrammarShard:
@@ -77,47 +66,48 @@ class GrammarShard:
         """Undo the last `num_tokens` accepted tokens; returns whether the grammar is complete after it."""
         matcher = self.matchers[request_id]
         if num_tokens:
+            if num_tokens > len(self.accepted[request_id]):
+                raise ValueError(f"rollback of {num_tokens} tokens past the grammar's start")
             matcher.rollback(num_tokens)
             del self.accepted[request_id][-num_tokens:]
         return matcher.is_terminated()
 
-    def step(
-        self, accepts: Sequence[tuple[str, int]], fills: Sequence[tuple[str, int]], out: np.ndarray | None
-    ) -> StepResult:
-        """Accept each (request id, token) of `accepts`, then fill the row of each (request id, row) of
-        `fills` into `out` [rows, W] int32 (module docstring). A rejected token leaves its matcher as it was."""
-        result = StepResult()
+    def accept(self, accept_ids: Sequence[Hashable], tokens: Sequence[int]) -> tuple[list, list]:
+        """Accept `tokens[i]` into the matcher of `accept_ids[i]` (sequences are named by whatever id they
+        were added under). Returns (the ids whose token was rejected, leaving the matcher as it was; the
+        ids whose grammar the token completed)."""
+        rejected: list = []
+        terminated: list = []
+        if not accept_ids:
+            return rejected, terminated
         matchers = self.matchers
-        terminated: set[str] = set()
-        if accepts:
-            rids = [rid for rid, _ in accepts]
-            tokens = [token for _, token in accepts]
-            ok = self._xgr.BatchGrammarMatcher.batch_accept_token([matchers[r] for r in rids], tokens)
-            stops = self.stop_token_ids
-            for rid, token, good in zip(rids, tokens, ok):
-                if not good:
-                    result.rejected.append(rid)
-                    continue
-                self.accepted[rid].append(token)
-                if token in stops and matchers[rid].is_terminated():
-                    terminated.add(rid)
-                    result.terminated.append(rid)
-        if fills and out is not None:
-            self._fill(fills, terminated, out, result)
-        return result
+        ok = self._xgr.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in accept_ids], list(tokens))
+        stops = self.stop_token_ids
+        accepted = self.accepted
+        for sid, token, good in zip(accept_ids, tokens, ok):
+            if not good:
+                rejected.append(sid)
+                continue
+            accepted[sid].append(token)
+            if token in stops and matchers[sid].is_terminated():
+                terminated.append(sid)
+        return rejected, terminated
 
-    def _fill(
-        self, fills: Sequence[tuple[str, int]], terminated: set[str], out: np.ndarray, result: StepResult
-    ) -> None:
-        # a grammar completed by this step's token leaves its row to the engine (no longer constrained)
-        live = [(rid, row) for rid, row in fills if rid not in terminated]
-        if not live:
-            return
-        rows = [row for _, row in live]
-        self._batch.batch_fill_next_token_bitmask([self.matchers[rid] for rid, _ in live], out, rows)
-        last = [acc[-1] if (acc := self.accepted[rid]) else None for rid, _ in live]
-        self.utf8_guard.apply(out, rows, last)
-        result.dead += [live[j][0] for j in empty_rows(out, rows)]
+    def fill(self, fill_ids: Sequence[Hashable], rows: Sequence[int], out: np.ndarray, skip: Sequence = ()) -> list:
+        """Fill the mask row of `fill_ids[j]` into `out[rows[j]]` ([rows, W] int32), the UTF-8 guard
+        applied, except the ids in `skip` (grammars the step's token completed: their rows are the
+        engine's). Returns the ids whose row allows no token."""
+        if skip:
+            skipped = set(skip)
+            kept = [(sid, row) for sid, row in zip(fill_ids, rows) if sid not in skipped]
+            fill_ids, rows = [sid for sid, _ in kept], [row for _, row in kept]
+        if not fill_ids:
+            return []
+        rows = list(rows)
+        self._batch.batch_fill_next_token_bitmask([self.matchers[sid] for sid in fill_ids], out, rows)
+        accepted = self.accepted
+        self.utf8_guard.apply(out, rows, [acc[-1] if (acc := accepted[sid]) else None for sid in fill_ids])
+        return [fill_ids[j] for j in empty_rows(out, rows)]
 
 
 PREFIX_WORDS = 64

@@ -6,8 +6,9 @@ the GIL, and the fills measured no faster on 2-8 threads (docs/perf.md §10). `G
 `num_workers` processes (`python -m tinyvllm.structured.grammar_worker`), each a `GrammarShard` holding
 the matchers of the sequences placed on it; the engine's `StructuredOutputManager` places each new
 constrained sequence on the least-loaded worker and, each step, sends every worker its rows' tokens and
-mask rows in one message and reads one answer, so the workers run side by side while the engine's
-process does its own part.
+mask rows in one message: each answers the accept at once (the engine needs to know which requests
+ended) and fills its rows while the engine goes on with the step, reading the fill answers only
+before the mask is copied to the device.
 
 The mask rows are written straight into the step's host bitmask: `host_masks` allocates the engine's
 two alternating bitmask buffers in shared memory (registered with CUDA as page-locked, so their copies
@@ -34,8 +35,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from tinyvllm.structured.shard import StepResult
-
 logger = logging.getLogger(__name__)
 
 
@@ -44,6 +43,11 @@ def default_num_workers(cpu_count: int | None = None) -> int:
     engine's own process, its server and the device's driver threads already hold the cores)."""
     cpus = os.cpu_count() if cpu_count is None else cpu_count
     return 0 if cpus is None or cpus < 8 else min(4, cpus // 4)
+
+
+ANSWER_TIMEOUT_S = 60.0
+"""Longest wait for a worker's answer before the engine declares it hung (a step's answer takes
+milliseconds; a rollback replays nothing)."""
 
 
 class WorkerError(RuntimeError):
@@ -70,6 +74,7 @@ class _Worker:
         self.keys: set[Any] = set()  # grammars this worker holds
         self.buffers: set[str] = set()  # mask buffers it has attached
         self.load = 0  # live sequences placed on it
+        self.fills_due = 0  # fill answers sent for and not read yet
         # The vocabulary is sent, and its answer awaited, off the caller's thread: the worker reads it
         # only once its imports are done.
         self._starter = threading.Thread(target=self._start, args=(tokenizer_info_json,), daemon=True)
@@ -94,6 +99,8 @@ class _Worker:
 
     def recv(self) -> Any:
         try:
+            if not self.conn.poll(ANSWER_TIMEOUT_S):
+                raise WorkerError(f"grammar worker {self.index} did not answer in {ANSWER_TIMEOUT_S:.0f} s")
             answer = self.conn.recv()
         except (OSError, EOFError) as e:
             raise WorkerError(f"grammar worker {self.index} exited ({e})") from None
@@ -155,39 +162,42 @@ class GrammarWorkerPool:
         ready = [w for w in self.workers if w.ready.is_set()]
         return None if not ready else min(ready, key=lambda w: w.load).index
 
-    def add(self, worker: int, request_id: str, key: Any, compiled: Any, accepted: Sequence[int]) -> None:
-        """Place a sequence on `worker`: its grammar (`compiled`, sent once per key) and its tokens so far."""
+    def add(self, worker: int, sid: int, key: Any, compiled: Any, accepted: Sequence[int]) -> None:
+        """Place sequence `sid` on `worker`: its grammar (`compiled`, sent once per key) and its tokens so far."""
         w = self.workers[worker]
         if key not in w.keys:
             w.send(("grammar", key, compiled.serialize_json()))
             w.keys.add(key)
-        w.send(("add", request_id, key, list(accepted)))
+        w.send(("add", sid, key, list(accepted)))
         w.load += 1
 
-    def remove(self, worker: int, request_id: str) -> None:
+    def remove(self, worker: int, sid: int) -> None:
         w = self.workers[worker]
-        w.send(("remove", request_id))
+        w.send(("remove", sid))
         w.load -= 1
 
-    def rollback(self, worker: int, request_id: str, num_tokens: int) -> bool:
+    def rollback(self, worker: int, sid: int, num_tokens: int) -> bool:
         """Undo a sequence's last `num_tokens` tokens; returns whether its grammar is complete after it."""
         w = self.workers[worker]
-        w.send(("rollback", request_id, num_tokens))
+        w.send(("rollback", sid, num_tokens))
         return bool(w.recv())
 
     # ------------------------------------------------------------------ steps
     def send_step(
         self,
         worker: int,
-        accepts: Sequence[tuple[str, int]],
-        fills: Sequence[tuple[str, int]],
+        accept_ids: Sequence[int],
+        tokens: Sequence[int],
+        fill_ids: Sequence[int],
+        rows: Sequence[int],
         out: torch.Tensor | None,
     ) -> None:
-        """Start a worker's part of a step (`GrammarShard.step`): `fills` rows are rows of `out`, which must
-        begin one of `host_masks`' buffers. `recv_step` reads its answer."""
+        """Start a worker's part of a step: accept `tokens` into `accept_ids`' grammars, then fill the rows
+        `rows` of `out` (which must begin one of `host_masks`' buffers). Read its answers with
+        `recv_accept` (when `accept_ids` is not empty) and then `recv_fills`."""
         w = self.workers[worker]
         name = None
-        if fills:
+        if fill_ids:
             buffer = self._buffers.get(out.data_ptr()) if out is not None else None
             if buffer is None:
                 raise ValueError("a grammar worker fills only the buffers of GrammarWorkerPool.host_masks")
@@ -195,11 +205,27 @@ class GrammarWorkerPool:
             if name not in w.buffers:
                 w.send(("buffer", name, *buffer.array.shape))
                 w.buffers.add(name)
-        w.send(("step", name, list(accepts), list(fills)))
+            w.fills_due += 1
+        w.send(("step", name, accept_ids, tokens, fill_ids, rows))
 
-    def recv_step(self, worker: int) -> StepResult:
-        rejected, terminated, dead = self.workers[worker].recv()
-        return StepResult(rejected, terminated, dead)
+    def recv_accept(self, worker: int) -> tuple[list[int], list[int]]:
+        """The accept answer of the worker's last step: (rejected sids, completed sids). The worker fills
+        its rows meanwhile."""
+        rejected, terminated = self.workers[worker].recv()
+        return rejected, terminated
+
+    def recv_fills(self, worker: int) -> list[int]:
+        """Every fill answer the worker owes, in order: the sids whose rows allow no token."""
+        w = self.workers[worker]
+        dead: list[int] = []
+        while w.fills_due:
+            w.fills_due -= 1
+            dead += w.recv()
+        return dead
+
+    def fills_due(self) -> list[int]:
+        """The workers that owe a fill answer."""
+        return [w.index for w in self.workers if w.fills_due]
 
     # ------------------------------------------------------------------ buffers
     def host_masks(self, rows: int, width: int, pin: bool) -> list[torch.Tensor]:
