@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from multiprocessing import Pipe, shared_memory
 from typing import Any
@@ -155,7 +156,8 @@ class GrammarWorkerPool:
         info_json = tokenizer_info.serialize_json()
         self.workers = [_Worker(i, info_json) for i in range(num_workers)]
         self._buffers: dict[int, _Buffer] = {}  # data_ptr -> buffer
-        self._closed = False
+        # close() when the pool is collected or the interpreter exits without it: no orphan segments
+        self._finalizer = weakref.finalize(self, _shut_down, self.workers, self._buffers)
 
     # ------------------------------------------------------------------ placement
     def pick(self) -> int | None:
@@ -243,10 +245,12 @@ class GrammarWorkerPool:
 
     def close(self) -> None:
         """Stop the workers and free the buffers (those still in use by the engine stay mapped)."""
-        if self._closed:
-            return
-        self._closed = True
-        for w in self.workers:
-            w.stop()
-        for buffer in self._buffers.values():
+        self._finalizer()
+
+
+def _shut_down(workers: list[_Worker], buffers: dict[int, _Buffer]) -> None:
+    for w in workers:
+        w.stop()
+    for buffer in buffers.values():
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
             buffer.release()
