@@ -192,9 +192,14 @@ class DPAsyncLLMEngine:
         placements = plan_cores(engine_args.device, dp, tp, cuda_device_count)
         threads = _threads_per_core(dp) if placements[0].device == "cpu" else None
         self.max_waiting_requests = max_waiting_requests
+        grammar_workers = engine_args.structured_outputs_workers
+        if grammar_workers is None:  # the machine's default share, split between the cores
+            from tinyvllm.structured.workers import default_num_workers
+
+            grammar_workers = default_num_workers() // dp
         self.cores = [
             MPAsyncLLMEngine(
-                engine_args.replace(data_parallel_size=1, device=p.device),
+                engine_args.replace(data_parallel_size=1, device=p.device, structured_outputs_workers=grammar_workers),
                 max_waiting_requests=max_waiting_requests,
                 engine_factory=engine_factory,
                 show_progress=show_progress and p.index == 0,
