@@ -5,6 +5,7 @@ engine's tokens under async scheduling and preemption equal those of an engine w
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -196,3 +197,23 @@ def test_engine_with_workers_gives_the_same_tokens(tmp_path):
     for ref, out in zip(runs[0], runs[2]):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+
+
+def test_a_worker_that_cannot_start_leaves_its_sequences_here(tokenizer, monkeypatch):
+    """A worker whose process exits before it answers is left out: no wait for it, and the sequences
+    stay in the engine's process with the masks they get there."""
+    monkeypatch.setattr("sys.executable", "/bin/false")  # the worker's interpreter exits at once
+    pooled = StructuredOutputManager(tokenizer, tokenizer.vocab_size, [tokenizer.eos_token_id], num_workers=1)
+    try:
+        start = time.monotonic()
+        assert not pooled.wait_for_workers(60)
+        assert time.monotonic() - start < 30 and pooled.pool.workers[0].failed
+        pooled.worker_min_sequences = 1
+        pooled.add("a", SO(regex="ab")).compiled.result()
+        out = pooled.host_masks(1, False)[0]
+        pooled.fill(["a"], [0], out)
+        assert pooled.grammars["a"].worker is None
+        allowed = np.flatnonzero(unpack_bitmask(out, tokenizer.vocab_size)[0].numpy())
+        assert len(allowed) and all(tokenizer.decode([int(t)]) in ("a", "ab") for t in allowed)
+    finally:
+        pooled.close()

@@ -126,10 +126,11 @@ class StructuredOutputManager:
             self.pool = GrammarWorkerPool(self.compiler.tokenizer_info, num_workers)
 
     def wait_for_workers(self, timeout: float) -> bool:
-        """Block up to `timeout` seconds until every grammar worker has started; whether they all have."""
+        """Block up to `timeout` seconds until every grammar worker has started or failed to; whether they
+        all started."""
         if self.pool is None:
             return True
-        return all(w.ready.wait(timeout) for w in self.pool.workers)
+        return all(w.settled.wait(timeout) and w.ready.is_set() for w in self.pool.workers)
 
     def close(self) -> None:
         """Stop the grammar workers, if any."""

@@ -14,8 +14,10 @@ The mask rows are written straight into the step's host bitmask: `host_masks` al
 two alternating bitmask buffers in shared memory (registered with CUDA as page-locked, so their copies
 to the device stay asynchronous), which the workers attach by name.
 
-Workers start in the background (each imports xgrammar and decodes the vocabulary, ~1-3 s); sequences
-that need a matcher before any worker is ready are kept in the engine's process for their lifetime.
+Workers start in the background (each imports xgrammar and decodes the vocabulary, ~1-5 s); sequences
+that need a matcher before any worker is ready start in the engine's process, and the manager moves them
+over afterwards. A worker that fails to start is left out (logged); with none, everything stays in the
+engine's process.
 Workers are separate interpreters started by `subprocess` (not `multiprocessing`'s spawn, which would
 re-run a user's unguarded script), connected by a `multiprocessing.Pipe` whose end they inherit.
 """
@@ -72,6 +74,7 @@ class _Worker:
         )
         child.close()
         self.ready = threading.Event()
+        self.settled = threading.Event()  # started or failed to
         self.failed: str | None = None
         self.keys: set[Any] = set()  # grammars this worker holds
         self.buffers: set[str] = set()  # mask buffers it has attached
@@ -92,6 +95,8 @@ class _Worker:
         except Exception as e:
             self.failed = str(e) or type(e).__name__
             logger.warning("grammar worker %d did not start: %s", self.index, self.failed)
+        finally:
+            self.settled.set()
 
     def send(self, message: tuple) -> None:
         try:
