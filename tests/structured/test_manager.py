@@ -109,8 +109,10 @@ def test_accept_tokens_reports_rejections_and_completions_as_xgrammar_does(manag
     assert reference.accept_token(eos) and reference.is_terminated()
     assert done == ["a"] and rejected == [] and manager.grammars["a"].terminated
     assert manager.constrained_rows(["a", "b", "c"]) == [1, 2]
+    assert not manager.any_constrained(["a", "u"]) and manager.any_constrained(["a", "u", "c"])
     manager.grammars["a"].rollback(1)  # the stop token undone: active again
     assert not manager.grammars["a"].terminated and manager.constrained_rows(["a"]) == [0]
+    assert manager.any_constrained(["a"])
     rejected, done = step([("c", yes[0])])
     assert rejected == ["c"] and done == []
 

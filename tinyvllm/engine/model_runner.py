@@ -520,7 +520,7 @@ class ModelRunner:
             graphs.feed_previous_samples(self._prev_sampled)
         graph_ids = None
         constrained = bool(plan.masked_rows) or (
-            structured is not None and bool(structured.constrained_rows([s.request_id for s in seqs]))
+            structured is not None and structured.any_constrained([s.request_id for s in seqs])
         )
         if constrained and len(fused) == n and graphs.pruned_lm_head and graphs.runs_io(bucket):
             # the forward's graph, the bitmask filled while it runs, then the pruned LM head under it

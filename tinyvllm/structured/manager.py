@@ -236,6 +236,11 @@ class StructuredOutputManager:
         grammars = self.grammars
         return any(rid in grammars for rid in request_ids)
 
+    def any_constrained(self, request_ids: Sequence[str]) -> bool:
+        """Whether `constrained_rows(request_ids)` is not empty (stops at the first such row)."""
+        get = self.grammars.get
+        return any((g := get(rid)) is not None and g.gate_open and not g.terminated for rid in request_ids)
+
     def constrained_rows(self, request_ids: Sequence[str]) -> list[int]:
         """The rows (indices into `request_ids`) whose next token the grammar constrains."""
         get = self.grammars.get
