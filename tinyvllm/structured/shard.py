@@ -39,9 +39,10 @@ class GrammarShard:
         self.tokenizer_info = tokenizer_info
         self.stop_token_ids = frozenset(tokenizer_info.stop_token_ids)
         self.utf8_guard = utf8_guard or Utf8Guard(tokenizer_info.decoded_vocab)
-        self.grammars: dict[str, Any] = {}  # key -> xgrammar.CompiledGrammar
-        self.matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
-        self.accepted: dict[str, list[int]] = {}  # request id -> its accepted tokens
+        self.grammars: dict[Any, Any] = {}  # constraint key -> xgrammar.CompiledGrammar
+        # a sequence's id (the engine's name for it here) -> its xgrammar.GrammarMatcher, its accepted tokens
+        self.matchers: dict[Hashable, Any] = {}
+        self.accepted: dict[Hashable, list[int]] = {}
         self._batch = xgr.BatchGrammarMatcher(1)  # fills on the calling thread (no thread start-up per call)
 
     def add_grammar(self, key: Any, serialized: str) -> None:
@@ -49,27 +50,28 @@ class GrammarShard:
         if key not in self.grammars:
             self.grammars[key] = self._xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
 
-    def add(self, request_id: str, key: Any, accepted: Sequence[int] = ()) -> None:
-        """A matcher for `request_id` on the grammar of `key`, advanced by `accepted` (its tokens so far)."""
+    def add(self, sid: Hashable, key: Any, accepted: Sequence[int] = ()) -> None:
+        """A matcher for sequence `sid` on the grammar of `key`, advanced by `accepted` (its tokens so far)."""
         matcher = self._xgr.GrammarMatcher(self.grammars[key])
         for token in accepted:
             if not matcher.accept_token(token):
-                raise ValueError(f"token {token} of {request_id}'s accepted output is not in its grammar")
-        self.matchers[request_id] = matcher
-        self.accepted[request_id] = list(accepted)
+                raise ValueError(f"token {token} of sequence {sid}'s accepted output is not in its grammar")
+        self.matchers[sid] = matcher
+        self.accepted[sid] = list(accepted)
 
-    def remove(self, request_id: str) -> None:
-        self.matchers.pop(request_id, None)
-        self.accepted.pop(request_id, None)
+    def remove(self, sid: Hashable) -> None:
+        self.matchers.pop(sid, None)
+        self.accepted.pop(sid, None)
 
-    def rollback(self, request_id: str, num_tokens: int) -> bool:
-        """Undo the last `num_tokens` accepted tokens; returns whether the grammar is complete after it."""
-        matcher = self.matchers[request_id]
+    def rollback(self, sid: Hashable, num_tokens: int) -> bool:
+        """Undo sequence `sid`'s last `num_tokens` accepted tokens; returns whether its grammar is complete
+        after it."""
+        matcher = self.matchers[sid]
         if num_tokens:
-            if num_tokens > len(self.accepted[request_id]):
+            if num_tokens > len(self.accepted[sid]):
                 raise ValueError(f"rollback of {num_tokens} tokens past the grammar's start")
             matcher.rollback(num_tokens)
-            del self.accepted[request_id][-num_tokens:]
+            del self.accepted[sid][-num_tokens:]
         return matcher.is_terminated()
 
     def accept(self, accept_ids: Sequence[Hashable], tokens: Sequence[int]) -> tuple[list, list]:
