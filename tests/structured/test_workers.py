@@ -175,7 +175,7 @@ def test_engine_with_workers_gives_the_same_tokens(tmp_path):
         SamplingParams(temperature=1.0, seed=3, max_tokens=50, structured_outputs=SO(choice=["left", "right"])),
     ]
     runs = {}
-    for workers in (0, 2):
+    for workers in (None, 2):  # None: the default, no workers for an engine on the CPU
         llm = LLM(
             model=str(tmp_path),
             device="cpu",
@@ -189,12 +189,13 @@ def test_engine_with_workers_gives_the_same_tokens(tmp_path):
             _ready(llm.llm_engine.structured)
         runs[workers] = llm.generate(prompts, params, use_tqdm=False)
         assert llm.get_metrics()["num_preemptions"] > 0
+        assert (llm.llm_engine.structured.pool is None) == (workers is None)
         if workers:
             pool = llm.llm_engine.structured.pool
             assert any(w.keys for w in pool.workers)  # grammars were placed on them
             assert sum(w.load for w in pool.workers) == 0  # every finished sequence removed
             llm.llm_engine.shutdown()
-    for ref, out in zip(runs[0], runs[2]):
+    for ref, out in zip(runs[None], runs[2]):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
 

@@ -193,7 +193,7 @@ class DPAsyncLLMEngine:
         threads = _threads_per_core(dp) if placements[0].device == "cpu" else None
         self.max_waiting_requests = max_waiting_requests
         grammar_workers = engine_args.structured_outputs_workers
-        if grammar_workers is None:  # the machine's default share, split between the cores
+        if grammar_workers is None and placements[0].device != "cpu":  # the default, split between the cores
             from tinyvllm.structured.workers import default_num_workers
 
             grammar_workers = default_num_workers() // dp

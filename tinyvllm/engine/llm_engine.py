@@ -501,20 +501,21 @@ class LLMEngine:
         if self._structured is None:
             from tinyvllm.structured.manager import StructuredOutputManager
             from tinyvllm.structured.reasoning_gate import end_token_ids, start_token_ids
+            from tinyvllm.structured.workers import default_num_workers
 
             parser = self.args.reasoning_parser
             end_ids = None if parser is None else end_token_ids(self.tokenizer, parser)
             start_ids = None if parser is None else start_token_ids(self.tokenizer, parser)
-            from tinyvllm.structured.workers import default_num_workers
-
             workers = self.args.structured_outputs_workers
+            if workers is None:  # on the CPU the forward, not the grammar work, bounds a step
+                workers = default_num_workers() if self.device.type == "cuda" else 0
             self._structured = StructuredOutputManager(
                 self.tokenizer,
                 self.model_config.vocab_size,
                 self.eos_token_ids,
                 end_ids,
                 start_ids,
-                num_workers=default_num_workers() if workers is None else workers,
+                num_workers=workers,
             )
         return self._structured
 
