@@ -13,7 +13,12 @@ Each step's host work is per row only where it must be: one `accept_token` per r
 `batch_accept_token` measured slower than the loop, benchmarks/bench_structured_host.py), the
 termination check only after a stop token, the active rows read from Python flags, no fill of the
 constrained rows before xgrammar's (it writes whole rows), the UTF-8 guard on the few rows that need it
-and the dead-row check as one reduction over the step's mask.
+and the dead-row check reading whole rows only where their first words are zero (`shard.empty_rows`).
+
+With `num_workers`, the matchers of a large batch live in grammar worker processes instead
+(structured/workers.py): each sequence is placed on one at its first use once the engine holds
+`WORKER_MIN_SEQUENCES` constrained sequences, and each step's tokens and mask rows go to the workers in
+one message each, so the accepts and fills of a batch run on several cores.
 
 A step that accepts the previous step's tokens before filling its own mask (async scheduling: the
 runner's `before_mask`) overlaps the two: `begin_fill` names the step's rows and buffer, `accept_tokens`
@@ -49,7 +54,7 @@ FILL_CHUNK = 32
 this many rows fills on the caller's thread (a hand-over costs more than such a step's fill)."""
 WORKER_MIN_SEQUENCES = 16
 """Constrained sequences an engine must hold (running, waiting or compiling) before they go to grammar
-workers: below it a step's grammar work (~10-40 µs a row) is shorter than a round trip to a worker
+workers: below it a step's grammar work (~5-10 µs a row) is shorter than a round trip to a worker
 (~50-100 µs), so the sequences stay in the engine's process, and move to the workers (their accepted
 tokens replayed there) once there are this many."""
 FILL_THREADS = 1
