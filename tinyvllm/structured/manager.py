@@ -185,8 +185,7 @@ class StructuredOutputManager:
         """Where the sequence's matcher lives: a grammar worker's index, or None (this process). Chosen at
         its first use: the least-loaded ready worker once the engine holds `worker_min_sequences`
         (default `WORKER_MIN_SEQUENCES`) constrained sequences, else this process (until `_move_to_workers`)."""
-        if not grammar.placed:
-            grammar.placed = True
+        if grammar.worker is None and request_id not in self._held_here:  # not placed yet
             worker = self._pick_worker()
             if worker is None:
                 self._held_here.add(request_id)

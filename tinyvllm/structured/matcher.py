@@ -57,7 +57,6 @@ class RequestGrammar:
         self.last_token: int | None = None
         self.worker: int | None = None
         self.sid: int | None = None  # its name on that worker
-        self.placed = False  # the manager chose where the matcher lives (this process or `worker`)
         self.remote_rollback: Any = None
 
     def is_ready(self) -> bool:

@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 
 def default_num_workers(cpu_count: int | None = None) -> int:
     """Grammar workers by default: half the cores, at most 8, none below 8 cores (there the engine's
-    own process, its server and the device's driver threads already hold the cores). On the 16-core
-    H200 host 8 workers beat 4 (docs/perf.md §10)."""
+    own process, its server and the device's driver threads already hold the cores); docs/perf.md §10
+    has the measurements behind it."""
     cpus = os.cpu_count() if cpu_count is None else cpu_count
     return 0 if cpus is None or cpus < 8 else min(8, cpus // 2)
 
