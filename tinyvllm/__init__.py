@@ -34,5 +34,9 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         import importlib
 
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        from tinyvllm.gc_pause import gc_paused
+
+        with gc_paused(freeze=True):  # the first such import loads torch: long-lived objects only
+            module = importlib.import_module(_EXPORTS[name])
+        return getattr(module, name)
     raise AttributeError(f"module 'tinyvllm' has no attribute {name!r}")

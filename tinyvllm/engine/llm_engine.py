@@ -46,6 +46,7 @@ from tinyvllm.engine.model_runner import ModelRunner, StepHandle
 from tinyvllm.engine.output_processor import OutputProcessor, streams_every_step
 from tinyvllm.engine.startup_timing import StartupTimer
 from tinyvllm.engine.step_timing import StepRecord, StepTimer
+from tinyvllm.gc_pause import gc_paused
 from tinyvllm.kernels import default_backend
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import Logprob, RequestOutput
@@ -181,6 +182,11 @@ class LLMEngine:
     """Synchronous engine: `add_request`, then `step()` until `has_unfinished_requests()` is False."""
 
     def __init__(self, args: EngineArgs, show_progress: bool = False) -> None:
+        with gc_paused():  # start-up builds long-lived objects only; it ends with a collection and a freeze
+            self._start(args, show_progress)
+
+    def _start(self, args: EngineArgs, show_progress: bool) -> None:
+        """Everything `__init__` builds, timed by phase (`startup_times`)."""
         self.args = args
         self.parallel_config = args.parallel_config()
         if self.parallel_config.data_parallel_size > 1:

@@ -341,7 +341,10 @@ def _exit(code: int | None) -> str:
 
 # ---------------------------------------------------------------------- the engine process
 def _build_engine(engine_args: Any, show_progress: bool = False) -> Any:
-    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.gc_pause import gc_paused
+
+    with gc_paused(freeze=True):  # loads torch: long-lived objects only (gc_pause.py)
+        from tinyvllm.engine.llm_engine import LLMEngine
 
     return LLMEngine(engine_args, show_progress=show_progress)
 
