@@ -193,6 +193,27 @@ def test_structured_outputs_on_completions_and_chat(llama):
         assert re.fullmatch(r"\([1-9](\+[1-9])*", choice["text"])
 
 
+def test_vllm_guided_fields_constrain_as_structured_outputs(llama):
+    """vLLM's pre-0.12 `guided_*` fields (which vLLM now ignores silently) constrain here."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    r = post(llama, {"prompt": "x", "max_tokens": 20, "guided_regex": r"[0-9]{3}-[a-c]{2}"}, "/v1/completions")
+    assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", r.json()["choices"][0]["text"])
+    r = post(llama, {"messages": user("pick"), "max_tokens": 20, "n": 3, "guided_choice": ["yes", "no"]})
+    assert {c["message"]["content"] for c in r.json()["choices"]} <= {"yes", "no"}
+    completion = client(llama).chat.completions.create(
+        model=MODEL_NAME,
+        messages=user("n?"),
+        max_tokens=60,
+        seed=5,
+        extra_body={"guided_json": json.dumps(schema), "guided_decoding_backend": "xgrammar:disable-any-whitespace"},
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(completion.choices[0].message.content), schema)
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9]'
+    r = post(llama, {"prompt": "x", "max_tokens": 40, "temperature": 0, "guided_grammar": grammar}, "/v1/completions")
+    assert re.fullmatch(r"\([1-9](\+[1-9])*\)?", r.json()["choices"][0]["text"])
+
+
 # ---------------------------------------------------------------------- tool_choice required / named / none
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_required(llama, stream):
@@ -384,6 +405,19 @@ ERRORS = [
         "not a valid JSON schema",
     ),
     ({"tools": TOOLS + TOOLS[:1]}, "tools.2.function.name", "twice"),
+    ({"guided_regex": "(unclosed"}, "guided_regex", "regex"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_choice": []}, "guided_choice", "choice"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one of"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "guided_regex", "both"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "both"),
+    ({"guided_json": {"type": "object"}, "guided_decoding_backend": "outlines"}, "guided_decoding_backend", "xgrammar"),
+    (
+        {"guided_json": {"type": "object"}, "guided_decoding_backend": "xgrammar:fast"},
+        "guided_decoding_backend",
+        "fast",
+    ),
+    ({"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_regex", "whitespace_pattern"),
 ]
 
 

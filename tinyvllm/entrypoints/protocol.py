@@ -85,6 +85,14 @@ class ResponseFormat(OpenAIModel):
 class ConstrainedFields(SamplingFields):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's names before its 0.12 (read as the `structured_outputs` they stand for:
+    # entrypoints/structured.py, `structured_outputs_of`)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(ConstrainedFields):

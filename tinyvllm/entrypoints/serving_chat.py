@@ -48,7 +48,7 @@ from tinyvllm.entrypoints.serving import (
     sse_error,
     usage,
 )
-from tinyvllm.entrypoints.structured import structured_params
+from tinyvllm.entrypoints.structured import structured_outputs_of, structured_params
 from tinyvllm.entrypoints.tools import plan_tools
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
@@ -169,7 +169,8 @@ def _validate(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[str, lis
     ctx.check_length(len(ids), max_tokens, "messages", name)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, logprobs, {"max_tokens": name, "logprobs": "top_logprobs"})
-    constraint = structured_params(ctx, req.response_format, req.structured_outputs, tools)
+    so, so_name = structured_outputs_of(req)
+    constraint = structured_params(ctx, req.response_format, so, tools, so_name)
     if constraint is not None:
         params = params.replace(structured_outputs=constraint)
     return text, ids, params, plan

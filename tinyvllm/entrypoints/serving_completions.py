@@ -42,7 +42,7 @@ from tinyvllm.entrypoints.serving import (
     sse_error,
     usage,
 )
-from tinyvllm.entrypoints.structured import structured_params
+from tinyvllm.entrypoints.structured import structured_outputs_of, structured_params
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
@@ -82,7 +82,8 @@ def _validate(ctx: ServingContext, req: CompletionRequest) -> tuple[list[Prompt]
         ctx.check_length(len(ids), req.max_tokens if explicit else None, "prompt", "max_tokens")
     max_tokens = req.max_tokens if explicit else 16  # OpenAI's default for completions
     params = ctx.sampling_params(req, max_tokens, req.logprobs, {}, req.logprobs if req.echo else None)
-    constraint = structured_params(ctx, req.response_format, req.structured_outputs)
+    so, so_name = structured_outputs_of(req)
+    constraint = structured_params(ctx, req.response_format, so, structured_outputs_name=so_name)
     if constraint is not None:
         params = params.replace(structured_outputs=constraint)
     return prompts, params
