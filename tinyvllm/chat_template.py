@@ -57,6 +57,26 @@ def merge_template_kwargs(arguments: dict[str, Any], chat_template_kwargs: dict[
     return {**arguments, **chat_template_kwargs}
 
 
+def resolve_chat_template(value: str) -> str:
+    """The template an engine-wide `chat_template` option names (vLLM's ``--chat-template``): the
+    contents of the file at that path, else the value itself as the template text. Checked to compile.
+
+    Raises:
+        ValueError: a value that looks like a file path (one line, ending in .jinja, .j2 or .txt, or
+            naming a directory) but is not a readable file, or a template with a syntax error.
+    """
+    path = Path(value).expanduser()
+    one_line = "\n" not in value and "{" not in value
+    if one_line and path.is_file():
+        value = path.read_text(encoding="utf-8")
+    elif one_line and (path.suffix in (".jinja", ".j2", ".txt") or path.is_dir()):
+        raise ValueError(f"chat_template {str(path)!r}: no such file (give a template file or the template text)")
+    from tinyvllm.chat_jinja import compile_template
+
+    compile_template(value)
+    return value
+
+
 def load_chat_templates(model_dir: Path, tokenizer_config: dict[str, Any]) -> ChatTemplates | None:
     """The chat template(s) of a model directory, with transformers' precedence.
 

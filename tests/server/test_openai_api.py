@@ -260,3 +260,24 @@ def test_choices_that_finish_at_different_steps_stream_one_finish_each(client, m
                 finishes.append((c.index, c.finish_reason))
     assert sorted(finishes) == [(0, "stop"), (1, "length")]
     assert texts == {c.index: c.text for c in full.choices}
+
+
+def test_engine_chat_template_and_generation_config_reach_the_api_process(make_server, tmp_path):
+    """--chat-template and --override-generation-config set in the engine's process hold in the API
+    process too: the chat prompt it renders, and the defaults a request without sampling fields gets
+    (greedy here, against the model's own temperature 0.6)."""
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    live = make_server("process", chat_template=str(path), override_generation_config={"temperature": 0.0})
+    body = {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": False}
+    ids = httpx.post(live.url + "/tokenize", json=body).json()["tokens"]
+    assert httpx.post(live.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == "<<hi>>"
+
+    def tokens(**fields):
+        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 16, "seed": 1, "ignore_eos": True, **fields}
+        r = httpx.post(live.url + "/v1/completions", json={**body, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    assert tokens() == tokens(temperature=0.0) != tokens(temperature=0.6)

@@ -14,7 +14,9 @@ import dataclasses
 import logging
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from tinyvllm.config import GRAPH_CAPTURE_MODES, ParallelConfig, RunnerConfig
 from tinyvllm.structured.reasoning_gate import REASONING_END_TEXT
@@ -100,6 +102,20 @@ class EngineArgs:
     )
     async_scheduling: bool | None = _opt(
         None, "schedule step N+1 before reading step N's tokens (default: on for CUDA)"
+    )
+    chat_template: str | None = _opt(
+        None,
+        "a Jinja chat template, or the path of a file holding one, used instead of the model's (a request's "
+        "own chat_template still wins)",
+    )
+    generation_config: str = _opt(
+        "auto",
+        "where the default sampling parameters come from: auto (the model's generation_config.json), vllm "
+        "(none: SamplingParams' own defaults) or a directory holding a generation_config.json",
+    )
+    override_generation_config: Mapping[str, Any] | None = _opt(
+        None,
+        "fields laid over the generation config, as JSON on the command line: '{\"temperature\": 0.5}'",
     )
     reasoning_parser: str | None = _opt(
         None,
@@ -196,12 +212,27 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
         flags = [*f.metadata.get("aliases", ()), "--" + f.name.replace("_", "-")]
         kind = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
+        if typing.get_origin(kind) in (dict, Mapping):
+            kind = _json_object
         if kind is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
             group.add_argument(
                 *flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text
             )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A command-line value that must be a JSON object."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _base_type(hint) -> type:

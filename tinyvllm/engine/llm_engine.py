@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from tinyvllm.chat_template import resolve_chat_template
 from tinyvllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tinyvllm.core.block_pool import BlockPool
 from tinyvllm.core.kv_cache_manager import KVCacheManager
@@ -136,6 +137,41 @@ def read_generation_config(model_dir: Path) -> dict[str, Any]:
         return json.load(f)
 
 
+# What an override of the generation config may set: the sampling defaults, do_sample and eos_token_id
+_OVERRIDABLE = frozenset({*_GENERATION_DEFAULTS, "do_sample", "eos_token_id"})
+
+
+def load_generation_config(model_dir: Path, source: str = "auto", override: dict[str, Any] | None = None) -> dict:
+    """The generation config the engine's defaults come from (vLLM's ``--generation-config`` and
+    ``--override-generation-config``): the model's generation_config.json ("auto"), none ("vllm"), or
+    the one in the directory `source` names; then `override`'s fields laid over it.
+
+    Raises:
+        ValueError: `source` names no directory with a generation_config.json, or `override` sets a
+            field other than those that change the engine's defaults (`_OVERRIDABLE`).
+    """
+    if source == "auto":
+        config = read_generation_config(model_dir)
+    elif source == "vllm":
+        config = {}
+    else:
+        path = Path(source).expanduser()
+        if not (path / "generation_config.json").is_file():
+            raise ValueError(
+                f"generation_config={source!r}: expected auto, vllm or a directory holding generation_config.json"
+            )
+        config = read_generation_config(path)
+    if override:
+        unknown = sorted(set(override) - _OVERRIDABLE)
+        if unknown:
+            raise ValueError(
+                f"override_generation_config sets {unknown}, which change nothing here; it may set "
+                f"{sorted(_OVERRIDABLE)}"
+            )
+        config = {**config, **override}
+    return config
+
+
 class TokenizedPrompt(NamedTuple):
     """A prompt as `LLMEngine.tokenize_prompt` returns it: its ids are known to be valid token ids, so
     `add_request` takes it without checking them again (a 1k-token prompt costs ~35 µs to check)."""
@@ -199,7 +235,11 @@ class LLMEngine:
             self.model_dir = resolve_model(args.model or default_model())
             self.model_config = ModelConfig.from_dir(self.model_dir)
             self.tokenizer = Tokenizer.from_pretrained(args.tokenizer or self.model_dir)
-            self.generation_config = read_generation_config(self.model_dir)
+            if args.chat_template is not None:
+                self.tokenizer.chat_template = resolve_chat_template(args.chat_template)
+            self.generation_config = load_generation_config(
+                self.model_dir, args.generation_config, args.override_generation_config
+            )
         self.device = resolve_device(args.device)
         timer.set_device(self.device)
         with timer.phase("device_init"):
@@ -389,6 +429,8 @@ class LLMEngine:
         try:
             return SamplingParams().replace(**changes)
         except (TypeError, ValueError) as e:
+            if self.args.override_generation_config:  # the user's own values: an error, not a warning
+                raise ValueError(f"override_generation_config: {e}") from None
             logger.warning("ignoring sampling defaults of generation_config.json: %s", e)
             return SamplingParams()
 

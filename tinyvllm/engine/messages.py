@@ -132,6 +132,7 @@ class EngineReady(msgspec.Struct):
     default_sampling_params: SamplingParams
     model_dir: str
     stats: dict[str, int | float]
+    chat_template: str | dict[str, str] | None = None  # the engine's own when `chat_template` replaced the model's
 
 
 class EngineFailed(msgspec.Struct):

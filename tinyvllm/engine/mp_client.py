@@ -175,6 +175,8 @@ class MPAsyncLLMEngine(EngineClient):
             from tinyvllm.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_pretrained(ready.tokenizer)
+            if ready.chat_template is not None:  # the engine's `chat_template` option
+                tokenizer.chat_template = ready.chat_template
         except BaseException:
             self._kill()
             raise
@@ -397,6 +399,7 @@ def run_engine_process(
             info.default_sampling_params,
             info.model_dir,
             dict(engine.get_metrics()),
+            info.tokenizer.chat_template if getattr(engine_args, "chat_template", None) is not None else None,
         )
     )
     core = EngineCore(engine, max_waiting_requests)
