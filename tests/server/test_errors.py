@@ -131,3 +131,43 @@ def test_api_key(make_server):
     good = httpx.post(live.url + "/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
     assert good.status_code == 200
     assert httpx.get(live.url + "/health").status_code == 200  # only /v1/* is protected, as in vLLM
+
+
+def test_cors_preflight_and_headers(make_server):
+    """A page of another origin may call the API (vLLM's defaults: every origin); the preflight needs
+    no key, and a 401 carries the CORS headers so that the page can read it."""
+    live = make_server(api_key="s3cret")
+    origin = {"Origin": "https://app.example"}
+    pre = httpx.options(
+        live.url + "/v1/chat/completions",
+        headers={**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"},
+    )
+    assert pre.status_code == 200, pre.text
+    assert pre.headers["access-control-allow-origin"] in ("*", "https://app.example")
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    denied = httpx.get(live.url + "/v1/models", headers=origin)
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
+    ok = httpx.get(live.url + "/v1/models", headers={**origin, "Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_restricted_to_the_allowed_origins(make_server):
+    live = make_server(server_kw={"allowed_origins": ["https://good.example"]})
+    pre = {"Access-Control-Request-Method": "POST"}
+    bad = httpx.options(live.url + "/v1/completions", headers={"Origin": "https://evil.example", **pre})
+    assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+    good = httpx.options(live.url + "/v1/completions", headers={"Origin": "https://good.example", **pre})
+    assert good.status_code == 200 and good.headers["access-control-allow-origin"] == "https://good.example"
+    plain = httpx.get(live.url + "/v1/models", headers={"Origin": "https://evil.example"})
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
+def test_cors_flags_parse_json_lists():
+    from tinyvllm.entrypoints.cli import build_parser, extra_subcommands
+
+    parser = build_parser(extra_subcommands())
+    ns = parser.parse_args(["serve", "--allowed-origins", '["https://a.example"]', "--allow-credentials"])
+    assert ns.allowed_origins == ["https://a.example"] and ns.allow_credentials and ns.allowed_methods == ["*"]
+    for bad in ('"https://a.example"', "[1]", "not json"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--allowed-origins", bad])

@@ -13,6 +13,19 @@ from tinyvllm.entrypoints.limits import ServerLimits, limits_from_cli
 from tinyvllm.tool_parsers import TOOL_CALL_PARSERS
 
 
+def _json_strings(text: str) -> list[str]:
+    """A command-line value that must be a JSON list of strings (vLLM's spelling of the CORS flags)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
 def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -66,6 +79,15 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=list(TOOL_CALL_PARSERS),
         help="the model's tool-call format: llama3_json (Llama 3.x) or hermes (Qwen2.5, Qwen3, Hermes)",
     )
+    g.add_argument(
+        "--allowed-origins",
+        type=_json_strings,
+        default=["*"],
+        help="origins whose web pages may call the API (CORS), a JSON list: '[\"https://app.example\"]'",
+    )
+    g.add_argument("--allowed-methods", type=_json_strings, default=["*"], help="CORS: allowed methods, a JSON list")
+    g.add_argument("--allowed-headers", type=_json_strings, default=["*"], help="CORS: allowed headers, a JSON list")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     add_limit_cli_args(parser)
     g.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]

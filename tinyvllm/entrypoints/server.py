@@ -33,6 +33,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -66,6 +67,11 @@ class ServerArgs:
     reasoning_parser: str | None = None  # the engine's --reasoning-parser (tinyvllm.reasoning)
     tool_call_parser: str | None = None  # --tool-call-parser (tinyvllm.tool_parsers)
     enable_auto_tool_choice: bool = False
+    # CORS (browsers calling the API from a page of another origin): vLLM's flags and defaults
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         check_reasoning_parser(self.reasoning_parser)
@@ -96,6 +102,15 @@ def build_app(engine: EngineClient, args: ServerArgs) -> FastAPI:
     _add_error_handlers(app)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    # Outside the key check: a browser's preflight carries no key, and a 401 must carry the CORS
+    # headers for the page to read it.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=args.allowed_origins,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+    )
     app.add_middleware(RequestGuard, limits=args.limits, drain=drain)  # outermost
     _add_generation_routes(app, ctx)
     _add_status_routes(app, ctx, args, registry)
@@ -331,6 +346,10 @@ def run_server(ns: argparse.Namespace) -> int:
         reasoning_parser=getattr(engine_args, "reasoning_parser", None),
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        allowed_origins=ns.allowed_origins,
+        allowed_methods=ns.allowed_methods,
+        allowed_headers=ns.allowed_headers,
+        allow_credentials=ns.allow_credentials,
     )
     app = build_app(engine, server_args)
     protocol = header_timeout_protocol(limits.header_timeout_s)
