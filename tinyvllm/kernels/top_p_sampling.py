@@ -63,9 +63,10 @@ Launches (`truncation_thresholds`), a fixed sequence whatever the data, so that 
 it: each row is cut into chunks of a fixed length (8,192 logits: never a function of the batch, so a
 row's sums are its own). The statistics run over rows × chunks, then one program per row combines them
 in chunk order and starts the row's search (a row state in a small device buffer: phase, m, lo, C(lo),
-M(lo), hi, C(hi), ...). Each of a fixed number of split passes runs over rows × chunks (C and M at the
-row's candidates over one chunk each), then one program per row sums the chunks' counts and masses in
-chunk order and moves lo and hi; a row whose search is over skips both. Last, one program per row makes
+M(lo), hi, C(hi), ..., and the candidates of the row's next pass, placed once by the per-row program).
+Each of a fixed number of split passes runs over rows × chunks (C and M at the row's candidates over one
+chunk each), then one program per row sums the chunks' counts and masses in chunk order, moves lo and hi
+and places the next pass's candidates; a row whose search is over skips both. Last, one program per row makes
 the passes its search still needs (usually none) itself, summing chunk by chunk the same way, and
 writes thr. A row that does not truncate (greedy, no filter) reads nothing.
 
@@ -630,6 +631,20 @@ def _candidates(
 
 
 @triton.jit
+def _store_candidates(
+    cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC: tl.constexpr,
+):  # fmt: skip
+    """cand[row] = the values of the row's next pass's candidates (`_candidates`), found once per row by
+    its per-row program: the pass's programs over the row's chunks read them."""
+    keys = _candidates(
+        phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+        lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC,
+    )  # fmt: skip
+    tl.store(cand_ptr + row * NC + tl.arange(0, NC), _from_key(keys))
+
+
+@triton.jit
 def _step(
     keys, cnt, mass, vmin, vmax, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1, s_x1,
     lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p,
@@ -687,8 +702,9 @@ def threshold_stats_kernel(
 
 @triton.jit
 def threshold_begin_kernel(
-    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, stf_ptr, sti_ptr, NUM_CHUNKS,
-    logits_ptr, stride_row, mask_ptr, stride_mask, V, HAS_MASK: tl.constexpr, PRECHECK: tl.constexpr = False,
+    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, stf_ptr, sti_ptr, cand_ptr, NUM_CHUNKS,
+    logits_ptr, stride_row, mask_ptr, stride_mask, V, NC: tl.constexpr, HAS_MASK: tl.constexpr,
+    PRECHECK: tl.constexpr = False,
 ):  # fmt: skip
     """Program b: row b's statistics from its chunks' (in chunk order), and its search state: every
     finite token kept (lo just below the smallest finite value: C(lo) = n, M(lo) = Z), the first search
@@ -749,8 +765,15 @@ def threshold_begin_kernel(
     fresh = tl.where(phase == 0, 1, tl.where(phase == 1, 2, 0))
     g_mu = tl.where(phase == 0, mu, mu_w + sd_w * _qinv(p))
     g_sd = tl.where(phase == 0, tl.sqrt(tl.maximum(u2 / nf - mu * mu, 0.0)), 0.2 * sd_w)
+    zero_c = tl.zeros([], tl.int32)
+    zero_s = tl.zeros([], tl.float32)
     _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd)
-    _store_pb(stf_ptr, sti_ptr, row, lo, c_lo, s_lo, m, tl.zeros([], tl.int32), tl.zeros([], tl.float32))
+    _store_pb(stf_ptr, sti_ptr, row, lo, c_lo, s_lo, m, zero_c, zero_s)
+    if phase < 2:
+        _store_candidates(
+            cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+            lo, c_lo, s_lo, m, zero_c, zero_s, NC,
+        )  # fmt: skip
     if PRECHECK:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
@@ -796,7 +819,9 @@ def threshold_check_kernel(
 
 
 @triton.jit
-def threshold_check_reduce_kernel(top_p_ptr, stf_ptr, sti_ptr, chk_cnt_ptr, chk_mass_ptr, NUM_CHUNKS):
+def threshold_check_reduce_kernel(
+    top_p_ptr, stf_ptr, sti_ptr, cand_ptr, chk_cnt_ptr, chk_mass_ptr, NUM_CHUNKS, NC: tl.constexpr,
+):  # fmt: skip
     """Program b, for a row in phase 4: its check from the chunks' sums (in chunk order), C_ge = #{l ≥
     l_x1}, C_gt = C(l_x1), S = M_ge = Σ_{l ≥ l_x1} exp(l − m), M_gt = M(l_x1), and the decision whether the
     plain draw x1 is kept (then the thresholded draw, argmax over the kept set of the same l + g, is x1):
@@ -812,7 +837,8 @@ def threshold_check_reduce_kernel(top_p_ptr, stf_ptr, sti_ptr, chk_cnt_ptr, chk_
     top-k, or fails top-p alone), every kept token lies above l_x1: lo = l_x1 (C(lo) = C_gt, M(lo) =
     M_gt); when x1 passes top-k but the top-p test is not met, cond(l_x1) is true in the top-k search:
     hi = l_x1 (C(hi) = C_gt, M(hi) = M_gt), and x1's top-p test stays open (`_store_open`) until the top-k
-    search ends and `_advance` decides it with Z_k."""
+    search ends and `_advance` decides it with Z_k. A row still searching gets its next candidates
+    (`_store_candidates`)."""
     row = tl.program_id(0)
     phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
     if phase == 4:
@@ -852,31 +878,32 @@ def threshold_check_reduce_kernel(top_p_ptr, stf_ptr, sti_ptr, chk_cnt_ptr, chk_
         _store_open(stf_ptr, sti_ptr, row, c_x1, s_gt)
         _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd)
         _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes + 1)
+        if phase < 2:
+            _store_candidates(
+                cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+                lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC,
+            )  # fmt: skip
 
 
 @triton.jit
 def threshold_pass_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
-    stf_ptr, sti_ptr, cnt_ptr, mass_ptr, vmm_ptr, V, NUM_CHUNKS,
+    stf_ptr, sti_ptr, cand_ptr, cnt_ptr, mass_ptr, vmm_ptr, V, NUM_CHUNKS,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
     UNROLL: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, c): C and M at row b's NC candidates over chunk c, and the smallest and largest value
-    in (lo, hi] there, into cnt[b, c], mass[b, c], vmm[b, c] (rows whose search is over do nothing)."""
+    """Program (b, c): C and M at row b's NC candidates (cand[b], `_store_candidates`) over chunk c, and
+    the smallest and largest value in (lo, hi] there, into cnt[b, c], mass[b, c], vmm[b, c] (rows whose
+    search is over do nothing)."""
     row = tl.program_id(0)
     c = tl.program_id(1)
-    phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, _passes = _load_state(stf_ptr, sti_ptr, row)
+    phase, m, lo, _c_lo, _s_lo, hi, _c_hi, _s_hi, _a, _kk, _P, _passes = _load_state(stf_ptr, sti_ptr, row)
     if phase < 2:
         inv_t, _active, _k, p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
-        fresh, n, g_mu, g_sd = _load_model(stf_ptr, sti_ptr, row)
-        lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _load_pb(stf_ptr, sti_ptr, row)
-        keys = _candidates(
-            phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
-            lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC,
-        )  # fmt: skip
+        hi_p = tl.load(stf_ptr + row * 16 + 13)  # `_store_pb`
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
-        x = _from_key(keys)
+        x = tl.load(cand_ptr + row * NC + tl.arange(0, NC))
         w = _window(phase, p, hi, hi_p)
         cnt, mass, vmin, vmax = _chunk_eval(
             row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, w, x, c * CHUNK, CHUNK, BLOCK_E, NC, HAS_MASK, SKIP, UNROLL
@@ -891,20 +918,18 @@ def threshold_pass_kernel(
 
 @triton.jit
 def threshold_reduce_kernel(
-    top_p_ptr, stf_ptr, sti_ptr, cnt_ptr, mass_ptr, vmm_ptr, NUM_CHUNKS, NC: tl.constexpr,
+    top_p_ptr, stf_ptr, sti_ptr, cand_ptr, cnt_ptr, mass_ptr, vmm_ptr, NUM_CHUNKS, NC: tl.constexpr,
 ):  # fmt: skip
-    """Program b: row b's pass from its chunks' partials, summed in chunk order, then `_step`."""
+    """Program b: row b's pass from its chunks' partials, summed in chunk order, then `_step`, and the
+    candidates of the row's next pass (`_store_candidates`)."""
     row = tl.program_id(0)
     phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
     if phase < 2:
         p = tl.load(top_p_ptr + row)
         fresh, n, g_mu, g_sd = _load_model(stf_ptr, sti_ptr, row)
         lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _load_pb(stf_ptr, sti_ptr, row)
-        keys = _candidates(
-            phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
-            lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC,
-        )  # fmt: skip
         j = tl.arange(0, NC)
+        keys = _key(tl.load(cand_ptr + row * NC + j))
         cnt = tl.zeros([NC], tl.int32)
         mass = tl.zeros([NC], tl.float32)
         vmin = tl.full([], float("inf"), tl.float32)
@@ -923,6 +948,11 @@ def threshold_reduce_kernel(
         _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd)
         _store_pb(stf_ptr, sti_ptr, row, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p)
         _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes + 1)
+        if phase < 2:
+            _store_candidates(
+                cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+                lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -1103,6 +1133,7 @@ def truncation_plan(
     stf = torch.empty(B, 16, dtype=torch.float32, device=dev)  # the row states (`_store_state`)
     sti = torch.empty(B, 16, dtype=torch.int32, device=dev)
     part = torch.empty(B, S, 10, dtype=torch.float32, device=dev)
+    cand = torch.empty(B, candidates, dtype=torch.float32, device=dev)  # each row's next candidates
     mask = temperature if bitmask is None else bitmask  # never read without HAS_MASK
     stride_mask = 0 if bitmask is None else bitmask.stride(0)
     params = (temperature, top_k, top_p, min_p)
@@ -1119,8 +1150,8 @@ def truncation_plan(
         **consts, **draw, num_warps=8,
     )  # fmt: skip
     threshold_begin_kernel[(B,)](
-        *params, part, stf, sti, S, logits, logits.stride(0), mask, stride_mask, V, HAS_MASK=bitmask is not None,
-        PRECHECK=precheck, num_warps=1,
+        *params, part, stf, sti, cand, S, logits, logits.stride(0), mask, stride_mask, V, NC=candidates,
+        HAS_MASK=bitmask is not None, PRECHECK=precheck, num_warps=1,
     )  # fmt: skip
     if precheck:
         chk_cnt = torch.empty(B, S, 2, dtype=torch.int32, device=dev)
@@ -1129,17 +1160,17 @@ def truncation_plan(
             logits, logits.stride(0), *params, mask, stride_mask, stf, sti, chk_cnt, chk_mass, V, S,
             BLOCK_E=block_e, UNROLL=unroll, **consts, num_warps=search["num_warps"],
         )  # fmt: skip
-        threshold_check_reduce_kernel[(B,)](top_p, stf, sti, chk_cnt, chk_mass, S, num_warps=1)
+        threshold_check_reduce_kernel[(B,)](top_p, stf, sti, cand, chk_cnt, chk_mass, S, NC=candidates, num_warps=1)
     if split_passes:
         cnt = torch.empty(B, S, candidates, dtype=torch.int32, device=dev)
         mass = torch.empty(B, S, candidates, dtype=torch.float32, device=dev)
         vmm = torch.empty(B, S, 2, dtype=torch.float32, device=dev)
         for _ in range(split_passes):
             threshold_pass_kernel[(B, S)](
-                logits, logits.stride(0), *params, mask, stride_mask, stf, sti, cnt, mass, vmm, V, S,
+                logits, logits.stride(0), *params, mask, stride_mask, stf, sti, cand, cnt, mass, vmm, V, S,
                 **search,
             )  # fmt: skip
-            threshold_reduce_kernel[(B,)](top_p, stf, sti, cnt, mass, vmm, S, NC=candidates, num_warps=1)
+            threshold_reduce_kernel[(B,)](top_p, stf, sti, cand, cnt, mass, vmm, S, NC=candidates, num_warps=1)
     threshold_finish_kernel[(B,)](
         logits, logits.stride(0), *params, mask, stride_mask, stf, sti, thr, passes, V, S,
         passes if ids is None else ids, PRECHECK=precheck, **search,
