@@ -282,6 +282,28 @@ def test_flat_rows_take_few_passes(device):
         assert float(passes.float().mean()) <= most, (c, passes.tolist())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rows_end_at_one_value_a_token_can_take(device, dtype):
+    """bf16 and fp16 logits take a sparse subset of the float32 values, and l = z · (1 / T) is monotone in
+    z: a search ends when (lo, hi] holds one value of that subset (`_is_done`). The same values as
+    float32 logits (where the test is off) give the same kept sets, in more reads for bf16 (fp16's values
+    lie 8× denser: at V = 3,000 they rarely tie); temperatures below and above 1, ties included."""
+    gen = torch.Generator().manual_seed(19)
+    V = 3000
+    z = (torch.randn(6, V, generator=gen) * torch.tensor([2.0, 2.0, 4.0, 1.0, 3.0, 2.0])[:, None]).to(dtype)
+    z[5, ::7] = z[5, 3]  # a large tie group
+    cfg = [(0.6, 0, 0.9, 0.0), (1.7, 50, 0.9, 0.0), (0.37, 50, 1.0, 0.0), (1.0, 20, 0.5, 0.0), (2.9, 0, 0.6, 0.0),
+           (0.8, 0, 0.95, 0.0)]  # fmt: skip
+    half, passes_half = kernel_kept(z.to(device), *params(cfg, device), chunk=1024)
+    full, passes_full = kernel_kept(z.float().to(device), *params(cfg, device), chunk=1024)
+    for b, c in enumerate(cfg):
+        ref = reference_kept(z[b].float(), *c)
+        assert torch.equal(half[b].cpu(), ref) and torch.equal(full[b].cpu(), ref), (b, c)
+    if dtype == torch.bfloat16:
+        assert int(passes_half.sum()) < int(passes_full.sum()), (passes_half.tolist(), passes_full.tolist())
+    assert int(passes_half.max()) <= max_reads(8)
+
+
 def test_bad_search_layouts_raise():
     z, t = torch.zeros(1, 256), torch.ones(1)
     k, p, m = torch.zeros(1, dtype=torch.int32), torch.ones(1), torch.zeros(1)

@@ -24,8 +24,11 @@ Finding thr, each pass a streaming read of the row:
    M(x) < P (top-k: P = ∞; top-p: k = ∞, P = p · Z_k). A pass evaluates C and M at NC candidates in
    [lo, hi) ("Where the candidates go", below) and the smallest and largest values in (lo, hi]; lo and
    hi move to the tightest candidates, then to the values themselves. The search ends when (lo, hi]
-   holds one token or one representable float: then t* is the only value in it and thr = lo. Ties at t*
-   are found when (lo, hi] shrinks to that one float. While top-k searches with top-p to follow, the same
+   holds one token, one representable float or one value a token can take: then t* is the only value in
+   it and thr = lo. Ties at t* are found when (lo, hi] shrinks to that one value. (A token's l is
+   z · (1/T) for a z of the logits' dtype: bf16 logits take every 2^16-th float32 only, fp16 every 2^13-th,
+   and l is monotone in z, so one test of the neighbouring z's tells whether (lo, hi] holds one such
+   value.) While top-k searches with top-p to follow, the same
    passes also narrow a top-p bracket (lo_p, hi_p]: Z_k lies between M(hi) and M(lo) of the top-k bracket,
    so a candidate with M ≥ p · M(lo) has M ≥ P and one with M < p · M(hi) has M < P; the top-p search
    starts from that bracket (each end checked against P once Z_k is known).
@@ -34,7 +37,9 @@ Finding thr, each pass a streaming read of the row:
 Where the candidates go. A pass costs a read of the row whatever it finds, so the candidates go where t*
 most likely lies, estimated from what the row state knows; only the number of passes depends on it, not
 the kept set (any candidates in [lo, hi) keep the invariants). With u_i = ±0.5, ±1.5, ±3, ±6, ... (dense
-at the estimate, doubling outwards, so that an estimate that is off still brackets t* closely):
+at the estimate, doubling outwards, so that an estimate that is off still brackets t* closely), and each
+of these candidates moved to just below the nearest value a token can take (bf16, fp16: consecutive
+candidates at consecutive such values end the search):
 
 * the first pass of a top-k search, and of a top-p search over the whole row: all NC candidates from
   the statistics; top-k at μ + σ · Q⁻¹(c_i / n), the counts c_i = k + √k · u_i under a normal model of
@@ -118,6 +123,8 @@ would, as the full sampler's float32 cumsum may.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -372,13 +379,40 @@ def _update(
 
 
 @triton.jit
+def _l_at(g, inv_t):
+    """l = z · inv_t (`_scaled`'s arithmetic) of the float32 z whose key is g."""
+    return _from_key(g) * inv_t + 0.0
+
+
+@triton.jit
+def _is_done(lo, c_lo, hi, c_hi, inv_t, GB: tl.constexpr):
+    """Whether t* is the only value in (lo, hi]: the bracket holds one token, or one float, or (GB > 0: the
+    logits' dtype has 23 − GB mantissa bits, so the keys of its values read as float32 are multiples of
+    2^GB) one value that a token can take. l = z · inv_t is monotone in z, so with g the smallest such key
+    whose l lies above lo (found from lo / inv_t, then checked), (lo, hi] holds only l(g) when
+    l(g + 2^GB) > hi."""
+    done = (c_lo - c_hi <= 1) | (_key(hi) - _key(lo) <= 1)
+    if GB > 0:
+        GRID: tl.constexpr = 1 << GB
+        g = (_key(lo / inv_t) >> GB) << GB
+        for _ in tl.static_range(2):
+            g = tl.where(_l_at(g, inv_t) > lo, g, g + GRID)
+        for _ in tl.static_range(2):
+            g = tl.where(_l_at(g - GRID, inv_t) > lo, g - GRID, g)
+        first = (_l_at(g, inv_t) > lo) & (_l_at(g - GRID, inv_t) <= lo)  # NaN beyond ±inf: not done
+        done = done | (first & (_l_at(g + GRID, inv_t) > hi))
+    return done
+
+
+@triton.jit
 def _advance(
     phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1, s_x1,
-    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p,
+    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB: tl.constexpr,
 ):  # fmt: skip
-    """Leave the finished searches: phase 0 (top-k) ends when (lo, hi] holds one token or one float, or
-    when exactly kk tokens lie above lo; then phase 1 (top-p over what top-k kept) starts when p < 1 and
-    more than one token is left, else phase 2 (done, thr = lo). Phase 1 ends the same way.
+    """Leave the finished searches: phase 0 (top-k) ends when (lo, hi] holds one token or one value a
+    token can take (`_is_done`), or when exactly kk tokens lie above lo; then phase 1 (top-p over what
+    top-k kept) starts when p < 1 and more than one token is left, else phase 2 (done, thr = lo). Phase 1
+    ends the same way.
 
     Phase 1 starts from (lo, m] narrowed to the top-p bracket the top-k search kept (`_update`): to lo_p
     when M(lo_p) ≥ P and to hi_p when M(hi_p) < P, now that P is known (cond's own test on the sums).
@@ -388,7 +422,7 @@ def _advance(
     M(l_x1) < p · Z_k (its tie group with it): then the row is decided (phase 5); else every token top-p
     keeps has M < p · Z_k ≤ M(l_x1), so lies strictly above l_x1, and the top-p search starts from
     lo = l_x1 (C(lo) = c_x1, M(lo) = s_x1; P and the placement bound a from the top-k set)."""
-    done = (c_lo - c_hi <= 1) | (_key(hi) - _key(lo) <= 1)
+    done = _is_done(lo, c_lo, hi, c_hi, inv_t, GB)
     if (phase == 0) & (done | (c_lo <= kk)):
         if (p < 1.0) & (c_lo > 1):
             phase = tl.full([], 1, tl.int32)
@@ -414,7 +448,7 @@ def _advance(
             hi = tl.where(down, hi_p, hi)
             c_hi = tl.where(down, c_hi_p, c_hi)
             s_hi = tl.where(down, s_hi_p, s_hi)
-            done = (c_lo - c_hi <= 1) | (_key(hi) - _key(lo) <= 1)
+            done = _is_done(lo, c_lo, hi, c_hi, inv_t, GB)
         else:
             phase = tl.full([], 2, tl.int32)
     if (phase == 1) & done:
@@ -457,21 +491,23 @@ def _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi
 
 
 @triton.jit
-def _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd):
+def _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd, inv_t):
     """What places a search's first pass (`_candidates`): fresh (1: a top-k search's first pass, 2: a
     top-p search's over the whole row, 0: any other pass), the count n of finite values, and the model's
-    (g_mu, g_sd): the values' mean and deviation for 1, the top-p estimate and its spread for 2."""
+    (g_mu, g_sd): the values' mean and deviation for 1, the top-p estimate and its spread for 2; and the
+    row's 1 / T (the values its tokens can take, `_is_done`)."""
     tl.store(sti_ptr + row * 16 + 8, fresh)
     tl.store(sti_ptr + row * 16 + 9, n)
     tl.store(stf_ptr + row * 16 + 9, g_mu)
     tl.store(stf_ptr + row * 16 + 10, g_sd)
+    tl.store(stf_ptr + row * 16 + 15, inv_t)
 
 
 @triton.jit
 def _load_model(stf_ptr, sti_ptr, row):
     f = stf_ptr + row * 16
     i = sti_ptr + row * 16
-    return tl.load(i + 8), tl.load(i + 9), tl.load(f + 9), tl.load(f + 10)
+    return tl.load(i + 8), tl.load(i + 9), tl.load(f + 9), tl.load(f + 10), tl.load(f + 15)
 
 
 @triton.jit
@@ -592,9 +628,22 @@ def _window(phase, p, hi, hi_p):
 
 
 @triton.jit
+def _snap(x, inv_t, GB: tl.constexpr):
+    """The key of a candidate near x: x's own, or (GB > 0, `_is_done`) the key just below the value
+    l(g) a token can take nearest x, so that consecutive candidates at consecutive such values end the
+    search with the value between them."""
+    if GB > 0:
+        g = ((_key(x / inv_t) + (1 << (GB - 1))) >> GB) << GB
+        k = _key(_l_at(g, inv_t)) - 1
+    else:
+        k = _key(x)
+    return k
+
+
+@triton.jit
 def _candidates(
     phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
-    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC: tl.constexpr,
+    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC: tl.constexpr, GB: tl.constexpr,
 ):  # fmt: skip
     """NC candidate keys in [lo, w) (`_window`), where C and M are evaluated next (module docstring,
     "Where the candidates go"): a cluster around an estimate of t*, and NC / 2 guards spread evenly over
@@ -618,12 +667,13 @@ def _candidates(
     c_star = tl.where(phase == 0, kkf, _mass_center(lo, hi, c_lo, c_hi, s_lo, s_hi, P))
     x = _at_counts(lo, hi, c_lo, c_hi, c_star, u)
     x = tl.where(fresh == 1, x_gauss, tl.where(fresh == 2, g_mu + g_sd * u, x))
-    k_main = tl.minimum(tl.maximum(_key(tl.maximum(x, a)), klo), khi - 1)
+    k_main = tl.minimum(tl.maximum(tl.maximum(_snap(x, inv_t, GB), _key(a)), klo), khi - 1)
     # the top-p bracket's cluster while top-k searches: around where M crosses p · (M(lo) + M(hi)) / 2
     u_p = _offsets(j - (NC - kp), kp)
     c_p = _mass_center(lo_p, hi_p, c_lo_p, c_hi_p, s_lo_p, s_hi_p, p * 0.5 * (s_lo + s_hi))
     x_p = _at_counts(lo_p, hi_p, c_lo_p, c_hi_p, c_p, u_p)
-    k_p = tl.minimum(tl.maximum(_key(tl.maximum(x_p, lo_p)), klo), _key(_window(phase, p, hi, hi_p)) - 1)
+    k_p = tl.maximum(tl.maximum(_snap(x_p, inv_t, GB), _key(lo_p)), klo)
+    k_p = tl.minimum(k_p, _key(_window(phase, p, hi, hi_p)) - 1)
     # the guards: whatever the estimates, consecutive candidates lie at most ⌈L / (G + 1)⌉ keys apart
     start = tl.where(a > lo, tl.minimum(_key(a), khi - 1), klo)
     by_key = start + (khi - start) * (j + 1) // (G + 1)
@@ -633,13 +683,13 @@ def _candidates(
 @triton.jit
 def _store_candidates(
     cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
-    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC: tl.constexpr,
+    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC: tl.constexpr, GB: tl.constexpr,
 ):  # fmt: skip
     """cand[row] = the values of the row's next pass's candidates (`_candidates`), found once per row by
     its per-row program: the pass's programs over the row's chunks read them."""
     keys = _candidates(
         phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
-        lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC,
+        lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC, GB,
     )  # fmt: skip
     tl.store(cand_ptr + row * NC + tl.arange(0, NC), _from_key(keys))
 
@@ -647,7 +697,7 @@ def _store_candidates(
 @triton.jit
 def _step(
     keys, cnt, mass, vmin, vmax, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1, s_x1,
-    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p,
+    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB: tl.constexpr,
 ):  # fmt: skip
     """A search pass's end from C and M at its candidates over the whole row: `_update`, then `_advance`
     (the bound a and the first pass's model place one pass only)."""
@@ -660,7 +710,7 @@ def _step(
     fresh = tl.zeros([], tl.int32)
     phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh = _advance(
         phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1, s_x1,
-        lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p,
+        lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB,
     )  # fmt: skip
     return phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p
 
@@ -703,7 +753,7 @@ def threshold_stats_kernel(
 @triton.jit
 def threshold_begin_kernel(
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, stf_ptr, sti_ptr, cand_ptr, NUM_CHUNKS,
-    logits_ptr, stride_row, mask_ptr, stride_mask, V, NC: tl.constexpr, HAS_MASK: tl.constexpr,
+    logits_ptr, stride_row, mask_ptr, stride_mask, V, NC: tl.constexpr, GB: tl.constexpr, HAS_MASK: tl.constexpr,
     PRECHECK: tl.constexpr = False,
 ):  # fmt: skip
     """Program b: row b's statistics from its chunks' (in chunk order), and its search state: every
@@ -754,7 +804,7 @@ def threshold_begin_kernel(
     fresh = tl.zeros([], tl.int32)
     none = tl.full([], -1, tl.int32)
     phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh = _advance(
-        phase, m, lo, n, z, hi, c_hi, s_hi, a, kk, P, fresh, p, none, lo, z, lo, n, z, m, c_hi, s_hi
+        phase, m, lo, n, z, hi, c_hi, s_hi, a, kk, P, fresh, p, none, lo, z, lo, n, z, m, c_hi, s_hi, inv_t, GB
     )
     phase = tl.where(active & (n > 0), phase, 3)
     nf = tl.maximum(n, 1).to(tl.float32)
@@ -767,12 +817,12 @@ def threshold_begin_kernel(
     g_sd = tl.where(phase == 0, tl.sqrt(tl.maximum(u2 / nf - mu * mu, 0.0)), 0.2 * sd_w)
     zero_c = tl.zeros([], tl.int32)
     zero_s = tl.zeros([], tl.float32)
-    _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd)
+    _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd, inv_t)
     _store_pb(stf_ptr, sti_ptr, row, lo, c_lo, s_lo, m, zero_c, zero_s)
     if phase < 2:
         _store_candidates(
             cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
-            lo, c_lo, s_lo, m, zero_c, zero_s, NC,
+            lo, c_lo, s_lo, m, zero_c, zero_s, inv_t, NC, GB,
         )  # fmt: skip
     if PRECHECK:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -821,6 +871,7 @@ def threshold_check_kernel(
 @triton.jit
 def threshold_check_reduce_kernel(
     top_p_ptr, stf_ptr, sti_ptr, cand_ptr, chk_cnt_ptr, chk_mass_ptr, NUM_CHUNKS, NC: tl.constexpr,
+    GB: tl.constexpr,
 ):  # fmt: skip
     """Program b, for a row in phase 4: its check from the chunks' sums (in chunk order), C_ge = #{l ≥
     l_x1}, C_gt = C(l_x1), S = M_ge = Σ_{l ≥ l_x1} exp(l − m), M_gt = M(l_x1), and the decision whether the
@@ -843,7 +894,7 @@ def threshold_check_reduce_kernel(
     phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
     if phase == 4:
         _x1, l_x1, saved = _load_x1(stf_ptr, sti_ptr, row)
-        fresh, n, g_mu, g_sd = _load_model(stf_ptr, sti_ptr, row)
+        fresh, n, g_mu, g_sd, inv_t = _load_model(stf_ptr, sti_ptr, row)
         lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _load_pb(stf_ptr, sti_ptr, row)
         j = tl.arange(0, 2)
         cnt = tl.zeros([2], tl.int32)
@@ -873,15 +924,15 @@ def threshold_check_reduce_kernel(
         c_x1 = tl.where(down, c_gt, -1)
         phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh = _advance(
             phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1, s_gt,
-            lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p,
+            lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB,
         )  # fmt: skip
         _store_open(stf_ptr, sti_ptr, row, c_x1, s_gt)
-        _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd)
+        _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd, inv_t)
         _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes + 1)
         if phase < 2:
             _store_candidates(
                 cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
-                lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC,
+                lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC, GB,
             )  # fmt: skip
 
 
@@ -919,6 +970,7 @@ def threshold_pass_kernel(
 @triton.jit
 def threshold_reduce_kernel(
     top_p_ptr, stf_ptr, sti_ptr, cand_ptr, cnt_ptr, mass_ptr, vmm_ptr, NUM_CHUNKS, NC: tl.constexpr,
+    GB: tl.constexpr,
 ):  # fmt: skip
     """Program b: row b's pass from its chunks' partials, summed in chunk order, then `_step`, and the
     candidates of the row's next pass (`_store_candidates`)."""
@@ -926,7 +978,7 @@ def threshold_reduce_kernel(
     phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
     if phase < 2:
         p = tl.load(top_p_ptr + row)
-        fresh, n, g_mu, g_sd = _load_model(stf_ptr, sti_ptr, row)
+        fresh, n, g_mu, g_sd, inv_t = _load_model(stf_ptr, sti_ptr, row)
         lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _load_pb(stf_ptr, sti_ptr, row)
         j = tl.arange(0, NC)
         keys = _key(tl.load(cand_ptr + row * NC + j))
@@ -943,15 +995,15 @@ def threshold_reduce_kernel(
         c_x1, l_x1, s_x1 = _load_open(stf_ptr, sti_ptr, row)
         phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _step(
             keys, cnt, mass, vmin, vmax, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1,
-            s_x1, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p,
+            s_x1, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB,
         )  # fmt: skip
-        _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd)
+        _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd, inv_t)
         _store_pb(stf_ptr, sti_ptr, row, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p)
         _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes + 1)
         if phase < 2:
             _store_candidates(
                 cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
-                lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC,
+                lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC, GB,
             )  # fmt: skip
 
 
@@ -960,7 +1012,7 @@ def threshold_finish_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
     stf_ptr, sti_ptr, thr_ptr, passes_ptr, V, NUM_CHUNKS, ids_ptr,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
-    UNROLL: tl.constexpr, PRECHECK: tl.constexpr = False,
+    UNROLL: tl.constexpr, GB: tl.constexpr, PRECHECK: tl.constexpr = False,
 ):  # fmt: skip
     """Program b: the passes row b's search still needs, each over the whole row by this one program
     (the same sums, chunk by chunk in chunk order, as the split passes make), then thr[b] (min-p applied)
@@ -970,7 +1022,7 @@ def threshold_finish_kernel(
     row = tl.program_id(0)
     phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
     inv_t, _active, _k, p, min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
-    fresh, n, g_mu, g_sd = _load_model(stf_ptr, sti_ptr, row)
+    fresh, n, g_mu, g_sd, _inv_t = _load_model(stf_ptr, sti_ptr, row)
     lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _load_pb(stf_ptr, sti_ptr, row)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
@@ -978,7 +1030,7 @@ def threshold_finish_kernel(
     while phase < 2:
         keys = _candidates(
             phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
-            lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, NC,
+            lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC, GB,
         )  # fmt: skip
         x = _from_key(keys)
         w = _window(phase, p, hi, hi_p)
@@ -997,7 +1049,7 @@ def threshold_finish_kernel(
             vmax = tl.maximum(vmax, vmax_c)
         phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _step(
             keys, cnt, mass, vmin, vmax, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1,
-            s_x1, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p,
+            s_x1, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB,
         )  # fmt: skip
         passes += 1
     thr = lo
@@ -1140,6 +1192,8 @@ def truncation_plan(
     consts = dict(CHUNK=chunk, HAS_MASK=bitmask is not None)
     # one lane per thread in a search pass (the split passes and the per-row programs alike: the same sums)
     search = dict(NC=candidates, BLOCK_E=block_e, SKIP=skip, UNROLL=unroll, **consts)
+    # the logits' dtype: its values read as float32 have keys that are multiples of 2^gb (`_is_done`)
+    gb = max(0, 23 + round(math.log2(torch.finfo(logits.dtype).eps)))
     search["num_warps"] = min(8, max(1, block_e // 32))
     # the plain draw in the statistics: a block of `block` logits spans NR quarters of the sampler's tile
     # (one Philox call per lane serves them, as in the sampler)
@@ -1150,7 +1204,7 @@ def truncation_plan(
         **consts, **draw, num_warps=8,
     )  # fmt: skip
     threshold_begin_kernel[(B,)](
-        *params, part, stf, sti, cand, S, logits, logits.stride(0), mask, stride_mask, V, NC=candidates,
+        *params, part, stf, sti, cand, S, logits, logits.stride(0), mask, stride_mask, V, NC=candidates, GB=gb,
         HAS_MASK=bitmask is not None, PRECHECK=precheck, num_warps=1,
     )  # fmt: skip
     if precheck:
@@ -1160,7 +1214,9 @@ def truncation_plan(
             logits, logits.stride(0), *params, mask, stride_mask, stf, sti, chk_cnt, chk_mass, V, S,
             BLOCK_E=block_e, UNROLL=unroll, **consts, num_warps=search["num_warps"],
         )  # fmt: skip
-        threshold_check_reduce_kernel[(B,)](top_p, stf, sti, cand, chk_cnt, chk_mass, S, NC=candidates, num_warps=1)
+        threshold_check_reduce_kernel[(B,)](
+            top_p, stf, sti, cand, chk_cnt, chk_mass, S, NC=candidates, GB=gb, num_warps=1
+        )
     if split_passes:
         cnt = torch.empty(B, S, candidates, dtype=torch.int32, device=dev)
         mass = torch.empty(B, S, candidates, dtype=torch.float32, device=dev)
@@ -1170,10 +1226,10 @@ def truncation_plan(
                 logits, logits.stride(0), *params, mask, stride_mask, stf, sti, cand, cnt, mass, vmm, V, S,
                 **search,
             )  # fmt: skip
-            threshold_reduce_kernel[(B,)](top_p, stf, sti, cand, cnt, mass, vmm, S, NC=candidates, num_warps=1)
+            threshold_reduce_kernel[(B,)](top_p, stf, sti, cand, cnt, mass, vmm, S, NC=candidates, GB=gb, num_warps=1)
     threshold_finish_kernel[(B,)](
         logits, logits.stride(0), *params, mask, stride_mask, stf, sti, thr, passes, V, S,
-        passes if ids is None else ids, PRECHECK=precheck, **search,
+        passes if ids is None else ids, GB=gb, PRECHECK=precheck, **search,
     )  # fmt: skip
     return thr, passes, ids
 
