@@ -661,19 +661,24 @@ def _candidates(
     # the search's cluster: counts around c* (top-k: kk; top-p: where M crosses P), by the bracket's model;
     # a first pass by the row's moments instead (`threshold_begin_kernel`)
     kkf = kk.to(tl.float32)
-    nf = n.to(tl.float32)
-    c_gauss = tl.minimum(tl.maximum(kkf + tl.sqrt(kkf) * u, 0.5), nf - 0.5)
-    x_gauss = g_mu + g_sd * _qinv(c_gauss / nf)
-    c_star = tl.where(phase == 0, kkf, _mass_center(lo, hi, c_lo, c_hi, s_lo, s_hi, P))
-    x = _at_counts(lo, hi, c_lo, c_hi, c_star, u)
-    x = tl.where(fresh == 1, x_gauss, tl.where(fresh == 2, g_mu + g_sd * u, x))
+    if fresh == 1:
+        nf = n.to(tl.float32)
+        x = g_mu + g_sd * _qinv(tl.minimum(tl.maximum(kkf + tl.sqrt(kkf) * u, 0.5), nf - 0.5) / nf)
+    elif fresh == 2:
+        x = g_mu + g_sd * u
+    else:
+        c_star = kkf
+        if phase == 1:
+            c_star = _mass_center(lo, hi, c_lo, c_hi, s_lo, s_hi, P)
+        x = _at_counts(lo, hi, c_lo, c_hi, c_star, u)
     k_main = tl.minimum(tl.maximum(tl.maximum(_snap(x, inv_t, GB), _key(a)), klo), khi - 1)
     # the top-p bracket's cluster while top-k searches: around where M crosses p · (M(lo) + M(hi)) / 2
-    u_p = _offsets(j - (NC - kp), kp)
-    c_p = _mass_center(lo_p, hi_p, c_lo_p, c_hi_p, s_lo_p, s_hi_p, p * 0.5 * (s_lo + s_hi))
-    x_p = _at_counts(lo_p, hi_p, c_lo_p, c_hi_p, c_p, u_p)
-    k_p = tl.maximum(tl.maximum(_snap(x_p, inv_t, GB), _key(lo_p)), klo)
-    k_p = tl.minimum(k_p, _key(_window(phase, p, hi, hi_p)) - 1)
+    k_p = k_main
+    if kp > 0:
+        c_p = _mass_center(lo_p, hi_p, c_lo_p, c_hi_p, s_lo_p, s_hi_p, p * 0.5 * (s_lo + s_hi))
+        x_p = _at_counts(lo_p, hi_p, c_lo_p, c_hi_p, c_p, _offsets(j - (NC - kp), kp))
+        k_p = tl.maximum(tl.maximum(_snap(x_p, inv_t, GB), _key(lo_p)), klo)
+        k_p = tl.minimum(k_p, _key(_window(phase, p, hi, hi_p)) - 1)
     # the guards: whatever the estimates, consecutive candidates lie at most ⌈L / (G + 1)⌉ keys apart
     start = tl.where(a > lo, tl.minimum(_key(a), khi - 1), klo)
     by_key = start + (khi - start) * (j + 1) // (G + 1)
