@@ -26,17 +26,17 @@ Finding thr, each pass a streaming read of the row:
    hi move to the tightest candidates, then to the values themselves. The search ends when (lo, hi]
    holds one token, one representable float or one value a token can take: then t* is the only value in
    it and thr = lo. Ties at t* are found when (lo, hi] shrinks to that one value. (A token's l is
-   z · (1/T) for a z of the logits' dtype: bf16 logits take every 2^16-th float32 only, fp16 every 2^13-th,
-   and l is monotone in z, so one test of the neighbouring z's tells whether (lo, hi] holds one such
-   value.) While top-k searches with top-p to follow, the same
-   passes also narrow a top-p bracket (lo_p, hi_p]: Z_k lies between M(hi) and M(lo) of the top-k bracket,
-   so a candidate with M ≥ p · M(lo) has M ≥ P and one with M < p · M(hi) has M < P; the top-p search
-   starts from that bracket (each end checked against P once Z_k is known).
+   z · (1/T) for a z of the logits' dtype: bf16 logits take every 2^16-th float32 only, fp16 every
+   2^13-th, and l is monotone in z, so a test of the neighbouring z's tells whether (lo, hi] holds one
+   such value.) While top-k searches with top-p to follow, the same passes also narrow a top-p bracket
+   (lo_p, hi_p]: Z_k lies between M(hi) and M(lo) of the top-k bracket, so a candidate with
+   M ≥ p · M(lo) has M ≥ P and one with M < p · M(hi) has M < P; the top-p search starts from that
+   bracket (each end checked against P once Z_k is known).
 3. min-p: thr ≥ the float just below max l + log(min_p).
 
 Where the candidates go. A pass costs a read of the row whatever it finds, so the candidates go where t*
 most likely lies, estimated from what the row state knows; only the number of passes depends on it, not
-the kept set (any candidates in [lo, hi) keep the invariants). With u_i = ±0.5, ±1.5, ±3, ±6, ... (dense
+the kept set (any candidates in [lo, w) keep the invariants, `_chunk_eval`). With u_i = ±0.5, ±1.5, ±3, ±6, ... (dense
 at the estimate, doubling outwards, so that an estimate that is off still brackets t* closely), and each
 of these candidates moved to just below the nearest value a token can take (bf16, fp16: consecutive
 candidates at consecutive such values end the search):
@@ -53,8 +53,8 @@ candidates at consecutive such values end the search):
   with j_hi = c* − C(hi), j_lo = C(lo) − c*: the deviation, in tokens, of the c*-th value among the
   bracket's tokens. While top-k searches with top-p to follow, NC / 4 of these go to the top-p
   bracket instead, around where its M crosses p · (M(lo) + M(hi)) / 2;
-* and the other NC / 2 (the guards) spread evenly over the float32 bit patterns read as
-  ordered integers (keys) of [max(lo, a), hi), a a lower bound on t* (top-p after top-k: t* lies above
+* and the other NC / 2 (the guards) spread evenly over the float32 bit patterns read as ordered
+  integers (keys) of [max(lo, a), hi), a a lower bound on t* (top-p after top-k: t* lies above
   max l + log(Z_k (1 − p) / C(lo)) − 1, where the tokens below hold at most (1 − p) · Z_k / e).
 
 The bound: a bracket of L keys holds at most ⌈L / (NC/2 + 1)⌉ keys between consecutive guards (or a
@@ -70,10 +70,10 @@ row's sums are its own). The statistics run over rows × chunks, then one progra
 in chunk order and starts the row's search (a row state in a small device buffer: phase, m, lo, C(lo),
 M(lo), hi, C(hi), ..., and the candidates of the row's next pass, placed once by the per-row program).
 Each of a fixed number of split passes runs over rows × chunks (C and M at the row's candidates over one
-chunk each), then one program per row sums the chunks' counts and masses in chunk order, moves lo and hi
-and places the next pass's candidates; a row whose search is over skips both. Last, one program per row makes
-the passes its search still needs (usually none) itself, summing chunk by chunk the same way, and
-writes thr. A row that does not truncate (greedy, no filter) reads nothing.
+chunk each), then one program per row sums the chunks' counts and masses in chunk order, moves lo and
+hi and places the next pass's candidates; a row whose search is over skips both. Last, one program per
+row makes the passes its search still needs (usually none) itself, summing chunk by chunk the same way,
+and writes thr. A row that does not truncate (greedy, no filter) reads nothing.
 
 Then the fused Gumbel-max pass (kernels/sampling.py, HAS_THR) draws argmax_{i ∈ K} (l_i + g_i) with
 each index's seeded noise g_i: the same ids as the plain fused kernel when K holds every finite token,
@@ -114,12 +114,13 @@ with the NC candidates); w = hi, or the top of the top-p bracket while a top-k s
 in it. Each program keeps per-lane partials in registers (BLOCK_E lanes × NC counts and masses) and sums
 its lanes once, at the end of its chunk: no cross-thread reduction per iteration. The NC-wide compare
 and add run on every value (those outside (lo, w] as −inf); with `skip`, only in the iterations whose
-BLOCK_E values hold one in (lo, w] (one block-wide max per iteration decides), which
-after the first passes are few; with `unroll` 2, each iteration issues two blocks' loads before using
-either. Masses are float32 sums (each lane's in index order, then a fixed tree
-over the lanes: fixed by chunk, block_e and NC, never by B), so a row whose top-p boundary lies within
-float32 rounding (~1e-6 relative) of p may keep one token more or fewer than an exact computation
-would, as the full sampler's float32 cumsum may.
+BLOCK_E values hold one in (lo, w] (one block-wide max per iteration decides), which after the first
+passes are few; with `unroll` 2, each iteration issues two blocks' loads before using either. The
+placement's arithmetic (logarithms, the normal quantile, the grid test) runs once per row and pass, in
+the per-row programs. Masses are float32 sums (each lane's in index order, then a fixed tree over the
+lanes: fixed by chunk, block_e and NC, never by B), so a row whose top-p boundary lies within float32
+rounding (~1e-6 relative) of p may keep one token more or fewer than an exact computation would, as the
+full sampler's float32 cumsum may.
 """
 
 from __future__ import annotations
