@@ -269,9 +269,9 @@ def test_adversarial_rows_keep_what_the_reference_keeps_within_the_bound(device,
 
 def test_flat_rows_take_few_passes(device):
     """The candidates placed around the estimates of t* (module docstring, "Where the candidates go"):
-    on flat rows (randn · 2 at T = 0.6, float32, V = 16,384) the mean reads per row stay far below what
-    guards alone need (about 7, 5 and 8 with half of them spread over the values), and the kept sets are
-    the reference's."""
+    on flat rows (randn · 2 at T = 0.6, float32, V = 16,384) the mean reads per row stay well below what
+    candidates spread evenly over the bracket (half over its values, half over its keys) need on these
+    rows, about 7, 5 and 8, and the kept sets are the reference's."""
     gen = torch.Generator().manual_seed(2)
     B, V = 4, 16384
     z = torch.randn(B, V, generator=gen) * 2
