@@ -4,6 +4,7 @@
         [--shapes randn peaked] [--out DIR]
     python benchmarks/kernels/bench_top_p_sampling.py --cpu-smoke   # tiny, on the CPU (Triton interpreter)
     python benchmarks/kernels/bench_top_p_sampling.py --sweep [--batches 256 64]   # the search's layouts
+    python benchmarks/kernels/bench_top_p_sampling.py --reads [--rows 4] [--candidates 8]   # passes per row
 
 Per (logits dtype, batch, logits shape, filters), at temperature 0.6 over random logits: "randn" is
 randn · 2, "peaked" the same plus 30 tokens at random indices raised by 12 down to 4 (evenly spaced), an
@@ -28,6 +29,15 @@ off, and two blocks per iteration (unroll 2) for some (`SEARCH_LAYOUTS`); prints
 row (the statistics' read included), µs per pass, whether the other skip setting without the unroll
 gave every threshold the same bits (it must), and the fastest layout per (batch, filters) and overall
 (summed over the cases). Writes top_p_sweep_<gpu>.json.
+
+--reads: the search's reads of each row, nothing timed (on the CPU under TRITON_INTERPRET=1 unless CUDA is
+there): `truncation_thresholds` (no precheck) and `truncation_plan` (precheck) over --rows rows of V = 128,256
+per shape, every filter configuration; mean and max reads per row (the statistics' read included, and the
+check's with the precheck) and the fraction of rows the precheck decided. Shapes: randn and peaked in
+bfloat16, randn in float32, and adversarial rows (bfloat16 unless said): "ties" (17 distinct values),
+"heavy" (Student t, 3 degrees of freedom, · 2: tails far from Gaussian), "huge" (randn · 2 and one logit at
+60: one token holds the mass), "equal" (every logit 0), "masked" (randn · 2, a bitmask allowing one token in
+8), "tiny" (V = 37). Writes top_p_reads_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -75,7 +85,15 @@ def parse() -> argparse.Namespace:
         "--cpu-smoke", action="store_true", help="batch 2 × 4,096 float32 on the CPU under TRITON_INTERPRET=1"
     )
     ap.add_argument("--sweep", action="store_true", help="time the search's layouts (NC × BLOCK_E × skip)")
+    ap.add_argument("--reads", action="store_true", help="count the search's reads per row (no timing)")
+    ap.add_argument("--rows", type=int, default=None, help="--reads: rows per shape (default 4 on the CPU, 64 on CUDA)")
+    ap.add_argument("--candidates", type=int, default=None, help="--reads: candidates per pass (default: the kernel's)")
     ns = ap.parse_args()
+    if ns.reads:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     if ns.cpu_smoke:
         ns.batches, ns.vocab = [2], 4096
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -171,6 +189,115 @@ def sweep(ns: argparse.Namespace) -> None:
     json_path, _ = output_paths(ns.out, "top_p_sweep")
     info = device_info(dev) if cuda else {"gpu": None, "torch": torch.__version__}
     write_json(json_path, {"device": info, "vocab": ns.vocab, "temperature": TEMPERATURE, "results": rows})
+
+
+def adversarial_logits(shape: str, rows: int, vocab: int, gen):
+    """[rows, vocab] float32 logits of an adversarial shape (module docstring, --reads) and its bitmask allowing
+    one token in 8 for "masked" (else None), on the CPU."""
+    import torch
+
+    from tinyvllm.sampling.bitmask import pack_bitmask
+
+    bitmask = None
+    if shape == "ties":
+        z = torch.randint(-8, 9, (rows, vocab), generator=gen).float() * 0.25
+    elif shape == "heavy":
+        t = torch.distributions.StudentT(3.0)
+        z = t.sample((rows, vocab)) * 2  # the global RNG, seeded by the caller
+    elif shape == "huge":
+        z = torch.randn(rows, vocab, generator=gen) * 2
+        z[:, 7] = 60.0
+    elif shape == "equal":
+        z = torch.zeros(rows, vocab)
+    elif shape == "masked":
+        z = torch.randn(rows, vocab, generator=gen) * 2
+        allowed = torch.rand(rows, vocab, generator=gen) < 0.125
+        bitmask = torch.from_numpy(pack_bitmask(allowed.numpy()))
+    else:  # "tiny": a short row
+        z = torch.randn(rows, vocab, generator=gen) * 2
+    return z, bitmask
+
+
+def reads(ns: argparse.Namespace) -> None:
+    """The search's reads per row for each (logits, filters), with and without the precheck (module
+    docstring, --reads)."""
+    import torch
+    from common import device_info, output_paths, print_table, write_json
+
+    from tinyvllm.kernels.top_p_sampling import _NC, truncation_plan, truncation_thresholds
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    n = ns.rows or (64 if cuda else 4)
+    nc = ns.candidates or _NC
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    groups = []  # (dtype, [(shape, rows)], bitmask)
+    for dtype in (torch.bfloat16, torch.float32):
+        shapes = SHAPES if dtype == torch.bfloat16 else ("randn",)
+        groups.append((dtype, [(s, make_logits(s, n, ns.vocab, "cpu", gen, torch.float32)) for s in shapes], None))
+    adv = max(1, n // 2)
+    shapes = [(s, adversarial_logits(s, adv, ns.vocab, gen)[0]) for s in ("ties", "heavy", "huge", "equal")]
+    groups.append((torch.bfloat16, shapes, None))
+    z, bitmask = adversarial_logits("masked", adv, ns.vocab, gen)
+    groups.append((torch.bfloat16, [("masked", z)], bitmask))
+    groups.append((torch.bfloat16, [("tiny", adversarial_logits("tiny", adv, 37, gen)[0])], None))
+    rows = []
+    for dtype, shapes, bitmask in groups:
+        z = torch.cat([r for _, r in shapes]).to(dtype).to(dev)
+        mask = None if bitmask is None else bitmask.to(dev)
+        B = z.shape[0]
+        for name, filters in CONFIGS.items():
+            args = (
+                torch.full((B,), filters.get("top_k", 0), dtype=torch.int32, device=dev),
+                torch.full((B,), filters.get("top_p", 1.0), device=dev),
+                torch.full((B,), filters.get("min_p", 0.0), device=dev),
+            )
+            t = torch.full((B,), TEMPERATURE, device=dev)
+            seeds = torch.arange(B, device=dev) + 1
+            t0 = time.perf_counter()
+            _, passes = truncation_thresholds(z, t, *args, mask, candidates=nc)
+            _, passes_pre, decided = truncation_plan(z, t, seeds, *args, mask, candidates=nc)
+            passes, passes_pre, decided = passes.cpu().float(), passes_pre.cpu().float(), decided.cpu()
+            at = 0
+            for shape, r in shapes:
+                sl = slice(at, at + r.shape[0])
+                at += r.shape[0]
+                rows.append(
+                    {
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "shape": shape,
+                        "vocab": z.shape[1],
+                        "filters": name,
+                        "rows": r.shape[0],
+                        "passes_mean": float(passes[sl].mean()),
+                        "passes_max": int(passes[sl].max()),
+                        "passes_pre_mean": float(passes_pre[sl].mean()),
+                        "passes_pre_max": int(passes_pre[sl].max()),
+                        "accepted": float((decided[sl] >= 0).float().mean()),
+                    }
+                )
+                print(f"  {rows[-1]}", flush=True)
+            print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print_table(
+        f"search reads per row (statistics included), T = {TEMPERATURE}, NC = {nc}" + ("" if cuda else " (CPU)"),
+        rows,
+        [
+            ("dtype", "logits", "s"),
+            ("shape", "shape", "s"),
+            ("vocab", "V", "d"),
+            ("filters", "filters", "s"),
+            ("rows", "rows", "d"),
+            ("passes_mean", "reads", ".2f"),
+            ("passes_max", "max", "d"),
+            ("passes_pre_mean", "reads pre", ".2f"),
+            ("passes_pre_max", "max pre", "d"),
+            ("accepted", "accepted", ".2f"),
+        ],
+    )
+    json_path, _ = output_paths(ns.out, "top_p_reads")
+    info = device_info(dev) if cuda else {"gpu": None, "torch": torch.__version__}
+    write_json(json_path, {"device": info, "candidates": nc, "temperature": TEMPERATURE, "results": rows})
 
 
 def measure(ns, cuda, dev, copy, sampler, dtype, batch, shape, name, filters) -> dict:
@@ -280,6 +407,9 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if ns.sweep:
         sweep(ns)
+        return
+    if ns.reads:
+        reads(ns)
         return
 
     import torch

@@ -18,26 +18,62 @@ per row, K = {i : l_i > thr}, with thr any value in [the largest value below t*,
 
 Finding thr, each pass a streaming read of the row:
 
-1. m = max l, Z = Σ exp(l − m) (online), the smallest finite value and the count of finite values;
+1. m = max l, Z = Σ exp(l − m) (online), the smallest finite value, the count n of finite values, and
+   the moments Σ l, Σ l², Σ l · exp(l − m), Σ l² · exp(l − m) (they place the first search pass);
 2. top-k, then top-p: a search over x keeping cond(lo) false and cond(hi) true, cond(x) = C(x) < k and
    M(x) < P (top-k: P = ∞; top-p: k = ∞, P = p · Z_k). A pass evaluates C and M at NC candidates in
-   (lo, hi), half spread evenly over the values and half evenly over the float32 bit patterns read as
-   ordered integers (so that each pass cuts the interval of representable floats by (NC/2 + 1)× at
-   least, whatever the spread of the values), and the smallest and largest values in (lo, hi]; lo and hi
-   move to the tightest candidates, then to the values themselves. The search ends when (lo, hi] holds
-   one token or one representable float: then t* is the only value in it and thr = lo. Ties at t* are
-   found when (lo, hi] shrinks to that one float: at most ⌈32 / log2(NC/2 + 1)⌉ passes.
+   [lo, hi) ("Where the candidates go", below) and the smallest and largest values in (lo, hi]; lo and
+   hi move to the tightest candidates, then to the values themselves. The search ends when (lo, hi]
+   holds one token, one representable float or one value a token can take: then t* is the only value in
+   it and thr = lo. Ties at t* are found when (lo, hi] shrinks to that one value. (A token's l is
+   z · (1/T) for a z of the logits' dtype: bf16 logits take every 2^16-th float32 only, fp16 every
+   2^13-th, and l is monotone in z, so a test of the neighbouring z's tells whether (lo, hi] holds one
+   such value.) While top-k searches with top-p to follow, the same passes also narrow a top-p bracket
+   (lo_p, hi_p]: Z_k lies between M(hi) and M(lo) of the top-k bracket, so a candidate with
+   M ≥ p · M(lo) has M ≥ P and one with M < p · M(hi) has M < P; the top-p search starts from that
+   bracket (each end checked against P once Z_k is known).
 3. min-p: thr ≥ the float just below max l + log(min_p).
+
+Where the candidates go. A pass costs a read of the row whatever it finds, so the candidates go where t*
+most likely lies, estimated from what the row state knows; only the number of passes depends on it, not
+the kept set (any candidates in [lo, w) keep the invariants, `_chunk_eval`). With u_i = ±0.5, ±1.5, ±3, ±6, ... (dense
+at the estimate, doubling outwards, so that an estimate that is off still brackets t* closely), and each
+of these candidates moved to just below the nearest value a token can take (bf16, fp16: consecutive
+candidates at consecutive such values end the search):
+
+* the first pass of a top-k search, and of a top-p search over the whole row: all NC candidates from
+  the statistics; top-k at μ + σ · Q⁻¹(c_i / n), the counts c_i = k + √k · u_i under a normal model of
+  the values (μ, σ their mean and deviation, Q the normal tail; √k the deviation of the count above a
+  fixed value); top-p at μ_w + σ_w · (Φ⁻¹(1 − p) + u_i / 5), the normal quantile of the mass-weighted
+  values (mean μ_w, deviation σ_w) where the mass below is (1 − p) · Z;
+* every other pass, NC / 2 candidates from the bracket: C taken log-linear between (lo, C(lo)) and
+  (hi, C(hi) + 1) (a token density ∝ exp(−β x), so a mass density ∝ exp((1 − β) x)); the estimate is the
+  count c* where cond changes (top-k: k; top-p: where the model's M crosses P, from M(lo) and M(hi)), and
+  the candidates lie where the model puts the counts c* + σ · u_i, σ = √(j_hi · j_lo / (j_hi + j_lo))
+  with j_hi = c* − C(hi), j_lo = C(lo) − c*: the deviation, in tokens, of the c*-th value among the
+  bracket's tokens. While top-k searches with top-p to follow, NC / 4 of these go to the top-p
+  bracket instead, around where its M crosses p · (M(lo) + M(hi)) / 2;
+* and the other NC / 2 (the guards) spread evenly over the float32 bit patterns read as ordered
+  integers (keys) of [max(lo, a), hi), a a lower bound on t* (top-p after top-k: t* lies above
+  max l + log(Z_k (1 − p) / C(lo)) − 1, where the tokens below hold at most (1 − p) · Z_k / e).
+
+The bound: a bracket of L keys holds at most ⌈L / (NC/2 + 1)⌉ keys between consecutive guards (or a
+guard and an end), and the next bracket lies between two consecutive candidates, so every pass after a
+search's first (whose guards start at a or are absent) cuts L by (NC/2 + 1)× at least, whatever the
+row and the estimates; L < 2^32 at the start and the search is over at L = 1, so a search makes at
+most 1 + ⌈32 / log2(NC/2 + 1)⌉ passes and a row 1 + 2 · (1 + ⌈32 / log2(NC/2 + 1)⌉) reads (one more
+with the precheck's check).
 
 Launches (`truncation_thresholds`), a fixed sequence whatever the data, so that a CUDA graph captures
 it: each row is cut into chunks of a fixed length (8,192 logits: never a function of the batch, so a
 row's sums are its own). The statistics run over rows × chunks, then one program per row combines them
 in chunk order and starts the row's search (a row state in a small device buffer: phase, m, lo, C(lo),
-M(lo), hi, C(hi), ...). Each of a fixed number of split passes runs over rows × chunks (C and M at the
-row's candidates over one chunk each), then one program per row sums the chunks' counts and masses in
-chunk order and moves lo and hi; a row whose search is over skips both. Last, one program per row makes
-the passes its search still needs (usually none) itself, summing chunk by chunk the same way, and
-writes thr. A row that does not truncate (greedy, no filter) reads nothing.
+M(lo), hi, C(hi), ..., and the candidates of the row's next pass, placed once by the per-row program).
+Each of a fixed number of split passes runs over rows × chunks (C and M at the row's candidates over one
+chunk each), then one program per row sums the chunks' counts and masses in chunk order, moves lo and
+hi and places the next pass's candidates; a row whose search is over skips both. Last, one program per
+row makes the passes its search still needs (usually none) itself, summing chunk by chunk the same way,
+and writes thr. A row that does not truncate (greedy, no filter) reads nothing.
 
 Then the fused Gumbel-max pass (kernels/sampling.py, HAS_THR) draws argmax_{i ∈ K} (l_i + g_i) with
 each index's seeded noise g_i: the same ids as the plain fused kernel when K holds every finite token,
@@ -73,19 +109,23 @@ search's rounding itself may.
 Cost at B × V: 1 + passes(top-k) + passes(top-p) reads of each row by the search (the row is re-read
 while it sits in L2 at moderate batch) plus one read by the draw; 2 launches per split pass, over
 B × ceil(V / 8,192) programs. A search pass sorts each value three ways: at most lo (above no
-candidate), above hi (above every candidate: one count and one mass per lane), or in (lo, hi] (compared
-with the NC candidates). Each program keeps per-lane partials in registers (BLOCK_E lanes × NC counts and
-masses) and sums its lanes once, at the end of its chunk: no cross-thread reduction per iteration. The
-NC-wide compare and add run on every value (those outside (lo, hi] as −inf); with `skip`, only in the
-iterations whose BLOCK_E values hold one in (lo, hi] (one block-wide max per iteration decides), which
-after the first passes are few; with `unroll` 2, each iteration issues two blocks' loads before using
-either. Masses are float32 sums (each lane's in index order, then a fixed tree
-over the lanes: fixed by chunk, block_e and NC, never by B), so a row whose top-p boundary lies within
-float32 rounding (~1e-6 relative) of p may keep one token more or fewer than an exact computation
-would, as the full sampler's float32 cumsum may.
+candidate), above w (above every candidate: one count and one mass per lane), or in (lo, w] (compared
+with the NC candidates); w = hi, or the top of the top-p bracket while a top-k search places candidates
+in it. Each program keeps per-lane partials in registers (BLOCK_E lanes × NC counts and masses) and sums
+its lanes once, at the end of its chunk: no cross-thread reduction per iteration. The NC-wide compare
+and add run on every value (those outside (lo, w] as −inf); with `skip`, only in the iterations whose
+BLOCK_E values hold one in (lo, w] (one block-wide max per iteration decides), which after the first
+passes are few; with `unroll` 2, each iteration issues two blocks' loads before using either. The
+placement's arithmetic (logarithms, the normal quantile, the grid test) runs once per row and pass, in
+the per-row programs. Masses are float32 sums (each lane's in index order, then a fixed tree over the
+lanes: fixed by chunk, block_e and NC, never by B), so a row whose top-p boundary lies within float32
+rounding (~1e-6 relative) of p may keep one token more or fewer than an exact computation would, as the
+full sampler's float32 cumsum may.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -160,17 +200,22 @@ def _chunk_stats(
     row_ptr, mask_row_ptr, V, inv_t, seed, c0, CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
     DRAW: tl.constexpr, TILE: tl.constexpr, NR: tl.constexpr, FAST_LOG: tl.constexpr,
 ):  # fmt: skip
-    """(max l, Σ exp(l − max l), smallest finite l, count of finite l) over [c0, c0 + CHUNK) of a row,
-    and with DRAW the plain sampler's best (value, index) there: the largest z · inv_t + g_i with each
-    index's noise g_i and arithmetic (kernels/sampling.py), the lowest index among equal values (−inf, V
-    when no value is finite). The per-lane running best (strict >, indices in increasing order per lane)
-    and the final lowest-index-of-the-maximum are the sampler's own, so the combination over the chunks
-    gives its id bit for bit."""
+    """(max l, Σ exp(l − max l), smallest finite l, count of finite l, Σ l, Σ l², Σ l · exp(l − max l),
+    Σ l² · exp(l − max l)) over the finite l in [c0, c0 + CHUNK) of a row (the moments place the first
+    search pass, `_candidates`), and with DRAW the plain sampler's best (value, index) there: the largest
+    z · inv_t + g_i with each index's noise g_i and arithmetic (kernels/sampling.py), the lowest index among
+    equal values (−inf, V when no value is finite). The per-lane running best (strict >, indices in
+    increasing order per lane) and the final lowest-index-of-the-maximum are the sampler's own, so the
+    combination over the chunks gives its id bit for bit."""
     NQ: tl.constexpr = BLOCK // NR
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     s_i = tl.zeros([BLOCK], tl.float32)
     lo_i = tl.full([BLOCK], float("inf"), tl.float32)
     n_i = tl.zeros([BLOCK], tl.int32)
+    u1_i = tl.zeros([BLOCK], tl.float32)
+    u2_i = tl.zeros([BLOCK], tl.float32)
+    w1_i = tl.zeros([BLOCK], tl.float32)
+    w2_i = tl.zeros([BLOCK], tl.float32)
     g_val = tl.full([NQ], float("-inf"), tl.float32)
     g_idx = tl.full([NQ], V, tl.int32)
     for start in range(c0, c0 + CHUNK, BLOCK):
@@ -183,7 +228,15 @@ def _chunk_stats(
         finite = sl > float("-inf")
         m_new = tl.maximum(m_i, sl)
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # lanes still at −inf keep a zero sum, no NaN
-        s_i = s_i * tl.exp2((m_i - m_safe) * 1.4426950408889634) + tl.exp2((sl - m_safe) * 1.4426950408889634)
+        rescale = tl.exp2((m_i - m_safe) * 1.4426950408889634)
+        e = tl.exp2((sl - m_safe) * 1.4426950408889634)
+        s_i = s_i * rescale + e
+        lf = tl.where(finite, sl, 0.0)
+        le = lf * e
+        w1_i = w1_i * rescale + le
+        w2_i = w2_i * rescale + lf * le
+        u1_i += lf
+        u2_i += lf * lf
         m_i = m_new
         lo_i = tl.minimum(lo_i, tl.where(finite, sl, float("inf")))
         n_i += finite.to(tl.int32)
@@ -193,32 +246,42 @@ def _chunk_stats(
             )
     m = tl.max(m_i, axis=0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
-    s = tl.sum(s_i * tl.exp2((m_i - m_safe) * 1.4426950408889634), axis=0)
+    rescale = tl.exp2((m_i - m_safe) * 1.4426950408889634)
+    s = tl.sum(s_i * rescale, axis=0)
+    w1 = tl.sum(w1_i * rescale, axis=0)
+    w2 = tl.sum(w2_i * rescale, axis=0)
     g_top = tl.max(g_val, axis=0)
     g_arg = tl.min(tl.where(g_val == g_top, g_idx, V), axis=0)
-    return m, s, tl.min(lo_i, axis=0), tl.sum(n_i, axis=0), g_top, g_arg
+    u1 = tl.sum(u1_i, axis=0)
+    u2 = tl.sum(u2_i, axis=0)
+    return m, s, tl.min(lo_i, axis=0), tl.sum(n_i, axis=0), g_top, g_arg, u1, u2, w1, w2
 
 
 @triton.jit
-def _combine_stats(m, s, lmin, n, m_c, s_c, lmin_c, n_c):
+def _combine_stats(m, s, lmin, n, u1, u2, w1, w2, m_c, s_c, lmin_c, n_c, u1_c, u2_c, w1_c, w2_c):
     """The statistics of two consecutive spans of a row from each one's (`_chunk_stats`)."""
     m_new = tl.maximum(m, m_c)
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-    s = s * tl.exp2((m - m_safe) * 1.4426950408889634) + s_c * tl.exp2((m_c - m_safe) * 1.4426950408889634)
-    return m_new, s, tl.minimum(lmin, lmin_c), n + n_c
+    r = tl.exp2((m - m_safe) * 1.4426950408889634)
+    r_c = tl.exp2((m_c - m_safe) * 1.4426950408889634)
+    s = s * r + s_c * r_c
+    w1 = w1 * r + w1_c * r_c
+    w2 = w2 * r + w2_c * r_c
+    return m_new, s, tl.minimum(lmin, lmin_c), n + n_c, u1 + u1_c, u2 + u2_c, w1, w2
 
 
 @triton.jit
-def _eval_block(sl, m, lo, hi, x, cnt2, mass2, c_hi, s_hi, vmin, vmax, SKIP: tl.constexpr):
+def _eval_block(sl, m, lo, hi, w, x, cnt2, mass2, c_w, s_w, vmin, vmax, SKIP: tl.constexpr):
     """`_chunk_eval`'s per-lane partials after one more value per lane (sl: [BLOCK_E])."""
     e = tl.exp2((sl - m) * 1.4426950408889634)
-    above = sl > hi
-    c_hi += above.to(tl.int32)
-    s_hi += tl.where(above, e, 0.0)
-    inside = (sl > lo) & (sl <= hi)
+    above = sl > w
+    c_w += above.to(tl.int32)
+    s_w += tl.where(above, e, 0.0)
+    over_lo = sl > lo
+    inside = over_lo & (sl <= hi)
     vmin = tl.minimum(vmin, tl.where(inside, sl, float("inf")))
     vmax = tl.maximum(vmax, tl.where(inside, sl, float("-inf")))
-    s_in = tl.where(inside, sl, float("-inf"))  # above no candidate unless in (lo, hi]
+    s_in = tl.where(over_lo & (~above), sl, float("-inf"))  # above no candidate unless in (lo, w]
     if SKIP:
         if tl.max(s_in, axis=0) > lo:
             gt = s_in[None, :] > x[:, None]
@@ -228,23 +291,23 @@ def _eval_block(sl, m, lo, hi, x, cnt2, mass2, c_hi, s_hi, vmin, vmax, SKIP: tl.
         gt = s_in[None, :] > x[:, None]
         cnt2 += gt.to(tl.int32)
         mass2 += tl.where(gt, e[None, :], 0.0)
-    return cnt2, mass2, c_hi, s_hi, vmin, vmax
+    return cnt2, mass2, c_w, s_w, vmin, vmax
 
 
 @triton.jit
 def _chunk_eval(
-    row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c0,
+    row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, w, x, c0,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
     UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Over [c0, c0 + CHUNK) of a row: C and M at the NC candidates x (counts and masses of the values
     above each), and the smallest and largest value in (lo, hi].
 
-    Every candidate lies in [lo, hi) (`_candidates`), so a value ≤ lo lies above none and a value > hi
-    above all: those add once to per-lane "above hi" sums; only values in (lo, hi] are compared with
+    Every candidate lies in [lo, w) (`_candidates`; w ≥ hi), so a value ≤ lo lies above none and a value
+    > w above all: those add once to per-lane "above w" sums; only values in (lo, w] are compared with
     the NC candidates, into per-lane [NC, BLOCK_E] partials. Lane i takes the values at i + j · BLOCK_E,
     j = 0, 1, ..., in that order; the lanes are summed once at the end (a fixed tree: the order depends
-    on the chunk, BLOCK_E and NC alone). SKIP: a block of BLOCK_E values none of which lies in (lo, hi]
+    on the chunk, BLOCK_E and NC alone). SKIP: a block of BLOCK_E values none of which lies in (lo, w]
     skips the NC-wide compares (one block-wide max decides; the sums are the same, only zeros are left
     out). UNROLL (1 or 2): blocks loaded per iteration, both loads issued before either is used (more
     bytes in flight; each lane's order, so each sum, is the same)."""
@@ -252,64 +315,124 @@ def _chunk_eval(
     # reaches the compares where it was loaded (no layout exchange through shared memory)
     cnt2 = tl.zeros([NC, BLOCK_E], tl.int32)
     mass2 = tl.zeros([NC, BLOCK_E], tl.float32)
-    c_hi = tl.zeros([BLOCK_E], tl.int32)
-    s_hi = tl.zeros([BLOCK_E], tl.float32)
+    c_w = tl.zeros([BLOCK_E], tl.int32)
+    s_w = tl.zeros([BLOCK_E], tl.float32)
     vmin = tl.full([BLOCK_E], float("inf"), tl.float32)
     vmax = tl.full([BLOCK_E], float("-inf"), tl.float32)
     for start in range(c0, c0 + CHUNK, BLOCK_E * UNROLL):
         sl = _scaled(row_ptr, mask_row_ptr, start + tl.arange(0, BLOCK_E), V, inv_t, HAS_MASK)
         if UNROLL == 2:
             sl2 = _scaled(row_ptr, mask_row_ptr, start + BLOCK_E + tl.arange(0, BLOCK_E), V, inv_t, HAS_MASK)
-        cnt2, mass2, c_hi, s_hi, vmin, vmax = _eval_block(sl, m, lo, hi, x, cnt2, mass2, c_hi, s_hi, vmin, vmax, SKIP)
+        cnt2, mass2, c_w, s_w, vmin, vmax = _eval_block(sl, m, lo, hi, w, x, cnt2, mass2, c_w, s_w, vmin, vmax, SKIP)
         if UNROLL == 2:
-            cnt2, mass2, c_hi, s_hi, vmin, vmax = _eval_block(
-                sl2, m, lo, hi, x, cnt2, mass2, c_hi, s_hi, vmin, vmax, SKIP
+            cnt2, mass2, c_w, s_w, vmin, vmax = _eval_block(
+                sl2, m, lo, hi, w, x, cnt2, mass2, c_w, s_w, vmin, vmax, SKIP
             )
-    cnt = tl.sum(cnt2, axis=1) + tl.sum(c_hi, axis=0)
-    mass = tl.sum(mass2, axis=1) + tl.sum(s_hi, axis=0)
+    cnt = tl.sum(cnt2, axis=1) + tl.sum(c_w, axis=0)
+    mass = tl.sum(mass2, axis=1) + tl.sum(s_w, axis=0)
     return cnt, mass, tl.min(vmin, axis=0), tl.max(vmax, axis=0)
 
 
 @triton.jit
-def _update(keys, cnt, mass, vmin, vmax, lo, c_lo, s_lo, hi, c_hi, kk, P):
+def _at_key(keys, vals, k, empty):
+    """The value of `vals` at the lane whose key is k (the smallest such; `empty` when none)."""
+    return tl.min(tl.where(keys == k, vals, empty), axis=0)
+
+
+@triton.jit
+def _update(
+    keys, cnt, mass, vmin, vmax, lo, c_lo, s_lo, hi, c_hi, s_hi, kk, P, p, conc,
+    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p,
+):  # fmt: skip
     """One search pass's step from C and M at the candidates `keys` over the whole row (module
     docstring): lo and hi move to the tightest candidates where cond(x) = C(x) < kk and M(x) < P is
-    false and true, then past the gaps without values to just below vmin and to vmax."""
+    false and true, then past the gaps without values to just below vmin and to vmax.
+
+    conc (a top-k search with top-p to follow): the top-p bracket (lo_p, hi_p] moves too. Top-p's P =
+    p · Z_k is not known yet, but Z_k = M(t_k) lies in [M(hi), M(lo)] of the top-k bracket, so a candidate
+    with M ≥ p · M(lo) has M ≥ P (top-p's cond false: lo_p) and one with M < p · M(hi) has M < P (true:
+    hi_p). `_advance` checks both ends against P once it is known."""
     cond = (cnt < kk) & (mass < P)
     # lo: the largest candidate where cond is false (cond is monotone in x); hi: the smallest true one
     klo = tl.maximum(tl.max(tl.where(cond, -(1 << 40), keys), axis=0), _key(lo))
     khi = tl.minimum(tl.min(tl.where(cond, keys, 1 << 40), axis=0), _key(hi))
     new_lo = klo > _key(lo)
     new_hi = khi < _key(hi)
-    c_lo = tl.where(new_lo, tl.min(tl.where(keys == klo, cnt, 1 << 30), axis=0), c_lo)
-    s_lo = tl.where(new_lo, tl.min(tl.where(keys == klo, mass, float("inf")), axis=0), s_lo)
-    c_hi = tl.where(new_hi, tl.min(tl.where(keys == khi, cnt, 1 << 30), axis=0), c_hi)
+    c_lo = tl.where(new_lo, _at_key(keys, cnt, klo, 1 << 30), c_lo)
+    s_lo = tl.where(new_lo, _at_key(keys, mass, klo, float("inf")), s_lo)
+    c_hi = tl.where(new_hi, _at_key(keys, cnt, khi, 1 << 30), c_hi)
+    s_hi = tl.where(new_hi, _at_key(keys, mass, khi, float("inf")), s_hi)
     # No value lies in (old lo, vmin) nor in (vmax, old hi]: C and M do not change across a gap without
     # values, so lo moves up to just below vmin and hi down to vmax when they are tighter.
     klo = tl.maximum(klo, _key(vmin) - 1)
     khi = tl.minimum(khi, _key(vmax))
-    return _from_key(klo), c_lo, s_lo, _from_key(khi), c_hi
+    kl = tl.max(tl.where(mass >= p * s_lo, keys, -(1 << 40)), axis=0)
+    kh = tl.min(tl.where(mass < p * s_hi, keys, 1 << 40), axis=0)
+    up = conc & (kl > _key(lo_p))
+    down = conc & (kh < _key(hi_p))
+    lo_p = tl.where(up, _from_key(kl), lo_p)
+    c_lo_p = tl.where(up, _at_key(keys, cnt, kl, 1 << 30), c_lo_p)
+    s_lo_p = tl.where(up, _at_key(keys, mass, kl, float("inf")), s_lo_p)
+    hi_p = tl.where(down, _from_key(kh), hi_p)
+    c_hi_p = tl.where(down, _at_key(keys, cnt, kh, 1 << 30), c_hi_p)
+    s_hi_p = tl.where(down, _at_key(keys, mass, kh, float("inf")), s_hi_p)
+    return _from_key(klo), c_lo, s_lo, _from_key(khi), c_hi, s_hi, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p
 
 
 @triton.jit
-def _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p, c_x1, l_x1, s_x1):
-    """Leave the finished searches: phase 0 (top-k) ends when (lo, hi] holds one token or one float, or
-    when exactly kk tokens lie above lo; then phase 1 (top-p over what top-k kept) starts when p < 1 and
-    more than one token is left, else phase 2 (done, thr = lo). Phase 1 ends the same way.
+def _l_at(g, inv_t):
+    """l = z · inv_t (`_scaled`'s arithmetic) of the float32 z whose key is g."""
+    return _from_key(g) * inv_t + 0.0
+
+
+@triton.jit
+def _is_done(lo, c_lo, hi, c_hi, inv_t, GB: tl.constexpr):
+    """Whether t* is the only value in (lo, hi]: the bracket holds one token, or one float, or (GB > 0: the
+    logits' dtype has 23 − GB mantissa bits, so the keys of its values read as float32 are multiples of
+    2^GB) one value that a token can take. l = z · inv_t is monotone in z, so with g the smallest such key
+    whose l lies above lo (found from lo / inv_t, then checked), (lo, hi] holds only l(g) when
+    l(g + 2^GB) > hi."""
+    done = (c_lo - c_hi <= 1) | (_key(hi) - _key(lo) <= 1)
+    if GB > 0:
+        GRID: tl.constexpr = 1 << GB
+        g = (_key(lo / inv_t) >> GB) << GB
+        for _ in tl.static_range(2):
+            g = tl.where(_l_at(g, inv_t) > lo, g, g + GRID)
+        for _ in tl.static_range(2):
+            g = tl.where(_l_at(g - GRID, inv_t) > lo, g - GRID, g)
+        first = (_l_at(g, inv_t) > lo) & (_l_at(g - GRID, inv_t) <= lo)  # NaN beyond ±inf: not done
+        done = done | (first & (_l_at(g + GRID, inv_t) > hi))
+    return done
+
+
+@triton.jit
+def _advance(
+    phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1, s_x1,
+    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB: tl.constexpr,
+):  # fmt: skip
+    """Leave the finished searches: phase 0 (top-k) ends when (lo, hi] holds one token or one value a
+    token can take (`_is_done`), or when exactly kk tokens lie above lo; then phase 1 (top-p over what
+    top-k kept) starts when p < 1 and more than one token is left, else phase 2 (done, thr = lo). Phase 1
+    ends the same way.
+
+    Phase 1 starts from (lo, m] narrowed to the top-p bracket the top-k search kept (`_update`): to lo_p
+    when M(lo_p) ≥ P and to hi_p when M(hi_p) < P, now that P is known (cond's own test on the sums).
 
     c_x1 ≥ 0 (a precheck row whose plain draw x1 lies in the top-k set, its top-p test left open; C, M at
     l_x1: c_x1, s_x1): when the top-k search ends, Z_k = M(lo) is known and top-p keeps x1 iff
     M(l_x1) < p · Z_k (its tie group with it): then the row is decided (phase 5); else every token top-p
     keeps has M < p · Z_k ≤ M(l_x1), so lies strictly above l_x1, and the top-p search starts from
     lo = l_x1 (C(lo) = c_x1, M(lo) = s_x1; P and the placement bound a from the top-k set)."""
-    done = (c_lo - c_hi <= 1) | (_key(hi) - _key(lo) <= 1)
+    done = _is_done(lo, c_lo, hi, c_hi, inv_t, GB)
     if (phase == 0) & (done | (c_lo <= kk)):
         if (p < 1.0) & (c_lo > 1):
             phase = tl.full([], 1, tl.int32)
             hi = m
             c_hi = tl.zeros([], tl.int32)
+            s_hi = tl.zeros([], tl.float32)
             kk = tl.full([], 1 << 30, tl.int32)
             P = p * s_lo
+            fresh = tl.zeros([], tl.int32)
             # tokens below a hold at most c_lo · exp(a − m) = (1 − p) · s_lo / e: t* lies above a
             a = m + tl.log(s_lo * (1.0 - p) / c_lo.to(tl.float32)) - 1.0
             if c_x1 >= 0:
@@ -318,32 +441,42 @@ def _advance(phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p, c_x1, l_x1, s_x1):
                 lo = tl.where(keep, lo, l_x1)
                 c_lo = tl.where(keep, c_lo, c_x1)
                 s_lo = tl.where(keep, s_lo, s_x1)
-            done = (c_lo - c_hi <= 1) | (_key(hi) - _key(lo) <= 1)
+            up = (lo_p > lo) & (s_lo_p >= P)
+            lo = tl.where(up, lo_p, lo)
+            c_lo = tl.where(up, c_lo_p, c_lo)
+            s_lo = tl.where(up, s_lo_p, s_lo)
+            down = (hi_p < hi) & (hi_p > lo) & (s_hi_p < P)
+            hi = tl.where(down, hi_p, hi)
+            c_hi = tl.where(down, c_hi_p, c_hi)
+            s_hi = tl.where(down, s_hi_p, s_hi)
+            done = _is_done(lo, c_lo, hi, c_hi, inv_t, GB)
         else:
             phase = tl.full([], 2, tl.int32)
     if (phase == 1) & done:
         phase = tl.full([], 2, tl.int32)
-    return phase, lo, c_lo, s_lo, hi, c_hi, a, kk, P
+    return phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh
 
 
+# A row's state: 16 float32 and 16 int32 words in stf[row] and sti[row].
 @triton.jit
 def _load_state(stf_ptr, sti_ptr, row):
-    f = stf_ptr + row * 8
-    i = sti_ptr + row * 8
+    f = stf_ptr + row * 16
+    i = sti_ptr + row * 16
     return (
         tl.load(i), tl.load(f), tl.load(f + 1), tl.load(i + 1), tl.load(f + 2), tl.load(f + 3), tl.load(i + 2),
-        tl.load(f + 4), tl.load(i + 3), tl.load(f + 5), tl.load(i + 4),
+        tl.load(f + 8), tl.load(f + 4), tl.load(i + 3), tl.load(f + 5), tl.load(i + 4),
     )  # fmt: skip
 
 
 @triton.jit
-def _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes):
+def _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes):
     """A row's search state: phase (0: top-k search, 1: top-p search, 2: done, 3: no truncation, thr
     −inf; with the precheck, 4: the plain draw x1 to check, 5: done, x1 kept and drawn), the row max m,
-    (lo, C(lo), M(lo)), (hi, C(hi)), the placement bound a, cond's kk and P, and the reads of the row so
-    far (`_store_x1`, `_store_open`: the precheck's words)."""
-    f = stf_ptr + row * 8
-    i = sti_ptr + row * 8
+    (lo, C(lo), M(lo)), (hi, C(hi), M(hi)), the placement bound a, cond's kk and P, and the reads of the
+    row so far (`_store_x1`, `_store_open`: the precheck's words; `_store_model`, `_store_pb`: the
+    placement's)."""
+    f = stf_ptr + row * 16
+    i = sti_ptr + row * 16
     tl.store(i, phase)
     tl.store(f, m)
     tl.store(f + 1, lo)
@@ -351,6 +484,7 @@ def _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, k
     tl.store(f + 2, s_lo)
     tl.store(f + 3, hi)
     tl.store(i + 2, c_hi)
+    tl.store(f + 8, s_hi)
     tl.store(f + 4, a)
     tl.store(i + 3, kk)
     tl.store(f + 5, P)
@@ -358,31 +492,72 @@ def _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, k
 
 
 @triton.jit
+def _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd, inv_t):
+    """What places a search's first pass (`_candidates`): fresh (1: a top-k search's first pass, 2: a
+    top-p search's over the whole row, 0: any other pass), the count n of finite values, and the model's
+    (g_mu, g_sd): the values' mean and deviation for 1, the top-p estimate and its spread for 2; and the
+    row's 1 / T (the values its tokens can take, `_is_done`)."""
+    tl.store(sti_ptr + row * 16 + 8, fresh)
+    tl.store(sti_ptr + row * 16 + 9, n)
+    tl.store(stf_ptr + row * 16 + 9, g_mu)
+    tl.store(stf_ptr + row * 16 + 10, g_sd)
+    tl.store(stf_ptr + row * 16 + 15, inv_t)
+
+
+@triton.jit
+def _load_model(stf_ptr, sti_ptr, row):
+    f = stf_ptr + row * 16
+    i = sti_ptr + row * 16
+    return tl.load(i + 8), tl.load(i + 9), tl.load(f + 9), tl.load(f + 10), tl.load(f + 15)
+
+
+@triton.jit
+def _store_pb(stf_ptr, sti_ptr, row, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p):
+    """The top-p bracket a top-k search narrows for the top-p search after it (`_update`): (lo_p, C, M),
+    (hi_p, C, M)."""
+    f = stf_ptr + row * 16
+    i = sti_ptr + row * 16
+    tl.store(f + 11, lo_p)
+    tl.store(i + 10, c_lo_p)
+    tl.store(f + 12, s_lo_p)
+    tl.store(f + 13, hi_p)
+    tl.store(i + 11, c_hi_p)
+    tl.store(f + 14, s_hi_p)
+
+
+@triton.jit
+def _load_pb(stf_ptr, sti_ptr, row):
+    f = stf_ptr + row * 16
+    i = sti_ptr + row * 16
+    return tl.load(f + 11), tl.load(i + 10), tl.load(f + 12), tl.load(f + 13), tl.load(i + 11), tl.load(f + 14)
+
+
+@triton.jit
 def _store_x1(stf_ptr, sti_ptr, row, x1, l_x1, saved):
     """The precheck's part of a row's state: the plain draw x1, its l, and the search phase a row in
     phase 4 resumes if x1 is not provably kept."""
-    tl.store(stf_ptr + row * 8 + 6, l_x1)
-    tl.store(sti_ptr + row * 8 + 5, x1)
-    tl.store(sti_ptr + row * 8 + 6, saved)
+    tl.store(stf_ptr + row * 16 + 6, l_x1)
+    tl.store(sti_ptr + row * 16 + 5, x1)
+    tl.store(sti_ptr + row * 16 + 6, saved)
 
 
 @triton.jit
 def _load_x1(stf_ptr, sti_ptr, row):
-    return tl.load(sti_ptr + row * 8 + 5), tl.load(stf_ptr + row * 8 + 6), tl.load(sti_ptr + row * 8 + 6)
+    return tl.load(sti_ptr + row * 16 + 5), tl.load(stf_ptr + row * 16 + 6), tl.load(sti_ptr + row * 16 + 6)
 
 
 @triton.jit
 def _store_open(stf_ptr, sti_ptr, row, c_x1, s_x1):
     """A row's open top-p test of x1 (`_advance`): C(l_x1) (−1: none, every row but those whose x1
     passed top-k and not the check's top-p test) and M(l_x1)."""
-    tl.store(sti_ptr + row * 8 + 7, c_x1)
-    tl.store(stf_ptr + row * 8 + 7, s_x1)
+    tl.store(sti_ptr + row * 16 + 7, c_x1)
+    tl.store(stf_ptr + row * 16 + 7, s_x1)
 
 
 @triton.jit
 def _load_open(stf_ptr, sti_ptr, row):
     """(C(l_x1), l_x1, M(l_x1)) of a row's open test (`_store_open`; C = −1: none)."""
-    return tl.load(sti_ptr + row * 8 + 7), tl.load(stf_ptr + row * 8 + 6), tl.load(stf_ptr + row * 8 + 7)
+    return tl.load(sti_ptr + row * 16 + 7), tl.load(stf_ptr + row * 16 + 6), tl.load(stf_ptr + row * 16 + 7)
 
 
 @triton.jit
@@ -398,22 +573,152 @@ def _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row):
 
 
 @triton.jit
-def _candidates(lo, hi, a, NC: tl.constexpr):
-    """NC candidate keys in [max(lo, a), hi) (mostly strictly inside (lo, hi)): the first half spread
-    evenly over the values, the second evenly over the keys. `a`: a lower bound on t* that only places
-    them (the invariants hold whatever it is)."""
-    HALF: tl.constexpr = NC // 2
+def _qinv(q):
+    """z with P(N(0, 1) > z) = q, q in (0, 1) (Abramowitz & Stegun 26.2.23: |error| < 4.5e-4)."""
+    r = tl.minimum(tl.maximum(tl.where(q < 0.5, q, 1.0 - q), 1e-30), 0.5)
+    t = tl.sqrt(-2.0 * tl.log(r))
+    z = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
+    return tl.where(q < 0.5, z, -z)
+
+
+@triton.jit
+def _offsets(i, K):
+    """The cluster's offsets u_i, i in [0, K) ascending: 0 for K = 1, else ±0.5, ±1.5, ±3, ±6, ... (K / 2
+    each side: dense at the estimate, doubling outwards)."""
+    h = K // 2
+    r = tl.where(i < h, h - 1 - i, i - h)
+    mag = tl.where(r == 0, 0.5, 1.5 * tl.exp2((r - 1).to(tl.float32)))
+    return tl.where(K == 1, 0.0, tl.where(i < h, -mag, mag))
+
+
+@triton.jit
+def _mass_center(lo, hi, c_lo, c_hi, s_lo, s_hi, P):
+    """The count c* at which M crosses P in (lo, hi], by the bracket's model: C log-linear between
+    (lo, C(lo)) and (hi, C(hi) + 1), i.e. a token density ∝ exp(−β x), so a mass density ∝ exp((1 − β) x);
+    the mass in (x, hi] is then M(lo) − M(hi) times (e^γ − e^(γ t)) / (e^γ − 1), t = (x − lo) / (hi − lo),
+    γ = (1 − β)(hi − lo), set equal to P − M(hi)."""
+    l0 = tl.log(c_lo.to(tl.float32))
+    l1 = tl.log(c_hi.to(tl.float32) + 1.0)
+    gam = tl.minimum(tl.maximum((hi - lo) - (l0 - l1), -60.0), 60.0)
+    q = tl.minimum(tl.maximum((P - s_hi) / tl.maximum(s_lo - s_hi, 1e-30), 0.0), 1.0)
+    flat = tl.abs(gam) < 1e-3  # a uniform mass density: t = 1 − q
+    t = tl.where(flat, 1.0 - q, tl.log(q + (1.0 - q) * tl.exp(gam)) / tl.where(flat, 1.0, gam))
+    t = tl.minimum(tl.maximum(t, 0.0), 1.0)
+    return tl.exp(l0 + (l1 - l0) * t)
+
+
+@triton.jit
+def _at_counts(lo, hi, c_lo, c_hi, c_star, u):
+    """Values in (lo, hi] where C takes the counts c* + σ · u by the bracket's log-linear model of C
+    (`_mass_center`), σ = √(j_hi · j_lo / (j_hi + j_lo)), j_hi = c* − C(hi), j_lo = C(lo) − c*: the
+    deviation of the c*-th order statistic of the bracket's tokens, in tokens."""
+    clo = c_lo.to(tl.float32)
+    chi = c_hi.to(tl.float32) + 1.0
+    j_hi = tl.maximum(c_star - c_hi.to(tl.float32), 0.5)
+    j_lo = tl.maximum(clo - c_star, 0.5)
+    c = tl.minimum(tl.maximum(c_star + tl.sqrt(j_hi * j_lo / (j_hi + j_lo)) * u, chi), clo)
+    l0 = tl.log(clo)
+    return lo + (hi - lo) * ((l0 - tl.log(c)) / tl.maximum(l0 - tl.log(chi), 1e-30))
+
+
+@triton.jit
+def _window(phase, p, hi, hi_p):
+    """The top of the values a pass compares with its candidates: hi, and hi_p while a top-k search
+    places candidates in the top-p bracket above it (`_candidates`)."""
+    return tl.where((phase == 0) & (p < 1.0), tl.maximum(hi, hi_p), hi)
+
+
+@triton.jit
+def _snap(x, inv_t, GB: tl.constexpr):
+    """The key of a candidate near x: x's own, or (GB > 0, `_is_done`) the key just below the value
+    l(g) a token can take nearest x, so that consecutive candidates at consecutive such values end the
+    search with the value between them."""
+    if GB > 0:
+        g = ((_key(x / inv_t) + (1 << (GB - 1))) >> GB) << GB
+        k = _key(_l_at(g, inv_t)) - 1
+    else:
+        k = _key(x)
+    return k
+
+
+@triton.jit
+def _candidates(
+    phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC: tl.constexpr, GB: tl.constexpr,
+):  # fmt: skip
+    """NC candidate keys in [lo, w) (`_window`), where C and M are evaluated next (module docstring,
+    "Where the candidates go"): a cluster around an estimate of t*, and NC / 2 guards spread evenly over
+    the keys of [max(lo, a), hi) except in a search's first pass. `a`: a lower bound on t* that only
+    places them (the invariants hold whatever the candidates are)."""
+    G: tl.constexpr = NC // 2
+    KP: tl.constexpr = NC // 4
+    j = tl.arange(0, NC)
     klo = _key(lo)
     khi = _key(hi)
+    g = tl.where(fresh == 0, G, 0)
+    kp = tl.where((fresh == 0) & (phase == 0) & (p < 1.0), KP, 0)
+    k_main = NC - g - kp
+    u = _offsets(j - g, k_main)
+    # the search's cluster: counts around c* (top-k: kk; top-p: where M crosses P), by the bracket's model;
+    # a first pass by the row's moments instead (`threshold_begin_kernel`)
+    kkf = kk.to(tl.float32)
+    if fresh == 1:
+        nf = n.to(tl.float32)
+        x = g_mu + g_sd * _qinv(tl.minimum(tl.maximum(kkf + tl.sqrt(kkf) * u, 0.5), nf - 0.5) / nf)
+    elif fresh == 2:
+        x = g_mu + g_sd * u
+    else:
+        c_star = kkf
+        if phase == 1:
+            c_star = _mass_center(lo, hi, c_lo, c_hi, s_lo, s_hi, P)
+        x = _at_counts(lo, hi, c_lo, c_hi, c_star, u)
+    k_main = tl.minimum(tl.maximum(tl.maximum(_snap(x, inv_t, GB), _key(a)), klo), khi - 1)
+    # the top-p bracket's cluster while top-k searches: around where M crosses p · (M(lo) + M(hi)) / 2
+    k_p = k_main
+    if kp > 0:
+        c_p = _mass_center(lo_p, hi_p, c_lo_p, c_hi_p, s_lo_p, s_hi_p, p * 0.5 * (s_lo + s_hi))
+        x_p = _at_counts(lo_p, hi_p, c_lo_p, c_hi_p, c_p, _offsets(j - (NC - kp), kp))
+        k_p = tl.maximum(tl.maximum(_snap(x_p, inv_t, GB), _key(lo_p)), klo)
+        k_p = tl.minimum(k_p, _key(_window(phase, p, hi, hi_p)) - 1)
+    # the guards: whatever the estimates, consecutive candidates lie at most ⌈L / (G + 1)⌉ keys apart
     start = tl.where(a > lo, tl.minimum(_key(a), khi - 1), klo)
-    j = tl.arange(0, NC)
-    by_key = start + (khi - start) * ((j % HALF) + 1) // (HALF + 1)
-    x0 = _from_key(start)
-    x0 = tl.where(x0 > float("-inf"), x0, hi)  # no value spread from −inf: the key half serves
-    x_val = x0 + (hi - x0) * (((j % HALF) + 1).to(tl.float32) / (HALF + 1))
-    ok = (x_val > x0) & (x_val < hi)  # not NaN, not ±inf, strictly inside
-    by_val = tl.where(ok, _key(x_val + 0.0), by_key)
-    return tl.where(j < HALF, by_val, by_key)
+    by_key = start + (khi - start) * (j + 1) // (G + 1)
+    return tl.where(j < g, by_key, tl.where(j < NC - kp, k_main, k_p))
+
+
+@triton.jit
+def _store_candidates(
+    cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC: tl.constexpr, GB: tl.constexpr,
+):  # fmt: skip
+    """cand[row] = the values of the row's next pass's candidates (`_candidates`), found once per row by
+    its per-row program: the pass's programs over the row's chunks read them."""
+    keys = _candidates(
+        phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+        lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC, GB,
+    )  # fmt: skip
+    tl.store(cand_ptr + row * NC + tl.arange(0, NC), _from_key(keys))
+
+
+@triton.jit
+def _step(
+    keys, cnt, mass, vmin, vmax, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1, s_x1,
+    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB: tl.constexpr,
+):  # fmt: skip
+    """A search pass's end from C and M at its candidates over the whole row: `_update`, then `_advance`
+    (the bound a and the first pass's model place one pass only)."""
+    conc = (phase == 0) & (p < 1.0)
+    lo, c_lo, s_lo, hi, c_hi, s_hi, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _update(
+        keys, cnt, mass, vmin, vmax, lo, c_lo, s_lo, hi, c_hi, s_hi, kk, P, p, conc,
+        lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p,
+    )  # fmt: skip
+    a = tl.full([], float("-inf"), tl.float32)
+    fresh = tl.zeros([], tl.int32)
+    phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh = _advance(
+        phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1, s_x1,
+        lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB,
+    )  # fmt: skip
+    return phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p
 
 
 @triton.jit
@@ -422,9 +727,9 @@ def threshold_stats_kernel(
     NUM_CHUNKS, seed_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
     PRECHECK: tl.constexpr = False, TILE: tl.constexpr = 2048, NR: tl.constexpr = 1, FAST_LOG: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (b, c): `_chunk_stats` of chunk c of row b into part[b, c, 0:4] and, with PRECHECK, the
-    plain sampler's best (value, index) over the chunk into part[b, c, 4:6] (rows that do not truncate
-    read nothing)."""
+    """Program (b, c): `_chunk_stats` of chunk c of row b into part[b, c, 0:4] and [6:10] and, with
+    PRECHECK, the plain sampler's best (value, index) over the chunk into part[b, c, 4:6] (rows that do
+    not truncate read nothing)."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     inv_t, active, _k, _p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
@@ -434,10 +739,10 @@ def threshold_stats_kernel(
         seed = 0
         if PRECHECK:
             seed = tl.load(seed_ptr + row)
-        m, s, lmin, n, g_top, g_arg = _chunk_stats(
+        m, s, lmin, n, g_top, g_arg, u1, u2, w1, w2 = _chunk_stats(
             row_ptr, mask_row_ptr, V, inv_t, seed, c * CHUNK, CHUNK, BLOCK, HAS_MASK, PRECHECK, TILE, NR, FAST_LOG
         )
-        out = part_ptr + (row * NUM_CHUNKS + c) * 6
+        out = part_ptr + (row * NUM_CHUNKS + c) * 10
         tl.store(out, m)
         tl.store(out + 1, s)
         tl.store(out + 2, lmin)
@@ -445,16 +750,24 @@ def threshold_stats_kernel(
         if PRECHECK:
             tl.store(out + 4, g_top)
             tl.store(out + 5, g_arg.to(tl.float32))  # exact: an index below V ≤ 2^24
+        tl.store(out + 6, u1)
+        tl.store(out + 7, u2)
+        tl.store(out + 8, w1)
+        tl.store(out + 9, w2)
 
 
 @triton.jit
 def threshold_begin_kernel(
-    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, stf_ptr, sti_ptr, NUM_CHUNKS,
-    logits_ptr, stride_row, mask_ptr, stride_mask, V, HAS_MASK: tl.constexpr, PRECHECK: tl.constexpr = False,
+    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, stf_ptr, sti_ptr, cand_ptr, NUM_CHUNKS,
+    logits_ptr, stride_row, mask_ptr, stride_mask, V, NC: tl.constexpr, GB: tl.constexpr, HAS_MASK: tl.constexpr,
+    PRECHECK: tl.constexpr = False,
 ):  # fmt: skip
     """Program b: row b's statistics from its chunks' (in chunk order), and its search state: every
     finite token kept (lo just below the smallest finite value: C(lo) = n, M(lo) = Z), the first search
-    to run, or phase 3 for a row that does not truncate (greedy, no filter, no finite logit).
+    to run, or phase 3 for a row that does not truncate (greedy, no filter, no finite logit), and the
+    model its first pass is placed by (`_store_model`): for top-k the values' mean and deviation; for
+    top-p over the whole row the mass-weighted values' mean μ_w and deviation σ_w, whose normal quantile
+    μ_w + σ_w · Φ⁻¹(1 − p) estimates t* (the mass below t* is (1 − p) · Z), spread by σ_w / 5.
 
     PRECHECK: also the plain draw x1 (the chunks' best (value, index), the lowest index among equal
     values, combined in chunk order) and l_x1. A row whose kept set is decided here (no top-k or top-p
@@ -467,16 +780,20 @@ def threshold_begin_kernel(
     z = tl.zeros([], tl.float32)
     lmin = tl.full([], float("inf"), tl.float32)
     n = tl.zeros([], tl.int32)
+    u1 = tl.zeros([], tl.float32)
+    u2 = tl.zeros([], tl.float32)
+    w1 = tl.zeros([], tl.float32)
+    w2 = tl.zeros([], tl.float32)
     g_top = tl.full([], float("-inf"), tl.float32)
     x1 = V
     if active:
         for c in range(0, NUM_CHUNKS):
-            part = part_ptr + (row * NUM_CHUNKS + c) * 6
-            m_c = tl.load(part)
-            s_c = tl.load(part + 1)
-            lmin_c = tl.load(part + 2)
-            n_c = tl.load(part + 3).to(tl.int32)
-            m, z, lmin, n = _combine_stats(m, z, lmin, n, m_c, s_c, lmin_c, n_c)
+            part = part_ptr + (row * NUM_CHUNKS + c) * 10
+            m, z, lmin, n, u1, u2, w1, w2 = _combine_stats(
+                m, z, lmin, n, u1, u2, w1, w2, tl.load(part), tl.load(part + 1), tl.load(part + 2),
+                tl.load(part + 3).to(tl.int32), tl.load(part + 6), tl.load(part + 7), tl.load(part + 8),
+                tl.load(part + 9),
+            )  # fmt: skip
             if PRECHECK:
                 g_c = tl.load(part + 4)
                 better = g_c > g_top  # strict: an earlier chunk (lower indices) keeps a tie
@@ -487,11 +804,32 @@ def threshold_begin_kernel(
     phase = tl.zeros([], tl.int32)
     hi = m
     c_hi = tl.zeros([], tl.int32)
+    s_hi = tl.zeros([], tl.float32)
     a = lo
     P = tl.full([], float("inf"), tl.float32)
+    fresh = tl.zeros([], tl.int32)
     none = tl.full([], -1, tl.int32)
-    phase, lo, c_lo, s_lo, hi, c_hi, a, kk, P = _advance(phase, m, lo, n, z, hi, c_hi, a, kk, P, p, none, lo, z)
+    phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh = _advance(
+        phase, m, lo, n, z, hi, c_hi, s_hi, a, kk, P, fresh, p, none, lo, z, lo, n, z, m, c_hi, s_hi, inv_t, GB
+    )
     phase = tl.where(active & (n > 0), phase, 3)
+    nf = tl.maximum(n, 1).to(tl.float32)
+    mu = u1 / nf
+    zs = tl.where(z > 0.0, z, 1.0)
+    mu_w = w1 / zs
+    sd_w = tl.sqrt(tl.maximum(w2 / zs - mu_w * mu_w, 0.0))
+    fresh = tl.where(phase == 0, 1, tl.where(phase == 1, 2, 0))
+    g_mu = tl.where(phase == 0, mu, mu_w + sd_w * _qinv(p))
+    g_sd = tl.where(phase == 0, tl.sqrt(tl.maximum(u2 / nf - mu * mu, 0.0)), 0.2 * sd_w)
+    zero_c = tl.zeros([], tl.int32)
+    zero_s = tl.zeros([], tl.float32)
+    _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd, inv_t)
+    _store_pb(stf_ptr, sti_ptr, row, lo, c_lo, s_lo, m, zero_c, zero_s)
+    if phase < 2:
+        _store_candidates(
+            cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+            lo, c_lo, s_lo, m, zero_c, zero_s, inv_t, NC, GB,
+        )  # fmt: skip
     if PRECHECK:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
@@ -504,7 +842,7 @@ def threshold_begin_kernel(
         phase = tl.where((phase == 2) & minp_ok, 5, tl.where((phase < 2) & minp_ok, 4, phase))
         _store_x1(stf_ptr, sti_ptr, row, x1, l_x1, saved)
     _store_open(stf_ptr, sti_ptr, row, none, z)
-    _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, tl.full([], 1, tl.int32))
+    _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, tl.full([], 1, tl.int32))
 
 
 @triton.jit
@@ -519,7 +857,7 @@ def threshold_check_kernel(
     (−inf, max l]: the search passes' sums; other rows do nothing)."""
     row = tl.program_id(0)
     c = tl.program_id(1)
-    phase, m, _lo, _c_lo, _s_lo, _hi, _c_hi, _a, _kk, _P, _passes = _load_state(stf_ptr, sti_ptr, row)
+    phase, m, _lo, _c_lo, _s_lo, _hi, _c_hi, _s_hi, _a, _kk, _P, _passes = _load_state(stf_ptr, sti_ptr, row)
     if phase == 4:
         _x1, l_x1, _saved = _load_x1(stf_ptr, sti_ptr, row)
         inv_t, _active, _k, _p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
@@ -529,7 +867,7 @@ def threshold_check_kernel(
         x = tl.where(j == 0, _from_key(_key(l_x1) - 1), l_x1)
         lo = tl.full([], float("-inf"), tl.float32)
         cnt, mass, _vmin, _vmax = _chunk_eval(
-            row_ptr, mask_row_ptr, V, inv_t, m, lo, m, x, c * CHUNK, CHUNK, BLOCK_E, 2, HAS_MASK, False, UNROLL
+            row_ptr, mask_row_ptr, V, inv_t, m, lo, m, m, x, c * CHUNK, CHUNK, BLOCK_E, 2, HAS_MASK, False, UNROLL
         )
         at = (row * NUM_CHUNKS + c) * 2
         tl.store(chk_cnt_ptr + at + j, cnt)
@@ -537,7 +875,10 @@ def threshold_check_kernel(
 
 
 @triton.jit
-def threshold_check_reduce_kernel(top_p_ptr, stf_ptr, sti_ptr, chk_cnt_ptr, chk_mass_ptr, NUM_CHUNKS):
+def threshold_check_reduce_kernel(
+    top_p_ptr, stf_ptr, sti_ptr, cand_ptr, chk_cnt_ptr, chk_mass_ptr, NUM_CHUNKS, NC: tl.constexpr,
+    GB: tl.constexpr,
+):  # fmt: skip
     """Program b, for a row in phase 4: its check from the chunks' sums (in chunk order), C_ge = #{l ≥
     l_x1}, C_gt = C(l_x1), S = M_ge = Σ_{l ≥ l_x1} exp(l − m), M_gt = M(l_x1), and the decision whether the
     plain draw x1 is kept (then the thresholded draw, argmax over the kept set of the same l + g, is x1):
@@ -552,12 +893,15 @@ def threshold_check_reduce_kernel(top_p_ptr, stf_ptr, sti_ptr, chk_cnt_ptr, chk_
     narrowed where the check proves it: when cond(l_x1) = C_gt < kk and M_gt < P is false (x1 fails
     top-k, or fails top-p alone), every kept token lies above l_x1: lo = l_x1 (C(lo) = C_gt, M(lo) =
     M_gt); when x1 passes top-k but the top-p test is not met, cond(l_x1) is true in the top-k search:
-    hi = l_x1 (C(hi) = C_gt), and x1's top-p test stays open (`_store_open`) until the top-k search ends
-    and `_advance` decides it with Z_k."""
+    hi = l_x1 (C(hi) = C_gt, M(hi) = M_gt), and x1's top-p test stays open (`_store_open`) until the top-k
+    search ends and `_advance` decides it with Z_k. A row still searching gets its next candidates
+    (`_store_candidates`)."""
     row = tl.program_id(0)
-    phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
+    phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
     if phase == 4:
         _x1, l_x1, saved = _load_x1(stf_ptr, sti_ptr, row)
+        fresh, n, g_mu, g_sd, inv_t = _load_model(stf_ptr, sti_ptr, row)
+        lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _load_pb(stf_ptr, sti_ptr, row)
         j = tl.arange(0, 2)
         cnt = tl.zeros([2], tl.int32)
         mass = tl.zeros([2], tl.float32)
@@ -580,36 +924,46 @@ def threshold_check_reduce_kernel(top_p_ptr, stf_ptr, sti_ptr, chk_cnt_ptr, chk_
         down = (~keep) & (~definite)
         hi = tl.where(down, l_x1, hi)
         c_hi = tl.where(down, c_gt, c_hi)
+        s_hi = tl.where(down, s_gt, s_hi)
         phase = tl.where(keep, 5, saved)
         # x1 in the top-k set, its top-p test open until Z_k is known (`_advance`)
         c_x1 = tl.where(down, c_gt, -1)
-        phase, lo, c_lo, s_lo, hi, c_hi, a, kk, P = _advance(
-            phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p, c_x1, l_x1, s_gt
-        )
+        phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh = _advance(
+            phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1, s_gt,
+            lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB,
+        )  # fmt: skip
         _store_open(stf_ptr, sti_ptr, row, c_x1, s_gt)
-        _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes + 1)
+        _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd, inv_t)
+        _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes + 1)
+        if phase < 2:
+            _store_candidates(
+                cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+                lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC, GB,
+            )  # fmt: skip
 
 
 @triton.jit
 def threshold_pass_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
-    stf_ptr, sti_ptr, cnt_ptr, mass_ptr, vmm_ptr, V, NUM_CHUNKS,
+    stf_ptr, sti_ptr, cand_ptr, cnt_ptr, mass_ptr, vmm_ptr, V, NUM_CHUNKS,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
     UNROLL: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, c): C and M at row b's NC candidates over chunk c, and the smallest and largest value
-    in (lo, hi] there, into cnt[b, c], mass[b, c], vmm[b, c] (rows whose search is over do nothing)."""
+    """Program (b, c): C and M at row b's NC candidates (cand[b], `_store_candidates`) over chunk c, and
+    the smallest and largest value in (lo, hi] there, into cnt[b, c], mass[b, c], vmm[b, c] (rows whose
+    search is over do nothing)."""
     row = tl.program_id(0)
     c = tl.program_id(1)
-    phase, m, lo, _c_lo, _s_lo, hi, _c_hi, a, _kk, _P, _passes = _load_state(stf_ptr, sti_ptr, row)
+    phase, m, lo, _c_lo, _s_lo, hi, _c_hi, _s_hi, _a, _kk, _P, _passes = _load_state(stf_ptr, sti_ptr, row)
     if phase < 2:
-        inv_t, _active, _k, _p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
-        keys = _candidates(lo, hi, a, NC)
+        inv_t, _active, _k, p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
+        hi_p = tl.load(stf_ptr + row * 16 + 13)  # `_store_pb`
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
-        x = _from_key(keys)
+        x = tl.load(cand_ptr + row * NC + tl.arange(0, NC))
+        w = _window(phase, p, hi, hi_p)
         cnt, mass, vmin, vmax = _chunk_eval(
-            row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c * CHUNK, CHUNK, BLOCK_E, NC, HAS_MASK, SKIP, UNROLL
+            row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, w, x, c * CHUNK, CHUNK, BLOCK_E, NC, HAS_MASK, SKIP, UNROLL
         )
         j = tl.arange(0, NC)
         at = (row * NUM_CHUNKS + c) * NC
@@ -621,15 +975,19 @@ def threshold_pass_kernel(
 
 @triton.jit
 def threshold_reduce_kernel(
-    top_p_ptr, stf_ptr, sti_ptr, cnt_ptr, mass_ptr, vmm_ptr, NUM_CHUNKS, NC: tl.constexpr,
+    top_p_ptr, stf_ptr, sti_ptr, cand_ptr, cnt_ptr, mass_ptr, vmm_ptr, NUM_CHUNKS, NC: tl.constexpr,
+    GB: tl.constexpr,
 ):  # fmt: skip
-    """Program b: row b's pass from its chunks' partials, summed in chunk order (`_update`), then
-    `_advance`."""
+    """Program b: row b's pass from its chunks' partials, summed in chunk order, then `_step`, and the
+    candidates of the row's next pass (`_store_candidates`)."""
     row = tl.program_id(0)
-    phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
+    phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
     if phase < 2:
-        keys = _candidates(lo, hi, a, NC)
+        p = tl.load(top_p_ptr + row)
+        fresh, n, g_mu, g_sd, inv_t = _load_model(stf_ptr, sti_ptr, row)
+        lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _load_pb(stf_ptr, sti_ptr, row)
         j = tl.arange(0, NC)
+        keys = _key(tl.load(cand_ptr + row * NC + j))
         cnt = tl.zeros([NC], tl.int32)
         mass = tl.zeros([NC], tl.float32)
         vmin = tl.full([], float("inf"), tl.float32)
@@ -640,14 +998,19 @@ def threshold_reduce_kernel(
             mass += tl.load(mass_ptr + at * NC + j)
             vmin = tl.minimum(vmin, tl.load(vmm_ptr + at * 2))
             vmax = tl.maximum(vmax, tl.load(vmm_ptr + at * 2 + 1))
-        lo, c_lo, s_lo, hi, c_hi = _update(keys, cnt, mass, vmin, vmax, lo, c_lo, s_lo, hi, c_hi, kk, P)
-        a = tl.full([], float("-inf"), tl.float32)  # the bound places the first pass only
-        p = tl.load(top_p_ptr + row)
         c_x1, l_x1, s_x1 = _load_open(stf_ptr, sti_ptr, row)
-        phase, lo, c_lo, s_lo, hi, c_hi, a, kk, P = _advance(
-            phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p, c_x1, l_x1, s_x1
-        )
-        _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes + 1)
+        phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _step(
+            keys, cnt, mass, vmin, vmax, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1,
+            s_x1, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB,
+        )  # fmt: skip
+        _store_model(stf_ptr, sti_ptr, row, fresh, n, g_mu, g_sd, inv_t)
+        _store_pb(stf_ptr, sti_ptr, row, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p)
+        _store_state(stf_ptr, sti_ptr, row, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes + 1)
+        if phase < 2:
+            _store_candidates(
+                cand_ptr, row, phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+                lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC, GB,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -655,7 +1018,7 @@ def threshold_finish_kernel(
     logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, mask_ptr, stride_mask,
     stf_ptr, sti_ptr, thr_ptr, passes_ptr, V, NUM_CHUNKS, ids_ptr,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, NC: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
-    UNROLL: tl.constexpr, PRECHECK: tl.constexpr = False,
+    UNROLL: tl.constexpr, GB: tl.constexpr, PRECHECK: tl.constexpr = False,
 ):  # fmt: skip
     """Program b: the passes row b's search still needs, each over the whole row by this one program
     (the same sums, chunk by chunk in chunk order, as the split passes make), then thr[b] (min-p applied)
@@ -663,31 +1026,37 @@ def threshold_finish_kernel(
     thr[b] then lies just below l_x1: {l > thr} = {l ≥ l_x1} is a subset of the kept set that holds x1, so
     a draw over it is x1 too), −1 for the others."""
     row = tl.program_id(0)
-    phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
+    phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, passes = _load_state(stf_ptr, sti_ptr, row)
     inv_t, _active, _k, p, min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
+    fresh, n, g_mu, g_sd, _inv_t = _load_model(stf_ptr, sti_ptr, row)
+    lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _load_pb(stf_ptr, sti_ptr, row)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
     c_x1, l_x1, s_x1 = _load_open(stf_ptr, sti_ptr, row)
     while phase < 2:
-        keys = _candidates(lo, hi, a, NC)
+        keys = _candidates(
+            phase, fresh, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, p, n, g_mu, g_sd,
+            lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, NC, GB,
+        )  # fmt: skip
         x = _from_key(keys)
+        w = _window(phase, p, hi, hi_p)
         cnt = tl.zeros([NC], tl.int32)
         mass = tl.zeros([NC], tl.float32)
         vmin = tl.full([], float("inf"), tl.float32)
         vmax = tl.full([], float("-inf"), tl.float32)
         for c in range(0, NUM_CHUNKS):
             cnt_c, mass_c, vmin_c, vmax_c = _chunk_eval(
-                row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, x, c * CHUNK, CHUNK, BLOCK_E, NC, HAS_MASK, SKIP, UNROLL
-            )
+                row_ptr, mask_row_ptr, V, inv_t, m, lo, hi, w, x, c * CHUNK, CHUNK, BLOCK_E, NC, HAS_MASK, SKIP,
+                UNROLL,
+            )  # fmt: skip
             cnt += cnt_c
             mass += mass_c
             vmin = tl.minimum(vmin, vmin_c)
             vmax = tl.maximum(vmax, vmax_c)
-        lo, c_lo, s_lo, hi, c_hi = _update(keys, cnt, mass, vmin, vmax, lo, c_lo, s_lo, hi, c_hi, kk, P)
-        a = tl.full([], float("-inf"), tl.float32)
-        phase, lo, c_lo, s_lo, hi, c_hi, a, kk, P = _advance(
-            phase, m, lo, c_lo, s_lo, hi, c_hi, a, kk, P, p, c_x1, l_x1, s_x1
-        )
+        phase, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p = _step(
+            keys, cnt, mass, vmin, vmax, phase, m, lo, c_lo, s_lo, hi, c_hi, s_hi, a, kk, P, fresh, p, c_x1, l_x1,
+            s_x1, lo_p, c_lo_p, s_lo_p, hi_p, c_hi_p, s_hi_p, inv_t, GB,
+        )  # fmt: skip
         passes += 1
     thr = lo
     if PRECHECK:
@@ -819,15 +1188,18 @@ def truncation_plan(
     if not B:
         return thr, passes, ids
     S = triton.cdiv(V, chunk)
-    stf = torch.empty(B, 8, dtype=torch.float32, device=dev)
-    sti = torch.empty(B, 8, dtype=torch.int32, device=dev)
-    part = torch.empty(B, S, 6, dtype=torch.float32, device=dev)
+    stf = torch.empty(B, 16, dtype=torch.float32, device=dev)  # the row states (`_store_state`)
+    sti = torch.empty(B, 16, dtype=torch.int32, device=dev)
+    part = torch.empty(B, S, 10, dtype=torch.float32, device=dev)
+    cand = torch.empty(B, candidates, dtype=torch.float32, device=dev)  # each row's next candidates
     mask = temperature if bitmask is None else bitmask  # never read without HAS_MASK
     stride_mask = 0 if bitmask is None else bitmask.stride(0)
     params = (temperature, top_k, top_p, min_p)
     consts = dict(CHUNK=chunk, HAS_MASK=bitmask is not None)
     # one lane per thread in a search pass (the split passes and the per-row programs alike: the same sums)
     search = dict(NC=candidates, BLOCK_E=block_e, SKIP=skip, UNROLL=unroll, **consts)
+    # the logits' dtype: its values read as float32 have keys that are multiples of 2^gb (`_is_done`)
+    gb = max(0, 23 + round(math.log2(torch.finfo(logits.dtype).eps)))
     search["num_warps"] = min(8, max(1, block_e // 32))
     # the plain draw in the statistics: a block of `block` logits spans NR quarters of the sampler's tile
     # (one Philox call per lane serves them, as in the sampler)
@@ -838,8 +1210,8 @@ def truncation_plan(
         **consts, **draw, num_warps=8,
     )  # fmt: skip
     threshold_begin_kernel[(B,)](
-        *params, part, stf, sti, S, logits, logits.stride(0), mask, stride_mask, V, HAS_MASK=bitmask is not None,
-        PRECHECK=precheck, num_warps=1,
+        *params, part, stf, sti, cand, S, logits, logits.stride(0), mask, stride_mask, V, NC=candidates, GB=gb,
+        HAS_MASK=bitmask is not None, PRECHECK=precheck, num_warps=1,
     )  # fmt: skip
     if precheck:
         chk_cnt = torch.empty(B, S, 2, dtype=torch.int32, device=dev)
@@ -848,20 +1220,22 @@ def truncation_plan(
             logits, logits.stride(0), *params, mask, stride_mask, stf, sti, chk_cnt, chk_mass, V, S,
             BLOCK_E=block_e, UNROLL=unroll, **consts, num_warps=search["num_warps"],
         )  # fmt: skip
-        threshold_check_reduce_kernel[(B,)](top_p, stf, sti, chk_cnt, chk_mass, S, num_warps=1)
+        threshold_check_reduce_kernel[(B,)](
+            top_p, stf, sti, cand, chk_cnt, chk_mass, S, NC=candidates, GB=gb, num_warps=1
+        )
     if split_passes:
         cnt = torch.empty(B, S, candidates, dtype=torch.int32, device=dev)
         mass = torch.empty(B, S, candidates, dtype=torch.float32, device=dev)
         vmm = torch.empty(B, S, 2, dtype=torch.float32, device=dev)
         for _ in range(split_passes):
             threshold_pass_kernel[(B, S)](
-                logits, logits.stride(0), *params, mask, stride_mask, stf, sti, cnt, mass, vmm, V, S,
+                logits, logits.stride(0), *params, mask, stride_mask, stf, sti, cand, cnt, mass, vmm, V, S,
                 **search,
             )  # fmt: skip
-            threshold_reduce_kernel[(B,)](top_p, stf, sti, cnt, mass, vmm, S, NC=candidates, num_warps=1)
+            threshold_reduce_kernel[(B,)](top_p, stf, sti, cand, cnt, mass, vmm, S, NC=candidates, GB=gb, num_warps=1)
     threshold_finish_kernel[(B,)](
         logits, logits.stride(0), *params, mask, stride_mask, stf, sti, thr, passes, V, S,
-        passes if ids is None else ids, PRECHECK=precheck, **search,
+        passes if ids is None else ids, GB=gb, PRECHECK=precheck, **search,
     )  # fmt: skip
     return thr, passes, ids
 
