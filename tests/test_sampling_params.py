@@ -95,6 +95,8 @@ def test_normalisations():
     assert p.logprobs == 1 and p.prompt_logprobs == 1
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
     assert SamplingParams(max_tokens=None, min_tokens=1000).max_tokens is None
+    # a top_k past int32 keeps every token of any vocabulary: disabled (the samplers hold int32)
+    assert SamplingParams(top_k=2**70).top_k == 0 and SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1
     # ints are accepted for float fields and stored as floats
     q = SamplingParams(temperature=1, top_p=1)
     assert isinstance(q.temperature, float) and isinstance(q.top_p, float)

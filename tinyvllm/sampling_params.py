@@ -6,7 +6,9 @@ can build and validate parameters anywhere. The sampler
 
 Normalisations done in ``__post_init__`` (all as vLLM does):
 
-* ``top_k = -1`` becomes ``0`` (both mean "disabled"); ``seed = -1`` becomes ``None``.
+* ``top_k = -1`` becomes ``0`` (both mean "disabled"), as does a ``top_k`` above 2**31 - 1, which
+  keeps every token of any vocabulary (the samplers hold ``top_k`` as int32); ``seed = -1`` becomes
+  ``None``.
 * ``stop`` and ``stop_token_ids`` become lists (``None`` -> ``[]``, a single
   string -> ``[string]``).
 * ``logprobs=True`` / ``prompt_logprobs=True`` become ``1``.
@@ -59,6 +61,9 @@ class SamplingType(enum.Enum):
     """a draw from the batch generator."""
     RANDOM_SEED = 2
     """a draw from the request's own generator, seeded with ``SamplingParams.seed``."""
+
+
+_ALL_TOKENS = 2**31 - 1  # a top_k above this keeps every token of any vocabulary
 
 
 def _check_int(name: str, value: Any, *, optional: bool = False) -> int | None:
@@ -288,7 +293,7 @@ class SamplingParams:
         self.temperature = _check_float("temperature", self.temperature)
         self.top_p = _check_float("top_p", self.top_p)
         self.top_k = _check_int("top_k", self.top_k)
-        if self.top_k == -1:
+        if self.top_k == -1 or self.top_k > _ALL_TOKENS:
             self.top_k = 0
         self.min_p = _check_float("min_p", self.min_p)
         self.seed = _check_int("seed", self.seed, optional=True)

@@ -367,3 +367,17 @@ def test_cascade_attention_off_for_sliding_window_models(tmp_path, caplog):
         llm = LLM(model=str(tmp_path), device="cpu", max_model_len=128, kernel_backend="triton")
     assert llm.llm_engine.runner.builder.cascade is None
     assert caplog.text.count("cascade attention off: the model has sliding-window layers") == 1
+
+
+def test_a_top_k_past_int32_samples_like_no_top_k(tmp_path):
+    """top_k = 2**40 (a client's "no limit") keeps every token: the same seeded draws as top_k 0, and
+    the engine keeps running (it once died converting it to int32)."""
+    from tinyvllm import LLM, SamplingParams
+    from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
+
+    write_dummy_checkpoint(tmp_path, make_config("tiny"), seed=0, dtype="float32")
+    llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks_override=64)
+    base = dict(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    huge = llm.generate([[1, 2, 3]], SamplingParams(top_k=2**40, **base), use_tqdm=False)[0].outputs[0].token_ids
+    none = llm.generate([[1, 2, 3]], SamplingParams(top_k=0, **base), use_tqdm=False)[0].outputs[0].token_ids
+    assert huge == none and len(huge) == 8
