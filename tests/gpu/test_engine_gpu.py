@@ -269,6 +269,47 @@ def test_pruned_lm_head_draws_the_same_tokens_bf16(ckpt):
     assert got[True] == got[False]
 
 
+def _counting(fn, calls: list):
+    def wrapped(*args):
+        calls.append(1)
+        return fn(*args)
+
+    return wrapped
+
+
+def test_constrained_batch_one_masked_head_graph_draws_the_same_tokens_bf16(ckpt):
+    """A constrained batch-1 graph step replays the forward up to the hidden states, fills the mask, copies
+    it into the graphs' static mask buffer and replays the pruned head under it (`replay_masked_head`).
+    Its tokens equal those of the same engine without the pruned head (the logits graph, then the masked
+    fused sampler over the full logits), greedy and seeded, and match the constraint; the layers run one
+    by one, as in the test above."""
+    import re
+
+    pytest.importorskip("xgrammar")
+    from tinyvllm import StructuredOutputsParams as SO
+
+    pattern = r"(ab|c)[0-9]{1,6}-(x|yz)+"
+    ps = prompts(2, 30, 120, seed=9)
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(regex=pattern)),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=40, structured_outputs=SO(regex=pattern)),
+    ]
+    got = {}
+    for pruned in (True, False):
+        llm = engine(ckpt, "bfloat16", kv=1 << 30, max_model_len=512, pruned_lm_head=pruned, decode_megakernel=False)
+        graphs = llm.llm_engine.runner.graphs
+        replays = []
+        if pruned:
+            graphs.replay_masked_head = _counting(graphs.replay_masked_head, replays)
+        outs = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0] for p in ps for sp in params]
+        assert all(re.fullmatch(pattern, o.text) or o.finish_reason == "length" for o in outs), outs
+        assert bool(replays) == pruned
+        got[pruned] = [o.token_ids for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+    assert got[True] == got[False]
+
+
 # Each family at a real shape, by (preset, config.json overrides): Qwen3-0.6B itself (q/k norm, query width
 # ≠ hidden, tied 151,936-row LM head); Mistral layers with a window of 128 keys on every layer and Qwen2.5
 # biases with the window on layers 4.. only, both at a power-of-two hidden size and query group (where the

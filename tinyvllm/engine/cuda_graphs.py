@@ -35,8 +35,10 @@ without copy kernels outside the graph and the device's idle time at their hand-
 `pruned_lm_head` those buckets get a second pair of graphs whose sampler reads the LM head at one byte per
 weight (`LMHead.sample_pruned`, kernels/lm_head_bounds.py: the same ids, no logits), for the steps whose
 every row that sampler serves, and a third pair that stops at the final norm's hidden state: a constrained
-step replays it, fills its token bitmask while the device runs it, then launches the pruned head under
-the bitmask after it (three kernels, eagerly), so a constrained batch-1 step keeps the pruned head.
+step replays it, fills its token bitmask while the device runs it, then copies the bitmask into a static
+device buffer (`step_mask`) and replays a fourth pair, the pruned head under that mask over the third
+pair's hidden state (`replay_masked_head`), so a constrained batch-1 step keeps the pruned head and
+launches one graph for it instead of its three kernels.
 
 With `sample_in_graph`, every graph that computes logits also gets a truncating sampler graph, captured
 with it: the fused top-k/top-p/min-p sampler (kernels/top_p_sampling.py) over that graph's logits and the
@@ -150,14 +152,22 @@ class DecodeGraphs:
             InputArena(rows, max_blocks_per_seq, torch.device("cpu"), pin_memory=pin) for _ in range(2 if rows else 0)
         ]
         self._num_io_arenas_used = 0
+        # The bitmask a constrained `runs_io` step's pruned head samples under ("masked" graphs)
+        self.step_mask = None
+        if self.pruned_lm_head:
+            from tinyvllm.sampling.bitmask import bitmask_width
+
+            width = bitmask_width(executor.lm_head.weight.shape[0])
+            self.step_mask = torch.full((rows, width), -1, dtype=torch.int32, device=device)
         # The previous step's sampled ids, where the graphs' placeholder gather reads them; the graphs'
         # sampler writes its ids here.
         self.last_sampled = torch.zeros(max(n, max_num_seqs), dtype=torch.int64, device=device)
         self.cascade_batch_sizes = sorted(b for b in cascade_batch_sizes if b in self.batch_sizes)
         # (batch size, cascade, host twin or None, head) -> graph, and its (logits or None, sampled ids or
         # None) buffers; the twin's index for the buckets that load their own inputs (`runs_io`), else None;
-        # head: "logits" (the LM head's product), "pruned" (samples through the pruned LM head, no logits)
-        # or "hidden" (stops at the final norm: its buffers are (hidden states, None))
+        # head: "logits" (the LM head's product), "pruned" (samples through the pruned LM head, no logits),
+        # "hidden" (stops at the final norm: its buffers are (hidden states, None)) or "masked" (the
+        # pruned head alone, under `step_mask`, over the "hidden" graph's output)
         self.graphs: dict[tuple[int, bool, int | None, str], torch.cuda.CUDAGraph] = {}
         # forward key (head "logits") -> its truncating sampler's graph and sampled ids (module docstring)
         self._truncating: dict[tuple[int, bool, int | None, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -183,9 +193,17 @@ class DecodeGraphs:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The step's device work over the arena; `twin`: first load it from that host twin, and
         write the sampled ids back there too; `head` "pruned": sample through the pruned LM head (no
-        logits); "hidden": stop at the hidden states, (hidden, None)."""
+        logits); "hidden": stop at the hidden states, (hidden, None); "masked": only the pruned head under
+        `step_mask`, over the hidden states of the same key's "hidden" graph."""
         a = self.arena if twin is None else self.io_arena
         host = None if twin is None else self._io_host_arenas[twin]
+        lm_head = self.executor.lm_head
+        host_ids = None if host is None else host.sampled_ids[:bs]
+        if head == "masked":
+            hidden = self._outputs[(bs, cascade, twin, "hidden")][0]
+            ids = self.last_sampled[:bs]
+            lm_head.sample_pruned(hidden, a.temperatures[:bs], a.seeds[:bs], ids, host_ids, bitmask=self.step_mask[:bs])
+            return None, ids
         if host is None:
             self.resolve_placeholders(a.input_ids[:bs], a.placeholder_src[:bs], self.last_sampled)
         else:
@@ -196,8 +214,6 @@ class DecodeGraphs:
         hidden = self.executor.hidden_states(a.input_ids[:bs], a.positions[:bs], meta, self.kv_caches)
         if head == "hidden":
             return hidden, None
-        lm_head = self.executor.lm_head
-        host_ids = None if host is None else host.sampled_ids[:bs]
         if head == "pruned":
             lm_head.sample_pruned(hidden, a.temperatures[:bs], a.seeds[:bs], self.last_sampled[:bs], host_ids)
             return None, self.last_sampled[:bs]
@@ -232,7 +248,9 @@ class DecodeGraphs:
         keys = []
         for bs in sorted(self.batch_sizes if sizes is None else sizes, reverse=True):
             twins = range(len(self._io_host_arenas)) if self.runs_io(bs) else (None,)
-            heads = ("logits", "pruned", "hidden") if self.runs_io(bs) and self.pruned_lm_head else ("logits",)
+            heads = (
+                ("logits", "pruned", "hidden", "masked") if self.runs_io(bs) and self.pruned_lm_head else ("logits",)
+            )
             for cascade in (False, True) if bs in self.cascade_batch_sizes else (False,):
                 keys += [(bs, cascade, t, h) for t in twins for h in heads]
         return keys
@@ -396,6 +414,14 @@ class DecodeGraphs:
         hidden, _ = self._replay((bs, cascade, twin, "hidden"))
         a = self.io_arena
         return hidden, a.temperatures[:bs], a.seeds[:bs], host.sampled_ids[:bs]
+
+    def replay_masked_head(self, bs: int, cascade: bool, host: InputArena, bitmask: torch.Tensor) -> torch.Tensor:
+        """After `replay_io_hidden(bs, cascade, host, ...)`: copy the step's host `bitmask` [bs, W] int32
+        (pinned; not rewritten before the copy runs) into `step_mask` and replay the pruned head under it.
+        Returns the sampled ids on the device ([bs] of `last_sampled`; also in the twin's `sampled_ids`)."""
+        twin = next(i for i, h in enumerate(self._io_host_arenas) if h is host)
+        self.step_mask[:bs].copy_(bitmask, non_blocking=True)
+        return self._replay((bs, cascade, twin, "masked"))[1]
 
     def replay_truncating(self, bs: int, cascade: bool, host: InputArena | None = None) -> torch.Tensor:
         """After the replay of bucket `bs`'s logits graph (`host`: the twin `replay_io` was given, for a

@@ -528,12 +528,16 @@ class ModelRunner:
         )
         if constrained and len(fused) == n and graphs.pruned_lm_head and graphs.runs_io(bucket):
             # the forward's graph, the bitmask filled while it runs, then the pruned LM head under it
+            cascade = inputs.prefix_len > 0
             hidden, temperatures, dev_seeds, host_ids = graphs.replay_io_hidden(
-                bucket, inputs.prefix_len > 0, host, inputs.arena_bytes
+                bucket, cascade, host, inputs.arena_bytes
             )
-            bitmask = self._step_bitmask(seqs, plan, structured)
+            bitmask = self._step_bitmask(seqs, plan, structured, on_device=False)
             ids = graphs.last_sampled[:bucket]
-            self.executor.lm_head.sample_pruned(hidden, temperatures, dev_seeds, ids, host_ids, bitmask=bitmask)
+            if bitmask is None:  # no row removes a token after all
+                self.executor.lm_head.sample_pruned(hidden, temperatures, dev_seeds, ids, host_ids)
+            else:
+                graphs.replay_masked_head(bucket, cascade, host, bitmask)
             return self._finish(seqs, inputs.sample_order, plan, ids[:n], None, None, bufs, host_ids[:n])
         cascade = inputs.prefix_len > 0
         io = graphs.runs_io(bucket)
@@ -561,13 +565,18 @@ class ModelRunner:
         return self._finish(seqs, inputs.sample_order, plan, sampled, logprobs, logprob_rows, bufs, graph_ids)
 
     def _step_bitmask(
-        self, seqs: list[ScheduledSequence], plan: FusedSamplingPlan, structured: StructuredOutputManager | None
+        self,
+        seqs: list[ScheduledSequence],
+        plan: FusedSamplingPlan,
+        structured: StructuredOutputManager | None,
+        on_device: bool = True,
     ) -> torch.Tensor | None:
         """The step's token bitmask [N, ceil(V / 32)] int32 on the device, in the sampled rows' order: the
         grammars' masks ANDed with allowed_token_ids and bad-word bans (sampling/logits_processors.py),
         all ones for other rows; None when no row removes tokens. Filled on the host into one of two
-        pinned buffers (alternating, as the other host staging) and copied asynchronously; with
-        `before_mask`, the constrained rows' fill overlaps the acceptance of the in-flight step's tokens."""
+        pinned buffers (alternating, as the other host staging) and copied asynchronously (`on_device`
+        False: that host buffer itself, for the caller's copy); with `before_mask`, the constrained rows'
+        fill overlaps the acceptance of the in-flight step's tokens."""
         rids = [s.request_id for s in seqs]
         n = len(seqs)
         host = self._next_bitmask_buf(n, structured)
@@ -588,7 +597,9 @@ class ModelRunner:
         if not rows:
             host.fill_(-1)
         apply_to_bitmask(seqs, plan.masked_rows, host.numpy(), self.sampler.vocab_size)
-        return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        if not on_device or self.device.type != "cuda":
+            return host
+        return host.to(self.device, non_blocking=True)
 
     def _next_bitmask_buf(self, n: int, structured: StructuredOutputManager | None = None) -> torch.Tensor:
         """This step's host bitmask [n, ceil(V / 32)] int32: one of two pinned buffers, alternating as the
