@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
-from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p, truncation_plan, truncation_thresholds
+from tinyvllm.kernels.top_p_sampling import _NC, sample_top_k_top_p, truncation_plan, truncation_thresholds
 from tinyvllm.sampling.bitmask import pack_bitmask
 from tinyvllm.sampling.sampler import apply_min_p, apply_top_k_top_p
 
@@ -120,7 +120,7 @@ def test_kept_set_equals_the_float64_reference_on_random_rows(device, dtype, sea
     for b, (t, k, p, m) in enumerate(cfg):
         ref = reference_kept(z[b].float(), t, k, p, m)
         assert torch.equal(kept[b].cpu(), ref), (b, cfg[b], int(kept[b].sum()), int(ref.sum()))
-    assert int(passes.max()) <= max_reads(search.get("candidates", 8))
+    assert int(passes.max()) <= max_reads(search.get("candidates", _NC))
 
 
 @pytest.mark.parametrize("search", LAYOUTS)
@@ -258,7 +258,7 @@ def test_adversarial_rows_keep_what_the_reference_keeps_within_the_bound(device,
     for b, c in enumerate(cfg):
         ref = reference_kept(z[b].masked_fill(~allowed[b], -math.inf), *c)
         assert torch.equal(kept[b], ref), (list(shapes)[b // len(ADVERSARIAL_CONFIGS)], c)
-    bound = max_reads(search.get("candidates", 8))
+    bound = max_reads(search.get("candidates", _NC))
     assert int(passes.max()) <= bound, passes.view(len(shapes), -1).tolist()
     tiny = torch.randn(len(ADVERSARIAL_CONFIGS), 37, generator=gen) * 2
     kept, passes = kernel_kept(tiny.to(device), *params(ADVERSARIAL_CONFIGS, device), **search)

@@ -1073,7 +1073,7 @@ def threshold_finish_kernel(
 _BLOCK = 1024  # logits per iteration of the statistics
 _BLOCK_E = 128  # logits per iteration of a search pass (its partials: BLOCK_E × NC counts and masses)
 _CHUNK = 8192  # a row's chunk per program of the split passes: fixed, so that a row's sums never depend on B
-_NC = 8
+_NC = 4  # candidates per search pass: fastest on the H200 at batch 256 (perf.md §5, `--sweep`)
 _SKIP = False
 _UNROLL = 1
 _SPLIT_PASSES = 10
