@@ -57,6 +57,10 @@ def _prompts(w: Workload, vocab_size: int) -> list[dict]:
 
 
 def _generate(llm: LLM, prompts: list[dict], params: list[SamplingParams]) -> dict[str, Any]:
+    # Every run starts from an empty prefix cache: the runs share their prompts, so a later run would
+    # otherwise skip the prefills an earlier one computed (a bias towards whichever kind runs second).
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset (a request still holds blocks)")
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
