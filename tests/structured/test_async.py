@@ -34,9 +34,13 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", ["thread", "process", "process-async"])
 def test_engine_clients_validate_and_constrain(model_dir, mode):
-    args = EngineArgs(model=str(model_dir), device="cpu", max_model_len=256, max_num_seqs=4)
+    """process-async: the engine process with async scheduling, whose constrained steps send the in-flight
+    step's outputs from inside their launch (`core_step`'s `early`)."""
+    args = EngineArgs(
+        model=str(model_dir), device="cpu", max_model_len=256, max_num_seqs=4, async_scheduling=mode == "process-async"
+    )
     engine = AsyncLLMEngine(LLMEngine(args)).start() if mode == "thread" else MPAsyncLLMEngine(args).start(timeout=120)
     so = SO(json=SCHEMA, disable_any_whitespace=True)
 

@@ -31,6 +31,7 @@ from tinyvllm.engine.messages import (
     AddReply,
     AddRequest,
     EngineCommand,
+    EngineCoreOutput,
     EngineCoreOutputs,
     Shutdown,
 )
@@ -59,6 +60,7 @@ class EngineCore:
         """Loop until a Shutdown command (or until `recv` reports the sender gone). Exceptions of the
         engine propagate: the caller reports them."""
         engine = self.engine
+        early = self._emit_outputs(emit)
         while True:
             idle_work = engine.has_idle_work()  # start-up work left for idle moments (lazy graph capture)
             commands = recv(not engine.has_unfinished_requests() and not idle_work)  # idle: wait for work
@@ -71,10 +73,18 @@ class EngineCore:
             if replies or (commands and not busy):  # aborts that emptied the engine: fresh stats
                 emit(EngineCoreOutputs([], replies, self.stats(), time.monotonic()))
             if busy:
-                outputs = engine.core_step()
+                outputs = engine.core_step(early)
                 emit(EngineCoreOutputs(outputs, [], self.stats(), time.monotonic()))
             elif idle_work:
                 engine.do_idle_work()
+
+    def _emit_outputs(self, emit: Emit) -> Callable[[list[EngineCoreOutput]], None]:
+        """`core_step`'s `early`: outputs sent as soon as the step has them."""
+
+        def early(outputs: list[EngineCoreOutput]) -> None:
+            emit(EngineCoreOutputs(outputs, [], self.stats(), time.monotonic()))
+
+        return early
 
     def _apply(self, commands: Sequence[EngineCommand]) -> tuple[list[AddReply], bool]:
         replies = []

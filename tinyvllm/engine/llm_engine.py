@@ -27,7 +27,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -384,6 +384,7 @@ class LLMEngine:
         self._wait_s = 0.0  # time blocked on the device inside the current step's _process calls
         self._num_history_requests = 0
         self._early_outputs: list[EngineCoreOutput] = []  # the in-flight step's, processed inside a launch
+        self._early: Callable[[list[EngineCoreOutput]], None] | None = None  # core_step's `early`
         self.default_sampling_params = self._default_sampling_params()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._sequences: dict[str, _Sequence] = {}
@@ -691,14 +692,37 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a batch, then process the previous one (async scheduling) or this one.
         Returns the RequestOutputs of the requests that have one (by their output kinds)."""
-        outputs, aborts = self.output_processor.process_outputs(self.core_step())
+        processed: list[RequestOutput] = []
+        aborts: list[AbortRequest] = []
+
+        def early(core_outputs: list[EngineCoreOutput]) -> None:
+            request_outputs, step_aborts = self.output_processor.process_outputs(core_outputs)
+            processed.extend(request_outputs)
+            aborts.extend(step_aborts)
+
+        request_outputs, step_aborts = self.output_processor.process_outputs(self.core_step(early))
+        processed.extend(request_outputs)
+        aborts.extend(step_aborts)
         for command in aborts:  # stop strings matched: stop those completions here too
             self.abort(command)
-        return outputs
+        return processed
 
-    def core_step(self) -> list[EngineCoreOutput]:
+    def core_step(self, early: Callable[[list[EngineCoreOutput]], None] | None = None) -> list[EngineCoreOutput]:
         """The same step as `step()`, its outputs at the token level: an EngineCoreOutput for every
-        completion with news (see EngineCoreOutput; the requests' output processing is the caller's)."""
+        completion with news (see EngineCoreOutput; the requests' output processing is the caller's).
+
+        `early`: when a step with constrained rows processes the in-flight step from inside its own launch
+        (`before_mask`, below), that step's outputs go to `early` there and then, instead of into the
+        returned list: the caller's output processing then runs while the device computes the forward and
+        the grammar workers fill the mask, not between this step's sampling and the next step's forward,
+        where the device waits for it."""
+        self._early = early
+        try:
+            return self._core_step()
+        finally:
+            self._early = None
+
+    def _core_step(self) -> list[EngineCoreOutput]:
         outputs, self._pending = self._pending, []
         clock = time.perf_counter
         t0 = clock()
@@ -768,10 +792,15 @@ class LLMEngine:
             self.runner.capture_graph(bucket)
 
     def _process_in_flight_early(self) -> None:
-        """Process the in-flight step now, from inside the next step's launch (see `core_step`)."""
+        """Process the in-flight step now, from inside the next step's launch (see `core_step`); its
+        outputs to the caller's `early`, else kept for `core_step` to return."""
         if self._in_flight is not None:
-            self._early_outputs += self._process(*self._in_flight)
+            outputs = self._process(*self._in_flight)
             self._in_flight = None
+            if self._early is not None:
+                self._early(outputs)
+            else:
+                self._early_outputs += outputs
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
