@@ -9,6 +9,7 @@ import pytest
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.engine.args import EngineArgs, add_engine_cli_args, engine_args_from_cli
+from tinyvllm.engine.async_llm import EngineInfo
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks_override=64)
@@ -38,6 +39,27 @@ def test_generation_config_sources(model_dir, tmp_path):
     (other / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 7, "max_new_tokens": 5}))
     from_dir = _defaults(model_dir, generation_config=str(other))
     assert (from_dir.temperature, from_dir.top_k, from_dir.max_tokens, from_dir.top_p) == (0.3, 7, 5, plain.top_p)
+
+
+def test_max_new_tokens_becomes_the_server_s_default_max_tokens(model_dir, tmp_path):
+    """EngineInfo.default_max_tokens (what the OpenAI server gives a request without max_tokens) is the
+    generation config's max_new_tokens wherever it comes from, None where none is set or the config's
+    sampling defaults are dropped as invalid."""
+
+    def default(**kw) -> int | None:
+        engine = LLM(model=str(model_dir), **ENGINE, **kw).llm_engine
+        assert EngineInfo.of(engine).default_max_tokens == engine.default_max_tokens
+        return engine.default_max_tokens
+
+    assert "max_new_tokens" not in json.loads((model_dir / "generation_config.json").read_text())
+    assert default() is None
+    assert default(override_generation_config={"max_new_tokens": 9}) == 9
+    assert default(generation_config="vllm", override_generation_config={"max_new_tokens": 4}) == 4
+    for value, expected in ((5, 5), (0, None)):  # 0 is no valid max_tokens: the config's defaults are dropped
+        other = tmp_path / f"other{value}"
+        other.mkdir()
+        (other / "generation_config.json").write_text(json.dumps({"max_new_tokens": value}))
+        assert default(generation_config=str(other)) == expected
 
 
 def test_override_generation_config_lies_over_its_source(model_dir):

@@ -385,6 +385,7 @@ class LLMEngine:
         self._num_history_requests = 0
         self._early_outputs: list[EngineCoreOutput] = []  # the in-flight step's, processed inside a launch
         self.default_sampling_params = self._default_sampling_params()
+        self.default_max_tokens = self._default_max_tokens()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._sequences: dict[str, _Sequence] = {}
         self._parents: dict[str, _Parent] = {}
@@ -433,6 +434,15 @@ class LLMEngine:
                 raise ValueError(f"override_generation_config: {e}") from None
             logger.warning("ignoring sampling defaults of generation_config.json: %s", e)
             return SamplingParams()
+
+    def _default_max_tokens(self) -> int | None:
+        """The generation config's max_new_tokens, for the OpenAI server: the max_tokens of a request
+        that sets none (vLLM's rule; `LLM` has it in `default_sampling_params` already). None when the
+        config sets none, or when its sampling defaults were dropped as invalid (a warning said so)."""
+        value = self.generation_config.get("max_new_tokens")
+        if value is None or self.default_sampling_params.max_tokens != value:
+            return None
+        return value
 
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType, name: str = "prompt") -> TokenizedPrompt:

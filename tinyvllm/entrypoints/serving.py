@@ -79,6 +79,7 @@ class ServingContext:
         self.vocab_size: int = info.vocab_size
         self.max_model_len: int = info.max_model_len
         self.default_params: SamplingParams = info.default_sampling_params
+        self.default_max_tokens: int | None = info.default_max_tokens
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
         limit = self.limits.max_prompt_chars
         self.max_prompt_chars: int | None = (
@@ -147,10 +148,12 @@ class ServingContext:
         echo_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams from the request's fields over the model's defaults; errors name the field
-        as the client spelled it (`renames`: SamplingParams name -> request name). The engine sends
-        DELTA outputs: each carries only what a step added. The prompt is scored (prompt_logprobs) for
-        the request's `prompt_logprobs` field and for `echo_logprobs` (completions' echo with logprobs),
-        with the larger k of the two."""
+        as the client spelled it (`renames`: SamplingParams name -> request name). `max_tokens` None
+        (the request sets none) takes the generation config's max_new_tokens, as vLLM's server does;
+        without one, generation runs to the end of the context (where the engine stops in any case).
+        The engine sends DELTA outputs: each carries only what a step added. The prompt is scored
+        (prompt_logprobs) for the request's `prompt_logprobs` field and for `echo_logprobs`
+        (completions' echo with logprobs), with the larger k of the two."""
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
         max_logprobs = self.limits.max_logprobs
@@ -172,7 +175,7 @@ class ServingContext:
         scored = [k for k in (req.prompt_logprobs, echo_logprobs) if k is not None]
         changes.update(
             n=req.n,
-            max_tokens=max_tokens,
+            max_tokens=max_tokens if max_tokens is not None else self.default_max_tokens,
             logprobs=logprobs,
             prompt_logprobs=max(scored) if scored else None,
             output_kind=RequestOutputKind.DELTA,
