@@ -321,3 +321,16 @@ def test_a_request_without_max_tokens_gets_the_generation_config_s_max_new_token
     room = 4  # fewer tokens left in the context than the default
     prompt = [5] * (ENGINE_DEFAULTS["max_model_len"] - room)
     assert _generated(live.url, "completions", prompt=prompt, max_tokens=None) == (room, "length")
+
+
+def test_a_max_new_tokens_given_on_the_command_line_caps_every_request(make_server):
+    """--override-generation-config '{"max_new_tokens": N}' (or a --generation-config directory whose
+    config sets it) is the default max_tokens and, as with vLLM's server, a cap on the request's own."""
+    cap = 5
+    live = make_server("process", override_generation_config={"max_new_tokens": cap})
+    messages = [{"role": "user", "content": "hi"}]
+    assert _generated(live.url, "chat/completions", messages=messages) == (cap, "length")
+    assert _generated(live.url, "chat/completions", messages=messages, max_tokens=11) == (cap, "length")
+    assert _generated(live.url, "chat/completions", messages=messages, max_completion_tokens=3) == (3, "length")
+    assert _generated(live.url, "completions", prompt="x") == (cap, "length")  # OpenAI's 16, capped
+    assert _generated(live.url, "completions", prompt="x", max_tokens=2) == (2, "length")

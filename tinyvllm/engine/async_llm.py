@@ -88,6 +88,8 @@ class EngineInfo:
     model_dir: str
     # the generation config's max_new_tokens: the server's max_tokens for a request without one (None: none)
     default_max_tokens: int | None = None
+    # the server's cap on every request's max_tokens, from a max_new_tokens on the command line (None: none)
+    max_tokens_cap: int | None = None
 
     @classmethod
     def of(cls, engine: Any) -> EngineInfo:
@@ -98,6 +100,7 @@ class EngineInfo:
             engine.default_sampling_params,
             str(engine.model_dir),
             engine.default_max_tokens,
+            engine.max_tokens_cap,
         )
 
 

@@ -187,6 +187,7 @@ class MPAsyncLLMEngine(EngineClient):
             ready.default_sampling_params,
             ready.model_dir,
             ready.default_max_tokens,
+            ready.max_tokens_cap,
         )
         self.stats = ready.stats
         self._reader.start()
@@ -406,6 +407,7 @@ def run_engine_process(
             dict(engine.get_metrics()),
             info.tokenizer.chat_template if getattr(engine_args, "chat_template", None) is not None else None,
             info.default_max_tokens,
+            info.max_tokens_cap,
         )
     )
     core = EngineCore(engine, max_waiting_requests)
