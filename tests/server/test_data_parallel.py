@@ -157,9 +157,10 @@ def test_serve_exits_1_within_30_s_of_a_core_dying(model_dir):
     running core may well be done with its stream by then). Which request the router sends to it
     follows from the router's rule (`tinyvllm.engine.dp_router`: least requests in flight, ties taken
     in turn): of two requests routed one after the other from idle cores, one goes to each core; the
-    live core's finishes. Of a third request and the unfinished one, whichever is routed first goes to
-    the stopped core (it is then the least loaded, or tied with the turn on it) and the other to the
-    live core. So once one of those two has finished, the other is certainly queued on the stopped core."""
+    live core's finishes (and leaves the count before its last event is sent). Of a third request and
+    the unfinished one, whichever is routed first goes to the stopped core (it is then the least
+    loaded, or tied with the turn on it) and the other to the live core. So once one of those two has
+    finished, the other is certainly queued on the stopped core."""
     dp = 2
     proc, url = _start_serve(model_dir, "-dp", str(dp))
     engines: list[int] = []
