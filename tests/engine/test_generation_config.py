@@ -9,6 +9,7 @@ import pytest
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.engine.args import EngineArgs, add_engine_cli_args, engine_args_from_cli
+from tinyvllm.engine.async_llm import EngineInfo
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks_override=64)
@@ -38,6 +39,41 @@ def test_generation_config_sources(model_dir, tmp_path):
     (other / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 7, "max_new_tokens": 5}))
     from_dir = _defaults(model_dir, generation_config=str(other))
     assert (from_dir.temperature, from_dir.top_k, from_dir.max_tokens, from_dir.top_p) == (0.3, 7, 5, plain.top_p)
+
+
+def test_max_new_tokens_sets_the_server_s_default_and_cap_of_max_tokens(model_dir, tmp_path):
+    """EngineInfo's (default_max_tokens, max_tokens_cap), what the OpenAI server gives a request without
+    max_tokens and the most it lets any request have: the generation config's max_new_tokens wherever it
+    comes from is the default; it is also the cap when given on the command line (a --generation-config
+    directory, --override-generation-config), as with vLLM, not when the checkpoint's own
+    generation_config.json holds it. (None, None) where none is set or the config's sampling defaults are
+    dropped as invalid."""
+
+    def limits(model=model_dir, **kw) -> tuple[int | None, int | None]:
+        engine = LLM(model=str(model), **ENGINE, **kw).llm_engine
+        info = EngineInfo.of(engine)
+        assert (info.default_max_tokens, info.max_tokens_cap) == (engine.default_max_tokens, engine.max_tokens_cap)
+        return engine.default_max_tokens, engine.max_tokens_cap
+
+    assert "max_new_tokens" not in json.loads((model_dir / "generation_config.json").read_text())
+    assert limits() == (None, None)
+    assert limits(override_generation_config={"max_new_tokens": 9}) == (9, 9)
+    assert limits(generation_config="vllm", override_generation_config={"max_new_tokens": 4}) == (4, 4)
+    for value, expected in ((5, (5, 5)), (0, (None, None))):  # 0 is no valid max_tokens: the defaults are dropped
+        other = tmp_path / f"other{value}"
+        other.mkdir()
+        (other / "generation_config.json").write_text(json.dumps({"max_new_tokens": value}))
+        assert limits(generation_config=str(other)) == expected
+    own = tmp_path / "own"  # the test model, its generation_config.json setting max_new_tokens
+    own.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "generation_config.json":
+            (own / f.name).symlink_to(f)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    (own / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": 6}))
+    assert limits(own) == (6, None)
+    assert limits(own, override_generation_config={"max_new_tokens": 3}) == (3, 3)
+    assert limits(own, generation_config="vllm") == (None, None)
 
 
 def test_override_generation_config_lies_over_its_source(model_dir):

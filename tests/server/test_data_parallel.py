@@ -8,6 +8,7 @@ core's death."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -134,25 +135,58 @@ def test_a_hung_core_is_killed_by_the_deadline_and_fails_its_requests(make_serve
     assert live.engine.is_dead and not live.engine.is_running
 
 
+def _post_stream(url: str, prompt: str) -> tuple[int, str]:
+    """A streamed completion read to its end: (HTTP status, body)."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        resp = client.post("/v1/completions", json={**STREAM, "prompt": prompt})
+        return resp.status_code, resp.text
+
+
+def _finished_by_length(status: int, body: str) -> bool:
+    events = [line for line in body.splitlines() if line.startswith("data: ")]
+    return status == 200 and events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
+
+
 def test_serve_exits_1_within_30_s_of_a_core_dying(model_dir):
-    """`tinyvllm serve -dp 2`, a stream on each core, SIGKILL to one core: its stream ends with the
-    error, the other's finishes or is ended by the drain, and the server exits 1 (-dp 1 takes the same
-    path: `GracefulServer` watches any engine client's `is_dead`)."""
+    """`tinyvllm serve -dp 2`, SIGKILL to a core while a request is in flight on it: that request ends
+    with the error naming the death, and the server exits 1 within 30 s (-dp 1 takes the same path:
+    `GracefulServer` watches any engine client's `is_dead`).
+
+    The core to be killed is stopped (SIGSTOP) before any request is sent, so that nothing routed to
+    it can finish before the kill (the tiny model generates 250 tokens in well under a second, so a
+    running core may well be done with its stream by then). Which request the router sends to it
+    follows from the router's rule (`tinyvllm.engine.dp_router`: least requests in flight, ties taken
+    in turn): of two requests routed one after the other from idle cores, one goes to each core; the
+    live core's finishes (and leaves the count before its last event is sent). Of a third request and
+    the unfinished one, whichever is routed first goes to the stopped core (it is then the least
+    loaded, or tied with the turn on it) and the other to the live core. So once one of those two has
+    finished, the other is certainly queued on the stopped core."""
     dp = 2
     proc, url = _start_serve(model_dir, "-dp", str(dp))
+    engines: list[int] = []
     try:
         engines = _children(proc.pid)
         assert len(engines) == dp, engines
-        with httpx.Client(base_url=url, timeout=60) as a, httpx.Client(base_url=url, timeout=60) as b:
-            streams = [_open_stream(client, f"stream {i}") for i, client in enumerate((a, b))]
-            os.kill(engines[0], signal.SIGKILL)
+        stopped = engines[0]
+        os.kill(stopped, signal.SIGSTOP)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            pending = {pool.submit(_post_stream, url, f"stream {i}") for i in range(2)}
+            finished = []
+            for prompt in ("stream 2", None):
+                done, pending = concurrent.futures.wait(pending, timeout=60, return_when="FIRST_COMPLETED")
+                assert len(done) == 1 and len(pending) == 1, (done, pending)
+                finished += [f.result() for f in done]
+                if prompt is not None:
+                    pending.add(pool.submit(_post_stream, url, prompt))
+            assert all(_finished_by_length(*result) for result in finished), finished
+            (queued,) = pending
+            os.kill(stopped, signal.SIGKILL)
             killed_at = time.monotonic()
-            ends = [_rest(lines) for _, lines, _ in streams]
-            for resp, _, _ in streams:
-                resp.close()
-        errors = [json.loads(events[-2][6:]).get("error") for events in ends]
-        assert any(e is not None and "died unexpectedly" in e["message"] for e in errors), ends
-        assert all(events[-1] == "data: [DONE]" for events in ends)
+            status, body = queued.result(timeout=30)
+        assert status == 503, body
+        message = json.loads(body)["error"]["message"]
+        assert "data-parallel core" in message and f"of {dp}: the engine process died unexpectedly" in message, message
+        assert "SIGKILL" in message, message
         with contextlib.suppress(httpx.TransportError):  # or already gone
             assert httpx.get(url + "/health", timeout=2).status_code == 503
         assert proc.wait(timeout=30) == 1
@@ -160,6 +194,9 @@ def test_serve_exits_1_within_30_s_of_a_core_dying(model_dir):
         assert all(_gone(pid, timeout=10) for pid in engines)
         assert b"the engine died" in proc.stdout.read()
     finally:
+        for pid in engines:  # a stopped core would outlive a failed test: let it see its pipe close
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
             proc.wait()

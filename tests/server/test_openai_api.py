@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -281,3 +283,54 @@ def test_engine_chat_template_and_generation_config_reach_the_api_process(make_s
         return r.json()["choices"][0]["logprobs"]["tokens"]
 
     assert tokens() == tokens(temperature=0.0) != tokens(temperature=0.6)
+
+
+def _with_generation_config(model_dir: Path, out: Path, **fields) -> str:
+    """A checkpoint that is the test model (its files linked) with `fields` added to its
+    generation_config.json."""
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "generation_config.json":
+            (out / f.name).symlink_to(f)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**config, **fields}))
+    return str(out)
+
+
+def _generated(url: str, route: str, **body) -> tuple[int, str]:
+    """(completion_tokens, finish_reason) of one request that ignores EOS (it stops on a length only)."""
+    r = httpx.post(f"{url}/v1/{route}", json={"model": MODEL_NAME, "ignore_eos": True, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]
+
+
+def test_a_request_without_max_tokens_gets_the_generation_config_s_max_new_tokens(make_server, model_dir, tmp_path):
+    """The checkpoint's generation_config.json sets max_new_tokens: it is the max_tokens of a request
+    that sets none, as with vLLM's server (and `LLM`); a request's own value wins, /v1/completions keeps
+    OpenAI's default of 16 unless max_tokens is null, and the end of the context still stops generation."""
+    default = 7
+    live = make_server("process", model=_with_generation_config(model_dir, tmp_path / "model", max_new_tokens=default))
+    messages = [{"role": "user", "content": "hi"}]
+    assert _generated(live.url, "chat/completions", messages=messages) == (default, "length")
+    assert _generated(live.url, "chat/completions", messages=messages, max_tokens=None) == (default, "length")
+    assert _generated(live.url, "chat/completions", messages=messages, max_tokens=11) == (11, "length")
+    assert _generated(live.url, "chat/completions", messages=messages, max_completion_tokens=3) == (3, "length")
+    assert _generated(live.url, "completions", prompt="x") == (16, "length")
+    assert _generated(live.url, "completions", prompt="x", max_tokens=None) == (default, "length")
+    assert _generated(live.url, "completions", prompt="x", max_tokens=12) == (12, "length")
+    room = 4  # fewer tokens left in the context than the default
+    prompt = [5] * (ENGINE_DEFAULTS["max_model_len"] - room)
+    assert _generated(live.url, "completions", prompt=prompt, max_tokens=None) == (room, "length")
+
+
+def test_a_max_new_tokens_given_on_the_command_line_caps_every_request(make_server):
+    """--override-generation-config '{"max_new_tokens": N}' (or a --generation-config directory whose
+    config sets it) is the default max_tokens and, as with vLLM's server, a cap on the request's own."""
+    cap = 5
+    live = make_server("process", override_generation_config={"max_new_tokens": cap})
+    messages = [{"role": "user", "content": "hi"}]
+    assert _generated(live.url, "chat/completions", messages=messages) == (cap, "length")
+    assert _generated(live.url, "chat/completions", messages=messages, max_tokens=11) == (cap, "length")
+    assert _generated(live.url, "chat/completions", messages=messages, max_completion_tokens=3) == (3, "length")
+    assert _generated(live.url, "completions", prompt="x") == (cap, "length")  # OpenAI's 16, capped
+    assert _generated(live.url, "completions", prompt="x", max_tokens=2) == (2, "length")

@@ -86,6 +86,10 @@ class EngineInfo:
     max_model_len: int
     default_sampling_params: SamplingParams  # SamplingParams() over generation_config.json
     model_dir: str
+    # the generation config's max_new_tokens: the server's max_tokens for a request without one (None: none)
+    default_max_tokens: int | None = None
+    # the server's cap on every request's max_tokens, from a max_new_tokens on the command line (None: none)
+    max_tokens_cap: int | None = None
 
     @classmethod
     def of(cls, engine: Any) -> EngineInfo:
@@ -95,6 +99,8 @@ class EngineInfo:
             engine.scheduler_config.max_model_len,
             engine.default_sampling_params,
             str(engine.model_dir),
+            engine.default_max_tokens,
+            engine.max_tokens_cap,
         )
 
 

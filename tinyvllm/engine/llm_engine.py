@@ -386,6 +386,8 @@ class LLMEngine:
         self._early_outputs: list[EngineCoreOutput] = []  # the in-flight step's, processed inside a launch
         self._early: Callable[[list[EngineCoreOutput]], None] | None = None  # core_step's `early`
         self.default_sampling_params = self._default_sampling_params()
+        self.default_max_tokens = self._default_max_tokens()
+        self.max_tokens_cap = self._max_tokens_cap()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._sequences: dict[str, _Sequence] = {}
         self._parents: dict[str, _Parent] = {}
@@ -434,6 +436,27 @@ class LLMEngine:
                 raise ValueError(f"override_generation_config: {e}") from None
             logger.warning("ignoring sampling defaults of generation_config.json: %s", e)
             return SamplingParams()
+
+    def _default_max_tokens(self) -> int | None:
+        """The generation config's max_new_tokens, for the OpenAI server: the max_tokens of a request
+        that sets none (vLLM's rule; `LLM` has it in `default_sampling_params` already). None when the
+        config sets none, or when its sampling defaults were dropped as invalid (a warning said so)."""
+        value = self.generation_config.get("max_new_tokens")
+        if value is None or self.default_sampling_params.max_tokens != value:
+            return None
+        return value
+
+    def _max_tokens_cap(self) -> int | None:
+        """The most tokens the OpenAI server lets any request generate, its own max_tokens included
+        (vLLM's rule): a max_new_tokens given on the command line, in the generation config of the
+        directory --generation-config names (after the override) or in --override-generation-config.
+        The checkpoint's own generation_config.json sets only the default. None: no cap."""
+        if self.default_max_tokens is None:
+            return None
+        if self.args.generation_config not in ("auto", "vllm"):
+            return self.default_max_tokens
+        override = self.args.override_generation_config or {}
+        return self.default_max_tokens if override.get("max_new_tokens") is not None else None
 
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType, name: str = "prompt") -> TokenizedPrompt:

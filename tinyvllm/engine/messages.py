@@ -133,6 +133,8 @@ class EngineReady(msgspec.Struct):
     model_dir: str
     stats: dict[str, int | float]
     chat_template: str | dict[str, str] | None = None  # the engine's own when `chat_template` replaced the model's
+    default_max_tokens: int | None = None  # EngineInfo's
+    max_tokens_cap: int | None = None  # EngineInfo's
 
 
 class EngineFailed(msgspec.Struct):

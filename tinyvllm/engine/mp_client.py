@@ -181,7 +181,13 @@ class MPAsyncLLMEngine(EngineClient):
             self._kill()
             raise
         self.info = EngineInfo(
-            tokenizer, ready.vocab_size, ready.max_model_len, ready.default_sampling_params, ready.model_dir
+            tokenizer,
+            ready.vocab_size,
+            ready.max_model_len,
+            ready.default_sampling_params,
+            ready.model_dir,
+            ready.default_max_tokens,
+            ready.max_tokens_cap,
         )
         self.stats = ready.stats
         self._reader.start()
@@ -400,6 +406,8 @@ def run_engine_process(
             info.model_dir,
             dict(engine.get_metrics()),
             info.tokenizer.chat_template if getattr(engine_args, "chat_template", None) is not None else None,
+            info.default_max_tokens,
+            info.max_tokens_cap,
         )
     )
     core = EngineCore(engine, max_waiting_requests)

@@ -79,6 +79,8 @@ class ServingContext:
         self.vocab_size: int = info.vocab_size
         self.max_model_len: int = info.max_model_len
         self.default_params: SamplingParams = info.default_sampling_params
+        self.default_max_tokens: int | None = info.default_max_tokens
+        self.max_tokens_cap: int | None = info.max_tokens_cap
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
         limit = self.limits.max_prompt_chars
         self.max_prompt_chars: int | None = (
@@ -147,10 +149,13 @@ class ServingContext:
         echo_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams from the request's fields over the model's defaults; errors name the field
-        as the client spelled it (`renames`: SamplingParams name -> request name). The engine sends
-        DELTA outputs: each carries only what a step added. The prompt is scored (prompt_logprobs) for
-        the request's `prompt_logprobs` field and for `echo_logprobs` (completions' echo with logprobs),
-        with the larger k of the two."""
+        as the client spelled it (`renames`: SamplingParams name -> request name). `max_tokens` None
+        (the request sets none) takes the generation config's max_new_tokens, as vLLM's server does;
+        without one, generation runs to the end of the context (where the engine stops in any case).
+        A max_new_tokens given on the command line (`max_tokens_cap`) also caps the request's own.
+        The engine sends DELTA outputs: each carries only what a step added. The prompt is scored
+        (prompt_logprobs) for the request's `prompt_logprobs` field and for `echo_logprobs`
+        (completions' echo with logprobs), with the larger k of the two."""
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
         max_logprobs = self.limits.max_logprobs
@@ -169,6 +174,10 @@ class ServingContext:
             raise APIError(400, f"n must be at most {self.limits.max_n}, got {req.n}", "n")
         check_stop(req.stop, self.limits)
         changes = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens
+        if self.max_tokens_cap is not None:
+            max_tokens = self.max_tokens_cap if max_tokens is None else min(max_tokens, self.max_tokens_cap)
         scored = [k for k in (req.prompt_logprobs, echo_logprobs) if k is not None]
         changes.update(
             n=req.n,

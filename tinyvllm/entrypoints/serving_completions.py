@@ -77,7 +77,7 @@ def _validate(ctx: ServingContext, req: CompletionRequest) -> tuple[list[Prompt]
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (it must equal n when given)", "best_of")
     prompts = _prompts(ctx, req)
-    explicit = "max_tokens" in req.model_fields_set  # null: as long as the model allows
+    explicit = "max_tokens" in req.model_fields_set  # null: the generation config's default (sampling_params)
     for _, ids in prompts:
         ctx.check_length(len(ids), req.max_tokens if explicit else None, "prompt", "max_tokens")
     max_tokens = req.max_tokens if explicit else 16  # OpenAI's default for completions
