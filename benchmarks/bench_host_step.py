@@ -40,7 +40,7 @@ def stub_runner(engine: LLMEngine, vocab: int) -> None:
     runner = engine.runner
     rng = random.Random(0)
 
-    def launch(sched):
+    def launch(sched, structured=None, before_mask=None):  # no constrained rows here: before_mask is unused
         runner.builder.build(sched, prev_sample_index={s.request_id: i for i, s in enumerate(sched.sequences)})
         return _Handle([rng.randrange(vocab) for s in sched.sequences if s.sample])
 
