@@ -143,6 +143,7 @@ def _pairs(repeats: int, plain_run, constrained_run) -> tuple[dict, dict, list[d
 def run(ns: argparse.Namespace) -> dict[str, Any]:
     args = engine_args_from_cli(ns).replace(model=str(resolve_model(ns.model)))
     llm = LLM(**vars(args))
+    llm.llm_engine.schedule_in_launch = ns.schedule_in_launch
     vocab = llm.llm_engine.model_config.vocab_size
     schema = StructuredOutputsParams(json=SCHEMA)
     compile_times = _compile_times(llm)  # first: the cold figure must not find the schema cached
@@ -211,6 +212,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         "compile": compile_times,
         "ttft": ttft,
         "engine_args": vars(args),
+        "schedule_in_launch": ns.schedule_in_launch,
     }
     tag = "cpu" if llm.llm_engine.device.type == "cpu" else device_tag()
     write_json(ns.name or f"structured_{tag}", result, ns.out_dir)
@@ -224,6 +226,12 @@ def main() -> None:
     p.add_argument("--max-output", type=int, default=None, help="cap each request's max_tokens (CPU checks)")
     p.add_argument("--latency-output", type=int, default=512, help="output tokens of the batch-1 runs")
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs of each kind, in one process (median)")
+    p.add_argument(
+        "--schedule-in-launch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a constrained step schedules the next one while it waits for its mask (LLMEngine.schedule_in_launch)",
+    )
     run(p.parse_args())
 
 

@@ -1,8 +1,12 @@
-"""`core_step(early)`: with async scheduling, a step with constrained rows processes the in-flight step
-inside its own launch and hands those outputs to `early` there (LLMEngine.step runs the output
-processing in that window). The outputs must be those of the same engine without the hand-off."""
+"""What a step with constrained rows does inside its own launch under async scheduling (LLMEngine's
+`before_mask`): it processes the in-flight step there and hands those outputs to `core_step(early)`
+(LLMEngine.step runs the output processing in that window), and with `schedule_in_launch` it schedules
+the next step there too. Neither may change a token: the outputs must be those of the same engine doing
+both after the launch, also with preemption, an abort in between and requests added in between."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -23,63 +27,129 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _requests():
-    prompts = [f"item {i}:" for i in range(6)]
-    params = [
-        SamplingParams(temperature=1.0, seed=10 + i, max_tokens=24, structured_outputs=SO(json=SCHEMA))
-        if i % 2 == 0
-        else SamplingParams(temperature=0.8, seed=10 + i, max_tokens=12 + i, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    return prompts, params
+def _params(i: int) -> SamplingParams:
+    if i % 2 == 0:
+        return SamplingParams(temperature=1.0, seed=10 + i, max_tokens=24, structured_outputs=SO(json=SCHEMA))
+    return SamplingParams(temperature=0.8, seed=10 + i, max_tokens=12 + i, ignore_eos=True)
 
 
-def _run(model_dir, monkeypatch, hand_off: bool):
+def _run(
+    model_dir,
+    monkeypatch,
+    hand_off=True,
+    schedule_in_launch=True,
+    blocks=None,
+    abort_at=None,
+    late_at=None,
+    abort_late_at=None,
+):
+    """Requests 0-5 (even ones constrained) through LLMEngine.step; `abort_at`: abort request 1 after that
+    many steps; `late_at`: add requests 6 and 7 after that many steps, `abort_late_at`: abort request 6 after
+    that many. Returns (every step's outputs,
+    the sizes of the early hand-offs, the number of steps scheduled inside a launch, the engine)."""
     calls = []
+    early_schedules = []
     core_step = LLMEngine.core_step
+    process_early = LLMEngine._process_in_flight_early
 
     def spy(self, early=None):
-        if not hand_off:
+        if not hand_off or early is None:
             return core_step(self)  # the outputs all come back from core_step
 
         def counted(outputs):
             calls.append(len(outputs))
             early(outputs)
 
-        return core_step(self, counted if early is not None else None)
+        return core_step(self, counted)
+
+    def counting_process_early(self):
+        before = self._scheduled_early
+        process_early(self)
+        early_schedules.append(before is None and self._scheduled_early is not None)
 
     monkeypatch.setattr(LLMEngine, "core_step", spy)
-    llm = LLM(model=str(model_dir), device="cpu", max_model_len=128, max_num_seqs=6, async_scheduling=True)
-    prompts, params = _requests()
-    steps = []  # every step's RequestOutputs, by request: the stream a caller of step() sees
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        llm.llm_engine.add_request(str(i), prompt, p)
-    while llm.llm_engine.has_unfinished_requests():
-        steps.append(llm.llm_engine.step())
+    monkeypatch.setattr(LLMEngine, "_process_in_flight_early", counting_process_early)
+    llm = LLM(
+        model=str(model_dir),
+        device="cpu",
+        max_model_len=64 if blocks else 128,
+        max_num_seqs=8,
+        async_scheduling=True,
+        num_gpu_blocks_override=blocks,
+    )
+    engine = llm.llm_engine
+    engine.schedule_in_launch = schedule_in_launch
+    for i in range(6):
+        engine.add_request(str(i), f"item {i}:", _params(i))
+    steps = []  # every step's RequestOutputs: the stream a caller of step() sees
+    while engine.has_unfinished_requests():
+        if abort_at is not None and len(steps) == abort_at:
+            engine.abort_request("1")
+        if abort_late_at is not None and len(steps) == abort_late_at:
+            engine.abort_request("6")
+        if late_at is not None and len(steps) == late_at:
+            for i in (6, 7):
+                engine.add_request(str(i), f"late {i}:", _params(i))
+        steps.append(engine.step())
     monkeypatch.undo()
-    return steps, calls
+    return steps, calls, sum(early_schedules), engine
+
+
+def _final(steps):
+    last = {}
+    for outs in steps:
+        for o in outs:
+            last[o.request_id] = o
+    return last
+
+
+def _same_outputs(a, b, ids):
+    a, b = _final(a), _final(b)
+    assert set(ids) <= a.keys() and set(ids) <= b.keys()
+    for rid in ids:
+        assert a[rid].finished and b[rid].finished
+        assert a[rid].outputs[0].token_ids == b[rid].outputs[0].token_ids, rid
+        assert a[rid].outputs[0].text == b[rid].outputs[0].text
+        assert a[rid].outputs[0].finish_reason == b[rid].outputs[0].finish_reason
+    for rid in ids:  # the constrained ones that completed parse
+        if int(rid) % 2 == 0 and a[rid].outputs[0].finish_reason == "stop":
+            assert isinstance(json.loads(a[rid].outputs[0].text), list)
 
 
 def test_early_outputs_are_the_outputs_without_the_hand_off(model_dir, monkeypatch):
-    with_early, calls = _run(model_dir, monkeypatch, hand_off=True)
-    without, _ = _run(model_dir, monkeypatch, hand_off=False)
+    with_early, calls, _, _ = _run(model_dir, monkeypatch, hand_off=True)
+    without, _, _, _ = _run(model_dir, monkeypatch, hand_off=False)
     assert calls and sum(calls) > 0, "no step handed outputs over early: the test does not exercise the path"
-
-    def final(steps):
-        last = {}
-        for outs in steps:
-            for o in outs:
-                last[o.request_id] = o
-        return last
-
-    a, b = final(with_early), final(without)
-    assert a.keys() == b.keys() == {str(i) for i in range(6)}
-    for rid in a:
-        assert a[rid].finished and b[rid].finished
-        assert a[rid].outputs[0].token_ids == b[rid].outputs[0].token_ids
-        assert a[rid].outputs[0].text == b[rid].outputs[0].text
-        assert a[rid].outputs[0].finish_reason == b[rid].outputs[0].finish_reason
+    _same_outputs(with_early, without, [str(i) for i in range(6)])
     # every step's outputs reach the caller of that step in both ways: the same request ids per step
     assert [sorted(o.request_id for o in outs) for outs in with_early] == [
         sorted(o.request_id for o in outs) for outs in without
     ]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(),
+        dict(blocks=6),  # few blocks: preemptions while steps are scheduled inside launches
+        dict(abort_at=4),  # an abort of a request the next step was already scheduled for
+        dict(late_at=3),  # requests added after the next step was scheduled
+        dict(late_at=3, abort_late_at=4),  # a new request aborted after a step was scheduled for it
+    ],
+    ids=["plain", "preemption", "abort", "late", "late-abort"],
+)
+def test_scheduling_inside_the_launch_changes_no_token(model_dir, monkeypatch, case):
+    aborted = {"1"} if "abort_at" in case else {"6"} if "abort_late_at" in case else set()
+    ids = [str(i) for i in range(8 if "late_at" in case else 6) if str(i) not in aborted]
+    early, _, n_early, engine = _run(model_dir, monkeypatch, schedule_in_launch=True, **case)
+    late, _, n_late, ref_engine = _run(model_dir, monkeypatch, schedule_in_launch=False, **case)
+    assert n_early > 0 and n_late == 0, "the test must exercise the schedule inside the launch (and only there)"
+    if "blocks" in case:
+        assert engine.scheduler.num_preemptions > 0 and ref_engine.scheduler.num_preemptions > 0
+    _same_outputs(early, late, ids)
+    if "abort_at" in case:
+        # the aborted request's last output before the abort is the same both ways, and unfinished
+        a, b = _final(early)["1"], _final(late)["1"]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and not a.finished and not b.finished
+    for e in (engine, ref_engine):  # nothing held after the run: every block back in the pool
+        assert e.scheduler.kv_cache.pool.num_free_blocks == e.scheduler.kv_cache.pool.num_blocks

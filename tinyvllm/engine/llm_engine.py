@@ -385,6 +385,14 @@ class LLMEngine:
         self._num_history_requests = 0
         self._early_outputs: list[EngineCoreOutput] = []  # the in-flight step's, processed inside a launch
         self._early: Callable[[list[EngineCoreOutput]], None] | None = None  # core_step's `early`
+        # A step with constrained rows waits, between its forward and its sampling, for the grammar
+        # workers' mask; with `schedule_in_launch` the engine schedules the next step in that wait
+        # (`_process_in_flight_early`), so that after the sampling is enqueued only the next step's
+        # inputs stand between it and the next forward. That schedule is the one `core_step` would
+        # make: the in-flight step processed, the current one in flight. What happens between the two
+        # points (an abort, a new request) reaches the schedule after it, as it reaches an in-flight step.
+        self.schedule_in_launch = True
+        self._scheduled_early: SchedulerOutput | None = None
         self.default_sampling_params = self._default_sampling_params()
         self.default_max_tokens = self._default_max_tokens()
         self.max_tokens_cap = self._max_tokens_cap()
@@ -706,7 +714,12 @@ class LLMEngine:
         self._forget(parent)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._pending) or self._in_flight is not None
+        return (
+            bool(self._parents)
+            or bool(self._pending)
+            or self._in_flight is not None
+            or self._scheduled_early is not None
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
@@ -754,11 +767,14 @@ class LLMEngine:
         if not overlap and self._in_flight is not None:
             outputs += self._process(*self._in_flight)
             self._in_flight = None
-        outputs += self._capture_wanted_graph()
+        sched, self._scheduled_early = self._scheduled_early, None
+        if sched is None:  # a capture replays graphs: never between a schedule and its launch
+            outputs += self._capture_wanted_graph()
         if self._structured is not None:
             self._end_failed_grammars()
         t1 = clock()
-        sched = self.scheduler.schedule()
+        if sched is None:
+            sched = self.scheduler.schedule()
         t2 = clock()
         launched = None
         if not sched.is_empty:
@@ -816,7 +832,8 @@ class LLMEngine:
 
     def _process_in_flight_early(self) -> None:
         """Process the in-flight step now, from inside the next step's launch (see `core_step`); its
-        outputs to the caller's `early`, else kept for `core_step` to return."""
+        outputs to the caller's `early`, else kept for `core_step` to return. Then, with
+        `schedule_in_launch`, schedule the step after this one."""
         if self._in_flight is not None:
             outputs = self._process(*self._in_flight)
             self._in_flight = None
@@ -824,12 +841,17 @@ class LLMEngine:
                 self._early(outputs)
             else:
                 self._early_outputs += outputs
+        if self.schedule_in_launch and self._scheduled_early is None and self.runner.next_graph_capture() is None:
+            self._scheduled_early = self.scheduler.schedule()
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
         for seq in sched.sequences:
             if seq.is_new:
-                req = self._sequences[seq.request_id].request
+                entry = self._sequences.get(seq.request_id)  # None: aborted since it was scheduled
+                if entry is None:
+                    continue
+                req = entry.request
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now
                     self.num_prompt_tokens += req.num_prompt_tokens
