@@ -45,7 +45,7 @@ def _draw(words: np.ndarray, vocab: int, rng: np.random.Generator) -> int:
 
 
 def test_default_worker_count():
-    assert [default_num_workers(c) for c in (1, 2, 7, 8, 16, 32, 128)] == [0, 0, 0, 4, 8, 8, 8]
+    assert [default_num_workers(c) for c in (1, 2, 7, 8, 16, 32, 128)] == [0, 0, 0, 2, 4, 4, 4]
 
 
 def test_workers_give_the_engine_process_masks_and_answers(tokenizer):

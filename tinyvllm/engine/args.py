@@ -126,7 +126,7 @@ class EngineArgs:
     structured_outputs_workers: int | None = _opt(
         None,
         "processes that accept constrained requests' tokens and fill their token masks beside the engine "
-        "(default on CUDA: half the CPU cores, at most 8, none below 8 cores; none on the CPU)",
+        "(default on CUDA: a quarter of the CPU cores, at most 4, none below 8 cores; none on the CPU)",
     )
     # Parallelism (ParallelConfig); docs/parallelism.md. The rendezvous flags are torchrun's.
     data_parallel_size: int = _opt(

@@ -42,11 +42,12 @@ logger = logging.getLogger(__name__)
 
 
 def default_num_workers(cpu_count: int | None = None) -> int:
-    """Grammar workers by default: half the cores, at most 8, none below 8 cores (there the engine's
-    own process, its server and the device's driver threads already hold the cores); docs/perf.md §10
-    has the measurements behind it."""
+    """Grammar workers by default: a quarter of the cores, at most 4, none below 8 cores (there the
+    engine's own process, its server and the device's driver threads already hold the cores). More
+    workers cost the engine a message and an answer each per step; docs/perf.md §10 has the
+    measurements behind the choice."""
     cpus = os.cpu_count() if cpu_count is None else cpu_count
-    return 0 if cpus is None or cpus < 8 else min(8, cpus // 2)
+    return 0 if cpus is None or cpus < 8 else min(4, cpus // 4)
 
 
 ANSWER_TIMEOUT_S = 60.0
