@@ -42,11 +42,13 @@ def _run(
     abort_at=None,
     late_at=None,
     abort_late_at=None,
+    workers=None,
 ):
     """Requests 0-5 (even ones constrained) through LLMEngine.step; `abort_at`: abort request 1 after that
     many steps; `late_at`: add requests 6 and 7 after that many steps, `abort_late_at`: abort request 6 after
-    that many. Returns (every step's outputs,
-    the sizes of the early hand-offs, the number of steps scheduled inside a launch, the engine)."""
+    that many; `workers`: grammar worker processes (the next step is scheduled while they accept).
+    Returns (every step's outputs, the sizes of the early hand-offs, the number of steps scheduled inside
+    a launch, the engine, the number of those scheduled while the workers accepted)."""
     calls = []
     early_schedules = []
     core_step = LLMEngine.core_step
@@ -67,8 +69,17 @@ def _run(
         process_early(self)
         early_schedules.append(before is None and self._scheduled_early is not None)
 
+    schedule_early = LLMEngine._schedule_early
+    during_accept = []
+
+    def counting_schedule_early(self):
+        before = self._scheduled_early
+        schedule_early(self)
+        during_accept.append(self._in_launch and before is None and self._scheduled_early is not None)
+
     monkeypatch.setattr(LLMEngine, "core_step", spy)
     monkeypatch.setattr(LLMEngine, "_process_in_flight_early", counting_process_early)
+    monkeypatch.setattr(LLMEngine, "_schedule_early", counting_schedule_early)
     llm = LLM(
         model=str(model_dir),
         device="cpu",
@@ -76,8 +87,12 @@ def _run(
         max_num_seqs=8,
         async_scheduling=True,
         num_gpu_blocks_override=blocks,
+        structured_outputs_workers=workers,
     )
     engine = llm.llm_engine
+    if workers:
+        assert engine.structured.wait_for_workers(120), "grammar workers did not start"
+        engine.structured.worker_min_sequences = 1  # every constrained sequence on a worker
     engine.schedule_in_launch = schedule_in_launch
     for i in range(6):
         engine.add_request(str(i), f"item {i}:", _params(i))
@@ -92,7 +107,9 @@ def _run(
                 engine.add_request(str(i), f"late {i}:", _params(i))
         steps.append(engine.step())
     monkeypatch.undo()
-    return steps, calls, sum(early_schedules), engine
+    if workers:
+        engine.shutdown()
+    return steps, calls, sum(early_schedules), engine, sum(during_accept)
 
 
 def _final(steps):
@@ -117,8 +134,8 @@ def _same_outputs(a, b, ids):
 
 
 def test_early_outputs_are_the_outputs_without_the_hand_off(model_dir, monkeypatch):
-    with_early, calls, _, _ = _run(model_dir, monkeypatch, hand_off=True)
-    without, _, _, _ = _run(model_dir, monkeypatch, hand_off=False)
+    with_early, calls, *_ = _run(model_dir, monkeypatch, hand_off=True)
+    without, *_ = _run(model_dir, monkeypatch, hand_off=False)
     assert calls and sum(calls) > 0, "no step handed outputs over early: the test does not exercise the path"
     _same_outputs(with_early, without, [str(i) for i in range(6)])
     # every step's outputs reach the caller of that step in both ways: the same request ids per step
@@ -135,15 +152,17 @@ def test_early_outputs_are_the_outputs_without_the_hand_off(model_dir, monkeypat
         dict(abort_at=4),  # an abort of a request the next step was already scheduled for
         dict(late_at=3),  # requests added after the next step was scheduled
         dict(late_at=3, abort_late_at=4),  # a new request aborted after a step was scheduled for it
+        dict(workers=2, blocks=6),  # scheduled while the workers accept: before grammars complete
     ],
-    ids=["plain", "preemption", "abort", "late", "late-abort"],
+    ids=["plain", "preemption", "abort", "late", "late-abort", "workers"],
 )
 def test_scheduling_inside_the_launch_changes_no_token(model_dir, monkeypatch, case):
     aborted = {"1"} if "abort_at" in case else {"6"} if "abort_late_at" in case else set()
     ids = [str(i) for i in range(8 if "late_at" in case else 6) if str(i) not in aborted]
-    early, _, n_early, engine = _run(model_dir, monkeypatch, schedule_in_launch=True, **case)
-    late, _, n_late, ref_engine = _run(model_dir, monkeypatch, schedule_in_launch=False, **case)
+    early, _, n_early, engine, n_accept = _run(model_dir, monkeypatch, schedule_in_launch=True, **case)
+    late, _, n_late, ref_engine, _ = _run(model_dir, monkeypatch, schedule_in_launch=False, **case)
     assert n_early > 0 and n_late == 0, "the test must exercise the schedule inside the launch (and only there)"
+    assert (n_accept > 0) == ("workers" in case), "with workers the schedule runs while they accept"
     if "blocks" in case:
         assert engine.scheduler.num_preemptions > 0 and ref_engine.scheduler.num_preemptions > 0
     _same_outputs(early, late, ids)

@@ -393,6 +393,7 @@ class LLMEngine:
         # points (an abort, a new request) reaches the schedule after it, as it reaches an in-flight step.
         self.schedule_in_launch = True
         self._scheduled_early: SchedulerOutput | None = None
+        self._in_launch = False  # inside _process_in_flight_early's processing of the in-flight step
         self.default_sampling_params = self._default_sampling_params()
         self.default_max_tokens = self._default_max_tokens()
         self.max_tokens_cap = self._max_tokens_cap()
@@ -835,12 +836,24 @@ class LLMEngine:
         outputs to the caller's `early`, else kept for `core_step` to return. Then, with
         `schedule_in_launch`, schedule the step after this one."""
         if self._in_flight is not None:
-            outputs = self._process(*self._in_flight)
+            self._in_launch = True  # the grammar workers' accept may schedule the next step (_schedule_early)
+            try:
+                outputs = self._process(*self._in_flight)
+            finally:
+                self._in_launch = False
             self._in_flight = None
             if self._early is not None:
                 self._early(outputs)
             else:
                 self._early_outputs += outputs
+        self._schedule_early()
+
+    def _schedule_early(self) -> None:
+        """With `schedule_in_launch`, schedule the next step now, from inside the current one's launch:
+        after the in-flight step's tokens are in the scheduler, while the grammar workers accept them
+        (a grammar that completes or rejects its token then ends its request as an abort would: after
+        the schedule), or after its processing. Not while a graph capture is due: a capture replays
+        graphs, which must not come between a schedule and its launch."""
         if self.schedule_in_launch and self._scheduled_early is None and self.runner.next_graph_capture() is None:
             self._scheduled_early = self.scheduler.schedule()
 
@@ -926,7 +939,8 @@ class LLMEngine:
         if not mine:
             return
         rejected, terminated = self._structured.accept_tokens(
-            [(request.request_id, token, request.output_token_ids) for request, token in mine]
+            [(request.request_id, token, request.output_token_ids) for request, token in mine],
+            self._schedule_early if self._in_launch else None,
         )
         if not (rejected or terminated):
             return

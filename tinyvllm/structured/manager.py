@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -388,10 +388,14 @@ class StructuredOutputManager:
         dead, self._dead = self._dead, []
         return dead
 
-    def accept_tokens(self, items: Sequence[tuple[str, int, Sequence[int]]]) -> tuple[list[str], list[str]]:
+    def accept_tokens(
+        self, items: Sequence[tuple[str, int, Sequence[int]]], while_waiting: Callable[[], None] | None = None
+    ) -> tuple[list[str], list[str]]:
         """Advance the grammars of these sequences, each (request id, its new output token, all its
         output tokens with that one last), by their new token. Returns (the ids whose grammar rejected
-        its token, the ids whose grammar is now complete).
+        its token, the ids whose grammar is now complete). `while_waiting`: called once the workers have
+        their tokens and this process has accepted its own, before their answers are read (work for the
+        caller that does not need the answers); not called when no worker holds any of them.
 
         Sequences on grammar workers get their tokens, and under `begin_fill` their mask rows, in one
         message per worker, sent before this process accepts its own and read after."""
@@ -445,6 +449,8 @@ class StructuredOutputManager:
             if pending is not None:
                 self._submit_fill(pending, [rid for rid, _, _ in part])
         if sent:
+            if while_waiting is not None:
+                while_waiting()
             remote_rejected, remote_terminated = self._recv_accepts(sent)
             rejected += remote_rejected
             terminated += remote_terminated
