@@ -56,6 +56,14 @@ def max_reads(nc: int) -> int:
     return 1 + 2 * (1 + math.ceil(32 / math.log2(nc // 2 + 1)))
 
 
+def one_chunk(V: int) -> dict:
+    """The default layout with its chunk cut to the row, rounded up to the statistics' block of 1,024: a
+    row shorter than the default chunk (8,192) lies in one chunk either way, past it every value is −inf
+    and adds exact zeros, so the sums and thresholds are the same bits (the edge rows check it), without
+    the interpreter stepping through the empty rest of the default chunk."""
+    return dict(chunk=1024 * math.ceil(V / 1024))
+
+
 def params(rows, device):
     """(T, top_k, top_p, min_p) tensors from a list of (T, k, p, min_p) tuples."""
     t, k, p, m = zip(*rows)
@@ -89,7 +97,8 @@ def test_kept_set_equals_the_float64_reference_in_every_search_layout(device, se
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kept_set_equals_the_float64_reference_on_random_rows(device, dtype, search=None):
-    """Assorted shapes of logits (flat, peaked, wide, with −inf) and every filter alone and combined."""
+    """Assorted shapes of logits (flat, peaked, wide, with −inf) and every filter alone and combined (by
+    default in the default layout, `one_chunk`)."""
     gen = torch.Generator().manual_seed(40)
     V = 700
     configs = [
@@ -115,7 +124,7 @@ def test_kept_set_equals_the_float64_reference_on_random_rows(device, dtype, sea
             rows.append(z)
             cfg.append(c)
     z = torch.stack(rows).to(dtype)
-    search = search or {}
+    search = one_chunk(V) if search is None else search
     kept, passes = kernel_kept(z.to(device), *params(cfg, device), **search)
     for b, (t, k, p, m) in enumerate(cfg):
         ref = reference_kept(z[b].float(), t, k, p, m)
@@ -127,7 +136,9 @@ def test_kept_set_equals_the_float64_reference_on_random_rows(device, dtype, sea
 def test_edge_rows_keep_what_the_reference_keeps_in_every_layout(device, search):
     """All-equal rows (one tie group: kept whole by top-k and top-p), a tie at the top with k = 1, a tiny
     p, p = 1 with a huge k (nothing cut), k = 1, mostly −inf rows, min-p alone and with top-p, and a
-    row whose values all lie within a few floats of each other."""
+    row whose values all lie within a few floats of each other. The default layout's thresholds are the
+    same bits in a chunk of the rows' own length (`one_chunk`, which the other tests of the default
+    layout use)."""
     gen = torch.Generator().manual_seed(11)
     V = 600
     rows, cfg = [], []
@@ -152,10 +163,14 @@ def test_edge_rows_keep_what_the_reference_keeps_in_every_layout(device, search)
     add(1.0 + torch.randint(0, 4, (V,), generator=gen) * 2.0**-20, (1.0, 0, 0.5, 0.0))
     add(torch.randn(V, generator=gen) * 5, (1.0, 599, 0.999, 0.0))
     z = torch.stack(rows)
-    kept, _ = kernel_kept(z.to(device), *params(cfg, device), **search)
+    zd = z.to(device)
+    thr, _ = truncation_thresholds(zd, *params(cfg, device), **search)
+    kept = zd.float() * (1.0 / params(cfg, device)[0])[:, None] > thr[:, None]  # `kernel_kept`
     for b, (t, k, p, m) in enumerate(cfg):
         ref = reference_kept(z[b], t, k, p, m)
         assert torch.equal(kept[b].cpu(), ref), (b, cfg[b], int(kept[b].sum()), int(ref.sum()))
+    if not search:  # the default chunk holds these rows whole: the same bits in a chunk of their own length
+        assert truncation_thresholds(zd, *params(cfg, device), **one_chunk(V))[0].tolist() == thr.tolist()
     assert kept[0].all() and kept[1].all() and kept[2].nonzero().flatten().tolist() == [5, 99, 421]
     assert kept[6].nonzero().flatten().tolist() in ([17], [17, 555])
 
@@ -239,9 +254,11 @@ ADVERSARIAL_CONFIGS = [
 def test_adversarial_rows_keep_what_the_reference_keeps_within_the_bound(device, search):
     """Rows the placement's models get wrong or cannot represent, under every filter: the kept set is the
     reference's and the reads stay within the bound the guards prove (`max_reads`); a bitmask allowing one
-    token in 8 on one shape, and a vocabulary of 37."""
+    token in 8 on one shape, and a vocabulary of 37. The default layout holds a row in one chunk
+    (`one_chunk`); the others cut it in two."""
     gen = torch.Generator().manual_seed(23)
-    V = 2048
+    V = 1024
+    search = search or one_chunk(V)
     shapes = _adversarial_rows(gen, V)
     rows, cfg = [], []
     for z in shapes.values():
