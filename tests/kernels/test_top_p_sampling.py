@@ -197,7 +197,7 @@ def test_skipping_and_unrolling_change_no_sum(device, candidates):
     are the same bits with and without either, for several lane counts, and the kept sets are the
     float64 reference's."""
     gen = torch.Generator().manual_seed(17 + candidates)
-    V = 900
+    V = 512  # two chunks per row
     z = torch.randn(6, V, generator=gen) * torch.tensor([0.3, 2.0, 8.0, 1.0, 3.0, 0.5])[:, None]
     z[3, 100:400] = -math.inf
     cfg = [(0.7, 50, 0.9, 0.0), (1.0, 0, 0.9, 0.0), (0.6, 20, 1.0, 0.0), (1.0, 0, 0.5, 0.1), (1.2, 300, 0.99, 0.0),
@@ -599,7 +599,7 @@ def test_precheck_at_ties_on_the_boundary(device):
     z[5, [0, 1, 2, 3]] = torch.tensor([0.5, 0.5, 0.5, 0.5])  # a four-way tie with top-k 1 and top-p 0.1
     base = [(1.0, 2, 1.0, 0.0), (1.0, 2, 1.0, 0.0), (1.0, 0, 0.5, 0.0), (1.0, 3, 0.8, 0.0), (1.0, 0, 1.0, 0.25),
             (1.0, 1, 0.1, 0.0)]  # fmt: skip
-    n = 12
+    n = 8
     rows = z.repeat_interleave(n, 0)
     cfg = [c for c in base for _ in range(n)]
     seeds = torch.arange(len(cfg), dtype=torch.int64) * 31 + 7
@@ -691,8 +691,8 @@ def test_precheck_decides_top_p_when_the_top_k_search_ends(device, search):
     one at the top-p boundary; the ids are the search's without the precheck and in the reference's kept
     set."""
     gen = torch.Generator().manual_seed(31)
-    V = 1000
-    z, cfg = _open_top_p_rows(gen, V, 24)
+    V = 600  # chunks per row: 3 of 256, 2 of 512
+    z, cfg = _open_top_p_rows(gen, V, 12)
     zd = z.to(device)
     seeds = torch.arange(len(cfg), dtype=torch.int64) * 7919 + 13
     ids, passes, decided = _plan_draw(zd, cfg, seeds, **search)
@@ -725,7 +725,7 @@ def test_precheck_decided_after_top_k_is_the_rows_own_whatever_the_batch(device)
     """Rows decided when their top-k search ends and rows searched from l_x1: the same ids, decisions and
     reads alone and permuted in a batch."""
     gen = torch.Generator().manual_seed(5)
-    z, cfg = _open_top_p_rows(gen, 1000, 6)
+    z, cfg = _open_top_p_rows(gen, 600, 6)
     seeds = torch.arange(len(cfg), dtype=torch.int64) * 104729 + 1
     ids, passes, decided = _plan_draw(z.to(device), cfg, seeds, chunk=256)
     plain = _plain_ids(z.to(device), cfg, seeds)
