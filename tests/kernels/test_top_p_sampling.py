@@ -11,6 +11,7 @@ reference's exactly on random rows; its draws must follow the renormalised trunc
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -527,21 +528,27 @@ PRECHECK_CONFIGS = [
 ]
 
 
+@functools.cache
+def _routes_rows(device: torch.device):
+    """The rows, configurations, seeds and plain ids of `test_precheck_draws_the_searchs_ids_by_both_routes`:
+    the plain draw does not depend on the search's layout, so its layouts share one."""
+    gen = torch.Generator().manual_seed(77)
+    z, cfg = _mixed_rows(gen, 2500, 60, PRECHECK_CONFIGS)
+    seeds = torch.arange(len(cfg), dtype=torch.int64) * 7919 + 3
+    return z, cfg, seeds, _plain_ids(z.to(device), cfg, seeds)
+
+
 @pytest.mark.parametrize("search", [dict(chunk=1024), dict(chunk=256, split_passes=2), dict(chunk=512, candidates=4)])
 def test_precheck_draws_the_searchs_ids_by_both_routes(device, search):
     """Many rows and seeds: with the precheck the ids are the ones the search alone gives; rows whose x1
     is kept (decided) draw the plain kernel's id, and both routes (decided and searched) occur for each
     filter that cuts. Chunks of 1,024 (statistics in blocks of two quarters of the sampler's tile) and of
     256 and 512 (a block inside one quarter; several chunks whose bests combine in chunk order)."""
-    gen = torch.Generator().manual_seed(77)
-    V = 2500
-    z, cfg = _mixed_rows(gen, V, 60, PRECHECK_CONFIGS)
+    z, cfg, seeds, plain = _routes_rows(device)
     zd = z.to(device)
-    seeds = torch.arange(len(cfg), dtype=torch.int64) * 7919 + 3
     ids, passes, decided = _plan_draw(zd, cfg, seeds, **search)
     old, old_passes, _ = _plan_draw(zd, cfg, seeds, precheck=False, **search)
     assert ids.tolist() == old.tolist()
-    plain = _plain_ids(zd, cfg, seeds)
     routes = {}
     for b, c in enumerate(cfg):
         truncating = c[0] > 0 and (c[1] > 0 or c[2] < 1 or c[3] > 0)
