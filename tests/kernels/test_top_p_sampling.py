@@ -345,7 +345,7 @@ def test_ties_at_the_threshold_keep_the_whole_tie_group_as_the_full_sampler_does
     z[2, [1, 2, 4]] = torch.tensor([3.0, at_min_p, at_min_p])  # min-p 0.25
     z[3, [2, 4, 10]] = torch.tensor([1.0, 1.0, 1.0])  # three-way tie at the top, top-k 1
     cfg = [(1.0, 2, 1.0, 0.0), (1.0, 0, 0.5, 0.0), (1.0, 0, 1.0, 0.25), (1.0, 1, 1.0, 0.0)]
-    kept, _ = kernel_kept(z.to(device), *params(cfg, device))
+    kept, _ = kernel_kept(z.to(device), *params(cfg, device), **one_chunk(12))
     expected = [[3, 7, 9, 11], [0, 5, 6, 8], [1, 2, 4], [2, 4, 10]]
     for b, (t, k, p, m) in enumerate(cfg):
         assert kept[b].nonzero().flatten().tolist() == expected[b], b
@@ -462,7 +462,7 @@ def test_edge_rows(device):
         for b in (3, 4):
             masked = z[b].masked_fill(~allowed[b], -math.inf)
             assert reference_kept(masked, *cfg[b])[ids[b]], (b, int(ids[b]))
-    kept, _ = kernel_kept(z.to(device), *params(cfg, device), bitmask=bitmask)
+    kept, _ = kernel_kept(z.to(device), *params(cfg, device), bitmask=bitmask, **one_chunk(V))
     kept = kept.cpu() & allowed  # the draw also skips what the bitmask disallows
     for b in (3, 4):
         masked = z[b].masked_fill(~allowed[b], -math.inf)
@@ -569,12 +569,15 @@ def test_precheck_draws_the_searchs_ids_by_both_routes(device, search):
     assert float(passes.float().sum()) < float(old_passes.float().sum())
 
 
-@pytest.mark.parametrize("search", [{}, dict(chunk=256)])
+@pytest.mark.parametrize("search", [{}, dict(chunk=256, split_passes=0)])
 def test_filters_that_cut_nothing_are_decided_by_the_statistics_with_the_plain_id(device, search):
     """A row with k ≥ V or min_p so small nothing is cut truncates nothing: the statistics' x1 is kept
-    at once (one read) and must be the plain kernel's id bit for bit, for many seeds, with a bitmask too."""
+    at once (one read) and must be the plain kernel's id bit for bit, for many seeds, with a bitmask too.
+    The default layout (`one_chunk`: the split passes run, and skip every row) and chunks of 256 (a
+    statistics block inside one quarter of the sampler's tile; no split passes, as no row is left)."""
     gen = torch.Generator().manual_seed(8)
     V, B = 3000, 24
+    search = search or one_chunk(V)
     z = torch.randn(B, V, generator=gen) * 3
     z[::4, 1000:] = -math.inf
     cfg = [(0.3 + 0.1 * (b % 7), V + b if b % 2 else 0, 1.0, 0.0 if b % 2 else 1e-30) for b in range(B)]
