@@ -166,7 +166,7 @@ def test_edge_rows_keep_what_the_reference_keeps_in_every_layout(device, search)
     z = torch.stack(rows)
     zd = z.to(device)
     thr, _ = truncation_thresholds(zd, *params(cfg, device), **search)
-    kept = zd.float() * (1.0 / params(cfg, device)[0])[:, None] > thr[:, None]  # `kernel_kept`
+    kept = zd.float() * (1.0 / params(cfg, device)[0])[:, None] > thr[:, None]  # as `kernel_kept`
     for b, (t, k, p, m) in enumerate(cfg):
         ref = reference_kept(z[b], t, k, p, m)
         assert torch.equal(kept[b].cpu(), ref), (b, cfg[b], int(kept[b].sum()), int(ref.sum()))
@@ -362,9 +362,9 @@ def test_draws_follow_the_truncated_distribution(device):
     """Many rows of the same logits with distinct seeds, for top-k, top-p, min-p and a combination (one
     batch): the empirical distribution of each block of rows matches the float64 truncated, renormalised
     softmax (chi-square at the 0.999 quantile); removed tokens never appear. Tokens sit at shuffled
-    indices so the sorted order differs from the index order. With the precheck, each row's own plain
-    draw decides whether it is searched: its ids are these, on the first rows of each block, where both
-    routes occur for each configuration."""
+    indices so the sorted order differs from the index order. With the precheck (each row's own plain
+    draw decides whether it is searched) the ids are the same, on the first 25 rows of each block, where
+    both routes occur for each configuration."""
     n = 200
     z = torch.tensor([1.0, -0.5, 0.3, 2.0, -2.0, 0.9, 1.6, 0.0])
     configs = [(1.0, 3, 1.0, 0.0), (0.8, 0, 0.7, 0.0), (1.0, 0, 1.0, 0.2), (0.7, 5, 0.9, 0.05)]
