@@ -11,6 +11,7 @@ reference's exactly on random rows; its draws must follow the renormalised trunc
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -56,6 +57,14 @@ def max_reads(nc: int) -> int:
     return 1 + 2 * (1 + math.ceil(32 / math.log2(nc // 2 + 1)))
 
 
+def one_chunk(V: int) -> dict:
+    """The default layout with its chunk cut to the row, rounded up to the statistics' block of 1,024: a
+    row shorter than the default chunk (8,192) lies in one chunk either way, past it every value is −inf
+    and adds exact zeros, so the sums and thresholds are the same bits (the edge rows check it), without
+    the interpreter stepping through the empty rest of the default chunk."""
+    return dict(chunk=1024 * math.ceil(V / 1024))
+
+
 def params(rows, device):
     """(T, top_k, top_p, min_p) tensors from a list of (T, k, p, min_p) tuples."""
     t, k, p, m = zip(*rows)
@@ -89,7 +98,8 @@ def test_kept_set_equals_the_float64_reference_in_every_search_layout(device, se
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kept_set_equals_the_float64_reference_on_random_rows(device, dtype, search=None):
-    """Assorted shapes of logits (flat, peaked, wide, with −inf) and every filter alone and combined."""
+    """Assorted shapes of logits (flat, peaked, wide, with −inf) and every filter alone and combined (by
+    default in the default layout, `one_chunk`)."""
     gen = torch.Generator().manual_seed(40)
     V = 700
     configs = [
@@ -115,7 +125,7 @@ def test_kept_set_equals_the_float64_reference_on_random_rows(device, dtype, sea
             rows.append(z)
             cfg.append(c)
     z = torch.stack(rows).to(dtype)
-    search = search or {}
+    search = one_chunk(V) if search is None else search
     kept, passes = kernel_kept(z.to(device), *params(cfg, device), **search)
     for b, (t, k, p, m) in enumerate(cfg):
         ref = reference_kept(z[b].float(), t, k, p, m)
@@ -127,7 +137,9 @@ def test_kept_set_equals_the_float64_reference_on_random_rows(device, dtype, sea
 def test_edge_rows_keep_what_the_reference_keeps_in_every_layout(device, search):
     """All-equal rows (one tie group: kept whole by top-k and top-p), a tie at the top with k = 1, a tiny
     p, p = 1 with a huge k (nothing cut), k = 1, mostly −inf rows, min-p alone and with top-p, and a
-    row whose values all lie within a few floats of each other."""
+    row whose values all lie within a few floats of each other. The default layout's thresholds are the
+    same bits in a chunk of the rows' own length (`one_chunk`, which the other tests of the default
+    layout use)."""
     gen = torch.Generator().manual_seed(11)
     V = 600
     rows, cfg = [], []
@@ -152,10 +164,14 @@ def test_edge_rows_keep_what_the_reference_keeps_in_every_layout(device, search)
     add(1.0 + torch.randint(0, 4, (V,), generator=gen) * 2.0**-20, (1.0, 0, 0.5, 0.0))
     add(torch.randn(V, generator=gen) * 5, (1.0, 599, 0.999, 0.0))
     z = torch.stack(rows)
-    kept, _ = kernel_kept(z.to(device), *params(cfg, device), **search)
+    zd = z.to(device)
+    thr, _ = truncation_thresholds(zd, *params(cfg, device), **search)
+    kept = zd.float() * (1.0 / params(cfg, device)[0])[:, None] > thr[:, None]  # as `kernel_kept`
     for b, (t, k, p, m) in enumerate(cfg):
         ref = reference_kept(z[b], t, k, p, m)
         assert torch.equal(kept[b].cpu(), ref), (b, cfg[b], int(kept[b].sum()), int(ref.sum()))
+    if not search:  # the default chunk holds these rows whole: the same bits in a chunk of their own length
+        assert truncation_thresholds(zd, *params(cfg, device), **one_chunk(V))[0].tolist() == thr.tolist()
     assert kept[0].all() and kept[1].all() and kept[2].nonzero().flatten().tolist() == [5, 99, 421]
     assert kept[6].nonzero().flatten().tolist() in ([17], [17, 555])
 
@@ -182,7 +198,7 @@ def test_skipping_and_unrolling_change_no_sum(device, candidates):
     are the same bits with and without either, for several lane counts, and the kept sets are the
     float64 reference's."""
     gen = torch.Generator().manual_seed(17 + candidates)
-    V = 900
+    V = 512  # two chunks per row
     z = torch.randn(6, V, generator=gen) * torch.tensor([0.3, 2.0, 8.0, 1.0, 3.0, 0.5])[:, None]
     z[3, 100:400] = -math.inf
     cfg = [(0.7, 50, 0.9, 0.0), (1.0, 0, 0.9, 0.0), (0.6, 20, 1.0, 0.0), (1.0, 0, 0.5, 0.1), (1.2, 300, 0.99, 0.0),
@@ -239,9 +255,11 @@ ADVERSARIAL_CONFIGS = [
 def test_adversarial_rows_keep_what_the_reference_keeps_within_the_bound(device, search):
     """Rows the placement's models get wrong or cannot represent, under every filter: the kept set is the
     reference's and the reads stay within the bound the guards prove (`max_reads`); a bitmask allowing one
-    token in 8 on one shape, and a vocabulary of 37."""
+    token in 8 on one shape, and a vocabulary of 37. The default layout holds a row in one chunk
+    (`one_chunk`); the others cut it in two."""
     gen = torch.Generator().manual_seed(23)
-    V = 2048
+    V = 1024
+    search = search or one_chunk(V)
     shapes = _adversarial_rows(gen, V)
     rows, cfg = [], []
     for z in shapes.values():
@@ -327,7 +345,7 @@ def test_ties_at_the_threshold_keep_the_whole_tie_group_as_the_full_sampler_does
     z[2, [1, 2, 4]] = torch.tensor([3.0, at_min_p, at_min_p])  # min-p 0.25
     z[3, [2, 4, 10]] = torch.tensor([1.0, 1.0, 1.0])  # three-way tie at the top, top-k 1
     cfg = [(1.0, 2, 1.0, 0.0), (1.0, 0, 0.5, 0.0), (1.0, 0, 1.0, 0.25), (1.0, 1, 1.0, 0.0)]
-    kept, _ = kernel_kept(z.to(device), *params(cfg, device))
+    kept, _ = kernel_kept(z.to(device), *params(cfg, device), **one_chunk(12))
     expected = [[3, 7, 9, 11], [0, 5, 6, 8], [1, 2, 4], [2, 4, 10]]
     for b, (t, k, p, m) in enumerate(cfg):
         assert kept[b].nonzero().flatten().tolist() == expected[b], b
@@ -340,13 +358,13 @@ def test_ties_at_the_threshold_keep_the_whole_tie_group_as_the_full_sampler_does
         assert (full[0] > -math.inf).nonzero().flatten().tolist() == expected[b], b
 
 
-@pytest.mark.parametrize("precheck", [False, True])
-def test_draws_follow_the_truncated_distribution(device, precheck):
+def test_draws_follow_the_truncated_distribution(device):
     """Many rows of the same logits with distinct seeds, for top-k, top-p, min-p and a combination (one
     batch): the empirical distribution of each block of rows matches the float64 truncated, renormalised
     softmax (chi-square at the 0.999 quantile); removed tokens never appear. Tokens sit at shuffled
-    indices so the sorted order differs from the index order. With the precheck, each row's own plain
-    draw decides whether it is searched, so the plan runs over every row."""
+    indices so the sorted order differs from the index order. With the precheck (each row's own plain
+    draw decides whether it is searched) the ids are the same, on the first 25 rows of each block, where
+    both routes occur for each configuration."""
     n = 200
     z = torch.tensor([1.0, -0.5, 0.3, 2.0, -2.0, 0.9, 1.6, 0.0])
     configs = [(1.0, 3, 1.0, 0.0), (0.8, 0, 0.7, 0.0), (1.0, 0, 1.0, 0.2), (0.7, 5, 0.9, 0.05)]
@@ -359,14 +377,17 @@ def test_draws_follow_the_truncated_distribution(device, precheck):
     # draw runs over n seeds.
     thr, _ = truncation_thresholds(z.expand(len(configs), -1).contiguous().to(device), *params(configs, device))
     ids = sample_greedy_or_gumbel(logits, t, seeds, thresholds=thr.repeat_interleave(n)).cpu()
-    if precheck:
-        # every row's plan (one-program-per-row passes over 8-logit chunks: fewer interpreted programs)
-        t_rows, k_rows, p_rows, m_rows = params([c for c in configs for _ in range(n)], device)
-        thr, _, decided = truncation_plan(logits, t_rows, seeds, k_rows, p_rows, m_rows, chunk=8, split_passes=0)
-        prechecked = sample_greedy_or_gumbel(logits, t, seeds, thresholds=thr, decided=decided).cpu()
-        assert 0 < int((decided >= 0).sum()) < rows
-        assert prechecked.tolist() == ids.tolist()
-        ids = prechecked
+    # each row's own plan with the precheck, on the first m rows of each block (one-program-per-row passes
+    # over 8-logit chunks: fewer interpreted programs)
+    m = 25
+    sub = torch.tensor([j * n + i for j in range(len(configs)) for i in range(m)])
+    t_rows, k_rows, p_rows, m_rows = params([configs[int(r) // n] for r in sub], device)
+    sub_seeds, sub_logits = seeds[sub.to(device)], logits[sub.to(device)]
+    thr, _, decided = truncation_plan(sub_logits, t_rows, sub_seeds, k_rows, p_rows, m_rows, chunk=8, split_passes=0)
+    prechecked = sample_greedy_or_gumbel(sub_logits, t_rows, sub_seeds, thresholds=thr, decided=decided).cpu()
+    assert prechecked.tolist() == ids[sub].tolist()
+    per_block = (decided.cpu() >= 0).view(len(configs), m).sum(1)
+    assert ((per_block > 0) & (per_block < m)).all(), per_block.tolist()  # decided and searched rows, each
     for j, (temperature, top_k, top_p, min_p) in enumerate(configs):
         kept = reference_kept(z, temperature, top_k, top_p, min_p)
         p = torch.where(kept, torch.softmax(z.double() / temperature, 0), 0.0)
@@ -441,7 +462,7 @@ def test_edge_rows(device):
         for b in (3, 4):
             masked = z[b].masked_fill(~allowed[b], -math.inf)
             assert reference_kept(masked, *cfg[b])[ids[b]], (b, int(ids[b]))
-    kept, _ = kernel_kept(z.to(device), *params(cfg, device), bitmask=bitmask)
+    kept, _ = kernel_kept(z.to(device), *params(cfg, device), bitmask=bitmask, **one_chunk(V))
     kept = kept.cpu() & allowed  # the draw also skips what the bitmask disallows
     for b in (3, 4):
         masked = z[b].masked_fill(~allowed[b], -math.inf)
@@ -507,21 +528,27 @@ PRECHECK_CONFIGS = [
 ]
 
 
+@functools.cache
+def _routes_rows(device: torch.device):
+    """The rows, configurations, seeds and plain ids of `test_precheck_draws_the_searchs_ids_by_both_routes`:
+    the plain draw does not depend on the search's layout, so its layouts share one."""
+    gen = torch.Generator().manual_seed(77)
+    z, cfg = _mixed_rows(gen, 2500, 60, PRECHECK_CONFIGS)
+    seeds = torch.arange(len(cfg), dtype=torch.int64) * 7919 + 3
+    return z, cfg, seeds, _plain_ids(z.to(device), cfg, seeds)
+
+
 @pytest.mark.parametrize("search", [dict(chunk=1024), dict(chunk=256, split_passes=2), dict(chunk=512, candidates=4)])
 def test_precheck_draws_the_searchs_ids_by_both_routes(device, search):
     """Many rows and seeds: with the precheck the ids are the ones the search alone gives; rows whose x1
     is kept (decided) draw the plain kernel's id, and both routes (decided and searched) occur for each
     filter that cuts. Chunks of 1,024 (statistics in blocks of two quarters of the sampler's tile) and of
     256 and 512 (a block inside one quarter; several chunks whose bests combine in chunk order)."""
-    gen = torch.Generator().manual_seed(77)
-    V = 2500
-    z, cfg = _mixed_rows(gen, V, 60, PRECHECK_CONFIGS)
+    z, cfg, seeds, plain = _routes_rows(device)
     zd = z.to(device)
-    seeds = torch.arange(len(cfg), dtype=torch.int64) * 7919 + 3
     ids, passes, decided = _plan_draw(zd, cfg, seeds, **search)
     old, old_passes, _ = _plan_draw(zd, cfg, seeds, precheck=False, **search)
     assert ids.tolist() == old.tolist()
-    plain = _plain_ids(zd, cfg, seeds)
     routes = {}
     for b, c in enumerate(cfg):
         truncating = c[0] > 0 and (c[1] > 0 or c[2] < 1 or c[3] > 0)
@@ -542,12 +569,15 @@ def test_precheck_draws_the_searchs_ids_by_both_routes(device, search):
     assert float(passes.float().sum()) < float(old_passes.float().sum())
 
 
-@pytest.mark.parametrize("search", [{}, dict(chunk=256)])
+@pytest.mark.parametrize("search", [{}, dict(chunk=256, split_passes=0)])
 def test_filters_that_cut_nothing_are_decided_by_the_statistics_with_the_plain_id(device, search):
     """A row with k ≥ V or min_p so small nothing is cut truncates nothing: the statistics' x1 is kept
-    at once (one read) and must be the plain kernel's id bit for bit, for many seeds, with a bitmask too."""
+    at once (one read) and must be the plain kernel's id bit for bit, for many seeds, with a bitmask too.
+    The default layout (`one_chunk`: the split passes run, and skip every row) and chunks of 256 (a
+    statistics block inside one quarter of the sampler's tile; no split passes, as no row is left)."""
     gen = torch.Generator().manual_seed(8)
     V, B = 3000, 24
+    search = search or one_chunk(V)
     z = torch.randn(B, V, generator=gen) * 3
     z[::4, 1000:] = -math.inf
     cfg = [(0.3 + 0.1 * (b % 7), V + b if b % 2 else 0, 1.0, 0.0 if b % 2 else 1e-30) for b in range(B)]
@@ -579,7 +609,7 @@ def test_precheck_at_ties_on_the_boundary(device):
     z[5, [0, 1, 2, 3]] = torch.tensor([0.5, 0.5, 0.5, 0.5])  # a four-way tie with top-k 1 and top-p 0.1
     base = [(1.0, 2, 1.0, 0.0), (1.0, 2, 1.0, 0.0), (1.0, 0, 0.5, 0.0), (1.0, 3, 0.8, 0.0), (1.0, 0, 1.0, 0.25),
             (1.0, 1, 0.1, 0.0)]  # fmt: skip
-    n = 12
+    n = 8
     rows = z.repeat_interleave(n, 0)
     cfg = [c for c in base for _ in range(n)]
     seeds = torch.arange(len(cfg), dtype=torch.int64) * 31 + 7
@@ -671,8 +701,8 @@ def test_precheck_decides_top_p_when_the_top_k_search_ends(device, search):
     one at the top-p boundary; the ids are the search's without the precheck and in the reference's kept
     set."""
     gen = torch.Generator().manual_seed(31)
-    V = 1000
-    z, cfg = _open_top_p_rows(gen, V, 24)
+    V = 600  # chunks per row: 3 of 256, 2 of 512
+    z, cfg = _open_top_p_rows(gen, V, 12)
     zd = z.to(device)
     seeds = torch.arange(len(cfg), dtype=torch.int64) * 7919 + 13
     ids, passes, decided = _plan_draw(zd, cfg, seeds, **search)
@@ -705,7 +735,7 @@ def test_precheck_decided_after_top_k_is_the_rows_own_whatever_the_batch(device)
     """Rows decided when their top-k search ends and rows searched from l_x1: the same ids, decisions and
     reads alone and permuted in a batch."""
     gen = torch.Generator().manual_seed(5)
-    z, cfg = _open_top_p_rows(gen, 1000, 6)
+    z, cfg = _open_top_p_rows(gen, 600, 6)
     seeds = torch.arange(len(cfg), dtype=torch.int64) * 104729 + 1
     ids, passes, decided = _plan_draw(z.to(device), cfg, seeds, chunk=256)
     plain = _plain_ids(z.to(device), cfg, seeds)
