@@ -14,12 +14,12 @@ def failing_engine(args: Any, after_steps: int = 5) -> Any:
     calls = 0
 
     def failing(real_step: Any) -> Any:
-        def step():
+        def step(*args: Any) -> Any:  # core_step's `early`, when given
             nonlocal calls
             calls += 1
             if calls > after_steps:
                 raise RuntimeError("injected device failure")
-            return real_step()
+            return real_step(*args)
 
         return step
 
@@ -43,12 +43,12 @@ def hanging_engine(args: Any, after_steps: int = 5) -> Any:
     real_step = engine.core_step
     calls = 0
 
-    def core_step():
+    def core_step(*args: Any) -> Any:  # its `early`, when given
         nonlocal calls
         calls += 1
         if calls > after_steps:
             time.sleep(3600)
-        return real_step()
+        return real_step(*args)
 
     engine.core_step = core_step
     return engine
