@@ -96,9 +96,15 @@ def test_a_killed_core_fails_its_requests_and_the_other_core_serves_on(make_serv
     cores = live.engine.cores
     with live.client() as a, live.client() as b:
         resp0, lines0, _ = _open_stream(a, "the first stream")
-        resp1, lines1, _ = _open_stream(b, "the second stream")
-        assert [core.num_in_flight for core in cores] == [1, 1]  # the router put one on each core
-        os.kill(cores[0].pid, signal.SIGKILL)
+        # Core 0 is stopped as soon as its stream has begun: the tiny model writes its 250 tokens in well
+        # under a second, and opening the second stream may take longer, after which there would be no
+        # request left on core 0 to fail.
+        os.kill(cores[0].pid, signal.SIGSTOP)
+        try:
+            resp1, lines1, _ = _open_stream(b, "the second stream")
+            assert [core.num_in_flight for core in cores] == [1, 1]  # the router put one on each core
+        finally:
+            os.kill(cores[0].pid, signal.SIGKILL)
         dead_events = _rest(lines0)
         assert dead_events[-1] == "data: [DONE]"
         error = json.loads(dead_events[-2][6:])["error"]
