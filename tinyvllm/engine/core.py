@@ -60,7 +60,10 @@ class EngineCore:
         """Loop until a Shutdown command (or until `recv` reports the sender gone). Exceptions of the
         engine propagate: the caller reports them."""
         engine = self.engine
-        early = self._emit_outputs(emit)
+
+        def early(outputs: list[EngineCoreOutput]) -> None:  # core_step's: outputs sent as soon as it has them
+            emit(EngineCoreOutputs(outputs, [], self.stats(), time.monotonic()))
+
         while True:
             idle_work = engine.has_idle_work()  # start-up work left for idle moments (lazy graph capture)
             commands = recv(not engine.has_unfinished_requests() and not idle_work)  # idle: wait for work
@@ -77,14 +80,6 @@ class EngineCore:
                 emit(EngineCoreOutputs(outputs, [], self.stats(), time.monotonic()))
             elif idle_work:
                 engine.do_idle_work()
-
-    def _emit_outputs(self, emit: Emit) -> Callable[[list[EngineCoreOutput]], None]:
-        """`core_step`'s `early`: outputs sent as soon as the step has them."""
-
-        def early(outputs: list[EngineCoreOutput]) -> None:
-            emit(EngineCoreOutputs(outputs, [], self.stats(), time.monotonic()))
-
-        return early
 
     def _apply(self, commands: Sequence[EngineCommand]) -> tuple[list[AddReply], bool]:
         replies = []

@@ -396,10 +396,14 @@ class DecodeGraphs:
         `sampled_ids`, readable once an event recorded after this call has completed), all [bs]-row
         static buffers as `replay`'s. `pruned` (with `pruned_lm_head`; only when the in-graph sampler
         serves every row): the graph of the pruned LM head, whose logits are None."""
-        twin = next(i for i, h in enumerate(self._io_host_arenas) if h is host)
+        twin = self._twin(host)
         host.set_copy_words(nbytes)
         logits, sampled = self._replay((bs, cascade, twin, "pruned" if pruned and self.pruned_lm_head else "logits"))
         return logits, sampled, host.sampled_ids[:bs]
+
+    def _twin(self, host: InputArena) -> int:
+        """The index of host twin `host` (the graphs' key part for it)."""
+        return next(i for i, h in enumerate(self._io_host_arenas) if h is host)
 
     def replay_io_hidden(
         self, bs: int, cascade: bool, host: InputArena, nbytes: int
@@ -409,7 +413,7 @@ class DecodeGraphs:
         static buffers for the caller's `LMHead.sample_pruned`, which writes the ids into `last_sampled`
         (where the next step's placeholder gather reads them) and that twin."""
         assert self.pruned_lm_head and self.runs_io(bs), "no hidden-state graph for this bucket"
-        twin = next(i for i, h in enumerate(self._io_host_arenas) if h is host)
+        twin = self._twin(host)
         host.set_copy_words(nbytes)
         hidden, _ = self._replay((bs, cascade, twin, "hidden"))
         a = self.io_arena
@@ -419,7 +423,7 @@ class DecodeGraphs:
         """After `replay_io_hidden(bs, cascade, host, ...)`: copy the step's host `bitmask` [bs, W] int32
         (pinned; not rewritten before the copy runs) into `step_mask` and replay the pruned head under it.
         Returns the sampled ids on the device ([bs] of `last_sampled`; also in the twin's `sampled_ids`)."""
-        twin = next(i for i, h in enumerate(self._io_host_arenas) if h is host)
+        twin = self._twin(host)
         self.step_mask[:bs].copy_(bitmask, non_blocking=True)
         return self._replay((bs, cascade, twin, "masked"))[1]
 
@@ -428,7 +432,7 @@ class DecodeGraphs:
         `runs_io` bucket), replay its truncating sampler (module docstring) and return the sampled ids [bs]
         on the device (`last_sampled`'s leading rows; for a `runs_io` bucket also in the twin's
         `sampled_ids`). Needs `sample_in_graph`."""
-        twin = None if host is None else next(i for i, h in enumerate(self._io_host_arenas) if h is host)
+        twin = None if host is None else self._twin(host)
         return self._replay_truncating((bs, cascade, twin, "logits"))
 
     def _replay_truncating(self, key: tuple[int, bool, int | None, str]) -> torch.Tensor:

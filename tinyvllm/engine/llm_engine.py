@@ -384,7 +384,8 @@ class LLMEngine:
         self._wait_s = 0.0  # time blocked on the device inside the current step's _process calls
         self._num_history_requests = 0
         self._early_outputs: list[EngineCoreOutput] = []  # the in-flight step's, processed inside a launch
-        self._early: Callable[[list[EngineCoreOutput]], None] | None = None  # core_step's `early`
+        # core_step's `early` (or `_early_outputs.extend`) while a core_step runs
+        self._early: Callable[[list[EngineCoreOutput]], None] | None = None
         # A step with constrained rows waits, between its forward and its sampling, for the grammar
         # workers' mask; with `schedule_in_launch` the engine schedules the next step in that wait
         # (`_process_in_flight_early`), so that after the sampling is enqueued only the next step's
@@ -732,14 +733,12 @@ class LLMEngine:
         processed: list[RequestOutput] = []
         aborts: list[AbortRequest] = []
 
-        def early(core_outputs: list[EngineCoreOutput]) -> None:
+        def process(core_outputs: list[EngineCoreOutput]) -> None:
             request_outputs, step_aborts = self.output_processor.process_outputs(core_outputs)
             processed.extend(request_outputs)
             aborts.extend(step_aborts)
 
-        request_outputs, step_aborts = self.output_processor.process_outputs(self.core_step(early))
-        processed.extend(request_outputs)
-        aborts.extend(step_aborts)
+        process(self.core_step(process))
         for command in aborts:  # stop strings matched: stop those completions here too
             self.abort(command)
         return processed
@@ -753,7 +752,7 @@ class LLMEngine:
         returned list: the caller's output processing then runs while the device computes the forward and
         the grammar workers fill the mask, not between this step's sampling and the next step's forward,
         where the device waits for it."""
-        self._early = early
+        self._early = early if early is not None else self._early_outputs.extend
         try:
             return self._core_step()
         finally:
@@ -786,7 +785,7 @@ class LLMEngine:
             before_mask = self._process_in_flight_early if overlap and self._structured is not None else None
             launched = (sched, self.runner.launch(sched, self._structured, before_mask))
             outputs += self._early_outputs
-            self._early_outputs = []
+            self._early_outputs.clear()
         elif self._structured is not None and self._in_flight is None:
             self._structured.wait_for_compile(0.005)  # only compiling requests left: do not spin
         t3 = clock()
@@ -833,7 +832,7 @@ class LLMEngine:
 
     def _process_in_flight_early(self) -> None:
         """Process the in-flight step now, from inside the next step's launch (see `core_step`); its
-        outputs to the caller's `early`, else kept for `core_step` to return. Then, with
+        outputs to the caller's `early`, or kept for `core_step` to return. Then, with
         `schedule_in_launch`, schedule the step after this one."""
         if self._in_flight is not None:
             self._in_launch = True  # the grammar workers' accept may schedule the next step (_schedule_early)
@@ -842,10 +841,7 @@ class LLMEngine:
             finally:
                 self._in_launch = False
             self._in_flight = None
-            if self._early is not None:
-                self._early(outputs)
-            else:
-                self._early_outputs += outputs
+            self._early(outputs)
         self._schedule_early()
 
     def _schedule_early(self) -> None:
