@@ -144,6 +144,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     args = engine_args_from_cli(ns).replace(model=str(resolve_model(ns.model)))
     llm = LLM(**vars(args))
     llm.llm_engine.schedule_in_launch = ns.schedule_in_launch
+    llm.llm_engine.prepare_in_launch = ns.prepare_in_launch
     vocab = llm.llm_engine.model_config.vocab_size
     schema = StructuredOutputsParams(json=SCHEMA)
     compile_times = _compile_times(llm)  # first: the cold figure must not find the schema cached
@@ -213,6 +214,7 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
         "ttft": ttft,
         "engine_args": vars(args),
         "schedule_in_launch": ns.schedule_in_launch,
+        "prepare_in_launch": ns.prepare_in_launch,
     }
     tag = "cpu" if llm.llm_engine.device.type == "cpu" else device_tag()
     write_json(ns.name or f"structured_{tag}", result, ns.out_dir)
@@ -231,6 +233,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="a constrained step schedules the next one while it waits for its mask (LLMEngine.schedule_in_launch)",
+    )
+    p.add_argument(
+        "--prepare-in-launch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="... and packs that step's inputs there too (LLMEngine.prepare_in_launch)",
     )
     run(p.parse_args())
 

@@ -10,9 +10,11 @@ import json
 
 import pytest
 
+from tests.cpu_graphs import install_cpu_graphs
 from tinyvllm import LLM, SamplingParams
 from tinyvllm import StructuredOutputsParams as SO
 from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 
 pytest.importorskip("xgrammar")
@@ -43,10 +45,15 @@ def _run(
     late_at=None,
     abort_late_at=None,
     workers=None,
+    graphs=False,
+    prepare_in_launch=True,
+    packs=None,
 ):
     """Requests 0-5 (even ones constrained) through LLMEngine.step; `abort_at`: abort request 1 after that
     many steps; `late_at`: add requests 6 and 7 after that many steps, `abort_late_at`: abort request 6 after
-    that many; `workers`: grammar worker processes (the next step is scheduled while they accept).
+    that many; `workers`: grammar worker processes (the next step is scheduled while they accept);
+    `graphs`: decode steps through CpuGraphs (the graph steps' input arenas); `packs`: a list that gets,
+    for each call of ModelRunner.prepare, whether it packed the next step.
     Returns (every step's outputs, the sizes of the early hand-offs, the number of steps scheduled inside
     a launch, the engine, the number of those scheduled while the workers accepted)."""
     calls = []
@@ -77,6 +84,14 @@ def _run(
         schedule_early(self)
         during_accept.append(self._in_launch and before is None and self._scheduled_early is not None)
 
+    if packs is not None:
+        prepare = ModelRunner.prepare
+
+        def counting_prepare(self, sched):
+            prepare(self, sched)
+            packs.append(self._packed is not None)
+
+        monkeypatch.setattr(ModelRunner, "prepare", counting_prepare)
     monkeypatch.setattr(LLMEngine, "core_step", spy)
     monkeypatch.setattr(LLMEngine, "_process_in_flight_early", counting_process_early)
     monkeypatch.setattr(LLMEngine, "_schedule_early", counting_schedule_early)
@@ -94,6 +109,9 @@ def _run(
         assert engine.structured.wait_for_workers(120), "grammar workers did not start"
         engine.structured.worker_min_sequences = 1  # every constrained sequence on a worker
     engine.schedule_in_launch = schedule_in_launch
+    engine.prepare_in_launch = prepare_in_launch
+    if graphs:
+        install_cpu_graphs(engine.runner, max_seq_len=64 if blocks else 128, events=[])
     for i in range(6):
         engine.add_request(str(i), f"item {i}:", _params(i))
     steps = []  # every step's RequestOutputs: the stream a caller of step() sees
@@ -172,3 +190,21 @@ def test_scheduling_inside_the_launch_changes_no_token(model_dir, monkeypatch, c
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and not a.finished and not b.finished
     for e in (engine, ref_engine):  # nothing held after the run: every block back in the pool
         assert e.scheduler.kv_cache.pool.num_free_blocks == e.scheduler.kv_cache.pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    "case",
+    [dict(), dict(blocks=6), dict(abort_at=4), dict(late_at=3, abort_late_at=4), dict(workers=2, blocks=6)],
+    ids=["plain", "preemption", "abort", "late-abort", "workers"],
+)
+def test_packing_the_next_graph_step_inside_the_launch_changes_no_token(model_dir, monkeypatch, case):
+    """Decode steps through graph input arenas (CpuGraphs): the next step packed inside the launch
+    (ModelRunner.prepare, with the launching step's row index for its placeholders) gives every token of
+    the engine that packs each step at its own launch."""
+    aborted = {"1"} if "abort_at" in case else {"6"} if "abort_late_at" in case else set()
+    ids = [str(i) for i in range(8 if "late_at" in case else 6) if str(i) not in aborted]
+    packs, no_packs = [], []
+    packed, *_ = _run(model_dir, monkeypatch, graphs=True, packs=packs, **case)
+    unpacked, *_ = _run(model_dir, monkeypatch, graphs=True, prepare_in_launch=False, packs=no_packs, **case)
+    assert sum(packs) > 0 and not no_packs, "the test must exercise the packing inside the launch (and only there)"
+    _same_outputs(packed, unpacked, ids)

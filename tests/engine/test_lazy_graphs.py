@@ -1,10 +1,10 @@
 """Lazy decode-graph capture (engine/cuda_graphs.py, `graph_capture="lazy"`) on the CPU.
 
-A CPU has no CUDA graphs, so `_CpuGraphs` stands in for them: "capture" runs the bucket's warm-up step
-over the arena exactly as the CUDA capture does (the run that must not write any KV cache slot once
-traffic has filled the arena) and marks its graphs captured; "replay" runs the captured step's function
-eagerly and may only replay captured graphs. What is checked, against an all-eager engine (no graphs)
-on the same prompts:
+A CPU has no CUDA graphs, so `CpuGraphs` (tests/cpu_graphs.py) stands in for them: "capture" runs the
+bucket's warm-up step over the arena exactly as the CUDA capture does (the run that must not write any
+KV cache slot once traffic has filled the arena) and marks its graphs captured; "replay" runs the
+captured step's function eagerly and may only replay captured graphs. What is checked, against an
+all-eager engine (no graphs) on the same prompts:
 
 - scheduling: a decode step whose bucket has no graph runs eagerly, the engine captures that bucket
   before its next step (reading the in-flight step first), and every later step of the bucket replays;
@@ -20,37 +20,14 @@ import os
 import pytest
 import torch
 
+from tests.cpu_graphs import install_cpu_graphs
 from tests.helpers import assert_equal_up_to_rounding, assert_greedy_is_decided
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tinyvllm.engine.cuda_graphs import graph_batch_sizes
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 
 CPU = torch.device("cpu")
 MAX_NUM_SEQS = 8
-
-
-class _CpuGraphs(DecodeGraphs):
-    """DecodeGraphs on the CPU (module docstring); `events` logs ("capture", bucket) and ("replay", bucket)
-    in order, and the runner's eager steps are logged there too by `_log_eager_steps`."""
-
-    def __init__(self, *args, events: list, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.events = events
-
-    def _synchronize(self) -> None:
-        pass
-
-    def _capture_keys(self, keys) -> float:
-        for key in keys:
-            self._run(*key)  # the warm-up run of a CUDA capture, over the (reset) arena
-            self.graphs[key] = None
-        self.events.append(("capture", keys[0][0]))
-        return 0.0
-
-    def _replay(self, key):
-        assert key in self.graphs, f"replay of graph {key}, which was not captured"
-        self.events.append(("replay", key[0]))
-        return self._run(*key)
 
 
 def _log_eager_steps(runner, events: list) -> None:
@@ -77,7 +54,7 @@ def model_dir(tmp_path_factory):
 
 def _llm(model_dir, graphs: bool, sample_in_graph: bool = False) -> tuple[LLM, list]:
     """A CPU engine (torch kernels) with async scheduling (decode inputs are the previous step's ids, on
-    the device); with `graphs`, lazily captured `_CpuGraphs` over buckets 1, 2, 4, 8 and their event log.
+    the device); with `graphs`, lazily captured `CpuGraphs` over buckets 1, 2, 4, 8 and their event log.
     `sample_in_graph`: the graphs end with the greedy/Gumbel sampling kernel (Triton, interpreted), which
     writes each step's ids into `last_sampled` (the runner's sampler still picks the tokens)."""
     llm = LLM(
@@ -96,19 +73,7 @@ def _llm(model_dir, graphs: bool, sample_in_graph: bool = False) -> tuple[LLM, l
         assert runner.config.graph_capture == "lazy"  # the engine's default
         sizes = graph_batch_sizes(MAX_NUM_SEQS)
         assert sizes == [1, 2, 4, 8]
-        runner.graphs = _CpuGraphs(
-            runner.executor,
-            runner.kv_caches,
-            batch_sizes=sizes,
-            max_blocks_per_seq=runner.builder.tables.max_blocks_per_seq,
-            max_seq_len=64,
-            device=CPU,
-            resolve_placeholders=runner.ops.resolve_placeholders,
-            max_num_seqs=MAX_NUM_SEQS,
-            sample_in_graph=sample_in_graph,
-            sample_in_lm_head=False,
-            events=events,
-        )
+        install_cpu_graphs(runner, max_seq_len=64, events=events, sample_in_graph=sample_in_graph)
         _log_eager_steps(runner, events)
     return llm, events
 

@@ -121,6 +121,11 @@ class TensorParallelRunner:
 
         return self._guard(run)
 
+    def prepare(self, sched) -> None:
+        """Pack the next step's inputs on rank 0 (ModelRunner.prepare); the workers pack theirs when it
+        reaches them."""
+        self.runner.prepare(sched)
+
     def _call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         def run():
             self._commands.send(("call", method, args, kwargs), None)  # workers may still be building

@@ -389,10 +389,13 @@ class LLMEngine:
         # A step with constrained rows waits, between its forward and its sampling, for the grammar
         # workers' mask; with `schedule_in_launch` the engine schedules the next step in that wait
         # (`_process_in_flight_early`), so that after the sampling is enqueued only the next step's
-        # inputs stand between it and the next forward. That schedule is the one `core_step` would
-        # make: the in-flight step processed, the current one in flight. What happens between the two
-        # points (an abort, a new request) reaches the schedule after it, as it reaches an in-flight step.
+        # launch stands between it and the next forward; with `prepare_in_launch` the runner packs that
+        # step's inputs in the wait too (ModelRunner.prepare), leaving only its enqueues. That schedule
+        # is the one `core_step` would make: the in-flight step processed, the current one in flight.
+        # What happens between the two points (an abort, a new request) reaches the schedule after it,
+        # as it reaches an in-flight step.
         self.schedule_in_launch = True
+        self.prepare_in_launch = True
         self._scheduled_early: SchedulerOutput | None = None
         self._in_launch = False  # inside _process_in_flight_early's processing of the in-flight step
         self.default_sampling_params = self._default_sampling_params()
@@ -852,6 +855,8 @@ class LLMEngine:
         graphs, which must not come between a schedule and its launch."""
         if self.schedule_in_launch and self._scheduled_early is None and self.runner.next_graph_capture() is None:
             self._scheduled_early = self.scheduler.schedule()
+            if self.prepare_in_launch:
+                self.runner.prepare(self._scheduled_early)
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()

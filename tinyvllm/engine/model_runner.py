@@ -47,6 +47,7 @@ from tinyvllm.core.outputs import ModelRunnerOutput, ScheduledSequence, Schedule
 from tinyvllm.distributed.group import TPGroup
 from tinyvllm.distributed.shard import ModelShard
 from tinyvllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tinyvllm.engine.input_arena import InputArena
 from tinyvllm.engine.kv_cache_size import (
     KVCacheSize,
     format_bytes,
@@ -214,6 +215,10 @@ class ModelRunner:
         # the engine reads step N's results only after launching step N+1.
         self._host_bufs: list[dict[str, torch.Tensor]] = []
         self._before_mask: Callable[[], None] | None = None  # launch()'s, for _grammar_bitmask
+        # Inside a launch's `before_mask` window: that step's row index (what the next step's placeholder
+        # inputs point into); `prepare` packs the next step then, and `launch` takes the packing over.
+        self._window_index: dict[str, int] | None = None
+        self._packed: _PackedStep | None = None
         self._bitmask_bufs: list[torch.Tensor] = []  # constrained steps' host bitmasks (two, alternating)
         self.builder_rows = 0  # the most rows a step samples (max_num_seqs), set by initialize()
         self._num_launched = 0
@@ -432,9 +437,16 @@ class ModelRunner:
         if structured is not None and not structured.grammars:
             structured = None
         self._before_mask = before_mask
+        packed, self._packed = self._packed, None
+        if packed is not None and packed.sched is not sched:  # a failed step left it: nothing runs now
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # its arena twin is free only once the device is
+            packed = None
+        if packed is not None:
+            return self._launch_graph_step(packed, structured)
         bucket = self._graph_bucket(sched)
         if bucket is not None:
-            return self._launch_graph_step(sched, bucket, structured)
+            return self._launch_graph_step(self._pack_graph_step(sched, bucket, self._prev_index), structured)
         inputs = self.builder.build(sched, prev_sample_index=self._prev_index)
         if inputs.placeholder_rows is not None:
             inputs.input_ids[inputs.placeholder_rows] = self._prev_sampled[inputs.placeholder_src]
@@ -486,25 +498,28 @@ class ModelRunner:
             return None
         return bucket
 
-    def _launch_graph_step(
-        self, sched: SchedulerOutput, bucket: int, structured: StructuredOutputManager | None = None
-    ) -> StepHandle:
-        """A decode step replayed as the graph of `bucket` rows: pack its inputs (with the sampler's
-        temperatures and seeds) into a host twin of the graphs' input arena, make the previous step's
-        sampled ids readable by the graph's placeholder gather when the step needs them, copy the arena
-        over in one copy, replay, then sample the rows the in-graph sampler does not serve (a step with rows
-        for the truncating sampler replays its graph after the forward's, `DecodeGraphs.replay_truncating`,
-        which then serves the plain fused rows as well). A step with constrained rows (a grammar,
-        allowed_token_ids or bad_words) samples every row after the replay, from the graph's logits, under
-        the bitmask filled while the graph runs; with the pruned LM head (batch 1, every row the fused
-        sampler's), it replays the graph that stops at the hidden states and samples through the pruned
-        head under the bitmask (`DecodeGraphs.replay_io_hidden`)."""
+    def prepare(self, sched: SchedulerOutput) -> None:
+        """Pack `sched`, the step the engine launches next, now: called from inside the current launch's
+        `before_mask` (the device still runs this step's forward), so that after this step's sampling is
+        enqueued the next step's launch has only its enqueues left. Host work only: the packing of a graph
+        decode step (`_pack_graph_step`) into the host arena twin that the step after this one would take,
+        with this step's row index for its placeholder inputs. A step that is not a graph step is left to
+        `launch`. The next `launch` must be of `sched`."""
+        if self._window_index is None or sched.is_empty or self._packed is not None:
+            return
+        bucket = self._graph_bucket(sched)
+        if bucket is not None:
+            self._packed = self._pack_graph_step(sched, bucket, self._window_index)
+
+    def _pack_graph_step(self, sched: SchedulerOutput, bucket: int, prev_index: dict[str, int]) -> _PackedStep:
+        """A graph decode step's host work before its first enqueue: its inputs (with the sampler's
+        temperatures, seeds and filters) packed into the next host twin of the graphs' input arena
+        (`prev_index`: the row index of the step whose sampled ids its placeholder inputs read)."""
         graphs = self.graphs
         host, device = graphs.next_arenas(bucket)
         inputs = self.builder.build(
-            sched, pad_decodes_to=bucket, prev_sample_index=self._prev_index, host_arena=host, device_arena=device
+            sched, pad_decodes_to=bucket, prev_sample_index=prev_index, host_arena=host, device_arena=device
         )
-        bufs = self._next_host_bufs()
         seqs = inputs.sampled
         n = len(seqs)
         plan = self.sampler.plan(sched, seqs)
@@ -520,6 +535,25 @@ class ModelRunner:
             arrays.temperatures[n:bucket] = 0.0
             for region, values in zip((arrays.top_k, arrays.top_p, arrays.min_p), plan.host_filters):
                 region[:n] = values
+        return _PackedStep(sched, bucket, host, inputs, plan, fused, truncating, seeds)
+
+    def _launch_graph_step(self, packed: _PackedStep, structured: StructuredOutputManager | None = None) -> StepHandle:
+        """A decode step replayed as the graph of `bucket` rows, its inputs packed (`_pack_graph_step`):
+        make the previous step's
+        sampled ids readable by the graph's placeholder gather when the step needs them, copy the arena
+        over in one copy, replay, then sample the rows the in-graph sampler does not serve (a step with rows
+        for the truncating sampler replays its graph after the forward's, `DecodeGraphs.replay_truncating`,
+        which then serves the plain fused rows as well). A step with constrained rows (a grammar,
+        allowed_token_ids or bad_words) samples every row after the replay, from the graph's logits, under
+        the bitmask filled while the graph runs; with the pruned LM head (batch 1, every row the fused
+        sampler's), it replays the graph that stops at the hidden states and samples through the pruned
+        head under the bitmask (`DecodeGraphs.replay_io_hidden`)."""
+        graphs = self.graphs
+        bucket, host, inputs, plan = packed.bucket, packed.host, packed.inputs, packed.plan
+        fused, truncating, seeds = packed.fused, packed.truncating, packed.seeds
+        bufs = self._next_host_bufs()
+        seqs = inputs.sampled
+        n = len(seqs)
         if inputs.num_placeholders:
             graphs.feed_previous_samples(self._prev_sampled)
         graph_ids = None
@@ -584,9 +618,11 @@ class ModelRunner:
             # the in-flight step's tokens are accepted inside before_mask; each row's mask is filled on the
             # manager's worker thread as soon as its token is in (StructuredOutputManager.begin_fill)
             structured.begin_fill(rids, host)
+            self._window_index = plan.index
             try:
                 self._before_mask()
             finally:
+                self._window_index = None
                 rows = structured.finish_fill()
         else:
             rows = structured.constrained_rows(rids) if structured is not None else []
@@ -666,6 +702,20 @@ class ModelRunner:
         """Whether a step of `rows` sampled rows moves its inputs and ids by kernels (`kernel_copy_max_rows`)."""
         triton_on_cuda = self.kernel_backend == "triton" and self.device.type == "cuda"
         return triton_on_cuda and rows <= self.config.kernel_copy_max_rows
+
+
+@dataclass
+class _PackedStep:
+    """A graph decode step packed on the host, not yet enqueued (ModelRunner._pack_graph_step)."""
+
+    sched: SchedulerOutput
+    bucket: int
+    host: InputArena  # the host twin its inputs are in
+    inputs: StepInputs
+    plan: FusedSamplingPlan
+    fused: list[int]  # rows of the fused greedy/Gumbel sampler
+    truncating: list[int]  # rows of the graphs' truncating sampler
+    seeds: torch.Tensor | None  # the fused samplers' seeds ([n] of the twin), when one serves a row
 
 
 def sharded_runner_config(config: RunnerConfig) -> RunnerConfig:
