@@ -10,7 +10,9 @@ the device's idle time between those two pieces of work (about 0 while the devic
     host gap  = step N finished enqueuing -> step N+1's first enqueue (the host builds and launches N+1)
 
 Runs the `throughput` set unconstrained, then under the `structured` workload's schema, and prints the
-medians over the decode steps of at least `--min-rows` rows (each run from an empty prefix cache).
+medians over the decode steps of at least `--min-rows` rows (each run from an empty prefix cache), and
+the host times: `host_build_ms` from `launch` to the step's first enqueue, `host_fill_ms` from the
+forward's enqueue to the sampling's. `--no-prepare-in-launch`: the engine packs each step at its launch.
 
     python scripts/diag_structured_gaps.py [--model dummy:llama-3.2-1b] [--num-prompts 256] [--out F.json]
 """
@@ -18,6 +20,7 @@ medians over the decode steps of at least `--min-rows` rows (each run from an em
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -32,7 +35,6 @@ from benchmarks.structured import SCHEMA, _params, _prompts
 from tinyvllm import LLM
 from tinyvllm.bench.workloads import throughput_workload
 from tinyvllm.sampling_params import StructuredOutputsParams
-
 
 _FIRST_ENQUEUES = ("load_inputs", "replay_io", "replay_io_hidden", "replay", "hidden_states")
 
@@ -108,7 +110,7 @@ class _Probe:
         out: dict[str, list[float]] = {k: [] for k in ("host_build_ms", "host_fill_ms", "step_ms")}
         if self.cuda:
             out.update(fill_idle_ms=[], host_gap_ms=[])
-        for prev, s in zip(steps, steps[1:]):
+        for prev, s in itertools.pairwise(steps):
             out["host_build_ms"].append((s["start"][0] - s["launch"][0]) * 1e3)
             if "sample" in s and "forward" in s:
                 out["host_fill_ms"].append((s["sample"][0] - s["forward"][0]) * 1e3)
@@ -132,9 +134,11 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=None)
     ap.add_argument("--min-rows", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prepare-in-launch", action=argparse.BooleanOptionalAction, default=True)
     ns = ap.parse_args()
-    llm = LLM(model=ns.model, device=ns.device)
+    llm = LLM(model=ns.model, device=ns.device, graph_capture="eager")  # no capture inside a timed run
     engine = llm.llm_engine
+    engine.prepare_in_launch = ns.prepare_in_launch
     schema = StructuredOutputsParams(json=SCHEMA)
     engine.structured.wait_for_workers(120)
     w = throughput_workload(ns.num_prompts)
