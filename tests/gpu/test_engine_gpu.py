@@ -310,6 +310,45 @@ def test_constrained_batch_one_masked_head_graph_draws_the_same_tokens_bf16(ckpt
     assert got[True] == got[False]
 
 
+@torch.no_grad()
+def test_constrained_steps_packing_the_next_graph_step_in_their_launch_fp32(ckpt):
+    """Constrained rows beside unconstrained ones, rows finishing at different steps: with the next step
+    scheduled and packed inside each constrained launch (`LLMEngine.prepare_in_launch`, its inputs in
+    the other host twin of the graphs' arena while the device runs this step) the tokens equal the
+    engine's that packs every step at its own launch; in float32 with TF32 off, and the packing ran."""
+    pytest.importorskip("xgrammar")
+    from tinyvllm import StructuredOutputsParams as SO
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 12}
+    ps = prompts(12, 20, 90, seed=4)
+    params = [
+        SamplingParams(temperature=0.9, seed=i, max_tokens=10 + 3 * i, structured_outputs=SO(json=schema))
+        if i % 2 == 0
+        else SamplingParams(temperature=0.7, seed=i, max_tokens=8 + 2 * i, ignore_eos=True)
+        for i in range(len(ps))
+    ]
+    got = {}
+    for prepare in (True, False):
+        llm = engine(ckpt, "float32", kv=1 << 30, max_model_len=512, graph_capture="eager")
+        llm.llm_engine.prepare_in_launch = prepare
+        runner = llm.llm_engine.runner
+        packs = []
+        prepare_fn = runner.prepare
+
+        def counting_prepare(sched, prepare_fn=prepare_fn, packs=packs, runner=runner):
+            prepare_fn(sched)
+            packs.append(runner._packed is not None)
+
+        runner.prepare = counting_prepare
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        got[prepare] = [o.outputs[0].token_ids for o in outs]
+        assert any(packs) == prepare
+        del llm, runner
+        torch.cuda.empty_cache()
+    assert got[True] == got[False]
+
+
 # Each family at a real shape, by (preset, config.json overrides): Qwen3-0.6B itself (q/k norm, query width
 # ≠ hidden, tied 151,936-row LM head); Mistral layers with a window of 128 keys on every layer and Qwen2.5
 # biases with the window on layers 4.. only, both at a power-of-two hidden size and query group (where the
