@@ -237,7 +237,7 @@ def main() -> None:
     p.add_argument(
         "--prepare-in-launch",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="... and packs that step's inputs there too (LLMEngine.prepare_in_launch)",
     )
     run(p.parse_args())

@@ -12,7 +12,8 @@ the device's idle time between those two pieces of work (about 0 while the devic
 Runs the `throughput` set unconstrained, then under the `structured` workload's schema, and prints the
 medians over the decode steps of at least `--min-rows` rows (each run from an empty prefix cache), and
 the host times: `host_build_ms` from `launch` to the step's first enqueue, `host_fill_ms` from the
-forward's enqueue to the sampling's. `--no-prepare-in-launch`: the engine packs each step at its launch.
+forward's enqueue to the sampling's. `--prepare-in-launch`: the engine packs the next step inside a
+constrained step's launch.
 
     python scripts/diag_structured_gaps.py [--model dummy:llama-3.2-1b] [--num-prompts 256] [--out F.json]
 """
@@ -134,7 +135,7 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=None)
     ap.add_argument("--min-rows", type=int, default=128)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--prepare-in-launch", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--prepare-in-launch", action=argparse.BooleanOptionalAction, default=False)
     ns = ap.parse_args()
     llm = LLM(model=ns.model, device=ns.device, graph_capture="eager")  # no capture inside a timed run
     engine = llm.llm_engine

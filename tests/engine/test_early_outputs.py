@@ -46,7 +46,7 @@ def _run(
     abort_late_at=None,
     workers=None,
     graphs=False,
-    prepare_in_launch=True,
+    prepare_in_launch=False,
     packs=None,
 ):
     """Requests 0-5 (even ones constrained) through LLMEngine.step; `abort_at`: abort request 1 after that
@@ -204,7 +204,7 @@ def test_packing_the_next_graph_step_inside_the_launch_changes_no_token(model_di
     aborted = {"1"} if "abort_at" in case else {"6"} if "abort_late_at" in case else set()
     ids = [str(i) for i in range(8 if "late_at" in case else 6) if str(i) not in aborted]
     packs, no_packs = [], []
-    packed, *_ = _run(model_dir, monkeypatch, graphs=True, packs=packs, **case)
+    packed, *_ = _run(model_dir, monkeypatch, graphs=True, prepare_in_launch=True, packs=packs, **case)
     unpacked, *_ = _run(model_dir, monkeypatch, graphs=True, prepare_in_launch=False, packs=no_packs, **case)
     assert sum(packs) > 0 and not no_packs, "the test must exercise the packing inside the launch (and only there)"
     _same_outputs(packed, unpacked, ids)

@@ -390,12 +390,13 @@ class LLMEngine:
         # workers' mask; with `schedule_in_launch` the engine schedules the next step in that wait
         # (`_process_in_flight_early`), so that after the sampling is enqueued only the next step's
         # launch stands between it and the next forward; with `prepare_in_launch` the runner packs that
-        # step's inputs in the wait too (ModelRunner.prepare), leaving only its enqueues. That schedule
+        # step's inputs in the wait too (ModelRunner.prepare), leaving only its enqueues (off by default
+        # until the `structured` bench has timed it on the device: docs/perf.md §10). That schedule
         # is the one `core_step` would make: the in-flight step processed, the current one in flight.
         # What happens between the two points (an abort, a new request) reaches the schedule after it,
         # as it reaches an in-flight step.
         self.schedule_in_launch = True
-        self.prepare_in_launch = True
+        self.prepare_in_launch = False
         self._scheduled_early: SchedulerOutput | None = None
         self._in_launch = False  # inside _process_in_flight_early's processing of the in-flight step
         self.default_sampling_params = self._default_sampling_params()
