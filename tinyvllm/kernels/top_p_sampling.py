@@ -133,8 +133,8 @@ the row once more for the few values it keeps:
   largest l. A bf16 value is alone in its bucket (its float32 bits end in 16 zeros), fp16 values share
   one by up to 8, float32 values by up to 2^16: float32 logits take the same passes, their buckets only
   hold more values, which the gather below resolves (only the bucket-only threshold needs bf16).
-* R1, over rows × chunks: a 256-bin histogram (`tl.histogram`; excluded values go to bin 0 and are taken
-  off it) of the buckets' high bytes; one program per row sums its chunks' and finds the bin of the k'-th
+* R1, over rows × chunks: a 256-bin histogram (`tl.histogram`, the excluded values masked off) of the
+  buckets' high bytes; one program per row sums its chunks' and finds the bin of the k'-th
   largest, k' = min(k, n) (n finite values: k ≥ n keeps them all), and its rank in the bin. R2: the same
   over the low bytes of the values in that bin, which gives the bucket B of the k'-th largest value and
   C_ge, the count of the values in B and above.
@@ -158,15 +158,18 @@ CAP otherwise; after R1 and R2, or after G when more values than R2 counted tie 
 the precheck and the search, as without it; their programs return at once for a served row. Launches:
 six more before the statistics (R1, its per-row program, R2, its per-row program, G, the per-row
 finish), a fixed sequence whatever the data; a row's histograms are integer sums and its candidates are
-sorted, so its thr and id are its own whatever the batch. Per value, R1 and R2 cost a 256-bin histogram
-(on the GPU a warp-level ballot per bit of the bin and a popcount per bin a thread owns, then one
-shared-memory reduction per block), G a compare. The top-p masses are float32 sums in sorted order, not
-the search's, so a row whose top-p boundary lies within float32 rounding of p may keep one token more or
-fewer than the search would, as the search's own rounding may against an exact computation.
+sorted, so its thr and id are its own whatever the batch. Per value, R1 costs a 256-bin histogram (with
+Triton 3.9 on the GPU a shared-memory atomic add per value, serialised where a warp's values share a bin,
+as logits' high bytes mostly do), R2 the same for its bin's values only, G a compare. The mask of
+`tl.histogram` came with Triton 3.4: with an older one the radix select is off. The top-p masses are
+float32 sums in sorted order, not the search's, so a row whose top-p boundary lies within float32 rounding
+of p may keep one token more or fewer than the search would, as the search's own rounding may against an
+exact computation.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -1201,7 +1204,8 @@ def radix_hist_kernel(
     `_radix_serves` takes): the high byte of each finite l's bucket (`_radix_digits`, of the logit z:
     l = z · (1 / T) is monotone in z), and the chunk's largest l into cmax[b, c]; else (R2, rows in mode
     1): the low byte of those whose high byte is the row's bin. The values left out (past V, disallowed
-    by the bitmask, l = −inf, another bin) go to bin 0 and are taken off it at the end."""
+    by the bitmask, l = −inf, another bin) are masked off the histogram (on the GPU they skip its
+    shared-memory atomic add, so R2 adds only the values of the row's bin)."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     inv_t, active, k, p, _min_p = _params(temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row)
@@ -1215,7 +1219,6 @@ def radix_hist_kernel(
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         mask_row_ptr = mask_ptr + row.to(tl.int64) * stride_mask
         hist = tl.zeros([256], tl.int32)
-        left_out = tl.zeros([BLOCK], tl.int32)
         top = tl.full([BLOCK], float("-inf"), tl.float32)
         for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -1232,11 +1235,8 @@ def radix_hist_kernel(
             else:
                 valid = valid & (hi == b_sel)
                 digit = lo
-            left_out += tl.where(valid, 0, 1)
-            hist += tl.histogram(tl.where(valid, digit, 0), 256)
-        bins = tl.arange(0, 256)
-        hist -= tl.where(bins == 0, tl.sum(left_out, axis=0), 0)
-        tl.store(hist_ptr + (row * NUM_CHUNKS + c) * 256 + bins, hist)
+            hist += tl.histogram(digit, 256, mask=valid)
+        tl.store(hist_ptr + (row * NUM_CHUNKS + c) * 256 + tl.arange(0, 256), hist)
         if FIRST:
             tl.store(cmax_ptr + row * NUM_CHUNKS + c, tl.max(top, axis=0))
 
@@ -1431,6 +1431,8 @@ _SKIP = False
 _UNROLL = 1
 _SPLIT_PASSES = 10
 _CAP = 256  # candidates a row's radix gather holds (a power of two: the per-row sort's length)
+# the radix select's histograms leave values out by a mask (Triton 3.4 on); without it the search serves every row
+_HISTOGRAM_MASK = "mask" in inspect.signature(tl.histogram).parameters
 # the search-pass layouts `bench_top_p_sampling.py --sweep` times (and the sm_90 compile test builds):
 # candidates × lanes × skip, and two blocks per iteration for the larger candidate counts
 SEARCH_LAYOUTS = [
@@ -1523,7 +1525,8 @@ def truncation_plan(
     its exact threshold, and with `seeds` its id drawn from the gathered candidates (the thresholded
     draw's id), and the search's launches leave it; the others (top_k 0, k > cap with top-p, a tie group
     beyond `cap`) go on to the precheck and the search as without it. Six launches more, whatever the data.
-    cap: the candidates a row's gather holds (a power of two ≥ 16).
+    cap: the candidates a row's gather holds (a power of two ≥ 16). The radix select needs
+    `tl.histogram`'s mask (Triton 3.4 on): with an older Triton it is off.
 
     Returns:
         thr [B] float32: the kept set is {i : l_i > thr}, except for a row decided by the precheck, whose
@@ -1548,6 +1551,7 @@ def truncation_plan(
     if cap < 16 or cap & (cap - 1):
         raise ValueError(f"cap must be a power of two ≥ 16, got {cap}")
     unroll = min(unroll, chunk // block_e)
+    radix = radix and _HISTOGRAM_MASK
     dev = logits.device
     thr = torch.empty(B, dtype=torch.float32, device=dev)
     passes = torch.empty(B, dtype=torch.int32, device=dev)
