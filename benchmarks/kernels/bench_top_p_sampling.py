@@ -9,12 +9,12 @@
 Per (logits dtype, batch, logits shape, filters), at temperature 0.6 over random logits: "randn" is
 randn · 2, "peaked" the same plus 30 tokens at random indices raised by 12 down to 4 (evenly spaced), an
 instruct model's peaked rows:
-  * fused: `sample_top_k_top_p` as the engine runs it (the radix select for the top-k rows, the precheck and
-    the threshold search for the others, the thresholded Gumbel draw), as CUDA-graph replays; "search":
-    with the radix select off (the precheck and the search for every row), "no pre": with both off; "radix
-    reads" the reads per row of the default (radix passes, statistics, check, search passes, and the draw's
-    for rows not decided), "same ids" whether the three give every row the same id (they must, but for a
-    row within float rounding of a top-p boundary);
+  * fused: `sample_top_k_top_p` with the radix select on (it serves the top-k rows; the precheck and the
+    threshold search the others; the thresholded Gumbel draw), as CUDA-graph replays; "search": with the
+    radix select off (the precheck and the search for every row: the default), "no pre": with both off;
+    "radix reads" the reads per row with the radix select (radix passes, statistics, check, search
+    passes, and the draw's for rows not decided), "same ids" whether the three give every row the same id
+    (they must, but for a row within float rounding of a top-p boundary);
   * search: `truncation_thresholds` alone (default: 8 candidates per pass, 10 passes split over rows ×
     chunks), and the passes over each row it made (mean, max); "pre": `truncation_plan` with the precheck
     (the radix select off),
@@ -36,11 +36,11 @@ gave every threshold the same bits (it must), and the fastest layout per (batch,
 (summed over the cases). Writes top_p_sweep_<gpu>.json.
 
 --reads: the search's reads of each row, nothing timed (on the CPU under TRITON_INTERPRET=1 unless CUDA is
-there): `truncation_thresholds` (no precheck), `truncation_plan` (precheck, radix select off) and the default
-`truncation_plan` (radix select and precheck) over --rows rows of V = 128,256 per shape, every filter
+there): `truncation_thresholds` (no precheck), `truncation_plan` (precheck, radix select off) and
+`truncation_plan` with the radix select and the precheck over --rows rows of V = 128,256 per shape, every filter
 configuration; mean and max reads per row (the statistics' read included, and the check's with the
 precheck; the radix passes' with the radix select), the fraction of rows the precheck decided and of rows
-the default decided (drawn by the radix select or kept by the precheck). Shapes: randn and peaked in
+the radix select's run decided (drawn by the radix select or kept by the precheck). Shapes: randn and peaked in
 bfloat16, randn in float32, and adversarial rows (bfloat16 unless said): "ties" (17 distinct values),
 "heavy" (Student t, 3 degrees of freedom, · 2: tails far from Gaussian), "huge" (randn · 2 and one logit at
 60: one token holds the mass), "equal" (every logit 0), "masked" (randn · 2, a bitmask allowing one token in
@@ -266,7 +266,7 @@ def reads(ns: argparse.Namespace) -> None:
             _, passes = truncation_thresholds(z, t, *args, mask, candidates=nc)
             _, passes_pre, decided = truncation_plan(z, t, seeds, *args, mask, candidates=nc, radix=False)
             passes, passes_pre, decided = passes.cpu().float(), passes_pre.cpu().float(), decided.cpu()
-            _, passes_radix, decided_radix = truncation_plan(z, t, seeds, *args, mask, candidates=nc)
+            _, passes_radix, decided_radix = truncation_plan(z, t, seeds, *args, mask, candidates=nc, radix=True)
             passes_radix, decided_radix = passes_radix.cpu().float(), decided_radix.cpu()
             at = 0
             for shape, r in shapes:
@@ -345,19 +345,19 @@ def measure(ns, cuda, dev, copy, sampler, dtype, batch, shape, name, filters) ->
     _, passes_pre, decided = truncation_plan(*sets[0], radix=False)
     passes_pre = passes_pre.float()
     undecided = (decided < 0).float()
-    _, passes_radix, decided_radix = truncation_plan(*sets[0])
+    _, passes_radix, decided_radix = truncation_plan(*sets[0], radix=True)
     reads_radix = float((passes_radix.float() + (decided_radix < 0).float()).mean())
     _, passes_row = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:], **PER_ROW)
     # the ids of the three routes (equal but for rows within float rounding of a boundary)
     ids = [
-        sample_top_k_top_p(*sets[0]),
+        sample_top_k_top_p(*sets[0], radix=True),
         sample_top_k_top_p(*sets[0], radix=False),
         sample_top_k_top_p(*sets[0], radix=False, precheck=False),
     ]
     same_ids = all(bool(torch.equal(ids[0], other)) for other in ids[1:])
 
     def fused(s):
-        return sample_top_k_top_p(*s)
+        return sample_top_k_top_p(*s, radix=True)
 
     def fused_search(s):
         return sample_top_k_top_p(*s, radix=False)

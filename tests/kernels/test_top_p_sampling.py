@@ -416,10 +416,14 @@ def test_same_seed_same_id_alone_and_anywhere_in_any_batch(device):
     seeds = torch.tensor([11, 22, 33, 44, 55, 66])
     ids = sample_top_k_top_p(z.to(device), *_with_seeds(cfg, seeds, device)).cpu()
     perm = torch.tensor([3, 0, 5, 1, 4, 2])
-    again = sample_top_k_top_p(z[perm].to(device), *_with_seeds([cfg[i] for i in perm], seeds[perm], device), splits=2)
+    again = sample_top_k_top_p(
+        z[perm].to(device), *_with_seeds([cfg[i] for i in perm], seeds[perm], device), splits=2, radix=True
+    )
     assert again.cpu().tolist() == ids[perm].tolist()
     for b in (0, 5):
-        alone = sample_top_k_top_p(z[b : b + 1].to(device), *_with_seeds(cfg[b : b + 1], seeds[b : b + 1], device))
+        alone = sample_top_k_top_p(
+            z[b : b + 1].to(device), *_with_seeds(cfg[b : b + 1], seeds[b : b + 1], device), radix=True
+        )
         assert int(alone) == int(ids[b])
     assert int(ids[4]) == int(z[4].argmax())  # greedy rows ignore the filters
     for b in range(B):
@@ -753,7 +757,7 @@ def test_precheck_decided_after_top_k_is_the_rows_own_whatever_the_batch(device)
         assert [int(x) for x in alone] == [int(ids[b]), int(passes[b]), int(decided[b])], b
 
 
-# The radix select (`truncation_plan(radix=True)`, `sample_top_k_top_p`'s default): a top-k row's
+# The radix select (`truncation_plan(radix=True)`, off by default until timed on the device): a top-k row's
 # k-th value by two histogram passes over the logits' 16-bit buckets, its candidates gathered and sorted
 # per row, top-p and min-p applied there and the id drawn from them. The ids must be the search's (with
 # and without the precheck), the kept sets the float64 reference's.
@@ -966,13 +970,17 @@ def test_radix_ids_are_the_rows_own_whatever_the_batch(device):
     cfg[9] = (0.9, 1000, 1.0, 0.0)
     seeds = torch.arange(10, dtype=torch.int64) * 17 + 2
     t, s, k, p, m = _with_seeds(cfg, seeds, device)
-    ids = sample_top_k_top_p(z.to(device), t, s, k, p, m).cpu()
+    ids = sample_top_k_top_p(z.to(device), t, s, k, p, m, radix=True).cpu()
     assert ids.tolist() == sample_top_k_top_p(z.to(device), t, s, k, p, m, radix=False).cpu().tolist()
     perm = torch.tensor([7, 2, 9, 0, 5, 1, 8, 3, 6, 4])
-    again = sample_top_k_top_p(z[perm].to(device), *_with_seeds([cfg[i] for i in perm], seeds[perm], device), splits=2)
+    again = sample_top_k_top_p(
+        z[perm].to(device), *_with_seeds([cfg[i] for i in perm], seeds[perm], device), splits=2, radix=True
+    )
     assert again.cpu().tolist() == ids[perm].tolist()
     for b in (0, 1, 4, 9):
-        alone = sample_top_k_top_p(z[b : b + 1].to(device), *_with_seeds(cfg[b : b + 1], seeds[b : b + 1], device))
+        alone = sample_top_k_top_p(
+            z[b : b + 1].to(device), *_with_seeds(cfg[b : b + 1], seeds[b : b + 1], device), radix=True
+        )
         assert int(alone) == int(ids[b]), b
 
 
