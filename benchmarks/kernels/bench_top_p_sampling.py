@@ -9,10 +9,15 @@
 Per (logits dtype, batch, logits shape, filters), at temperature 0.6 over random logits: "randn" is
 randn · 2, "peaked" the same plus 30 tokens at random indices raised by 12 down to 4 (evenly spaced), an
 instruct model's peaked rows:
-  * fused: `sample_top_k_top_p` (threshold search + thresholded Gumbel draw), as CUDA-graph replays, with
-    the precheck (the default: the plain draw kept where it is provably kept) and without ("no pre");
+  * fused: `sample_top_k_top_p` with the radix select on (it serves the top-k rows; the precheck and the
+    threshold search the others; the thresholded Gumbel draw), as CUDA-graph replays; "search": with the
+    radix select off (the precheck and the search for every row: the default), "no pre": with both off;
+    "radix reads" the reads per row with the radix select (radix passes, statistics, check, search
+    passes, and the draw's for rows not decided), "same ids" whether the three give every row the same id
+    (they must, but for a row within float rounding of a top-p boundary);
   * search: `truncation_thresholds` alone (default: 8 candidates per pass, 10 passes split over rows ×
-    chunks), and the passes over each row it made (mean, max); "pre": `truncation_plan` with the precheck,
+    chunks), and the passes over each row it made (mean, max); "pre": `truncation_plan` with the precheck
+    (the radix select off),
     its reads per row (statistics, check, search passes), the fraction of rows it decided ("accepted"),
     and the reads per row with the draw's ("reads": search + 1 without the precheck; decided rows skip
     the draw); "per-row": every pass by one program per row with 8 candidates (split_passes=0), the
@@ -31,9 +36,11 @@ gave every threshold the same bits (it must), and the fastest layout per (batch,
 (summed over the cases). Writes top_p_sweep_<gpu>.json.
 
 --reads: the search's reads of each row, nothing timed (on the CPU under TRITON_INTERPRET=1 unless CUDA is
-there): `truncation_thresholds` (no precheck) and `truncation_plan` (precheck) over --rows rows of V = 128,256
-per shape, every filter configuration; mean and max reads per row (the statistics' read included, and the
-check's with the precheck) and the fraction of rows the precheck decided. Shapes: randn and peaked in
+there): `truncation_thresholds` (no precheck), `truncation_plan` (precheck, radix select off) and
+`truncation_plan` with the radix select and the precheck over --rows rows of V = 128,256 per shape, every filter
+configuration; mean and max reads per row (the statistics' read included, and the check's with the
+precheck; the radix passes' with the radix select), the fraction of rows the precheck decided and of rows
+the radix select's run decided (drawn by the radix select or kept by the precheck). Shapes: randn and peaked in
 bfloat16, randn in float32, and adversarial rows (bfloat16 unless said): "ties" (17 distinct values),
 "heavy" (Student t, 3 degrees of freedom, · 2: tails far from Gaussian), "huge" (randn · 2 and one logit at
 60: one token holds the mass), "equal" (every logit 0), "masked" (randn · 2, a bitmask allowing one token in
@@ -257,8 +264,10 @@ def reads(ns: argparse.Namespace) -> None:
             seeds = torch.arange(B, device=dev) + 1
             t0 = time.perf_counter()
             _, passes = truncation_thresholds(z, t, *args, mask, candidates=nc)
-            _, passes_pre, decided = truncation_plan(z, t, seeds, *args, mask, candidates=nc)
+            _, passes_pre, decided = truncation_plan(z, t, seeds, *args, mask, candidates=nc, radix=False)
             passes, passes_pre, decided = passes.cpu().float(), passes_pre.cpu().float(), decided.cpu()
+            _, passes_radix, decided_radix = truncation_plan(z, t, seeds, *args, mask, candidates=nc, radix=True)
+            passes_radix, decided_radix = passes_radix.cpu().float(), decided_radix.cpu()
             at = 0
             for shape, r in shapes:
                 sl = slice(at, at + r.shape[0])
@@ -275,6 +284,9 @@ def reads(ns: argparse.Namespace) -> None:
                         "passes_pre_mean": float(passes_pre[sl].mean()),
                         "passes_pre_max": int(passes_pre[sl].max()),
                         "accepted": float((decided[sl] >= 0).float().mean()),
+                        "passes_radix_mean": float(passes_radix[sl].mean()),
+                        "passes_radix_max": int(passes_radix[sl].max()),
+                        "decided_radix": float((decided_radix[sl] >= 0).float().mean()),
                     }
                 )
                 print(f"  {rows[-1]}", flush=True)
@@ -293,6 +305,9 @@ def reads(ns: argparse.Namespace) -> None:
             ("passes_pre_mean", "reads pre", ".2f"),
             ("passes_pre_max", "max pre", "d"),
             ("accepted", "accepted", ".2f"),
+            ("passes_radix_mean", "reads radix", ".2f"),
+            ("passes_radix_max", "max radix", "d"),
+            ("decided_radix", "decided radix", ".2f"),
         ],
     )
     json_path, _ = output_paths(ns.out, "top_p_reads")
@@ -327,24 +342,34 @@ def measure(ns, cuda, dev, copy, sampler, dtype, batch, shape, name, filters) ->
     tensors = SamplingTensors.from_rows([SamplingRow(params, [], [])] * batch, ns.vocab, dev)
     _, passes = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:])
     passes = passes.float()
-    _, passes_pre, decided = truncation_plan(*sets[0])
+    _, passes_pre, decided = truncation_plan(*sets[0], radix=False)
     passes_pre = passes_pre.float()
     undecided = (decided < 0).float()
+    _, passes_radix, decided_radix = truncation_plan(*sets[0], radix=True)
+    reads_radix = float((passes_radix.float() + (decided_radix < 0).float()).mean())
     _, passes_row = truncation_thresholds(sets[0][0], *sets[0][1:2], *sets[0][3:], **PER_ROW)
-    # the ids with and without the precheck (equal but for rows within float rounding of a boundary)
-    same_ids = bool(torch.equal(sample_top_k_top_p(*sets[0]), sample_top_k_top_p(*sets[0], precheck=False)))
+    # the ids of the three routes (equal but for rows within float rounding of a boundary)
+    ids = [
+        sample_top_k_top_p(*sets[0], radix=True),
+        sample_top_k_top_p(*sets[0], radix=False),
+        sample_top_k_top_p(*sets[0], radix=False, precheck=False),
+    ]
+    same_ids = all(bool(torch.equal(ids[0], other)) for other in ids[1:])
 
     def fused(s):
-        return sample_top_k_top_p(*s)
+        return sample_top_k_top_p(*s, radix=True)
+
+    def fused_search(s):
+        return sample_top_k_top_p(*s, radix=False)
 
     def fused_nopre(s):
-        return sample_top_k_top_p(*s, precheck=False)
+        return sample_top_k_top_p(*s, radix=False, precheck=False)
 
     def search(s):
         return truncation_thresholds(s[0], s[1], *s[3:])
 
     def search_pre(s):
-        return truncation_plan(*s)
+        return truncation_plan(*s, radix=False)
 
     def search_row(s):
         return truncation_thresholds(s[0], s[1], *s[3:], **PER_ROW)
@@ -355,21 +380,22 @@ def measure(ns, cuda, dev, copy, sampler, dtype, batch, shape, name, filters) ->
     def amax(s):
         return torch.amax(s[0], dim=-1)
 
-    timed = (fused, fused_nopre, search, search_pre, search_row, amax)
+    timed = (fused, fused_search, fused_nopre, search, search_pre, search_row, amax)
     if cuda:
-        fused_us, fused_nopre_us, search_us, search_pre_us, search_row_us, amax_us = (
+        fused_us, fused_search_us, fused_nopre_us, search_us, search_pre_us, search_row_us, amax_us = (
             bench_graph([lambda s=s, f=f: f(s) for s in sets]) * 1e3 for f in timed
         )
         full_us = bench(lambda: full(sets[0]))["ms"] * 1e3
         floor_us = batch * ns.vocab * sets[0][0].element_size() / (copy / 2) * 1e6
     else:
-        fused_us, fused_nopre_us, search_us, search_pre_us, search_row_us, amax_us, full_us = (
+        fused_us, fused_search_us, fused_nopre_us, search_us, search_pre_us, search_row_us, amax_us, full_us = (
             cpu_time_ms(lambda f=f: f(sets[0])) * 1e3 for f in (*timed, full)
         )
         floor_us = None
     print(
-        f"  {dtype} {batch} {shape} {name}: fused {fused_us:.1f} µs (no precheck {fused_nopre_us:.1f}), "
-        f"search {search_us:.1f} µs (precheck {search_pre_us:.1f}), accepted {1 - float(undecided.mean()):.2f}",
+        f"  {dtype} {batch} {shape} {name}: fused {fused_us:.1f} µs (radix off {fused_search_us:.1f}, "
+        f"and no precheck {fused_nopre_us:.1f}; same ids {same_ids}), search {search_us:.1f} µs "
+        f"(precheck {search_pre_us:.1f}), accepted {1 - float(undecided.mean()):.2f}",
         flush=True,
     )
     return {
@@ -384,10 +410,13 @@ def measure(ns, cuda, dev, copy, sampler, dtype, batch, shape, name, filters) ->
         "accepted": 1.0 - float(undecided.mean()),
         "reads_mean": float(passes.mean()) + 1.0,
         "reads_pre_mean": float((passes_pre + undecided).mean()),
+        "reads_radix_mean": reads_radix,
         "same_ids": same_ids,
         "fused_us": fused_us,
+        "fused_search_us": fused_search_us,
+        "search/radix": fused_search_us / fused_us,
         "fused_nopre_us": fused_nopre_us,
-        "nopre/pre": fused_nopre_us / fused_us,
+        "nopre/pre": fused_nopre_us / fused_search_us,
         "search_us": search_us,
         "search_pre_us": search_pre_us,
         "passes_row_mean": float(passes_row.float().mean()),
@@ -441,7 +470,11 @@ def main() -> None:
             ("accepted", "accepted", ".2f"),
             ("reads_mean", "reads", ".1f"),
             ("reads_pre_mean", "reads pre", ".1f"),
+            ("reads_radix_mean", "reads radix", ".1f"),
+            ("same_ids", "same ids", "d"),
             ("fused_us", "fused µs", ".1f"),
+            ("fused_search_us", "fused radix off µs", ".1f"),
+            ("search/radix", "radix off/on", ".2f"),
             ("fused_nopre_us", "fused no pre µs", ".1f"),
             ("nopre/pre", "no pre/pre", ".2f"),
             ("search_us", "search µs", ".1f"),

@@ -3,9 +3,9 @@
 The interpreter that runs the other kernel tests on a CPU executes the kernels as Python, so it never
 sees what only the compiler checks: the types that branches and `while` loops carry (a constant that
 becomes a tensor in one branch fails to compile). This compiles every kernel the truncating sampler
-launches (the threshold search's and the draw's; with and without a bitmask, bf16 and float32 logits;
-the search pass in each layout of `SEARCH_LAYOUTS`, which the benchmark sweeps) and checks that nothing
-spills to local memory. The compiler runs in a subprocess (the tests' interpreter mode replaces the
+launches (the radix select's, the threshold search's and the draw's; with and without a bitmask, bf16
+and float32 logits; the search pass in each layout of `SEARCH_LAYOUTS`, which the benchmark sweeps) and
+checks that nothing spills to local memory. The compiler runs in a subprocess (the tests' interpreter mode replaces the
 kernels by Python functions); skipped where this Triton cannot compile for CUDA.
 """
 
@@ -20,8 +20,11 @@ from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backe
 
 def summarise() -> dict:
     """{launch: {"local": whether its PTX touches local memory}}, or {"skip": reason}: every kernel
-    `sample_top_k_top_p` launches (the threshold search's five, the precheck's two and the draw's two;
-    with the precheck and without), bf16 with and without a bitmask and float32 without."""
+    `sample_top_k_top_p` launches (the radix select's four, two of them in two variants, the threshold
+    search's five, the precheck's two and the draw's two; with the radix select and the precheck, the
+    radix select alone, and the precheck alone), bf16 with and without a bitmask and float32 without. A
+    kernel launched in a second variant within one call (R1's and R2's histogram and per-row programs)
+    is listed again as name#2."""
     missing = missing_cuda_backend()
     if missing is not None:
         return {"skip": missing}
@@ -37,22 +40,26 @@ def summarise() -> dict:
         ones = torch.ones(B)
         bitmask = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32) if has_mask else None
         args = (logits, ones, torch.zeros(B, dtype=torch.int64), torch.full((B,), 50, dtype=torch.int32), ones, ones)
-        try:
-            with compile_only_for_sm90() as launched:
-                sample_top_k_top_p(*args, bitmask=bitmask)
-                first = len(launched)
-                sample_top_k_top_p(*args, bitmask=bitmask, precheck=False)
-        except Exception as e:
-            if "ptxas" in str(e):
-                return {"skip": f"no ptxas: {e}"}
-            out[f"{dtype}/mask={has_mask}"] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
-            continue
-        for i, (name, compiled) in enumerate(launched):
-            ptx = compiled.asm["ptx"]
-            variant = "precheck" if i < first else "search"
-            out[f"{name}/{str(dtype).removeprefix('torch.')}/mask={has_mask}/{variant}"] = {
-                "local": "ld.local" in ptx or "st.local" in ptx
-            }
+        calls = {"precheck": dict(), "search": dict(precheck=False), "noradix": dict(radix=False)}
+        for variant, kwargs in calls.items():
+            try:
+                with compile_only_for_sm90() as launched:
+                    sample_top_k_top_p(*args, bitmask=bitmask, **kwargs)
+            except Exception as e:
+                if "ptxas" in str(e):
+                    return {"skip": f"no ptxas: {e}"}
+                out[f"{dtype}/mask={has_mask}/{variant}"] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+                continue
+            variants: dict[str, list] = {}
+            for name, compiled in launched:
+                seen = variants.setdefault(name, [])
+                if compiled.hash not in seen:
+                    seen.append(compiled.hash)
+                ptx = compiled.asm["ptx"]
+                suffix = "" if len(seen) == 1 else f"#{len(seen)}"
+                out[f"{name}{suffix}/{str(dtype).removeprefix('torch.')}/mask={has_mask}/{variant}"] = {
+                    "local": "ld.local" in ptx or "st.local" in ptx
+                }
     logits, ones, k = torch.zeros(B, V, dtype=torch.bfloat16), torch.ones(B), torch.full((B,), 50, dtype=torch.int32)
     for search in SEARCH_LAYOUTS:
         layout = ",".join(f"{key}={value}" for key, value in search.items())
@@ -79,7 +86,10 @@ def test_kernels_compile_for_sm90_without_spills(facts):
     assert {"threshold_stats_kernel", "threshold_begin_kernel", "threshold_pass_kernel"} <= names, facts
     assert {"threshold_reduce_kernel", "threshold_finish_kernel", "sample_partial_kernel"} <= names, facts
     assert {"threshold_check_kernel", "threshold_check_reduce_kernel"} <= names, facts
+    radix = {"radix_hist_kernel", "radix_hist_kernel#2", "radix_select_kernel", "radix_select_kernel#2"}
+    assert radix | {"radix_gather_kernel", "radix_finish_kernel"} <= names, facts
     assert sum(name.endswith("/search") for name in facts) == sum(name.endswith("/precheck") for name in facts) - 6
+    assert sum(name.endswith("/noradix") for name in facts) == sum(name.endswith("/precheck") for name in facts) - 18
     assert sum(name.startswith("threshold_pass_kernel/candidates=") for name in facts) == 16, facts
     for name, fact in facts.items():
         assert "error" not in fact, (name, fact)

@@ -383,7 +383,9 @@ def test_draws_follow_the_truncated_distribution(device):
     sub = torch.tensor([j * n + i for j in range(len(configs)) for i in range(m)])
     t_rows, k_rows, p_rows, m_rows = params([configs[int(r) // n] for r in sub], device)
     sub_seeds, sub_logits = seeds[sub.to(device)], logits[sub.to(device)]
-    thr, _, decided = truncation_plan(sub_logits, t_rows, sub_seeds, k_rows, p_rows, m_rows, chunk=8, split_passes=0)
+    thr, _, decided = truncation_plan(
+        sub_logits, t_rows, sub_seeds, k_rows, p_rows, m_rows, chunk=8, split_passes=0, radix=False
+    )
     prechecked = sample_greedy_or_gumbel(sub_logits, t_rows, sub_seeds, thresholds=thr, decided=decided).cpu()
     assert prechecked.tolist() == ids[sub].tolist()
     per_block = (decided.cpu() >= 0).view(len(configs), m).sum(1)
@@ -414,10 +416,14 @@ def test_same_seed_same_id_alone_and_anywhere_in_any_batch(device):
     seeds = torch.tensor([11, 22, 33, 44, 55, 66])
     ids = sample_top_k_top_p(z.to(device), *_with_seeds(cfg, seeds, device)).cpu()
     perm = torch.tensor([3, 0, 5, 1, 4, 2])
-    again = sample_top_k_top_p(z[perm].to(device), *_with_seeds([cfg[i] for i in perm], seeds[perm], device), splits=2)
+    again = sample_top_k_top_p(
+        z[perm].to(device), *_with_seeds([cfg[i] for i in perm], seeds[perm], device), splits=2, radix=True
+    )
     assert again.cpu().tolist() == ids[perm].tolist()
     for b in (0, 5):
-        alone = sample_top_k_top_p(z[b : b + 1].to(device), *_with_seeds(cfg[b : b + 1], seeds[b : b + 1], device))
+        alone = sample_top_k_top_p(
+            z[b : b + 1].to(device), *_with_seeds(cfg[b : b + 1], seeds[b : b + 1], device), radix=True
+        )
         assert int(alone) == int(ids[b])
     assert int(ids[4]) == int(z[4].argmax())  # greedy rows ignore the filters
     for b in range(B):
@@ -482,12 +488,13 @@ def test_bad_parameter_tensors_raise():
 
 # The precheck (`truncation_plan(precheck=True)`, `sample_top_k_top_p`'s default): the plain draw x1 is
 # found with the statistics and kept where a check pass proves it kept; the ids must be the search's.
+# These tests follow the precheck's routes, so the radix select (which takes the top-k rows first) is off.
 
 
-def _plan_draw(z, cfg, seeds, bitmask=None, precheck=True, **search):
+def _plan_draw(z, cfg, seeds, bitmask=None, precheck=True, radix=False, **search):
     """`sample_top_k_top_p`'s composition with a chosen search layout: (ids, passes, decided ids or None)."""
     t, s, k, p, m = _with_seeds(cfg, seeds, z.device)
-    thr, passes, decided = truncation_plan(z, t, s, k, p, m, bitmask, precheck=precheck, **search)
+    thr, passes, decided = truncation_plan(z, t, s, k, p, m, bitmask, precheck=precheck, radix=radix, **search)
     ids = sample_greedy_or_gumbel(z, t, s, bitmask=bitmask, thresholds=thr, decided=decided)
     return ids.cpu(), passes.cpu(), None if decided is None else decided.cpu()
 
@@ -748,3 +755,237 @@ def test_precheck_decided_after_top_k_is_the_rows_own_whatever_the_batch(device)
     for b in range(4):
         alone = _plan_draw(z[b : b + 1].to(device), cfg[b : b + 1], seeds[b : b + 1], chunk=256)
         assert [int(x) for x in alone] == [int(ids[b]), int(passes[b]), int(decided[b])], b
+
+
+# The radix select (`truncation_plan(radix=True)`, off by default until timed on the device): a top-k row's
+# k-th value by two histogram passes over the logits' 16-bit buckets, its candidates gathered and sorted
+# per row, top-p and min-p applied there and the id drawn from them. The ids must be the search's (with
+# and without the precheck), the kept sets the float64 reference's.
+
+RADIX_CONFIGS = [
+    (0.7, 50, 1.0, 0.0),  # top-k alone
+    (0.6, 50, 0.9, 0.0),  # top-k + top-p
+    (1.0, 1, 1.0, 0.0),  # k = 1
+    (0.9, 2, 1.0, 0.0),  # k = 2
+    (0.8, 30, 1.0, 0.1),  # top-k + min-p
+    (1.1, 20, 0.8, 0.05),  # all three
+    (0.8, 0, 0.9, 0.0),  # top-p alone: the search's
+    (1.0, 0, 1.0, 0.1),  # min-p alone: the search's
+    (0.0, 10, 0.5, 0.1),  # greedy: filters ignored
+    (1.0, 0, 1.0, 0.0),  # no filter
+]
+
+
+def _radix_plan(z, cfg, seeds, bitmask=None, precheck=False, radix=True, **layout):
+    """`sample_top_k_top_p`'s composition: (ids, thr, passes, decided ids or None), on the CPU."""
+    t, s, k, p, m = _with_seeds(cfg, seeds, z.device)
+    thr, passes, decided = truncation_plan(z, t, s, k, p, m, bitmask, precheck=precheck, radix=radix, **layout)
+    ids = sample_greedy_or_gumbel(z, t, s, bitmask=bitmask, thresholds=thr, decided=decided)
+    return ids.cpu(), thr.cpu(), passes.cpu(), None if decided is None else decided.cpu()
+
+
+def _check_radix(z, cfg, seeds, bitmask=None, allowed=None, cap=256, **layout):
+    """The radix select's ids against the search's (precheck off and on) and its kept sets against the
+    reference (every row's thr is its kept set with the precheck off); returns (passes, decided) of the
+    radix select without the precheck, whose decided rows are the ones it drew."""
+    ids, thr, passes, decided = _radix_plan(z, cfg, seeds, bitmask, cap=cap, **layout)
+    search, _, _, _ = _radix_plan(z, cfg, seeds, bitmask, radix=False, **layout)
+    both, _, _, _ = _radix_plan(z, cfg, seeds, bitmask, precheck=True, cap=cap, **layout)
+    assert ids.tolist() == search.tolist() == both.tolist()
+    inv_t = 1.0 / params(cfg, "cpu")[0]
+    kept = z.cpu().float() * inv_t[:, None] > thr[:, None]
+    for b, c in enumerate(cfg):
+        if c[0] == 0.0:
+            continue
+        row = z[b].cpu().float()
+        if allowed is not None:
+            kept[b] &= allowed[b]
+            row = row.masked_fill(~allowed[b], -math.inf)
+        assert torch.equal(kept[b], reference_kept(row, *c)), (b, c, int(kept[b].sum()))
+        assert reference_kept(row, *c)[ids[b]], (b, c)
+        if int(decided[b]) >= 0:
+            assert int(decided[b]) == int(ids[b]) and int(passes[b]) == 3, (b, c)
+    return passes, decided
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_radix_ids_are_the_searchs_and_kept_sets_the_references(device, dtype):
+    """Rows of assorted shapes (flat, peaked, wide, a fifth −inf) under every filter, mixed in one batch
+    with top-p-only, min-p-only, greedy and plain rows, over three chunks: every top-k row is drawn by
+    the radix select (three reads), the others are not, and the ids are the search's; a row with fewer
+    finite tokens than k keeps them all before top-p."""
+    gen = torch.Generator().manual_seed(41)
+    V = 2500
+    z, cfg = _mixed_rows(gen, V, 3 * len(RADIX_CONFIGS), RADIX_CONFIGS)
+    few = torch.full((V,), -math.inf)
+    few[torch.randperm(V, generator=gen)[:120]] = torch.randn(120, generator=gen) * 2
+    z = torch.cat([z, few[None]]).to(dtype)
+    cfg = [*cfg, (0.9, 200, 0.95, 0.0)]
+    seeds = torch.arange(len(cfg), dtype=torch.int64) * 7919 + 5
+    passes, decided = _check_radix(z.to(device), cfg, seeds, chunk=1024)
+    for b, (t, k, _p, _m) in enumerate(cfg):
+        radix = t > 0 and k > 0
+        assert (int(decided[b]) >= 0) == radix, (b, cfg[b])
+        if t == 0 or cfg[b][1:] == (0, 1.0, 0.0):
+            assert int(passes[b]) == 0, (b, cfg[b])
+
+
+def test_radix_draws_are_the_thresholded_draws_for_many_seeds(device):
+    """A flat and a peaked row under top-k 50 + top-p 0.9 and under top-k 5, 16 seeds each: the id the radix
+    select draws from its candidates is the thresholded draw's for every seed (the same noise and
+    arithmetic, `best_thresholded`), and the draws spread over the kept set."""
+    gen = torch.Generator().manual_seed(67)
+    V, n = 2000, 16
+    flat = torch.randn(V, generator=gen) * 2
+    peaked = flat.clone()
+    peaked[torch.randperm(V, generator=gen)[:6]] += torch.tensor([9.0, 8.0, 8.0, 6.0, 4.0, 3.0])
+    configs = [(0.6, 50, 0.9, 0.0), (1.0, 5, 1.0, 0.0)]
+    rows = [(z, c) for z in (flat, peaked) for c in configs for _ in range(n)]
+    z = torch.stack([r[0] for r in rows]).to(torch.bfloat16)
+    cfg = [r[1] for r in rows]
+    seeds = torch.arange(len(cfg), dtype=torch.int64) * 104729 + 17
+    ids, _, passes, decided = _radix_plan(z.to(device), cfg, seeds, chunk=1024)
+    search, _, _, _ = _radix_plan(z.to(device), cfg, seeds, radix=False, chunk=1024)
+    assert ids.tolist() == search.tolist() == decided.tolist() and (passes == 3).all()
+    assert len(set(ids[:n].tolist())) >= 4 and len(set(ids[n : 2 * n].tolist())) >= 3
+
+
+def _tied_rows(gen, V, dtype):
+    """Rows whose k-th value (k = 50) lies in a tie group: 5 tokens at 3.0, 20 at 2.5 and n at 2.0 over a
+    tail near −1, for n = 60 (85 candidates: the group kept whole), 400 (425: beyond the buffer) and ~V / 9
+    (logits rounded to 9 distinct values)."""
+    rows = []
+    for n in (60, 400):
+        z = torch.randn(V, generator=gen) * 0.5 - 1.0
+        at = torch.randperm(V, generator=gen)
+        z[at[:5]], z[at[5:25]], z[at[25 : 25 + n]] = 3.0, 2.5, 2.0
+        rows.append(z)
+    rows.append(torch.randint(-4, 5, (V,), generator=gen).float() * 0.5)
+    return torch.stack(rows).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_radix_ties_at_the_kth_value(device, dtype):
+    """A tie group at the k-th value is kept whole (top-k alone, with top-p, with min-p); when it holds more
+    candidates than the buffer, a top-k + top-p row falls back to the search, and a top-k row alone is served
+    by its bucket's value for bf16 logits (two reads, drawn by the draw), by the search for float32; a buffer
+    of 16 makes the 85-token group overflow too. The ids are the search's, the kept sets the reference's."""
+    gen = torch.Generator().manual_seed(43)
+    V = 3000
+    tied = _tied_rows(gen, V, dtype)
+    configs = [(1.0, 50, 1.0, 0.0), (0.8, 50, 0.9, 0.0), (1.0, 50, 1.0, 0.5)]
+    z = tied.repeat_interleave(len(configs), 0)
+    cfg = configs * len(tied)
+    seeds = torch.arange(len(cfg), dtype=torch.int64) * 31 + 3
+    for cap in (256, 16):
+        passes, decided = _check_radix(z.to(device), cfg, seeds, cap=cap, chunk=1024)
+        for b, (_t, k, p, _m) in enumerate(cfg):
+            fits = b < len(configs) and cap == 256  # the 85-token group
+            assert (int(decided[b]) >= 0) == fits, (cap, b, cfg[b])
+            if not fits and dtype == torch.bfloat16 and p == 1.0:
+                assert int(passes[b]) == 2, (cap, b, cfg[b])  # R1, R2; the draw draws
+            elif not fits and k <= cap:
+                assert int(passes[b]) >= 3, (cap, b, cfg[b])  # R1, R2, the search (k > cap: the search alone)
+
+
+def test_radix_with_a_bitmask_and_minus_inf(device):
+    """A bitmask allowing a third of the tokens (and on some rows fewer allowed finite tokens than k), −inf
+    logits, rows mixed with top-p-only and plain rows: the radix select counts, gathers and draws only
+    what the bitmask allows; the ids are the search's, the kept sets the reference's over the allowed
+    tokens."""
+    gen = torch.Generator().manual_seed(47)
+    V, B = 2000, 12
+    z = torch.randn(B, V, generator=gen) * 2
+    z[::3, :700] = -math.inf
+    allowed = torch.rand(B, V, generator=gen) < 0.33
+    allowed[4:6] = torch.rand(2, V, generator=gen) < 0.04  # ~80 allowed tokens, k = 100
+    bitmask = torch.from_numpy(pack_bitmask(allowed.numpy())).to(device)
+    configs = [(0.7, 50, 1.0, 0.0), (0.6, 50, 0.9, 0.0), (0.9, 0, 0.9, 0.0), (1.1, 100, 0.8, 0.05)]
+    cfg = [configs[b % len(configs)] for b in range(B)]
+    cfg[4], cfg[5] = (1.0, 100, 1.0, 0.0), (0.8, 100, 0.7, 0.0)
+    seeds = torch.arange(B, dtype=torch.int64) * 13 + 1
+    _, decided = _check_radix(z.to(device), cfg, seeds, bitmask=bitmask, allowed=allowed, chunk=512)
+    assert [int(d) >= 0 for d in decided] == [c[1] > 0 for c in cfg], decided.tolist()
+
+
+def test_radix_float32_values_tied_only_in_l(device):
+    """float32 logits 1.9 + j · ulp (j < 64) at T = 1 / 1.1: z · (1 / T) crosses into the binade above, so
+    neighbouring z's round to one l, and the k-th largest l (k = 30, 45) ties with values below the k-th
+    largest z: the kept set is every l ≥ t_k in float32, as the search keeps, the ids are the search's."""
+    gen = torch.Generator().manual_seed(53)
+    V, B = 1500, 6
+    z = torch.randn(B, V, generator=gen) - 3.0
+    cluster = torch.full((64,), 1.9).view(torch.int32) + torch.arange(64, dtype=torch.int32)
+    for b in range(B):
+        z[b, torch.randperm(V, generator=gen)[:64]] = cluster.view(torch.float32)
+    temperature = float(torch.tensor(1.0) / torch.tensor(1.1))
+    cfg = [(temperature, 30, 1.0, 0.0), (temperature, 45, 0.9, 0.0), (temperature, 30, 1.0, 0.2)] * 2
+    seeds = torch.arange(B, dtype=torch.int64) * 101 + 7
+    zd = z.to(device)
+    ids, thr, _, decided = _radix_plan(zd, cfg, seeds, chunk=512)
+    search, thr_s, _, _ = _radix_plan(zd, cfg, seeds, radix=False, chunk=512)
+    assert ids.tolist() == search.tolist() and (decided >= 0).all()
+    sl = z * (1.0 / params(cfg, "cpu")[0])[:, None]  # float32, the kernels' l
+    for b, (_t, k, _p, _m) in enumerate(cfg):
+        kept, kept_s = sl[b] > thr[b], sl[b] > thr_s[b]
+        assert torch.equal(kept, kept_s), b
+        if cfg[b][2:] == (1.0, 0.0):
+            t_k = sl[b].sort(descending=True).values[k - 1]
+            assert torch.equal(kept, sl[b] >= t_k) and int(kept.sum()) > k, b  # ties in l beyond k
+
+
+def test_radix_gather_beyond_the_buffer_by_ties_in_l_falls_back(device):
+    """float32 logits: 10 tokens at 1.875 (a bucket's smallest float) and 300 one float below it (the bucket
+    below), which z · (1 / T) at T = 1 / 1.1 rounds to the same l: R2 counts 10 candidates for k = 5, the
+    gather finds 310 (every l ≥ t_e), more than the buffer, so the row goes to the search, which keeps the
+    310 as top-k's tie group; the ids are the search's."""
+    gen = torch.Generator().manual_seed(61)
+    V, B = 1500, 3
+    z = torch.randn(B, V, generator=gen) - 3.0
+    f = torch.tensor(1.875)
+    below = (f.view(torch.int32) - 1).view(torch.float32)
+    for b in range(B):
+        at = torch.randperm(V, generator=gen)
+        z[b, at[:10]], z[b, at[10:310]] = f, below
+    temperature = float(torch.tensor(1.0) / torch.tensor(1.1))
+    cfg = [(temperature, 5, 1.0, 0.0), (temperature, 5, 0.9, 0.0), (temperature, 5, 1.0, 0.3)]
+    seeds = torch.arange(B, dtype=torch.int64) * 11 + 3
+    zd = z.to(device)
+    ids, thr, passes, decided = _radix_plan(zd, cfg, seeds, chunk=512)
+    search, thr_s, _, _ = _radix_plan(zd, cfg, seeds, radix=False, chunk=512)
+    assert ids.tolist() == search.tolist() and (decided < 0).all() and (passes >= 4).all(), passes.tolist()
+    sl = z * (1.0 / params(cfg, "cpu")[0])[:, None]
+    assert torch.equal(sl > thr[:, None], sl > thr_s[:, None])
+    assert int((sl[0] > thr[0]).sum()) == 310
+
+
+def test_radix_ids_are_the_rows_own_whatever_the_batch(device):
+    """Drawn by the radix select, by its bucket or by the search: the same id alone, and permuted in a
+    batch with other rows, and the same draws with the radix select off."""
+    gen = torch.Generator().manual_seed(59)
+    V = 1500
+    z, cfg = _mixed_rows(gen, V, 10, RADIX_CONFIGS)
+    z = z.to(torch.bfloat16)
+    z[9, :] = 0.0  # k = 1000 over one tie group: served by its bucket
+    cfg[9] = (0.9, 1000, 1.0, 0.0)
+    seeds = torch.arange(10, dtype=torch.int64) * 17 + 2
+    t, s, k, p, m = _with_seeds(cfg, seeds, device)
+    ids = sample_top_k_top_p(z.to(device), t, s, k, p, m, radix=True).cpu()
+    assert ids.tolist() == sample_top_k_top_p(z.to(device), t, s, k, p, m, radix=False).cpu().tolist()
+    perm = torch.tensor([7, 2, 9, 0, 5, 1, 8, 3, 6, 4])
+    again = sample_top_k_top_p(
+        z[perm].to(device), *_with_seeds([cfg[i] for i in perm], seeds[perm], device), splits=2, radix=True
+    )
+    assert again.cpu().tolist() == ids[perm].tolist()
+    for b in (0, 1, 4, 9):
+        alone = sample_top_k_top_p(
+            z[b : b + 1].to(device), *_with_seeds(cfg[b : b + 1], seeds[b : b + 1], device), radix=True
+        )
+        assert int(alone) == int(ids[b]), b
+
+
+def test_radix_cap_must_be_a_power_of_two():
+    z, t, s = torch.zeros(1, 256), torch.ones(1), torch.zeros(1, dtype=torch.int64)
+    k, p, m = torch.full((1,), 5, dtype=torch.int32), torch.ones(1), torch.zeros(1)
+    with pytest.raises(ValueError, match="cap"):
+        truncation_plan(z, t, s, k, p, m, cap=100)

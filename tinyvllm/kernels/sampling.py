@@ -44,6 +44,28 @@ def allowed_by(mask_row_ptr, offs, valid):
 
 
 @triton.jit
+def thresholded_gumbel(z, inv_t, u, FAST_LOG: tl.constexpr):
+    """The value the thresholded draw (HAS_THR) maximises for a logit z and its uniform u: z · inv_t −
+    ln 2 · log2(−log2 u) (Gumbel noise up to a constant), the product z · inv_t rounded first (the
+    threshold test compares it) and the noise's product fused into the subtraction, written as one
+    explicit fma so that every kernel computing it gets the same bits, whatever its compiler would
+    contract (top_p_sampling.py draws rows with it outside this kernel)."""
+    return tl.fma(log2(-log2(u, FAST_LOG), FAST_LOG), -0.6931471805599453, z * inv_t)
+
+
+@triton.jit
+def best_thresholded(z, offs, valid, inv_t, seed, V, TILE: tl.constexpr, FAST_LOG: tl.constexpr):
+    """(value, index) the thresholded draw (HAS_THR) finds among the logits z [BLOCK] (float32) at indices
+    `offs` where `valid` (tokens above the row's threshold), for a row of 1 / T = inv_t > 0 and `seed`: the
+    same noise (`noise_at`) and arithmetic (`thresholded_gumbel`), the lowest index among equal values,
+    (−inf, V) when none is valid."""
+    u = tl.maximum(noise_at(seed, offs, TILE), 1e-20)
+    g = tl.where(valid, thresholded_gumbel(z, inv_t, u, FAST_LOG), float("-inf"))
+    top = tl.max(g, axis=0)
+    return top, tl.min(tl.where(g == top, offs, V), axis=0)
+
+
+@triton.jit
 def _best_of_quarter(
     row_ptr,
     q_start,
@@ -73,8 +95,11 @@ def _best_of_quarter(
         mask = mask & (z * inv_t > thr)
     if not greedy:
         u = tl.maximum(noise, 1e-20)  # rand is in [0, 1): keep the logarithms finite
-        # Gumbel noise −ln(−ln u) = −ln 2 · log2(−log2 u) − ln(ln 2); the constant never moves an argmax.
-        z = z * inv_t - 0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
+        if HAS_THR:
+            z = thresholded_gumbel(z, inv_t, u, FAST_LOG)
+        else:
+            # Gumbel noise −ln(−ln u) = −ln 2 · log2(−log2 u) − ln(ln 2); the constant never moves an argmax.
+            z = z * inv_t - 0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
     z = tl.where(mask, z, float("-inf"))
     better = z > best_val
     return tl.where(better, z, best_val), tl.where(better, offs, best_idx)
