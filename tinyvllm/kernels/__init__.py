@@ -11,6 +11,10 @@ product, whose tile changes with M but no row's sum does (kernels/invariant_matm
 kernel, with the same key tiles, for prefill and decode rows (prefill_attention.invariant_*). No fused small-batch
 product there: the runner keeps the fused paths off under it.
 
+`rms_norm_fp8`, `add_rms_norm_fp8` and `silu_and_mul_fp8` return their op's output quantized per token
+for an FP8 linear layer (the reference's module docstring); the Triton table fuses the quantization into
+the norm / activation kernel.
+
 `flash_attention` (kernels/flash_attention_op.py) is the training op: attention differentiable through
 our FlashAttention-2 forward and backward kernels.
 """
@@ -39,6 +43,9 @@ class Ops:
     prefill_attention: Callable
     decode_attention: Callable
     silu_and_mul: Callable
+    rms_norm_fp8: Callable  # rms_norm, then per-token FP8 quantization: (q, s)
+    add_rms_norm_fp8: Callable  # add_rms_norm, the normed output quantized: (q, s, residual)
+    silu_and_mul_fp8: Callable  # silu_and_mul, then per-token FP8 quantization: (q, s)
     linear: Callable = F.linear  # x [T, K] @ weightᵀ (+ bias) → [T, N], F.linear's signature
     batch_invariant: bool = False  # every op computes a row the same way whatever the batch
     fused_gemv: Callable | None = None  # small-M matrix product with fused norm / SwiGLU / residual add
@@ -64,6 +71,9 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         prefill_attention=m.prefill_attention,
         decode_attention=m.decode_attention,
         silu_and_mul=m.silu_and_mul,
+        rms_norm_fp8=m.rms_norm_fp8,
+        add_rms_norm_fp8=m.add_rms_norm_fp8,
+        silu_and_mul_fp8=m.silu_and_mul_fp8,
         fused_gemv=m.fused_gemv,
         resolve_placeholders=m.resolve_placeholders,
     )
@@ -84,6 +94,9 @@ def _batch_invariant_ops(backend: str) -> Ops:
             prefill_attention=m.prefill_attention,
             decode_attention=m.decode_attention,
             silu_and_mul=m.silu_and_mul,
+            rms_norm_fp8=m.rms_norm_fp8,
+            add_rms_norm_fp8=m.add_rms_norm_fp8,
+            silu_and_mul_fp8=m.silu_and_mul_fp8,
             linear=m.linear,
             batch_invariant=True,
             resolve_placeholders=reference.resolve_placeholders,
@@ -99,6 +112,9 @@ def _batch_invariant_ops(backend: str) -> Ops:
         prefill_attention=prefill_attention.invariant_prefill_attention,
         decode_attention=prefill_attention.invariant_decode_attention,
         silu_and_mul=triton_ops.silu_and_mul,  # elementwise
+        rms_norm_fp8=triton_ops.rms_norm_fp8,  # one program per row, as rms_norm
+        add_rms_norm_fp8=triton_ops.add_rms_norm_fp8,
+        silu_and_mul_fp8=triton_ops.silu_and_mul_fp8,  # one program per row
         linear=invariant_matmul.linear,
         batch_invariant=True,
         resolve_placeholders=triton_ops.resolve_placeholders,

@@ -8,6 +8,7 @@ computes that row the same way whatever the batch:
 
     linear(x, W, b)[t]      = F.linear(x[t : t + 1], W, b)                    (one [1, K] × [K, N] call)
     rms_norm, add_rms_norm, silu_and_mul, rope: the reference's, row by row
+    rms_norm_fp8, add_rms_norm_fp8, silu_and_mul_fp8: those, then quantize_rows (a row's own maximum)
     attention row at position p (prefill and decode alike, `attend_row`): keys lo(p)..p in tiles of
         ATTN_TILE keys aligned to absolute positions (tile j holds keys j·ATTN_TILE + [0, ATTN_TILE)),
         each tile a fixed-shape [Hq, ATTN_TILE, D] computation, folded in increasing j by the online
@@ -29,6 +30,7 @@ from torch.nn import functional as F
 
 from tinyvllm.kernels import reference as ref
 from tinyvllm.kernels.launch import check_window
+from tinyvllm.quantization.fp8 import quantize_rows
 
 ATTN_TILE = 16  # keys per attention tile, aligned to absolute positions
 
@@ -66,6 +68,25 @@ def add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """reference.silu_and_mul, row by row (its sigmoid's vector and scalar code differ in the last bit)."""
     return _rows(ref.silu_and_mul, x)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.rms_norm_fp8 on this module's rms_norm."""
+    return quantize_rows(rms_norm(x, weight, eps))
+
+
+def add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.add_rms_norm_fp8 on this module's add_rms_norm."""
+    y, new_residual = add_rms_norm(x, residual, weight, eps)
+    q, s = quantize_rows(y)
+    return q, s, new_residual
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.silu_and_mul_fp8 on this module's silu_and_mul."""
+    return quantize_rows(silu_and_mul(x))
 
 
 def rope(

@@ -4,7 +4,12 @@ Row m: s_m = max_k |x[m, k]| / 448 (1 for an all-zero row), q[m, :] = e4m3(x[m, 
 in float32, rounded to nearest even (kernels/fp8_convert.py); `quantization.fp8.quantize_rows` is the
 reference. One program per row reads it twice in BLOCK_K chunks (the max, then the quantization): for
 decode-sized M the second read hits L2. The GEMM that follows (torch._scaled_mm) takes s as its row
-scales. Fusing this into the preceding RMSNorm / SwiGLU kernel is the next step (docs/fp8.md).
+scales.
+
+`row_scale` and `store_e4m3` are the two steps as @triton.jit helpers, so that the kernels that produce
+a linear layer's input (RMSNorm: kernels/rms_norm.py, SwiGLU: kernels/activation.py) quantize their own
+output with the same bits; this kernel remains for inputs no such kernel produces (the attention output
+before o_proj, docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -18,6 +23,18 @@ from tinyvllm.kernels.launch import check_dim, check_float, next_power_of_2, upc
 
 
 @triton.jit
+def row_scale(row_max):
+    """s = row_max / 448, IEEE-rounded as torch's division (1 where row_max is 0: an all-zero row)."""
+    return tl.where(row_max > 0, tl.math.div_rn(row_max, FP8_MAX), 1.0)
+
+
+@triton.jit
+def store_e4m3(ptrs, x, scale, mask, EMULATE_FP8: tl.constexpr):
+    """Store e4m3(x / scale) (float32 x, IEEE division, round to nearest even, saturating) at ptrs."""
+    tl.store(ptrs, to_e4m3(tl.math.div_rn(x, scale), EMULATE_FP8), mask=mask)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr, EMULATE_FP8: tl.constexpr
 ):
@@ -28,13 +45,18 @@ def _quantize_rows_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + m * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    row_max = tl.max(amax, 0)
-    scale = tl.where(row_max > 0, tl.math.div_rn(row_max, FP8_MAX), 1.0)  # IEEE division, as torch's
+    scale = row_scale(tl.max(amax, 0))
     tl.store(s_ptr + m, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + offs < K
         x = tl.load(x_ptr + m * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_ptr + m * stride_qm + k0 + offs, to_e4m3(tl.math.div_rn(x, scale), EMULATE_FP8), mask=mask)
+        store_e4m3(q_ptr + m * stride_qm + k0 + offs, x, scale, mask, EMULATE_FP8)
+
+
+def empty_quantized(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (q [rows, cols] float8_e4m3fn, s [rows] float32) for a kernel to fill."""
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device)
+    return q, torch.empty((rows,), dtype=torch.float32, device=device)
 
 
 def quantize_per_token(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,8 +66,7 @@ def quantize_per_token(x: torch.Tensor, block_k: int | None = None) -> tuple[tor
     if x.stride(-1) != 1:
         raise ValueError("x must be contiguous in its last dimension")
     M, K = x.shape
-    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    q, s = empty_quantized(M, K, x.device)
     if M == 0:
         return q, s
     block_k = block_k or min(next_power_of_2(K), 4096)

@@ -10,6 +10,12 @@ FP8 KV cache (caches of dtype float8_e4m3fn, kv_cache_dtype="fp8"): the cache ho
 e4m3(clamp(K / k_scale, ±448)) and the same of V with v_scale (round to nearest even; 448 is e4m3's
 largest value), and attention reads K = cache · k_scale, V = cache · v_scale. The scales are per-tensor
 floats (one pair per layer); a cache in any other dtype ignores them.
+
+FP8 activations (the `*_fp8` ops): an op whose output feeds an FP8 linear layer that quantizes its input
+per token returns that output quantized instead, (q [T, N] float8_e4m3fn, s [T] float32) =
+`quantization.fp8.quantize_rows(y)`: s_t = max_n |y[t, n]| / 448 (1 for an all-zero row) and
+q[t] = e4m3(y[t] / s_t), y rounded to its dtype first. The Triton kernels fuse the two steps and must
+give the same bits as their unfused kernels followed by quantize_per_token (kernels/fp8_quant.py).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import itertools
 import torch
 
 from tinyvllm.kernels.launch import check_window
+from tinyvllm.quantization.fp8 import quantize_rows
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -42,6 +49,20 @@ def add_rms_norm(
     """Fused residual add and RMSNorm: r' = round(x + residual); returns (rms_norm(r'), r')."""
     new_residual = (x.to(_acc_dtype(x)) + residual.to(_acc_dtype(x))).to(x.dtype)
     return rms_norm(new_residual, weight, eps), new_residual
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x, weight, eps) quantized per token: (q, s) = quantize_rows(rms_norm(...)) (module docstring)."""
+    return quantize_rows(rms_norm(x, weight, eps))
+
+
+def add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm with its normed output quantized per token: (q, s, r'), (q, s) = quantize_rows(y)."""
+    y, new_residual = add_rms_norm(x, residual, weight, eps)
+    q, s = quantize_rows(y)
+    return q, s, new_residual
 
 
 def rope(
@@ -260,6 +281,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     xf = x.to(_acc_dtype(x))
     g, u = xf[..., :f], xf[..., f:]
     return (g * torch.sigmoid(g) * u).to(x.dtype)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul(x) quantized per token: x [T, 2F] → (q [T, F], s [T]) = quantize_rows(silu_and_mul(x))."""
+    return quantize_rows(silu_and_mul(x))
 
 
 def fused_gemv(

@@ -12,6 +12,13 @@ and logits = RMSNorm(r) Wlm (Wlm = Wemb when embeddings are tied).
 Q, K and V share one matrix product (`qkv_proj`, rows [q | k | v]) and so do gate and up
 (`gate_up_proj`, rows [gate | up]); the loader fills them from Hugging Face's separate tensors.
 
+FP8 layers that quantize their input per token (quantization/linear.py, `takes_fp8_activations`) get it
+quantized by the op that produces it: input_layernorm for qkv_proj, post_attention_layernorm for
+gate_up_proj, SwiGLU for down_proj write the FP8 codes and row scales of their output (the ops table's
+`*_fp8` ops) instead of the output itself, the same bits the layer's own quantization would give.
+o_proj quantizes the attention output itself. `fused_fp8_quant=False` turns this off (each layer
+quantizes its own input); the results are the same.
+
 The model computes this one way, the layer loop; the engine's model runner may run the same maths by
 other paths for small decode steps (fused matrix-vector kernels, the one-launch megakernel, a pruned LM
 head: tinyvllm/engine/paths/), reading this model's parameters.
@@ -30,17 +37,24 @@ from tinyvllm.kernels import Ops
 from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.models.rope import cos_sin_table
 from tinyvllm.quantization.config import QuantizationConfig
-from tinyvllm.quantization.linear import make_linear
+from tinyvllm.quantization.linear import Fp8Activations, make_linear, takes_fp8_activations
 
 FP8_KV_DTYPE = torch.float8_e4m3fn  # the cache dtype of kv_cache_dtype="fp8"
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, Hk, block_size, D]
+LinearInput = torch.Tensor | Fp8Activations  # a linear layer's input: as is, or quantized per token
 
 
-def apply_linear(ops: Ops, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def apply_linear(ops: Ops, layer: nn.Module, x: LinearInput) -> torch.Tensor:
     """x · Wᵀ (+ b) by the ops table's product for a plain nn.Linear (its batch-invariant one under
-    `batch_invariant`), by the layer itself for a quantized one (Fp8Linear: its own scaled product); a
+    `batch_invariant`), by the layer itself for a quantized one (Fp8Linear: its own scaled product; from
+    Fp8Activations, which such a layer takes when `takes_fp8_activations`, without quantizing x); a
     row-parallel layer's partial product is then summed over its `reduce_group` (make_linear)."""
-    y = ops.linear(x, layer.weight, layer.bias) if type(layer) is nn.Linear else layer(x)
+    if isinstance(x, Fp8Activations):
+        y = layer.forward_quantized(x)
+    elif type(layer) is nn.Linear:
+        y = ops.linear(x, layer.weight, layer.bias)
+    else:
+        y = layer(x)
     return y if layer.reduce_group is None else layer.reduce_group.all_reduce(y)
 
 
@@ -56,6 +70,20 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps), x
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[Fp8Activations, torch.Tensor]:
+        """forward with the normed output quantized per token for an FP8 layer, by one fused op."""
+        if residual is None:
+            return Fp8Activations(*self.ops.rms_norm_fp8(x, self.weight, self.eps)), x
+        q, scale, residual = self.ops.add_rms_norm_fp8(x, residual, self.weight, self.eps)
+        return Fp8Activations(q, scale), residual
+
+
+def norm_for(
+    norm: RMSNorm, fp8: bool, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[LinearInput, torch.Tensor]:
+    """norm(x, residual), its output quantized per token when `fp8` (for the FP8 layer it feeds)."""
+    return norm.forward_fp8(x, residual) if fp8 else norm(x, residual)
 
 
 class Attention(nn.Module):
@@ -111,9 +139,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
+        self, x: LinearInput, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttnMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
-        # x: [T, H] → [T, H]
+        # x: [T, H] (or quantized, for an FP8 qkv_proj) → [T, H]
         qkv = apply_linear(self.ops, self.qkv_proj, x)
         return apply_linear(self.ops, self.o_proj, self.attend(qkv, positions, cos_sin, meta, kv_cache))
 
@@ -165,7 +193,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU over the rank's MLP columns (`shard`): gate/up column-parallel, down_proj row-parallel."""
+    """SwiGLU over the rank's MLP columns (`shard`): gate/up column-parallel, down_proj row-parallel.
+    With `fused_fp8_quant` and a down_proj that takes per-token FP8 activations, SwiGLU's op writes them."""
 
     def __init__(
         self,
@@ -176,6 +205,8 @@ class MLP(nn.Module):
         quant: QuantizationConfig | None = None,
         shard: ModelShard | None = None,
         group: TPGroup | None = None,
+        *,
+        fused_fp8_quant: bool = True,
     ) -> None:
         super().__init__()
         shard = ModelShard.whole(config) if shard is None else shard
@@ -194,13 +225,23 @@ class MLP(nn.Module):
             hf_modules=(f"{hf}.down_proj",),
             reduce_group=None if shard.is_whole else group,
         )
+        self.quantize_down_input = fused_fp8_quant and takes_fp8_activations(self.down_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def activation(self, gate_up: torch.Tensor) -> LinearInput:
+        """silu(g) ⊙ u of gate_up = [g | u]: quantized per token when down_proj takes it so."""
+        if self.quantize_down_input:
+            return Fp8Activations(*self.ops.silu_and_mul_fp8(gate_up))
+        return self.ops.silu_and_mul(gate_up)
+
+    def forward(self, x: LinearInput) -> torch.Tensor:
         gate_up = apply_linear(self.ops, self.gate_up_proj, x)
-        return apply_linear(self.ops, self.down_proj, self.ops.silu_and_mul(gate_up))
+        return apply_linear(self.ops, self.down_proj, self.activation(gate_up))
 
 
 class DecoderLayer(nn.Module):
+    """One layer (module docstring). `fused_fp8_quant`: the norms and SwiGLU quantize the inputs of the
+    FP8 layers after them that take per-token activations (False: each such layer quantizes its own)."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -210,12 +251,16 @@ class DecoderLayer(nn.Module):
         quant: QuantizationConfig | None = None,
         shard: ModelShard | None = None,
         group: TPGroup | None = None,
+        *,
+        fused_fp8_quant: bool = True,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer, ops, dtype, quant, shard, group)
-        self.mlp = MLP(config, layer, ops, dtype, quant, shard, group)
+        self.mlp = MLP(config, layer, ops, dtype, quant, shard, group, fused_fp8_quant=fused_fp8_quant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+        self.quantize_qkv_input = fused_fp8_quant and takes_fp8_activations(self.self_attn.qkv_proj)
+        self.quantize_gate_up_input = fused_fp8_quant and takes_fp8_activations(self.mlp.gate_up_proj)
 
     def forward(
         self,
@@ -226,9 +271,9 @@ class DecoderLayer(nn.Module):
         meta: AttnMetadata,
         kv_cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
+        h, residual = norm_for(self.input_layernorm, self.quantize_qkv_input, x, residual)
         h = self.self_attn(h, positions, cos_sin, meta, kv_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = norm_for(self.post_attention_layernorm, self.quantize_gate_up_input, h, residual)
         return self.mlp(h), residual
 
 
@@ -245,6 +290,9 @@ class CausalLM(nn.Module):
     Tensor parallelism: `shard` is the rank's slice of the model (distributed/shard.py) and `group` the
     ranks' group; the embedding and the LM head then hold the rank's vocabulary rows, and
     `compute_logits` gathers every rank's columns. Without them the model is whole.
+
+    `fused_fp8_quant`: FP8 layers taking per-token activations get them from the norm or SwiGLU before
+    them (module docstring; DecoderLayer). It changes launches, not results.
     """
 
     def __init__(
@@ -256,6 +304,8 @@ class CausalLM(nn.Module):
         quant: QuantizationConfig | None = None,
         shard: ModelShard | None = None,
         group: TPGroup | None = None,
+        *,
+        fused_fp8_quant: bool = True,
     ) -> None:
         super().__init__()
         shard = ModelShard.whole(config) if shard is None else shard
@@ -274,7 +324,8 @@ class CausalLM(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(v, h, vocab_start=shard.vocab_start, group=group, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, ops, dtype, quant, shard, self.group) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, ops, dtype, quant, shard, self.group, fused_fp8_quant=fused_fp8_quant)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         if config.tie_word_embeddings:

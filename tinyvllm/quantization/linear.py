@@ -11,10 +11,15 @@ On CUDA (sm_89+, bf16 output, K and N multiples of 16) the product is one `torch
 FP8 tensor cores with row-wise scales) and per-token activation quantization a Triton kernel
 (kernels/fp8_quant.py); elsewhere (the CPU, other shapes) the same maths runs in float32 on the
 dequantized operands, the reference the GPU path is checked against.
+
+A layer that quantizes per token at run time (`takes_fp8_activations`) also takes its input already
+quantized, as `Fp8Activations` (`forward_quantized`): the decoder has the RMSNorm or SwiGLU kernel that
+produces the input write (q_x, s_x) directly, the same bits quantize_input would compute.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +30,14 @@ from tinyvllm.quantization.fp8 import FP8_DTYPE, amax_scale, quantize_rows, to_f
 
 if TYPE_CHECKING:
     from tinyvllm.distributed.group import TPGroup
+
+
+@dataclass(frozen=True)
+class Fp8Activations:
+    """A linear layer's input quantized per token: x[m, :] ≈ q[m, :] · scale[m] (quantization/fp8.py)."""
+
+    q: torch.Tensor  # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M] float32
 
 
 class Fp8Linear(nn.Module):
@@ -60,9 +73,22 @@ class Fp8Linear(nn.Module):
             self.input_scale = nn.Parameter(torch.empty((), dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
+    @property
+    def activation_scheme(self) -> str:
+        """How the input is quantized, in words: "token, dynamic", "tensor, static", ..."""
+        return f"{self.activation_strategy}, {'dynamic' if self.activation_dynamic else 'static'}"
+
     def extra_repr(self) -> str:
-        act = f"{self.activation_strategy}, {'dynamic' if self.activation_dynamic else 'static'}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 activations {act}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"fp8 activations {self.activation_scheme}"
+        )
+
+    @property
+    def quantizes_per_token(self) -> bool:
+        """Whether the input is quantized per token at run time (dynamic, strategy "token"), which is what
+        `forward_quantized` takes."""
+        return self.activation_dynamic and self.activation_strategy == "token"
 
     def dequantized_weight(self) -> torch.Tensor:
         """W ≈ q_W · s_W as float32 [N, K]."""
@@ -89,6 +115,15 @@ class Fp8Linear(nn.Module):
         q, s_x = self.quantize_input(x2)
         y = fp8_matmul(q, s_x, self.weight, self.weight_scale, self.bias, self.out_dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def forward_quantized(self, x: Fp8Activations) -> torch.Tensor:
+        """y [M, N] for an input the caller quantized per token (q [M, K], scale [M]): forward's product
+        without its quantize_input. Only for a layer that `quantizes_per_token`."""
+        if not self.quantizes_per_token:
+            raise ValueError(f"forward_quantized takes dynamic per-token activations, not {self.activation_scheme}")
+        if x.q.dim() != 2 or x.q.shape[1] != self.in_features or x.scale.shape != x.q.shape[:1]:
+            raise ValueError(f"expected q [M, {self.in_features}] and scale [M], got {x.q.shape}, {x.scale.shape}")
+        return fp8_matmul(x.q, x.scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
 
 
 def scaled_mm_supported(q: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -176,6 +211,11 @@ def _make_layer(
         activation_strategy=quant.activation_strategy,
         activation_dynamic=quant.activation_dynamic,
     )
+
+
+def takes_fp8_activations(layer: nn.Module) -> bool:
+    """Whether `layer` takes its input quantized per token (Fp8Activations, Fp8Linear.forward_quantized)."""
+    return isinstance(layer, Fp8Linear) and layer.quantizes_per_token
 
 
 def has_fp8_linear(model: nn.Module) -> bool:
