@@ -40,7 +40,7 @@ def summarise() -> dict:
         ones = torch.ones(B)
         bitmask = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32) if has_mask else None
         args = (logits, ones, torch.zeros(B, dtype=torch.int64), torch.full((B,), 50, dtype=torch.int32), ones, ones)
-        calls = {"precheck": dict(), "search": dict(precheck=False), "noradix": dict(radix=False)}
+        calls = {"precheck": dict(radix=True), "search": dict(precheck=False, radix=True), "noradix": dict(radix=False)}
         for variant, kwargs in calls.items():
             try:
                 with compile_only_for_sm90() as launched:
