@@ -205,12 +205,18 @@ def _from_key(k):
 
 
 @triton.jit
-def _scaled(row_ptr, mask_row_ptr, offs, V, inv_t, HAS_MASK: tl.constexpr):
-    """l = z · inv_t at `offs` (float32; −inf past V and where the bitmask disallows), −0.0 made +0.0."""
+def _loaded(row_ptr, mask_row_ptr, offs, V, HAS_MASK: tl.constexpr):
+    """(z, valid) at `offs`: the logits as float32, −inf past V and where the bitmask disallows."""
     valid = offs < V
     if HAS_MASK:
         valid = valid & allowed_by(mask_row_ptr, offs, valid)
-    z = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    return tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32), valid
+
+
+@triton.jit
+def _scaled(row_ptr, mask_row_ptr, offs, V, inv_t, HAS_MASK: tl.constexpr):
+    """l = z · inv_t at `offs` (float32; −inf past V and where the bitmask disallows), −0.0 made +0.0."""
+    z, _ = _loaded(row_ptr, mask_row_ptr, offs, V, HAS_MASK)
     return z * inv_t + 0.0
 
 
@@ -1222,11 +1228,7 @@ def radix_hist_kernel(
         hist = tl.zeros([256], tl.int32)
         top = tl.full([BLOCK], float("-inf"), tl.float32)
         for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            valid = offs < V
-            if HAS_MASK:
-                valid = valid & allowed_by(mask_row_ptr, offs, valid)
-            z = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+            z, valid = _loaded(row_ptr, mask_row_ptr, start + tl.arange(0, BLOCK), V, HAS_MASK)
             sl = z * inv_t + 0.0  # `_scaled`
             valid = valid & (sl > float("-inf"))
             hi, lo = _radix_digits(z + 0.0)
