@@ -80,43 +80,53 @@ def _stack(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return stacked
 
 
+def stack_weights(model: CausalLM) -> StackedWeights:
+    """Every layer's weights of one kind restacked into one [L, ...] tensor (the layers' parameters become
+    views of it), with the family tensors the model's config calls for: the layout both megakernels
+    read."""
+    layers = model.layers
+    attn = [layer.self_attn for layer in layers]
+    mlp = [layer.mlp for layer in layers]
+    c = model.config
+    with torch.no_grad():
+        family = {}
+        if c.qkv_bias:
+            family["qkv_bias"] = _stack([a.qkv_proj.bias for a in attn])
+        if c.qk_norm:
+            family["q_norm"] = _stack([a.q_norm.weight for a in attn])
+            family["k_norm"] = _stack([a.k_norm.weight for a in attn])
+        device = model.embed_tokens.weight.device
+        if c.has_sliding_window:
+            windowed = [c.attention_window(i) is not None for i in range(c.num_hidden_layers)]
+            family["sliding"] = torch.tensor(windowed, dtype=torch.int32, device=device)
+        if isinstance(attn[0].qkv_proj, Fp8Linear):  # every layer's, by megakernel_unsupported
+            family["qkv_scale"] = _stack([a.qkv_proj.weight_scale for a in attn])
+            family["o_scale"] = _stack([a.o_proj.weight_scale for a in attn])
+            family["gate_up_scale"] = _stack([m.gate_up_proj.weight_scale for m in mlp])
+            family["down_scale"] = _stack([m.down_proj.weight_scale for m in mlp])
+        # an FP8 cache's scales (read only when the cache is FP8): fixed once the weights are loaded
+        kv = [[a.k_scale, a.v_scale] for a in attn]
+        family["kv_scales"] = torch.tensor(kv, dtype=torch.float32, device=device)
+        return StackedWeights(
+            embed=model.embed_tokens.weight,
+            qkv=_stack([a.qkv_proj.weight for a in attn]),
+            o=_stack([a.o_proj.weight for a in attn]),
+            gate_up=_stack([m.gate_up_proj.weight for m in mlp]),
+            down=_stack([m.down_proj.weight for m in mlp]),
+            norm1=_stack([layer.input_layernorm.weight for layer in layers]),
+            norm2=_stack([layer.post_attention_layernorm.weight for layer in layers]),
+            norm_final=model.norm.weight,
+            **family,
+        )
+
+
 class DecodeMegakernel:
-    def __init__(self, model: CausalLM, config: MegakernelConfig | None = None) -> None:
+    def __init__(
+        self, model: CausalLM, config: MegakernelConfig | None = None, weights: StackedWeights | None = None
+    ) -> None:
+        """`weights`: the model's stacks where another path made them already (`stack_weights`)."""
         config = config or MegakernelConfig()
-        layers = model.layers
-        attn = [layer.self_attn for layer in layers]
-        mlp = [layer.mlp for layer in layers]
-        c = model.config
-        with torch.no_grad():
-            family = {}
-            if c.qkv_bias:
-                family["qkv_bias"] = _stack([a.qkv_proj.bias for a in attn])
-            if c.qk_norm:
-                family["q_norm"] = _stack([a.q_norm.weight for a in attn])
-                family["k_norm"] = _stack([a.k_norm.weight for a in attn])
-            device = model.embed_tokens.weight.device
-            if c.has_sliding_window:
-                windowed = [c.attention_window(i) is not None for i in range(c.num_hidden_layers)]
-                family["sliding"] = torch.tensor(windowed, dtype=torch.int32, device=device)
-            if isinstance(attn[0].qkv_proj, Fp8Linear):  # every layer's, by megakernel_unsupported
-                family["qkv_scale"] = _stack([a.qkv_proj.weight_scale for a in attn])
-                family["o_scale"] = _stack([a.o_proj.weight_scale for a in attn])
-                family["gate_up_scale"] = _stack([m.gate_up_proj.weight_scale for m in mlp])
-                family["down_scale"] = _stack([m.down_proj.weight_scale for m in mlp])
-            # an FP8 cache's scales (read only when the cache is FP8): fixed once the weights are loaded
-            kv = [[a.k_scale, a.v_scale] for a in attn]
-            family["kv_scales"] = torch.tensor(kv, dtype=torch.float32, device=device)
-            self.weights = StackedWeights(
-                embed=model.embed_tokens.weight,
-                qkv=_stack([a.qkv_proj.weight for a in attn]),
-                o=_stack([a.o_proj.weight for a in attn]),
-                gate_up=_stack([m.gate_up_proj.weight for m in mlp]),
-                down=_stack([m.down_proj.weight for m in mlp]),
-                norm1=_stack([layer.input_layernorm.weight for layer in layers]),
-                norm2=_stack([layer.post_attention_layernorm.weight for layer in layers]),
-                norm_final=model.norm.weight,
-                **family,
-            )
+        self.weights = weights if weights is not None else stack_weights(model)
         self.model = model
         self.shape = model_shape(model)
         self.eps = model.config.rms_norm_eps

@@ -1,0 +1,154 @@
+"""Phase B of the rows megakernel: each row's new query against its own cached keys, split-KV.
+
+A unit is (row, KV head, split of the row's context): the GQA group's query heads (padded to BG ≥ 16
+rows for tl.dot) against whole KEYS-key tiles of one split, through the FlashAttention-2 inner loop
+(flash_tiles.attn_inner) over the row's block table. Each unit stores its partial (acc, m, l) in its
+row's region of the partials (the batch-1 megakernel's split-minor layout, decode_megakernel/
+attention_phase.py), then takes its (row, KV head)'s ticket; the last split to take it merges the
+partials by logsumexp into the attention output [BP, HQ·D] in split order, whichever split that is, so
+the result does not depend on the programs' timing.
+
+Splits: each row's context is cut into at most `num_splits` splits of whole tiles, none empty
+(`row_splits`), counted from the lowest first key of any layer, so every layer of a row has the same
+number of splits and the tickets, which only grow within a launch, reach (layer + 1) · splits − 1 at
+each layer's last split. A window (WINDOW) moves a layer's keys' start to max(0, seq_len − window);
+its splits then cover the tiles from the one holding that key (some may be empty: stored as l = 0).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tinyvllm.kernels.decode_megakernel.attention_phase import _store_partial, group_attention, keys_per_split
+from tinyvllm.kernels.flash_tiles import attn_inner
+
+
+@triton.jit
+def window_start(seq_len, window, on):
+    """The first visible key of a row of seq_len keys (the new token's included) under a window of
+    `window` keys where `on`, else 0."""
+    return tl.where(on, tl.maximum(seq_len - window, 0), 0)
+
+
+@triton.jit
+def row_splits(seq_len, num_splits, base, KEYS: tl.constexpr):
+    """Splits of a row's keys base .. seq_len − 1: at most num_splits, each whole KEYS tiles, none empty
+    (one at seq_len 0, a CUDA graph's padding row)."""
+    tiles = tl.maximum(tl.cdiv(seq_len - base, KEYS), 1)
+    return tl.cdiv(tiles, tl.cdiv(tiles, num_splits))
+
+
+@triton.jit
+def rows_attention_phase(
+    layer,
+    pid,
+    P,
+    num_rows,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    bt_stride,
+    seq_len_ptr,
+    num_splits,
+    part_ptr,
+    tickets_ptr,
+    attn_ptr,
+    stride_blk,
+    stride_head,
+    qk_scale,
+    v_scale,
+    window,
+    windowed,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    KEYS: tl.constexpr,
+    SM: tl.constexpr,
+    BG: tl.constexpr,
+    GP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    FP8KV: tl.constexpr,
+):
+    """Phase B of `layer` (the caller has waited at its barrier): q [BP, HQ·D] (rotated, phase A's), the
+    layer's caches k_ptr, v_ptr, each row's block table at bt_ptr + row · bt_stride and its context
+    length; the merged output into attn [BP, HQ·D]. qk_scale: softmax scale · log2(e) (· k_scale for an
+    FP8 cache, whose v_scale joins the normaliser). WINDOW: 0 none, else this layer has a window of
+    `window` keys where `windowed`; every row's splits count from the lowest first key of any layer
+    (all_windowed = WINDOW 2: the window's)."""
+    G: tl.constexpr = HQ // HK
+    QD: tl.constexpr = HQ * D
+    PART_ROW: tl.constexpr = HK * G * (D + 2) * SM
+    g = tl.arange(0, GP)
+    rows_g = tl.arange(0, BG)
+    d = tl.arange(0, D)
+    for u in range(pid, num_rows * HK * num_splits, P):
+        row = u // (HK * num_splits)
+        kvh = (u // num_splits) % HK
+        split = u % num_splits
+        seq_len = tl.load(seq_len_ptr + row)
+        kv_start = 0
+        base0 = 0
+        if WINDOW != 0:
+            kv_start = window_start(seq_len, window, windowed)
+            if WINDOW == 2:
+                base0 = (kv_start // KEYS) * KEYS
+        splits = row_splits(seq_len, num_splits, base0, KEYS)
+        if split < splits:
+            base = (kv_start // KEYS) * KEYS
+            split_keys = keys_per_split(seq_len - base, splits, KEYS)
+            lo = base + split * split_keys
+            hi = tl.minimum(lo + split_keys, seq_len)
+            q = tl.load(
+                q_ptr + row * QD + (kvh * G + rows_g)[:, None] * D + d[None, :],
+                mask=(rows_g < G)[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            m_i = tl.full([BG], float("-inf"), tl.float32)
+            l_i = tl.zeros([BG], tl.float32)
+            acc = tl.zeros([BG, D], tl.float32)
+            q_pos = tl.full([BG], 0, tl.int32) + seq_len - 1
+            acc, l_i, m_i = attn_inner(
+                acc,
+                l_i,
+                m_i,
+                q,
+                q_pos,
+                k_ptr + kvh * stride_head,
+                v_ptr + kvh * stride_head,
+                bt_ptr + tl.cast(row, tl.int64) * bt_stride,
+                lo,
+                hi,
+                hi,
+                qk_scale,
+                stride_blk,
+                D,
+                D,
+                KEYS,
+                BS,
+                False,
+                True,
+                UPCAST,
+                IEEE,
+                kv_start,
+                tl.where(windowed, window, seq_len + 1),
+                WINDOW != 0,
+            )
+            m_i = tl.where(l_i > 0, m_i, float("-inf"))  # an empty split
+            if FP8KV:  # V's scale joins the normaliser: the merge's output is then v_scale · Σ acc / Σ l
+                l_i = l_i / v_scale
+            row_part = part_ptr + tl.cast(row, tl.int64) * PART_ROW
+            if splits <= 4:  # runs of 4 slots (a narrow merge) when there are at most 4 splits, else SM
+                _store_partial(row_part, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, 4)
+            else:
+                _store_partial(row_part, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, SM)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tickets_ptr + row * HK + kvh, 1, sem="acq_rel", scope="gpu")
+            if ticket == (layer + 1) * splits - 1:  # the last split of this layer's (row, KV head)
+                out = group_attention(row_part, kvh, splits, attn_ptr.dtype.element_ty, HK, G, GP, D, SM)
+                tl.store(attn_ptr + row * QD + (kvh * G + g)[:, None] * D + d[None, :], out, mask=(g < G)[:, None])

@@ -1,0 +1,222 @@
+"""Host side of the rows megakernel: its configuration, workspace and launcher `rows_megakernel_fwd`.
+
+The model shape, the stacked weights and the KV cache's layout are the batch-1 megakernel's
+(decode_megakernel/launch.py): both kernels read the same stacks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from tinyvllm.kernels.decode_megakernel.launch import (
+    ATTN_KEYS,
+    MAX_SPLITS,
+    ModelShape,
+    StackedWeights,
+    _check_family,
+    _check_kv_dtype,
+    _kv_layout,
+)
+from tinyvllm.kernels.launch import check_int, next_power_of_2, num_sms, upcast_dot
+from tinyvllm.kernels.rows_megakernel.kernel import rows_megakernel_kernel
+
+MAX_ROWS = 16  # token rows a launch serves: the products' N (tl.dot's minimum)
+
+
+class RowsConfig(NamedTuple):
+    """Launch choices of the rows megakernel."""
+
+    rows: int = 16  # weight rows per unit (tl.dot's M, at least 16; QKV's half-head rows are rows / 2)
+    chunk: int = 512  # K columns per weight tile, at most (the largest power of two dividing K within it)
+    stages: int = 4  # the weight tiles' software pipeline: this many shared-memory stages
+    num_warps: int = 8
+    programs: int = 0  # CUDA: at most this many programs (0: one on every multiprocessor)
+
+
+DEFAULT_ROWS_CONFIG = RowsConfig()
+
+
+def _pow2_chunk(k: int, at_most: int) -> int:
+    """The largest power of two ≤ at_most that divides k."""
+    c = 1 << max(0, at_most.bit_length() - 1)
+    while k % c:
+        c //= 2
+    return c
+
+
+def rows_unsupported_reason(shape: ModelShape, dtype: torch.dtype, config: RowsConfig = DEFAULT_ROWS_CONFIG) -> str | None:
+    """Why the rows megakernel cannot serve this model, or None.
+
+    It needs power-of-two head dims of at least `config.rows` (a QKV unit is rows / 2 of a head's first
+    half and their partners), hidden and intermediate sizes divisible by the unit rows, and every
+    product's K divisible by a power of two of at least 16 (its chunk, tl.dot's K). Per-head q/k norms
+    (Qwen3) are not built yet.
+    """
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {dtype}"
+    if shape.qk_norm:
+        return "per-head q/k RMSNorm (Qwen3)"
+    d, r = shape.head_dim, config.rows
+    if r < 16 or r & (r - 1):
+        return f"unit rows {r} (needs a power of two ≥ 16)"
+    if d < r or d & (d - 1) or shape.num_heads % max(1, shape.num_kv_heads):
+        return f"head_dim {d} (needs a power of two ≥ {r}) or query heads not a multiple of KV heads"
+    if shape.hidden % r or shape.intermediate % (r // 2):
+        return f"hidden {shape.hidden} or intermediate {shape.intermediate} not divisible by the unit rows"
+    for k in (shape.hidden, shape.num_heads * d, shape.intermediate):
+        if _pow2_chunk(k, config.chunk) < 16:
+            return f"a product's K = {k} has no power-of-two chunk of at least 16 columns"
+    if shape.hidden > 8192:
+        return "hidden size too large for the final norm's one vector"
+    return None
+
+
+def _splits_run(programs: int, num_kv_heads: int) -> int:
+    """SM, the partials' slots per (row, KV head): the most splits any launch of ≥ 1 row uses, ≥ 4."""
+    return max(4, next_power_of_2(min(MAX_SPLITS, max(1, programs // num_kv_heads))))
+
+
+def num_splits_for(programs: int, num_rows: int, num_kv_heads: int) -> int:
+    """Context splits per (row, KV head): as many as fill the programs, at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, programs // (num_rows * num_kv_heads)))
+
+
+class RowsWorkspace:
+    """The buffers of the rows megakernel for one shape, allocated once (graphs point at them):
+    r [BP, H] the residual stream, ss [BP, NUP] float32 per-unit sums of squares, q and attn [BP, HQ·D],
+    act [BP, F], the attention partials (per row, the batch-1 kernel's split-minor layout), tickets
+    [BP, HK], barrier [2], trace. The kernel leaves tickets and barrier at zero."""
+
+    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device, programs: int, config: RowsConfig):
+        s, bp = shape, MAX_ROWS
+        self.programs = programs
+        self.config = config
+        self.splits_run = _splits_run(programs, s.num_kv_heads)
+        z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
+        qd = s.num_heads * s.head_dim
+        self.nup = next_power_of_2(s.hidden // config.rows)
+        self.r, self.q, self.attn, self.act = z(bp * s.hidden), z(bp * qd), z(bp * qd), z(bp * s.intermediate)
+        self.ss = z(bp * self.nup, torch.float32)
+        self.partials = z(bp * qd * (s.head_dim + 2) // s.head_dim * self.splits_run, torch.float32)
+        self.tickets = z(bp * s.num_kv_heads, torch.int32)
+        self.barrier = z(2, torch.int32)
+        self.trace = torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def _constexprs(shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: StackedWeights, device, fp8_kv):
+    """The kernel's compile-time arguments and launch options."""
+    s, cfg, p = shape, ws.config, ws.programs
+    qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    r = cfg.rows
+    group = s.num_heads // s.num_kv_heads
+
+    def maxu(n_rows: int) -> int:
+        return next_power_of_2(-(-(n_rows // r) // p))
+
+    return dict(
+        H=s.hidden,
+        F=s.intermediate,
+        HQ=s.num_heads,
+        HK=s.num_kv_heads,
+        D=s.head_dim,
+        BS=block_size,
+        BP=MAX_ROWS,
+        RA=r,
+        RC=r,
+        RD=r,
+        RE=r,
+        KCA=_pow2_chunk(s.hidden, cfg.chunk),
+        KCC=_pow2_chunk(qd, cfg.chunk),
+        KCD=_pow2_chunk(s.hidden, cfg.chunk),
+        KCE=_pow2_chunk(s.intermediate, cfg.chunk),
+        MAXU_A=maxu(nqkv),
+        MAXU_C=maxu(s.hidden),
+        MAXU_D=maxu(2 * s.intermediate),
+        MAXU_E=maxu(s.hidden),
+        NUP=ws.nup,
+        KEYS=ATTN_KEYS,
+        SM=ws.splits_run,
+        BG=max(16, next_power_of_2(group)),
+        GP=next_power_of_2(group),
+        PIPE=cfg.stages,
+        TRACE=False,
+        ASM=device.type == "cuda",
+        UPCAST=upcast_dot(device),
+        IEEE=weights.dtype == torch.float32,
+        HAS_BIAS=s.qkv_bias,
+        WINDOW=s.window_mode,
+        FP8W=weights.fp8,
+        FP8KV=fp8_kv,
+        num_warps=cfg.num_warps,
+        num_stages=1,
+    )
+
+
+def rows_megakernel_fwd(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    weights: StackedWeights,
+    cos_sin: torch.Tensor,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    shape: ModelShape,
+    eps: float,
+    scale: float,
+    workspace: RowsWorkspace,
+) -> torch.Tensor:
+    """One decode token of each of T ≤ MAX_ROWS sequences through every layer.
+
+    Args:
+        input_ids, positions, slot_mapping: [T] int; row i's new K/V go to cache slot slot_mapping[i]
+            (−1: nowhere, a graph's padding row).
+        seq_lens: [T] int32, each row's context including its new token (0: a padding row).
+        block_tables: [T, ≥ cdiv(max seq_len, block_size)] int32, last dim contiguous.
+        kv_caches: per layer (k, v), views of one buffer as the batch-1 megakernel reads them.
+
+    Returns:
+        The final-normed hidden states [T, H].
+    """
+    t = input_ids.shape[0]
+    if not 1 <= t <= MAX_ROWS:
+        raise ValueError(f"the rows megakernel serves 1 to {MAX_ROWS} rows, got {t}")
+    for name, x in (
+        ("input_ids", input_ids),
+        ("positions", positions),
+        ("slot_mapping", slot_mapping),
+        ("seq_lens", seq_lens),
+        ("block_tables", block_tables),
+    ):
+        check_int(name, x)
+    if block_tables.dim() != 2 or block_tables.shape[0] < t or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [{t}, blocks] with a contiguous last dim, got {tuple(block_tables.shape)}")
+    ws = workspace
+    device = input_ids.device
+    if device.type == "cuda" and ws.programs > num_sms(device):
+        raise ValueError(f"{ws.programs} programs: more than one per multiprocessor may not all be resident")
+    if ws.config.stages < 1:
+        raise ValueError(f"rows megakernel config {ws.config}: stages ≥ 1 needed")
+    block_size, layer_stride, v_offset = _kv_layout(kv_caches, shape)
+    num_layers = weights.qkv.shape[0]
+    _check_family(shape, weights, num_layers)
+    fp8_kv = _check_kv_dtype(kv_caches[0][0].dtype, weights, num_layers)
+    w = weights
+    out = torch.empty((t, shape.hidden), dtype=w.dtype, device=device)
+    bias = w.qkv_bias if w.qkv_bias is not None else w.norm1
+    sliding = w.sliding if w.sliding is not None else w.norm1
+    scales = tuple(
+        x if x is not None else w.norm1 for x in (w.qkv_scale, w.o_scale, w.gate_up_scale, w.down_scale, w.kv_scales)
+    )
+    k0 = kv_caches[0][0]
+    rows_megakernel_kernel[(ws.programs,)](
+        *(input_ids, positions, slot_mapping, seq_lens, block_tables, block_tables.stride(0)),
+        *(w.embed, w.qkv, w.o, w.gate_up, w.down, *scales, w.norm1, w.norm2, w.norm_final, bias, sliding, cos_sin),
+        *(k0, layer_stride, v_offset, k0.stride(0), k0.stride(1)),
+        *(ws.r, ws.ss, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace),
+        *(t, num_layers, num_splits_for(ws.programs, t, shape.num_kv_heads), eps, scale, shape.window or 0),
+        **_constexprs(shape, ws, block_size, weights, device, fp8_kv),
+    )
+    return out
