@@ -370,6 +370,9 @@ class RunnerConfig:
             `megakernel_max_hidden` (measured faster than the fused path at 1,024, 2,048 and 4,096, and
             slower at 2,560 and 3,072, whose rows the kernel pads: docs/perf.md §1b).
         megakernel_max_hidden: the largest hidden size the megakernel is on for by default.
+        rows_megakernel: a decode step of 2–16 sequences runs every layer in one kernel launch, each
+            weight tile multiplied by all rows at once (CUDA and the Triton backend only; off by default
+            until measured: docs/perf.md §1e).
         pruned_lm_head: batch-1 decode graph steps whose sampling is greedy or temperature only draw their
             token from an int8 copy of the LM head that bounds every row's score, plus the few rows it
             cannot rule out (the same token; vocab × hidden bytes more memory).
@@ -395,6 +398,7 @@ class RunnerConfig:
     fused_max_tokens: int = 1
     decode_megakernel: bool | None = None
     megakernel_max_hidden: int = 8192
+    rows_megakernel: bool = False
     pruned_lm_head: bool = True
     cuda_graphs: bool = True
     graph_capture: str = "lazy"

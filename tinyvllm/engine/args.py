@@ -160,6 +160,9 @@ class EngineArgs:
     megakernel_max_hidden: int = _opt(
         8192, "largest hidden size the decode megakernel is on for by default (powers of two only)"
     )
+    rows_megakernel: bool = _opt(
+        False, "on CUDA, a decode step of 2-16 sequences runs every layer in one kernel launch (not yet measured)"
+    )
     pruned_lm_head: bool = _opt(
         True,
         "on CUDA with CUDA graphs, sample a batch-1 decode step (greedy or temperature only) from an "

@@ -724,6 +724,7 @@ def sharded_runner_config(config: RunnerConfig) -> RunnerConfig:
         config,
         fused_gemv=False,
         decode_megakernel=False,
+        rows_megakernel=False,
         pruned_lm_head=False,
         graph_io_max_rows=0,
         sample_in_lm_head=False,

@@ -3,6 +3,7 @@
 | step                                      | hidden states                     | logits / sampled ids          |
 |-------------------------------------------|-----------------------------------|-------------------------------|
 | decode, one sequence, megakernel on       | paths/megakernel.py (one launch)  | LM head, fused product        |
+| decode, 2–16 sequences, `rows_megakernel` | paths/rows_megakernel.py          | LM head, cuBLAS               |
 | ≤ `fused_max_tokens` rows, `fused_gemv`   | paths/fused.py                    | LM head, fused product        |
 | anything else                             | the model's layer loop            | LM head, cuBLAS               |
 
@@ -88,6 +89,9 @@ class ModelExecutor:
         self.megakernel = None
         if wants_megakernel(config, device_type, model.config.hidden_size):
             self.megakernel = self._build_megakernel()
+        self.rows_megakernel = None
+        if config.rows_megakernel and device_type == "cuda" and not config.batch_invariant:
+            self.rows_megakernel = self._build_rows_megakernel()
         # The int8 copy serves only the batch-1 decode graphs that load their own inputs and sample inside
         # the LM head (engine/cuda_graphs.py).
         pruned = (
@@ -112,6 +116,18 @@ class ModelExecutor:
         torch.cuda.empty_cache()  # the restacking leaves the layers' old storage behind
         return megakernel
 
+    def _build_rows_megakernel(self):
+        from tinyvllm.engine.paths.megakernel import stack_weights
+        from tinyvllm.engine.paths.rows_megakernel import RowsMegakernel, rows_unsupported
+
+        reason = rows_unsupported(self.model)
+        if reason is not None:
+            logger.info("rows megakernel off: %s", reason)
+            return None
+        weights = self.megakernel.weights if self.megakernel is not None else stack_weights(self.model)
+        torch.cuda.empty_cache()  # the restacking leaves the layers' old storage behind
+        return RowsMegakernel(self.model, weights)
+
     def uses_fused_path(self, num_rows: int) -> bool:
         """Whether a step of `num_rows` token rows runs the fused small-batch path."""
         return 0 < num_rows <= self.fused_max_tokens
@@ -128,6 +144,16 @@ class ModelExecutor:
             except MegakernelDoesNotFit as e:  # raised before anything ran: the other paths from now on
                 logger.warning("decode megakernel off: %s", e)
                 self.megakernel = None
+        if self.rows_megakernel is not None:
+            from tinyvllm.engine.paths.megakernel import MegakernelDoesNotFit
+            from tinyvllm.engine.paths.rows_megakernel import serves
+
+            if serves(input_ids.shape[0], meta):
+                try:
+                    return self.rows_megakernel(input_ids, positions, meta, kv_caches)
+                except MegakernelDoesNotFit as e:  # raised before anything ran: the other paths from now on
+                    logger.warning("rows megakernel off: %s", e)
+                    self.rows_megakernel = None
         if self.uses_fused_path(input_ids.shape[0]):
             return fused_forward(self.model, input_ids, positions, meta, kv_caches)
         return self.model(input_ids, positions, meta, kv_caches)

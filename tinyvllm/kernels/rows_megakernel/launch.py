@@ -29,8 +29,8 @@ class RowsConfig(NamedTuple):
     """Launch choices of the rows megakernel."""
 
     rows: int = 16  # weight rows per unit (tl.dot's M, at least 16; QKV's half-head rows are rows / 2)
-    chunk: int = 512  # K columns per weight tile, at most (the largest power of two dividing K within it)
-    stages: int = 4  # the weight tiles' software pipeline: this many shared-memory stages
+    chunk: int = 256  # K columns per weight tile, at most (the largest power of two dividing K within it)
+    stages: int = 6  # the weight tiles' software pipeline: this many shared-memory stages (5 tiles in flight)
     num_warps: int = 8
     programs: int = 0  # CUDA: at most this many programs (0: one on every multiprocessor)
 
@@ -87,13 +87,23 @@ class RowsWorkspace:
     """The buffers of the rows megakernel for one shape, allocated once (graphs point at them):
     r [BP, H] the residual stream, ss [BP, NUP] float32 per-unit sums of squares, q and attn [BP, HQ·D],
     act [BP, F], the attention partials (per row, the batch-1 kernel's split-minor layout), tickets
-    [BP, HK], barrier [2], trace. The kernel leaves tickets and barrier at zero."""
+    [BP, HK], barrier [2], trace. The kernel leaves tickets and barrier at zero. `num_splits` fixes the
+    context splits per (row, KV head) of every launch (tests; None: as many as fill the programs)."""
 
-    def __init__(self, shape: ModelShape, dtype: torch.dtype, device: torch.device, programs: int, config: RowsConfig):
+    def __init__(
+        self,
+        shape: ModelShape,
+        dtype: torch.dtype,
+        device: torch.device,
+        programs: int,
+        config: RowsConfig,
+        num_splits: int | None = None,
+    ):
         s, bp = shape, MAX_ROWS
         self.programs = programs
         self.config = config
-        self.splits_run = _splits_run(programs, s.num_kv_heads)
+        self.num_splits = num_splits  # None: `num_splits_for` the launch's rows
+        self.splits_run = max(_splits_run(programs, s.num_kv_heads), next_power_of_2(num_splits or 1))
         z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
         qd = s.num_heads * s.head_dim
         self.nup = next_power_of_2(s.hidden // config.rows)
@@ -216,7 +226,7 @@ def rows_megakernel_fwd(
         *(w.embed, w.qkv, w.o, w.gate_up, w.down, *scales, w.norm1, w.norm2, w.norm_final, bias, sliding, cos_sin),
         *(k0, layer_stride, v_offset, k0.stride(0), k0.stride(1)),
         *(ws.r, ws.ss, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace),
-        *(t, num_layers, num_splits_for(ws.programs, t, shape.num_kv_heads), eps, scale, shape.window or 0),
+        *(t, num_layers, ws.num_splits or num_splits_for(ws.programs, t, shape.num_kv_heads), eps, scale, shape.window or 0),
         **_constexprs(shape, ws, block_size, weights, device, fp8_kv),
     )
     return out
