@@ -182,7 +182,12 @@ def test_rows_megakernel_window_never_reads_keys_before_it():
 @needs_triton
 @pytest.mark.parametrize(
     "dtype,fp8w,fp8kv",
-    [(torch.float32, True, False), (torch.bfloat16, True, False), (torch.float32, False, True), (torch.float32, True, True)],
+    [
+        (torch.float32, True, False),
+        (torch.bfloat16, True, False),
+        (torch.float32, False, True),
+        (torch.float32, True, True),
+    ],
     ids=["f32-fp8w", "bf16-fp8w", "f32-fp8kv", "f32-both"],
 )
 def test_rows_megakernel_fp8_equals_dequantized_reference(dtype, fp8w, fp8kv):
@@ -261,7 +266,9 @@ def test_rows_megakernel_refuses_what_it_cannot_serve(caplog):
     model.ops = type("Ops", (), {"name": "triton"})()
     assert "q/k RMSNorm" in rows_unsupported(model)
     with caplog.at_level(logging.INFO):
-        executor = ModelExecutor(build("torch", torch.float32, torch.device("cpu")), RunnerConfig(rows_megakernel=True), "cuda")
+        executor = ModelExecutor(
+            build("torch", torch.float32, torch.device("cpu")), RunnerConfig(rows_megakernel=True), "cuda"
+        )
     assert executor.rows_megakernel is None
 
 

@@ -13,7 +13,7 @@ import triton.language as tl
 from tinyvllm.kernels.decode_megakernel.grid_sync import arrive, end_phase
 from tinyvllm.kernels.decode_megakernel.vectors import normed
 from tinyvllm.kernels.rows_megakernel.attention import rows_attention_phase
-from tinyvllm.kernels.rows_megakernel.products import DOWN, GATE_UP, O, QKV, embedding_rstd, product_phase
+from tinyvllm.kernels.rows_megakernel.products import DOWN, GATE_UP, OUT, QKV, embedding_rstd, product_phase
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_layers", "num_splits", "layer_stride", "v_offset", "bt_stride"])
@@ -159,7 +159,7 @@ def rows_megakernel_kernel(
         if layer == 0:
             res_ptr, res_rows = emb_ptr, emb_rows
         product_phase(
-            O, layer, pid, P, live, attn_ptr, rb.to(tl.int64) * QD, n2_ptr, rstd0, False, ss_ptr, 0,
+            OUT, layer, pid, P, live, attn_ptr, rb.to(tl.int64) * QD, n2_ptr, rstd0, False, ss_ptr, 0,
             wo_ptr, so_ptr, r_ptr, res_ptr, res_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
             bias_ptr, stride_head, k_scale, v_scale, eps, bar_ptr, b + 2,
             trace_ptr, H, QD, H, F, HQ, HK, D, RC, KCC, BP, MAXU_C, NUP, PIPE, False, TRACE, ASM,

@@ -29,7 +29,8 @@ class RowsConfig(NamedTuple):
     """Launch choices of the rows megakernel."""
 
     rows: int = 16  # weight rows per unit (tl.dot's M, at least 16; QKV's half-head rows are rows / 2)
-    chunk: int = 256  # K columns per weight tile, at most (the largest power of two dividing K within it)
+    chunk: int = 256  # K columns per weight tile, at most (the largest power of two dividing K within it;
+    # twice that for 1-byte FP8 weights, so a tile keeps its bytes)
     stages: int = 6  # the weight tiles' software pipeline: this many shared-memory stages (5 tiles in flight)
     num_warps: int = 8
     programs: int = 0  # CUDA: at most this many programs (0: one on every multiprocessor)
@@ -46,7 +47,9 @@ def _pow2_chunk(k: int, at_most: int) -> int:
     return c
 
 
-def rows_unsupported_reason(shape: ModelShape, dtype: torch.dtype, config: RowsConfig = DEFAULT_ROWS_CONFIG) -> str | None:
+def rows_unsupported_reason(
+    shape: ModelShape, dtype: torch.dtype, config: RowsConfig = DEFAULT_ROWS_CONFIG
+) -> str | None:
     """Why the rows megakernel cannot serve this model, or None.
 
     It needs power-of-two head dims of at least `config.rows` (a QKV unit is rows / 2 of a head's first
@@ -121,6 +124,7 @@ def _constexprs(shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: 
     qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     r = cfg.rows
     group = s.num_heads // s.num_kv_heads
+    chunk = cfg.chunk * (2 if weights.fp8 else 1)
 
     def maxu(n_rows: int) -> int:
         return next_power_of_2(-(-(n_rows // r) // p))
@@ -137,10 +141,10 @@ def _constexprs(shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: 
         RC=r,
         RD=r,
         RE=r,
-        KCA=_pow2_chunk(s.hidden, cfg.chunk),
-        KCC=_pow2_chunk(qd, cfg.chunk),
-        KCD=_pow2_chunk(s.hidden, cfg.chunk),
-        KCE=_pow2_chunk(s.intermediate, cfg.chunk),
+        KCA=_pow2_chunk(s.hidden, chunk),
+        KCC=_pow2_chunk(qd, chunk),
+        KCD=_pow2_chunk(s.hidden, chunk),
+        KCE=_pow2_chunk(s.intermediate, chunk),
         MAXU_A=maxu(nqkv),
         MAXU_C=maxu(s.hidden),
         MAXU_D=maxu(2 * s.intermediate),
@@ -202,7 +206,9 @@ def rows_megakernel_fwd(
     ):
         check_int(name, x)
     if block_tables.dim() != 2 or block_tables.shape[0] < t or block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be [{t}, blocks] with a contiguous last dim, got {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"block_tables must be [{t}, blocks] with a contiguous last dim, got {tuple(block_tables.shape)}"
+        )
     ws = workspace
     device = input_ids.device
     if device.type == "cuda" and ws.programs > num_sms(device):
@@ -226,7 +232,14 @@ def rows_megakernel_fwd(
         *(w.embed, w.qkv, w.o, w.gate_up, w.down, *scales, w.norm1, w.norm2, w.norm_final, bias, sliding, cos_sin),
         *(k0, layer_stride, v_offset, k0.stride(0), k0.stride(1)),
         *(ws.r, ws.ss, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace),
-        *(t, num_layers, ws.num_splits or num_splits_for(ws.programs, t, shape.num_kv_heads), eps, scale, shape.window or 0),
+        *(
+            t,
+            num_layers,
+            ws.num_splits or num_splits_for(ws.programs, t, shape.num_kv_heads),
+            eps,
+            scale,
+            shape.window or 0,
+        ),
         **_constexprs(shape, ws, block_size, weights, device, fp8_kv),
     )
     return out

@@ -4,7 +4,7 @@ Every weight phase computes Y = W X for the step's rows, W [N, K] one layer's st
 [rows, K] the phase's input, and hands each unit of R output rows to an epilogue (`KIND`):
 
     QKV       X = RMSNorm(r; w1)   q, k ← RoPE; q to the workspace, k and v into the paged cache
-    O         X = attention out    r ← round(round(Y) + r), with each row's Σ r² per unit
+    OUT       X = attention out    r ← round(round(Y) + r), with each row's Σ r² per unit
     GATE_UP   X = RMSNorm(r; w2)   act = round(silu(round(Yg)) ⊙ round(Yu))
     DOWN      X = act              r ← round(round(Y) + r), with each row's Σ r² per unit
 
@@ -23,7 +23,7 @@ place, with `.cg` loads (from L2; an SM's L1 is not coherent with the other SMs'
 prefetched into registers while the previous chunk's tiles are multiplied.
 
 The input norm. RMSNorm needs each row's Σ x² over all K columns before any chunk is normalised. The
-O and DOWN epilogues store their units' Σ r² per row (`ss`, [BP, NUP]); the next normed phase sums
+OUT and DOWN epilogues store their units' Σ r² per row (`ss`, [BP, NUP]); the next normed phase sums
 them in unit order (deterministic) for its rstd. Layer 0's input is the embedding rows, whose rstd the
 kernel computes once before the layer loop (`embedding_rstd`).
 """
@@ -37,8 +37,8 @@ from tinyvllm.kernels.decode_megakernel.grid_sync import end_phase
 from tinyvllm.kernels.decode_megakernel.qkv_phase import cache_value
 from tinyvllm.kernels.flash_tiles import dot_qk
 
-QKV = tl.constexpr(0)
-O = tl.constexpr(1)
+QKV = tl.constexpr(0)  # the kinds of weight phase (module docstring)
+OUT = tl.constexpr(1)
 GATE_UP = tl.constexpr(2)
 DOWN = tl.constexpr(3)
 
@@ -46,7 +46,7 @@ DOWN = tl.constexpr(3)
 @triton.jit
 def unit_weight_rows(u, KIND: tl.constexpr, R: tl.constexpr, D: tl.constexpr, F: tl.constexpr):
     """The R weight rows of unit u, [R]: QKV rows head·D + j0 + [0, R/2) then the same + D/2 (their RoPE
-    partners; R/2 divides D/2), GATE_UP gate rows u·R/2 + [0, R/2) then the same + F (the up rows), O and
+    partners; R/2 divides D/2), GATE_UP gate rows u·R/2 + [0, R/2) then the same + F (the up rows), OUT and
     DOWN rows u·R + [0, R)."""
     r = tl.arange(0, R)
     RH: tl.constexpr = R // 2
@@ -61,8 +61,19 @@ def unit_weight_rows(u, KIND: tl.constexpr, R: tl.constexpr, D: tl.constexpr, F:
 
 
 @triton.jit
-def _weight_tile(w_ptr, layer, u, kc, N: tl.constexpr, K: tl.constexpr, KIND: tl.constexpr, R: tl.constexpr,
-                 KC: tl.constexpr, D: tl.constexpr, F: tl.constexpr):
+def _weight_tile(
+    w_ptr,
+    layer,
+    u,
+    kc,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    KIND: tl.constexpr,
+    R: tl.constexpr,
+    KC: tl.constexpr,
+    D: tl.constexpr,
+    F: tl.constexpr,
+):
     """Columns kc·KC + [0, KC) of unit u's rows of layer `layer`'s W [N, K], [R, KC] (a pipelined load)."""
     rows = unit_weight_rows(u, KIND, R, D, F)
     cols = kc * KC + tl.arange(0, KC)
@@ -76,8 +87,12 @@ def rstd_from_sums(ss_ptr, num_sums, live, H, eps, BP: tl.constexpr, NUP: tl.con
     num_sums of each row), summed in unit order."""
     j = tl.arange(0, NUP)
     b = tl.arange(0, BP)
-    s = tl.load(ss_ptr + b[:, None] * NUP + j[None, :], mask=live[:, None] & (j < num_sums)[None, :], other=0.0,
-                cache_modifier=".cg")
+    s = tl.load(
+        ss_ptr + b[:, None] * NUP + j[None, :],
+        mask=live[:, None] & (j < num_sums)[None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
     return 1.0 / tl.sqrt(tl.sum(s, axis=1) / H + eps)
 
 
@@ -115,9 +130,27 @@ def _halves(y, R: tl.constexpr, BP: tl.constexpr):
 
 @triton.jit
 def _qkv_epilogue(
-    y, u, live, pos, kv_off, cs_ptr, q_ptr, k_ptr, v_ptr, bias_ptr, stride_head, k_scale, v_scale,
-    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, FP8KV: tl.constexpr, EMULATE: tl.constexpr,
+    y,
+    u,
+    live,
+    pos,
+    kv_off,
+    cs_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bias_ptr,
+    stride_head,
+    k_scale,
+    v_scale,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    BP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FP8KV: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """Unit u of phase A from its rows' float32 products y [R, BP] (scaled already, FP8 weights): add the
     bias (HAS_BIAS, this layer's), round, rotate q and k by RoPE at each row's position pos [BP]
@@ -141,22 +174,23 @@ def _qkv_epilogue(
         s = tl.load(cs_ptr + pos[None, :] * D + HALF + j[:, None], mask=live[None, :], other=0.0)
         y1, y2 = y1 * c - y2 * s, y2 * c + y1 * s
     if head < HQ:
-        at = q_ptr + b[None, :] * QD + head * D + j[:, None]
-        tl.store(at, y1.to(dtype), mask=live[None, :])
-        tl.store(at + HALF, y2.to(dtype), mask=live[None, :])
+        q_at = q_ptr + b[None, :] * QD + head * D + j[:, None]
+        tl.store(q_at, y1.to(dtype), mask=live[None, :])
+        tl.store(q_at + HALF, y2.to(dtype), mask=live[None, :])
     else:
         writes = live & (kv_off >= 0)
         if head < HQ + HK:
-            at = k_ptr + (head - HQ) * stride_head
+            cache_at = k_ptr + (head - HQ) * stride_head
             scale = k_scale
         else:
-            at = v_ptr + (head - HQ - HK) * stride_head
+            cache_at = v_ptr + (head - HQ - HK) * stride_head
             scale = v_scale
-        at = at + kv_off[None, :] + j[:, None]
+        cache_at = cache_at + kv_off[None, :] + j[:, None]
+        cdt: tl.constexpr = k_ptr.dtype.element_ty
         y1 = y1.to(dtype).to(tl.float32)
         y2 = y2.to(dtype).to(tl.float32)
-        tl.store(at, cache_value(y1, scale, dtype, FP8KV, EMULATE), mask=writes[None, :])
-        tl.store(at + HALF, cache_value(y2, scale, dtype, FP8KV, EMULATE), mask=writes[None, :])
+        tl.store(cache_at, cache_value(y1, scale, cdt, FP8KV, EMULATE), mask=writes[None, :])
+        tl.store(cache_at + HALF, cache_value(y2, scale, cdt, FP8KV, EMULATE), mask=writes[None, :])
 
 
 @triton.jit
@@ -171,8 +205,9 @@ def _gate_up_epilogue(y, u, live, act_ptr, F: tl.constexpr, R: tl.constexpr, BP:
 
 
 @triton.jit
-def _residual_epilogue(y, u, live, res_ptr, res_rows, r_ptr, ss_ptr, H: tl.constexpr, R: tl.constexpr,
-                       BP: tl.constexpr, NUP: tl.constexpr):
+def _residual_epilogue(
+    y, u, live, res_ptr, res_rows, r_ptr, ss_ptr, H: tl.constexpr, R: tl.constexpr, BP: tl.constexpr, NUP: tl.constexpr
+):
     """Unit u of phase C or E from y [R, BP]: r[rows] = round(round(y) + res[rows]) for every row (res at
     element offsets res_rows [BP]: the embedding rows in layer 0's phase C, else r itself), and each
     row's Σ r² over the unit's rows into ss[row, u]."""
@@ -251,7 +286,7 @@ def product_phase(
     [L, N, K]; FP8W: float8_e4m3fn with the stacked row scales ws_ptr [L, N], converted to the input's
     dtype for the product and each row's float32 sum scaled after it. The epilogue's operands by KIND:
     QKV out_ptr = q, pos, kv_off, cs_ptr, k_ptr, v_ptr, bias_ptr (this layer's), stride_head, the cache
-    scales; GATE_UP out_ptr = act; O and DOWN out_ptr = r, the residual res_ptr + res_rows, ss_out_ptr.
+    scales; GATE_UP out_ptr = act; OUT and DOWN out_ptr = r, the residual res_ptr + res_rows, ss_out_ptr.
     """
     NKC: tl.constexpr = K // KC
     n_units = N // R
@@ -284,8 +319,27 @@ def product_phase(
                 y = y * tl.load(layer_scales + unit_weight_rows(u, KIND, R, D, F))[:, None]
             if KIND == QKV:
                 _qkv_epilogue(
-                    y, u, live, pos, kv_off, cs_ptr, out_ptr, k_ptr, v_ptr, bias_ptr, stride_head, k_scale,
-                    v_scale, HQ, HK, D, R, BP, HAS_BIAS, FP8KV, EMULATE,
+                    y,
+                    u,
+                    live,
+                    pos,
+                    kv_off,
+                    cs_ptr,
+                    out_ptr,
+                    k_ptr,
+                    v_ptr,
+                    bias_ptr,
+                    stride_head,
+                    k_scale,
+                    v_scale,
+                    HQ,
+                    HK,
+                    D,
+                    R,
+                    BP,
+                    HAS_BIAS,
+                    FP8KV,
+                    EMULATE,
                 )
             elif KIND == GATE_UP:
                 _gate_up_epilogue(y, u, live, out_ptr, F, R, BP)

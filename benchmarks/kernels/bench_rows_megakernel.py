@@ -1,0 +1,248 @@
+"""Decode steps of 2–16 rows: the rows megakernel against the layer loop the engine runs them through today.
+
+    python benchmarks/kernels/bench_rows_megakernel.py [--preset llama-3.2-1b] [--batches 2 4 8 16]
+        [--context 640] [--variant rows=32,chunk=256,stages=4 ...] [--fp8] [--fp8-kv] [--out DIR]
+
+A random-weight model of the preset's shape (bf16) on the GPU; each of `--batches` rows a sequence whose
+context is `--context` keys (distinct cache blocks). Timed as CUDA-graph replays of a whole step
+(decoder layers + final norm + LM head, no sampling) and of the layers alone:
+  * `layers`: the layer loop (cuBLAS products, ~10 kernels a layer), the engine's path at 2–16 rows;
+  * `rows <fields>`: the rows megakernel per RowsConfig (the default, then `--variant`s or VARIANTS).
+Floor: the bytes a step must read (every weight once, each row's K/V, the LM head) at the copy bandwidth
+measured at the start; the products' FLOPs at these batches take under a tenth of that time.
+Correctness, per batch: each variant's hidden states and logits against the layer loop's (relative error,
+argmax), its new K/V, the rest of the cache untouched, and a second launch bitwise equal to the first.
+Writes rows_megakernel[_<preset>][_fp8][_fp8kv]_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from bench_megakernel import BLOCK, setup
+from common import (
+    bench_graph,
+    copy_bandwidth,
+    device_info,
+    output_paths,
+    print_table,
+    rel_err,
+    require_cuda,
+    write_json,
+)
+
+from tinyvllm.config import RunnerConfig
+from tinyvllm.engine.paths.executor import ModelExecutor
+from tinyvllm.engine.paths.megakernel import stack_weights
+from tinyvllm.engine.paths.rows_megakernel import RowsMegakernel
+from tinyvllm.kernels.attention_metadata import AttnMetadata
+from tinyvllm.kernels.rows_megakernel import RowsConfig
+
+R = RowsConfig
+VARIANTS = [R(), R(chunk=512, stages=4), R(rows=32, chunk=256, stages=4), R(stages=8), R(num_warps=4)]
+
+
+def name_of(cfg: RowsConfig) -> str:
+    """A variant's label: every field that differs from its default."""
+    diff = ",".join(f"{k}={v}" for k, v in cfg._asdict().items() if v != R._field_defaults[k])
+    return "rows " + (diff or "default")
+
+
+def parse_config(text: str) -> RowsConfig:
+    """`field=value,...` → RowsConfig."""
+    return R(**{k: int(v) for k, v in (item.split("=") for item in filter(None, text.split(",")))})
+
+
+def step_inputs(dev: torch.device, rows: int, ctx: int, num_blocks: int):
+    """(ids, positions, meta) of a decode step of `rows` sequences of `ctx` keys each, on distinct blocks."""
+    pages = -(-ctx // BLOCK)
+    order = torch.randperm(num_blocks, device=dev).to(torch.int32)
+    table = order[: rows * pages].view(rows, pages)
+    pos = ctx - 1
+    slots = table[:, pos // BLOCK].long() * BLOCK + pos % BLOCK
+    i32 = torch.int32
+    meta = AttnMetadata(
+        slot_mapping=slots,
+        num_decode_tokens=rows,
+        decode_seq_lens=torch.full((rows,), ctx, dtype=i32, device=dev),
+        decode_block_tables=table.contiguous(),
+        max_decode_seq_len=ctx,
+        num_prefills=0,
+        prefill_cu_seqlens_q=torch.zeros(1, dtype=i32, device=dev),
+        prefill_seq_lens=torch.zeros(0, dtype=i32, device=dev),
+        prefill_block_tables=table[:0],
+        max_prefill_q_len=0,
+        max_prefill_seq_len=0,
+    )
+    ids = torch.randint(0, 1000, (rows,), device=dev)
+    return ids, torch.full((rows,), pos, device=dev), meta
+
+
+def run(paths: ModelExecutor, ids, pos, meta, kv, logits: bool = True):
+    views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+    hidden = paths.hidden_states(ids, pos, meta, views)
+    return (hidden, paths.lm_head.logits(hidden, dtype=None)) if logits else (hidden, None)
+
+
+def executor(model, rows: RowsMegakernel | None) -> ModelExecutor:
+    """The runner's paths with the rows megakernel `rows` (None: the layer loop)."""
+    paths = ModelExecutor(model, RunnerConfig(decode_megakernel=False, pruned_lm_head=False), "cuda")
+    paths.rows_megakernel = rows
+    return paths
+
+
+@torch.no_grad()
+def check(model, kv, weights, batches: list[int], ctx: int, variants: list[RowsConfig]) -> list[dict]:
+    dtype = model.embed_tokens.weight.dtype
+    out = []
+    for b in batches:
+        ids, pos, meta = step_inputs(kv.device, b, ctx, kv.shape[2])
+        kv_ref = kv.clone()
+        h_ref, l_ref = run(executor(model, None), ids, pos, meta, kv_ref)
+        for cfg in variants:
+            paths = executor(model, RowsMegakernel(model, weights, cfg))
+            kv_mk = kv.clone()
+            h, lg = run(paths, ids, pos, meta, kv_mk)
+            h2, _ = run(paths, ids, pos, meta, kv_mk.clone())
+            blk, off = meta.slot_mapping // BLOCK, meta.slot_mapping % BLOCK
+            new = kv_mk[:, :, blk, :, off]
+            kv_err = rel_err(new, kv_ref[:, :, blk, :, off])
+            kv_mk[:, :, blk, :, off] = kv_ref[:, :, blk, :, off]
+            out.append(
+                {
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "batch": b,
+                    "variant": name_of(cfg),
+                    "hidden_rel_err": rel_err(h, h_ref),
+                    "logits_rel_err": rel_err(lg, l_ref),
+                    "kv_rel_err": kv_err,
+                    "argmax_equal": bool((lg.argmax(-1) == l_ref.argmax(-1)).all()),
+                    "rest_of_cache_equal": bool(torch.equal(kv_mk.view(torch.uint8), kv_ref.view(torch.uint8))),
+                    "relaunch_bitwise": bool(torch.equal(h, h2)),
+                }
+            )
+            print(out[-1], flush=True)
+    return out
+
+
+@torch.no_grad()
+def time_steps(model, weights, kv, batches: list[int], ctx: int, variants: list[RowsConfig], copy: float):
+    cfg = model.config
+    layer_bytes = sum(t.numel() * t.element_size() for t in (weights.qkv, weights.o, weights.gate_up, weights.down))
+    head_bytes = model.lm_head_weight.numel() * model.lm_head_weight.element_size()
+    rows_out = []
+    for b in batches:
+        ids, pos, meta = step_inputs(kv.device, b, ctx, kv.shape[2])
+        kv_bytes = b * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * ctx * cfg.head_dim * kv.element_size()
+        floor_layers = (layer_bytes + kv_bytes) / copy * 1e6
+        floor_step = floor_layers + head_bytes / copy * 1e6
+        paths = [("layers", executor(model, None))]
+        paths += [(name_of(c), executor(model, RowsMegakernel(model, weights, c))) for c in variants]
+        for name, p in paths:
+            step_us = bench_graph([lambda p=p: run(p, ids, pos, meta, kv)], calls=16, replays=9) * 1e3
+            layers_us = bench_graph([lambda p=p: run(p, ids, pos, meta, kv, False)], calls=16, replays=9) * 1e3
+            rows_out.append(
+                {
+                    "batch": b,
+                    "path": name,
+                    "step_us": step_us,
+                    "layers_us": layers_us,
+                    "tok_per_s": b * 1e6 / step_us,
+                    "floor_step_us": floor_step,
+                    "of_floor": floor_step / step_us,
+                    "layers_of_floor": floor_layers / layers_us,
+                }
+            )
+            print(rows_out[-1], flush=True)
+    for r in rows_out:
+        base = next(x for x in rows_out if x["batch"] == r["batch"] and x["path"] == "layers")
+        r["speedup"] = base["step_us"] / r["step_us"]
+    return rows_out
+
+
+CHECK_COLUMNS = [
+    ("dtype", "dtype", ""),
+    ("batch", "rows", "d"),
+    ("variant", "variant", ""),
+    ("hidden_rel_err", "hidden err", ".2e"),
+    ("logits_rel_err", "logits err", ".2e"),
+    ("kv_rel_err", "new K/V err", ".2e"),
+    ("argmax_equal", "argmax =", ""),
+    ("rest_of_cache_equal", "rest of cache =", ""),
+    ("relaunch_bitwise", "relaunch =", ""),
+]
+STEP_COLUMNS = [
+    ("batch", "rows", "d"),
+    ("path", "path", ""),
+    ("step_us", "step µs", ".1f"),
+    ("layers_us", "layers µs", ".1f"),
+    ("tok_per_s", "tok/s", ".0f"),
+    ("speedup", "× layers", ".2f"),
+    ("floor_step_us", "floor µs", ".1f"),
+    ("of_floor", "of floor", ".2f"),
+    ("layers_of_floor", "layers of floor", ".2f"),
+]
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-3.2-1b", help="the model shape (tinyvllm.models.presets)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--context", type=int, default=640)
+    ap.add_argument("--variant", action="append", default=[], help="a RowsConfig as field=value,... (repeatable)")
+    ap.add_argument("--fp32", action=argparse.BooleanOptionalAction, default=True, help="also check in float32")
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights (per-row scales) from the random bf16 ones")
+    ap.add_argument("--fp8-kv", action="store_true", help="an FP8 (e4m3) KV cache")
+    ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    return ap.parse_args()
+
+
+def main() -> None:
+    ns = parse_args()
+    variants = [R()] + ([parse_config(v) for v in ns.variant] if ns.variant else VARIANTS[1:])
+    dev = require_cuda()
+    info = device_info(dev)
+    copy = copy_bandwidth(dev)
+    print(f"{info}\ncopy bandwidth {copy / 1e12:.2f} TB/s")
+    max_ctx = ns.context * max(ns.batches)
+    checks = []
+    if ns.fp32:
+        model, kv = setup(dev, torch.float32, max_ctx, ns.preset, ns.fp8, ns.fp8_kv)
+        checks += check(model, kv, stack_weights(model), ns.batches, ns.context, variants[:1])
+        del model, kv
+        torch.cuda.empty_cache()
+    model, kv = setup(dev, torch.bfloat16, max_ctx, ns.preset, ns.fp8, ns.fp8_kv)
+    weights = stack_weights(model)
+    torch.cuda.empty_cache()
+    checks += check(model, kv, weights, ns.batches, ns.context, variants)
+    print_table("correctness against the layer loop", checks, CHECK_COLUMNS)
+    rows = time_steps(model, weights, kv, ns.batches, ns.context, variants, copy)
+    what = "bf16" + (", FP8 weights" if ns.fp8 else "") + (", FP8 KV cache" if ns.fp8_kv else "")
+    print_table(f"decode steps of 2-16 rows, {ns.preset} shape, {what} ({info['gpu']})", rows, STEP_COLUMNS)
+    name = "rows_megakernel" + ("" if ns.preset == "llama-3.2-1b" else f"_{ns.preset}")
+    name += ("_fp8" if ns.fp8 else "") + ("_fp8kv" if ns.fp8_kv else "")
+    json_path, _ = output_paths(ns.out, name)
+    write_json(
+        json_path,
+        {
+            "preset": ns.preset,
+            "context": ns.context,
+            "fp8_weights": ns.fp8,
+            "fp8_kv_cache": ns.fp8_kv,
+            "device": info,
+            "copy_bandwidth": copy,
+            "checks": checks,
+            "timings": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

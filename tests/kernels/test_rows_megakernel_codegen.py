@@ -1,0 +1,169 @@
+"""The rows megakernel compiled for the H200 (sm_90) without a GPU, in every variant the runner can launch
+(bf16 and float32, FP8 weights, an FP8 cache, Qwen2's biases with a window on some layers, Mistral's window
+on every layer) and at the real `llama-3.2-1b` and `llama-3.1-8b` shapes: each compiles, its weight tiles
+stream through cp.async copies (the software pipeline), its products run on the tensor cores, and the
+pipeline fits an SM's shared memory.
+
+tests/engine/test_rows_megakernel_path.py checks what the kernel computes; only the compiler checks that it
+compiles (tests/kernels/sm90_compile.py). Runs in a subprocess without TRITON_INTERPRET; skipped where this
+Triton cannot compile for CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backend
+
+SMEM_PER_SM = 227 * 1024  # an H200 SM's shared memory for one program
+# name -> (preset, dtype, FP8 weights, FP8 KV cache)
+VARIANTS = {
+    "bf16": ("tiny", "bfloat16", False, False),
+    "f32": ("tiny", "float32", False, False),
+    "bf16/fp8w": ("tiny", "bfloat16", True, False),
+    "bf16/fp8kv": ("tiny", "bfloat16", False, True),
+    "qwen2/bf16": ("tiny-qwen2", "bfloat16", False, False),
+    "mistral/bf16/fp8w+fp8kv": ("tiny-mistral", "bfloat16", True, True),
+}
+REAL_SHAPES = {"llama-3.2-1b": False, "llama-3.1-8b": False, "llama-3.2-1b/fp8w": True}  # name -> FP8 weights
+
+
+def _as_on_the_gpu():
+    """Inline-assembly barriers, bf16 operands straight into the tensor cores, as on the GPU."""
+    from tinyvllm.kernels.rows_megakernel import launch
+
+    real = launch._constexprs
+    launch._constexprs = lambda *a, **k: {**real(*a, **k), "ASM": True, "UPCAST": False}
+
+
+def _facts(kernel) -> dict:
+    ptx = kernel.asm["ptx"]
+    return {
+        "shared": kernel.metadata.shared,
+        "cp_async": ptx.count("cp.async.cg.shared.global"),
+        "mma": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
+    }
+
+
+def compile_variant(preset: str, dtype_name: str, fp8w: bool, fp8kv: bool) -> dict:
+    """One decode step of 3 rows through the runner's paths with the rows megakernel, compiled for sm_90."""
+    import torch
+
+    from tests.engine.test_fused_path import build
+    from tests.engine.test_megakernel_fp8 import fp8_pair, set_kv_scales
+    from tests.engine.test_megakernel_path import kv_buffer, views
+    from tests.engine.test_rows_megakernel_path import rows_step, with_rows
+    from tests.kernels.sm90_compile import compile_only_for_sm90
+    from tinyvllm.models.decoder import FP8_KV_DTYPE
+
+    dtype = getattr(torch, dtype_name)
+    cpu = torch.device("cpu")
+    if fp8w:
+        model, _ = fp8_pair(dtype, cpu, preset=preset)
+    else:
+        model = build("triton", dtype, cpu, max_positions=512, preset=preset)
+    set_kv_scales(model)
+    buffer = kv_buffer(model, FP8_KV_DTYPE if fp8kv else dtype)
+    paths = with_rows(model)
+    ids, positions, meta = rows_step([40, 7, 65], cpu)
+    with compile_only_for_sm90() as launched, torch.no_grad():
+        paths.hidden_states(ids, positions, meta, views(buffer))
+    kernels = dict(launched)
+    assert "rows_megakernel_kernel" in kernels, list(kernels)
+    return _facts(kernels["rows_megakernel_kernel"])
+
+
+def compile_real_shape(name: str, fp8w: bool) -> dict:
+    """The kernel at a real model's shape (bf16 activations, 132 programs; `fp8w`: FP8 weights with row
+    scales), from stand-in weight tensors: a compile reads only their dtypes and the scales' shapes; the
+    shapes come from the model's config."""
+    import torch
+
+    from tests.kernels.sm90_compile import compile_only_for_sm90
+    from tinyvllm.engine.paths.megakernel import model_shape
+    from tinyvllm.kernels.decode_megakernel import StackedWeights
+    from tinyvllm.kernels.rows_megakernel import RowsConfig, RowsWorkspace, rows_megakernel_fwd
+    from tinyvllm.models.checkpoint import make_config
+
+    c = make_config(name.split("/")[0])
+    shape = model_shape(type("M", (), {"config": _config(c)})())
+    dt, layers = torch.bfloat16, 2
+    z = lambda *s, d=dt: torch.zeros(*s, dtype=d)  # noqa: E731
+    rows = {
+        "qkv": (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim,
+        "o": shape.hidden,
+        "gate_up": 2 * shape.intermediate,
+        "down": shape.hidden,
+    }
+    wd = torch.float8_e4m3fn if fp8w else dt
+    mats = {k: z(layers, n, 1, d=wd) for k, n in rows.items()}
+    scales = {f"{k}_scale": z(layers, n, d=torch.float32) for k, n in rows.items()} if fp8w else {}
+    w = StackedWeights(
+        embed=z(4, shape.hidden),
+        **mats,
+        **scales,
+        norm1=z(layers, shape.hidden),
+        norm2=z(layers, shape.hidden),
+        norm_final=z(shape.hidden),
+    )
+    buf = z(layers, 2, 4, shape.num_kv_heads, 16, shape.head_dim)
+    kv = [(buf[i, 0], buf[i, 1]) for i in range(layers)]
+    ws = RowsWorkspace(shape, dt, torch.device("cpu"), 132, RowsConfig())
+    t = torch.zeros(8, dtype=torch.int64)
+    with compile_only_for_sm90() as launched:
+        rows_megakernel_fwd(
+            t, t, t, t.int(), torch.zeros(8, 4, dtype=torch.int32), w, torch.zeros(64, shape.head_dim), kv, shape,
+            1e-5, 0.1, ws,
+        )  # fmt: skip
+    return _facts(launched[0][1])
+
+
+def _config(raw: dict):
+    from tinyvllm.config import ModelConfig
+
+    return ModelConfig.from_dict(raw)
+
+
+def summarise() -> dict:
+    missing = missing_cuda_backend()
+    if missing is not None:
+        return {"skip": missing}
+    _as_on_the_gpu()
+    out = {}
+    jobs = {
+        **{n: (compile_variant, v) for n, v in VARIANTS.items()},
+        **{p: (compile_real_shape, (p, f)) for p, f in REAL_SHAPES.items()},
+    }
+    for name, (fn, args) in jobs.items():
+        try:
+            out[name] = fn(*args)
+        except Exception as e:
+            if "ptxas" in str(e) and "not found" in str(e):
+                return {"skip": f"no ptxas: {e}"}
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
+    return out
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict:
+    return facts_from_subprocess(__file__, timeout=900)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS) + list(REAL_SHAPES))
+def test_rows_megakernel_compiles_for_sm90(facts, variant):
+    """Every variant compiles within an SM's shared memory; 16-bit products run on the tensor cores (float32
+    ones take exact FMAs); at real shapes the weight tiles stream through cp.async (the tiny shapes' FP8
+    rows of 64 bytes are below its 16-byte vectors' pipelining)."""
+    got = facts[variant]
+    assert "error" not in got, got.get("error")
+    assert got["shared"] <= SMEM_PER_SM, got["shared"]
+    if variant not in VARIANTS or VARIANTS[variant][1] != "float32":
+        assert got["mma"] > 0, "the products do not run on the tensor cores"
+    if variant in REAL_SHAPES:
+        assert got["cp_async"] > 0, "the weight tiles are not software-pipelined"
+
+
+if __name__ == "__main__":
+    print(json.dumps(summarise()))
