@@ -179,6 +179,7 @@ def attn_inner(
     kv_start=0,
     window=0,
     HAS_WINDOW: tl.constexpr = False,
+    NUM_STAGES: tl.constexpr = None,
 ):
     """Fold keys lo .. hi−1 (lo a multiple of BLOCK_N) into the running (acc, l_i, m_i).
 
@@ -193,13 +194,15 @@ def attn_inner(
             below every row's diagonal and below kv_end, and inside every row's window.
         kv_start, window: HAS_WINDOW only (module docstring): keys below kv_start are not loaded, and
             the row at q_pos sees keys q_pos − window + 1 .. q_pos.
+        NUM_STAGES: the key loop's software pipeline depth (None: the kernel's num_stages); a kernel
+            launched without pipelining (the megakernels) sets it for this loop alone.
 
     Returns:
         The updated (acc, l_i, m_i).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         start = tl.multiple_of(start, BLOCK_N)
         rows = _kv_rows(
             bt_row_ptr, start, offs_n, kv_end, stride_kb, stride_kt, BLOCK_SIZE, PAGE_TILE, MASKED, kv_start, HAS_WINDOW

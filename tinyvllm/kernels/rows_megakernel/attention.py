@@ -73,13 +73,15 @@ def rows_attention_phase(
     IEEE: tl.constexpr,
     WINDOW: tl.constexpr,
     FP8KV: tl.constexpr,
+    KV_STAGES: tl.constexpr,
 ):
     """Phase B of `layer` (the caller has waited at its barrier): q [BP, HQ·D] (rotated, phase A's), the
     layer's caches k_ptr, v_ptr, each row's block table at bt_ptr + row · bt_stride and its context
     length; the merged output into attn [BP, HQ·D]. qk_scale: softmax scale · log2(e) (· k_scale for an
     FP8 cache, whose v_scale joins the normaliser). WINDOW: 0 none, else this layer has a window of
     `window` keys where `windowed`; every row's splits count from the lowest first key of any layer
-    (all_windowed = WINDOW 2: the window's)."""
+    (all_windowed = WINDOW 2: the window's). KV_STAGES: the key loop's software pipeline depth (the
+    kernel runs unpipelined, and at 16 rows a unit holds a row's whole context)."""
     G: tl.constexpr = HQ // HK
     QD: tl.constexpr = HQ * D
     PART_ROW: tl.constexpr = HK * G * (D + 2) * SM
@@ -138,6 +140,7 @@ def rows_attention_phase(
                 kv_start,
                 tl.where(windowed, window, seq_len + 1),
                 WINDOW != 0,
+                NUM_STAGES=KV_STAGES,
             )
             m_i = tl.where(l_i > 0, m_i, float("-inf"))  # an empty split
             if FP8KV:  # V's scale joins the normaliser: the merge's output is then v_scale · Σ acc / Σ l

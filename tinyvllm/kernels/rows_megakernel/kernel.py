@@ -86,6 +86,7 @@ def rows_megakernel_kernel(
     BG: tl.constexpr,
     GP: tl.constexpr,
     PIPE: tl.constexpr,
+    KV_STAGES: tl.constexpr,
     TRACE: tl.constexpr,
     ASM: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -107,7 +108,7 @@ def rows_megakernel_kernel(
     Constexprs: shapes H, F, HQ, HK, D, BS; BP the rows of every product (≥ 16, tl.dot's N); per weight
     phase A, C, D, E its rows per unit R*, its K chunk KC* and its most units per program MAXU*; NUP
     the per-unit sums of squares a row keeps (≥ the units of phases C and E); KEYS, SM, BG, GP as in
-    the batch-1 kernel; PIPE the weight pipeline's depth; WINDOW 0 none, 1 the layers flagged in
+    the batch-1 kernel; PIPE the weight pipeline's depth, KV_STAGES the key loop's; WINDOW 0 none, 1 the layers flagged in
     sliding_ptr, 2 every layer.
     """
     pid = tl.program_id(0)
@@ -151,7 +152,7 @@ def rows_megakernel_kernel(
             layer, pid, P, num_rows, q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, seq_len_ptr, num_splits,
             part_ptr, tickets_ptr, attn_ptr, stride_blk, stride_head,
             scale * k_scale * 1.4426950408889634,  # log2(e): scores in the log2 domain; K's cache scale
-            v_scale, window, windowed, HQ, HK, D, BS, KEYS, SM, BG, GP, UPCAST, IEEE, WINDOW, FP8KV,
+            v_scale, window, windowed, HQ, HK, D, BS, KEYS, SM, BG, GP, UPCAST, IEEE, WINDOW, FP8KV, KV_STAGES,
         )  # fmt: skip
         arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
         # C: r ← round(round(Wo attn) + r) (the embedding rows are layer 0's residual)

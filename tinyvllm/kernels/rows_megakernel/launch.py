@@ -32,6 +32,7 @@ class RowsConfig(NamedTuple):
     chunk: int = 256  # K columns per weight tile, at most (the largest power of two dividing K within it;
     # twice that for 1-byte FP8 weights, so a tile keeps its bytes)
     stages: int = 6  # the weight tiles' software pipeline: this many shared-memory stages (5 tiles in flight)
+    kv_stages: int = 3  # phase B's key loop: this many shared-memory stages
     num_warps: int = 8
     programs: int = 0  # CUDA: at most this many programs (0: one on every multiprocessor)
 
@@ -155,6 +156,7 @@ def _constexprs(shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: 
         BG=max(16, next_power_of_2(group)),
         GP=next_power_of_2(group),
         PIPE=cfg.stages,
+        KV_STAGES=cfg.kv_stages,
         TRACE=False,
         ASM=device.type == "cuda",
         UPCAST=upcast_dot(device),
@@ -213,7 +215,7 @@ def rows_megakernel_fwd(
     device = input_ids.device
     if device.type == "cuda" and ws.programs > num_sms(device):
         raise ValueError(f"{ws.programs} programs: more than one per multiprocessor may not all be resident")
-    if ws.config.stages < 1:
+    if ws.config.stages < 1 or ws.config.kv_stages < 1:
         raise ValueError(f"rows megakernel config {ws.config}: stages ≥ 1 needed")
     block_size, layer_stride, v_offset = _kv_layout(kv_caches, shape)
     num_layers = weights.qkv.shape[0]
