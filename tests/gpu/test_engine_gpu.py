@@ -209,6 +209,30 @@ def test_decode_graphs_with_async_placeholders_equal_eager_fp32(ckpt):
     assert got[False] == got[True]
 
 
+def test_rows_megakernel_greedy_fp32_equals_the_layer_loop(ckpt):
+    """Decode steps of 2–16 rows through the rows megakernel (in CUDA graphs, rows finishing at different
+    steps, so the bucket shrinks mid-run) give the layer loop's greedy tokens in float32 (TF32 off: the
+    two differ in the order of float32 sums only)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ps = prompts(6, 20, 200, seed=8)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(len(ps))]
+    got = {}
+    for rows in (False, True):
+        llm = engine(ckpt, "float32", kv=1 << 30, max_model_len=512, rows_megakernel=rows)
+        executor = llm.llm_engine.runner.executor
+        assert (executor.rows_megakernel is not None) == rows
+        calls = []
+        if rows:
+            real = executor.rows_megakernel
+            executor.rows_megakernel = lambda *a, real=real: calls.append(1) or real(*a)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        got[rows] = [o.outputs[0].token_ids for o in outs]
+        assert bool(calls) == rows  # the graphs were captured through it
+        del llm, executor
+        torch.cuda.empty_cache()
+    assert got[True] == got[False]
+
+
 def test_truncating_rows_in_decode_graphs_equal_eager_fp32(ckpt):
     """Seeded top-k / top-p / min-p rows beside plain, greedy and full-sampler (logprobs) rows: the decode
     graphs draw them with the truncating sampler's graph (replayed after the forward's; filters from the
