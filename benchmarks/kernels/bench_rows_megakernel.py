@@ -46,7 +46,7 @@ from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.kernels.rows_megakernel import RowsConfig
 
 R = RowsConfig
-VARIANTS = [R(), R(chunk=512, stages=4), R(rows=32, chunk=256, stages=4), R(stages=8), R(num_warps=4)]
+VARIANTS = [R(), R(ahead=1), R(ahead=3), R(chunk=512, stages=4), R(rows=32, stages=4), R(chunk=128, stages=8, ahead=3)]
 
 
 def name_of(cfg: RowsConfig) -> str:

@@ -105,23 +105,23 @@ def check_cache(buf, buf_ref, meta, rows: int, tol: float, scales=None) -> None:
 
 
 CASES = [
-    # seq_lens, splits, chunk, stages
-    ([7, 13, 1], 1, 256, 6),  # one chunk a row, one tile a row
-    ([7, 13, 1], 1, 16, 3),  # 4 chunks of hidden 64, 16 units a program in phase D
-    ([130, 65, 64, 2], 3, 32, 1),  # several tiles and splits, no pipeline
-    ([260, 41], 11, 16, 4),  # the merge in runs of 16 slots
-    ([20] * MAX_ROWS, 2, 32, 6),  # every row of the products
+    # seq_lens, splits, chunk, stages, ahead (input chunks loaded ahead)
+    ([7, 13, 1], 1, 256, 6, 3),  # one chunk a row, one tile a row
+    ([7, 13, 1], 1, 16, 3, 3),  # 4 chunks of hidden 64, 16 units a program in phase D
+    ([130, 65, 64, 2], 3, 32, 1, 1),  # several tiles and splits, no pipeline
+    ([260, 41], 11, 16, 4, 2),  # the merge in runs of 16 slots
+    ([20] * MAX_ROWS, 2, 32, 6, 1),  # every row of the products
 ]
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_lens,splits,chunk,stages", CASES)
-def test_rows_megakernel_equals_reference_forward(dtype, seq_lens, splits, chunk, stages):
+@pytest.mark.parametrize("seq_lens,splits,chunk,stages,ahead", CASES)
+def test_rows_megakernel_equals_reference_forward(dtype, seq_lens, splits, chunk, stages, ahead):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512)
     model = build("triton", dtype, device, max_positions=512)
-    paths = with_rows(model, RowsConfig(chunk=chunk, stages=stages), splits)
+    paths = with_rows(model, RowsConfig(chunk=chunk, stages=stages, ahead=ahead), splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == paths.rows_megakernel.weights.down[1].data_ptr()
     ids, positions, meta = rows_step(seq_lens, device)
     buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)

@@ -87,6 +87,7 @@ def rows_megakernel_kernel(
     GP: tl.constexpr,
     PIPE: tl.constexpr,
     KV_STAGES: tl.constexpr,
+    AHEAD: tl.constexpr,
     TRACE: tl.constexpr,
     ASM: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -108,7 +109,8 @@ def rows_megakernel_kernel(
     Constexprs: shapes H, F, HQ, HK, D, BS; BP the rows of every product (≥ 16, tl.dot's N); per weight
     phase A, C, D, E its rows per unit R*, its K chunk KC* and its most units per program MAXU*; NUP
     the per-unit sums of squares a row keeps (≥ the units of phases C and E); KEYS, SM, BG, GP as in
-    the batch-1 kernel; PIPE the weight pipeline's depth, KV_STAGES the key loop's; WINDOW 0 none, 1 the layers flagged in
+    the batch-1 kernel; PIPE the weight pipeline's depth, KV_STAGES the key loop's, AHEAD the input's prefetch distance
+    in chunks; WINDOW 0 none, 1 the layers flagged in
     sliding_ptr, 2 every layer.
     """
     pid = tl.program_id(0)
@@ -143,7 +145,7 @@ def rows_megakernel_kernel(
             QKV, layer, pid, P, live, x_ptr, x_rows, n1_ptr + layer * H, rstd0, layer > 0, ss_ptr, H // RE,
             wqkv_ptr, sqkv_ptr, q_ptr, r_ptr, own_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
             bias_ptr + tl.cast(layer, tl.int64) * NQKV, stride_head, k_scale, v_scale, eps, bar_ptr, b,
-            trace_ptr, NQKV, H, H, F, HQ, HK, D, RA, KCA, BP, MAXU_A, NUP, PIPE, True, TRACE, ASM,
+            trace_ptr, NQKV, H, H, F, HQ, HK, D, RA, KCA, BP, MAXU_A, NUP, PIPE, True, AHEAD, TRACE, ASM,
             UPCAST, IEEE, HAS_BIAS, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
@@ -163,7 +165,7 @@ def rows_megakernel_kernel(
             OUT, layer, pid, P, live, attn_ptr, rb.to(tl.int64) * QD, n2_ptr, rstd0, False, ss_ptr, 0,
             wo_ptr, so_ptr, r_ptr, res_ptr, res_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
             bias_ptr, stride_head, k_scale, v_scale, eps, bar_ptr, b + 2,
-            trace_ptr, H, QD, H, F, HQ, HK, D, RC, KCC, BP, MAXU_C, NUP, PIPE, False, TRACE, ASM,
+            trace_ptr, H, QD, H, F, HQ, HK, D, RC, KCC, BP, MAXU_C, NUP, PIPE, False, AHEAD, TRACE, ASM,
             UPCAST, IEEE, False, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
@@ -172,7 +174,7 @@ def rows_megakernel_kernel(
             GATE_UP, layer, pid, P, live, r_ptr, own_rows, n2_ptr + layer * H, rstd0, True, ss_ptr, H // RC,
             wgu_ptr, sgu_ptr, act_ptr, r_ptr, own_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
             bias_ptr, stride_head, k_scale, v_scale, eps, bar_ptr, b + 3,
-            trace_ptr, 2 * F, H, H, F, HQ, HK, D, RD, KCD, BP, MAXU_D, NUP, PIPE, True, TRACE, ASM,
+            trace_ptr, 2 * F, H, H, F, HQ, HK, D, RD, KCD, BP, MAXU_D, NUP, PIPE, True, AHEAD, TRACE, ASM,
             UPCAST, IEEE, False, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
@@ -181,7 +183,7 @@ def rows_megakernel_kernel(
             DOWN, layer, pid, P, live, act_ptr, rb.to(tl.int64) * F, n2_ptr, rstd0, False, ss_ptr, 0,
             wd_ptr, sd_ptr, r_ptr, r_ptr, own_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
             bias_ptr, stride_head, k_scale, v_scale, eps, bar_ptr, b + 4,
-            trace_ptr, H, F, H, F, HQ, HK, D, RE, KCE, BP, MAXU_E, NUP, PIPE, False, TRACE, ASM,
+            trace_ptr, H, F, H, F, HQ, HK, D, RE, KCE, BP, MAXU_E, NUP, PIPE, False, AHEAD, TRACE, ASM,
             UPCAST, IEEE, False, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         if layer < num_layers - 1:

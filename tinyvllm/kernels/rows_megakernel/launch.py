@@ -29,10 +29,11 @@ class RowsConfig(NamedTuple):
     """Launch choices of the rows megakernel."""
 
     rows: int = 16  # weight rows per unit (tl.dot's M, at least 16; QKV's half-head rows are rows / 2)
-    chunk: int = 256  # K columns per weight tile, at most (the largest power of two dividing K within it;
-    # twice that for 1-byte FP8 weights, so a tile keeps its bytes)
-    stages: int = 6  # the weight tiles' software pipeline: this many shared-memory stages (5 tiles in flight)
+    chunk: int = 256  # K columns per weight tile, at most (the largest power of two dividing K within it)
+    stages: int = 6  # the weight tiles' software pipeline: this many shared-memory stages (5 tiles in flight;
+    # twice as many for 1-byte FP8 weights, whose tiles have half the bytes)
     kv_stages: int = 3  # phase B's key loop: this many shared-memory stages
+    ahead: int = 2  # the input chunks are loaded this many chunks ahead (1-3; 3 spills registers at 1B)
     num_warps: int = 8
     programs: int = 0  # CUDA: at most this many programs (0: one on every multiprocessor)
 
@@ -125,7 +126,7 @@ def _constexprs(shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: 
     qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     r = cfg.rows
     group = s.num_heads // s.num_kv_heads
-    chunk = cfg.chunk * (2 if weights.fp8 else 1)
+    chunk = cfg.chunk
 
     def maxu(n_rows: int) -> int:
         return next_power_of_2(-(-(n_rows // r) // p))
@@ -155,8 +156,9 @@ def _constexprs(shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: 
         SM=ws.splits_run,
         BG=max(16, next_power_of_2(group)),
         GP=next_power_of_2(group),
-        PIPE=cfg.stages,
+        PIPE=cfg.stages * (2 if weights.fp8 else 1),
         KV_STAGES=cfg.kv_stages,
+        AHEAD=cfg.ahead,
         TRACE=False,
         ASM=device.type == "cuda",
         UPCAST=upcast_dot(device),
@@ -215,8 +217,8 @@ def rows_megakernel_fwd(
     device = input_ids.device
     if device.type == "cuda" and ws.programs > num_sms(device):
         raise ValueError(f"{ws.programs} programs: more than one per multiprocessor may not all be resident")
-    if ws.config.stages < 1 or ws.config.kv_stages < 1:
-        raise ValueError(f"rows megakernel config {ws.config}: stages ≥ 1 needed")
+    if ws.config.stages < 1 or ws.config.kv_stages < 1 or not 1 <= ws.config.ahead <= 3:
+        raise ValueError(f"rows megakernel config {ws.config}: stages ≥ 1 and ahead in 1..3 needed")
     block_size, layer_stride, v_offset = _kv_layout(kv_caches, shape)
     num_layers = weights.qkv.shape[0]
     _check_family(shape, weights, num_layers)

@@ -268,6 +268,7 @@ def product_phase(
     NUP: tl.constexpr,
     PIPE: tl.constexpr,
     NORMED: tl.constexpr,
+    AHEAD: tl.constexpr,
     TRACE: tl.constexpr,
     ASM: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -285,6 +286,8 @@ def product_phase(
     from the previous residual phase's num_sums_in unit sums at ss_in_ptr. Weights: w_ptr the stacked
     [L, N, K]; FP8W: float8_e4m3fn with the stacked row scales ws_ptr [L, N], converted to the input's
     dtype for the product and each row's float32 sum scaled after it. The epilogue's operands by KIND:
+    AHEAD (1–3): how many chunks ahead the input is loaded (a program with one unit a chunk multiplies a
+    chunk in less time than an L2 load takes).
     QKV out_ptr = q, pos, kv_off, cs_ptr, k_ptr, v_ptr, bias_ptr (this layer's), stride_head, the cache
     scales; GATE_UP out_ptr = act; OUT and DOWN out_ptr = r, the residual res_ptr + res_rows, ss_out_ptr.
     """
@@ -294,8 +297,8 @@ def product_phase(
     total = mine * NKC
     j_of = tl.arange(0, MAXU)[:, None, None]
     acc = tl.zeros([MAXU, R, BP], tl.float32)
-    x = tl.zeros([BP, KC], x_ptr.dtype.element_ty)
-    x_next = x  # the next chunk, prefetched while this one's tiles are multiplied
+    x = tl.zeros([BP, KC], x_ptr.dtype.element_ty)  # this chunk's input
+    x1, x2, x3 = x, x, x  # the next chunks' (up to AHEAD = 3), loaded while this one is multiplied
     layer_scales = ws_ptr + tl.cast(layer, tl.int64) * N
     for it in tl.range(0, total, num_stages=PIPE):
         kc = it // mine
@@ -307,8 +310,17 @@ def product_phase(
             if NORMED and from_sums:
                 rstd = rstd_from_sums(ss_in_ptr, num_sums_in, live, H, eps, BP, NUP)
             x = _input_chunk(x_ptr, x_rows, live, 0, nw_ptr, rstd, KC, NORMED)
-        if (jj == 0) & (kc + 1 < NKC):
-            x_next = _input_chunk(x_ptr, x_rows, live, kc + 1, nw_ptr, rstd, KC, NORMED)
+            if AHEAD >= 2 and NKC > 1:
+                x1 = _input_chunk(x_ptr, x_rows, live, 1, nw_ptr, rstd, KC, NORMED)
+            if AHEAD >= 3 and NKC > 2:
+                x2 = _input_chunk(x_ptr, x_rows, live, 2, nw_ptr, rstd, KC, NORMED)
+        if (jj == 0) & (kc + AHEAD < NKC):  # chunk kc + AHEAD: the newest of the ring
+            if AHEAD == 1:
+                x1 = _input_chunk(x_ptr, x_rows, live, kc + 1, nw_ptr, rstd, KC, NORMED)
+            elif AHEAD == 2:
+                x2 = _input_chunk(x_ptr, x_rows, live, kc + 2, nw_ptr, rstd, KC, NORMED)
+            else:
+                x3 = _input_chunk(x_ptr, x_rows, live, kc + 3, nw_ptr, rstd, KC, NORMED)
         if FP8W:
             w = w.to(x.dtype)
         y = dot_qk(w, x, UPCAST, IEEE)  # [R, BP]
@@ -345,7 +357,7 @@ def product_phase(
                 _gate_up_epilogue(y, u, live, out_ptr, F, R, BP)
             else:
                 _residual_epilogue(y, u, live, res_ptr, res_rows, out_ptr, ss_out_ptr, H, R, BP, NUP)
-        if jj == mine - 1:
-            x = x_next
+        if jj == mine - 1:  # the chunk's last unit: the ring moves one chunk on
+            x, x1, x2 = x1, x2, x3
     if total == 0:
         end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
