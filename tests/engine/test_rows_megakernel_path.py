@@ -143,9 +143,11 @@ def test_rows_megakernel_equals_reference_forward(dtype, seq_lens, splits, chunk
         ("tiny-qwen2", torch.float32, [104, 3, 41], 2),  # biases; layer 1's window of 40 keys
         ("tiny-qwen2", torch.bfloat16, [70, 39], 1),
         ("tiny-mistral", torch.float32, [130, 40, 41, 7], 3),  # every layer's window, splits from its start
+        ("tiny-qwen3", torch.float32, [65, 1, 64, 130], 2),  # q/k norms: the new key from phase B's registers
+        ("tiny-qwen3", torch.bfloat16, [13, 200], 4),
     ],
 )
-def test_rows_megakernel_serves_biases_and_windows(preset, dtype, seq_lens, splits):
+def test_rows_megakernel_serves_every_family(preset, dtype, seq_lens, splits):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, preset=preset)
     model = build("triton", dtype, device, max_positions=512, preset=preset)
@@ -181,24 +183,25 @@ def test_rows_megakernel_window_never_reads_keys_before_it():
 
 @needs_triton
 @pytest.mark.parametrize(
-    "dtype,fp8w,fp8kv",
+    "preset,dtype,fp8w,fp8kv",
     [
-        (torch.float32, True, False),
-        (torch.bfloat16, True, False),
-        (torch.float32, False, True),
-        (torch.float32, True, True),
+        ("tiny", torch.float32, True, False),
+        ("tiny", torch.bfloat16, True, False),
+        ("tiny", torch.float32, False, True),
+        ("tiny", torch.float32, True, True),
+        ("tiny-qwen3", torch.float32, False, True),  # the new key written quantized by phase B
     ],
-    ids=["f32-fp8w", "bf16-fp8w", "f32-fp8kv", "f32-both"],
+    ids=["f32-fp8w", "bf16-fp8w", "f32-fp8kv", "f32-both", "qwen3-f32-fp8kv"],
 )
-def test_rows_megakernel_fp8_equals_dequantized_reference(dtype, fp8w, fp8kv):
+def test_rows_megakernel_fp8_equals_dequantized_reference(preset, dtype, fp8w, fp8kv):
     """FP8 weights against the dequantized weights in the model's dtype (each row's sum scaled after the
     product), an FP8 cache against the reference attention over the same codes."""
     device = device_for("triton")
     if fp8w:
-        model, ref = fp8_pair(dtype, device)
+        model, ref = fp8_pair(dtype, device, preset=preset)
     else:
-        ref = build("torch", dtype, device, max_positions=512)
-        model = build("triton", dtype, device, max_positions=512)
+        ref = build("torch", dtype, device, max_positions=512, preset=preset)
+        model = build("triton", dtype, device, max_positions=512, preset=preset)
     set_kv_scales(model, ref)
     paths = with_rows(model, RowsConfig(chunk=32), 2)
     assert paths.rows_megakernel.weights.fp8 == fp8w
@@ -260,11 +263,12 @@ def test_executor_routes_decode_rows_through_the_rows_megakernel(monkeypatch):
 
 
 def test_rows_megakernel_refuses_what_it_cannot_serve(caplog):
-    """Qwen3's per-head q/k norms are not built: the runner logs why in one line and runs the layer loop."""
-    model = build("torch", torch.float32, torch.device("cpu"), preset="tiny-qwen3")
+    """A head dim below a unit's 16 rows is refused, as is the torch backend: the runner logs why in one
+    line and runs the layer loop."""
+    model = build("torch", torch.float32, torch.device("cpu"), hidden_size=32)  # 4 heads of 8
     assert "backend" in rows_unsupported(model)
     model.ops = type("Ops", (), {"name": "triton"})()
-    assert "q/k RMSNorm" in rows_unsupported(model)
+    assert "head_dim 8" in rows_unsupported(model)
     with caplog.at_level(logging.INFO):
         executor = ModelExecutor(
             build("torch", torch.float32, torch.device("cpu")), RunnerConfig(rows_megakernel=True), "cuda"

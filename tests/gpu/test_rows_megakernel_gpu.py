@@ -1,6 +1,7 @@
 """The rows megakernel on the GPU: one program per SM, grid barriers, units dealt over every program,
 attention splits merged by tickets across programs, against the layer loop of the same weights at real
-shapes (`llama-3.2-1b`, `llama-3.2-3b`'s groups of 3 query heads, a Qwen2.5 bias shape, Mistral's window).
+shapes (`llama-3.2-1b`, `llama-3.2-3b`'s groups of 3 query heads, a Qwen2.5 bias shape, Mistral's window,
+Qwen3-4B's q/k norms).
 
 float32 (TF32 off): the order of float32 sums only, 1e-5 relative (the CPU interpreter's 2-layer test
 shows ~4e-7); bfloat16: the 4e-2 bound of tests/models. The new K/V land in their slots and nowhere
@@ -30,6 +31,7 @@ SHAPES = {
     "llama-3.2-3b-4layers": ("llama-3.2-3b", {"num_hidden_layers": 4}),
     "qwen2.5-bias": ("qwen2.5-1.5b", {"num_key_value_heads": 3, "num_hidden_layers": 4}),
     "mistral-window": ("mistral-7b", {"num_hidden_layers": 4, "sliding_window": 512}),
+    "qwen3-4b-4layers": ("qwen3-4b", {"num_hidden_layers": 4}),
 }
 
 

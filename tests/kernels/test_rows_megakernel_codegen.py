@@ -1,6 +1,6 @@
 """The rows megakernel compiled for the H200 (sm_90) without a GPU, in every variant the runner can launch
 (bf16 and float32, FP8 weights, an FP8 cache, Qwen2's biases with a window on some layers, Mistral's window
-on every layer) and at the real `llama-3.2-1b` and `llama-3.1-8b` shapes: each compiles, its weight tiles
+on every layer, Qwen3's q/k norms) and at the real `llama-3.2-1b` and `llama-3.1-8b` shapes: each compiles, its weight tiles
 stream through cp.async copies (the software pipeline), its products run on the tensor cores, and the
 pipeline fits an SM's shared memory.
 
@@ -26,6 +26,7 @@ VARIANTS = {
     "bf16/fp8kv": ("tiny", "bfloat16", False, True),
     "qwen2/bf16": ("tiny-qwen2", "bfloat16", False, False),
     "mistral/bf16/fp8w+fp8kv": ("tiny-mistral", "bfloat16", True, True),
+    "qwen3/bf16/fp8kv": ("tiny-qwen3", "bfloat16", False, True),
 }
 REAL_SHAPES = {"llama-3.2-1b": False, "llama-3.1-8b": False, "llama-3.2-1b/fp8w": True}  # name -> FP8 weights
 

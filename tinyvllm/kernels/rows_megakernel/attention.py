@@ -20,7 +20,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.decode_megakernel.attention_phase import _store_partial, group_attention, keys_per_split
+from tinyvllm.kernels.decode_megakernel.attention_phase import (
+    _store_partial,
+    group_attention,
+    keys_per_split,
+    normed_rotated,
+)
+from tinyvllm.kernels.decode_megakernel.qkv_phase import cache_value
 from tinyvllm.kernels.flash_tiles import attn_inner
 
 
@@ -51,6 +57,8 @@ def rows_attention_phase(
     bt_ptr,
     bt_stride,
     seq_len_ptr,
+    pos_ptr,
+    slot_ptr,
     num_splits,
     part_ptr,
     tickets_ptr,
@@ -58,9 +66,14 @@ def rows_attention_phase(
     stride_blk,
     stride_head,
     qk_scale,
+    k_scale,
     v_scale,
     window,
     windowed,
+    qn_ptr,
+    kn_ptr,
+    cos_sin_ptr,
+    eps,
     HQ: tl.constexpr,
     HK: tl.constexpr,
     D: tl.constexpr,
@@ -72,7 +85,9 @@ def rows_attention_phase(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     WINDOW: tl.constexpr,
+    QK_NORM: tl.constexpr,
     FP8KV: tl.constexpr,
+    EMULATE: tl.constexpr,
     KV_STAGES: tl.constexpr,
 ):
     """Phase B of `layer` (the caller has waited at its barrier): q [BP, HQ·D] (rotated, phase A's), the
@@ -80,10 +95,15 @@ def rows_attention_phase(
     length; the merged output into attn [BP, HQ·D]. qk_scale: softmax scale · log2(e) (· k_scale for an
     FP8 cache, whose v_scale joins the normaliser). WINDOW: 0 none, else this layer has a window of
     `window` keys where `windowed`; every row's splits count from the lowest first key of any layer
-    (all_windowed = WINDOW 2: the window's). KV_STAGES: the key loop's software pipeline depth (the
+    (all_windowed = WINDOW 2: the window's). QK_NORM (Qwen3): q [BP, (HQ + HK)·D] holds phase A's
+    unrotated q and k heads; each unit normalises (this layer's qn_ptr, kn_ptr [D]) and rotates its group's
+    query heads at its row's position, and the unit whose split holds the row's new key computes that
+    key, writes it to the cache at the row's slot (k_scale: an FP8 cache's) and folds it into its softmax
+    from registers; its key tiles stop before it. KV_STAGES: the key loop's software pipeline depth (the
     kernel runs unpipelined, and at 16 rows a unit holds a row's whole context)."""
     G: tl.constexpr = HQ // HK
     QD: tl.constexpr = HQ * D
+    QS: tl.constexpr = (HQ + HK * QK_NORM) * D  # a row of q (products.py)
     PART_ROW: tl.constexpr = HK * G * (D + 2) * SM
     g = tl.arange(0, GP)
     rows_g = tl.arange(0, BG)
@@ -105,15 +125,34 @@ def rows_attention_phase(
             split_keys = keys_per_split(seq_len - base, splits, KEYS)
             lo = base + split * split_keys
             hi = tl.minimum(lo + split_keys, seq_len)
-            q = tl.load(
-                q_ptr + row * QD + (kvh * G + rows_g)[:, None] * D + d[None, :],
-                mask=(rows_g < G)[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
+            q_row = q_ptr + row * QS
             m_i = tl.full([BG], float("-inf"), tl.float32)
             l_i = tl.zeros([BG], tl.float32)
             acc = tl.zeros([BG, D], tl.float32)
+            kv_end = seq_len  # the key tiles' end: QK_NORM folds the new key from registers instead
+            if QK_NORM:
+                cs_row = cos_sin_ptr + tl.load(pos_ptr + row).to(tl.int64) * D
+                q = normed_rotated(q_row, kvh * G + rows_g, rows_g < G, qn_ptr, cs_row, eps, D)
+                slot = tl.load(slot_ptr + row).to(tl.int64)
+                kv_end = tl.where(slot >= 0, seq_len - 1, seq_len)
+                if (slot >= 0) & (lo < hi) & (hi == seq_len):  # this split holds the new key
+                    k_head = HQ + kvh + tl.zeros([1], tl.int32)
+                    k_new = normed_rotated(q_row, k_head, k_head >= 0, kn_ptr, cs_row, eps, D)  # [1, D]
+                    kv_row = (slot // BS) * stride_blk + (slot % BS) * D + kvh * stride_head + d[None, :]
+                    k_cached = cache_value(k_new.to(tl.float32), k_scale, k_ptr.dtype.element_ty, FP8KV, EMULATE)
+                    tl.store(k_ptr + kv_row, k_cached)
+                    v_new = tl.load(v_ptr + kv_row, cache_modifier=".cg").to(tl.float32)  # [1, D], phase A's
+                    k_new = k_cached.to(q.dtype)  # the key as every later step reads it from the cache
+                    m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
+                    l_i = tl.full([BG], 1.0, tl.float32)
+                    acc = tl.zeros([BG, D], tl.float32) + v_new
+            else:
+                q = tl.load(
+                    q_row + (kvh * G + rows_g)[:, None] * D + d[None, :],
+                    mask=(rows_g < G)[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
             q_pos = tl.full([BG], 0, tl.int32) + seq_len - 1
             acc, l_i, m_i = attn_inner(
                 acc,
@@ -126,7 +165,7 @@ def rows_attention_phase(
                 bt_ptr + tl.cast(row, tl.int64) * bt_stride,
                 lo,
                 hi,
-                hi,
+                tl.minimum(hi, kv_end),
                 qk_scale,
                 stride_blk,
                 D,

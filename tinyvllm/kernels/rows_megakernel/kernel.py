@@ -38,6 +38,8 @@ def rows_megakernel_kernel(
     n2_ptr,
     nf_ptr,
     bias_ptr,
+    qn_ptr,
+    kn_ptr,
     sliding_ptr,
     cos_sin_ptr,
     kv_ptr,
@@ -93,6 +95,7 @@ def rows_megakernel_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
     WINDOW: tl.constexpr,
     FP8W: tl.constexpr,
     FP8KV: tl.constexpr,
@@ -101,10 +104,11 @@ def rows_megakernel_kernel(
 
     Per row: its token id, position, cache slot (−1: none), context length (with itself) and block-table
     row (bt_ptr + row · bt_stride). The stacked weights [L, ...], their FP8 row scales (FP8W), the cache
-    scales [L, 2] (FP8KV), the norms, the biases [L, NQKV] (HAS_BIAS), the sliding flags [L] (WINDOW 1)
+    scales [L, 2] (FP8KV), the norms, the biases [L, NQKV] (HAS_BIAS), the q/k norms [L, D] (QK_NORM), the
+    sliding flags [L] (WINDOW 1)
     and the cos/sin table as in the batch-1 megakernel (decode_megakernel/kernel.py), as are the cache's
-    layout and the barrier. Workspace (launch.RowsWorkspace): r [BP, H], ss [BP, NUP], q and attn
-    [BP, HQ·D], act [BP, F], the partials, tickets [BP, HK], barrier [2].
+    layout and the barrier. Workspace (launch.RowsWorkspace): r [BP, H], ss [BP, NUP], q [BP, (HQ + HK)·D],
+    attn [BP, HQ·D], act [BP, F], the partials, tickets [BP, HK], barrier [2].
 
     Constexprs: shapes H, F, HQ, HK, D, BS; BP the rows of every product (≥ 16, tl.dot's N); per weight
     phase A, C, D, E its rows per unit R*, its K chunk KC* and its most units per program MAXU*; NUP
@@ -146,15 +150,16 @@ def rows_megakernel_kernel(
             wqkv_ptr, sqkv_ptr, q_ptr, r_ptr, own_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
             bias_ptr + tl.cast(layer, tl.int64) * NQKV, stride_head, k_scale, v_scale, eps, bar_ptr, b,
             trace_ptr, NQKV, H, H, F, HQ, HK, D, RA, KCA, BP, MAXU_A, NUP, PIPE, True, AHEAD, TRACE, ASM,
-            UPCAST, IEEE, HAS_BIAS, FP8W, FP8KV, UPCAST,
+            UPCAST, IEEE, HAS_BIAS, QK_NORM, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
         end_phase(bar_ptr, b + 1, P, trace_ptr, pid, TRACE, ASM)
         rows_attention_phase(
-            layer, pid, P, num_rows, q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, seq_len_ptr, num_splits,
-            part_ptr, tickets_ptr, attn_ptr, stride_blk, stride_head,
+            layer, pid, P, num_rows, q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, seq_len_ptr, pos_ptr, slot_ptr,
+            num_splits, part_ptr, tickets_ptr, attn_ptr, stride_blk, stride_head,
             scale * k_scale * 1.4426950408889634,  # log2(e): scores in the log2 domain; K's cache scale
-            v_scale, window, windowed, HQ, HK, D, BS, KEYS, SM, BG, GP, UPCAST, IEEE, WINDOW, FP8KV, KV_STAGES,
+            k_scale, v_scale, window, windowed, qn_ptr + layer * D, kn_ptr + layer * D, cos_sin_ptr, eps,
+            HQ, HK, D, BS, KEYS, SM, BG, GP, UPCAST, IEEE, WINDOW, QK_NORM, FP8KV, UPCAST, KV_STAGES,
         )  # fmt: skip
         arrive(bar_ptr, trace_ptr, pid, b + 2, TRACE)
         # C: r ← round(round(Wo attn) + r) (the embedding rows are layer 0's residual)
@@ -166,7 +171,7 @@ def rows_megakernel_kernel(
             wo_ptr, so_ptr, r_ptr, res_ptr, res_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
             bias_ptr, stride_head, k_scale, v_scale, eps, bar_ptr, b + 2,
             trace_ptr, H, QD, H, F, HQ, HK, D, RC, KCC, BP, MAXU_C, NUP, PIPE, False, AHEAD, TRACE, ASM,
-            UPCAST, IEEE, False, FP8W, FP8KV, UPCAST,
+            UPCAST, IEEE, False, False, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
         # D: act = SwiGLU of the normed residual (its rstd from phase C's sums)
@@ -175,7 +180,7 @@ def rows_megakernel_kernel(
             wgu_ptr, sgu_ptr, act_ptr, r_ptr, own_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
             bias_ptr, stride_head, k_scale, v_scale, eps, bar_ptr, b + 3,
             trace_ptr, 2 * F, H, H, F, HQ, HK, D, RD, KCD, BP, MAXU_D, NUP, PIPE, True, AHEAD, TRACE, ASM,
-            UPCAST, IEEE, False, FP8W, FP8KV, UPCAST,
+            UPCAST, IEEE, False, False, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
         # E: r ← round(round(Wd act) + r)
@@ -184,7 +189,7 @@ def rows_megakernel_kernel(
             wd_ptr, sd_ptr, r_ptr, r_ptr, own_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
             bias_ptr, stride_head, k_scale, v_scale, eps, bar_ptr, b + 4,
             trace_ptr, H, F, H, F, HQ, HK, D, RE, KCE, BP, MAXU_E, NUP, PIPE, False, AHEAD, TRACE, ASM,
-            UPCAST, IEEE, False, FP8W, FP8KV, UPCAST,
+            UPCAST, IEEE, False, False, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         if layer < num_layers - 1:
             arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)

@@ -56,13 +56,10 @@ def rows_unsupported_reason(
 
     It needs power-of-two head dims of at least `config.rows` (a QKV unit is rows / 2 of a head's first
     half and their partners), hidden and intermediate sizes divisible by the unit rows, and every
-    product's K divisible by a power of two of at least 16 (its chunk, tl.dot's K). Per-head q/k norms
-    (Qwen3) are not built yet.
+    product's K divisible by a power of two of at least 16 (its chunk, tl.dot's K).
     """
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {dtype}"
-    if shape.qk_norm:
-        return "per-head q/k RMSNorm (Qwen3)"
     d, r = shape.head_dim, config.rows
     if r < 16 or r & (r - 1):
         return f"unit rows {r} (needs a power of two ≥ 16)"
@@ -112,7 +109,8 @@ class RowsWorkspace:
         z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
         qd = s.num_heads * s.head_dim
         self.nup = next_power_of_2(s.hidden // config.rows)
-        self.r, self.q, self.attn, self.act = z(bp * s.hidden), z(bp * qd), z(bp * qd), z(bp * s.intermediate)
+        self.r, self.attn, self.act = z(bp * s.hidden), z(bp * qd), z(bp * s.intermediate)
+        self.q = z(bp * (s.num_heads + s.num_kv_heads) * s.head_dim)  # with qk_norm: q and k heads
         self.ss = z(bp * self.nup, torch.float32)
         self.partials = z(bp * qd * (s.head_dim + 2) // s.head_dim * self.splits_run, torch.float32)
         self.tickets = z(bp * s.num_kv_heads, torch.int32)
@@ -164,6 +162,7 @@ def _constexprs(shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: 
         UPCAST=upcast_dot(device),
         IEEE=weights.dtype == torch.float32,
         HAS_BIAS=s.qkv_bias,
+        QK_NORM=s.qk_norm,
         WINDOW=s.window_mode,
         FP8W=weights.fp8,
         FP8KV=fp8_kv,
@@ -226,6 +225,7 @@ def rows_megakernel_fwd(
     w = weights
     out = torch.empty((t, shape.hidden), dtype=w.dtype, device=device)
     bias = w.qkv_bias if w.qkv_bias is not None else w.norm1
+    qn, kn = (x if x is not None else w.norm1 for x in (w.q_norm, w.k_norm))
     sliding = w.sliding if w.sliding is not None else w.norm1
     scales = tuple(
         x if x is not None else w.norm1 for x in (w.qkv_scale, w.o_scale, w.gate_up_scale, w.down_scale, w.kv_scales)
@@ -233,7 +233,22 @@ def rows_megakernel_fwd(
     k0 = kv_caches[0][0]
     rows_megakernel_kernel[(ws.programs,)](
         *(input_ids, positions, slot_mapping, seq_lens, block_tables, block_tables.stride(0)),
-        *(w.embed, w.qkv, w.o, w.gate_up, w.down, *scales, w.norm1, w.norm2, w.norm_final, bias, sliding, cos_sin),
+        *(
+            w.embed,
+            w.qkv,
+            w.o,
+            w.gate_up,
+            w.down,
+            *scales,
+            w.norm1,
+            w.norm2,
+            w.norm_final,
+            bias,
+            qn,
+            kn,
+            sliding,
+            cos_sin,
+        ),
         *(k0, layer_stride, v_offset, k0.stride(0), k0.stride(1)),
         *(ws.r, ws.ss, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace),
         *(

@@ -149,17 +149,21 @@ def _qkv_epilogue(
     R: tl.constexpr,
     BP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
     FP8KV: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
     """Unit u of phase A from its rows' float32 products y [R, BP] (scaled already, FP8 weights): add the
     bias (HAS_BIAS, this layer's), round, rotate q and k by RoPE at each row's position pos [BP]
     (y₁, y₂ → y₁c − y₂s, y₂c + y₁s; cs_ptr the cos/sin table [positions, D]); q into the workspace [BP,
-    HQ·D], k and v into the cache at each row's kv_off (−1: nowhere)."""
+    QS], k and v into the cache at each row's kv_off (−1: nowhere). QK_NORM (Qwen3):
+    RoPE follows a per-head RMSNorm that needs a head's whole D outputs, which a unit does not hold: q and
+    k go into the workspace unrotated, [q heads | k heads] per row, and phase B normalises and rotates
+    them (attention.py); v goes to the cache either way."""
     RH: tl.constexpr = R // 2
     HALF: tl.constexpr = D // 2
     UPH: tl.constexpr = HALF // RH
-    QD: tl.constexpr = HQ * D
+    QS: tl.constexpr = (HQ + HK * QK_NORM) * D  # a row of q: its q heads (QK_NORM: and its k heads)
     head = u // UPH
     j = (u % UPH) * RH + tl.arange(0, RH)  # offsets within the head's first half
     dtype: tl.constexpr = q_ptr.dtype.element_ty
@@ -169,12 +173,15 @@ def _qkv_epilogue(
     y = y.to(dtype).to(tl.float32)
     y1, y2 = _halves(y, R, BP)
     b = tl.arange(0, BP)
-    if head < HQ + HK:
+    to_workspace = head < HQ
+    if QK_NORM:
+        to_workspace = head < HQ + HK
+    elif head < HQ + HK:
         c = tl.load(cs_ptr + pos[None, :] * D + j[:, None], mask=live[None, :], other=0.0)
         s = tl.load(cs_ptr + pos[None, :] * D + HALF + j[:, None], mask=live[None, :], other=0.0)
         y1, y2 = y1 * c - y2 * s, y2 * c + y1 * s
-    if head < HQ:
-        q_at = q_ptr + b[None, :] * QD + head * D + j[:, None]
+    if to_workspace:
+        q_at = q_ptr + b[None, :] * QS + head * D + j[:, None]
         tl.store(q_at, y1.to(dtype), mask=live[None, :])
         tl.store(q_at + HALF, y2.to(dtype), mask=live[None, :])
     else:
@@ -274,6 +281,7 @@ def product_phase(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
     FP8W: tl.constexpr,
     FP8KV: tl.constexpr,
     EMULATE: tl.constexpr,
@@ -350,6 +358,7 @@ def product_phase(
                     R,
                     BP,
                     HAS_BIAS,
+                    QK_NORM,
                     FP8KV,
                     EMULATE,
                 )
