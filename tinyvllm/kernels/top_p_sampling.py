@@ -1509,7 +1509,7 @@ def truncation_plan(
     block_e: int = _BLOCK_E,
     skip: bool = _SKIP,
     unroll: int = _UNROLL,
-    radix: bool = RADIX,
+    radix: bool | None = None,
     cap: int = _CAP,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """What `sample_top_k_top_p` draws from: each row's threshold, and with `precheck` the rows whose id
@@ -1524,7 +1524,8 @@ def truncation_plan(
     passes, finish, whatever the data. Without `precheck` and `radix` the launches and results are
     `truncation_thresholds`'.
 
-    radix: the top-k rows go to the radix select first (module docstring, "Radix select"): two histogram
+    radix: the top-k rows go to the radix select first (module docstring, "Radix select"; None: the
+        module's RADIX, read at the call, so a timing run can set it): two histogram
     passes and a gather over rows × chunks, each followed by one program per row; a row it serves has
     its exact threshold, and with `seeds` its id drawn from the gathered candidates (the thresholded
     draw's id), and the search's launches leave it; the others (top_k 0, k > cap with top-p, a tie group
@@ -1555,7 +1556,7 @@ def truncation_plan(
     if cap < 16 or cap & (cap - 1):
         raise ValueError(f"cap must be a power of two ≥ 16, got {cap}")
     unroll = min(unroll, chunk // block_e)
-    radix = radix and _HISTOGRAM_MASK
+    radix = (RADIX if radix is None else radix) and _HISTOGRAM_MASK
     dev = logits.device
     thr = torch.empty(B, dtype=torch.float32, device=dev)
     passes = torch.empty(B, dtype=torch.int32, device=dev)
@@ -1676,7 +1677,7 @@ def sample_top_k_top_p(
     bitmask: torch.Tensor | None = None,
     splits: int | None = None,
     precheck: bool = True,
-    radix: bool = RADIX,
+    radix: bool | None = None,
 ) -> torch.Tensor:
     """One id per row from softmax(z / T) truncated by top-k, top-p and min-p (module docstring),
     with the fused kernel's seeded Gumbel-max noise: the same (logits, parameters, seed) gives the same
@@ -1689,7 +1690,7 @@ def sample_top_k_top_p(
         precheck: draw the plain id first and keep it where it is provably kept (`truncation_plan`; the
             same ids, the search and the draw's read skipped for those rows); False: search every row.
         radix: the top-k rows the radix select serves take it (`truncation_plan`: the same ids, in three
-            reads of the row); False: the precheck and the search for every row.
+            reads of the row); False: the precheck and the search for every row; None: the module's RADIX.
 
     Returns:
         The sampled ids [B] int64 (`out`).
