@@ -11,44 +11,7 @@
 #   TINYVLLM_GIT_COMMIT=<hash> ...   # the commit to record in the result JSONs (the copy's .git may be stale)
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TINYVLLM_CACHE=/tmp/tinyvllm-cache TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/gpu-out}
-WORK=/tmp/gpu-session
-RES=$WORK/results
-LOGS=$WORK/logs
-mkdir -p "$OUT" "$RES" "$LOGS"
-T0=$(date +%s)
-BUDGET=${BUDGET:-480}  # seconds for the whole script; later steps are skipped when it runs out
-elapsed() { echo $(( $(date +%s) - T0 )); }
-left() { echo $(( BUDGET - $(elapsed) )); }
-STEPS=${STEPS:-all}
-wanted() { [ "$STEPS" = all ] || [[ " $STEPS " == *" $1 "* ]]; }
-step() {  # step NAME LIMIT_SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  if ! wanted "$name" && [ "$name" != checkpoint ]; then return 98; fi
-  local l; l=$(left)
-  if (( l < 20 )); then echo "[$(elapsed)s] SKIP $name (budget)"; return 99; fi
-  (( limit > l )) && limit=$l
-  echo "[$(elapsed)s] >>> $name (limit ${limit}s)"
-  timeout --signal=INT --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
-  local rc=$?
-  echo "[$(elapsed)s] <<< $name rc=$rc"
-  tail -n 25 "$LOGS/$name.log"
-  return $rc
-}
-CLI="python3 -m tinyvllm.entrypoints.cli"  # a command, not a shell function: `timeout` runs it
-# The GPU's short name in result files (<bench>_<gpu>.json, e.g. latency_h200.json), as the benches name them.
-GPU=$(python3 -c "from tinyvllm.bench.report import device_tag; print(device_tag())" 2>/dev/null || echo gpu)
-export GPU
-
-nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
-python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-
-# Server wheels (fastapi, uvicorn, pydantic) travel in .whl when carried.
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source scripts/gpu_lib.sh
 
 # 1. The 1B-shape random checkpoint, once (the engine tests and benches share it).
 step checkpoint 120 python3 -c "from tinyvllm.models.checkpoint import resolve_model; print(resolve_model('dummy:llama-3.2-1b'))"
@@ -98,16 +61,7 @@ if [ -n "$TRAIN_PID" ]; then
   echo "[$(elapsed)s] waiting for training"; wait "$TRAIN_PID"; tail -n 15 "$LOGS/train.log"
 fi
 
-# 4. Benchmarks, alone on the GPU. If the CUDA-graph/async path fails, retry eagerly and say so.
-bench() {  # bench NAME LIMIT ARGS...
-  local name=$1 limit=$2; shift 2
-  step "$name" "$limit" $CLI bench "$@" --out-dir "$RES"
-  case $? in
-    0|98|99|124|137) ;;  # done, not asked for, skipped, or out of time: a retry would not finish either
-    *) step "${name}_eager" "$limit" $CLI bench "$@" --out-dir "$RES" --name "${name}_eager_$GPU" \
-         --enforce-eager --no-async-scheduling ;;
-  esac
-}
+# 4. Benchmarks, alone on the GPU (`bench`: gpu_lib.sh).
 bench latency 120 latency --baseline hf --profile
 bench latency_no_pruned_lm_head 90 latency --no-pruned-lm-head --name "latency_no_pruned_lm_head_$GPU"
 bench latency_no_megakernel 90 latency --no-decode-megakernel --name "latency_no_megakernel_$GPU"

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The device measurements that decide what was built and not yet timed (docs/perf.md names each, with
+# the default it would change). Steps run in this order while BUDGET lasts; pick a group per device call
+# (≤ 10 min each) with STEPS:
+#
+#   STEPS="rows_tests rows_bench rows_latency_b8 rows_latency_b8_on" bash scripts/gpu_pending.sh   # §1e
+#   STEPS="radix_tests radix_kernel top_p_plain top_p_search top_p_radix fp8_cost" ...            # §5, §9
+#   STEPS="pieces_bench_main pieces_bench pieces_tests structured_prepare" ...                     # §1e, §10
+#   STEPS="fp8_tests fp8_quant_bench rows_engine_test rows_bench_8b" ...
+#
+# The megakernel-pieces steps need branch h1-mk-pieces's tree in .pieces/ (git-ignored, so the device
+# call must carry it): `rm -rf .pieces && mkdir .pieces && git archive h1-mk-pieces tinyvllm benchmarks tests
+# | tar -x -C .pieces`. Results and logs come back under $OUT as session.tgz.part* (gpu_session.sh's packing).
+set -u
+cd "$(dirname "$0")/.."
+source scripts/gpu_lib.sh
+export BUDGET=${BUDGET:-560}
+MARK=$WORK/start.mark
+touch "$MARK"
+
+step checkpoint 120 python3 -c "from tinyvllm.models.checkpoint import resolve_model; print(resolve_model('dummy:llama-3.2-1b'))"
+
+# 1. The rows megakernel (§1e): correctness over every program, then against the layer loop, then in the engine.
+step rows_tests 240 python3 -m pytest -q -x tests/gpu/test_rows_megakernel_gpu.py -p no:cacheprovider \
+  -k "default and (llama-3.2-1b or qwen3 or graph)"
+step rows_bench 300 python3 benchmarks/kernels/bench_rows_megakernel.py --out "$RES"
+bench rows_latency_b8 120 latency --batch-size 8 --output-len 256 --name "latency_b8_$GPU"
+bench rows_latency_b8_on 120 latency --batch-size 8 --output-len 256 --rows-megakernel --name "latency_b8_rows_$GPU"
+step rows_engine_test 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k rows_megakernel -p no:cacheprovider
+step rows_bench_8b 300 python3 benchmarks/kernels/bench_rows_megakernel.py --preset llama-3.1-8b --no-fp32 --out "$RES"
+
+# 2. The top-k radix select (§5): same ids as the search on the H200, its kernel time, then the engine A/B.
+step radix_tests 200 python3 -m pytest -q tests/kernels/test_top_p_sampling.py -k radix -p no:cacheprovider
+step radix_kernel 200 python3 benchmarks/kernels/bench_top_p_sampling.py --batches 1 64 256 --dtypes bfloat16 --out "$RES"
+bench top_p_plain 200 throughput --max-model-len 4096 --name "throughput_top_p_plain_$GPU"
+bench top_p_search 200 throughput --max-model-len 4096 --top-p 0.9 --top-k 50 --name "throughput_top_p_$GPU"
+step top_p_radix 200 python3 scripts/with_radix.py bench throughput --max-model-len 4096 --top-p 0.9 --top-k 50 \
+  --out-dir "$RES" --name "throughput_top_p_radix_$GPU"
+
+# 3. FP8 with the activation quantization fused into RMSNorm and SwiGLU (§9).
+step fp8_cost 300 python3 -m benchmarks.determinism --part cost --variants default fp8_both --iters 2 --out-dir "$RES"
+step fp8_tests 200 python3 -m pytest -q tests/kernels/test_fp8_fused_quant.py tests/quantization/test_fp8_numerics.py \
+  tests/engine/test_fp8_layer_loop.py -p no:cacheprovider
+step fp8_quant_bench 150 python3 benchmarks/kernels/bench_fp8_quant.py --rows 8 32 64 128 256 --out "$RES"
+
+# 4. The batch-1 megakernel's power-of-two pieces (branch h1-mk-pieces in .pieces/, §1e) against main.
+pieces() {  # pieces TREE: bench_megakernel at 640 keys for the four presets from TREE's copy of the repo
+  for p in llama-3.2-3b qwen3-4b llama-3.1-8b llama-3.2-1b; do
+    python3 "$1/benchmarks/kernels/bench_megakernel.py" --preset "$p" --contexts 640 --no-traces --no-fp32 \
+      --out "$RES/$(basename "$1")" || echo "FAILED $p"
+  done
+}
+export -f pieces
+if [ -d .pieces/tinyvllm ]; then
+  step pieces_bench_main 280 bash -c "pieces $PWD"
+  step pieces_bench 280 bash -c "pieces $PWD/.pieces"
+  step pieces_tests 240 bash -c "cd .pieces && python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py -p no:cacheprovider"
+fi
+
+# 5. Structured outputs with the next step's inputs packed in the constrained step's launch (§10).
+step structured_prepare 400 python3 -m benchmarks.structured --repeats 3 --prepare-in-launch \
+  --name "structured_prepare_$GPU" --out-dir "$RES"
+
+echo "[$(elapsed)s] packing"
+find benchmarks/results -newer "$MARK" -type f -exec cp {} "$RES/" \; 2>/dev/null
+cp -r "$LOGS" "$RES/" 2>/dev/null
+tar czf - -C "$WORK" results | split -b 15M -d - "$OUT/session.tgz.part"
+ls -la "$OUT"
+echo "[$(elapsed)s] done"
