@@ -6,7 +6,7 @@
 #   STEPS="rows_tests rows_bench rows_latency_b8 rows_latency_b8_on" bash scripts/gpu_pending.sh   # §1e
 #   STEPS="radix_tests radix_kernel top_p_plain top_p_search top_p_radix fp8_cost" ...            # §5, §9
 #   STEPS="pieces_bench_main pieces_bench pieces_tests structured_prepare" ...                     # §1e, §10
-#   STEPS="fp8_tests fp8_quant_bench rows_engine_test rows_bench_8b" ...
+#   STEPS="fp8_tests fp8_quant_bench rows_engine_test rows_bench_8b rows_bench_fp8" ...
 #
 # The megakernel-pieces steps need branch h1-mk-pieces's tree in .pieces/ (git-ignored, so the device
 # call must carry it): `rm -rf .pieces && mkdir .pieces && git archive h1-mk-pieces tinyvllm benchmarks tests
@@ -28,6 +28,8 @@ bench rows_latency_b8 120 latency --batch-size 8 --output-len 256 --name "latenc
 bench rows_latency_b8_on 120 latency --batch-size 8 --output-len 256 --rows-megakernel --name "latency_b8_rows_$GPU"
 step rows_engine_test 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k rows_megakernel -p no:cacheprovider
 step rows_bench_8b 300 python3 benchmarks/kernels/bench_rows_megakernel.py --preset llama-3.1-8b --no-fp32 --out "$RES"
+# FP8 weights: the rows kernel's tensor-core products against the batch-1 megakernel's reduction at one row too
+step rows_bench_fp8 300 python3 benchmarks/kernels/bench_rows_megakernel.py --fp8 --batches 1 2 8 --no-fp32 --out "$RES"
 
 # 2. The top-k radix select (§5): same ids as the search on the H200, its kernel time, then the engine A/B.
 step radix_tests 200 python3 -m pytest -q tests/kernels/test_top_p_sampling.py -k radix -p no:cacheprovider

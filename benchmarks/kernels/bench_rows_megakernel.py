@@ -1,13 +1,15 @@
 """Decode steps of 2–16 rows: the rows megakernel against the layer loop the engine runs them through today.
 
-    python benchmarks/kernels/bench_rows_megakernel.py [--preset llama-3.2-1b] [--batches 2 4 8 16]
+    python benchmarks/kernels/bench_rows_megakernel.py [--preset llama-3.2-1b] [--batches 1 2 4 8 16]
         [--context 640] [--variant rows=32,chunk=256,stages=4 ...] [--fp8] [--fp8-kv] [--out DIR]
 
 A random-weight model of the preset's shape (bf16) on the GPU; each of `--batches` rows a sequence whose
 context is `--context` keys (distinct cache blocks). Timed as CUDA-graph replays of a whole step
 (decoder layers + final norm + LM head, no sampling) and of the layers alone:
   * `layers`: the layer loop (cuBLAS products, ~10 kernels a layer), the engine's path at 2–16 rows;
-  * `rows <fields>`: the rows megakernel per RowsConfig (the default, then `--variant`s or VARIANTS).
+  * `rows <fields>`: the rows megakernel per RowsConfig (the default, then `--variant`s or VARIANTS);
+  * at one row, `megakernel`: the batch-1 megakernel (the engine's path there), which the rows kernel's
+    tensor-core products might beat with FP8 weights (its phase D reduces on the CUDA cores).
 Floor: the bytes a step must read (every weight once, each row's K/V, the LM head) at the copy bandwidth
 measured at the start; the products' FLOPs at these batches take under a tenth of that time.
 Correctness, per batch: each variant's hidden states and logits against the layer loop's (relative error,
@@ -40,7 +42,7 @@ from common import (
 
 from tinyvllm.config import RunnerConfig
 from tinyvllm.engine.paths.executor import ModelExecutor
-from tinyvllm.engine.paths.megakernel import stack_weights
+from tinyvllm.engine.paths.megakernel import DecodeMegakernel, stack_weights
 from tinyvllm.engine.paths.rows_megakernel import RowsMegakernel
 from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.kernels.rows_megakernel import RowsConfig
@@ -81,7 +83,7 @@ def step_inputs(dev: torch.device, rows: int, ctx: int, num_blocks: int):
         max_prefill_q_len=0,
         max_prefill_seq_len=0,
     )
-    ids = torch.randint(0, 1000, (rows,), device=dev)
+    ids = torch.randint(0, 500, (rows,), device=dev)  # within every preset's vocabulary (tiny: 512)
     return ids, torch.full((rows,), pos, device=dev), meta
 
 
@@ -91,11 +93,26 @@ def run(paths: ModelExecutor, ids, pos, meta, kv, logits: bool = True):
     return (hidden, paths.lm_head.logits(hidden, dtype=None)) if logits else (hidden, None)
 
 
-def executor(model, rows: RowsMegakernel | None) -> ModelExecutor:
-    """The runner's paths with the rows megakernel `rows` (None: the layer loop)."""
+def executor(model, rows: RowsMegakernel | None, batch1: DecodeMegakernel | None = None) -> ModelExecutor:
+    """The runner's paths with the rows megakernel `rows` (None: the layer loop), or at one row the batch-1
+    megakernel `batch1`. The rows kernel serves one row only when called directly (the runner gives a
+    batch-1 step to the batch-1 kernel), so at one row it stands in for the batch-1 kernel here."""
     paths = ModelExecutor(model, RunnerConfig(decode_megakernel=False, pruned_lm_head=False), "cuda")
     paths.rows_megakernel = rows
+    paths.megakernel = batch1
+    if rows is not None:
+        paths.megakernel = _OneRow(rows)
     return paths
+
+
+class _OneRow:
+    """The rows megakernel called as the batch-1 megakernel path is (one decode row)."""
+
+    def __init__(self, rows: RowsMegakernel) -> None:
+        self.rows = rows
+
+    def __call__(self, input_ids, positions, meta, kv_caches):
+        return self.rows(input_ids, positions, meta, kv_caches)
 
 
 @torch.no_grad()
@@ -144,6 +161,8 @@ def time_steps(model, weights, kv, batches: list[int], ctx: int, variants: list[
         floor_layers = (layer_bytes + kv_bytes) / copy * 1e6
         floor_step = floor_layers + head_bytes / copy * 1e6
         paths = [("layers", executor(model, None))]
+        if b == 1:
+            paths.append(("megakernel", executor(model, None, DecodeMegakernel(model, weights=weights))))
         paths += [(name_of(c), executor(model, RowsMegakernel(model, weights, c))) for c in variants]
         for name, p in paths:
             step_us = bench_graph([lambda p=p: run(p, ids, pos, meta, kv)], calls=16, replays=9) * 1e3
@@ -194,7 +213,7 @@ STEP_COLUMNS = [
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-3.2-1b", help="the model shape (tinyvllm.models.presets)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--context", type=int, default=640)
     ap.add_argument("--variant", action="append", default=[], help="a RowsConfig as field=value,... (repeatable)")
     ap.add_argument("--fp32", action=argparse.BooleanOptionalAction, default=True, help="also check in float32")
