@@ -32,7 +32,7 @@ step rows_bench_8b 300 python3 benchmarks/kernels/bench_rows_megakernel.py --pre
 step rows_bench_fp8 300 python3 benchmarks/kernels/bench_rows_megakernel.py --fp8 --batches 1 2 8 --no-fp32 --out "$RES"
 
 # 2. The top-k radix select (§5): same ids as the search on the H200, its kernel time, then the engine A/B.
-step radix_tests 200 python3 -m pytest -q tests/kernels/test_top_p_sampling.py -k radix -p no:cacheprovider
+step radix_tests 240 python3 -m pytest -q tests/kernels/test_top_p_sampling.py -k "radix or precheck" -p no:cacheprovider
 step radix_kernel 200 python3 benchmarks/kernels/bench_top_p_sampling.py --batches 1 64 256 --dtypes bfloat16 --out "$RES"
 bench top_p_plain 200 throughput --max-model-len 4096 --name "throughput_top_p_plain_$GPU"
 bench top_p_search 200 throughput --max-model-len 4096 --top-p 0.9 --top-k 50 --name "throughput_top_p_$GPU"

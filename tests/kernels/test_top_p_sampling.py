@@ -500,10 +500,11 @@ def _plan_draw(z, cfg, seeds, bitmask=None, precheck=True, radix=False, **search
 
 
 def _plain_ids(z, cfg, seeds, bitmask=None):
-    """The plain fused sampler's ids for the rows (no truncation), on z's device: the draw x1 the precheck
-    keeps or hands to the search."""
+    """The fused sampler's thresholded draw over every token (threshold −inf: no truncation), on z's device:
+    the draw x1 the precheck keeps or hands to the search (the draw over the kept set in its arithmetic)."""
     t, s = _with_seeds(cfg, seeds, z.device)[:2]
-    return sample_greedy_or_gumbel(z, t, s, bitmask=bitmask).cpu()
+    everything = torch.full((z.shape[0],), float("-inf"), device=z.device)
+    return sample_greedy_or_gumbel(z, t, s, bitmask=bitmask, thresholds=everything).cpu()
 
 
 def _mixed_rows(gen, V, n_rows, configs):

@@ -80,10 +80,12 @@ each index's seeded noise g_i: the same ids as the plain fused kernel when K hol
 and the same id for a row alone or anywhere in any batch.
 
 The plain draw first (`truncation_plan(precheck=True)`, `sample_top_k_top_p`'s default). Let x1 be the
-plain sampler's id, argmax over every token of l_i + g_i with the same noise. If x1 ∈ K, the draw over K
-is x1 (x1 maximises l + g over everything), so a row whose x1 is provably kept needs neither the search
-nor the draw. The statistics pass also finds x1 (each chunk's best (value, index) with the sampler's
-noise, arithmetic and lowest-index rule, combined in chunk order: its id bit for bit) and one check pass
+draw's id over every token, argmax of l_i + g_i with the same noise. If x1 ∈ K, the draw over K is x1
+(x1 maximises l + g over everything), so a row whose x1 is provably kept needs neither the search nor
+the draw. The statistics pass also finds x1 (each chunk's best (value, index) with the sampler's noise,
+the thresholded draw's arithmetic (`thresholded_gumbel`: the plain sampler's rounds its product
+separately, which at a tie within one ulp could pick another id than the draw over K) and the
+lowest-index rule, combined in chunk order: the draw's id bit for bit) and one check pass
 over rows × chunks sums, in the search passes' way, C_gt = C(l_x1), M_gt = M(l_x1) and S = Σ_{l ≥ l_x1}
 exp(l − m). x1 is kept when:
 
@@ -180,9 +182,9 @@ import triton.language as tl
 from tinyvllm.kernels.sampling import (
     allowed_by,
     best_thresholded,
-    log2,
     sample_greedy_or_gumbel,
     sampling_tile,
+    thresholded_gumbel,
 )
 
 _LOG2E = 1.4426950408889634
@@ -225,11 +227,11 @@ def _draw_block(
     row_ptr, mask_row_ptr, V, inv_t, seed, start, g_val, g_idx, HAS_MASK: tl.constexpr, TILE: tl.constexpr,
     NR: tl.constexpr, NQ: tl.constexpr, FAST_LOG: tl.constexpr,
 ):  # fmt: skip
-    """The plain sampler's per-lane running best (value, index) after the NR · NQ indices from `start`
+    """The draw's per-lane running best (value, index) after the NR · NQ indices from `start`
     (a multiple of NR · NQ, which divides TILE; NQ = min(NR · NQ, TILE / 4)): the NR pieces of NQ lie in
     consecutive quarters of one of the sampler's tiles and take their noise from one Philox call per lane,
     as in the sampler (`sample_partial_kernel`, `noise_at`); each is folded in as `_best_of_quarter` folds
-    a quarter (its value expression, strict >, indices in increasing order per lane). The values are
+    a quarter under a threshold (`thresholded_gumbel`, strict >, indices in increasing order per lane). The values are
     loaded again (from L1: the statistics just read them) in the layout the noise has, so that no value
     moves between threads."""
     QUARTER: tl.constexpr = TILE // 4
@@ -245,8 +247,7 @@ def _draw_block(
         z = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
         q = q0 + r
         u = tl.maximum(tl.where(q == 0, n0, tl.where(q == 1, n1, tl.where(q == 2, n2, n3))), 1e-20)
-        g = z * inv_t - 0.6931471805599453 * log2(-log2(u, FAST_LOG), FAST_LOG)
-        g = tl.where(valid, g, float("-inf"))
+        g = tl.where(valid, thresholded_gumbel(z, inv_t, u, FAST_LOG), float("-inf"))
         better = g > g_val
         g_val = tl.where(better, g, g_val)
         g_idx = tl.where(better, offs, g_idx)
