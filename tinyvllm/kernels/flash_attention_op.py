@@ -46,7 +46,12 @@ class BackwardConfig(NamedTuple):
     time; the dQ kernel owns dq_m query rows and loops over dq_n keys; the preprocess (and the fused
     modes' dQ conversion) takes block_pre rows. dq_mode (`flash_backward` module docstring): "separate"
     (a second pass, deterministic), "atomic" (dQ added inside the dK/dV kernel, not deterministic) or
-    "ordered" (the same adds in a fixed order, deterministic); the fused modes ignore the dq_* tiles."""
+    "ordered" (the same adds in a fixed order, deterministic); the fused modes ignore the dq_* fields.
+
+    Hopper options, off by default (the kernels are then today's): dkdv_tma / dq_tma make that kernel
+    read its Q, K, V and dO tiles through tensor descriptors (TMA on sm_90) where the tensors' alignment
+    allows (`launch.tma_usable`; else pointer loads); dkdv_ws / dq_ws ask Triton to warp-specialise
+    that kernel's inner loops (`tl.range(..., warp_specialize=True)`; not with "ordered")."""
 
     dkdv_m: int
     dkdv_n: int
@@ -58,6 +63,10 @@ class BackwardConfig(NamedTuple):
     dq_stages: int
     block_pre: int = 64
     dq_mode: str = "separate"
+    dkdv_tma: bool = False
+    dkdv_ws: bool = False
+    dq_tma: bool = False
+    dq_ws: bool = False
 
 
 DETERMINISTIC_DQ_MODES = ("separate", "ordered")

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from tinyvllm.kernels.flash_forward import upcast_operands
 from tinyvllm.kernels.flash_tiles import dot_pv, dot_qk
-from tinyvllm.kernels.launch import cdiv
+from tinyvllm.kernels.launch import cdiv, ensure_tma_allocator, tma_usable
 
 LOG2E = 1.4426950408889634
 DQ_MODES = {"separate": 0, "atomic": 1, "ordered": 2}  # the DQ_MODE constexpr of `_bwd_dkdv_kernel`
@@ -90,14 +90,26 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
+def _seq_rows(base, seq_len, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A tensor descriptor (TMA on sm_90) over one sequence's rows of one head: [seq_len, HEAD_DIM]
+    elements from `base` (the sequence's first row of the head), row stride stride_t, loaded as
+    [BLOCK, HEAD_DIM] tiles. The descriptor ends where the sequence ends, so rows from seq_len on load as
+    zeros, exactly as the masked pointer loads: no row of the next sequence is ever read. base and
+    stride_t · element size must be multiples of 16 bytes (`launch.tma_usable`)."""
+    return tl.make_tensor_descriptor(
+        base, shape=[seq_len, HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM]
+    )
+
+
+@triton.jit
 def _dkdv_tiles(
     dk,
     dv,
     k,
     v,
     offs_n,
-    q_ptr,
-    do_ptr,
+    q_src,
+    do_src,
     lse_ptr,
     delta_ptr,
     dq_acc_ptr,
@@ -116,21 +128,29 @@ def _dkdv_tiles(
     DQ_MODE: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    TMA: tl.constexpr,
+    WS: tl.constexpr,
 ):
     """Fold query rows lo .. hi−1 (lo a multiple of BLOCK_M, hi ≤ seq_len) of one query head into the
     key tile's (dk, dv) [BLOCK_N, HEAD_DIM]. k, v: the tile's keys [BLOCK_N, HEAD_DIM] at positions
-    offs_n; q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr: offset to the sequence's first row of this
-    head; ticket_ptr: this (sequence, head)'s tickets, one per query tile; key_tile: j.
+    offs_n; q_src, do_src: this head's Q and dO rows of the sequence, as pointers to its first row or
+    (TMA) as `_seq_rows` descriptors; lse_ptr, delta_ptr, dq_acc_ptr: offset to the sequence's first row
+    of this head; ticket_ptr: this (sequence, head)'s tickets, one per query tile; key_tile: j.
     MASKED: the causal mask (key ≤ query); unmasked tiles must lie wholly on or below the diagonal.
-    DQ_MODE 1 ("atomic") and 2 ("ordered"): also add dS Kⱼ (unscaled) into the dQ accumulator."""
+    DQ_MODE 1 ("atomic") and 2 ("ordered"): also add dS Kⱼ (unscaled) into the dQ accumulator.
+    WS: ask Triton to warp-specialise the loop (`tl.range(..., warp_specialize=True)`)."""
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_m in range(lo, hi, BLOCK_M):
+    for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_valid = offs_m < seq_len
         rows = offs_m.to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + offs_d[None, :], mask=row_valid[:, None], other=0.0)
-        do = tl.load(do_ptr + rows[:, None] * stride_dot + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+        if TMA:  # rows past the sequence read as zeros (the descriptor's edge), as the masked loads below
+            q = q_src.load([start_m, 0])
+            do = do_src.load([start_m, 0])
+        else:
+            q = tl.load(q_src + rows[:, None] * stride_qt + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+            do = tl.load(do_src + rows[:, None] * stride_dot + offs_d[None, :], mask=row_valid[:, None], other=0.0)
         lse2 = tl.load(lse_ptr + rows, mask=row_valid, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + rows, mask=row_valid, other=0.0)
         qk_t = dot_qk(k, q, UPCAST, IEEE)  # Sᵀ / scale: [BLOCK_N, BLOCK_M]
@@ -196,34 +216,47 @@ def _bwd_dkdv_kernel(
     DQ_MODE: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    TMA: tl.constexpr,
+    WS: tl.constexpr,
 ):
     """Program (key tile, KV head hk, sequence s): dK, dV of BLOCK_N keys, summed over the GROUP query
     heads hk·GROUP .. hk·GROUP + GROUP − 1 (module docstring, kernel 2); DQ_MODE 1, 2: also their
-    contributions to dQ (kernel 3's fused modes). dq_acc_ptr, tickets_ptr: unused in DQ_MODE 0."""
+    contributions to dQ (kernel 3's fused modes). dq_acc_ptr, tickets_ptr: unused in DQ_MODE 0.
+    TMA: the K, V, Q and dO tiles come through per-(sequence, head) tensor descriptors (`_seq_rows`);
+    WS: the query-tile loops are warp-specialised (`_dkdv_tiles`)."""
     hk = tl.program_id(1)
     s = tl.program_id(2)
     seq_start = tl.load(cu_seqlens_ptr + s)
     seq_len = tl.load(cu_seqlens_ptr + s + 1) - seq_start
     key_tile = tl.program_id(0)
     start_n = key_tile * BLOCK_N  # causal: the first key tiles see the most queries, and run first
-    if start_n >= seq_len:
+    q_end = seq_len  # where the query-tile loops end
+    if WS:  # no early return: Triton's warp specialisation takes structured control flow only
+        q_end = tl.where(start_n < seq_len, seq_len, 0)  # a tile past the sequence: empty loops, no stores
+    elif start_n >= seq_len:
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_valid = offs_n < seq_len
     rows_n = (seq_start + offs_n).to(tl.int64)
-    k = tl.load(
-        k_ptr + rows_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=key_valid[:, None], other=0.0
-    )
-    v = tl.load(
-        v_ptr + rows_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=key_valid[:, None], other=0.0
-    )
+    if TMA:
+        k_seq = k_ptr + seq_start.to(tl.int64) * stride_kt + hk * stride_kh
+        v_seq = v_ptr + seq_start.to(tl.int64) * stride_vt + hk * stride_vh
+        k = _seq_rows(k_seq, seq_len, stride_kt, BLOCK_N, HEAD_DIM).load([start_n, 0])
+        v = _seq_rows(v_seq, seq_len, stride_vt, BLOCK_N, HEAD_DIM).load([start_n, 0])
+    else:
+        k = tl.load(
+            k_ptr + rows_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=key_valid[:, None], other=0.0
+        )
+        v = tl.load(
+            v_ptr + rows_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=key_valid[:, None], other=0.0
+        )
     acc_dtype = tl.float64 if k.dtype == tl.float64 else tl.float32
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=acc_dtype)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=acc_dtype)
     if CAUSAL:
         lo = (start_n // BLOCK_M) * BLOCK_M  # query tiles before it see none of these keys: skipped
-        mid = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, seq_len)  # from here all rows see all keys
+        mid = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, q_end)  # from here all rows see all keys
     else:
         lo = 0
         mid = 0
@@ -232,6 +265,9 @@ def _bwd_dkdv_kernel(
         h = hk * GROUP + g
         q_h = q_ptr + row0 * stride_qt + h * stride_qh
         do_h = do_ptr + row0 * stride_dot + h * stride_doh
+        if TMA:
+            q_h = _seq_rows(q_h, seq_len, stride_qt, BLOCK_M, HEAD_DIM)
+            do_h = _seq_rows(do_h, seq_len, stride_dot, BLOCK_M, HEAD_DIM)
         lse_h = lse_ptr + h * stride_lse_h + row0
         delta_h = delta_ptr + h * stride_lse_h + row0
         dq_h = dq_acc_ptr + row0 * stride_at + h * stride_ah
@@ -239,11 +275,11 @@ def _bwd_dkdv_kernel(
         if CAUSAL:  # the diagonal, masked
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, lo, mid, seq_len,
-                qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, True, DQ_MODE, UPCAST, IEEE,
+                qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, True, DQ_MODE, UPCAST, IEEE, TMA, WS,
             )  # fmt: skip
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, mid, seq_len, seq_len,
-            qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, False, DQ_MODE, UPCAST, IEEE,
+            dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, mid, q_end, seq_len,
+            qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, False, DQ_MODE, UPCAST, IEEE, TMA, WS,
         )  # fmt: skip
     dk = dk * scale
     tl.store(
@@ -266,8 +302,8 @@ def _dq_tiles(
     lse2,
     delta,
     q_pos,
-    k_ptr,
-    v_ptr,
+    k_src,
+    v_src,
     lo,
     hi,
     seq_len,
@@ -279,23 +315,30 @@ def _dq_tiles(
     MASKED: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    TMA: tl.constexpr,
+    WS: tl.constexpr,
 ):
     """Fold keys lo .. hi−1 (lo a multiple of BLOCK_N) into the query tile's dq [BLOCK_M, HEAD_DIM].
     q, do: the tile's rows; lse2: their logsumexp in log2 units; delta: their D; q_pos: the last key each
-    row sees. k_ptr, v_ptr: offset to the sequence's first row of the KV head. MASKED: mask keys after
-    q_pos and keys ≥ seq_len; unmasked tiles must be visible to every row."""
+    row sees. k_src, v_src: the KV head's rows of the sequence, as pointers to its first row or (TMA) as
+    `_seq_rows` descriptors (keys ≥ seq_len read as zeros). MASKED: mask keys after q_pos and keys
+    ≥ seq_len; unmasked tiles must be visible to every row. WS: warp-specialise the loop."""
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         rows = offs_n.to(tl.int64)
-        if MASKED:
+        if TMA:
             key_valid = offs_n < seq_len
-            k = tl.load(k_ptr + rows[:, None] * stride_kt + offs_d[None, :], mask=key_valid[:, None], other=0.0)
-            v = tl.load(v_ptr + rows[:, None] * stride_vt + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+            k = k_src.load([start_n, 0])
+            v = v_src.load([start_n, 0])
+        elif MASKED:
+            key_valid = offs_n < seq_len
+            k = tl.load(k_src + rows[:, None] * stride_kt + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+            v = tl.load(v_src + rows[:, None] * stride_vt + offs_d[None, :], mask=key_valid[:, None], other=0.0)
         else:
-            k = tl.load(k_ptr + rows[:, None] * stride_kt + offs_d[None, :])
-            v = tl.load(v_ptr + rows[:, None] * stride_vt + offs_d[None, :])
+            k = tl.load(k_src + rows[:, None] * stride_kt + offs_d[None, :])
+            v = tl.load(v_src + rows[:, None] * stride_vt + offs_d[None, :])
         qk = dot_qk(q, k, UPCAST, IEEE)  # S / scale: [BLOCK_M, BLOCK_N]
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # P = exp(S − L)
         if MASKED:
@@ -336,30 +379,50 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    TMA: tl.constexpr,
+    WS: tl.constexpr,
 ):
-    """Program (query tile, query head h, sequence s): dQ of BLOCK_M rows (module docstring, kernel 3)."""
+    """Program (query tile, query head h, sequence s): dQ of BLOCK_M rows (module docstring, kernel 3).
+    TMA: the Q, dO, K and V tiles come through per-(sequence, head) tensor descriptors (`_seq_rows`);
+    WS: the key-tile loops are warp-specialised (`_dq_tiles`)."""
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: heaviest (last) tiles first
     h = tl.program_id(1)
     s = tl.program_id(2)
     seq_start = tl.load(cu_seqlens_ptr + s)
     seq_len = tl.load(cu_seqlens_ptr + s + 1) - seq_start
     start_m = m_tile * BLOCK_M
-    if start_m >= seq_len:
+    if WS:  # no early return: Triton's warp specialisation takes structured control flow only
+        live = start_m < seq_len  # a tile past the sequence runs empty loops (below) and stores nothing
+    elif start_m >= seq_len:
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_valid = offs_m < seq_len
     rows = (seq_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_valid[:, None], other=0.0)
-    do = tl.load(
-        do_ptr + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=row_valid[:, None], other=0.0
-    )
+    if TMA:
+        row0 = seq_start.to(tl.int64)
+        q = _seq_rows(q_ptr + row0 * stride_qt + h * stride_qh, seq_len, stride_qt, BLOCK_M, HEAD_DIM).load(
+            [start_m, 0]
+        )
+        do = _seq_rows(do_ptr + row0 * stride_dot + h * stride_doh, seq_len, stride_dot, BLOCK_M, HEAD_DIM).load(
+            [start_m, 0]
+        )
+    else:
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_valid[:, None], other=0.0
+        )
+        do = tl.load(
+            do_ptr + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=row_valid[:, None], other=0.0
+        )
     lse2 = tl.load(lse_ptr + h * stride_lse_h + rows, mask=row_valid, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + h * stride_lse_h + rows, mask=row_valid, other=0.0)
     row0 = seq_start.to(tl.int64)
     hk = (h // GROUP).to(tl.int64)
     k_h = k_ptr + row0 * stride_kt + hk * stride_kh
     v_h = v_ptr + row0 * stride_vt + hk * stride_vh
+    if TMA:
+        k_h = _seq_rows(k_h, seq_len, stride_kt, BLOCK_N, HEAD_DIM)
+        v_h = _seq_rows(v_h, seq_len, stride_vt, BLOCK_N, HEAD_DIM)
     acc_dtype = tl.float64 if q.dtype == tl.float64 else tl.float32
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=acc_dtype)
     if CAUSAL:
@@ -370,13 +433,16 @@ def _bwd_dq_kernel(
         q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
         hi_full = (seq_len // BLOCK_N) * BLOCK_N
         hi = seq_len
+    if WS:
+        hi_full = tl.where(live, hi_full, 0)
+        hi = tl.where(live, hi, 0)
     dq = _dq_tiles(
         dq, q, do, lse2, delta, q_pos, k_h, v_h, 0, hi_full, seq_len, qk_scale, stride_kt, stride_vt,
-        HEAD_DIM, BLOCK_N, False, UPCAST, IEEE,
+        HEAD_DIM, BLOCK_N, False, UPCAST, IEEE, TMA, WS,
     )  # fmt: skip
     dq = _dq_tiles(
         dq, q, do, lse2, delta, q_pos, k_h, v_h, hi_full, hi, seq_len, qk_scale, stride_kt, stride_vt,
-        HEAD_DIM, BLOCK_N, True, UPCAST, IEEE,
+        HEAD_DIM, BLOCK_N, True, UPCAST, IEEE, TMA, WS,
     )  # fmt: skip
     dq = dq * scale
     tl.store(
@@ -423,6 +489,8 @@ class BackwardLaunch:
     def __init__(self, do, q, k, v, out, lse, cu_seqlens, max_seqlen: int, scale: float, causal: bool, cfg):
         if cfg.dq_mode not in DQ_MODES:
             raise ValueError(f"dq_mode must be one of {list(DQ_MODES)}, got {cfg.dq_mode!r}")
+        if cfg.dkdv_ws and cfg.dq_mode == "ordered":
+            raise ValueError("dkdv_ws does not go with dq_mode='ordered' (a spin wait inside a warp-specialised loop)")
         self.do, self.q, self.k, self.v, self.out, self.lse, self.cu = do, q, k, v, out, lse, cu_seqlens
         self.max_seqlen, self.scale, self.causal, self.cfg = max_seqlen, scale, causal, cfg
         self.mode = DQ_MODES[cfg.dq_mode]
@@ -440,6 +508,11 @@ class BackwardLaunch:
             self.tickets = torch.empty((self.S, Hq, cdiv(max_seqlen, cfg.dkdv_m)), dtype=torch.int32, device=q.device)
         self.common = dict(GROUP=Hq // self.Hk, HEAD_DIM=D, CAUSAL=causal, UPCAST=upcast_operands(q),
                            IEEE=q.dtype in (torch.float32, torch.float64))  # fmt: skip
+        # Descriptor loads where asked for and the streamed tensors allow them; pointer loads otherwise.
+        usable = (cfg.dkdv_tma or cfg.dq_tma) and tma_usable(q, k, v, do)
+        self.dkdv_tma, self.dq_tma = bool(cfg.dkdv_tma and usable), bool(cfg.dq_tma and usable)
+        if (self.dkdv_tma or (self.dq_tma and self.mode == 0)) and q.device.type == "cuda":
+            ensure_tma_allocator()
 
     @property
     def empty(self) -> bool:
@@ -466,8 +539,8 @@ class BackwardLaunch:
             self.q, self.k, self.v, self.do, self.lse, self.delta, dk, dv, a, t, self.cu, self.scale,
             self.scale * LOG2E, *self._strides(), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             self.lse.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
-            BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, DQ_MODE=self.mode, num_warps=cfg.dkdv_warps,
-            num_stages=cfg.dkdv_stages, **self.common,
+            BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, DQ_MODE=self.mode, TMA=self.dkdv_tma, WS=bool(cfg.dkdv_ws),
+            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **self.common,
         )  # fmt: skip
 
     def dq_pass(self) -> None:
@@ -475,7 +548,8 @@ class BackwardLaunch:
         _bwd_dq_kernel[(cdiv(self.max_seqlen, cfg.dq_m), self.Hq, self.S)](
             self.q, self.k, self.v, self.do, self.lse, self.delta, dq, self.cu, self.scale, self.scale * LOG2E,
             *self._strides(), dq.stride(0), dq.stride(1), self.lse.stride(0),
-            BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **self.common,
+            BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, TMA=self.dq_tma, WS=bool(cfg.dq_ws), num_warps=cfg.dq_warps,
+            num_stages=cfg.dq_stages, **self.common,
         )  # fmt: skip
 
     def convert(self) -> None:
