@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.flash_forward import upcast_operands
+from tinyvllm.kernels.flash_forward import seq_rows, upcast_operands
 from tinyvllm.kernels.flash_tiles import dot_pv, dot_qk
 from tinyvllm.kernels.launch import cdiv, ensure_tma_allocator, tma_usable
 
@@ -90,18 +90,6 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
-def _seq_rows(base, seq_len, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A tensor descriptor (TMA on sm_90) over one sequence's rows of one head: [seq_len, HEAD_DIM]
-    elements from `base` (the sequence's first row of the head), row stride stride_t, loaded as
-    [BLOCK, HEAD_DIM] tiles. The descriptor ends where the sequence ends, so rows from seq_len on load as
-    zeros, exactly as the masked pointer loads: no row of the next sequence is ever read. base and
-    stride_t · element size must be multiples of 16 bytes (`launch.tma_usable`)."""
-    return tl.make_tensor_descriptor(
-        base, shape=[seq_len, HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM]
-    )
-
-
-@triton.jit
 def _dkdv_tiles(
     dk,
     dv,
@@ -134,7 +122,7 @@ def _dkdv_tiles(
     """Fold query rows lo .. hi−1 (lo a multiple of BLOCK_M, hi ≤ seq_len) of one query head into the
     key tile's (dk, dv) [BLOCK_N, HEAD_DIM]. k, v: the tile's keys [BLOCK_N, HEAD_DIM] at positions
     offs_n; q_src, do_src: this head's Q and dO rows of the sequence, as pointers to its first row or
-    (TMA) as `_seq_rows` descriptors; lse_ptr, delta_ptr, dq_acc_ptr: offset to the sequence's first row
+    (TMA) as `seq_rows` descriptors; lse_ptr, delta_ptr, dq_acc_ptr: offset to the sequence's first row
     of this head; ticket_ptr: this (sequence, head)'s tickets, one per query tile; key_tile: j.
     MASKED: the causal mask (key ≤ query); unmasked tiles must lie wholly on or below the diagonal.
     DQ_MODE 1 ("atomic") and 2 ("ordered"): also add dS Kⱼ (unscaled) into the dQ accumulator.
@@ -222,7 +210,7 @@ def _bwd_dkdv_kernel(
     """Program (key tile, KV head hk, sequence s): dK, dV of BLOCK_N keys, summed over the GROUP query
     heads hk·GROUP .. hk·GROUP + GROUP − 1 (module docstring, kernel 2); DQ_MODE 1, 2: also their
     contributions to dQ (kernel 3's fused modes). dq_acc_ptr, tickets_ptr: unused in DQ_MODE 0.
-    TMA: the K, V, Q and dO tiles come through per-(sequence, head) tensor descriptors (`_seq_rows`);
+    TMA: the K, V, Q and dO tiles come through per-(sequence, head) tensor descriptors (`seq_rows`);
     WS: the query-tile loops are warp-specialised (`_dkdv_tiles`)."""
     hk = tl.program_id(1)
     s = tl.program_id(2)
@@ -242,8 +230,8 @@ def _bwd_dkdv_kernel(
     if TMA:
         k_seq = k_ptr + seq_start.to(tl.int64) * stride_kt + hk * stride_kh
         v_seq = v_ptr + seq_start.to(tl.int64) * stride_vt + hk * stride_vh
-        k = _seq_rows(k_seq, seq_len, stride_kt, BLOCK_N, HEAD_DIM).load([start_n, 0])
-        v = _seq_rows(v_seq, seq_len, stride_vt, BLOCK_N, HEAD_DIM).load([start_n, 0])
+        k = seq_rows(k_seq, seq_len, stride_kt, BLOCK_N, HEAD_DIM).load([start_n, 0])
+        v = seq_rows(v_seq, seq_len, stride_vt, BLOCK_N, HEAD_DIM).load([start_n, 0])
     else:
         k = tl.load(
             k_ptr + rows_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=key_valid[:, None], other=0.0
@@ -266,8 +254,8 @@ def _bwd_dkdv_kernel(
         q_h = q_ptr + row0 * stride_qt + h * stride_qh
         do_h = do_ptr + row0 * stride_dot + h * stride_doh
         if TMA:
-            q_h = _seq_rows(q_h, seq_len, stride_qt, BLOCK_M, HEAD_DIM)
-            do_h = _seq_rows(do_h, seq_len, stride_dot, BLOCK_M, HEAD_DIM)
+            q_h = seq_rows(q_h, seq_len, stride_qt, BLOCK_M, HEAD_DIM)
+            do_h = seq_rows(do_h, seq_len, stride_dot, BLOCK_M, HEAD_DIM)
         lse_h = lse_ptr + h * stride_lse_h + row0
         delta_h = delta_ptr + h * stride_lse_h + row0
         dq_h = dq_acc_ptr + row0 * stride_at + h * stride_ah
@@ -321,7 +309,7 @@ def _dq_tiles(
     """Fold keys lo .. hi−1 (lo a multiple of BLOCK_N) into the query tile's dq [BLOCK_M, HEAD_DIM].
     q, do: the tile's rows; lse2: their logsumexp in log2 units; delta: their D; q_pos: the last key each
     row sees. k_src, v_src: the KV head's rows of the sequence, as pointers to its first row or (TMA) as
-    `_seq_rows` descriptors (keys ≥ seq_len read as zeros). MASKED: mask keys after q_pos and keys
+    `seq_rows` descriptors (keys ≥ seq_len read as zeros). MASKED: mask keys after q_pos and keys
     ≥ seq_len; unmasked tiles must be visible to every row. WS: warp-specialise the loop."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
@@ -383,7 +371,7 @@ def _bwd_dq_kernel(
     WS: tl.constexpr,
 ):
     """Program (query tile, query head h, sequence s): dQ of BLOCK_M rows (module docstring, kernel 3).
-    TMA: the Q, dO, K and V tiles come through per-(sequence, head) tensor descriptors (`_seq_rows`);
+    TMA: the Q, dO, K and V tiles come through per-(sequence, head) tensor descriptors (`seq_rows`);
     WS: the key-tile loops are warp-specialised (`_dq_tiles`)."""
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: heaviest (last) tiles first
     h = tl.program_id(1)
@@ -401,10 +389,8 @@ def _bwd_dq_kernel(
     rows = (seq_start + offs_m).to(tl.int64)
     if TMA:
         row0 = seq_start.to(tl.int64)
-        q = _seq_rows(q_ptr + row0 * stride_qt + h * stride_qh, seq_len, stride_qt, BLOCK_M, HEAD_DIM).load(
-            [start_m, 0]
-        )
-        do = _seq_rows(do_ptr + row0 * stride_dot + h * stride_doh, seq_len, stride_dot, BLOCK_M, HEAD_DIM).load(
+        q = seq_rows(q_ptr + row0 * stride_qt + h * stride_qh, seq_len, stride_qt, BLOCK_M, HEAD_DIM).load([start_m, 0])
+        do = seq_rows(do_ptr + row0 * stride_dot + h * stride_doh, seq_len, stride_dot, BLOCK_M, HEAD_DIM).load(
             [start_m, 0]
         )
     else:
@@ -421,8 +407,8 @@ def _bwd_dq_kernel(
     k_h = k_ptr + row0 * stride_kt + hk * stride_kh
     v_h = v_ptr + row0 * stride_vt + hk * stride_vh
     if TMA:
-        k_h = _seq_rows(k_h, seq_len, stride_kt, BLOCK_N, HEAD_DIM)
-        v_h = _seq_rows(v_h, seq_len, stride_vt, BLOCK_N, HEAD_DIM)
+        k_h = seq_rows(k_h, seq_len, stride_kt, BLOCK_N, HEAD_DIM)
+        v_h = seq_rows(v_h, seq_len, stride_vt, BLOCK_N, HEAD_DIM)
     acc_dtype = tl.float64 if q.dtype == tl.float64 else tl.float32
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=acc_dtype)
     if CAUSAL:
