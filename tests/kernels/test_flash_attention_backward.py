@@ -122,11 +122,16 @@ def test_fused_dq_modes_match_float64_autograd(mode, dtype, hq, hk, d, causal, t
     assert_close(dv, ref_dv, dtype, GRAD_FACTOR)
 
 
+TMA = dict(dkdv_tma=True, dq_tma=True)
+WS = dict(dkdv_ws=True, dq_ws=True)
 HOPPER_CASES = [  # dq_mode, dtype, Hq, Hk, D, causal, the Hopper knobs turned on
-    ("separate", BF16, 4, 2, 64, True, dict(dkdv_tma=True, dq_tma=True)),
-    ("separate", F16, 4, 1, 32, False, dict(dkdv_tma=True, dq_tma=True, dkdv_ws=True, dq_ws=True)),
-    ("separate", F32, 2, 2, 16, True, dict(dkdv_ws=True, dq_ws=True)),
+    ("separate", BF16, 4, 2, 64, True, TMA),
+    ("separate", F16, 4, 1, 32, False, TMA | WS),
+    ("separate", F32, 2, 2, 16, True, TMA | WS),
+    ("separate", BF16, 8, 2, 128, True, TMA | WS),
+    ("separate", BF16, 4, 2, 32, True, WS),  # warp specialisation without descriptors: the plain kernels
     ("atomic", BF16, 4, 2, 64, True, dict(dkdv_tma=True, dkdv_ws=True)),
+    ("atomic", F32, 2, 1, 32, False, dict(dkdv_tma=True, dkdv_ws=True)),
     ("ordered", F16, 8, 2, 32, False, dict(dkdv_tma=True)),
 ]
 
@@ -140,11 +145,12 @@ HOPPER_CASES = [  # dq_mode, dtype, Hq, Hk, D, causal, the Hopper knobs turned o
     ],
 )
 def test_hopper_knobs_match_float64_autograd(mode, dtype, hq, hk, d, causal, knobs, device):
-    """Tensor-descriptor loads (`dkdv_tma`, `dq_tma`) and warp-specialised loops (`dkdv_ws`, `dq_ws`) give
-    the reference's gradients on packed sequences off the tile grid (and an empty one), GQA/MQA, causal
-    and not, in each dQ mode: the per-sequence descriptors must read the rows past a sequence as zeros,
-    never the next sequence's rows. The inputs are strided views that descriptors accept, so the
-    descriptor path runs (asserted), not the pointer fallback."""
+    """Tensor-descriptor loads (`dkdv_tma`, `dq_tma`) and the warp-specialised single loops (`dkdv_ws`,
+    `dq_ws`: every tile masked, the row statistics packed by `_bwd_stats_kernel`) give the reference's
+    gradients on packed sequences off the tile grid (and an empty one: key and query tiles past a
+    sequence's end run no loop), GQA/MQA, causal and not, in each dQ mode: the per-sequence
+    descriptors must read the rows past a sequence as zeros, never the next sequence's rows. The inputs
+    are strided views that descriptors accept, so the descriptor path runs (asserted)."""
     from tinyvllm.kernels.launch import tma_usable
 
     q, k, v, cu, do = make_inputs(LENS, hq, hk, d, dtype, device, seed=6)

@@ -22,6 +22,7 @@ VARIANTS.append((64, "ordered", False))
 
 TMA = dict(dkdv_tma=True, dq_tma=True)
 WS = dict(dkdv_ws=True, dq_ws=True)
+W4 = dict(dkdv_warps=4, dq_warps=4, dkdv_n=64, dq_m=128, dq_n=64)  # where Triton 3.9 specialises both
 # name: (head dim, dq_mode, causal, BackwardConfig fields replaced in the long-sequence table entry)
 HOPPER_VARIANTS = {
     "tma-d64-separate": (64, "separate", True, TMA),
@@ -30,15 +31,18 @@ HOPPER_VARIANTS = {
     "tma-d128-atomic": (128, "atomic", True, dict(dkdv_tma=True)),
     "tma-d64-ordered": (64, "ordered", True, dict(dkdv_tma=True)),
     "tma-d128-128x128-w8": (128, "separate", True, dict(dkdv_m=128, dq_n=128, **TMA)),
-    "ws-w8-d128": (128, "separate", True, dict(dkdv_warps=8, dq_warps=8, **WS)),
+    "ws-without-tma-d128": (128, "separate", True, WS),
+    "tma-ws-w4-d64": (64, "separate", True, dict(**W4, **TMA, **WS)),
+    "tma-ws-w4-d128": (128, "separate", True, dict(**W4, **TMA, **WS)),
+    "tma-ws-w4-d128-full": (128, "separate", False, dict(**W4, **TMA, **WS)),
     "tma-ws-w8-d128": (128, "separate", True, dict(dkdv_warps=8, dq_warps=8, **TMA, **WS)),
-    "tma-ws-w4-d64": (64, "separate", True, dict(dkdv_warps=4, dq_warps=4, **TMA, **WS)),
+    "tma-ws-w4-d64-128keys": (64, "separate", True, dict(W4, dkdv_n=128, **TMA, **WS)),
+    "tma-ws-w4-d64-atomic": (64, "atomic", True, dict(W4, dkdv_tma=True, dkdv_ws=True)),
 }
-# Triton 3.9's Hopper warp-specialisation pass (NVGPUWarpSpecialization) aborts on these kernels with 4
-# warps (assertions: "unsupported load type for producer commit" where a pointer load precedes the
-# loop, such as the dQ pass's logsumexp and D; a data-partition and a dominance assertion without
-# them); with 8 warps it leaves them unchanged (no `setmaxnreg`, the PTX of the unspecialised loop).
-WS_FAILS_HERE = {"tma-ws-w4-d64"}
+# Triton 3.9's Hopper warp-specialisation pass (NVGPUWarpSpecialization) aborts on the dK/dV kernel
+# with 128 keys ("value not sliced" in its data partitioning) and on the fused mode's atomic adds
+# ("operation destroyed but still has uses"); with 8 warps it compiles the loops unspecialised.
+WS_FAILS_HERE = {"tma-ws-w4-d64-128keys", "tma-ws-w4-d64-atomic"}
 
 
 def _ptx_facts(ptx: str) -> dict:
@@ -119,17 +123,26 @@ def test_backward_compiles_for_sm90(facts, d, mode, causal):
     ],
 )
 def test_hopper_variant_compiles_for_sm90(facts, name):
-    """Each Hopper option compiles for sm_90; the descriptor loads become TMA copies in every kernel that
-    asks for them (and only there), and the products stay on wgmma."""
+    """Each Hopper option compiles for sm_90: descriptor loads become TMA copies in every kernel that
+    asks for them (and only there); the products stay on wgmma; with 4 warps, the warp-specialised
+    loops are split into producer and consumer warps (setmaxnreg), and only those; warp specialisation
+    without descriptors is the plain kernel."""
     mode, knobs = HOPPER_VARIANTS[name][1], HOPPER_VARIANTS[name][3]
     kernels = _kernels(facts[name])
-    dkdv = kernels["_bwd_dkdv_kernel"]
-    assert dkdv["wgmma"] > 0
-    assert (dkdv["tma"] > 0) == bool(knobs.get("dkdv_tma"))
+    parts = [("dkdv", kernels["_bwd_dkdv_kernel"])]
     if mode == "separate":
-        dq = kernels["_bwd_dq_kernel"]
-        assert dq["wgmma"] > 0
-        assert (dq["tma"] > 0) == bool(knobs.get("dq_tma"))
+        parts.append(("dq", kernels["_bwd_dq_kernel"]))
+    for part, kernel in parts:
+        tma, ws = bool(knobs.get(f"{part}_tma")), bool(knobs.get(f"{part}_ws"))
+        assert kernel["wgmma"] > 0, part
+        assert (kernel["tma"] > 0) == tma, part
+        if tma and ws and knobs.get(f"{part}_warps") == 4:
+            assert kernel["setmaxnreg"] > 0, part
+        if not (tma and ws):
+            assert kernel["setmaxnreg"] == 0, part
+    if knobs.get("dkdv_ws") or knobs.get("dq_ws"):
+        stats = "_bwd_stats_kernel" in kernels
+        assert stats == bool(knobs.get("dkdv_tma") or knobs.get("dq_tma")), list(kernels)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,40 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
+def _bwd_stats_kernel(
+    lse_ptr, delta_ptr, stats_ptr, T, stride_lse_h, stride_sh, BLOCK_M: tl.constexpr
+):  # fmt: skip
+    """Program (row tile, query head h): stats[h, rows] = (lse · log2 e, D, 0, 0), the per-row statistics
+    of the warp-specialised kernels packed into 16-byte rows that a tensor descriptor can load
+    (`stats_rows`): Triton's Hopper warp specialisation takes no pointer loads of vectors."""
+    h = tl.program_id(1)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = rows < T
+    lse2 = tl.load(lse_ptr + h * stride_lse_h + rows, mask=valid, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + h * stride_lse_h + rows, mask=valid, other=0.0)
+    col = tl.arange(0, 4)[None, :]
+    packed = tl.where(col == 0, lse2[:, None], tl.where(col == 1, delta[:, None], 0.0))
+    tl.store(stats_ptr + h * stride_sh + rows[:, None] * 4 + col, packed, mask=valid[:, None])
+
+
+@triton.jit
+def stats_rows(stats_h, seq_len, BLOCK: tl.constexpr):
+    """A tensor descriptor over one head's `_bwd_stats_kernel` rows of one sequence (stats_h: its first
+    row), [seq_len, 4], loaded as [BLOCK, 4] tiles; rows from seq_len on read as zeros."""
+    return tl.make_tensor_descriptor(stats_h, shape=[seq_len, 4], strides=[4, 1], block_shape=[BLOCK, 4])
+
+
+@triton.jit
+def load_stats(desc, start):
+    """(lse · log2 e, D), each [BLOCK], of rows start .. start + BLOCK − 1 from a `stats_rows` descriptor."""
+    tile = desc.load([start, 0])
+    even, odd = tl.split(tl.reshape(tile, [tile.shape[0], 2, 2]))  # columns (0, 2) and (1, 3)
+    lse2, _ = tl.split(even)
+    delta, _ = tl.split(odd)
+    return lse2, delta
+
+
+@triton.jit
 def _dkdv_tiles(
     dk,
     dv,
@@ -123,7 +157,8 @@ def _dkdv_tiles(
     key tile's (dk, dv) [BLOCK_N, HEAD_DIM]. k, v: the tile's keys [BLOCK_N, HEAD_DIM] at positions
     offs_n; q_src, do_src: this head's Q and dO rows of the sequence, as pointers to its first row or
     (TMA) as `seq_rows` descriptors; lse_ptr, delta_ptr, dq_acc_ptr: offset to the sequence's first row
-    of this head; ticket_ptr: this (sequence, head)'s tickets, one per query tile; key_tile: j.
+    of this head (WS: lse_ptr is a `stats_rows` descriptor, delta_ptr unused); ticket_ptr: this
+    (sequence, head)'s tickets, one per query tile; key_tile: j.
     MASKED: the causal mask (key ≤ query); unmasked tiles must lie wholly on or below the diagonal.
     DQ_MODE 1 ("atomic") and 2 ("ordered"): also add dS Kⱼ (unscaled) into the dQ accumulator.
     WS: ask Triton to warp-specialise the loop (`tl.range(..., warp_specialize=True)`)."""
@@ -139,8 +174,11 @@ def _dkdv_tiles(
         else:
             q = tl.load(q_src + rows[:, None] * stride_qt + offs_d[None, :], mask=row_valid[:, None], other=0.0)
             do = tl.load(do_src + rows[:, None] * stride_dot + offs_d[None, :], mask=row_valid[:, None], other=0.0)
-        lse2 = tl.load(lse_ptr + rows, mask=row_valid, other=0.0) * 1.4426950408889634
-        delta = tl.load(delta_ptr + rows, mask=row_valid, other=0.0)
+        if WS:
+            lse2, delta = load_stats(lse_ptr, start_m)
+        else:
+            lse2 = tl.load(lse_ptr + rows, mask=row_valid, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_ptr + rows, mask=row_valid, other=0.0)
         qk_t = dot_qk(k, q, UPCAST, IEEE)  # Sᵀ / scale: [BLOCK_N, BLOCK_M]
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # Pᵀ = exp(Sᵀ − L)
         if MASKED:
@@ -210,8 +248,11 @@ def _bwd_dkdv_kernel(
     """Program (key tile, KV head hk, sequence s): dK, dV of BLOCK_N keys, summed over the GROUP query
     heads hk·GROUP .. hk·GROUP + GROUP − 1 (module docstring, kernel 2); DQ_MODE 1, 2: also their
     contributions to dQ (kernel 3's fused modes). dq_acc_ptr, tickets_ptr: unused in DQ_MODE 0.
-    TMA: the K, V, Q and dO tiles come through per-(sequence, head) tensor descriptors (`seq_rows`);
-    WS: the query-tile loops are warp-specialised (`_dkdv_tiles`)."""
+    TMA: the K, V, Q and dO tiles come through per-(sequence, head) tensor descriptors (`seq_rows`).
+    WS (with TMA): one warp-specialised loop per query head, every tile causally masked, the row
+    statistics read through descriptors (lse_ptr: `_bwd_stats_kernel`'s rows, stride_lse_h its head
+    stride; delta_ptr unused): Triton's Hopper warp specialisation (3.9) specialises a single loop
+    without branches and with no pointer loads of vectors, and aborts otherwise."""
     hk = tl.program_id(1)
     s = tl.program_id(2)
     seq_start = tl.load(cu_seqlens_ptr + s)
@@ -260,15 +301,24 @@ def _bwd_dkdv_kernel(
         delta_h = delta_ptr + h * stride_lse_h + row0
         dq_h = dq_acc_ptr + row0 * stride_at + h * stride_ah
         tickets_h = tickets_ptr + s * stride_ticket_s + h * stride_ticket_h
-        if CAUSAL:  # the diagonal, masked
+        if WS:  # one loop from the first query tile that sees the keys, masked where causal
+            lse_h = stats_rows(lse_ptr + h * stride_lse_h + row0 * 4, seq_len, BLOCK_M)
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, lo, mid, seq_len,
-                qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, True, DQ_MODE, UPCAST, IEEE, TMA, WS,
+                dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, lo, q_end, seq_len,
+                qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, CAUSAL, DQ_MODE, UPCAST, IEEE, TMA, True,
             )  # fmt: skip
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, mid, q_end, seq_len,
-            qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, False, DQ_MODE, UPCAST, IEEE, TMA, WS,
-        )  # fmt: skip
+        else:
+            if CAUSAL:  # the diagonal, masked
+                dk, dv = _dkdv_tiles(
+                    dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, lo, mid, seq_len,
+                    qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, True, DQ_MODE, UPCAST, IEEE, TMA,
+                    False,
+                )  # fmt: skip
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, mid, q_end, seq_len,
+                qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, False, DQ_MODE, UPCAST, IEEE, TMA,
+                False,
+            )  # fmt: skip
     dk = dk * scale
     tl.store(
         dk_ptr + rows_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
@@ -371,8 +421,10 @@ def _bwd_dq_kernel(
     WS: tl.constexpr,
 ):
     """Program (query tile, query head h, sequence s): dQ of BLOCK_M rows (module docstring, kernel 3).
-    TMA: the Q, dO, K and V tiles come through per-(sequence, head) tensor descriptors (`seq_rows`);
-    WS: the key-tile loops are warp-specialised (`_dq_tiles`)."""
+    TMA: the Q, dO, K and V tiles come through per-(sequence, head) tensor descriptors (`seq_rows`).
+    WS (with TMA): one warp-specialised loop over the keys, every tile masked, the row statistics read
+    through a descriptor (lse_ptr: `_bwd_stats_kernel`'s rows, stride_lse_h their head stride;
+    delta_ptr unused), for the reasons `_bwd_dkdv_kernel` gives."""
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: heaviest (last) tiles first
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -400,8 +452,12 @@ def _bwd_dq_kernel(
         do = tl.load(
             do_ptr + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=row_valid[:, None], other=0.0
         )
-    lse2 = tl.load(lse_ptr + h * stride_lse_h + rows, mask=row_valid, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_ptr + h * stride_lse_h + rows, mask=row_valid, other=0.0)
+    if WS:
+        stats = stats_rows(lse_ptr + h * stride_lse_h + seq_start.to(tl.int64) * 4, seq_len, BLOCK_M)
+        lse2, delta = load_stats(stats, start_m)
+    else:
+        lse2 = tl.load(lse_ptr + h * stride_lse_h + rows, mask=row_valid, other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_ptr + h * stride_lse_h + rows, mask=row_valid, other=0.0)
     row0 = seq_start.to(tl.int64)
     hk = (h // GROUP).to(tl.int64)
     k_h = k_ptr + row0 * stride_kt + hk * stride_kh
@@ -419,17 +475,20 @@ def _bwd_dq_kernel(
         q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
         hi_full = (seq_len // BLOCK_N) * BLOCK_N
         hi = seq_len
-    if WS:
-        hi_full = tl.where(live, hi_full, 0)
-        hi = tl.where(live, hi, 0)
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, q_pos, k_h, v_h, 0, hi_full, seq_len, qk_scale, stride_kt, stride_vt,
-        HEAD_DIM, BLOCK_N, False, UPCAST, IEEE, TMA, WS,
-    )  # fmt: skip
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, q_pos, k_h, v_h, hi_full, hi, seq_len, qk_scale, stride_kt, stride_vt,
-        HEAD_DIM, BLOCK_N, True, UPCAST, IEEE, TMA, WS,
-    )  # fmt: skip
+    if WS:  # one loop, every tile masked; a tile past the sequence runs none
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, q_pos, k_h, v_h, 0, tl.where(live, hi, 0), seq_len, qk_scale, stride_kt,
+            stride_vt, HEAD_DIM, BLOCK_N, True, UPCAST, IEEE, TMA, True,
+        )  # fmt: skip
+    else:
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, q_pos, k_h, v_h, 0, hi_full, seq_len, qk_scale, stride_kt, stride_vt,
+            HEAD_DIM, BLOCK_N, False, UPCAST, IEEE, TMA, False,
+        )  # fmt: skip
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, q_pos, k_h, v_h, hi_full, hi, seq_len, qk_scale, stride_kt, stride_vt,
+            HEAD_DIM, BLOCK_N, True, UPCAST, IEEE, TMA, False,
+        )  # fmt: skip
     dq = dq * scale
     tl.store(
         dq_ptr + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
@@ -497,8 +556,15 @@ class BackwardLaunch:
         # Descriptor loads where asked for and the streamed tensors allow them; pointer loads otherwise.
         usable = (cfg.dkdv_tma or cfg.dq_tma) and tma_usable(q, k, v, do)
         self.dkdv_tma, self.dq_tma = bool(cfg.dkdv_tma and usable), bool(cfg.dq_tma and usable)
+        # The warp-specialised loops read every tile through descriptors: without them, the plain kernels.
+        self.dkdv_ws, self.dq_ws = (
+            bool(cfg.dkdv_ws and self.dkdv_tma),
+            bool(cfg.dq_ws and self.dq_tma and not self.mode),
+        )
         if (self.dkdv_tma or (self.dq_tma and self.mode == 0)) and q.device.type == "cuda":
             ensure_tma_allocator()
+        # Their row statistics, packed (`_bwd_stats_kernel`): [Hq, T, 4] in lse's dtype.
+        self.stats = torch.empty((Hq, T, 4), dtype=lse.dtype, device=q.device) if self.dkdv_ws or self.dq_ws else None
 
     @property
     def empty(self) -> bool:
@@ -517,24 +583,37 @@ class BackwardLaunch:
             HEAD_DIM=self.D, BLOCK_M=self.cfg.block_pre, ZERO_DQ=self.mode != 0,
         )  # fmt: skip
 
+    def _row_stats(self, ws: bool) -> torch.Tensor:
+        """What a kernel's lse_ptr receives: the logsumexp, or (ws) the packed statistics, made here
+        (after the preprocess's D) by `_bwd_stats_kernel`."""
+        if not ws:
+            return self.lse
+        st = self.stats
+        _bwd_stats_kernel[(cdiv(self.T, 64), self.Hq)](
+            self.lse, self.delta, st, self.T, self.lse.stride(0), st.stride(0), BLOCK_M=64
+        )  # fmt: skip
+        return st
+
     def dkdv(self) -> None:
         cfg, dk, dv, a, t = self.cfg, self.dk, self.dv, self.dq_acc, self.tickets
         if self.mode == 2:
             t.zero_()
+        lse = self._row_stats(self.dkdv_ws)
         _bwd_dkdv_kernel[(cdiv(self.max_seqlen, cfg.dkdv_n), self.Hk, self.S)](
-            self.q, self.k, self.v, self.do, self.lse, self.delta, dk, dv, a, t, self.cu, self.scale,
+            self.q, self.k, self.v, self.do, lse, self.delta, dk, dv, a, t, self.cu, self.scale,
             self.scale * LOG2E, *self._strides(), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            self.lse.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
-            BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, DQ_MODE=self.mode, TMA=self.dkdv_tma, WS=bool(cfg.dkdv_ws),
+            lse.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
+            BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, DQ_MODE=self.mode, TMA=self.dkdv_tma, WS=self.dkdv_ws,
             num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **self.common,
         )  # fmt: skip
 
     def dq_pass(self) -> None:
         cfg, dq = self.cfg, self.dq
+        lse = self._row_stats(self.dq_ws)
         _bwd_dq_kernel[(cdiv(self.max_seqlen, cfg.dq_m), self.Hq, self.S)](
-            self.q, self.k, self.v, self.do, self.lse, self.delta, dq, self.cu, self.scale, self.scale * LOG2E,
-            *self._strides(), dq.stride(0), dq.stride(1), self.lse.stride(0),
-            BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, TMA=self.dq_tma, WS=bool(cfg.dq_ws), num_warps=cfg.dq_warps,
+            self.q, self.k, self.v, self.do, lse, self.delta, dq, self.cu, self.scale, self.scale * LOG2E,
+            *self._strides(), dq.stride(0), dq.stride(1), lse.stride(0),
+            BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, TMA=self.dq_tma, WS=self.dq_ws, num_warps=cfg.dq_warps,
             num_stages=cfg.dq_stages, **self.common,
         )  # fmt: skip
 
