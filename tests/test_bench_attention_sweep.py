@@ -15,7 +15,13 @@ sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
 
 import attention_backward_sweep as sweep  # noqa: E402
 
-from tinyvllm.kernels.flash_attention_op import HOPPER_BACKWARD, HOPPER_BACKWARD_ATOMIC  # noqa: E402
+from tinyvllm.kernels.flash_attention_op import (  # noqa: E402
+    HOPPER_BACKWARD,
+    HOPPER_BACKWARD_ATOMIC,
+    HOPPER_FORWARD,
+    BackwardConfig,
+    ForwardConfig,
+)
 
 
 def job_that_may_die(job: int) -> str | None:
@@ -35,8 +41,11 @@ def test_candidates_hold_the_hopper_options():
     for d in (64, 128):
         cs = sweep.candidates(d)
         grid = sweep._tile_candidates(d)
-        total, base = sum(map(len, cs.values())), sum(map(len, grid.values()))
-        assert base < total <= 1.5 * base  # the options add at most half the compiles again
+        fwd = sweep.forward_candidates(d)
+        total, base = sum(map(len, cs.values())) + len(fwd), sum(map(len, grid.values()))
+        assert base < total <= 1.6 * base  # the options and the forward add about half the compiles again
+        assert fwd[0] == HOPPER_FORWARD[d] and len(set(fwd)) == len(fwd)
+        assert any(c.tma and not c.ws for c in fwd) and any(c.tma and c.ws and c.num_warps == 4 for c in fwd)
         for kind, field in (("dkdv", "dkdv_tma"), ("dkdv", "dkdv_ws"), ("dq", "dq_tma"), ("dq", "dq_ws"),
                             ("atomic", "dkdv_tma"), ("ordered", "dkdv_tma")):  # fmt: skip
             assert any(getattr(c, field) for c in cs[kind]), (d, kind, field)
@@ -54,8 +63,8 @@ def test_candidates_hold_the_hopper_options():
 
 def test_pasted_literal_keeps_the_options():
     """The winners' tables are printed as Python: the Hopper options survive the round trip."""
-    from tinyvllm.kernels.flash_attention_op import BackwardConfig
-
+    for c in (ForwardConfig(128, 64, 8, 3), ForwardConfig(128, 64, 4, 2, tma=True, ws=True)):
+        assert eval(sweep._fwd_literal(c), {"ForwardConfig": ForwardConfig}) == c
     for c in (
         BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3, 64, dkdv_tma=True, dq_ws=True),
         BackwardConfig(64, 128, 8, 3, 0, 0, 0, 0, 64, "atomic", dkdv_tma=True, dkdv_ws=True),

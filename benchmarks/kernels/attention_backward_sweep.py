@@ -1,11 +1,13 @@
 """The tile sweep of the attention backward (`bench_attention_backward.py --sweep`): for each head dim and
-length, every candidate of each kernel timed alone, and the winners printed as the two tables of
-`flash_attention_op` (HOPPER_BACKWARD, the deterministic default; HOPPER_BACKWARD_ATOMIC), ready to paste.
+length, every candidate of each kernel timed alone, and the winners printed as the tables of
+`flash_attention_op` (HOPPER_BACKWARD, the deterministic default; HOPPER_BACKWARD_ATOMIC; and the training
+forward's HOPPER_FORWARD), ready to paste.
 
 The backward's pieces are swept independently, so the candidates add up instead of multiplying:
   * "dkdv": the dK/dV kernel alone (dkdv_m query rows streamed past dkdv_n keys held in registers);
   * "dq": the separate dQ pass alone (dq_m query rows held, dq_n keys streamed);
-  * "atomic", "ordered": the whole fused backward (preprocess, dK/dV with dQ adds, dQ conversion).
+  * "atomic", "ordered": the whole fused backward (preprocess, dK/dV with dQ adds, dQ conversion);
+  * "fwd": the training forward (`flash_forward`), whose winner over all lengths fills HOPPER_FORWARD.
 Each kind's candidates are a grid of tiles, warps and stages with pointer loads, then a few configs
 with the Hopper options (`BackwardConfig`'s dkdv_tma, dq_tma: tensor-descriptor loads; dkdv_ws, dq_ws:
 warp-specialised loops), HOPPER_* below. The "separate" mode's time is preprocess + best dkdv + best
@@ -33,11 +35,14 @@ import torch
 from tinyvllm.kernels.flash_attention_op import (
     HOPPER_BACKWARD,
     HOPPER_BACKWARD_ATOMIC,
+    HOPPER_FORWARD,
     SHORT_SEQLEN,
     BackwardConfig,
+    ForwardConfig,
     flash_attention_fwd,
 )
 from tinyvllm.kernels.flash_backward import BackwardLaunch
+from tinyvllm.kernels.flash_forward import flash_forward
 
 WARPS = (4, 8)
 STAGES = (2, 3, 4)
@@ -51,22 +56,28 @@ FUSED_STAGES = (2, 3)
 # only with 64 keys (tests/kernels/test_flash_backward_codegen.py): 8 warps and the fused mode are
 # tried once each, in case the GPU's Triton does better.
 HOPPER_DKDV = (
-    (32, 128, 4, 3, True, False), (32, 128, 4, 4, True, False), (64, 64, 4, 2, True, False),
-    (64, 64, 4, 3, True, False), (64, 128, 4, 3, True, False), (64, 128, 8, 2, True, False),
-    (64, 128, 8, 3, True, False), (32, 64, 4, 3, True, True), (64, 64, 4, 2, True, True),
-    (64, 64, 4, 3, True, True), (128, 64, 4, 2, True, True), (128, 64, 4, 3, True, True),
-    (64, 128, 8, 3, True, True),
+    (32, 128, 4, 3, True, False), (64, 64, 4, 2, True, False), (64, 64, 4, 3, True, False),
+    (64, 128, 8, 2, True, False), (64, 128, 8, 3, True, False),
+    (32, 64, 4, 3, True, True), (64, 64, 4, 2, True, True), (64, 64, 4, 3, True, True),
+    (128, 64, 4, 2, True, True), (128, 64, 4, 3, True, True), (64, 128, 8, 3, True, True),
 )  # fmt: skip
 HOPPER_DKDV_WIDE = ((128, 128, 8, 2, True, False), (128, 128, 8, 3, True, False))
 HOPPER_DQ = (
-    (64, 64, 4, 2, True, False), (64, 64, 4, 3, True, False), (128, 32, 4, 3, True, False),
-    (128, 64, 4, 3, True, False), (128, 64, 8, 2, True, False), (128, 64, 8, 3, True, False),
-    (128, 128, 8, 2, True, False), (128, 128, 8, 3, True, False), (64, 64, 4, 3, True, True),
-    (64, 128, 4, 3, True, True), (128, 64, 4, 2, True, True), (128, 64, 4, 3, True, True),
-    (128, 128, 4, 2, True, True), (128, 64, 8, 3, True, True),
+    (64, 64, 4, 2, True, False), (64, 64, 4, 3, True, False), (128, 64, 4, 3, True, False),
+    (128, 64, 8, 2, True, False), (128, 64, 8, 3, True, False), (128, 128, 8, 2, True, False),
+    (64, 64, 4, 3, True, True), (64, 128, 4, 3, True, True), (128, 64, 4, 2, True, True),
+    (128, 64, 4, 3, True, True), (128, 128, 4, 2, True, True), (128, 64, 8, 3, True, True),
 )  # fmt: skip
 HOPPER_FUSED = ((64, 128, 8, 2, True, False), (64, 128, 8, 3, True, False), (64, 64, 4, 2, True, False),
                 (32, 128, 4, 3, True, False), (64, 64, 4, 2, True, True))  # fmt: skip
+# The training forward (`flash_forward`, HOPPER_FORWARD): besides the table's entry, (block_m, block_n,
+# warps, stages, tma, ws); its warp-specialised loop compiles specialised with 4 warps under Triton 3.9
+# (tests/kernels/test_flash_forward_codegen.py).
+FWD_TILES = (
+    (128, 128, 8, 2, False, False), (128, 64, 4, 3, True, False), (128, 64, 8, 3, True, False),
+    (128, 128, 8, 2, True, False), (128, 64, 4, 2, True, True), (128, 64, 4, 3, True, True),
+    (128, 128, 4, 2, True, True), (64, 64, 4, 3, True, True), (128, 64, 8, 3, True, True),
+)  # fmt: skip
 KINDS = ("dkdv", "dq", "atomic", "ordered")
 PLACEHOLDER = BackwardConfig(32, 128, 4, 2, 128, 32, 4, 2)  # the other kernel's tiles while one is swept
 
@@ -115,11 +126,18 @@ def _tile_candidates(d: int) -> dict[str, list[BackwardConfig]]:
     }
 
 
-def _options_first(cs: list[BackwardConfig]) -> list[BackwardConfig]:
-    """cs with the first config of each combination of the Hopper options ahead of the rest, so that a
-    cut (the smoke run's) keeps every combination it can."""
-    firsts = {tuple(getattr(c, f) for f in HOPPER_FIELDS): c for c in reversed(cs)}
+def _options_first(cs: list, fields: tuple[str, ...] = ("dkdv_tma", "dkdv_ws", "dq_tma", "dq_ws")) -> list:
+    """cs with the first config of each combination of the Hopper options (`fields`) ahead of the rest,
+    so that a cut (the smoke run's) keeps every combination it can."""
+    firsts = {tuple(getattr(c, f) for f in fields): c for c in reversed(cs)}
     return list(dict.fromkeys([*sorted(firsts.values()), *cs]))
+
+
+def forward_candidates(d: int, limit: int | None = None) -> list[ForwardConfig]:
+    """The training forward's configs at head dim d: HOPPER_FORWARD's entry, then FWD_TILES; limit: the
+    entry and `limit` others, one per combination of the options first (the smoke run)."""
+    table, rest = HOPPER_FORWARD[d], [ForwardConfig(*t) for t in FWD_TILES]
+    return list(dict.fromkeys([table, *_options_first(rest, ("tma", "ws"))[:limit]]))
 
 
 def candidates(d: int, limit: int | None = None) -> dict[str, list[BackwardConfig]]:
@@ -156,14 +174,17 @@ def _compile_job(job: tuple[int, int, str, tuple]) -> str | None:
     """Worker: run one candidate on a small problem with the real one's strides (hidden // d heads of
     head dim d, packed rows), which compiles it into Triton's cache; the error, or None."""
     d, hidden, kind, cfg_tuple = job
-    cfg = BackwardConfig(*cfg_tuple)
+    cfg = (ForwardConfig if kind == "fwd" else BackwardConfig)(*cfg_tuple)
     try:
         T, H = 1024, hidden // d  # ⌈T / 16..64⌉ ≡ 0 mod 16, as at the swept lengths: the same specialisation
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn(T, H, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
-        out, lse = flash_attention_fwd(q, k, v, True, cu, d**-0.5, max_seqlen=T, backend="triton")
-        run_once(BackwardLaunch(do, q, k, v, out, lse, cu, T, d**-0.5, True, cfg), kind)
+        if kind == "fwd":
+            flash_forward(q, k, v, cu, T, d**-0.5, True, *cfg)
+        else:
+            out, lse = flash_attention_fwd(q, k, v, True, cu, d**-0.5, max_seqlen=T, backend="triton")
+            run_once(BackwardLaunch(do, q, k, v, out, lse, cu, T, d**-0.5, True, cfg), kind)
         torch.cuda.synchronize()
         return None
     except Exception as e:  # a config that does not fit: reported, and left out of the timing
@@ -200,7 +221,8 @@ def pool_errors(fn: Callable, jobs: dict, workers: int, stall_s: float = STALL_S
 def precompile(head_dims: list[int], hidden: int, workers: int) -> set[tuple[str, int, BackwardConfig]]:
     """Compile every candidate in a pool of worker processes (`pool_errors`); the (kind, d, config)
     that failed, to be left out of the timing."""
-    jobs = {(kind, d, c): (d, hidden, kind, tuple(c)) for d in head_dims for kind, cs in candidates(d).items()
+    kinds = {d: {**candidates(d), "fwd": forward_candidates(d)} for d in head_dims}
+    jobs = {(kind, d, c): (d, hidden, kind, tuple(c)) for d in head_dims for kind, cs in kinds[d].items()
             for c in cs}  # fmt: skip
     t0 = time.perf_counter()
     failed = pool_errors(_compile_job, jobs, workers)
@@ -237,21 +259,21 @@ def sweep_shape(
     result: dict = {"L": p.length, "d": p.d}
     pre = BackwardLaunch(*args, PLACEHOLDER)
     result["pre_ms"] = time_ms(pre.preprocess)
-    for kind, cs in candidates(p.d, limit).items():
-        cs = [c for c in cs if (kind, p.d, c) not in skip]
-        timed = []
-        for c in cs:
-            try:
-                launch = BackwardLaunch(*args, c)
-                got = run_once(launch, kind)
-                errs = [rel_err(p.bhld(g)[0, : w.shape[0]], w) for g, w in zip(got, want[kind])]
-                if max(errs) > max_err:
-                    print(f"  {kind} {tuple(c)}: WRONG, relative errors {[f'{e:.1e}' for e in errs]}", flush=True)
-                    continue
-                timed.append((c, time_ms(launch_fn(launch, kind))))
-            except Exception as e:
-                print(f"  {kind} {tuple(c)}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
-        timed.sort(key=lambda t: t[1])
+
+    def backward(kind: str, c: BackwardConfig):
+        launch = BackwardLaunch(*args, c)
+        return lambda: run_once(launch, kind), launch_fn(launch, kind)
+
+    def forward(c: ForwardConfig):
+        fn = lambda: flash_forward(p.qp, p.kp, p.vp, p.cu, p.length, p.scale, True, *c)  # noqa: E731
+        return lambda: [fn()[0]], fn
+
+    kinds = {kind: (cs, lambda c, k=kind: backward(k, c)) for kind, cs in candidates(p.d, limit).items()}
+    kinds["fwd"] = (forward_candidates(p.d, limit), forward)
+    want["fwd"] = ref[:1]
+    for kind, (cs, make) in kinds.items():
+        timed = _time_checked(p, kind, [c for c in cs if (kind, p.d, c) not in skip], make, want[kind], max_err,
+                              rel_err)  # fmt: skip
         result[kind] = timed
         if timed:
             c, ms = timed[0]
@@ -265,15 +287,37 @@ def sweep_shape(
         for kind in ("atomic", "ordered"):
             if result.get(kind):
                 line += f", {kind} {flops / result[kind][0][1] / 1e9:.0f}"
+        if result.get("fwd"):
+            line += f"; forward {flops / FWD_SHARE / result['fwd'][0][1] / 1e9:.0f}"
         print(line, flush=True)
     return result
 
 
+FWD_SHARE = 2.5  # the backward's FLOPs over the forward's (the bench's convention)
+
+
+def _time_checked(p, kind: str, cs: list, make, want: list[torch.Tensor], max_err: float, rel_err) -> list:
+    """[(config, ms)] of the candidates cs of one kind whose outputs match `want` (the reference slices
+    [h, L, D]), fastest first. make(c) -> (run once returning the outputs packed, the function to time)."""
+    timed = []
+    for c in cs:
+        try:
+            once, fn = make(c)
+            errs = [rel_err(p.bhld(g)[0, : w.shape[0]], w) for g, w in zip(once(), want)]
+            if max(errs) > max_err:
+                print(f"  {kind} {tuple(c)}: WRONG, relative errors {[f'{e:.1e}' for e in errs]}", flush=True)
+                continue
+            timed.append((c, time_ms(fn)))
+        except Exception as e:
+            print(f"  {kind} {tuple(c)}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+    return sorted(timed, key=lambda t: t[1])
+
+
 # ------------------------------------------------------------------------------------------ winners
-def _geomean_best(results: list[dict], kind: str) -> tuple[BackwardConfig, float] | None:
+def _geomean_best(results: list[dict], kind: str) -> tuple[tuple, float] | None:
     """The config of `kind` with the least geometric-mean time over the results (the shapes it ran
     correctly at all of them); (config, geometric-mean ms)."""
-    per: dict[BackwardConfig, list[float]] = {}
+    per: dict[tuple, list[float]] = {}
     for r in results:
         for c, ms in r.get(kind, []):
             per.setdefault(c, []).append(ms)
@@ -315,12 +359,20 @@ def _cfg_literal(c: BackwardConfig) -> str:
     return f"BackwardConfig({', '.join(args)})"
 
 
-def _label(c: BackwardConfig, kind: str) -> str:
+def _label(c, kind: str) -> str:
     """The swept kernel's part of a config, for the progress lines: its tiles, warps, stages and options."""
-    part = "dq" if kind == "dq" else "dkdv"
-    tiles = tuple(c)[4:8] if kind == "dq" else tuple(c)[:4]
-    flags = [f for f in ("tma", "ws") if getattr(c, f"{part}_{f}")]
+    if kind == "fwd":
+        tiles, flags = tuple(c)[:4], [f for f in ("tma", "ws") if getattr(c, f)]
+    else:
+        part = "dq" if kind == "dq" else "dkdv"
+        tiles = tuple(c)[4:8] if kind == "dq" else tuple(c)[:4]
+        flags = [f for f in ("tma", "ws") if getattr(c, f"{part}_{f}")]
     return f"{tiles}{'+' + '+'.join(flags) if flags else ''}"
+
+
+def _fwd_literal(c: ForwardConfig) -> str:
+    """A forward config as Python to paste: tiles, warps, stages, then the options that are on."""
+    return f"ForwardConfig({', '.join([*map(str, c[:4]), *(f'{f}=True' for f in ('tma', 'ws') if getattr(c, f))])})"
 
 
 def print_tables(all_results: list[dict], head_dims: list[int]) -> dict:
@@ -344,7 +396,16 @@ def print_tables(all_results: list[dict], head_dims: list[int]) -> dict:
             long = chosen.get((d, "long"), {}).get(kind, (long,))[0]
             print(f"    {d}: (\n        {_cfg_literal(short)},\n        {_cfg_literal(long)},\n    ),")
         print("}")
-    return {f"d{d} {rng}": {k: [list(c), ms] for k, (c, ms) in w.items()} for (d, rng), w in chosen.items()}
+    fwd = {d: _geomean_best([r for r in all_results if r["d"] == d], "fwd") for d in head_dims}
+    print("HOPPER_FORWARD: dict[int, ForwardConfig] = {  # the geometric mean over every swept length")
+    for d, entry in HOPPER_FORWARD.items():
+        best = fwd.get(d)
+        note = f"  # {best[1]:.3f} ms" if best else ""
+        print(f"    {d}: {_fwd_literal(best[0] if best else entry)},{note}")
+    print("}")
+    out = {f"d{d} {rng}": {k: [list(c), ms] for k, (c, ms) in w.items()} for (d, rng), w in chosen.items()}
+    out |= {f"d{d} forward": [list(b[0]), b[1]] for d, b in fwd.items() if b}
+    return out
 
 
 def run(make_problem, head_dims: list[int], lengths: list[int], hidden: int, flops_of, max_err: float, rel_err,
