@@ -37,7 +37,18 @@ Kernels:
        order of the key-tile axis), so the wait always ends.
 Rows past a sequence's end load Q = dO = 0 (and L = D = 0), so in kernel 2 they add exactly zero to dK
 and dV; key rows past the end are loaded as zero, so they add zero to dQ, and their dK, dV are never
-stored. Accumulation is float32 (float64 for float64 inputs); products of 16-bit inputs round P and dS
+stored.
+
+Hopper options (`BackwardConfig`'s dkdv_tma, dq_tma, dkdv_ws, dq_ws; off by default, which leaves the
+kernels above unchanged). TMA: a kernel reads its Q, K, V and dO tiles through tensor descriptors
+built in the kernel per (sequence, head) (`flash_forward.seq_rows`, TMA copies on sm_90), each ending
+at its sequence's end, so the rows past it read as zeros exactly as the masked loads do. WS (with
+TMA): the kernel's query- (dK/dV) or key-tile (dQ) loop is asked to be warp-specialised
+(`tl.range(..., warp_specialize=True)`); Triton 3.9 specialises only a kernel whose loop is one loop
+without branches and without pointer loads of vectors, so in this form the two loops become one with
+every tile masked, tiles past a sequence run empty loops instead of returning early, and the per-row
+statistics (L · log2 e, D) are read through descriptors from 16-byte rows that `_bwd_stats_kernel`
+packs before each kernel. Accumulation is float32 (float64 for float64 inputs); products of 16-bit inputs round P and dS
 to the input dtype first, as FA2. All row offsets are int64.
 """
 
@@ -95,7 +106,7 @@ def _bwd_stats_kernel(
 ):  # fmt: skip
     """Program (row tile, query head h): stats[h, rows] = (lse · log2 e, D, 0, 0), the per-row statistics
     of the warp-specialised kernels packed into 16-byte rows that a tensor descriptor can load
-    (`stats_rows`): Triton's Hopper warp specialisation takes no pointer loads of vectors."""
+    (`_stats_rows`): Triton's Hopper warp specialisation takes no pointer loads of vectors."""
     h = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = rows < T
@@ -107,15 +118,15 @@ def _bwd_stats_kernel(
 
 
 @triton.jit
-def stats_rows(stats_h, seq_len, BLOCK: tl.constexpr):
+def _stats_rows(stats_h, seq_len, BLOCK: tl.constexpr):
     """A tensor descriptor over one head's `_bwd_stats_kernel` rows of one sequence (stats_h: its first
     row), [seq_len, 4], loaded as [BLOCK, 4] tiles; rows from seq_len on read as zeros."""
     return tl.make_tensor_descriptor(stats_h, shape=[seq_len, 4], strides=[4, 1], block_shape=[BLOCK, 4])
 
 
 @triton.jit
-def load_stats(desc, start):
-    """(lse · log2 e, D), each [BLOCK], of rows start .. start + BLOCK − 1 from a `stats_rows` descriptor."""
+def _load_stats(desc, start):
+    """(lse · log2 e, D), each [BLOCK], of rows start .. start + BLOCK − 1 from a `_stats_rows` descriptor."""
     tile = desc.load([start, 0])
     even, odd = tl.split(tl.reshape(tile, [tile.shape[0], 2, 2]))  # columns (0, 2) and (1, 3)
     lse2, _ = tl.split(even)
@@ -157,7 +168,7 @@ def _dkdv_tiles(
     key tile's (dk, dv) [BLOCK_N, HEAD_DIM]. k, v: the tile's keys [BLOCK_N, HEAD_DIM] at positions
     offs_n; q_src, do_src: this head's Q and dO rows of the sequence, as pointers to its first row or
     (TMA) as `seq_rows` descriptors; lse_ptr, delta_ptr, dq_acc_ptr: offset to the sequence's first row
-    of this head (WS: lse_ptr is a `stats_rows` descriptor, delta_ptr unused); ticket_ptr: this
+    of this head (WS: lse_ptr is a `_stats_rows` descriptor, delta_ptr unused); ticket_ptr: this
     (sequence, head)'s tickets, one per query tile; key_tile: j.
     MASKED: the causal mask (key ≤ query); unmasked tiles must lie wholly on or below the diagonal.
     DQ_MODE 1 ("atomic") and 2 ("ordered"): also add dS Kⱼ (unscaled) into the dQ accumulator.
@@ -175,7 +186,7 @@ def _dkdv_tiles(
             q = tl.load(q_src + rows[:, None] * stride_qt + offs_d[None, :], mask=row_valid[:, None], other=0.0)
             do = tl.load(do_src + rows[:, None] * stride_dot + offs_d[None, :], mask=row_valid[:, None], other=0.0)
         if WS:
-            lse2, delta = load_stats(lse_ptr, start_m)
+            lse2, delta = _load_stats(lse_ptr, start_m)
         else:
             lse2 = tl.load(lse_ptr + rows, mask=row_valid, other=0.0) * 1.4426950408889634
             delta = tl.load(delta_ptr + rows, mask=row_valid, other=0.0)
@@ -302,7 +313,7 @@ def _bwd_dkdv_kernel(
         dq_h = dq_acc_ptr + row0 * stride_at + h * stride_ah
         tickets_h = tickets_ptr + s * stride_ticket_s + h * stride_ticket_h
         if WS:  # one loop from the first query tile that sees the keys, masked where causal
-            lse_h = stats_rows(lse_ptr + h * stride_lse_h + row0 * 4, seq_len, BLOCK_M)
+            lse_h = _stats_rows(lse_ptr + h * stride_lse_h + row0 * 4, seq_len, BLOCK_M)
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, lo, q_end, seq_len,
                 qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, CAUSAL, DQ_MODE, UPCAST, IEEE, TMA, True,
@@ -440,11 +451,10 @@ def _bwd_dq_kernel(
     row_valid = offs_m < seq_len
     rows = (seq_start + offs_m).to(tl.int64)
     if TMA:
-        row0 = seq_start.to(tl.int64)
-        q = seq_rows(q_ptr + row0 * stride_qt + h * stride_qh, seq_len, stride_qt, BLOCK_M, HEAD_DIM).load([start_m, 0])
-        do = seq_rows(do_ptr + row0 * stride_dot + h * stride_doh, seq_len, stride_dot, BLOCK_M, HEAD_DIM).load(
-            [start_m, 0]
-        )
+        q_seq = q_ptr + seq_start.to(tl.int64) * stride_qt + h * stride_qh
+        do_seq = do_ptr + seq_start.to(tl.int64) * stride_dot + h * stride_doh
+        q = seq_rows(q_seq, seq_len, stride_qt, BLOCK_M, HEAD_DIM).load([start_m, 0])
+        do = seq_rows(do_seq, seq_len, stride_dot, BLOCK_M, HEAD_DIM).load([start_m, 0])
     else:
         q = tl.load(
             q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_valid[:, None], other=0.0
@@ -453,8 +463,8 @@ def _bwd_dq_kernel(
             do_ptr + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=row_valid[:, None], other=0.0
         )
     if WS:
-        stats = stats_rows(lse_ptr + h * stride_lse_h + seq_start.to(tl.int64) * 4, seq_len, BLOCK_M)
-        lse2, delta = load_stats(stats, start_m)
+        stats = _stats_rows(lse_ptr + h * stride_lse_h + seq_start.to(tl.int64) * 4, seq_len, BLOCK_M)
+        lse2, delta = _load_stats(stats, start_m)
     else:
         lse2 = tl.load(lse_ptr + h * stride_lse_h + rows, mask=row_valid, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + h * stride_lse_h + rows, mask=row_valid, other=0.0)

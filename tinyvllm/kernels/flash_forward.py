@@ -15,6 +15,12 @@ single page spans the whole sequence: page 0 at the sequence's first row, so row
 Grid (FA2 §3.2): (⌈max n_s / BLOCK_M⌉, Hq, S), heaviest (last) query tiles first. Per program:
   1. keys below the tile's first row (causal), or every whole tile of keys (non-causal): unmasked;
   2. the causal diagonal, or the last partial tile of keys: masked.
+
+Hopper options (`ForwardConfig.tma`, `.ws`; off by default, which leaves the kernel above unchanged):
+tma reads Q, K and V through tensor descriptors built per (sequence, head) (`seq_rows`; TMA copies on
+sm_90) and runs `_desc_tiles`, attn_inner's arithmetic without its paging; ws (with tma) merges the two
+loops into one warp-specialised loop with every tile masked (the form Triton 3.9's Hopper warp
+specialisation accepts: one loop, no branch inside, no early return).
 """
 
 from __future__ import annotations
