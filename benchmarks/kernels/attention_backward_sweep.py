@@ -191,14 +191,15 @@ def _compile_job(job: tuple[int, int, str, tuple]) -> str | None:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
 
-STALL_S = 180  # no compile finished for this long: the jobs still out lost their workers
+STALL_S = 90  # no compile finished for this long: the jobs still out lost their workers (or hang)
 
 
 def pool_errors(fn: Callable, jobs: dict, workers: int, stall_s: float = STALL_S) -> dict:
     """Run fn(job) for every job (values of `jobs`) in a pool of spawned worker processes, fn returning
-    an error message or None; {key: error} of the jobs that failed. A job whose worker dies without an
-    answer (a compiler crash: an abort inside an MLIR pass) is never answered; the pool replaces the
-    worker, and the jobs still unanswered after stall_s seconds in which none finished count as failed."""
+    an error message or None; {key: error} of the jobs that failed. A job whose worker dies (a compiler
+    crash: an abort inside an MLIR pass) or hangs (a kernel that never finishes) is never answered; the
+    pool replaces a dead worker, the jobs still unanswered after stall_s seconds in which none finished
+    count as failed, and leaving the pool terminates the workers still running."""
     failed = {}
     with mp.get_context("spawn").Pool(workers) as pool:
         pending = {key: pool.apply_async(fn, (job,)) for key, job in jobs.items()}
