@@ -12,7 +12,8 @@ Before timing, each implementation's out, dq, dk, dv are checked against the flo
 the slice of the full computation's gradients is exact).
 
     python benchmarks/kernels/bench_attention_backward.py             # the workload
-    python benchmarks/kernels/bench_attention_backward.py --sweep     # the tile sweep instead
+    python benchmarks/kernels/bench_attention_backward.py --sweep     # the tile sweep instead (with the
+                                                                      # Hopper options and the forward)
     TRITON_INTERPRET=1 python benchmarks/kernels/bench_attention_backward.py --smoke [--sweep]   # the CPU, tiny shapes
 
 Writes attention_backward_<gpu>.json and a plot of the TFLOP/s, attention_backward_<gpu>.png (--sweep:

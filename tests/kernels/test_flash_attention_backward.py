@@ -122,6 +122,101 @@ def test_fused_dq_modes_match_float64_autograd(mode, dtype, hq, hk, d, causal, t
     assert_close(dv, ref_dv, dtype, GRAD_FACTOR)
 
 
+TMA = dict(dkdv_tma=True, dq_tma=True)
+WS = dict(dkdv_ws=True, dq_ws=True)
+HOPPER_CASES = [  # dq_mode, dtype, Hq, Hk, D, causal, the Hopper knobs turned on
+    ("separate", BF16, 4, 2, 64, True, TMA),
+    ("separate", F16, 4, 1, 32, False, TMA | WS),
+    ("separate", F32, 2, 2, 16, True, TMA | WS),
+    ("separate", BF16, 8, 2, 128, True, TMA | WS),
+    ("separate", BF16, 4, 2, 32, True, WS),  # warp specialisation without descriptors: the plain kernels
+    ("atomic", BF16, 4, 2, 64, True, dict(dkdv_tma=True, dkdv_ws=True)),
+    ("atomic", F32, 2, 1, 32, False, dict(dkdv_tma=True, dkdv_ws=True)),
+    ("ordered", F16, 8, 2, 32, False, dict(dkdv_tma=True)),
+]
+
+
+@pytest.mark.parametrize(
+    "mode,dtype,hq,hk,d,causal,knobs",
+    HOPPER_CASES,
+    ids=[
+        f"{c[0]}-{str(c[1])[6:]}-g{c[2] // c[3]}-d{c[4]}-{'causal' if c[5] else 'full'}-{'+'.join(c[6])}"
+        for c in HOPPER_CASES
+    ],
+)
+def test_hopper_knobs_match_float64_autograd(mode, dtype, hq, hk, d, causal, knobs, device):
+    """Tensor-descriptor loads (`dkdv_tma`, `dq_tma`) and the warp-specialised single loops (`dkdv_ws`,
+    `dq_ws`: every tile masked, the row statistics packed by `_bwd_stats_kernel`) give the reference's
+    gradients on packed sequences off the tile grid (and an empty one: key and query tiles past a
+    sequence's end run no loop), GQA/MQA, causal and not, in each dQ mode: the per-sequence
+    descriptors must read the rows past a sequence as zeros, never the next sequence's rows. The inputs
+    are strided views that descriptors accept, so the descriptor path runs (asserted)."""
+    from tinyvllm.kernels.launch import tma_usable
+
+    q, k, v, cu, do = make_inputs(LENS, hq, hk, d, dtype, device, seed=6)
+    assert tma_usable(q, do) and tma_usable(k, v)
+    cfg = BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1, 16, mode)._replace(**knobs)
+    _, dq, dk, dv = kernel_grads(q, k, v, do, causal=causal, cu_seqlens=cu, bwd_config=cfg, deterministic=False)
+    _, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, cu, causal)
+    assert_close(dq, ref_dq, dtype, GRAD_FACTOR)
+    assert_close(dk, ref_dk, dtype, GRAD_FACTOR)
+    assert_close(dv, ref_dv, dtype, GRAD_FACTOR)
+
+
+FORWARD_HOPPER_CASES = [  # dtype, Hq, Hk, D, causal, (block_m, block_n), the options turned on
+    (BF16, 4, 2, 64, True, (16, 32), dict(tma=True)),
+    (F16, 8, 2, 32, False, (32, 16), dict(tma=True, ws=True)),
+    (F32, 4, 1, 16, True, (16, 16), dict(tma=True, ws=True)),
+    (BF16, 2, 1, 32, True, (16, 16), dict(ws=True)),  # ws without tma: the plain kernel
+    (F32, 2, 2, 128, False, (16, 16), dict(tma=True)),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,hq,hk,d,causal,tiles,knobs",
+    FORWARD_HOPPER_CASES,
+    ids=[
+        f"{str(c[0])[6:]}-g{c[1] // c[2]}-d{c[3]}-{'causal' if c[4] else 'full'}-{c[5]}-{'+'.join(c[6])}"
+        for c in FORWARD_HOPPER_CASES
+    ],
+)
+def test_forward_hopper_knobs_match_float64(dtype, hq, hk, d, causal, tiles, knobs, device):
+    """The forward's descriptor loads (`ForwardConfig.tma`) and warp-specialised loops (`ws`): out and
+    the logsumexp match the float64 reference on packed sequences off the tile grid (and an empty one),
+    GQA/MQA, causal and not; the descriptors end at each sequence's end."""
+    from tinyvllm.kernels.launch import tma_usable
+
+    q, k, v, cu, _ = make_inputs(LENS, hq, hk, d, dtype, device, seed=8)
+    assert tma_usable(q, k, v)
+    cfg = ForwardConfig(*tiles, 4, 1, **knobs)
+    out, lse = flash_attention_fwd(q, k, v, causal, cu, backend="triton", fwd_config=cfg)
+    assert_close(out, reference_grads(q, k, v, torch.zeros_like(q), cu, causal)[0], dtype)
+    assert_close(lse, reference.attention_lse(q.double(), k.double(), cu, d**-0.5, causal), F32)
+
+
+def test_tma_falls_back_on_misaligned_inputs(device):
+    """Inputs whose base is not 16-byte aligned cannot be read through descriptors: `tma_usable` says
+    so, and a config asking for them takes the pointer loads and still gives the reference's gradients."""
+    from tinyvllm.kernels.launch import tma_usable
+
+    q, k, v, cu, do = make_inputs([11, 6], 2, 1, 32, BF16, device, seed=7)
+    wide = torch.zeros(q.shape[0], 2, 33, dtype=BF16, device=device)
+    wide[:, :, 1:] = q
+    q_off = wide[:, :, 1:]  # the same values, one element (2 bytes) past an aligned base
+    assert not tma_usable(q_off, do) and tma_usable(q, do)
+    cfg = BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, dkdv_tma=True, dq_tma=True)
+    _, dq, dk, dv = kernel_grads(q_off, k, v, do, causal=True, cu_seqlens=cu, bwd_config=cfg)
+    for got, want in zip((dq, dk, dv), reference_grads(q, k, v, do, cu, True)[1:]):
+        assert_close(got, want, BF16, GRAD_FACTOR)
+
+
+def test_ordered_mode_refuses_warp_specialisation(device):
+    q, k, v, cu, do = make_inputs([7, 9], 4, 2, 32, BF16, device)
+    cfg = BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, "ordered", dkdv_ws=True)
+    with pytest.raises(ValueError, match="ordered"):
+        kernel_grads(q, k, v, do, causal=True, cu_seqlens=cu, bwd_config=cfg)
+
+
 def test_deterministic_false_defaults_to_atomic(device):
     """deterministic=False without a config takes the atomic mode's default tiles; the gradients match."""
     q, k, v, cu, do = make_inputs([23, 9], 4, 2, 32, BF16, device, seed=5)

@@ -35,10 +35,17 @@ KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 
 
 class ForwardConfig(NamedTuple):
+    """Tiles of the forward: block_m query rows per program, block_n keys per step. Hopper options, off
+    by default (the kernel is then the prefill loop's): tma reads Q, K and V through tensor descriptors
+    (TMA on sm_90) where their alignment allows; ws (with tma) runs the keys in one warp-specialised
+    loop (`tl.range(..., warp_specialize=True)`), every tile masked."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    ws: bool = False
 
 
 class BackwardConfig(NamedTuple):
@@ -46,7 +53,12 @@ class BackwardConfig(NamedTuple):
     time; the dQ kernel owns dq_m query rows and loops over dq_n keys; the preprocess (and the fused
     modes' dQ conversion) takes block_pre rows. dq_mode (`flash_backward` module docstring): "separate"
     (a second pass, deterministic), "atomic" (dQ added inside the dK/dV kernel, not deterministic) or
-    "ordered" (the same adds in a fixed order, deterministic); the fused modes ignore the dq_* tiles."""
+    "ordered" (the same adds in a fixed order, deterministic); the fused modes ignore the dq_* fields.
+
+    Hopper options, off by default (the kernels are then today's): dkdv_tma / dq_tma make that kernel
+    read its Q, K, V and dO tiles through tensor descriptors (TMA on sm_90) where the tensors' alignment
+    allows (`launch.tma_usable`; else pointer loads); dkdv_ws / dq_ws ask Triton to warp-specialise
+    that kernel's inner loops (`tl.range(..., warp_specialize=True)`; not with "ordered")."""
 
     dkdv_m: int
     dkdv_n: int
@@ -58,6 +70,10 @@ class BackwardConfig(NamedTuple):
     dq_stages: int
     block_pre: int = 64
     dq_mode: str = "separate"
+    dkdv_tma: bool = False
+    dkdv_ws: bool = False
+    dq_tma: bool = False
+    dq_ws: bool = False
 
 
 DETERMINISTIC_DQ_MODES = ("separate", "ordered")
@@ -117,7 +133,7 @@ def default_configs(
     short, long = table[head_dim]
     fwd, bwd = HOPPER_FORWARD[head_dim], short if max_seqlen is not None and max_seqlen <= SHORT_SEQLEN else long
     if dtype in (torch.float32, torch.float64):
-        fwd = ForwardConfig(fwd.block_m // 2, fwd.block_n // 2, fwd.num_warps, 2)
+        fwd = fwd._replace(block_m=fwd.block_m // 2, block_n=fwd.block_n // 2, num_stages=2)
         bwd = bwd._replace(
             dkdv_m=bwd.dkdv_m // 2, dkdv_n=bwd.dkdv_n // 2, dkdv_stages=2,
             dq_m=max(bwd.dq_m // 2, 16), dq_n=max(bwd.dq_n // 2, 16), dq_stages=2,

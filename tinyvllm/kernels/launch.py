@@ -52,6 +52,41 @@ def upcast_dot(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
+def tma_usable(*tensors: torch.Tensor) -> bool:
+    """Whether kernels may read these tensors through tensor descriptors (`tl.make_tensor_descriptor`):
+    each base address and every stride but the last (which must be 1) a multiple of 16 bytes, as TMA
+    requires of any descriptor the kernels build inside them (whose bases are row and head offsets of
+    these tensors), and on CUDA an sm_90 or later device. Elsewhere (the CPU interpreter, the sm_90
+    compile-only tests) only the alignment is checked."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return False
+    device = tensors[0].device
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's allocator protocol: `size` bytes of CUDA memory (torch's allocations are 512-byte aligned)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_tma_allocator() -> None:
+    """Give Triton a global-memory allocator unless one is set: a kernel that builds tensor descriptors
+    on the device writes them into a scratch buffer that the launch allocates through it."""
+    import triton
+
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # a Triton without this private module: set ours
+        pass
+    triton.set_allocator(_scratch)
+
+
 def check_float(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
     """Raise TypeError unless t's dtype is one of `allowed`."""
     if t.dtype not in allowed:

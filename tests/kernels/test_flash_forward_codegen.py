@@ -1,0 +1,95 @@
+"""The training forward (`flash_forward`, contiguous K/V) compiled for the H200 (sm_90) without a GPU, at
+head dims 64 and 128 in bf16 with the HOPPER_FORWARD tiles: as it is by default, and with its Hopper
+options (`ForwardConfig.tma`: Q, K and V through tensor descriptors; `ws`: one warp-specialised key
+loop). The PTX is searched for `wgmma.mma_async`, `cp.async.bulk.tensor` (TMA) and `setmaxnreg` (the
+register split between a warp-specialised kernel's producer and consumer warps). The interpreter tests
+(test_flash_attention_backward.py) check what the options compute. Runs in a subprocess without
+TRITON_INTERPRET (tests/kernels/sm90_compile.py); skipped where this Triton cannot compile for CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.kernels.sm90_compile import compiled_or_skip, facts_from_subprocess
+
+# name: (head dim, causal, ForwardConfig fields replaced in the table's entry)
+VARIANTS = {
+    "d64": (64, True, {}),
+    "d128": (128, True, {}),
+    "tma-d64": (64, True, dict(tma=True)),
+    "tma-d128": (128, True, dict(tma=True)),
+    "tma-d128-full": (128, False, dict(tma=True)),
+    "tma-d128-128x128-w8": (128, True, dict(tma=True, block_n=128, num_warps=8)),
+    "tma-ws-w4-d64": (64, True, dict(tma=True, ws=True, num_warps=4)),
+    "tma-ws-w4-d128": (128, True, dict(tma=True, ws=True, num_warps=4)),
+    "tma-ws-w8-d128": (128, True, dict(tma=True, ws=True, num_warps=8)),
+}
+
+
+def compile_variant(d: int, causal: bool, knobs: dict) -> dict:
+    """The forward kernel of this variant compiled for sm_90: counts of the instructions above in its PTX."""
+    import torch
+
+    from tests.kernels.sm90_compile import compile_only_for_sm90
+    from tinyvllm.kernels import flash_forward
+    from tinyvllm.kernels.flash_attention_op import HOPPER_FORWARD
+
+    flash_forward.upcast_operands = lambda q: False  # as on the GPU: bf16 operands into the tensor cores
+    cfg = HOPPER_FORWARD[d]._replace(**knobs)
+    T, hq, hk = 256, 4, 2
+    q = torch.zeros(T, hq, d, dtype=torch.bfloat16)
+    k, v = (torch.zeros(T, hk, d, dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, 100, T], dtype=torch.int32)
+    with compile_only_for_sm90() as launched:
+        flash_forward.flash_forward(q, k, v, cu, 156, d**-0.5, causal, *cfg)
+    [(name, kernel)] = launched
+    ptx = kernel.asm["ptx"]
+    return {
+        "name": name,
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "tma": ptx.count("cp.async.bulk.tensor"),
+        "setmaxnreg": ptx.count("setmaxnreg"),
+    }
+
+
+def summarise() -> dict:
+    def compile_all() -> dict:
+        out = {}
+        for name, variant in VARIANTS.items():
+            try:
+                out[name] = compile_variant(*variant)
+            except Exception as e:
+                if "ptxas" in str(e) and "not found" in str(e):
+                    raise
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
+        return out
+
+    return compiled_or_skip("variants", compile_all)
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict:
+    return facts_from_subprocess(__file__, timeout=900)["variants"]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_forward_compiles_for_sm90(facts, name):
+    """Every variant compiles and multiplies by wgmma; TMA copies exactly where tma is on; the single
+    warp-specialised loop with 4 warps is split into producer and consumer warps (setmaxnreg)."""
+    knobs = VARIANTS[name][2]
+    got = facts[name]
+    assert "error" not in got, got.get("error")
+    assert got["name"] == "_flash_fwd_kernel"
+    assert got["wgmma"] > 0
+    assert (got["tma"] > 0) == bool(knobs.get("tma"))
+    if knobs.get("ws") and knobs.get("num_warps") == 4:
+        assert got["setmaxnreg"] > 0
+    if not knobs.get("ws"):
+        assert got["setmaxnreg"] == 0
+
+
+if __name__ == "__main__":
+    print(json.dumps(summarise()))
