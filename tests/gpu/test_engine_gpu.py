@@ -224,7 +224,7 @@ def test_rows_megakernel_greedy_fp32_equals_the_layer_loop(ckpt):
         calls = []
         if rows:
             real = executor.rows_megakernel
-            executor.rows_megakernel = lambda *a, real=real: calls.append(1) or real(*a)
+            executor.rows_megakernel = lambda *a, real=real, calls=calls: calls.append(1) or real(*a)
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
         got[rows] = [o.outputs[0].token_ids for o in outs]
         assert bool(calls) == rows  # the graphs were captured through it

@@ -1,8 +1,8 @@
 """The rows megakernel compiled for the H200 (sm_90) without a GPU, in every variant the runner can launch
 (bf16 and float32, FP8 weights, an FP8 cache, Qwen2's biases with a window on some layers, Mistral's window
-on every layer, Qwen3's q/k norms) and at the real `llama-3.2-1b` and `llama-3.1-8b` shapes: each compiles, its weight tiles
-stream through cp.async copies (the software pipeline), its products run on the tensor cores, and the
-pipeline fits an SM's shared memory.
+on every layer, Qwen3's q/k norms) and at the real `llama-3.2-1b` and `llama-3.1-8b` shapes: each
+compiles, its weight tiles stream through cp.async copies (the software pipeline), its products run on
+the tensor cores, and the pipeline fits an SM's shared memory.
 
 tests/engine/test_rows_megakernel_path.py checks what the kernel computes; only the compiler checks that it
 compiles (tests/kernels/sm90_compile.py). Runs in a subprocess without TRITON_INTERPRET; skipped where this
