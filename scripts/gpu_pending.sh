@@ -7,6 +7,7 @@
 #   STEPS="radix_tests radix_kernel top_p_plain top_p_search top_p_radix fp8_cost" ...            # §5, §9
 #   STEPS="pieces_bench_main pieces_bench pieces_tests structured_prepare" ...                     # §1e, §10
 #   STEPS="fp8_tests fp8_quant_bench rows_engine_test rows_bench_8b rows_bench_fp8" ...
+#   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                                              # §3a
 #
 # The megakernel-pieces steps need branch h1-mk-pieces's tree in .pieces/ (git-ignored, so the device
 # call must carry it): `rm -rf .pieces && mkdir .pieces && git archive h1-mk-pieces tinyvllm benchmarks tests
@@ -59,7 +60,12 @@ if [ -d .pieces/tinyvllm ]; then
   step pieces_tests 240 bash -c "cd .pieces && python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py -p no:cacheprovider"
 fi
 
-# 5. Structured outputs with the next step's inputs packed in the constrained step's launch (§10).
+# 5. The attention backward's and training forward's Hopper options (§3a: descriptor loads, warp
+# specialisation), swept with today's tiles; a call per head dim (~120 candidates each).
+step attn_sweep_128 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 128 --out "$RES"
+step attn_sweep_64 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 64 --out "$RES/d64"
+
+# 6. Structured outputs with the next step's inputs packed in the constrained step's launch (§10).
 step structured_prepare 400 python3 -m benchmarks.structured --repeats 3 --prepare-in-launch \
   --name "structured_prepare_$GPU" --out-dir "$RES"
 
