@@ -48,7 +48,15 @@ from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.kernels.rows_megakernel import RowsConfig
 
 R = RowsConfig
-VARIANTS = [R(), R(ahead=1), R(ahead=3), R(chunk=512, stages=4), R(rows=32, stages=4), R(chunk=128, stages=8, ahead=3)]
+VARIANTS = [
+    R(),
+    R(ahead=1),
+    R(ahead=3),
+    R(chunk=512, stages=4),
+    R(rows=32, stages=4),
+    R(chunk=128, stages=8, ahead=3),
+    R(num_warps=4),
+]
 
 
 def name_of(cfg: RowsConfig) -> str:
