@@ -3,10 +3,11 @@
 # the default it would change). Steps run in this order while BUDGET lasts; pick a group per device call
 # (≤ 10 min each) with STEPS:
 #
-#   STEPS="rows_tests rows_bench rows_latency_b8 rows_latency_b8_on" bash scripts/gpu_pending.sh   # §1e
+#   STEPS=rows_bench bash scripts/gpu_pending.sh                                                   # §1e
+#   STEPS="rows_tests rows_latency_b8 rows_latency_b8_on rows_engine_test" ...
 #   STEPS="radix_tests radix_kernel top_p_plain top_p_search top_p_radix fp8_cost" ...            # §5, §9
 #   STEPS="pieces_bench_main pieces_bench pieces_tests structured_prepare" ...                     # §1e, §10
-#   STEPS="fp8_tests fp8_quant_bench rows_engine_test rows_bench_8b rows_bench_fp8" ...
+#   STEPS="fp8_tests fp8_quant_bench rows_bench_8b rows_bench_fp8" ...
 #   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                                              # §3a
 #
 # The megakernel-pieces steps need branch h1-mk-pieces's tree in .pieces/ (git-ignored, so the device
@@ -24,7 +25,7 @@ step checkpoint 120 python3 -c "from tinyvllm.models.checkpoint import resolve_m
 # 1. The rows megakernel (§1e): correctness over every program, then against the layer loop, then in the engine.
 step rows_tests 240 python3 -m pytest -q -x tests/gpu/test_rows_megakernel_gpu.py -p no:cacheprovider \
   -k "default and (llama-3.2-1b or qwen3 or graph)"
-step rows_bench 300 python3 benchmarks/kernels/bench_rows_megakernel.py --out "$RES"
+step rows_bench 540 python3 benchmarks/kernels/bench_rows_megakernel.py --out "$RES"
 bench rows_latency_b8 120 latency --batch-size 8 --output-len 256 --name "latency_b8_$GPU"
 bench rows_latency_b8_on 120 latency --batch-size 8 --output-len 256 --rows-megakernel --name "latency_b8_rows_$GPU"
 step rows_engine_test 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k rows_megakernel -p no:cacheprovider
