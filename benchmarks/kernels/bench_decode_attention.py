@@ -4,7 +4,8 @@
 Decode is bound by memory bandwidth, so the figure is GB/s of K/V + Q + O moved, and its fraction of
 the device-to-device copy bandwidth measured in this same run (bytes read + written; a read-only
 kernel can pass 1.0). Ours runs on the paged cache twice: blocks shuffled at random (as a real cache
-ends up) and in order; the baselines get contiguous [B, Hk, L, D] K/V: SDPA flash and cuDNN
+ends up) and in order, and once more shuffled with the merge folded into the split kernel
+(`fold_merge`: one launch instead of two); the baselines get contiguous [B, Hk, L, D] K/V: SDPA flash and cuDNN
 (enable_gqa) and FlexAttention (torch.compile). Ours (in order) is checked against SDPA's output.
 
     python benchmarks/kernels/bench_decode_attention.py            # the workload (~2 min)
@@ -149,6 +150,9 @@ def measure_shape(p: Problem, rotation: list[Problem], copy_bw: float, compiled_
     shuffled = [r.ours(r.tables_shuffled) for r in rotation]
     try_time("ours_shuffled", p.ours(p.tables_shuffled), p, copy_bw, None, row, shuffled)
     try_time("ours_in_order", p.ours(p.tables_in_order), p, copy_bw, ref, row)
+    fold = DEFAULT_CONFIG._replace(fold_merge=True)  # the last split merges: one launch, not two
+    folded = [r.ours(r.tables_shuffled, fold) for r in rotation]
+    try_time("ours_fold", p.ours(p.tables_shuffled, fold), p, copy_bw, None, row, folded)
     try_time("flash", p.sdpa(flash), p, copy_bw, None, row, [r.sdpa(flash) for r in rotation])
     try_time("cudnn", p.sdpa(cudnn), p, copy_bw, ref, row, [r.sdpa(cudnn) for r in rotation])
     if compiled_flex is not None:
@@ -204,6 +208,7 @@ COLUMNS = [
     ("ours/cudnn", "ours/cudnn", ".2f"),
     ("ours_shuffled_graph_us", "graph: ours us", ".1f"),
     ("ours_shuffled_graph_frac", "ours", ".2f"),
+    ("ours_fold_graph_frac", "ours fold", ".2f"),
     ("flash_graph_frac", "flash", ".2f"),
     ("cudnn_graph_frac", "cudnn", ".2f"),
     ("ours_in_order_err", "err vs sdpa", ".1e"),

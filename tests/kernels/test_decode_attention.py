@@ -113,3 +113,38 @@ def test_cascade_matches_reference(dtype, block_size, hq, hk, d, shared, prefix_
     ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), lens, tables, d**-0.5)
     assert_close(out, ref, dtype)
     assert torch.all(out[-1] == 0)
+
+
+FOLD_CASES = [  # dtype, block_size, Hq, Hk, D, BLOCK_N, num_splits
+    (F32, 3, 8, 4, 32, 16, 3),
+    (F32, 5, 16, 2, 128, 16, 50),  # more splits than tiles: empty splits; merged in blocks of 16 splits
+    (BF16, 16, 32, 8, 64, 32, 7),
+    (BF16, 16, 24, 8, 64, 16, 2),  # groups of 3
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,block_size,hq,hk,d,block_n,splits",
+    FOLD_CASES,
+    ids=[f"{str(c[0])[6:]}-bs{c[1]}-g{c[2] // c[3]}-d{c[4]}-s{c[6]}" for c in FOLD_CASES],
+)
+def test_folded_merge_gives_the_merge_kernels_bits(dtype, block_size, hq, hk, d, block_n, splits, device):
+    """`fold_merge`: the last split of each (sequence, KV head) merges in split order with the merge
+    kernel's arithmetic, so the output equals the two-launch path's bit for bit (and the reference); the
+    tickets are zero again after each launch, so a second launch (a graph replay) gives the same."""
+    from tinyvllm.kernels import decode_attention as da
+
+    gen = torch.Generator(device=device).manual_seed(5)
+    k_cache, v_cache, tables = make_paged_cache(CONTEXTS, hk, d, block_size, dtype, device, gen)
+    q = torch.randn(len(CONTEXTS), hq, d, generator=gen, device=device).to(dtype)
+    sl = torch.tensor(CONTEXTS, dtype=torch.int32, device=device)
+    plain = DecodeConfig(block_n, 4, 2, 4, 1)
+    args = (q, k_cache, v_cache, sl, tables, d**-0.5, max(CONTEXTS))
+    want = decode_attention_fwd(*args, config=plain, num_splits=splits)
+    got = decode_attention_fwd(*args, config=plain._replace(fold_merge=True), num_splits=splits)
+    assert torch.equal(got, want)
+    assert int(da._TICKETS[q.device].abs().sum()) == 0
+    again = decode_attention_fwd(*args, config=plain._replace(fold_merge=True), num_splits=splits)
+    assert torch.equal(again, want)
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), sl, tables, d**-0.5)
+    assert_close(got, ref, dtype)

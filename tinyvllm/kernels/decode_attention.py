@@ -14,7 +14,11 @@ design is about bytes and about keeping enough loads in flight:
     seq_lens ≤ the block table's reach is covered whatever hint the host had).
   * Each split writes its normalised partial output and its logsumexp (log2 units); a second kernel
     merges splits:  out = Σ_s 2^(lse_s − M) o_s / Σ_s 2^(lse_s − M),  M = max_s lse_s.
-    With one split the first kernel writes the output directly and the merge is skipped.
+    With one split the first kernel writes the output directly and the merge is skipped. With
+    `fold_merge` there is no second launch: each split takes its (sequence, KV head)'s ticket after
+    storing its partial, and the split that takes the last one merges the group's heads (in split order,
+    the merge kernel's arithmetic: the same bits whoever merges) and resets the ticket, so the tickets
+    (a persistent zeroed buffer, `_tickets`) are zero again after every launch and a CUDA graph replays it.
   * A tile is BLOCK_N tokens (several pages of 16), its page ids read once per tile from the block
     table, its K and V rows gathered and software-pipelined (num_stages) so loads stay in flight.
   * Sliding window (HAS_WINDOW, a constexpr: the causal kernels are compiled without it): the split
@@ -54,6 +58,7 @@ class DecodeConfig(NamedTuple):
     num_stages: int
     programs_per_sm: int  # split target: B·Hk·num_splits ≈ programs_per_sm · SMs
     min_tiles_per_split: int
+    fold_merge: bool = False  # the last split of each (sequence, KV head) merges (module docstring)
 
 
 # The best of `bench_decode_attention.py --sweep` on the H200: 64-key tiles (4 pages of 16) with 2 warps
@@ -62,7 +67,12 @@ DEFAULT_CONFIG = DecodeConfig(block_n=64, num_warps=2, num_stages=3, programs_pe
 
 # Candidates the GPU benchmark sweeps (`bench_decode_attention.py --sweep`).
 CANDIDATE_CONFIGS: list[DecodeConfig] = [
-    DecodeConfig(n, w, s, p, 1) for n in (64, 128) for w in (2, 4) for s in (2, 3) for p in (2, 4, 8)
+    DecodeConfig(n, w, s, p, 1, f)
+    for n in (64, 128)
+    for w in (2, 4)
+    for s in (2, 3)
+    for p in (2, 4, 8)
+    for f in (False, True)
 ]
 
 
@@ -97,6 +107,7 @@ def _decode_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     prefix_len_ptr,
+    tickets_ptr,
     qk_scale,
     v_scale,
     stride_qb,
@@ -122,10 +133,14 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    FOLD: tl.constexpr = False,
+    BLOCK_S: tl.constexpr = 16,
 ):
     """Program (split, KV head, sequence): keys [start + split·chunk, ...) of the sequence, where start
     is 0, or with CASCADE the shared prefix's length (`_prefix_kernel` covers the keys before it), or
-    with HAS_WINDOW at least the tile holding the window's first key seq_len − window."""
+    with HAS_WINDOW at least the tile holding the window's first key seq_len − window. FOLD (with SPLIT):
+    the last split to take the (sequence, KV head)'s ticket at tickets_ptr [B, Hk] merges the group's
+    partials into out and resets the ticket (module docstring)."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -242,6 +257,16 @@ def _decode_kernel(
         tl.store(part_lse_ptr + p_off, lse, mask=g_valid)
         # part_o [B, Hq, splits, D] is part_lse [B, Hq, splits] with HEAD_DIM values per entry
         tl.store(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_valid[:, None])
+        if FOLD:
+            tl.debug_barrier()  # every thread's partial stored before the release
+            ticket_ptr = tickets_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                for g in range(GROUP):
+                    _merge_head(
+                        part_o_ptr, part_lse_ptr, out_ptr, b, kvh * GROUP + g, num_splits,
+                        stride_pb, stride_ph, stride_ps, stride_ob, stride_oh, BLOCK_S, HEAD_DIM, True,
+                    )  # fmt: skip
+                tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
     else:
         tl.store(
             out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -380,6 +405,52 @@ def _prefix_kernel(
     tl.store(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], o, mask=valid[:, None])
 
 
+@triton.jit
+def _merge_head(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    b,
+    h,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_ob,
+    stride_oh,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    FROM_L2: tl.constexpr,
+):
+    """out[b, h] = Σ_s 2^(lse_s − m) o_s / Σ_s 2^(lse_s − m), m the running max, over the head's
+    num_splits partials read BLOCK_S at a time in split order. FROM_L2: `.cg` loads, for partials other
+    programs of the same launch stored (an SM's L1 does not see them)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.full([1], float("-inf"), tl.float32)
+    num = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_valid = offs_s < num_splits
+        p_off = b * stride_pb + h * stride_ph + offs_s * stride_ps
+        o_ptrs = part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :]
+        if FROM_L2:
+            lse = tl.load(part_lse_ptr + p_off, mask=s_valid, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(o_ptrs, mask=s_valid[:, None], other=0.0, cache_modifier=".cg")
+        else:
+            lse = tl.load(part_lse_ptr + p_off, mask=s_valid, other=float("-inf"))
+            o = tl.load(o_ptrs, mask=s_valid[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: 2^-inf = 0 below
+        alpha = tl.math.exp2(m - safe)
+        w = tl.math.exp2(lse - safe)
+        num = num * alpha + tl.sum(w[:, None] * o, 0)
+        den = den * alpha + tl.sum(w, 0)
+        m = m_new
+    out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph"])
 def _merge_kernel(
     part_o_ptr,
@@ -394,29 +465,27 @@ def _merge_kernel(
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """out = Σ_s 2^(lse_s − m) o_s / Σ_s 2^(lse_s − m), m the running max; splits read BLOCK_S at a
-    time (one compiled kernel for every split count)."""
-    h = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full([1], float("-inf"), tl.float32)
-    num = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    den = tl.zeros([1], dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        s_valid = offs_s < num_splits
-        p_off = b * stride_pb + h * stride_ph + offs_s * stride_ps
-        lse = tl.load(part_lse_ptr + p_off, mask=s_valid, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: 2^-inf = 0 below
-        alpha = tl.math.exp2(m - safe)
-        w = tl.math.exp2(lse - safe)
-        o = tl.load(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None], other=0.0)
-        num = num * alpha + tl.sum(w[:, None] * o, 0)
-        den = den * alpha + tl.sum(w, 0)
-        m = m_new
-    out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    """`_merge_head` for program (head, sequence) (one compiled kernel for every split count)."""
+    _merge_head(
+        part_o_ptr, part_lse_ptr, out_ptr, tl.program_id(1).to(tl.int64), tl.program_id(0), num_splits,
+        stride_pb, stride_ph, stride_ps, stride_ob, stride_oh, BLOCK_S, HEAD_DIM, False,
+    )  # fmt: skip
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor | None:
+    """A zeroed int32 buffer of at least n tickets on `device`, kept across calls (the folded merge leaves
+    it zeroed); None while a CUDA graph is being captured and the buffer is missing or too small (an
+    allocation then would belong to the graph's pool): the caller merges with the separate kernel."""
+    buf = _TICKETS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _TICKETS[device] = buf
+    return buf
 
 
 def _check(
@@ -451,9 +520,11 @@ def _launch_splits(
     cfg: DecodeConfig,
     window: int | None,
     v_scale: float = 1.0,
+    tickets: torch.Tensor | None = None,
 ) -> None:
     """`_decode_kernel` on the grid (num_splits, Hk, B): into `out` where `parts` is None (one split, no
-    cascade), else into the partials parts = (part_o, part_lse)."""
+    cascade), else into the partials parts = (part_o, part_lse), and with `tickets` ([≥ B·Hk] int32,
+    zeroed) merged by the last split of each (sequence, KV head) into `out` too."""
     B, Hq, D = q.shape
     _, Hk, block_size, _ = k_cache.shape
     if parts is None:
@@ -471,6 +542,7 @@ def _launch_splits(
         seq_lens,
         block_tables,
         prefix_len if prefix_len is not None else seq_lens,
+        tickets if tickets is not None else seq_lens,
         scale * LOG2E,
         v_scale,
         q.stride(0),
@@ -494,6 +566,7 @@ def _launch_splits(
         UPCAST=upcast_dot(q.device),
         IEEE=q.dtype == torch.float32,
         HAS_WINDOW=window is not None,
+        FOLD=tickets is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -623,9 +696,13 @@ def decode_attention_fwd(
     part_o = torch.empty((B, Hq, slots, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, slots), dtype=torch.float32, device=q.device)
     parts = (part_o, part_lse)
+    tickets = _tickets(q.device, B * k_cache.shape[1]) if cfg.fold_merge and not cascade else None
     _launch_splits(
-        q, k_cache, v_cache, out, parts, seq_lens, block_tables, prefix_len, scale, num_splits, cfg, window, v_scale
-    )
+        q, k_cache, v_cache, out, parts, seq_lens, block_tables, prefix_len, scale, num_splits, cfg, window, v_scale,
+        tickets,
+    )  # fmt: skip
+    if tickets is not None:
+        return out
     if cascade:
         _launch_prefix(
             q,
