@@ -104,6 +104,7 @@ def persist_triton_key() -> str | None:
         return key
 
     stored_key._tinyvllm_persisted = True
+    stored_key._tinyvllm_original = original  # Triton's function, for tests and a second look
     for loaded in list(sys.modules.values()):  # every module that imported the function by name
         if getattr(loaded, "triton_key", None) is original and (getattr(loaded, "__name__", "") or "").startswith(
             "triton"

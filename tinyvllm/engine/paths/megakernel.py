@@ -51,7 +51,7 @@ def model_shape(model: CausalLM) -> ModelShape:
     )
 
 
-def _linears(model: CausalLM) -> list[torch.nn.Module]:
+def linear_layers(model: CausalLM) -> list[torch.nn.Module]:
     """Every decoder layer's four linear layers."""
     out = []
     for layer in model.layers:
@@ -64,7 +64,7 @@ def megakernel_unsupported(model: CausalLM) -> str | None:
     linear layer is FP8 (a checkpoint that leaves some of them unquantized runs the other paths)."""
     if model.ops.name != "triton":
         return f"the {model.ops.name!r} kernel backend"
-    fp8 = {isinstance(m, Fp8Linear) for m in _linears(model)}
+    fp8 = {isinstance(m, Fp8Linear) for m in linear_layers(model)}
     if len(fp8) > 1:
         return "FP8 weights on some decoder linear layers only"
     return unsupported_reason(model_shape(model), model.embed_tokens.weight.dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from triton.runtime.errors import OutOfResources
 
-from tinyvllm.engine.paths.megakernel import MegakernelDoesNotFit, _linears, model_shape
+from tinyvllm.engine.paths.megakernel import MegakernelDoesNotFit, linear_layers, model_shape
 from tinyvllm.kernels.attention_metadata import AttnMetadata
 from tinyvllm.kernels.decode_megakernel import StackedWeights
 from tinyvllm.kernels.launch import num_sms
@@ -30,7 +30,7 @@ def rows_unsupported(model: CausalLM, config: RowsConfig | None = None) -> str |
     """Why the rows megakernel cannot run this model (None: it can)."""
     if model.ops.name != "triton":
         return f"the {model.ops.name!r} kernel backend"
-    if len({isinstance(m, Fp8Linear) for m in _linears(model)}) > 1:
+    if len({isinstance(m, Fp8Linear) for m in linear_layers(model)}) > 1:
         return "FP8 weights on some decoder linear layers only"
     return rows_unsupported_reason(model_shape(model), model.embed_tokens.weight.dtype, config or RowsConfig())
 

@@ -172,7 +172,7 @@ def _attn_first_tile(
 
 
 @triton.jit
-def _store_partial(
+def store_partial(
     part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SM: tl.constexpr
 ):
     """One split's partial (acc [BG, D], m_i, l_i [BG]; rows ≥ G are padding) at its slot of the split-minor
@@ -191,7 +191,7 @@ def _merge_partials(
 ):
     """The attention output [GP, D] of KV head kvh's query heads (rows ≥ G, the padding of a group that is
     not a power of two, are 0) from its num_splits partials
-    (`_store_partial`'s layout, runs of SM slots; m in the log2 domain): Σₛ 2^(mₛ−M) accₛ / Σₛ 2^(mₛ−M) lₛ
+    (`store_partial`'s layout, runs of SM slots; m in the log2 domain): Σₛ 2^(mₛ−M) accₛ / Σₛ 2^(mₛ−M) lₛ
     with M = maxₛ mₛ, 0 where no split had keys.
 
     Each thread loads the SM-long runs of its (query head, column) pairs as 16-byte vectors and reduces
@@ -428,9 +428,9 @@ def attention_phase(
         if FP8KV:  # V's scale joins the normaliser: the merge's output is then v_scale · Σ acc / Σ l
             l_i = l_i / v_scale
         if num_splits <= 4:  # runs of 4 slots (a narrow merge) when there are at most 4 splits, else SM
-            _store_partial(part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, 4)
+            store_partial(part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, 4)
         else:
-            _store_partial(part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, SM)
+            store_partial(part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, SM)
         if SPLIT_O:
             if TRACE:  # noqa: SIM102 (constexpr tests apart) -- no ticket, no merge: both at the unit's time
                 if u == pid:

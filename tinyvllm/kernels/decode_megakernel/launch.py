@@ -220,7 +220,7 @@ def max_programs(device: torch.device, config: MegakernelConfig = DEFAULT_CONFIG
     return min(full, config.programs) if config.programs > 0 else full
 
 
-def _kv_layout(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], shape: ModelShape) -> tuple[int, int, int]:
+def kv_layout(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], shape: ModelShape) -> tuple[int, int, int]:
     """(block_size, layer_stride, v_offset) of the layers' caches, which must be views of one buffer:
     layer l's K at layer 0's K + l·layer_stride elements, its V at its K + v_offset."""
     k0, v0 = kv_caches[0]
@@ -238,7 +238,7 @@ def _kv_layout(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], shape: ModelS
     return block_size, layer_stride, v_offset
 
 
-def _check_family(shape: ModelShape, weights: StackedWeights, num_layers: int) -> None:
+def check_family(shape: ModelShape, weights: StackedWeights, num_layers: int) -> None:
     """Raise ValueError unless the stacked family tensors are there exactly where `shape` asks for them."""
     q = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
     wants = {
@@ -278,7 +278,7 @@ def _check_fp8(weights: StackedWeights, num_layers: int) -> None:
             raise ValueError(f"megakernel: {name}_scale must be a contiguous float32 {list(dims)} tensor, got {got}")
 
 
-def _check_kv_dtype(kv_dtype: torch.dtype, weights: StackedWeights, num_layers: int) -> bool:
+def check_kv_dtype(kv_dtype: torch.dtype, weights: StackedWeights, num_layers: int) -> bool:
     """Whether the cache is FP8 (then weights.kv_scales must be float32 [L, 2]); ValueError for a cache
     in neither the model's dtype nor float8_e4m3fn."""
     if kv_dtype == weights.dtype:
@@ -375,7 +375,7 @@ def decode_megakernel_fwd(
     Returns:
         The final-normed hidden state [1, H].
     """
-    block_size, layer_stride, v_offset = _kv_layout(kv_caches, shape)
+    block_size, layer_stride, v_offset = kv_layout(kv_caches, shape)
     for name, t in (
         ("input_ids", input_ids),
         ("positions", positions),
@@ -395,8 +395,8 @@ def decode_megakernel_fwd(
         raise ValueError(f"a traced launch records at most {TRACE_MAX_LAYERS} layers")
     if trace and ws.trace.numel() != TRACE_BASE + ws.programs * TRACE_BLOCK:
         ws.trace = torch.zeros(TRACE_BASE + ws.programs * TRACE_BLOCK, dtype=torch.int64, device=device)
-    _check_family(shape, weights, num_layers)
-    fp8_kv = _check_kv_dtype(kv_caches[0][0].dtype, weights, num_layers)
+    check_family(shape, weights, num_layers)
+    fp8_kv = check_kv_dtype(kv_caches[0][0].dtype, weights, num_layers)
     w = weights
     out = torch.empty((1, shape.hidden), dtype=w.dtype, device=device)
     family = tuple(t if t is not None else w.norm1 for t in (w.qkv_bias, w.q_norm, w.k_norm, w.sliding))

@@ -21,10 +21,10 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.decode_megakernel.attention_phase import (
-    _store_partial,
     group_attention,
     keys_per_split,
     normed_rotated,
+    store_partial,
 )
 from tinyvllm.kernels.decode_megakernel.qkv_phase import cache_value
 from tinyvllm.kernels.flash_tiles import attn_inner
@@ -186,9 +186,9 @@ def rows_attention_phase(
                 l_i = l_i / v_scale
             row_part = part_ptr + tl.cast(row, tl.int64) * PART_ROW
             if splits <= 4:  # runs of 4 slots (a narrow merge) when there are at most 4 splits, else SM
-                _store_partial(row_part, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, 4)
+                store_partial(row_part, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, 4)
             else:
-                _store_partial(row_part, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, SM)
+                store_partial(row_part, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, SM)
             tl.debug_barrier()
             ticket = tl.atomic_add(tickets_ptr + row * HK + kvh, 1, sem="acq_rel", scope="gpu")
             if ticket == (layer + 1) * splits - 1:  # the last split of this layer's (row, KV head)

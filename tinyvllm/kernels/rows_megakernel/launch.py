@@ -15,9 +15,9 @@ from tinyvllm.kernels.decode_megakernel.launch import (
     MAX_SPLITS,
     ModelShape,
     StackedWeights,
-    _check_family,
-    _check_kv_dtype,
-    _kv_layout,
+    check_family,
+    check_kv_dtype,
+    kv_layout,
 )
 from tinyvllm.kernels.launch import check_int, next_power_of_2, num_sms, upcast_dot
 from tinyvllm.kernels.rows_megakernel.kernel import rows_megakernel_kernel
@@ -218,10 +218,10 @@ def rows_megakernel_fwd(
         raise ValueError(f"{ws.programs} programs: more than one per multiprocessor may not all be resident")
     if ws.config.stages < 1 or ws.config.kv_stages < 1 or not 1 <= ws.config.ahead <= 3:
         raise ValueError(f"rows megakernel config {ws.config}: stages ≥ 1 and ahead in 1..3 needed")
-    block_size, layer_stride, v_offset = _kv_layout(kv_caches, shape)
+    block_size, layer_stride, v_offset = kv_layout(kv_caches, shape)
     num_layers = weights.qkv.shape[0]
-    _check_family(shape, weights, num_layers)
-    fp8_kv = _check_kv_dtype(kv_caches[0][0].dtype, weights, num_layers)
+    check_family(shape, weights, num_layers)
+    fp8_kv = check_kv_dtype(kv_caches[0][0].dtype, weights, num_layers)
     w = weights
     out = torch.empty((t, shape.hidden), dtype=w.dtype, device=device)
     bias = w.qkv_bias if w.qkv_bias is not None else w.norm1
