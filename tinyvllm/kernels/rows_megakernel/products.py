@@ -4,6 +4,7 @@ Every weight phase computes Y = W X for the step's rows, W [N, K] one layer's st
 [rows, K] the phase's input, and hands each unit of R output rows to an epilogue (`KIND`):
 
     QKV       X = RMSNorm(r; w1)   q, k ← RoPE; q to the workspace, k and v into the paged cache
+                                   (QK_NORM: q and k unrotated to the workspace, for phase B)
     OUT       X = attention out    r ← round(round(Y) + r), with each row's Σ r² per unit
     GATE_UP   X = RMSNorm(r; w2)   act = round(silu(round(Yg)) ⊙ round(Yu))
     DOWN      X = act              r ← round(round(Y) + r), with each row's Σ r² per unit
@@ -19,8 +20,8 @@ Pipelining. The weight tiles do not depend on the barrier before the phase, so t
 software-pipelined over them (tl.range's num_stages) and the pipeline's first tiles are in flight
 before the barrier's wait, which sits in the loop's first iteration (as in the batch-1 megakernel).
 The input does depend on it: it is loaded inside conditional blocks, which the pipeliner leaves in
-place, with `.cg` loads (from L2; an SM's L1 is not coherent with the other SMs' stores); each chunk is
-prefetched into registers while the previous chunk's tiles are multiplied.
+place, with `.cg` loads (from L2; an SM's L1 is not coherent with the other SMs' stores), into a ring of
+registers AHEAD chunks ahead of the one being multiplied.
 
 The input norm. RMSNorm needs each row's Σ x² over all K columns before any chunk is normalised. The
 OUT and DOWN epilogues store their units' Σ r² per row (`ss`, [BP, NUP]); the next normed phase sums
