@@ -5,6 +5,7 @@
 #
 #   STEPS=rows_bench bash scripts/gpu_pending.sh                                                   # §1e
 #   STEPS="rows_tests rows_latency_b8 rows_latency_b8_on rows_engine_test" ...
+#   STEPS=sizes ...;  STEPS=sizes_rows ...                                                           # §1e table
 #   STEPS="radix_tests radix_kernel top_p_plain top_p_search top_p_radix fp8_cost" ...            # §5, §9
 #   STEPS="pieces_bench_main pieces_bench pieces_tests structured_prepare" ...                     # §1e, §10
 #   STEPS="fp8_tests fp8_quant_bench rows_bench_8b rows_bench_fp8" ...
@@ -33,6 +34,10 @@ step rows_engine_test 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k r
 step rows_bench_8b 300 python3 benchmarks/kernels/bench_rows_megakernel.py --preset llama-3.1-8b --no-fp32 --out "$RES"
 # FP8 weights: the rows kernel's tensor-core products against the batch-1 megakernel's reduction at one row too
 step rows_bench_fp8 300 python3 benchmarks/kernels/bench_rows_megakernel.py --fp8 --batches 1 2 8 --no-fp32 --out "$RES"
+
+# The table: batch 1 and 8 for every preset beside transformers, today's paths then the rows kernel.
+step sizes 560 python3 -m benchmarks.sizes --baseline hf --out-dir "$RES"
+step sizes_rows 560 python3 -m benchmarks.sizes --batches 8 --engine-args "--rows-megakernel" --out-dir "$RES/rows"
 
 # 2. The top-k radix select (§5): same ids as the search on the H200, its kernel time, then the engine A/B.
 step radix_tests 240 python3 -m pytest -q tests/kernels/test_top_p_sampling.py -k "radix or precheck" -p no:cacheprovider
