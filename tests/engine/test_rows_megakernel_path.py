@@ -289,3 +289,30 @@ def test_rows_megakernel_rejects_a_row_count_it_cannot_serve(rows):
             meta.decode_block_tables[:rows], mk.weights, model.cos_sin, views(kv_buffer(model, torch.float32)),
             mk.shape, 1e-5, 0.25, mk.workspace,
         )  # fmt: skip
+
+
+@needs_triton
+def test_engine_greedy_through_the_rows_megakernel_equals_the_layer_loop(tmp_path):
+    """The engine's decode steps of 2–16 rows through the rows megakernel (attached on the CPU, where the
+    runner builds it only for CUDA), as the scheduler composes them: rows joining and finishing at
+    different steps, contexts across several blocks. float32: the same greedy tokens as the layer loop,
+    and every multi-row decode step went through the kernel."""
+    from tinyvllm import LLM, SamplingParams
+    from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
+
+    write_dummy_checkpoint(tmp_path, make_config("tiny"), seed=0, dtype="float32")
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(5)]
+    got = {}
+    for rows in (False, True):
+        llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=128, kernel_backend="triton",
+                  block_size=4, enforce_eager=True)  # fmt: skip
+        executor = llm.llm_engine.runner.executor
+        calls = []
+        if rows:
+            kernel = RowsMegakernel(executor.model, stack_weights(executor.model), RowsConfig(chunk=32))
+            executor.rows_megakernel = lambda *a, kernel=kernel, calls=calls: calls.append(a[0].shape[0]) or kernel(*a)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got[rows] = [o.outputs[0].token_ids for o in outs]
+        assert (len(calls) > 0) == rows and all(2 <= n <= MAX_ROWS for n in calls)
+    assert got[True] == got[False]
