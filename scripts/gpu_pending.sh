@@ -10,7 +10,7 @@
 #   STEPS="pieces_bench_main pieces_bench pieces_tests structured_prepare" ...                     # §1e, §10
 #   STEPS="fp8_tests fp8_quant_bench rows_bench_8b rows_bench_fp8" ...
 #   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                                              # §3a
-#   STEPS="decode_fold" ...                                                                          # §4
+#   STEPS="decode_fold cascade_split" ...                                                            # §4
 #
 # The megakernel-pieces steps need branch h1-mk-pieces's tree in .pieces/ (git-ignored, so the device
 # call must carry it): `rm -rf .pieces && mkdir .pieces && git archive h1-mk-pieces tinyvllm benchmarks tests
@@ -74,6 +74,7 @@ step attn_sweep_64 560 python3 benchmarks/kernels/bench_attention_backward.py --
 
 # 6. Decode attention with the merge folded into the split kernel (§4; the fold's column, graph replays).
 step decode_fold 300 python3 benchmarks/kernels/bench_decode_attention.py --no-flex --out "$RES"
+step cascade_split 150 python3 benchmarks/kernels/bench_cascade.py --out "$RES"
 
 # 7. Structured outputs with the next step's inputs packed in the constrained step's launch (§10).
 step structured_prepare 400 python3 -m benchmarks.structured --repeats 3 --prepare-in-launch \

@@ -5,8 +5,9 @@
 The `shared-prefix` workload's decode: B sequences whose first `prefix` keys sit in the same blocks,
 then `suffix` keys each. Both kernels timed as CUDA-graph replays (one layer: 32 query / 8 KV heads,
 head dim 64, bf16, block 16); floors: the bytes each must read at the copy bandwidth (plain decode
-re-reads the prefix per sequence unless L2 serves it; cascade reads it once per 16 sequences).
-Writes cascade_<gpu>.json.
+re-reads the prefix per sequence unless L2 serves it; cascade reads it once per 16 sequences). The
+cascade is also timed with the prefix's tiles split over 2, 4 and 8 programs per chunk of sequences
+(`DecodeConfig.prefix_splits`), each checked against plain decode. Writes cascade_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from common import (
     write_json,
 )
 
-from tinyvllm.kernels.decode_attention import decode_attention_fwd
+from tinyvllm.kernels.decode_attention import DEFAULT_CONFIG, decode_attention_fwd
 
 HQ, HK, D, BS = 32, 8, 64, 16
+PREFIX_SPLITS = (2, 4, 8)  # the prefix's tiles over this many programs per chunk, beside the default 1
 
 
 def measure_batch(batch: int, prefix: int, suffix: int, copy: float, dev) -> dict:
@@ -53,11 +55,16 @@ def measure_batch(batch: int, prefix: int, suffix: int, copy: float, dev) -> dic
     def plain():
         return decode_attention_fwd(q, k, v, lens, tables, D**-0.5, ctx)
 
-    def cascade():
-        return decode_attention_fwd(q, k, v, lens, tables, D**-0.5, ctx, prefix_len=p)
+    def cascade(prefix_splits: int = 1):
+        cfg = DEFAULT_CONFIG._replace(prefix_splits=prefix_splits)
+        return lambda: decode_attention_fwd(q, k, v, lens, tables, D**-0.5, ctx, prefix_len=p, config=cfg)
 
-    ref, out = plain().float(), cascade().float()
-    t_plain, t_casc = bench_graph([plain]) * 1e3, bench_graph([cascade]) * 1e3
+    ref, out = plain().float(), cascade()().float()
+    t_plain, t_casc = bench_graph([plain]) * 1e3, bench_graph([cascade()]) * 1e3
+    split_us, split_diff = {}, {}
+    for n in PREFIX_SPLITS:  # split-K over the shared keys (DecodeConfig.prefix_splits)
+        split_us[n] = bench_graph([cascade(n)]) * 1e3
+        split_diff[n] = ((ref - cascade(n)().float()).norm() / ref.norm()).item()
     kv_row = 2 * HK * D * 2  # K and V bytes of one token
     unique = (prefix + batch * suffix) * kv_row
     every = batch * ctx * kv_row
@@ -69,6 +76,8 @@ def measure_batch(batch: int, prefix: int, suffix: int, copy: float, dev) -> dic
         "floor_unique_us": unique / (copy / 2) * 1e6,
         "floor_all_us": every / (copy / 2) * 1e6,
         "rel_diff": ((ref - out).norm() / ref.norm()).item(),
+        **{f"cascade_ps{n}_us": split_us[n] for n in PREFIX_SPLITS},
+        **{f"rel_diff_ps{n}": split_diff[n] for n in PREFIX_SPLITS},
     }
 
 
@@ -93,6 +102,7 @@ def main() -> None:
             ("floor_all_us", "floor, all keys µs", ".1f"),
             ("floor_unique_us", "floor, unique keys µs", ".1f"),
             ("rel_diff", "rel diff", ".1e"),
+            *[(f"cascade_ps{n}_us", f"prefix ÷{n} µs", ".1f") for n in PREFIX_SPLITS],
         ],
     )
     json_path, _ = output_paths(ns.out, "cascade")

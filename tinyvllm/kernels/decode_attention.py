@@ -59,6 +59,7 @@ class DecodeConfig(NamedTuple):
     programs_per_sm: int  # split target: B·Hk·num_splits ≈ programs_per_sm · SMs
     min_tiles_per_split: int
     fold_merge: bool = False  # the last split of each (sequence, KV head) merges (module docstring)
+    prefix_splits: int = 1  # cascade: the shared prefix's keys cut into this many programs per chunk
 
 
 # The best of `bench_decode_attention.py --sweep` on the H200: 64-key tiles (4 pages of 16) with 2 warps
@@ -316,12 +317,16 @@ def _prefix_kernel(
     per chunk instead of once per sequence, and its scores are a [SEQS·G_PAD, BLOCK_N] matrix product
     (G_PAD: GROUP rounded up to a power of two). Writes each row's normalised partial output and
     logsumexp (log2) into split `slot` for the merge; rows of empty sequences (seq_len 0: graph
-    padding) write an empty split. With HAS_WINDOW a row sees only the prefix keys from its own window's
-    first key seq_len − window on: the tiles from the chunk's lowest window start to the first tile
-    boundary at or past its highest are masked per row, and the tiles below every row's window are not
-    read (a row whose window starts past the prefix writes an empty split)."""
+    padding) write an empty split. Grid axis 2 cuts the prefix's tiles into num_programs(2) ranges
+    (split-K over the shared keys, so that a large batch's few chunks still fill the SMs), range s
+    writing its partial into split slot + s (an empty range writes an empty split). With HAS_WINDOW a
+    row sees only the prefix keys from its own window's first key seq_len − window on: the tiles from
+    the chunk's lowest window start to the first tile boundary at or past its highest are masked per
+    row, and the tiles below every row's window are not read (a row whose window starts past the prefix
+    writes an empty split)."""
     kvh = tl.program_id(0)
     chunk = tl.program_id(1)
+    part = tl.program_id(2)
     M: tl.constexpr = SEQS * G_PAD
     offs_m = tl.arange(0, M)
     seq = chunk * SEQS + offs_m // G_PAD
@@ -342,12 +347,17 @@ def _prefix_kernel(
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, HEAD_DIM], dtype=tl.float32)
     q_pos = tl.full([M], 0, tl.int32) + prefix_len  # every row sees the whole prefix
-    lo_full = 0
+    part_len = tl.cdiv(tl.cdiv(prefix_len, BLOCK_N), tl.num_programs(2)) * BLOCK_N
+    lo_part = tl.minimum(part * part_len, prefix_len)  # this program's keys: [lo_part, hi_part)
+    hi_part = tl.minimum(lo_part + part_len, prefix_len)
+    lo_full = lo_part
     if HAS_WINDOW:
         row_start = tl.maximum(seq_len - window, 0)  # each row's first visible key
         kv_start = tl.min(tl.where(live, row_start, prefix_len), 0)
         lo_full = tl.minimum(tl.cdiv(tl.max(tl.where(live, row_start, 0), 0), BLOCK_N) * BLOCK_N, prefix_len)
         lo_full = tl.maximum(lo_full, (kv_start // BLOCK_N) * BLOCK_N)
+        lo_masked = tl.maximum((kv_start // BLOCK_N) * BLOCK_N, lo_part)  # the masked tiles in this range
+        lo_full = tl.minimum(tl.maximum(lo_full, lo_part), hi_part)
         acc, l_i, m_i = attn_inner(
             acc,
             l_i,
@@ -357,7 +367,7 @@ def _prefix_kernel(
             k_cache_ptr + kv_off,
             v_cache_ptr + kv_off,
             block_tables_ptr,
-            (kv_start // BLOCK_N) * BLOCK_N,
+            tl.minimum(lo_masked, lo_full),
             lo_full,
             prefix_len,
             qk_scale,
@@ -384,7 +394,7 @@ def _prefix_kernel(
         v_cache_ptr + kv_off,
         block_tables_ptr,
         lo_full,
-        prefix_len,
+        hi_part,
         prefix_len,
         qk_scale,
         stride_kb,
@@ -400,7 +410,7 @@ def _prefix_kernel(
     empty = (l_i == 0.0) | (seq_len <= 0)
     o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i / v_scale)[:, None])
     lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
-    p_off = seq64 * stride_pb + heads * stride_ph + slot * stride_ps
+    p_off = seq64 * stride_pb + heads * stride_ph + (slot + part) * stride_ps
     tl.store(part_lse_ptr + p_off, lse, mask=valid)
     tl.store(part_o_ptr + p_off[:, None] * HEAD_DIM + offs_d[None, :], o, mask=valid[:, None])
 
@@ -585,13 +595,15 @@ def _launch_prefix(
     slot: int,
     window: int | None,
     v_scale: float = 1.0,
+    prefix_splits: int = 1,
 ) -> None:
-    """`_prefix_kernel` on the grid (Hk, chunks of sequences): the shared prefix's partials into `slot`."""
+    """`_prefix_kernel` on the grid (Hk, chunks of sequences, prefix_splits): the shared prefix's
+    partials into slots slot .. slot + prefix_splits − 1."""
     B, Hq, D = q.shape
     _, Hk, block_size, _ = k_cache.shape
     g_pad = next_power_of_2(Hq // Hk)
     seqs = max(1, CASCADE_ROWS // g_pad)
-    _prefix_kernel[(Hk, cdiv(B, seqs))](
+    _prefix_kernel[(Hk, cdiv(B, seqs), prefix_splits)](
         q,
         k_cache,
         v_cache,
@@ -692,7 +704,7 @@ def decode_attention_fwd(
     if num_splits == 1 and not cascade:
         _launch_splits(q, k_cache, v_cache, out, None, seq_lens, block_tables, None, scale, 1, cfg, window, v_scale)
         return out
-    slots = num_splits + cascade  # the prefix's partial result goes into the last slot
+    slots = num_splits + cascade * cfg.prefix_splits  # the prefix's partials go into the last slots
     part_o = torch.empty((B, Hq, slots, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, slots), dtype=torch.float32, device=q.device)
     parts = (part_o, part_lse)
@@ -717,6 +729,7 @@ def decode_attention_fwd(
             num_splits,
             window,
             v_scale,
+            cfg.prefix_splits,
         )
     part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
     _merge_kernel[(Hq, B)](
