@@ -26,6 +26,14 @@ Key tiles are gathered through the block table (`block_tables[s, pos // block_si
 holds whole tiles (block_size % BLOCK_N == 0) one table entry serves a tile.
 Optionally stores the logsumexp  lse[h, row] = log Σ_j exp(scale · q·k_j)  (natural log, float32).
 
+Hopper options (`PrefillConfig.tma`, `.ws`; off by default, which leaves the kernel above unchanged): tma
+reads the query tile through a descriptor over the sequence's rows of q and the key tiles through
+descriptors over the cache viewed as rows (`flash_tiles.attn_inner_tma`: one load per page, or per tile
+when a page holds whole tiles; TMA copies on sm_90), same passes, same arithmetic. ws (with tma) runs
+the keys in one warp-specialised loop with every tile masked, as the batch-invariant mode does, and has
+no early return. An FP8 cache, a block size that is not a power of two, more than MAX_PAGE_LOADS pages
+per tile or tensors TMA cannot address keep the pointer loads (`tma_applies`).
+
 Batch-invariant mode (INVARIANT, `invariant_prefill_attention` / `invariant_decode_attention`): a row's
 result must not depend on the chunk it sits in, on its place in the query tile or on whether it is a
 decode row. The unmasked pass rounds s·scale − m as one FMA where the masked pass rounds twice, and which
@@ -89,13 +97,24 @@ DEFAULT_CONFIGS: dict[int, PrefillConfig] = {
 SHORT_CONFIGS: dict[int, PrefillConfig] = {128: PrefillConfig(64, 64, 4, 2)}  # max_seqlen_q ≤ SHORT_Q
 SHORT_Q = 1024
 
-# Candidates the GPU benchmark sweeps (`bench_prefill_attention.py --sweep`).
+# Candidates the GPU benchmark sweeps (`bench_prefill_attention.py --sweep`): a grid of pointer-load
+# tiles, then the Hopper options on a few tiles (tma; tma with ws). Triton 3.9 warp-specialises the loop
+# with 4 warps only (tests/kernels/test_prefill_tma_codegen.py): one 8-warp ws config in case the GPU's
+# Triton does better.
 CANDIDATE_CONFIGS: list[PrefillConfig] = [
     PrefillConfig(m, n, w, s)
     for m, n in ((128, 64), (128, 128), (64, 64), (64, 128))
     for w in (4, 8)
     for s in (2, 3, 4)
-]
+] + [
+    PrefillConfig(*c)
+    for c in (
+        (64, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 64, 4, 3, True), (128, 64, 8, 3, True),
+        (128, 128, 8, 2, True), (128, 128, 8, 3, True), (64, 128, 4, 3, True),
+        (64, 64, 4, 2, True, True), (64, 64, 4, 3, True, True), (128, 64, 4, 2, True, True),
+        (64, 128, 4, 2, True, True), (128, 128, 8, 2, True, True),
+    )
+]  # fmt: skip
 
 
 def default_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int | None = None) -> PrefillConfig:
@@ -674,11 +693,14 @@ def invariant_decode_attention(
 __all__ = [
     "CANDIDATE_CONFIGS",
     "DEFAULT_CONFIGS",
+    "MAX_PAGE_LOADS",
     "PrefillConfig",
+    "cache_rows",
     "default_config",
     "invariant_config",
     "invariant_decode_attention",
     "invariant_prefill_attention",
     "prefill_attention",
     "prefill_attention_fwd",
+    "tma_applies",
 ]
