@@ -112,8 +112,8 @@ def test_tma_matches_reference(dtype, block_size, hq, hk, d, tiles, ws, device):
 
 def test_tma_falls_back_to_pointer_loads(device):
     """Where descriptors cannot serve, `tma` launches read through pointers and still match the reference:
-    a block size that is not a power of two, more than MAX_PAGE_LOADS pages per tile, a query tensor whose
-    base is not 16-byte aligned."""
+    a block size that is not a power of two, more than MAX_PAGE_LOADS pages per tile, an FP8 cache, a
+    query tensor whose base is not 16-byte aligned."""
     for block_size, tiles in ((3, (16, 16)), (1, (16, 16))):
         cfg = PrefillConfig(*tiles, 4, 2, tma=True, ws=True)
         out, ref, _, (q, k_cache, v_cache, *_) = run_case(F32, block_size, 4, 2, 16, cfg, LAYOUT, device, seed=5)
@@ -121,6 +121,14 @@ def test_tma_falls_back_to_pointer_loads(device):
         assert_close(out, ref, F32)
     gen = torch.Generator(device=device).manual_seed(6)
     q_lens, seq_lens = zip(*LAYOUT)
+    k_cache, v_cache, tables = make_paged_cache(list(seq_lens), 2, 32, 16, F32, device, gen)
+    k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    q, cu = packed_queries(list(q_lens), 4, 32, BF16, device, gen)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    cfg = PrefillConfig(16, 32, 4, 2, tma=True)
+    assert not tma_applies(q, k_cache, v_cache, cfg)
+    out, _ = prefill_attention_fwd(q, k_cache, v_cache, cu, sl, tables, 0.2, max(q_lens), config=cfg)
+    assert_close(out, reference.prefill_attention(q.double(), k_cache, v_cache, cu, sl, tables, 0.2), BF16)
     k_cache, v_cache, tables = make_paged_cache(list(seq_lens), 2, 16, 16, F32, device, gen)
     wide = torch.randn(sum(q_lens) * 4 * 16 + 1, generator=gen, device=device)
     q = wide[1:].view(sum(q_lens), 4, 16)  # 4 bytes past an aligned base
