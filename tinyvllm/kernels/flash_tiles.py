@@ -24,7 +24,7 @@ first tiles, so masked tiles subtract max(m, 0 if m = −inf) instead of m: p = 
 m_i stays −inf, and the row starts counting at its first visible key.
 
 Tensor-descriptor variant (`attn_inner_tma`, TMA copies on sm_90): the cache is read as rows of a 2-D
-descriptor ([blocks · Hk · block_size, HEAD_DIM], `cache_rows_desc`). A tile inside one page is one
+descriptor ([blocks · Hk · block_size, HEAD_DIM], `rows_desc`). A tile inside one page is one
 load; a tile of several pages is one [block_size, HEAD_DIM] load per page at the row its block-table
 entry gives, the pages' rows concatenated in registers. Pages the pointer path would not read (past the
 sequence's end, or below kv_start with a window) take block 0's rows instead of their table entry; the
@@ -259,13 +259,16 @@ def attn_inner(
 
 
 @triton.jit
-def cache_rows_desc(cache_ptr, num_rows, stride_t, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A tensor descriptor (TMA on sm_90) over a paged cache [blocks, Hk, block_size, HEAD_DIM] viewed as
-    num_rows rows of HEAD_DIM elements, row stride stride_t (the token stride; the block and head strides
-    are multiples of it), loaded as [ROWS, HEAD_DIM] tiles. Row blk · (stride_kb / stride_t) +
-    kvh · (stride_kh / stride_t) + t is token slot t of KV head kvh in block blk."""
+def rows_desc(base, num_rows, stride_t, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A tensor descriptor (TMA on sm_90) over num_rows ≥ 1 rows of HEAD_DIM elements from `base`, row
+    stride stride_t, loaded as [ROWS, HEAD_DIM] tiles; rows from num_rows on read as zeros. base and
+    stride_t · element size must be multiples of 16 bytes.
+
+    A paged cache [blocks, Hk, block_size, HEAD_DIM] whose block and head strides are multiples of its
+    token stride stride_t is such rows: row blk · (stride_kb / stride_t) + kvh · (stride_kh / stride_t) + t
+    is token slot t of KV head kvh in block blk."""
     return tl.make_tensor_descriptor(
-        cache_ptr, shape=[num_rows, HEAD_DIM], strides=[stride_t, 1], block_shape=[ROWS, HEAD_DIM]
+        base, shape=[num_rows, HEAD_DIM], strides=[stride_t, 1], block_shape=[ROWS, HEAD_DIM]
     )
 
 
@@ -328,7 +331,7 @@ def _kv_tile(
     MASKED: tl.constexpr,
 ):
     """The K and V tiles [BLOCK_N, HEAD_DIM] of positions start .. start + BLOCK_N − 1 of one sequence and
-    KV head, through `cache_rows_desc` descriptors of ROWS = min(BLOCK_N, BLOCK_SIZE) rows (both powers of
+    KV head, through `rows_desc` descriptors over the cache of ROWS = min(BLOCK_N, BLOCK_SIZE) rows (both powers of
     two). PAGE_TILE: one page holds the tile, one load each. Otherwise BLOCK_N / BLOCK_SIZE page loads;
     MASKED: pages wholly outside kv_start .. kv_end − 1 read block 0 (module docstring)."""
     if PAGE_TILE:
@@ -382,7 +385,7 @@ def attn_inner_tma(
     HAS_WINDOW: tl.constexpr = False,
     WS: tl.constexpr = False,
 ):
-    """`attn_inner` with K and V read through `cache_rows_desc` descriptors (`_kv_tile`): the same fold of
+    """`attn_inner` with K and V read through `rows_desc` descriptors over the caches (`_kv_tile`): the same fold of
     keys lo .. hi−1 into (acc, l_i, m_i), the same operations in the same order, for a cache in q's dtype
     (no FP8). block_rows, head_row: the descriptor row of block 1 and of this KV head in block 0. A MASKED
     tile's keys from kv_end on (and with HAS_WINDOW below kv_start) may hold anything: their scores are

@@ -53,8 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.flash_forward import seq_rows
-from tinyvllm.kernels.flash_tiles import attn_inner, attn_inner_tma, cache_rows_desc, queries_for_cache
+from tinyvllm.kernels.flash_tiles import attn_inner, attn_inner_tma, queries_for_cache, rows_desc
 from tinyvllm.kernels.launch import (
     cdiv,
     check_kv_scales,
@@ -221,11 +220,12 @@ def _prefill_kernel(
     tile's rows the GROUP query heads of h at the one position, so K/V are read once per group: each row
     goes through the same tiles and arithmetic as in a one-head program, at another row of the tile.
 
-    TMA (not with INVARIANT): Q through a per-(sequence, head) descriptor (rows past q_len read as zeros
-    and are never stored), K and V through `cache_rows_desc` descriptors of num_kv_rows rows
-    (`flash_tiles.attn_inner_tma`). WS (with TMA): no early return and one warp-specialised loop over the
-    keys from the first visible key's tile, every tile masked (Triton's Hopper warp specialisation takes
-    a kernel's single loop, without branches in it)."""
+    TMA (not with INVARIANT): Q through a descriptor over head h's rows of the packed queries (a tile's
+    rows past q_len read the next chunk's queries, or zeros past the last, and are never stored), K and V
+    through `flash_tiles.rows_desc` descriptors over the caches' num_kv_rows rows (`attn_inner_tma`).
+    WS (with TMA): no early return and one warp-specialised loop over the keys from the first visible
+    key's tile, every tile masked (Triton's Hopper warp specialisation takes a kernel's single loop,
+    without branches in it)."""
     tl.static_assert(not (TMA and INVARIANT), "the batch-invariant mode reads through pointers")
     tl.static_assert(TMA or not WS, "the warp-specialised loop reads through descriptors")
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) tiles first
@@ -256,9 +256,9 @@ def _prefill_kernel(
         q_rows = rows[:, None] * stride_qt + h * stride_qh
         o_rows = rows[:, None] * stride_ot + h * stride_oh
         kv_off = (h // GROUP).to(tl.int64) * stride_kh
-    if TMA:
-        q_seq = q_ptr + q_start.to(tl.int64) * stride_qt + h * stride_qh
-        q = seq_rows(q_seq, q_len, stride_qt, BLOCK_M, HEAD_DIM).load([start_m, 0])
+    if TMA:  # head h's rows of the packed queries, up to cu_seqlens[S] (at least one: a valid descriptor)
+        q_total = tl.maximum(tl.load(cu_seqlens_ptr + tl.num_programs(2)), 1)
+        q = rows_desc(q_ptr + h * stride_qh, q_total, stride_qt, BLOCK_M, HEAD_DIM).load([q_start + start_m, 0])
     else:
         q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=row_valid[:, None], other=0.0)
     q = queries_for_cache(q, k_cache_ptr)
@@ -268,8 +268,8 @@ def _prefill_kernel(
     bt_row_ptr = block_tables_ptr + s.to(tl.int64) * stride_bt
     if TMA:  # descriptors over the cache rows; a block's rows, and the KV head's, start at these rows
         ROWS: tl.constexpr = BLOCK_N if PAGE_TILE else BLOCK_SIZE  # a whole tile, or one page, per load
-        k_ptr = cache_rows_desc(k_cache_ptr, num_kv_rows, stride_kt, ROWS, HEAD_DIM)
-        v_ptr = cache_rows_desc(v_cache_ptr, num_kv_rows, stride_kt, ROWS, HEAD_DIM)
+        k_ptr = rows_desc(k_cache_ptr, num_kv_rows, stride_kt, ROWS, HEAD_DIM)
+        v_ptr = rows_desc(v_cache_ptr, num_kv_rows, stride_kt, ROWS, HEAD_DIM)
         block_rows = stride_kb // stride_kt
         head_row = (h // GROUP) * (stride_kh // stride_kt)
     else:
@@ -426,7 +426,7 @@ MAX_PAGE_LOADS = 8  # descriptor loads per K (and V) tile; tiles of more pages r
 
 def cache_rows(cache: torch.Tensor) -> int | None:
     """How many rows of its token stride the cache [blocks, Hk, block_size, D] spans when viewed as the 2-D
-    rows `flash_tiles.cache_rows_desc` reads, or None where it cannot be: the block and head strides must
+    rows `flash_tiles.rows_desc` reads, or None where it cannot be: the block and head strides must
     be multiples of the token stride, and the rows fewer than 2³¹ (TMA coordinates are 32-bit)."""
     nb, hk, bs, _ = cache.shape
     sb, sh, st, _ = cache.stride()
