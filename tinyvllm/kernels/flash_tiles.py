@@ -24,12 +24,12 @@ first tiles, so masked tiles subtract max(m, 0 if m = −inf) instead of m: p = 
 m_i stays −inf, and the row starts counting at its first visible key.
 
 Tensor-descriptor variant (`attn_inner_tma`, TMA copies on sm_90): the cache is read as rows of a 2-D
-descriptor ([blocks · Hk · block_size, HEAD_DIM], `rows_desc`). A tile inside one page is one
-load; a tile of several pages is one [block_size, HEAD_DIM] load per page at the row its block-table
-entry gives, the pages' rows concatenated in registers. Pages the pointer path would not read (past the
-sequence's end, or below kv_start with a window) take block 0's rows instead of their table entry; the
-keys there are masked in the scores (−inf) and their V rows replaced by zeros, so whatever they hold
-(NaN included) never reaches the result.
+descriptor ([blocks · Hk · block_size, HEAD_DIM], `rows_desc`). A tile inside one page is one load; a
+tile of several pages is one [block_size, HEAD_DIM] load per page at the row its block-table entry gives,
+the pages' rows concatenated in registers. Pages the pointer path would not read (past the sequence's
+end, or below kv_start with a window) take block 0's rows instead of their table entry; the keys there
+are masked in the scores (−inf) and their V rows replaced by zeros, so whatever they hold (NaN included)
+never reaches the result.
 """
 
 from __future__ import annotations
@@ -331,9 +331,9 @@ def _kv_tile(
     MASKED: tl.constexpr,
 ):
     """The K and V tiles [BLOCK_N, HEAD_DIM] of positions start .. start + BLOCK_N − 1 of one sequence and
-    KV head, through `rows_desc` descriptors over the cache of ROWS = min(BLOCK_N, BLOCK_SIZE) rows (both powers of
-    two). PAGE_TILE: one page holds the tile, one load each. Otherwise BLOCK_N / BLOCK_SIZE page loads;
-    MASKED: pages wholly outside kv_start .. kv_end − 1 read block 0 (module docstring)."""
+    KV head, through `rows_desc` descriptors over the caches loading ROWS = min(BLOCK_N, BLOCK_SIZE) rows
+    (both powers of two). PAGE_TILE: one page holds the tile, one load each. Otherwise BLOCK_N / BLOCK_SIZE
+    page loads; MASKED: pages wholly outside kv_start .. kv_end − 1 read block 0 (module docstring)."""
     if PAGE_TILE:
         blk = tl.load(bt_row_ptr + start // BLOCK_SIZE)
         row = blk * block_rows + head_row + start % BLOCK_SIZE
@@ -385,9 +385,9 @@ def attn_inner_tma(
     HAS_WINDOW: tl.constexpr = False,
     WS: tl.constexpr = False,
 ):
-    """`attn_inner` with K and V read through `rows_desc` descriptors over the caches (`_kv_tile`): the same fold of
-    keys lo .. hi−1 into (acc, l_i, m_i), the same operations in the same order, for a cache in q's dtype
-    (no FP8). block_rows, head_row: the descriptor row of block 1 and of this KV head in block 0. A MASKED
+    """`attn_inner` with K and V read through `rows_desc` descriptors over the caches (`_kv_tile`): the
+    same fold of keys lo .. hi−1 into (acc, l_i, m_i), the same operations in the same order, for a cache
+    in q's dtype (no FP8). block_rows, head_row: the descriptor row of block 1 and of this KV head in block 0. A MASKED
     tile's keys from kv_end on (and with HAS_WINDOW below kv_start) may hold anything: their scores are
     −inf and their V rows zero. WS: warp-specialise the loop (`tl.range(..., warp_specialize=True)`)."""
     offs_n = tl.arange(0, BLOCK_N)
