@@ -263,18 +263,18 @@ def _prefill_kernel(
         q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=row_valid[:, None], other=0.0)
     q = queries_for_cache(q, k_cache_ptr)
 
-    k_ptr = k_cache_ptr + kv_off
-    v_ptr = v_cache_ptr + kv_off
-    bt_row_ptr = block_tables_ptr + s.to(tl.int64) * stride_bt
-    if TMA:  # descriptors over the cache rows; a block's rows, and the KV head's, start at these rows
+    if TMA:  # descriptors over the caches' rows; block 1's rows, and the KV head's in block 0, start at these
         ROWS: tl.constexpr = BLOCK_N if PAGE_TILE else BLOCK_SIZE  # a whole tile, or one page, per load
-        k_ptr = rows_desc(k_cache_ptr, num_kv_rows, stride_kt, ROWS, HEAD_DIM)
-        v_ptr = rows_desc(v_cache_ptr, num_kv_rows, stride_kt, ROWS, HEAD_DIM)
+        k_src = rows_desc(k_cache_ptr, num_kv_rows, stride_kt, ROWS, HEAD_DIM)
+        v_src = rows_desc(v_cache_ptr, num_kv_rows, stride_kt, ROWS, HEAD_DIM)
         block_rows = stride_kb // stride_kt
         head_row = (h // GROUP) * (stride_kh // stride_kt)
-    else:
+    else:  # the caches offset to the KV head
+        k_src = k_cache_ptr + kv_off
+        v_src = v_cache_ptr + kv_off
         block_rows = 0
         head_row = 0
+    bt_row_ptr = block_tables_ptr + s.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -298,8 +298,8 @@ def _prefill_kernel(
             m_i,
             q,
             q_pos,
-            k_ptr,
-            v_ptr,
+            k_src,
+            v_src,
             bt_row_ptr,
             (kv_start // BLOCK_N) * BLOCK_N,
             lo_full,
@@ -328,8 +328,8 @@ def _prefill_kernel(
             m_i,
             q,
             q_pos,
-            k_ptr,
-            v_ptr,
+            k_src,
+            v_src,
             bt_row_ptr,
             lo_full,
             hi_full,
@@ -358,8 +358,8 @@ def _prefill_kernel(
         m_i,
         q,
         q_pos,
-        k_ptr,
-        v_ptr,
+        k_src,
+        v_src,
         bt_row_ptr,
         hi_full,
         hi,
