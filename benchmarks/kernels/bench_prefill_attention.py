@@ -159,7 +159,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def parse_config(text: str) -> PrefillConfig:
-    """ "M,N,WARPS,STAGES[,TMA[,WS]]" (TMA, WS: 0 or 1) as a PrefillConfig."""
+    """A --config value, M,N,WARPS,STAGES[,TMA[,WS]] (TMA, WS: 0 or 1), as a PrefillConfig."""
     fields = [int(x) for x in text.split(",")]
     if not 4 <= len(fields) <= 6:
         raise ValueError(f"--config wants M,N,WARPS,STAGES[,TMA[,WS]], got {text!r}")
