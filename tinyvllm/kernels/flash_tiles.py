@@ -22,6 +22,14 @@ program may see) are neither loaded nor attended: the cache blocks that hold onl
 been freed and handed to another sequence (core.kv_cache_manager). A row may now see nothing in its
 first tiles, so masked tiles subtract max(m, 0 if m = −inf) instead of m: p = 0 and α = 0 there while
 m_i stays −inf, and the row starts counting at its first visible key.
+
+Tensor-descriptor variant (`attn_inner_tma`, TMA copies on sm_90): the cache is read as rows of a 2-D
+descriptor ([blocks · Hk · block_size, HEAD_DIM], `rows_desc`). A tile inside one page is one load; a
+tile of several pages is one [block_size, HEAD_DIM] load per page at the row its block-table entry gives,
+the pages' rows concatenated in registers. Pages the pointer path would not read (past the sequence's
+end, or below kv_start with a window) take block 0's rows instead of their table entry; the keys there
+are masked in the scores (−inf) and their V rows replaced by zeros, so whatever they hold (NaN included)
+never reaches the result.
 """
 
 from __future__ import annotations
@@ -244,6 +252,174 @@ def attn_inner(
         else:
             v = tl.load(v_ptr + kv_ptrs)
         v = v.to(q.dtype)
+        acc = acc * alpha[:, None]
+        acc = dot_pv(p.to(v.dtype), v, acc, UPCAST, IEEE)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def rows_desc(base, num_rows, stride_t, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A tensor descriptor (TMA on sm_90) over num_rows ≥ 1 rows of HEAD_DIM elements from `base`, row
+    stride stride_t, loaded as [ROWS, HEAD_DIM] tiles; rows from num_rows on read as zeros. base and
+    stride_t · element size must be multiples of 16 bytes.
+
+    A paged cache [blocks, Hk, block_size, HEAD_DIM] whose block and head strides are multiples of its
+    token stride stride_t is such rows: row blk · (stride_kb / stride_t) + kvh · (stride_kh / stride_t) + t
+    is token slot t of KV head kvh in block blk."""
+    return tl.make_tensor_descriptor(
+        base, shape=[num_rows, HEAD_DIM], strides=[stride_t, 1], block_shape=[ROWS, HEAD_DIM]
+    )
+
+
+@triton.jit
+def _cat_rows(a, b):
+    """[R, D] and [R, D] → [2R, D]: a's rows, then b's."""
+    x = tl.permute(tl.join(a, b), (2, 0, 1))  # [2, R, D]
+    return tl.reshape(x, [2 * a.shape[0], a.shape[1]])
+
+
+@triton.jit
+def _kv_pages(
+    k_desc,
+    v_desc,
+    bt_row_ptr,
+    page,
+    block_rows,
+    head_row,
+    page_lo,
+    page_hi,
+    NUM_PAGES: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The K and V rows of pages page .. page + NUM_PAGES − 1 (a power of two) of one sequence and KV head,
+    concatenated: two [NUM_PAGES · BLOCK_SIZE, HEAD_DIM] tiles. Each page is one descriptor load at row
+    blk · block_rows + head_row, blk its block-table entry; MASKED: a page outside page_lo .. page_hi − 1
+    reads no table entry and loads block 0's rows (the caller masks them)."""
+    if NUM_PAGES == 1:
+        if MASKED:
+            blk = tl.load(bt_row_ptr + page, mask=(page >= page_lo) & (page < page_hi), other=0)
+        else:
+            blk = tl.load(bt_row_ptr + page)
+        row = blk * block_rows + head_row
+        return k_desc.load([row, 0]), v_desc.load([row, 0])
+    else:
+        HALF: tl.constexpr = NUM_PAGES // 2
+        k0, v0 = _kv_pages(
+            k_desc, v_desc, bt_row_ptr, page, block_rows, head_row, page_lo, page_hi, HALF, BLOCK_SIZE, MASKED
+        )
+        k1, v1 = _kv_pages(
+            k_desc, v_desc, bt_row_ptr, page + HALF, block_rows, head_row, page_lo, page_hi, HALF, BLOCK_SIZE, MASKED
+        )
+        return _cat_rows(k0, k1), _cat_rows(v0, v1)
+
+
+@triton.jit
+def _kv_tile(
+    k_desc,
+    v_desc,
+    bt_row_ptr,
+    start,
+    block_rows,
+    head_row,
+    kv_start,
+    kv_end,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The K and V tiles [BLOCK_N, HEAD_DIM] of positions start .. start + BLOCK_N − 1 of one sequence and
+    KV head, through `rows_desc` descriptors over the caches loading ROWS = min(BLOCK_N, BLOCK_SIZE) rows
+    (both powers of two). PAGE_TILE: one page holds the tile, one load each. Otherwise BLOCK_N / BLOCK_SIZE
+    page loads; MASKED: pages wholly outside kv_start .. kv_end − 1 read block 0 (module docstring)."""
+    if PAGE_TILE:
+        blk = tl.load(bt_row_ptr + start // BLOCK_SIZE)
+        row = blk * block_rows + head_row + start % BLOCK_SIZE
+        k = k_desc.load([row, 0])
+        v = v_desc.load([row, 0])
+    else:
+        page_lo = kv_start // BLOCK_SIZE
+        page_hi = tl.cdiv(kv_end, BLOCK_SIZE)
+        k, v = _kv_pages(
+            k_desc,
+            v_desc,
+            bt_row_ptr,
+            start // BLOCK_SIZE,
+            block_rows,
+            head_row,
+            page_lo,
+            page_hi,
+            BLOCK_N // BLOCK_SIZE,
+            BLOCK_SIZE,
+            MASKED,
+        )
+    return k, v
+
+
+@triton.jit
+def attn_inner_tma(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    k_desc,
+    v_desc,
+    bt_row_ptr,
+    block_rows,
+    head_row,
+    lo,
+    hi,
+    kv_end,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    MASKED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    kv_start=0,
+    window=0,
+    HAS_WINDOW: tl.constexpr = False,
+    WS: tl.constexpr = False,
+):
+    """`attn_inner` with K and V read through `rows_desc` descriptors over the caches (`_kv_tile`): the
+    same fold of keys lo .. hi−1 into (acc, l_i, m_i), the same operations in the same order, for a cache
+    in q's dtype (no FP8). block_rows, head_row: the descriptor row of block 1 and of this KV head in block 0. A MASKED
+    tile's keys from kv_end on (and with HAS_WINDOW below kv_start) may hold anything: their scores are
+    −inf and their V rows zero. WS: warp-specialise the loop (`tl.range(..., warp_specialize=True)`)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        start = tl.multiple_of(start, BLOCK_N)
+        k, v = _kv_tile(
+            k_desc, v_desc, bt_row_ptr, start, block_rows, head_row, kv_start, kv_end, BLOCK_N, BLOCK_SIZE, PAGE_TILE,
+            MASKED,
+        )  # fmt: skip
+        qk = dot_qk(q, k, UPCAST, IEEE)
+        kv_valid = (start + offs_n) < kv_end  # used by MASKED tiles only
+        if MASKED and HAS_WINDOW:
+            kv_valid = kv_valid & ((start + offs_n) >= kv_start)
+        if MASKED:
+            visible = ((start + offs_n)[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+            if HAS_WINDOW:
+                visible = visible & ((start + offs_n)[None, :] > (q_pos - window)[:, None])
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = m_ij
+            if HAS_WINDOW:  # a row that has seen no key yet: subtract 0, so p = 0 and α = 0 (not NaN)
+                m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            qk = qk - m_sub[:, None]
+            v = tl.where(kv_valid[:, None], v, 0.0)  # p = 0 there, but 0 · NaN would not be 0
+        else:
+            # qk_scale > 0 (checked by the launchers), so max commutes with the scaling: one FMA per score.
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_ij[:, None]
+            m_sub = m_ij
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = dot_pv(p.to(v.dtype), v, acc, UPCAST, IEEE)
         m_i = m_ij
