@@ -11,6 +11,7 @@
 #   STEPS="fp8_tests fp8_quant_bench rows_bench_8b rows_bench_fp8" ...
 #   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                                              # §3a
 #   STEPS="decode_fold cascade_split" ...                                                            # §4
+#   STEPS=prefill_sweep ...;  STEPS=prefill_sweep_p256 ...                                           # §3
 #
 # The megakernel-pieces steps need branch h1-mk-pieces's tree in .pieces/ (git-ignored, so the device
 # call must carry it): `rm -rf .pieces && mkdir .pieces && git archive h1-mk-pieces tinyvllm benchmarks tests
@@ -71,6 +72,11 @@ fi
 # specialisation), swept with today's tiles; a call per head dim (~120 candidates each).
 step attn_sweep_128 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 128 --out "$RES"
 step attn_sweep_64 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 64 --out "$RES/d64"
+
+# The paged prefill's TMA / warp-specialised candidates (§3), at pages of 16 and 256 keys.
+step prefill_sweep 560 python3 benchmarks/kernels/bench_prefill_attention.py --sweep --no-flex --out "$RES"
+step prefill_sweep_p256 560 python3 benchmarks/kernels/bench_prefill_attention.py --sweep --no-flex --block-sizes 256 16 \
+  --out "$RES/p256"
 
 # 6. Decode attention with the merge folded into the split kernel (§4; the fold's column, graph replays).
 step decode_fold 300 python3 benchmarks/kernels/bench_decode_attention.py --no-flex --out "$RES"
