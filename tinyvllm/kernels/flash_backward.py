@@ -121,7 +121,9 @@ def _bwd_stats_kernel(
 def _stats_rows(stats_h, seq_len, BLOCK: tl.constexpr):
     """A tensor descriptor over one head's `_bwd_stats_kernel` rows of one sequence (stats_h: its first
     row), [seq_len, 4], loaded as [BLOCK, 4] tiles; rows from seq_len on read as zeros."""
-    return tl.make_tensor_descriptor(stats_h, shape=[seq_len, 4], strides=[4, 1], block_shape=[BLOCK, 4])
+    return tl.make_tensor_descriptor(  # one row at least: a TMA dimension may not be 0
+        stats_h, shape=[tl.maximum(seq_len, 1), 4], strides=[4, 1], block_shape=[BLOCK, 4]
+    )
 
 
 @triton.jit

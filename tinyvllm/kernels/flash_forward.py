@@ -49,10 +49,11 @@ def seq_rows(base, seq_len, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexp
     """A tensor descriptor (TMA on sm_90) over one sequence's rows of one head: [seq_len, HEAD_DIM]
     elements from `base` (the sequence's first row of the head), row stride stride_t, loaded as
     [BLOCK, HEAD_DIM] tiles. The descriptor ends where the sequence ends, so rows from seq_len on load as
-    zeros, exactly as the masked pointer loads: no row of the next sequence is ever read. base and
-    stride_t · element size must be multiples of 16 bytes (`launch.tma_usable`)."""
+    zeros, exactly as the masked pointer loads: no row of the next sequence is ever read. An empty
+    sequence's descriptor spans one row (a TMA dimension may not be 0); nothing loaded for it is stored.
+    base and stride_t · element size must be multiples of 16 bytes (`launch.tma_usable`)."""
     return tl.make_tensor_descriptor(
-        base, shape=[seq_len, HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM]
+        base, shape=[tl.maximum(seq_len, 1), HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM]
     )
 
 
