@@ -73,3 +73,13 @@ def test_fingerprint_follows_every_file_triton_hashes(tmp_path):
         assert stamp() == first
     (root / "language/new.py").write_text("y")
     assert stamp() != first
+
+
+def test_an_unwritable_cache_directory_still_gives_the_key(tmp_path):
+    """Where the key cannot be stored (here the cache "directory" is a file), the process still gets the
+    computed key, and the next one computes it again."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    store = blocker / "key.json"
+    assert tk.cached_key(store, "a", lambda: "K") == "K"
+    assert tk.cached_key(store, "a", lambda: "K2") == "K2"
