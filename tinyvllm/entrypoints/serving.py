@@ -245,7 +245,8 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     """(prompt index, RequestDelta: what arrived since the previous one, see RequestStream.deltas)
     from every stream as they arrive; errors propagate."""
     if len(streams) == 1:
-        async for delta in streams[0].deltas():
+        next_delta = streams[0].next_delta
+        while (delta := await next_delta()) is not None:
             yield 0, delta
         return
     queue: asyncio.Queue = asyncio.Queue()
