@@ -29,6 +29,7 @@ from starlette.responses import StreamingResponse
 from tinyvllm.engine.async_llm import EngineClient, RequestRejected, RequestStream
 from tinyvllm.engine.messages import OutputAccumulator, RequestDelta
 from tinyvllm.entrypoints.errors import APIError, error_json
+from tinyvllm.entrypoints.guard import BODY_SEND
 from tinyvllm.entrypoints.limits import ServerLimits, check_stop, parse_body, prompt_char_bound
 from tinyvllm.entrypoints.protocol import SamplingFields
 from tinyvllm.entrypoints.shutdown import Drain
@@ -318,14 +319,26 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 class SSEResponse(StreamingResponse):
     """text/event-stream whose requests are aborted whenever the response ends (a client that
-    disconnects cancels the body iterator, and this `finally` frees the KV blocks at once)."""
+    disconnects cancels the body iterator, and this `finally` frees the KV blocks at once). The
+    events are strings; their body messages go to `RequestGuard`'s send (`guard.BODY_SEND`, when the
+    scope has it), past the middlewares that only look at the response's start."""
 
     def __init__(self, events: AsyncIterator[str], streams: list[RequestStream], drain: Drain) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._streams = streams
         self._drain = drain
+        self._body_send: Any = None
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        send = self._body_send or send
+        charset = self.charset
+        async for event in self.body_iterator:
+            await send({"type": "http.response.body", "body": event.encode(charset), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self._body_send = scope.get(BODY_SEND)
         try:
             await super().__call__(scope, receive, send)
         finally:
