@@ -357,7 +357,7 @@ def sse_error(e: BaseException) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
-_encode_str = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) uses for a str (C)
+json_str = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) uses for a str (C)
 
 
 def to_json(value: Any) -> str:
@@ -365,7 +365,7 @@ def to_json(value: Any) -> str:
     if value is None:
         return "null"
     if value.__class__ is str:
-        return _encode_str(value)
+        return json_str(value)
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -382,13 +382,24 @@ class ChunkFormat:
     def chunk(self, choice_json: str) -> str:
         return self.prefix + choice_json + self.suffix
 
+    def text_chunk(self, index: int, chat: bool) -> tuple[str, str]:
+        """(head, tail) of the commonest chunk, some text of a running choice without logprobs:
+        `head + json_str(text) + tail` is `chunk(completion_choice_json(index, text, None, None,
+        None))` (`chat_choice_json`'s for chat, text not empty)."""
+        if chat:
+            return f'{self.prefix}{{"index":{index},"delta":{{"content":', "}" + _RUNNING + self.suffix
+        return f'{self.prefix}{{"index":{index},"text":', _RUNNING + self.suffix
+
+
+_RUNNING = ',"logprobs":null,"finish_reason":null,"stop_reason":null}'  # a running choice's end, without logprobs
+
 
 def completion_choice_json(
     index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None
 ) -> str:
     """A streamed /v1/completions choice: {index, text, logprobs, finish_reason, stop_reason}."""
     return (
-        f'{{"index":{index},"text":{_encode_str(text)},"logprobs":{to_json(logprobs)},'
+        f'{{"index":{index},"text":{json_str(text)},"logprobs":{to_json(logprobs)},'
         f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}'
     )
 
@@ -398,7 +409,7 @@ def chat_choice_json(
 ) -> str:
     """A streamed chat choice: {index, delta: {content} ({} when content is empty), logprobs,
     finish_reason, stop_reason}."""
-    delta = f'{{"content":{_encode_str(content)}}}' if content else "{}"
+    delta = f'{{"content":{json_str(content)}}}' if content else "{}"
     return (
         f'{{"index":{index},"delta":{delta},"logprobs":{to_json(logprobs)},'
         f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}'
