@@ -166,7 +166,7 @@ def serve(port: int, tokenizer_dir: str, vocab_size: int, step_ms: float, profil
     import uvicorn
 
     from tinyvllm.engine.mp_client import MPAsyncLLMEngine
-    from tinyvllm.entrypoints.server import ServerArgs, _signals_end_the_server, build_app
+    from tinyvllm.entrypoints.server import ServerArgs, _signals_end_the_server, build_app, freeze_startup_heap
 
     cls = _profiled_engine_class() if profile_path else MPAsyncLLMEngine
     engine = cls(FakeArgs(tokenizer_dir, vocab_size, step_ms=step_ms), engine_factory=fake_engine).start(timeout=60)
@@ -174,6 +174,7 @@ def serve(port: int, tokenizer_dir: str, vocab_size: int, step_ms: float, profil
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2, backlog=4096
     )
+    freeze_startup_heap()  # as `tinyvllm serve` does
     prof = cProfile.Profile(time.thread_time) if profile_path else None
     if prof is not None:
         prof.enable()
