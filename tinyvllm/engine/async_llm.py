@@ -522,8 +522,14 @@ def _prompt_parts(prompt: Any) -> tuple[str | None, list[int]]:
 
 def _by_loop(items: Sequence[tuple[RequestStream, Any]]) -> dict[asyncio.AbstractEventLoop, list]:
     groups: dict[asyncio.AbstractEventLoop, list] = {}
-    for item in items:
-        groups.setdefault(item[0]._loop, []).append(item)
+    loop = group = None
+    for item in items:  # once per token of a step: mostly one loop, so one lookup per change of loop
+        if item[0]._loop is not loop:
+            loop = item[0]._loop
+            group = groups.get(loop)
+            if group is None:
+                group = groups[loop] = []
+        group.append(item)
     return groups
 
 
