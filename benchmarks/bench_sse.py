@@ -89,6 +89,8 @@ class FakeEngine:
         self.model_config = _Config(vocab_size=args.vocab_size)
         self.scheduler_config = _Config(max_model_len=args.max_model_len)
         self.default_sampling_params = SamplingParams()
+        self.default_max_tokens = None
+        self.max_tokens_cap = None
         self.scheduler = _Scheduler()
         self._step_s = args.step_ms / 1e3
         self._requests: dict[str, _Request] = {}
@@ -102,13 +104,16 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def has_idle_work(self) -> bool:
+        return False
+
     def add_core_request(self, request_id: str, prompt: Any, params: Any, arrival_time: float | None = None) -> None:
         self._requests[request_id] = _Request(request_id, params.max_tokens or 256)
 
     def abort(self, command: Any) -> None:
         self._requests.pop(command.request_id, None)
 
-    def core_step(self) -> list:
+    def core_step(self, early: Any = None) -> list:
         from tinyvllm.engine.messages import EngineCoreOutput, RequestTimes
 
         if self._step_s:
@@ -161,7 +166,7 @@ def serve(port: int, tokenizer_dir: str, vocab_size: int, step_ms: float, profil
     import uvicorn
 
     from tinyvllm.engine.mp_client import MPAsyncLLMEngine
-    from tinyvllm.entrypoints.server import ServerArgs, _signals_end_the_server, build_app
+    from tinyvllm.entrypoints.server import ServerArgs, _signals_end_the_server, build_app, freeze_startup_heap
 
     cls = _profiled_engine_class() if profile_path else MPAsyncLLMEngine
     engine = cls(FakeArgs(tokenizer_dir, vocab_size, step_ms=step_ms), engine_factory=fake_engine).start(timeout=60)
@@ -169,6 +174,7 @@ def serve(port: int, tokenizer_dir: str, vocab_size: int, step_ms: float, profil
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=2, backlog=4096
     )
+    freeze_startup_heap()  # as `tinyvllm serve` does
     prof = cProfile.Profile(time.thread_time) if profile_path else None
     if prof is not None:
         prof.enable()

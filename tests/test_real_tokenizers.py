@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import shutil
 import unicodedata
 from pathlib import Path
@@ -165,6 +166,29 @@ def test_qwen_chat_prompt_matches_tiktoken(qwen) -> None:
     assert tok.decode([9707, 151700, 1879]) == "Hello world"
 
 
+def check_texts_concatenate(tok: Tokenizer, pairs: int = 20000) -> None:
+    """`decodes_by_concatenation`: ids whose texts alone are valid decode together to the texts
+    joined (random ids, and every added token against random ones; special and unknown ids included)."""
+    assert tok.decodes_by_concatenation
+    rng = random.Random(0)
+    added = sorted(tok._backend.get_added_tokens_decoder())
+    cases = [(rng.randrange(tok.vocab_size + 100), rng.randrange(tok.vocab_size + 100)) for _ in range(pairs)]
+    cases += [(a, rng.randrange(tok.vocab_size)) for a in added for _ in range(20)]
+    cases += [(rng.randrange(tok.vocab_size), a) for a in added for _ in range(20)]
+    for skip in (False, True):
+        checked = 0
+        for a, b in cases:
+            ta, tb = tok.decode([a], skip_special_tokens=skip), tok.decode([b], skip_special_tokens=skip)
+            if "\ufffd" not in ta + tb:
+                assert tok.decode([a, b], skip_special_tokens=skip) == ta + tb, (a, b, skip)
+                checked += 1
+        assert checked > len(cases) // 2
+
+
+def test_qwen_texts_concatenate(qwen) -> None:
+    check_texts_concatenate(qwen[0])
+
+
 # --------------------------------------------------------------------------- Llama 3
 
 
@@ -188,3 +212,4 @@ def test_llama3_tokenizer_json_encodes_as_tiktoken(tmp_path: Path) -> None:
         assert ids == ref.encode(text, allowed_special="all")
         assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids)
     assert tok.encode("Hello world", add_special_tokens=False) == [9906, 1917]  # Llama 3's published ids
+    check_texts_concatenate(tok)

@@ -452,6 +452,53 @@ def test_detokenizer_matches_full_decode(tok: Tokenizer, data: st.DataObject) ->
     assert streamed == expected_text
 
 
+class _PlainDecoder:
+    """A tokenizer without the shared per-id texts: the detokenizer's general path (a decode per window)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.decode = tok.decode
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_detokenizer_cached_texts_match_the_general_path(tok: Tokenizer, data: st.DataObject) -> None:
+    """One token per step (the server's steady state: the window's texts come from the per-id cache and,
+    with a ByteLevel decoder, by concatenation) streams what a decode per window streams."""
+    assert tok.decodes_by_concatenation
+    pool = _pieces(tok)
+    ids = data.draw(st.lists(st.one_of(st.sampled_from(pool), st.integers(0, VOCAB + 9)), max_size=60))
+    skip = data.draw(st.booleans())
+    prompt = data.draw(st.sampled_from([[], tok.encode("Hi there"), tok.encode("😀")[:-1]]))
+    stops = data.draw(st.lists(st.sampled_from(["a", "lo", "😀", "\ufffd", "<|eot_id|>", "é€"]), max_size=2))
+    include = data.draw(st.booleans())
+    dets = [
+        IncrementalDetokenizer(t, prompt, skip_special_tokens=skip, stop=stops, include_stop_str_in_output=include)
+        for t in (tok, _PlainDecoder(tok))
+    ]
+    for t in ids:
+        stop = [d.add_tokens([t]) for d in dets]
+        assert stop[0] == stop[1]
+        assert dets[0].output_text == dets[1].output_text
+        assert dets[0].get_delta(finished=False) == dets[1].get_delta(finished=False)
+        if stop[0] is not None:
+            break
+    assert dets[0].get_delta(finished=True) == dets[1].get_delta(finished=True)
+    assert dets[0].output_text == dets[1].output_text
+
+
+def test_byte_level_texts_concatenate(tok: Tokenizer) -> None:
+    """What `decodes_by_concatenation` promises, on every pair of the test vocabulary's pieces and
+    random ids (special and unknown ones included)."""
+    rng = random.Random(0)
+    ids = _pieces(tok) + [rng.randrange(VOCAB + 10) for _ in range(150)]
+    for skip in (False, True):
+        alone = {t: tok.decode([t], skip_special_tokens=skip) for t in ids}
+        for a in ids:
+            for b in ids:
+                if "\ufffd" not in alone[a] + alone[b]:
+                    assert tok.decode([a, b], skip_special_tokens=skip) == alone[a] + alone[b]
+
+
 def test_split_emoji_is_released_whole(tok: Tokenizer) -> None:
     emoji = tok.encode("😀", add_special_tokens=False)
     assert len(emoji) == 4  # one byte token per UTF-8 byte

@@ -197,6 +197,10 @@ class Tokenizer:
         special |= {backend.token_to_id(t) for t in self.special_tokens.values()}
         self.all_special_ids: set[int] = special
         self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
+        self._alone: tuple[dict[int, str], dict[int, str]] = ({}, {})  # see decoded_alone
+        # A ByteLevel decoder (Llama 3, Qwen) decodes the ids' bytes, concatenated, as UTF-8 (lossy): ids
+        # whose texts alone are valid (no U+FFFD) decode together to the concatenation of those texts.
+        self.decodes_by_concatenation: bool = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
 
     @functools.cached_property
     def vocab_size(self) -> int:
@@ -260,6 +264,11 @@ class Tokenizer:
         ``" the"``, ``"<|im_end|>"``, U+FFFD for a byte that is part of a character). An id the
         tokenizer lacks (past its last token, e.g. one of Qwen's padding rows) gives ``""``."""
         return [self._token_text(i) for i in ids]
+
+    def decoded_alone(self, skip_special_tokens: bool) -> dict[int, str]:
+        """A cache, shared by this tokenizer's detokenizers, of ``decode([id], skip_special_tokens)``
+        by id (the callers fill it; at most one entry per token)."""
+        return self._alone[bool(skip_special_tokens)]
 
     def _decode_one(self, token_id: int) -> str:
         if not 0 <= token_id < self.vocab_size:
@@ -412,6 +421,12 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         backend = getattr(tokenizer, "_backend", None)  # the `tokenizers` object: skip a wrapper per call
         self._decode_ids = backend.decode if backend is not None else tokenizer.decode
+        # decode([id]) by id, where the tokenizer shares one: a step's context window is mostly the
+        # previous step's one token, whose text alone is then a dict lookup; with a tokenizer that
+        # decodes by concatenation, so is the window's text with the one new token.
+        alone = getattr(tokenizer, "decoded_alone", None)
+        self._alone: dict[int, str] | None = alone(skip_special_tokens) if alone is not None else None
+        self._concatenates = self._alone is not None and getattr(tokenizer, "decodes_by_concatenation", False)
         self._skip_special_tokens = skip_special_tokens
         self._stop = stop
         self._include_stop = include_stop_str_in_output
@@ -458,16 +473,31 @@ class IncrementalDetokenizer:
         Raises:
             RuntimeError: the detokenizer is already finished.
         """
-        if self.finished:
+        if self._final_text is not None:
             raise RuntimeError("add_tokens() after the request finished (stop string matched or finish() called)")
         if not new_token_ids:
             return None
         ids = self._ids
         ids.extend(new_token_ids)
         skip = self._skip_special_tokens
+        decode = self._decode_ids
         start, read = self._prefix_offset, self._read_offset
-        prefix_text = self._decode_ids(ids[start:read], skip_special_tokens=skip) if start < read else ""
-        new_text = self._decode_ids(ids[start:], skip_special_tokens=skip)
+        if start + 1 == read and (alone := self._alone) is not None:
+            prefix_text = alone.get(ids[start])
+            if prefix_text is None:
+                prefix_text = alone[ids[start]] = decode(ids[start:read], skip_special_tokens=skip)
+            new_text = None
+            if self._concatenates and len(ids) == read + 1 and _REPLACEMENT_CHAR not in prefix_text:
+                text = alone.get(ids[read])
+                if text is None:
+                    text = alone[ids[read]] = decode(ids[read:], skip_special_tokens=skip)
+                if _REPLACEMENT_CHAR not in text:
+                    new_text = prefix_text + text  # = decode(ids[start:]), see decodes_by_concatenation
+            if new_text is None:
+                new_text = decode(ids[start:], skip_special_tokens=skip)
+        else:
+            prefix_text = decode(ids[start:read], skip_special_tokens=skip) if start < read else ""
+            new_text = decode(ids[start:], skip_special_tokens=skip)
         old_visible_len = self._visible_len
         if new_text.endswith(_REPLACEMENT_CHAR):
             self._pending = new_text[len(prefix_text) :]

@@ -151,6 +151,21 @@ def test_cors_preflight_and_headers(make_server):
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
 
 
+def test_a_stream_gets_the_cors_headers(make_server):
+    """An SSE response's body messages skip the middlewares that only look at a response's start
+    (`guard.BODY_SEND`): the start still passes them (the key check, the CORS headers)."""
+    live = make_server(api_key="s3cret")
+    headers = {"Origin": "https://app.example", "Authorization": "Bearer s3cret"}
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 4, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
+    denied = httpx.post(live.url + "/v1/completions", json=body, headers={"Origin": "https://app.example"})
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
+
+
 def test_cors_restricted_to_the_allowed_origins(make_server):
     live = make_server(server_kw={"allowed_origins": ["https://good.example"]})
     pre = {"Access-Control-Request-Method": "POST"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tinyvllm.engine.messages import CompletionDelta, OutputAccumulator, RequestDelta, merge_deltas
-from tinyvllm.entrypoints.serving import ChunkFormat, chat_choice_json, completion_choice_json, sse
+from tinyvllm.entrypoints.serving import ChunkFormat, chat_choice_json, completion_choice_json, json_str, sse
 from tinyvllm.outputs import Logprob
 
 TEXTS = ["", "hello", ' "quoted" \\ back', "naïve ☃ \u2028 \x00 \t\n", "\ud800 lone"]
@@ -34,6 +34,17 @@ def test_chunks_match_sse_of_the_dict(include_usage, text, ending):
             "stop_reason": ending[1],
         }
         assert fmt.chunk(chat_choice_json(3, text, logprobs, *ending)) == sse({**head, "choices": [choice], **extra})
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("text", TEXTS[1:])
+@pytest.mark.parametrize("index", [0, 3, 12])
+def test_text_chunks_match_the_general_chunks(include_usage, text, index):
+    fmt = ChunkFormat({"id": "x-1", "object": "o", "created": 1, "model": "m\u00e9"}, include_usage)
+    head, tail = fmt.text_chunk(index, chat=False)
+    assert head + json_str(text) + tail == fmt.chunk(completion_choice_json(index, text, None, None, None))
+    head, tail = fmt.text_chunk(index, chat=True)
+    assert head + json_str(text) + tail == fmt.chunk(chat_choice_json(index, text, None, None, None))
 
 
 def _delta(finished, completions, error=None, cached=None) -> RequestDelta:

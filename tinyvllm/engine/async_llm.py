@@ -175,21 +175,44 @@ class RequestStream:
                 raise error
 
     async def deltas(self) -> AsyncIterator[RequestDelta]:
-        """The DELTA stream as RequestDeltas, without building RequestOutputs (the SSE path): the
-        RequestDeltas that piled up since the previous one merged into one (`merge_deltas`),
-        completions in index order. Ends after the finished one; raises the error that ends the
-        stream. For DELTA requests only."""
+        """The DELTA stream as RequestDeltas, without building RequestOutputs: the RequestDeltas
+        that piled up since the previous one merged into one (`merge_deltas`), completions in index
+        order. Ends after the finished one; raises the error that ends the stream. For DELTA
+        requests only."""
+        while (delta := await self.next_delta()) is not None:
+            yield delta
+
+    async def next_delta(self) -> RequestDelta | None:
+        """`deltas()` one at a time (the SSE path: one await per event, no generator): the next
+        merged RequestDelta, None once the finished one was returned; raises the error that ends
+        the stream. For DELTA requests only."""
         if self._accumulate:
             raise ValueError("deltas() is for DELTA requests; iterate the stream for the others")
         while not self.finished:
-            items, error = await self._take()
-            if items:
-                delta = merge_deltas(items)
+            pending = self._pending
+            if not pending:
+                self._waiter = waiter = self._loop.create_future()
+                try:
+                    await waiter
+                finally:
+                    self._waiter = None
+                pending = self._pending
+            self._pending = []
+            error = None
+            for k, item in enumerate(pending):
+                if isinstance(item, BaseException):  # what came after it is dropped
+                    pending, error = pending[:k], item
+                    break
+            if pending:
+                delta = merge_deltas(pending)
                 self.finished = delta.finished
-                yield delta
+                if error is not None and not self.finished:
+                    self._pending = [error]  # raised by the next call, after this delta
+                return delta
             if error is not None and not self.finished:
                 self.finished = True
                 raise error
+        return None
 
     async def _take(self) -> tuple[list[Any], BaseException | None]:
         """Wait until something is queued; then (every RequestDelta queued before the error, if any;
@@ -499,8 +522,14 @@ def _prompt_parts(prompt: Any) -> tuple[str | None, list[int]]:
 
 def _by_loop(items: Sequence[tuple[RequestStream, Any]]) -> dict[asyncio.AbstractEventLoop, list]:
     groups: dict[asyncio.AbstractEventLoop, list] = {}
-    for item in items:
-        groups.setdefault(item[0]._loop, []).append(item)
+    loop = group = None
+    for item in items:  # once per token of a step: mostly one loop, so one lookup per change of loop
+        if item[0]._loop is not loop:
+            loop = item[0]._loop
+            group = groups.get(loop)
+            if group is None:
+                group = groups[loop] = []
+        group.append(item)
     return groups
 
 

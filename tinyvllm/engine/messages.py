@@ -284,11 +284,12 @@ def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
         if len(completions) > 1 and any(a.index > b.index for a, b in itertools.pairwise(completions)):
             delta = msgspec.structs.replace(delta, completions=sorted(completions, key=_index))
         return delta
-    by_index: dict[int, list[CompletionDelta]] = {}
     error = cached = prompt_logprobs = None
+    first = deltas[0].completions
+    index = first[0].index if len(first) == 1 else None  # one completion in every delta (n = 1)?
     for d in deltas:
-        for c in d.completions:
-            by_index.setdefault(c.index, []).append(c)
+        if index is not None and (len(d.completions) != 1 or d.completions[0].index != index):
+            index = None
         if d.error is not None:
             error = d.error
         if d.num_cached_tokens is not None:
@@ -296,7 +297,14 @@ def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
         if d.prompt_logprobs is not None:
             prompt_logprobs = d.prompt_logprobs
     last = deltas[-1]
-    merged = [_merge_completion(by_index[i]) for i in sorted(by_index)]
+    if index is not None:
+        merged = [_merge_completion([d.completions[0] for d in deltas])]
+    else:
+        by_index: dict[int, list[CompletionDelta]] = {}
+        for d in deltas:
+            for c in d.completions:
+                by_index.setdefault(c.index, []).append(c)
+        merged = [_merge_completion(by_index[i]) for i in sorted(by_index)]
     return RequestDelta(last.request_id, last.finished, merged, error, cached, prompt_logprobs)
 
 
@@ -309,15 +317,17 @@ def _merge_completion(parts: list[CompletionDelta]) -> CompletionDelta:
     if len(parts) == 1:
         return parts[0]
     token_ids: list[int] = []
+    texts = []
     logprobs: list | None = None
     for part in parts:
+        texts.append(part.text)
         token_ids += part.token_ids
         if part.logprobs is not None:
             if logprobs is None:
                 logprobs = []
             logprobs += part.logprobs
     last = parts[-1]
-    text = "".join(p.text for p in parts)
+    text = "".join(texts)
     return CompletionDelta(
         last.index, text, token_ids, logprobs, last.cumulative_logprob, last.finish_reason, last.stop_reason
     )

@@ -7,7 +7,13 @@
 - gives the whole body `body_timeout_s` seconds to arrive (slow clients), else 408;
 - turns an unexpected exception into one logged line and a 500 in OpenAI's shape on a connection
   that stays open (Starlette's own handler logs it twice and drops the connection);
-- counts the requests in flight for the drain.
+- counts the requests in flight for the drain;
+- hands the route the send it received, as `scope[BODY_SEND]`: a response that streams many body
+  messages (SSE) sends its start through the middlewares inside this one and its body messages
+  straight to this send. Those middlewares (CORS, the API key check, Starlette's exception
+  middleware and the route's wrapper) look at a response's start only, and each would cost an await
+  per SSE event. A middleware added inside this one that reads or rewrites response bodies must not
+  be skipped: it must then drop the key from the scope.
 
 `header_timeout_protocol(seconds)`: uvicorn's httptools protocol with a deadline on the request line
 and headers (uvicorn has none: a client sending one header byte a minute holds a connection forever).
@@ -26,6 +32,7 @@ from tinyvllm.entrypoints.shutdown import Drain
 logger = logging.getLogger(__name__)
 
 _CLOSE = {"Connection": "close"}
+BODY_SEND = "tinyvllm.body_send"  # scope key: the send RequestGuard received (see the module docstring)
 
 
 async def send_error(send: Any, status: int, message: str, param: str | None = None, close: bool = False) -> None:
@@ -97,6 +104,7 @@ class RequestGuard:
                 started = True
             await send(message)
 
+        scope[BODY_SEND] = send
         self.drain.active += 1
         try:
             await self.app(scope, guarded_receive, tracking_send)

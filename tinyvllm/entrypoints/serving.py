@@ -29,6 +29,7 @@ from starlette.responses import StreamingResponse
 from tinyvllm.engine.async_llm import EngineClient, RequestRejected, RequestStream
 from tinyvllm.engine.messages import OutputAccumulator, RequestDelta
 from tinyvllm.entrypoints.errors import APIError, error_json
+from tinyvllm.entrypoints.guard import BODY_SEND
 from tinyvllm.entrypoints.limits import ServerLimits, check_stop, parse_body, prompt_char_bound
 from tinyvllm.entrypoints.protocol import SamplingFields
 from tinyvllm.entrypoints.shutdown import Drain
@@ -245,7 +246,8 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     """(prompt index, RequestDelta: what arrived since the previous one, see RequestStream.deltas)
     from every stream as they arrive; errors propagate."""
     if len(streams) == 1:
-        async for delta in streams[0].deltas():
+        next_delta = streams[0].next_delta
+        while (delta := await next_delta()) is not None:
             yield 0, delta
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -317,14 +319,26 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 class SSEResponse(StreamingResponse):
     """text/event-stream whose requests are aborted whenever the response ends (a client that
-    disconnects cancels the body iterator, and this `finally` frees the KV blocks at once)."""
+    disconnects cancels the body iterator, and this `finally` frees the KV blocks at once). The
+    events are strings; their body messages go to `RequestGuard`'s send (`guard.BODY_SEND`, when the
+    scope has it), past the middlewares that only look at the response's start."""
 
     def __init__(self, events: AsyncIterator[str], streams: list[RequestStream], drain: Drain) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._streams = streams
         self._drain = drain
+        self._body_send: Any = None
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        send = self._body_send or send
+        charset = self.charset
+        async for event in self.body_iterator:
+            await send({"type": "http.response.body", "body": event.encode(charset), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self._body_send = scope.get(BODY_SEND)
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -343,7 +357,7 @@ def sse_error(e: BaseException) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
-_encode_str = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) uses for a str (C)
+json_str = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) uses for a str (C)
 
 
 def to_json(value: Any) -> str:
@@ -351,7 +365,7 @@ def to_json(value: Any) -> str:
     if value is None:
         return "null"
     if value.__class__ is str:
-        return _encode_str(value)
+        return json_str(value)
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -368,13 +382,24 @@ class ChunkFormat:
     def chunk(self, choice_json: str) -> str:
         return self.prefix + choice_json + self.suffix
 
+    def text_chunk(self, index: int, chat: bool) -> tuple[str, str]:
+        """(head, tail) of the commonest chunk, some text of a running choice without logprobs:
+        `head + json_str(text) + tail` is `chunk(completion_choice_json(index, text, None, None,
+        None))` (`chat_choice_json`'s for chat, text not empty)."""
+        if chat:
+            return f'{self.prefix}{{"index":{index},"delta":{{"content":', "}" + _RUNNING + self.suffix
+        return f'{self.prefix}{{"index":{index},"text":', _RUNNING + self.suffix
+
+
+_RUNNING = ',"logprobs":null,"finish_reason":null,"stop_reason":null}'  # a running choice's end, without logprobs
+
 
 def completion_choice_json(
     index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None
 ) -> str:
     """A streamed /v1/completions choice: {index, text, logprobs, finish_reason, stop_reason}."""
     return (
-        f'{{"index":{index},"text":{_encode_str(text)},"logprobs":{to_json(logprobs)},'
+        f'{{"index":{index},"text":{json_str(text)},"logprobs":{to_json(logprobs)},'
         f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}'
     )
 
@@ -384,7 +409,7 @@ def chat_choice_json(
 ) -> str:
     """A streamed chat choice: {index, delta: {content} ({} when content is empty), logprobs,
     finish_reason, stop_reason}."""
-    delta = f'{{"content":{_encode_str(content)}}}' if content else "{}"
+    delta = f'{{"content":{json_str(content)}}}' if content else "{}"
     return (
         f'{{"index":{index},"delta":{delta},"logprobs":{to_json(logprobs)},'
         f'"finish_reason":{to_json(finish_reason)},"stop_reason":{to_json(stop_reason)}}}'

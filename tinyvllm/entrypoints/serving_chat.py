@@ -40,6 +40,7 @@ from tinyvllm.entrypoints.serving import (
     chat_delta_json,
     chat_logprobs,
     final_outputs,
+    json_str,
     merged,
     new_id,
     now_s,
@@ -270,6 +271,8 @@ async def _events(
     yield _first_chunks(req, head, include_usage, prompt)
     completion_tokens = [0] * req.n
     done = [False] * req.n
+    logprobs = req.logprobs
+    plain = [fmt.text_chunk(index, chat=True) for index in range(req.n)] if not logprobs else []
     try:
         async for _, delta in merged(streams):  # what arrived since the previous event, merged
             chunks = []
@@ -278,10 +281,15 @@ async def _events(
                 if done[i]:
                     continue  # a finished choice of a request whose other choices still run
                 completion_tokens[i] += len(token_ids)
+                if plain and finish_reason is None:  # the commonest chunk: more content, no logprobs
+                    if text:
+                        head_json, tail_json = plain[i]
+                        chunks.append(head_json + json_str(text) + tail_json)
+                    continue  # else no visible text yet (a partial character, a held-back stop prefix)
                 finished = done[i] = finish_reason is not None
-                if not text and not finished and not (req.logprobs and token_ids):
+                if not text and not finished and not (logprobs and token_ids):
                     continue  # no visible text yet (a partial character, a held-back stop prefix)
-                lp = chat_logprobs(ctx, token_ids, c.logprobs or [], req.top_logprobs or 0) if req.logprobs else None
+                lp = chat_logprobs(ctx, token_ids, c.logprobs or [], req.top_logprobs or 0) if logprobs else None
                 chunks.append(
                     fmt.chunk(chat_choice_json(i, text, lp, finish_reason, c.stop_reason if finished else None))
                 )

@@ -34,6 +34,7 @@ from tinyvllm.entrypoints.serving import (
     completion_choice_json,
     completion_logprobs,
     final_outputs,
+    json_str,
     merged,
     new_id,
     now_s,
@@ -155,50 +156,62 @@ async def _events(
     head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.model_name}
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     fmt = ChunkFormat(head, include_usage)
-    sent_chars: dict[int, int] = {}  # per choice: the logprobs' text_offset of its next generated token
+    n, echo, num_logprobs = req.n, req.echo, req.logprobs
+    num_choices = len(prompts) * n
+    # per choice: the logprobs' text_offset of its next generated token (None: no chunk sent yet)
+    sent_chars: list[int | None] = [None] * num_choices
     prompt_logprobs: dict[int, list] = {}  # per prompt, once the engine sent them (echo with logprobs)
-    completion_tokens: dict[int, int] = {}
-    done: set[int] = set()
+    completion_tokens = [0] * num_choices
+    done = [False] * num_choices
+    plain = [fmt.text_chunk(index, chat=False) for index in range(num_choices)] if num_logprobs is None else []
     try:
         async for i, delta in merged(streams):  # what arrived since the previous event, merged
             if delta.prompt_logprobs is not None:
                 prompt_logprobs[i] = delta.prompt_logprobs
             chunks = []
             for c in delta.completions:
-                index = i * req.n + c.index
-                text, token_ids, finish_reason = c.text, c.token_ids, c.finish_reason
-                if index in done:
+                index = i * n + c.index
+                if done[index]:
                     continue  # a finished choice of a request whose other choices still run
-                first = index not in sent_chars
+                text, token_ids, finish_reason = c.text, c.token_ids, c.finish_reason
+                completion_tokens[index] += len(token_ids)
+                sent = sent_chars[index]
+                if plain and finish_reason is None and (sent is not None or not echo):
+                    # The commonest chunk: more text of a running choice, no logprobs, no echo.
+                    if text:
+                        sent_chars[index] = (sent or 0) + len(text)
+                        head_json, tail_json = plain[index]
+                        chunks.append(head_json + json_str(text) + tail_json)
+                    continue  # else no visible text yet (a partial character, a held-back stop prefix)
+                first = sent is None
                 finished = finish_reason is not None
-                wanted = text or (first and req.echo) or (token_ids and req.logprobs is not None)
-                completion_tokens[index] = completion_tokens.get(index, 0) + len(token_ids)
+                wanted = text or (first and echo) or (token_ids and num_logprobs is not None)
                 if not wanted and not finished:
                     continue  # no visible text yet (a partial character, a held-back stop prefix)
-                offset = sent_chars.get(index, 0)
+                offset = sent or 0
                 lp = None
-                if req.logprobs is not None:
+                if num_logprobs is not None:
                     ids, entries = token_ids, c.logprobs or []
-                    if first and req.echo:
+                    if first and echo:
                         # Completion 0's first output brings them, never later than any completion's first.
                         prompt_ids = prompts[i][1]
                         ids, entries = prompt_ids + ids, _prompt_entries(prompt_ids, prompt_logprobs.get(i)) + entries
                         offset = sum(len(ctx.token_text(t)) for t in prompt_ids)
-                        lp = completion_logprobs(ctx, ids, entries, req.logprobs, 0)
+                        lp = completion_logprobs(ctx, ids, entries, num_logprobs, 0)
                     else:
-                        lp = completion_logprobs(ctx, ids, entries, req.logprobs, offset)
+                        lp = completion_logprobs(ctx, ids, entries, num_logprobs, offset)
                 sent_chars[index] = offset + len(text)
-                if first and req.echo:
+                if first and echo:
                     text = _prompt_text(ctx, prompts[i]) + text
                 if finished:
-                    done.add(index)
+                    done[index] = True
                 stop_reason = c.stop_reason if finished else None
                 chunks.append(fmt.chunk(completion_choice_json(index, text, lp, finish_reason, stop_reason)))
             if chunks:
                 yield chunks[0] if len(chunks) == 1 else "".join(chunks)
         if include_usage:
             prompt_tokens = sum(len(p[1]) for p in prompts)
-            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens.values()))})
+            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(completion_tokens))})
     except Exception as e:
         yield sse_error(e)
     yield SSE_DONE
