@@ -12,6 +12,7 @@
 #   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                                              # §3a
 #   STEPS="decode_fold cascade_split" ...                                                            # §4
 #   STEPS=prefill_sweep ...;  STEPS=prefill_sweep_p256 ...                                           # §3
+#   STEPS="top_p_only serve_top_p" ... (carry .whl)                                                  # §7
 #
 # The megakernel-pieces steps need branch h1-mk-pieces's tree in .pieces/ (git-ignored, so the device
 # call must carry it): `rm -rf .pieces && mkdir .pieces && git archive h1-mk-pieces tinyvllm benchmarks tests
@@ -82,7 +83,12 @@ step prefill_sweep_p256 560 python3 benchmarks/kernels/bench_prefill_attention.p
 step decode_fold 300 python3 benchmarks/kernels/bench_decode_attention.py --no-flex --out "$RES"
 step cascade_split 150 python3 benchmarks/kernels/bench_cascade.py --out "$RES"
 
-# 7. Structured outputs with the next step's inputs packed in the constrained step's launch (§10).
+# 7. Serving at rate inf with top_p 0.9 against the offline figure with it (#40; needs .whl carried):
+# the API process's CPU per token fell by half unpaced on the development CPU (§7).
+bench top_p_only 200 throughput --max-model-len 4096 --top-p 0.9 --name "throughput_top_p_only_$GPU"
+step serve_top_p 420 env BENCH_ARGS="--top-p 0.9" bash scripts/gpu_serve_bench.sh "$RES/serve_top_p09"
+
+# 8. Structured outputs with the next step's inputs packed in the constrained step's launch (§10).
 step structured_prepare 400 python3 -m benchmarks.structured --repeats 3 --prepare-in-launch \
   --name "structured_prepare_$GPU" --out-dir "$RES"
 
