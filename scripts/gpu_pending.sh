@@ -28,7 +28,7 @@ step checkpoint 120 python3 -c "from tinyvllm.models.checkpoint import resolve_m
 
 # 1. The rows megakernel (§1e): correctness over every program, then against the layer loop, then in the engine.
 step rows_tests 240 python3 -m pytest -q -x tests/gpu/test_rows_megakernel_gpu.py -p no:cacheprovider \
-  -k "default and (llama-3.2-1b or qwen3 or graph)"
+  -k "(default and (llama-3.2-1b or qwen3)) or graph"
 step rows_bench 540 python3 benchmarks/kernels/bench_rows_megakernel.py --out "$RES"
 bench rows_latency_b8 120 latency --batch-size 8 --output-len 256 --name "latency_b8_$GPU"
 bench rows_latency_b8_on 120 latency --batch-size 8 --output-len 256 --rows-megakernel --name "latency_b8_rows_$GPU"
