@@ -108,19 +108,9 @@ def executor(model, rows: RowsMegakernel | None, batch1: DecodeMegakernel | None
     paths = ModelExecutor(model, RunnerConfig(decode_megakernel=False, pruned_lm_head=False), "cuda")
     paths.rows_megakernel = rows
     paths.megakernel = batch1
-    if rows is not None:
-        paths.megakernel = _OneRow(rows)
+    if rows is not None:  # its call is the batch-1 path's: (input_ids, positions, meta, kv_caches)
+        paths.megakernel = rows
     return paths
-
-
-class _OneRow:
-    """The rows megakernel called as the batch-1 megakernel path is (one decode row)."""
-
-    def __init__(self, rows: RowsMegakernel) -> None:
-        self.rows = rows
-
-    def __call__(self, input_ids, positions, meta, kv_caches):
-        return self.rows(input_ids, positions, meta, kv_caches)
 
 
 @torch.no_grad()

@@ -38,7 +38,7 @@ def _defining_module():
         except ImportError:
             continue
         fn = getattr(mod, "triton_key", None)
-        if fn is not None and (getattr(fn, "__module__", None) == name or getattr(fn, "_tinyvllm_persisted", False)):
+        if fn is not None and (getattr(fn, "__module__", None) == name or hasattr(fn, "_tinyvllm_original")):
             return mod
     return None
 
@@ -92,7 +92,7 @@ def persist_triton_key() -> str | None:
     if mod is None:
         return None
     original = mod.triton_key
-    if getattr(original, "_tinyvllm_persisted", False):
+    if hasattr(original, "_tinyvllm_original"):  # stored in this process already
         return original()
     import triton
 
@@ -103,8 +103,7 @@ def persist_triton_key() -> str | None:
     def stored_key() -> str:
         return key
 
-    stored_key._tinyvllm_persisted = True
-    stored_key._tinyvllm_original = original  # Triton's function, for tests and a second look
+    stored_key._tinyvllm_original = original  # Triton's function; also marks the stored key
     for loaded in list(sys.modules.values()):  # every module that imported the function by name
         if getattr(loaded, "triton_key", None) is original and (getattr(loaded, "__name__", "") or "").startswith(
             "triton"
