@@ -50,6 +50,24 @@ def compiled_or_skip(key: str, compile_all: Callable[[], object]) -> dict:
         raise
 
 
+def compile_each(jobs: dict[str, Callable[[], object]]) -> dict:
+    """{name: job()} for every job, a job that raises recorded as {"error": its message}; or {"skip":
+    reason} where this Triton cannot compile for CUDA or ships no ptxas: what a codegen test module's
+    `__main__` prints for `facts_from_subprocess` when its variants are checked one by one."""
+    missing = missing_cuda_backend()
+    if missing is not None:
+        return {"skip": missing}
+    out: dict = {}
+    for name, job in jobs.items():
+        try:
+            out[name] = job()
+        except Exception as e:
+            if "ptxas" in str(e) and "not found" in str(e):
+                return {"skip": f"no ptxas: {e}"}
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
+    return out
+
+
 def facts_from_subprocess(script: str, timeout: float) -> dict:
     """Run the test module `script`, whose `__main__` prints what it compiled as one JSON line, in a
     process of its own without TRITON_INTERPRET; that JSON, or a pytest skip with the reason it gives

@@ -11,11 +11,12 @@ Runs in a subprocess without TRITON_INTERPRET; skipped where this Triton cannot 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 
-from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backend
+from tests.kernels.sm90_compile import compile_each, facts_from_subprocess
 
 VARIANTS = [(d, mode, causal) for d in (64, 128) for mode in ("separate", "atomic", "ordered") for causal in (True,)]
 VARIANTS.append((64, "ordered", False))
@@ -76,19 +77,12 @@ def compile_variant(d: int, mode: str, causal: bool, knobs: dict | None = None) 
 
 
 def summarise() -> dict:
-    missing = missing_cuda_backend()
-    if missing is not None:
-        return {"skip": missing}
     jobs = {repr(v): v for v in VARIANTS} | {name: v for name, v in HOPPER_VARIANTS.items()}
-    out = {}
-    for key, variant in jobs.items():
-        try:
-            out[key] = {"kernels": compile_variant(*variant)}
-        except Exception as e:
-            if "ptxas" in str(e) and "not found" in str(e):
-                return {"skip": f"no ptxas: {e}"}
-            out[key] = {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
-    return out
+    return compile_each({key: functools.partial(_compiled, v) for key, v in jobs.items()})
+
+
+def _compiled(variant) -> dict:
+    return {"kernels": compile_variant(*variant)}
 
 
 @pytest.fixture(scope="module")

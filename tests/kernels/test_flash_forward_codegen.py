@@ -9,11 +9,12 @@ TRITON_INTERPRET (tests/kernels/sm90_compile.py); skipped where this Triton cann
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 
-from tests.kernels.sm90_compile import compiled_or_skip, facts_from_subprocess
+from tests.kernels.sm90_compile import compile_each, facts_from_subprocess
 
 # name: (head dim, causal, ForwardConfig fields replaced in the table's entry)
 VARIANTS = {
@@ -56,18 +57,8 @@ def compile_variant(d: int, causal: bool, knobs: dict) -> dict:
 
 
 def summarise() -> dict:
-    def compile_all() -> dict:
-        out = {}
-        for name, variant in VARIANTS.items():
-            try:
-                out[name] = compile_variant(*variant)
-            except Exception as e:
-                if "ptxas" in str(e) and "not found" in str(e):
-                    raise
-                out[name] = {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
-        return out
-
-    return compiled_or_skip("variants", compile_all)
+    facts = compile_each({n: functools.partial(compile_variant, *v) for n, v in VARIANTS.items()})
+    return facts if "skip" in facts else {"variants": facts}
 
 
 @pytest.fixture(scope="module")

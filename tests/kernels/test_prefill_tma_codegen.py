@@ -11,11 +11,12 @@ compile for CUDA.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 
-from tests.kernels.sm90_compile import compiled_or_skip, facts_from_subprocess
+from tests.kernels.sm90_compile import compile_each, facts_from_subprocess
 
 # name: (head dim, page size, window, FP8 cache, PrefillConfig fields replaced in DEFAULT_CONFIGS' entry)
 VARIANTS = {
@@ -65,18 +66,8 @@ def compile_variant(d: int, block_size: int, window: int | None, fp8: bool, knob
 
 
 def summarise() -> dict:
-    def compile_all() -> dict:
-        out = {}
-        for name, variant in VARIANTS.items():
-            try:
-                out[name] = compile_variant(*variant)
-            except Exception as e:
-                if "ptxas" in str(e) and "not found" in str(e):
-                    raise
-                out[name] = {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
-        return out
-
-    return compiled_or_skip("variants", compile_all)
+    facts = compile_each({n: functools.partial(compile_variant, *v) for n, v in VARIANTS.items()})
+    return facts if "skip" in facts else {"variants": facts}
 
 
 @pytest.fixture(scope="module")

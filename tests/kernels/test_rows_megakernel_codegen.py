@@ -11,11 +11,12 @@ Triton cannot compile for CUDA.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 
-from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backend
+from tests.kernels.sm90_compile import compile_each, facts_from_subprocess
 
 SMEM_PER_SM = 227 * 1024  # an H200 SM's shared memory for one program
 # name -> (preset, dtype, FP8 weights, FP8 KV cache)
@@ -128,23 +129,10 @@ def _config(raw: dict):
 
 
 def summarise() -> dict:
-    missing = missing_cuda_backend()
-    if missing is not None:
-        return {"skip": missing}
     _as_on_the_gpu()
-    out = {}
-    jobs = {
-        **{n: (compile_variant, v) for n, v in VARIANTS.items()},
-        **{p: (compile_real_shape, (p, f)) for p, f in REAL_SHAPES.items()},
-    }
-    for name, (fn, args) in jobs.items():
-        try:
-            out[name] = fn(*args)
-        except Exception as e:
-            if "ptxas" in str(e) and "not found" in str(e):
-                return {"skip": f"no ptxas: {e}"}
-            out[name] = {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
-    return out
+    jobs = {n: functools.partial(compile_variant, *v) for n, v in VARIANTS.items()}
+    jobs |= {p: functools.partial(compile_real_shape, p, f) for p, f in REAL_SHAPES.items()}
+    return compile_each(jobs)
 
 
 @pytest.fixture(scope="module")
