@@ -172,7 +172,7 @@ def _attn_first_tile(
 
 
 @triton.jit
-def store_partial(
+def _store_in_runs(
     part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SM: tl.constexpr
 ):
     """One split's partial (acc [BG, D], m_i, l_i [BG]; rows ≥ G are padding) at its slot of the split-minor
@@ -183,6 +183,67 @@ def store_partial(
     tl.store(part_ptr + (row[:, None] * D + d[None, :]) * SM + split, acc, mask=real[:, None])
     tl.store(part_ptr + HK * G * D * SM + row * SM + split, m_i, mask=real)
     tl.store(part_ptr + HK * G * (D + 1) * SM + row * SM + split, l_i, mask=real)
+
+
+@triton.jit
+def store_partial(
+    part_ptr,
+    kvh,
+    split,
+    num_splits,
+    acc,
+    m_i,
+    l_i,
+    rows_g,
+    HK: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SM: tl.constexpr,
+):
+    """`_store_in_runs` in the runs `group_attention` reads: of 4 slots at ≤ 4 splits (a narrow merge),
+    else of SM."""
+    if num_splits <= 4:
+        _store_in_runs(part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, 4)
+    else:
+        _store_in_runs(part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, SM)
+
+
+@triton.jit
+def fold_new_key(
+    q,
+    qk_ptr,
+    kvh,
+    k_ptr,
+    v_ptr,
+    kv_off,
+    stride_head,
+    kn_ptr,
+    cs_row,
+    eps,
+    k_scale,
+    qk_scale,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BG: tl.constexpr,
+    FP8KV: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """QK_NORM: the running softmax state (acc [BG, D], l_i, m_i [BG]) after the new key alone. The key is
+    normalised and rotated from phase A's unrotated k head HQ + kvh at qk_ptr (`normed_rotated`), written
+    to its cache row (kv_off: the new token's slot, KV head kvh at stride_head) of k_ptr (e4m3(k / k_scale)
+    with FP8KV) and used as every later step reads it back; its value is phase A's, read from the cache
+    (L2)."""
+    k_head = HQ + kvh + tl.zeros([1], tl.int32)
+    k_new = normed_rotated(qk_ptr, k_head, k_head >= 0, kn_ptr, cs_row, eps, D)  # [1, D]
+    kv_row = kv_off + kvh * stride_head + tl.arange(0, D)[None, :]
+    k_cached = cache_value(k_new.to(tl.float32), k_scale, q.dtype, FP8KV, EMULATE)
+    tl.store(k_ptr + kv_row, k_cached)
+    v_new = tl.load(v_ptr + kv_row, cache_modifier=".cg").to(tl.float32)  # [1, D], phase A's
+    k_new = k_cached.to(q.dtype)  # the key as every later step reads it from the cache
+    m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
+    l_i = tl.full([BG], 1.0, tl.float32)
+    acc = tl.zeros([BG, D], tl.float32) + v_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -338,16 +399,10 @@ def attention_phase(
         start = lo
         if QK_NORM:  # noqa: SIM102 (a constexpr test apart) -- the unit holding the new key folds it first
             if (kv_end < seq_len) & (lo < hi) & (hi == seq_len):
-                k_head = HQ + kvh + tl.zeros([1], tl.int32)
-                k_new = normed_rotated(q_ptr, k_head, k_head >= 0, kn_ptr, cs_row, eps, D)  # [1, D]
-                kv_row = kv_off + kvh * stride_head + d[None, :]
-                k_cached = cache_value(k_new.to(tl.float32), k_scale, q.dtype, FP8KV, EMULATE)
-                tl.store(k_ptr + kv_row, k_cached)
-                v_new = tl.load(v_ptr + kv_row, cache_modifier=".cg").to(tl.float32)  # [1, D], phase A's
-                k_new = k_cached.to(q.dtype)  # the key as every later step reads it from the cache
-                m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
-                l_i = tl.full([BG], 1.0, tl.float32)
-                acc = tl.zeros([BG, D], tl.float32) + v_new
+                acc, l_i, m_i = fold_new_key(
+                    q, q_ptr, kvh, k_ptr, v_ptr, kv_off, stride_head, kn_ptr, cs_row, eps, k_scale, qk_scale,
+                    HQ, D, BG, FP8KV, EMULATE,
+                )  # fmt: skip
         if u == pid:  # the preloaded first tile
             if lo < hi:
                 acc, l_i, m_i = _attn_first_tile(
@@ -427,10 +482,7 @@ def attention_phase(
         m_i = tl.where(l_i > 0, m_i, float("-inf"))  # an empty split
         if FP8KV:  # V's scale joins the normaliser: the merge's output is then v_scale · Σ acc / Σ l
             l_i = l_i / v_scale
-        if num_splits <= 4:  # runs of 4 slots (a narrow merge) when there are at most 4 splits, else SM
-            store_partial(part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, 4)
-        else:
-            store_partial(part_ptr, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, SM)
+        store_partial(part_ptr, kvh, split, num_splits, acc, m_i, l_i, rows_g, HK, G, D, SM)
         if SPLIT_O:
             if TRACE:  # noqa: SIM102 (constexpr tests apart) -- no ticket, no merge: both at the unit's time
                 if u == pid:

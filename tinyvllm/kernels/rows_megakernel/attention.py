@@ -21,12 +21,12 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.decode_megakernel.attention_phase import (
+    fold_new_key,
     group_attention,
     keys_per_split,
     normed_rotated,
     store_partial,
 )
-from tinyvllm.kernels.decode_megakernel.qkv_phase import cache_value
 from tinyvllm.kernels.flash_tiles import attn_inner
 
 
@@ -136,16 +136,11 @@ def rows_attention_phase(
                 slot = tl.load(slot_ptr + row).to(tl.int64)
                 kv_end = tl.where(slot >= 0, seq_len - 1, seq_len)
                 if (slot >= 0) & (lo < hi) & (hi == seq_len):  # this split holds the new key
-                    k_head = HQ + kvh + tl.zeros([1], tl.int32)
-                    k_new = normed_rotated(q_row, k_head, k_head >= 0, kn_ptr, cs_row, eps, D)  # [1, D]
-                    kv_row = (slot // BS) * stride_blk + (slot % BS) * D + kvh * stride_head + d[None, :]
-                    k_cached = cache_value(k_new.to(tl.float32), k_scale, k_ptr.dtype.element_ty, FP8KV, EMULATE)
-                    tl.store(k_ptr + kv_row, k_cached)
-                    v_new = tl.load(v_ptr + kv_row, cache_modifier=".cg").to(tl.float32)  # [1, D], phase A's
-                    k_new = k_cached.to(q.dtype)  # the key as every later step reads it from the cache
-                    m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
-                    l_i = tl.full([BG], 1.0, tl.float32)
-                    acc = tl.zeros([BG, D], tl.float32) + v_new
+                    kv_off = (slot // BS) * stride_blk + (slot % BS) * D
+                    acc, l_i, m_i = fold_new_key(
+                        q, q_row, kvh, k_ptr, v_ptr, kv_off, stride_head, kn_ptr, cs_row, eps, k_scale, qk_scale,
+                        HQ, D, BG, FP8KV, EMULATE,
+                    )  # fmt: skip
             else:
                 q = tl.load(
                     q_row + (kvh * G + rows_g)[:, None] * D + d[None, :],
@@ -185,10 +180,7 @@ def rows_attention_phase(
             if FP8KV:  # V's scale joins the normaliser: the merge's output is then v_scale · Σ acc / Σ l
                 l_i = l_i / v_scale
             row_part = part_ptr + tl.cast(row, tl.int64) * PART_ROW
-            if splits <= 4:  # runs of 4 slots (a narrow merge) when there are at most 4 splits, else SM
-                store_partial(row_part, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, 4)
-            else:
-                store_partial(row_part, kvh, split, acc, m_i, l_i, rows_g, HK, G, D, SM)
+            store_partial(row_part, kvh, split, splits, acc, m_i, l_i, rows_g, HK, G, D, SM)
             tl.debug_barrier()
             ticket = tl.atomic_add(tickets_ptr + row * HK + kvh, 1, sem="acq_rel", scope="gpu")
             if ticket == (layer + 1) * splits - 1:  # the last split of this layer's (row, KV head)
