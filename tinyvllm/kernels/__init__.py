@@ -64,7 +64,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         from tinyvllm.kernels import triton_ops as m  # imports triton lazily
         from tinyvllm.kernels.triton_key import persist_triton_key
 
-        persist_triton_key()  # Triton's cache key read back instead of rehashing its library (~0.35 s)
+        persist_triton_key()  # Triton's cache key read back, not rehashed from its whole library
     return Ops(
         name=backend,
         rms_norm=m.rms_norm,

@@ -2,7 +2,7 @@
 
 Triton keys every compiled kernel by `triton_key()`: the SHA-256 of its frontend and compiler sources and
 of its whole native library (libtriton, hundreds of MB), computed at the first kernel launch of each
-process: ~0.33 s on the development CPU, ~0.35 s of the H200 host's start-up (docs/perf.md §12), paid
+process (docs/perf.md §12 gives its cost), paid
 even when every kernel then comes from the warm cache. `persist_triton_key()` stores the key beside
 Triton's cache, under a fingerprint of what it hashes: Triton's version and, for every file it reads,
 the path, size, modification time and inode. A process whose fingerprint matches reads the key back

@@ -33,7 +33,7 @@ class RowsConfig(NamedTuple):
     stages: int = 6  # the weight tiles' software pipeline: this many shared-memory stages (5 tiles in flight;
     # twice as many for 1-byte FP8 weights, whose tiles have half the bytes)
     kv_stages: int = 3  # phase B's key loop: this many shared-memory stages
-    ahead: int = 2  # the input chunks are loaded this many chunks ahead (1-3; 3 spills registers at 1B)
+    ahead: int = 2  # the input chunks are loaded this many chunks ahead (1-3; each one more holds registers)
     num_warps: int = 8
     programs: int = 0  # CUDA: at most this many programs (0: one on every multiprocessor)
 
