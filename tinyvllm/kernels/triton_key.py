@@ -2,13 +2,13 @@
 
 Triton keys every compiled kernel by `triton_key()`: the SHA-256 of its frontend and compiler sources and
 of its whole native library (libtriton, hundreds of MB), computed at the first kernel launch of each
-process (docs/perf.md §12 gives its cost), paid
-even when every kernel then comes from the warm cache. `persist_triton_key()` stores the key beside
-Triton's cache, under a fingerprint of what it hashes: Triton's version and, for every file it reads,
-the path, size, modification time and inode. A process whose fingerprint matches reads the key back
-(a few ms of `stat` calls); any changed, added or removed file recomputes it with Triton's own function.
-The key then replaces `triton_key` in the modules that hold it, as Triton's own compile-pool workers do
-(`triton._compile_warmup_pool`), so every cache lookup sees the same string Triton would compute.
+process (docs/perf.md §12 gives its cost), even when every kernel then comes from the warm cache.
+`persist_triton_key()` stores the key beside Triton's cache, under a fingerprint of what it hashes:
+Triton's version and, for every file it reads, the path, size, modification time and inode. A process
+whose fingerprint matches reads the key back (a few ms of `stat` calls); any changed, added or removed
+file recomputes it with Triton's own function. The key then replaces `triton_key` in the modules that
+hold it, as Triton's own compile-pool workers do (`triton._compile_warmup_pool`), so every cache lookup
+sees the same string Triton would compute.
 """
 
 from __future__ import annotations
