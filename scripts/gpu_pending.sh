@@ -6,7 +6,7 @@
 #   STEPS=rows_bench bash scripts/gpu_pending.sh                                                   # §1e
 #   STEPS="rows_tests rows_latency_b8 rows_latency_b8_on rows_engine_test" ...
 #   STEPS=sizes ...;  STEPS=sizes_rows ...                                                           # §1e table
-#   STEPS="radix_tests radix_kernel top_p_plain top_p_search top_p_radix fp8_cost" ...            # §5, §9
+#   STEPS="radix_tests radix_kernel top_p_plain top_p_radix top_p_search fp8_cost" ...            # §5, §9
 #   STEPS="pieces_bench_main pieces_bench pieces_tests structured_prepare" ...                     # §1e, §10
 #   STEPS="fp8_tests fp8_quant_bench rows_bench_8b rows_bench_fp8" ...
 #   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                                              # §3a
@@ -45,9 +45,9 @@ step sizes_rows 560 python3 -m benchmarks.sizes --batches 8 --engine-args "--row
 step radix_tests 240 python3 -m pytest -q tests/kernels/test_top_p_sampling.py -k "radix or precheck" -p no:cacheprovider
 step radix_kernel 200 python3 benchmarks/kernels/bench_top_p_sampling.py --batches 1 64 256 --dtypes bfloat16 --out "$RES"
 bench top_p_plain 200 throughput --max-model-len 4096 --name "throughput_top_p_plain_$GPU"
-bench top_p_search 200 throughput --max-model-len 4096 --top-p 0.9 --top-k 50 --name "throughput_top_p_$GPU"
-step top_p_radix 200 python3 scripts/with_radix.py bench throughput --max-model-len 4096 --top-p 0.9 --top-k 50 \
-  --out-dir "$RES" --name "throughput_top_p_radix_$GPU"
+bench top_p_radix 200 throughput --max-model-len 4096 --top-p 0.9 --top-k 50 --name "throughput_top_p_$GPU"
+step top_p_search 200 python3 scripts/with_search.py bench throughput --max-model-len 4096 --top-p 0.9 --top-k 50 \
+  --out-dir "$RES" --name "throughput_top_p_search_$GPU"
 
 # 3. FP8 with the activation quantization fused into RMSNorm and SwiGLU (§9).
 step fp8_cost 300 python3 -m benchmarks.determinism --part cost --variants default fp8_both --iters 2 --out-dir "$RES"

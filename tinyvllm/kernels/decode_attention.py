@@ -59,7 +59,7 @@ class DecodeConfig(NamedTuple):
     programs_per_sm: int  # split target: B·Hk·num_splits ≈ programs_per_sm · SMs
     min_tiles_per_split: int
     fold_merge: bool = False  # the last split of each (sequence, KV head) merges (module docstring)
-    prefix_splits: int = 1  # cascade: the shared prefix's keys cut into this many programs per chunk
+    prefix_splits: int = 4  # cascade: the shared prefix's keys cut into this many programs per chunk
 
 
 # The best of `bench_decode_attention.py --sweep` on the H200: 64-key tiles (4 pages of 16) with 2 warps

@@ -124,8 +124,8 @@ lanes: fixed by chunk, block_e and NC, never by B), so a row whose top-p boundar
 rounding (~1e-6 relative) of p may keep one token more or fewer than an exact computation would, as the
 full sampler's float32 cumsum may.
 
-Radix select: the top-k rows first (`truncation_plan(radix=True)`; `RADIX`, the default, is off until the
-H200 has timed it against the search: docs/perf.md §5). Isolating the k-th
+Radix select: the top-k rows first (`truncation_plan(radix=True)`; `RADIX`, on by default: faster than
+the search end to end, docs/perf.md §5). Isolating the k-th
 value among 128k by counts takes the search several passes; a radix select finds it in two, then reads
 the row once more for the few values it keeps:
 
@@ -1435,7 +1435,7 @@ _SKIP = False
 _UNROLL = 1
 _SPLIT_PASSES = 10
 _CAP = 256  # candidates a row's radix gather holds (a power of two: the per-row sort's length)
-RADIX = False  # the radix select's default: off until timed on the device against the search
+RADIX = True  # the radix select's default (False: the bisection search)
 # the radix select's histograms leave values out by a mask (Triton 3.4 on); without it the search serves every row
 _HISTOGRAM_MASK = "mask" in inspect.signature(tl.histogram).parameters
 # the search-pass layouts `bench_top_p_sampling.py --sweep` times (and the sm_90 compile test builds):
