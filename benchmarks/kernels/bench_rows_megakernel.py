@@ -1,7 +1,7 @@
 """Decode steps of 2–16 rows: the rows megakernel against the layer loop the engine runs them through today.
 
     python benchmarks/kernels/bench_rows_megakernel.py [--preset llama-3.2-1b] [--batches 1 2 4 8 16]
-        [--context 640] [--variant rows=32,chunk=256,stages=4 ...] [--fp8] [--fp8-kv] [--out DIR]
+        [--context 640] [--variant chunk=128,stages=6 ...] [--fp8] [--fp8-kv] [--out DIR]
 
 A random-weight model of the preset's shape (bf16) on the GPU; each of `--batches` rows a sequence whose
 context is `--context` keys (distinct cache blocks). Timed as CUDA-graph replays of a whole step
@@ -50,12 +50,12 @@ from tinyvllm.kernels.rows_megakernel import RowsConfig
 R = RowsConfig
 VARIANTS = [
     R(),
-    R(ahead=1),
-    R(ahead=3),
-    R(chunk=512, stages=4),
-    R(rows=32, stages=4),
-    R(chunk=128, stages=8, ahead=3),
-    R(num_warps=4),
+    R(chunk=128),
+    R(chunk=64, stages=6),
+    R(stages=6),
+    R(num_warps=8),
+    R(tile=32768, stages=3),
+    R(chunk=128, tile=8192, stages=8),
 ]
 
 

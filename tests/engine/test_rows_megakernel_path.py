@@ -3,9 +3,10 @@ the torch reference forward of the same weights: each row's hidden state and log
 into the paged cache, and nothing else touched.
 
 On the CPU the interpreter runs the kernel with one program (the barriers then pass at once), so that
-program does every unit of every phase. The K chunk (`chunk`), the pipeline depth and the context
-splits are varied so that the chunk-major product loop with several units per program, several chunks
-per row, the multi-tile attention loop and the split merge (runs of 4 and 16 slots) all run; the
+program does every unit of every phase. The K chunk (`chunk`, `tile`), its K split (`split`,
+`num_warps`), the pipeline depth and the context splits are varied so that the product loop over all of
+a program's units at once, with one or several chunks and K slices, the multi-tile attention loop and
+the split merge (runs of 4 and 16 slots) all run; the
 families (Qwen2's biases and one windowed layer, Mistral's window on every layer) and FP8 weights and
 cache run through the same tests. tests/kernels/test_rows_megakernel_codegen.py compiles every variant
 for the H200.
@@ -105,23 +106,25 @@ def check_cache(buf, buf_ref, meta, rows: int, tol: float, scales=None) -> None:
 
 
 CASES = [
-    # seq_lens, splits, chunk, stages, ahead (input chunks loaded ahead)
-    ([7, 13, 1], 1, 256, 6, 3),  # one chunk a row, one tile a row
-    ([7, 13, 1], 1, 16, 3, 3),  # 4 chunks of hidden 64, 16 units a program in phase D
-    ([130, 65, 64, 2], 3, 32, 1, 1),  # several tiles and splits, no pipeline
-    ([260, 41], 11, 16, 4, 2),  # the merge in runs of 16 slots
-    ([20] * MAX_ROWS, 2, 32, 6, 1),  # every row of the products
+    # seq_lens, splits, config
+    ([7, 13, 1], 1, RowsConfig(chunk=256, stages=6, tile=1 << 20)),  # one chunk a row, one tile a phase
+    ([7, 13, 1], 1, RowsConfig(chunk=16, stages=3)),  # 4 chunks of hidden 64, 16 units a program in phase D
+    ([130, 65, 64, 2], 3, RowsConfig(chunk=32, stages=1, tile=1 << 20, split=2, num_warps=8)),  # K split in 2
+    # (phases C, E: 64 rows < 16 · 8 warps), no pipeline
+    ([260, 41], 11, RowsConfig(chunk=64, stages=4, tile=1 << 20, num_warps=8)),  # the merge in runs of 16
+    # slots; K split in 4 (phases C, E: 64 rows < 16 · 8 warps)
+    ([20] * MAX_ROWS, 2, RowsConfig(chunk=32, stages=6)),  # every row of the products
 ]
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("seq_lens,splits,chunk,stages,ahead", CASES)
-def test_rows_megakernel_equals_reference_forward(dtype, seq_lens, splits, chunk, stages, ahead):
+@pytest.mark.parametrize("seq_lens,splits,config", CASES)
+def test_rows_megakernel_equals_reference_forward(dtype, seq_lens, splits, config):
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512)
     model = build("triton", dtype, device, max_positions=512)
-    paths = with_rows(model, RowsConfig(chunk=chunk, stages=stages, ahead=ahead), splits)
+    paths = with_rows(model, config, splits)
     assert model.layers[1].mlp.down_proj.weight.data_ptr() == paths.rows_megakernel.weights.down[1].data_ptr()
     ids, positions, meta = rows_step(seq_lens, device)
     buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)

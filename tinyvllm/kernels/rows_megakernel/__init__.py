@@ -15,19 +15,20 @@ The maths per row, with r its residual stream (its token's embedding row before 
     E  r = round(round(Wd a) + r)
 and out = RMSNorm(r; w_final) per row.
 
-Weight phases (products.py). A unit is R ≥ 16 weight rows; a program takes units round-robin and walks
-their K columns in chunks, each tile [R, KC] multiplied by the rows' input chunk [16, KC] in one
-tl.dot (the rows padded to 16, tl.dot's minimum; padding rows load nothing). The input chunk is read
-once per program and chunk, for all of its units. The phase's epilogue (RoPE and the cache write,
-SwiGLU, the residual add) runs per unit after its last chunk. Where the batch-1 kernel holds the whole
-normed input vector in registers, here each chunk is normed as it loads, from a per-row rstd summed
-from the previous residual phase's per-unit sums of squares.
+Weight phases (products.py). A unit is R ≥ 16 weight rows; a program takes units round-robin and, per
+K chunk, multiplies all of its units' rows at once by the rows' input chunk [16, KC] in one tl.dot (the
+rows padded to 16, tl.dot's minimum; padding rows load nothing), its K split over the warps where the
+program has few rows. The input chunk is read once per program and chunk. The phase's epilogue (RoPE
+and the cache write, SwiGLU, the residual add) runs per unit after the last chunk. Where the batch-1
+kernel holds the whole normed input vector in registers, here each chunk is normed as it loads, from a
+per-row rstd summed from the previous residual phase's per-unit sums of squares.
 
 Phase B (attention.py): units (row, KV head, split), the merge by the last split's ticket.
 
 Barriers, residency and memory rules are the batch-1 kernel's (decode_megakernel/__init__.py): one
 program per SM, monotone arrival counters, data written inside the launch read with `.cg` loads and
-never through a software pipeline, the counters and tickets reset by the last program out, so a launch
+through a software pipeline only where the pipeline starts after the barrier (the weight phases'
+input, products.py), the counters and tickets reset by the last program out, so a launch
 is graph-capturable and bitwise reproducible (every sum in a fixed order, no float atomics).
 
 Not yet served (rows_unsupported_reason): per-head q/k norms (Qwen3), head dims below 16.

@@ -52,6 +52,7 @@ def rows_megakernel_kernel(
     q_ptr,
     attn_ptr,
     act_ptr,
+    scratch_ptr,
     part_ptr,
     tickets_ptr,
     bar_ptr,
@@ -82,6 +83,10 @@ def rows_megakernel_kernel(
     MAXU_C: tl.constexpr,
     MAXU_D: tl.constexpr,
     MAXU_E: tl.constexpr,
+    SA: tl.constexpr,
+    SC: tl.constexpr,
+    SD: tl.constexpr,
+    SE: tl.constexpr,
     NUP: tl.constexpr,
     KEYS: tl.constexpr,
     SM: tl.constexpr,
@@ -89,7 +94,6 @@ def rows_megakernel_kernel(
     GP: tl.constexpr,
     PIPE: tl.constexpr,
     KV_STAGES: tl.constexpr,
-    AHEAD: tl.constexpr,
     TRACE: tl.constexpr,
     ASM: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -108,13 +112,14 @@ def rows_megakernel_kernel(
     sliding flags [L] (WINDOW 1)
     and the cos/sin table as in the batch-1 megakernel (decode_megakernel/kernel.py), as are the cache's
     layout and the barrier. Workspace (launch.RowsWorkspace): r [BP, H], ss [BP, NUP], q [BP, (HQ + HK)·D],
-    attn [BP, HQ·D], act [BP, F], the partials, tickets [BP, HK], barrier [2].
+    attn [BP, HQ·D], act [BP, F], scratch [P, max M, BP] float32 (each program's products before their
+    epilogues), the partials, tickets [BP, HK], barrier [2].
 
     Constexprs: shapes H, F, HQ, HK, D, BS; BP the rows of every product (≥ 16, tl.dot's N); per weight
-    phase A, C, D, E its rows per unit R*, its K chunk KC* and its most units per program MAXU*; NUP
-    the per-unit sums of squares a row keeps (≥ the units of phases C and E); KEYS, SM, BG, GP as in
-    the batch-1 kernel; PIPE the weight pipeline's depth, KV_STAGES the key loop's, AHEAD the input's prefetch distance
-    in chunks; WINDOW 0 none, 1 the layers flagged in
+    phase A, C, D, E its rows per unit R*, its K chunk KC*, its most units per program MAXU* (a program
+    multiplies MAXU·R rows at once) and its K split S* (products.py); NUP the per-unit sums of squares a
+    row keeps (≥ the units of phases C and E); KEYS, SM, BG, GP as in the batch-1 kernel; PIPE the
+    weight pipeline's depth, KV_STAGES the key loop's; WINDOW 0 none, 1 the layers flagged in
     sliding_ptr, 2 every layer.
     """
     pid = tl.program_id(0)
@@ -148,8 +153,8 @@ def rows_megakernel_kernel(
         product_phase(
             QKV, layer, pid, P, live, x_ptr, x_rows, n1_ptr + layer * H, rstd0, layer > 0, ss_ptr, H // RE,
             wqkv_ptr, sqkv_ptr, q_ptr, r_ptr, own_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
-            bias_ptr + tl.cast(layer, tl.int64) * NQKV, stride_head, k_scale, v_scale, eps, bar_ptr, b,
-            trace_ptr, NQKV, H, H, F, HQ, HK, D, RA, KCA, BP, MAXU_A, NUP, PIPE, True, AHEAD, TRACE, ASM,
+            bias_ptr + tl.cast(layer, tl.int64) * NQKV, stride_head, k_scale, v_scale, eps, scratch_ptr, bar_ptr, b,
+            trace_ptr, NQKV, H, H, F, HQ, HK, D, RA, KCA, BP, MAXU_A, SA, NUP, PIPE, True, TRACE, ASM,
             UPCAST, IEEE, HAS_BIAS, QK_NORM, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         arrive(bar_ptr, trace_ptr, pid, b + 1, TRACE)
@@ -169,8 +174,8 @@ def rows_megakernel_kernel(
         product_phase(
             OUT, layer, pid, P, live, attn_ptr, rb.to(tl.int64) * QD, n2_ptr, rstd0, False, ss_ptr, 0,
             wo_ptr, so_ptr, r_ptr, res_ptr, res_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
-            bias_ptr, stride_head, k_scale, v_scale, eps, bar_ptr, b + 2,
-            trace_ptr, H, QD, H, F, HQ, HK, D, RC, KCC, BP, MAXU_C, NUP, PIPE, False, AHEAD, TRACE, ASM,
+            bias_ptr, stride_head, k_scale, v_scale, eps, scratch_ptr, bar_ptr, b + 2,
+            trace_ptr, H, QD, H, F, HQ, HK, D, RC, KCC, BP, MAXU_C, SC, NUP, PIPE, False, TRACE, ASM,
             UPCAST, IEEE, False, False, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         arrive(bar_ptr, trace_ptr, pid, b + 3, TRACE)
@@ -178,8 +183,8 @@ def rows_megakernel_kernel(
         product_phase(
             GATE_UP, layer, pid, P, live, r_ptr, own_rows, n2_ptr + layer * H, rstd0, True, ss_ptr, H // RC,
             wgu_ptr, sgu_ptr, act_ptr, r_ptr, own_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
-            bias_ptr, stride_head, k_scale, v_scale, eps, bar_ptr, b + 3,
-            trace_ptr, 2 * F, H, H, F, HQ, HK, D, RD, KCD, BP, MAXU_D, NUP, PIPE, True, AHEAD, TRACE, ASM,
+            bias_ptr, stride_head, k_scale, v_scale, eps, scratch_ptr, bar_ptr, b + 3,
+            trace_ptr, 2 * F, H, H, F, HQ, HK, D, RD, KCD, BP, MAXU_D, SD, NUP, PIPE, True, TRACE, ASM,
             UPCAST, IEEE, False, False, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         arrive(bar_ptr, trace_ptr, pid, b + 4, TRACE)
@@ -187,8 +192,8 @@ def rows_megakernel_kernel(
         product_phase(
             DOWN, layer, pid, P, live, act_ptr, rb.to(tl.int64) * F, n2_ptr, rstd0, False, ss_ptr, 0,
             wd_ptr, sd_ptr, r_ptr, r_ptr, own_rows, ss_ptr, pos, kv_off, cos_sin_ptr, k_ptr, v_ptr,
-            bias_ptr, stride_head, k_scale, v_scale, eps, bar_ptr, b + 4,
-            trace_ptr, H, F, H, F, HQ, HK, D, RE, KCE, BP, MAXU_E, NUP, PIPE, False, AHEAD, TRACE, ASM,
+            bias_ptr, stride_head, k_scale, v_scale, eps, scratch_ptr, bar_ptr, b + 4,
+            trace_ptr, H, F, H, F, HQ, HK, D, RE, KCE, BP, MAXU_E, SE, NUP, PIPE, False, TRACE, ASM,
             UPCAST, IEEE, False, False, FP8W, FP8KV, UPCAST,
         )  # fmt: skip
         if layer < num_layers - 1:

@@ -26,16 +26,27 @@ MAX_ROWS = 16  # token rows a launch serves: the products' N (tl.dot's minimum)
 
 
 class RowsConfig(NamedTuple):
-    """Launch choices of the rows megakernel."""
+    """Launch choices of the rows megakernel (products.py describes the product loop they shape)."""
 
-    rows: int = 16  # weight rows per unit (tl.dot's M, at least 16; QKV's half-head rows are rows / 2)
-    chunk: int = 256  # K columns per weight tile, at most (the largest power of two dividing K within it)
-    stages: int = 6  # the weight tiles' software pipeline: this many shared-memory stages (5 tiles in flight;
-    # twice as many for 1-byte FP8 weights, whose tiles have half the bytes)
+    rows: int = 16  # weight rows per unit (QKV's half-head rows are rows / 2); a program multiplies all of its
+    # units' rows at once, M = (most units a program has, a power of two) · rows
+    chunk: int = 256  # K columns per weight tile, at most (FP8 weights: twice); the largest power of two
+    # dividing K within this and `tile`
+    tile: int = 16384  # bytes of a weight tile (M rows × chunk), at most: phases with many rows take narrower chunks
+    split: int = 0  # K slices of a chunk multiplied side by side where M < 16 · num_warps (0: num_warps), one
+    # per warp; at least 16 columns each. Phases with more rows split M over the warps instead (one slice)
+    stages: int = 4  # the weight and input tiles' software pipeline: this many shared-memory stages
     kv_stages: int = 3  # phase B's key loop: this many shared-memory stages
-    ahead: int = 2  # the input chunks are loaded this many chunks ahead (1-3; each one more holds registers)
-    num_warps: int = 8
+    num_warps: int = 4
     programs: int = 0  # CUDA: at most this many programs (0: one on every multiprocessor)
+
+
+class PhasePlan(NamedTuple):
+    """How one weight phase multiplies: most units per program, K chunk, K split (products.py)."""
+
+    maxu: int
+    chunk: int
+    split: int
 
 
 DEFAULT_ROWS_CONFIG = RowsConfig()
@@ -47,6 +58,33 @@ def _pow2_chunk(k: int, at_most: int) -> int:
     while k % c:
         c //= 2
     return c
+
+
+def _maxu(n_rows: int, config: RowsConfig, programs: int) -> int:
+    """A phase's most units per program (a power of two): the program's rows are maxu · config.rows."""
+    return next_power_of_2(-(-(n_rows // config.rows) // programs))
+
+
+def phase_plan(n_rows: int, k: int, config: RowsConfig, programs: int, weight_bytes: int, fp8: bool) -> PhasePlan:
+    """The plan of a phase of n_rows weight rows of k columns, weight_bytes per element."""
+    maxu = _maxu(n_rows, config, programs)
+    m = maxu * config.rows
+    cap = config.chunk * (2 if fp8 else 1)
+    chunk = _pow2_chunk(k, max(16, min(cap, config.tile // (m * weight_bytes))))
+    split = 1
+    if m < 16 * config.num_warps:
+        split = next_power_of_2(config.split or config.num_warps)
+    while split > 1 and chunk // split < 16:
+        split //= 2
+    return PhasePlan(maxu, chunk, split)
+
+
+def _phase_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """(N, K) of each weight phase: A (QKV), C (out), D (gate/up), E (down)."""
+    s = shape
+    qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    f = s.intermediate
+    return {"A": (nqkv, s.hidden), "C": (s.hidden, qd), "D": (2 * f, s.hidden), "E": (s.hidden, f)}
 
 
 def rows_unsupported_reason(
@@ -63,12 +101,14 @@ def rows_unsupported_reason(
     d, r = shape.head_dim, config.rows
     if r < 16 or r & (r - 1):
         return f"unit rows {r} (needs a power of two ≥ 16)"
+    if config.stages < 1 or config.kv_stages < 1 or config.tile < 1 or config.split < 0:
+        return f"config {config}: stages, kv_stages and tile ≥ 1, split ≥ 0 needed"
     if d < r or d & (d - 1) or shape.num_heads % max(1, shape.num_kv_heads):
         return f"head_dim {d} (needs a power of two ≥ {r}) or query heads not a multiple of KV heads"
     if shape.hidden % r or shape.intermediate % (r // 2):
         return f"hidden {shape.hidden} or intermediate {shape.intermediate} not divisible by the unit rows"
     for k in (shape.hidden, shape.num_heads * d, shape.intermediate):
-        if _pow2_chunk(k, config.chunk) < 16:
+        if _pow2_chunk(k, max(16, config.chunk)) < 16:
             return f"a product's K = {k} has no power-of-two chunk of at least 16 columns"
     if shape.hidden > 8192:
         return "hidden size too large for the final norm's one vector"
@@ -88,9 +128,10 @@ def num_splits_for(programs: int, num_rows: int, num_kv_heads: int) -> int:
 class RowsWorkspace:
     """The buffers of the rows megakernel for one shape, allocated once (graphs point at them):
     r [BP, H] the residual stream, ss [BP, NUP] float32 per-unit sums of squares, q and attn [BP, HQ·D],
-    act [BP, F], the attention partials (per row, the batch-1 kernel's split-minor layout), tickets
-    [BP, HK], barrier [2], trace. The kernel leaves tickets and barrier at zero. `num_splits` fixes the
-    context splits per (row, KV head) of every launch (tests; None: as many as fill the programs)."""
+    act [BP, F], scratch [P, max M, BP] float32 (each program's products), the attention partials (per row,
+    the batch-1 kernel's split-minor layout), tickets [BP, HK], barrier [2], trace. The kernel leaves tickets
+    and barrier at zero. `num_splits` fixes the context splits per (row, KV head) of every launch (tests;
+    None: as many as fill the programs)."""
 
     def __init__(
         self,
@@ -112,6 +153,8 @@ class RowsWorkspace:
         self.r, self.attn, self.act = z(bp * s.hidden), z(bp * qd), z(bp * s.intermediate)
         self.q = z(bp * (s.num_heads + s.num_kv_heads) * s.head_dim)  # with qk_norm: q and k heads
         self.ss = z(bp * self.nup, torch.float32)
+        most_rows = max(_maxu(n, config, programs) for n, _ in _phase_shapes(s).values()) * config.rows
+        self.scratch = z(programs * most_rows * bp, torch.float32)
         self.partials = z(bp * qd * (s.head_dim + 2) // s.head_dim * self.splits_run, torch.float32)
         self.tickets = z(bp * s.num_kv_heads, torch.int32)
         self.barrier = z(2, torch.int32)
@@ -121,14 +164,12 @@ class RowsWorkspace:
 def _constexprs(shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: StackedWeights, device, fp8_kv):
     """The kernel's compile-time arguments and launch options."""
     s, cfg, p = shape, ws.config, ws.programs
-    qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-    r = cfg.rows
     group = s.num_heads // s.num_kv_heads
-    chunk = cfg.chunk
-
-    def maxu(n_rows: int) -> int:
-        return next_power_of_2(-(-(n_rows // r) // p))
-
+    wbytes = 1 if weights.fp8 else weights.dtype.itemsize
+    plans = {ph: phase_plan(n, k, cfg, p, wbytes, weights.fp8) for ph, (n, k) in _phase_shapes(s).items()}
+    per_phase = {}
+    for ph, plan in plans.items():
+        per_phase |= {f"R{ph}": cfg.rows, f"KC{ph}": plan.chunk, f"MAXU_{ph}": plan.maxu, f"S{ph}": plan.split}
     return dict(
         H=s.hidden,
         F=s.intermediate,
@@ -137,26 +178,14 @@ def _constexprs(shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: 
         D=s.head_dim,
         BS=block_size,
         BP=MAX_ROWS,
-        RA=r,
-        RC=r,
-        RD=r,
-        RE=r,
-        KCA=_pow2_chunk(s.hidden, chunk),
-        KCC=_pow2_chunk(qd, chunk),
-        KCD=_pow2_chunk(s.hidden, chunk),
-        KCE=_pow2_chunk(s.intermediate, chunk),
-        MAXU_A=maxu(nqkv),
-        MAXU_C=maxu(s.hidden),
-        MAXU_D=maxu(2 * s.intermediate),
-        MAXU_E=maxu(s.hidden),
+        **per_phase,
         NUP=ws.nup,
         KEYS=ATTN_KEYS,
         SM=ws.splits_run,
         BG=max(16, next_power_of_2(group)),
         GP=next_power_of_2(group),
-        PIPE=cfg.stages * (2 if weights.fp8 else 1),
+        PIPE=cfg.stages,
         KV_STAGES=cfg.kv_stages,
-        AHEAD=cfg.ahead,
         TRACE=False,
         ASM=device.type == "cuda",
         UPCAST=upcast_dot(device),
@@ -216,8 +245,8 @@ def rows_megakernel_fwd(
     device = input_ids.device
     if device.type == "cuda" and ws.programs > num_sms(device):
         raise ValueError(f"{ws.programs} programs: more than one per multiprocessor may not all be resident")
-    if ws.config.stages < 1 or ws.config.kv_stages < 1 or not 1 <= ws.config.ahead <= 3:
-        raise ValueError(f"rows megakernel config {ws.config}: stages ≥ 1 and ahead in 1..3 needed")
+    if ws.config.stages < 1 or ws.config.kv_stages < 1 or ws.config.tile < 1 or ws.config.split < 0:
+        raise ValueError(f"rows megakernel config {ws.config}: stages, kv_stages and tile ≥ 1, split ≥ 0 needed")
     block_size, layer_stride, v_offset = kv_layout(kv_caches, shape)
     num_layers = weights.qkv.shape[0]
     check_family(shape, weights, num_layers)
@@ -250,7 +279,7 @@ def rows_megakernel_fwd(
             cos_sin,
         ),
         *(k0, layer_stride, v_offset, k0.stride(0), k0.stride(1)),
-        *(ws.r, ws.ss, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace),
+        *(ws.r, ws.ss, ws.q, ws.attn, ws.act, ws.scratch, ws.partials, ws.tickets, ws.barrier, out, ws.trace),
         *(
             t,
             num_layers,

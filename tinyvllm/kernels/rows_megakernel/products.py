@@ -10,18 +10,27 @@ Every weight phase computes Y = W X for the step's rows, W [N, K] one layer's st
     DOWN      X = act              r ← round(round(Y) + r), with each row's Σ r² per unit
 
 A unit is R weight rows (QKV: R/2 rows of a head's first half and their RoPE partners; GATE_UP: R/2
-gate rows and the matching up rows), dealt round-robin to the programs. A program walks its units'
-K columns in chunks of KC, chunk-major: for each chunk it multiplies every one of its units' tiles
-[R, KC] by the same input chunk [BP, KC] on the tensor cores (tl.dot, R ≥ 16 and BP ≥ 16 rows), so it
-reads each input chunk once, and keeps one float32 accumulator [R, BP] per unit ([MAXU, R, BP] in all).
-After the last chunk each unit's epilogue runs.
+gate rows and the matching up rows), dealt round-robin to the programs: a program owns units pid, pid
++ P, ..., at most MAXU of them, M = MAXU·R rows (the rows of units it lacks are masked: loaded as zeros,
+no memory read).
 
-Pipelining. The weight tiles do not depend on the barrier before the phase, so the loop is
-software-pipelined over them (tl.range's num_stages) and the pipeline's first tiles are in flight
-before the barrier's wait, which sits in the loop's first iteration (as in the batch-1 megakernel).
-The input does depend on it: it is loaded inside conditional blocks, which the pipeliner leaves in
-place, with `.cg` loads (from L2; an SM's L1 is not coherent with the other SMs' stores), into a ring of
-registers AHEAD chunks ahead of the one being multiplied.
+The loop. One iteration per K chunk of KC columns: a program gathers the chunk's columns of all of its
+M rows (per-row pointers) and multiplies them by the input chunk of every row at once, one wide tl.dot
+whose float32 accumulator stays in the MMA layout for the whole loop (never converted or selected per
+unit). So each input chunk is read once per program, and an iteration is one MMA over all of the
+program's rows instead of one tiny [R, KC] product per unit with a layout conversion after it. Where M
+is small (the out and down products: one unit a program at 1B) a [M, KC] product would leave most warps
+idle and run a long dependent MMA chain on the others, so the chunk's K is split S ways (S = the warps,
+launch.phase_plan): a batched product [S, M, KC/S] · [S, KC/S, BP] → [S, M, BP], one slice per warp, its
+S partial sums added in order after the last chunk. Phases with M ≥ 16 per warp (S = 1) split M over
+the warps instead (on sm_90 a wgmma). After the loop the products [M, BP] (FP8 weights: times their row
+scales) go to a per-program float32 scratch in global memory, and each unit's epilogue reads its R rows
+back.
+
+Pipelining. Both operands stream through shared memory in a PIPE-deep software pipeline (cp.async; the
+input with `.cg`, from L2: an SM's L1 is not coherent with the other SMs' stores). The input depends on
+the barrier before the phase, so the loop starts after its wait; the weights do not: their first PIPE − 1
+tiles are prefetched into L2 before the wait, so the pipeline's first copies after it hit L2.
 
 The input norm. RMSNorm needs each row's Σ x² over all K columns before any chunk is normalised. The
 OUT and DOWN epilogues store their units' Σ r² per row (`ss`, [BP, NUP]); the next normed phase sums
@@ -36,7 +45,7 @@ import triton.language as tl
 
 from tinyvllm.kernels.decode_megakernel.grid_sync import end_phase
 from tinyvllm.kernels.decode_megakernel.qkv_phase import cache_value
-from tinyvllm.kernels.flash_tiles import dot_qk
+from tinyvllm.kernels.flash_tiles import dot_pv
 
 QKV = tl.constexpr(0)  # the kinds of weight phase (module docstring)
 OUT = tl.constexpr(1)
@@ -45,11 +54,10 @@ DOWN = tl.constexpr(3)
 
 
 @triton.jit
-def unit_weight_rows(u, KIND: tl.constexpr, R: tl.constexpr, D: tl.constexpr, F: tl.constexpr):
-    """The R weight rows of unit u, [R]: QKV rows head·D + j0 + [0, R/2) then the same + D/2 (their RoPE
-    partners; R/2 divides D/2), GATE_UP gate rows u·R/2 + [0, R/2) then the same + F (the up rows), OUT and
-    DOWN rows u·R + [0, R)."""
-    r = tl.arange(0, R)
+def weight_rows(u, r, KIND: tl.constexpr, R: tl.constexpr, D: tl.constexpr, F: tl.constexpr):
+    """Row r (in [0, R)) of unit u (u, r broadcastable tensors): QKV rows head·D + j0 + [0, R/2) then the
+    same + D/2 (their RoPE partners; R/2 divides D/2), GATE_UP gate rows u·R/2 + [0, R/2) then the same + F
+    (the up rows), OUT and DOWN rows u·R + [0, R)."""
     RH: tl.constexpr = R // 2
     if KIND == QKV:
         UPH: tl.constexpr = D // 2 // RH
@@ -62,24 +70,17 @@ def unit_weight_rows(u, KIND: tl.constexpr, R: tl.constexpr, D: tl.constexpr, F:
 
 
 @triton.jit
-def _weight_tile(
-    w_ptr,
-    layer,
-    u,
-    kc,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    KIND: tl.constexpr,
-    R: tl.constexpr,
-    KC: tl.constexpr,
-    D: tl.constexpr,
-    F: tl.constexpr,
-):
-    """Columns kc·KC + [0, KC) of unit u's rows of layer `layer`'s W [N, K], [R, KC] (a pipelined load)."""
-    rows = unit_weight_rows(u, KIND, R, D, F)
-    cols = kc * KC + tl.arange(0, KC)
-    base = w_ptr + tl.cast(layer, tl.int64) * (N * K)
-    return tl.load(base + rows[:, None].to(tl.int64) * K + cols[None, :])
+def unit_weight_rows(u, KIND: tl.constexpr, R: tl.constexpr, D: tl.constexpr, F: tl.constexpr):
+    """The R weight rows of unit u, [R] (`weight_rows`)."""
+    return weight_rows(u, tl.arange(0, R), KIND, R, D, F)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Bring the 128-byte lines at ptrs into L2 (CUDA; a hint: nothing waits for it)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
@@ -109,15 +110,16 @@ def embedding_rstd(emb_ptr, x_rows, live, H: tl.constexpr, eps, BP: tl.constexpr
 
 
 @triton.jit
-def _input_chunk(x_ptr, x_rows, live, kc, nw_ptr, rstd, KC: tl.constexpr, NORMED: tl.constexpr):
-    """Columns kc·KC + [0, KC) of the phase's input for every row, [BP, KC] in x's dtype (rows not `live`:
-    zero): x itself, or with NORMED RMSNorm(x; w) in rms_norm.py's roundings, round(w ⊙ round(x · rstd))."""
-    cols = kc * KC + tl.arange(0, KC)
-    x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
+def _input_chunk(x_ptr, x_rows, live, cols, nw_ptr, rstd, NORMED: tl.constexpr):
+    """The phase's input at columns `cols` of every row, transposed: [KC, BP] (cols [KC, 1]) or [S, KC/S, BP]
+    (cols [S, KC/S, 1]), in x's dtype (rows not `live`: zero): x itself, or with NORMED RMSNorm(x; w) in
+    rms_norm.py's roundings, round(w ⊙ round(x · rstd)). A pipelined `.cg` load: the loop that issues it
+    starts after the phase's barrier."""
+    x = tl.load(x_ptr + x_rows + cols, mask=live, other=0.0, cache_modifier=".cg")
     if NORMED:
         w = tl.load(nw_ptr + cols).to(tl.float32)
-        y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-        x = (w[None, :] * y.to(tl.float32)).to(x.dtype)
+        y = (x.to(tl.float32) * rstd).to(x.dtype)
+        x = (w * y.to(tl.float32)).to(x.dtype)
     return x
 
 
@@ -259,6 +261,7 @@ def product_phase(
     k_scale,
     v_scale,
     eps,
+    scratch_ptr,
     bar_ptr,
     b,
     trace_ptr,
@@ -273,10 +276,10 @@ def product_phase(
     KC: tl.constexpr,
     BP: tl.constexpr,
     MAXU: tl.constexpr,
+    S: tl.constexpr,
     NUP: tl.constexpr,
     PIPE: tl.constexpr,
     NORMED: tl.constexpr,
-    AHEAD: tl.constexpr,
     TRACE: tl.constexpr,
     ASM: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -287,87 +290,104 @@ def product_phase(
     FP8KV: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """One weight phase of `layer` (module docstring), starting with the wait of barrier b inside the
-    first iteration of its PIPE-deep pipelined loop.
+    """One weight phase of `layer` (module docstring): the first weight tiles prefetched into L2, the wait
+    of barrier b, the PIPE-deep pipelined loop over the K chunks, the units' epilogues.
 
     Input: x_ptr at element offsets x_rows [BP] per row (rows not `live` are skipped); NORMED: RMSNorm'd
     by this layer's weight nw_ptr [K], with rstd [BP] given, or where from_sums computed after the wait
     from the previous residual phase's num_sums_in unit sums at ss_in_ptr. Weights: w_ptr the stacked
     [L, N, K]; FP8W: float8_e4m3fn with the stacked row scales ws_ptr [L, N], converted to the input's
-    dtype for the product and each row's float32 sum scaled after it. The epilogue's operands by KIND:
-    AHEAD (1–3): how many chunks ahead the input is loaded (a program with one unit a chunk multiplies a
-    chunk in less time than an L2 load takes).
-    QKV out_ptr = q, pos, kv_off, cs_ptr, k_ptr, v_ptr, bias_ptr (this layer's), stride_head, the cache
-    scales; GATE_UP out_ptr = act; OUT and DOWN out_ptr = r, the residual res_ptr + res_rows, ss_out_ptr.
+    dtype for the product and each row's float32 sum scaled after it. A program's rows: M = MAXU·R (its
+    units' rows; those of units it lacks masked), each chunk's K split S ways (S = 1: a 2-D product).
+    scratch_ptr: the programs' float32 [P, M, BP] products, read back per unit. The epilogue's operands
+    by KIND: QKV out_ptr = q, pos, kv_off, cs_ptr, k_ptr, v_ptr, bias_ptr (this layer's), stride_head,
+    the cache scales; GATE_UP out_ptr = act; OUT and DOWN out_ptr = r, the residual res_ptr + res_rows,
+    ss_out_ptr.
     """
+    M: tl.constexpr = MAXU * R
     NKC: tl.constexpr = K // KC
+    KS: tl.constexpr = KC // S
     n_units = N // R
     mine = tl.cdiv(tl.maximum(n_units - pid, 0), P)  # this program's units: pid, pid + P, ...
-    total = mine * NKC
-    j_of = tl.arange(0, MAXU)[:, None, None]
-    acc = tl.zeros([MAXU, R, BP], tl.float32)
-    x = tl.zeros([BP, KC], x_ptr.dtype.element_ty)  # this chunk's input
-    x1, x2, x3 = x, x, x  # the next chunks' (up to AHEAD = 3), loaded while this one is multiplied
-    layer_scales = ws_ptr + tl.cast(layer, tl.int64) * N
-    for it in tl.range(0, total, num_stages=PIPE):
-        kc = it // mine
-        jj = it % mine
-        u = pid + jj * P
-        w = _weight_tile(w_ptr, layer, u, kc, N, K, KIND, R, KC, D, F)
-        if it == 0:  # the pipeline's first tiles are in flight
-            end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
-            if NORMED and from_sums:
-                rstd = rstd_from_sums(ss_in_ptr, num_sums_in, live, H, eps, BP, NUP)
-            x = _input_chunk(x_ptr, x_rows, live, 0, nw_ptr, rstd, KC, NORMED)
-            if AHEAD >= 2 and NKC > 1:
-                x1 = _input_chunk(x_ptr, x_rows, live, 1, nw_ptr, rstd, KC, NORMED)
-            if AHEAD >= 3 and NKC > 2:
-                x2 = _input_chunk(x_ptr, x_rows, live, 2, nw_ptr, rstd, KC, NORMED)
-        if (jj == 0) & (kc + AHEAD < NKC):  # chunk kc + AHEAD: the newest of the ring
-            if AHEAD == 1:
-                x1 = _input_chunk(x_ptr, x_rows, live, kc + 1, nw_ptr, rstd, KC, NORMED)
-            elif AHEAD == 2:
-                x2 = _input_chunk(x_ptr, x_rows, live, kc + 2, nw_ptr, rstd, KC, NORMED)
-            else:
-                x3 = _input_chunk(x_ptr, x_rows, live, kc + 3, nw_ptr, rstd, KC, NORMED)
+    m = tl.arange(0, M)
+    owned = m // R < mine
+    u_of = tl.where(owned, pid + (m // R) * P, pid)  # units it lacks: its first unit's rows (masked loads)
+    rows = weight_rows(u_of, m % R, KIND, R, D, F)
+    w_rows = w_ptr + tl.cast(layer, tl.int64) * (N * K) + rows.to(tl.int64) * K  # [M]
+    if ASM:  # noqa: SIM102 (a constexpr, then a runtime condition): the first tiles into L2 while the barrier waits
+        if mine > 0:
+            ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            LPR: tl.constexpr = (KC * ELT + 127) // 128  # 128-byte lines per row of a tile
+            for t in tl.static_range(PIPE - 1):
+                if t < NKC:
+                    _prefetch_l2(w_rows[:, None] + t * KC + tl.arange(0, LPR)[None, :] * (128 // ELT))
+    end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+    if NORMED and from_sums:
+        rstd = rstd_from_sums(ss_in_ptr, num_sums_in, live, H, eps, BP, NUP)
+    if S == 1:
+        w_at = w_rows[:, None] + tl.arange(0, KC)[None, :]  # [M, KC]
+        w_mask = owned[:, None]
+        x_cols = tl.arange(0, KC)[:, None]  # [KC, 1]
+        x_at = x_rows[None, :]
+        x_live = live[None, :]
+        x_rstd = rstd[None, :]
+        acc = tl.zeros([M, BP], tl.float32)
+    else:
+        s_of = tl.arange(0, S)[:, None, None] * KS
+        k_of = tl.arange(0, KS)
+        w_at = w_rows[None, :, None] + s_of + k_of[None, None, :]  # [S, M, KS]
+        w_mask = owned[None, :, None]
+        x_cols = s_of + k_of[None, :, None]  # [S, KS, 1]
+        x_at = x_rows[None, None, :]
+        x_live = live[None, None, :]
+        x_rstd = rstd[None, None, :]
+        acc = tl.zeros([S, M, BP], tl.float32)
+    for kc in tl.range(0, tl.where(mine > 0, NKC, 0), num_stages=PIPE):
+        w = tl.load(w_at + kc * KC, mask=w_mask, other=0.0)
+        x = _input_chunk(x_ptr, x_at, x_live, x_cols + kc * KC, nw_ptr, x_rstd, NORMED)
         if FP8W:
             w = w.to(x.dtype)
-        y = dot_qk(w, x, UPCAST, IEEE)  # [R, BP]
-        acc = tl.where(j_of == jj, acc + y[None, :, :], acc)
-        if kc == NKC - 1:
-            y = tl.sum(tl.where(j_of == jj, acc, 0.0), axis=0)
-            if FP8W:
-                y = y * tl.load(layer_scales + unit_weight_rows(u, KIND, R, D, F))[:, None]
-            if KIND == QKV:
-                _qkv_epilogue(
-                    y,
-                    u,
-                    live,
-                    pos,
-                    kv_off,
-                    cs_ptr,
-                    out_ptr,
-                    k_ptr,
-                    v_ptr,
-                    bias_ptr,
-                    stride_head,
-                    k_scale,
-                    v_scale,
-                    HQ,
-                    HK,
-                    D,
-                    R,
-                    BP,
-                    HAS_BIAS,
-                    QK_NORM,
-                    FP8KV,
-                    EMULATE,
-                )
-            elif KIND == GATE_UP:
-                _gate_up_epilogue(y, u, live, out_ptr, F, R, BP)
-            else:
-                _residual_epilogue(y, u, live, res_ptr, res_rows, out_ptr, ss_out_ptr, H, R, BP, NUP)
-        if jj == mine - 1:  # the chunk's last unit: the ring moves one chunk on
-            x, x1, x2 = x1, x2, x3
-    if total == 0:
-        end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
+        acc = dot_pv(w, x, acc, UPCAST, IEEE)
+    if S == 1:
+        y = acc
+    else:
+        y = tl.sum(acc, axis=0)  # [M, BP]: the K slices summed in order
+    if FP8W:
+        y = y * tl.load(ws_ptr + tl.cast(layer, tl.int64) * N + rows, mask=owned, other=0.0)[:, None]
+    r = tl.arange(0, R)
+    bp = tl.arange(0, BP)
+    scratch = scratch_ptr + pid * (M * BP)
+    tl.store(scratch + m[:, None] * BP + bp[None, :], y)
+    tl.debug_barrier()
+    for j in range(mine):
+        u = pid + j * P
+        yu = tl.load(scratch + (j * R + r)[:, None] * BP + bp[None, :])
+        if KIND == QKV:
+            _qkv_epilogue(
+                yu,
+                u,
+                live,
+                pos,
+                kv_off,
+                cs_ptr,
+                out_ptr,
+                k_ptr,
+                v_ptr,
+                bias_ptr,
+                stride_head,
+                k_scale,
+                v_scale,
+                HQ,
+                HK,
+                D,
+                R,
+                BP,
+                HAS_BIAS,
+                QK_NORM,
+                FP8KV,
+                EMULATE,
+            )
+        elif KIND == GATE_UP:
+            _gate_up_epilogue(yu, u, live, out_ptr, F, R, BP)
+        else:
+            _residual_epilogue(yu, u, live, res_ptr, res_rows, out_ptr, ss_out_ptr, H, R, BP, NUP)
