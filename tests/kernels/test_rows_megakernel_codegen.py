@@ -2,7 +2,8 @@
 (bf16 and float32, FP8 weights, an FP8 cache, Qwen2's biases with a window on some layers, Mistral's window
 on every layer, Qwen3's q/k norms) and at the real `llama-3.2-1b` and `llama-3.1-8b` shapes: each
 compiles, its weight tiles stream through cp.async copies (the software pipeline), its products run on
-the tensor cores, and the pipeline fits an SM's shared memory.
+the tensor cores, and the pipeline fits an SM's shared memory. The traced kernel (benchmarks' `--trace`)
+compiles at the 1B shape too, and only it reads the global timer.
 
 tests/engine/test_rows_megakernel_path.py checks what the kernel computes; only the compiler checks that it
 compiles (tests/kernels/sm90_compile.py). Runs in a subprocess without TRITON_INTERPRET; skipped where this
@@ -29,15 +30,22 @@ VARIANTS = {
     "mistral/bf16/fp8w+fp8kv": ("tiny-mistral", "bfloat16", True, True),
     "qwen3/bf16/fp8kv": ("tiny-qwen3", "bfloat16", False, True),
 }
-REAL_SHAPES = {"llama-3.2-1b": False, "llama-3.1-8b": False, "llama-3.2-1b/fp8w": True}  # name -> FP8 weights
+# name -> (FP8 weights, traced)
+REAL_SHAPES = {
+    "llama-3.2-1b": (False, False),
+    "llama-3.1-8b": (False, False),
+    "llama-3.2-1b/fp8w": (True, False),
+    "llama-3.2-1b/trace": (False, True),
+}
 
 
 def _as_on_the_gpu():
-    """Inline-assembly barriers, bf16 operands straight into the tensor cores, as on the GPU."""
+    """Inline-assembly barriers, bf16 operands straight into the tensor cores, the trace where asked, as on
+    the GPU."""
     from tinyvllm.kernels.rows_megakernel import launch
 
     real = launch._constexprs
-    launch._constexprs = lambda *a, **k: {**real(*a, **k), "ASM": True, "UPCAST": False}
+    launch._constexprs = lambda *a, **k: {**real(*a, **k), "ASM": True, "UPCAST": False, "TRACE": bool(k.get("trace"))}
 
 
 def _facts(kernel) -> dict:
@@ -46,6 +54,7 @@ def _facts(kernel) -> dict:
         "shared": kernel.metadata.shared,
         "cp_async": ptx.count("cp.async.cg.shared.global"),
         "mma": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
+        "globaltimer": ptx.count("%globaltimer"),
     }
 
 
@@ -77,10 +86,10 @@ def compile_variant(preset: str, dtype_name: str, fp8w: bool, fp8kv: bool) -> di
     return _facts(kernels["rows_megakernel_kernel"])
 
 
-def compile_real_shape(name: str, fp8w: bool) -> dict:
+def compile_real_shape(name: str, fp8w: bool, trace: bool) -> dict:
     """The kernel at a real model's shape (bf16 activations, 132 programs; `fp8w`: FP8 weights with row
-    scales), from stand-in weight tensors: a compile reads only their dtypes and the scales' shapes; the
-    shapes come from the model's config."""
+    scales; `trace`: traced), from stand-in weight tensors: a compile reads only their dtypes and the scales'
+    shapes; the shapes come from the model's config."""
     import torch
 
     from tests.kernels.sm90_compile import compile_only_for_sm90
@@ -117,7 +126,7 @@ def compile_real_shape(name: str, fp8w: bool) -> dict:
     with compile_only_for_sm90() as launched:
         rows_megakernel_fwd(
             t, t, t, t.int(), torch.zeros(8, 4, dtype=torch.int32), w, torch.zeros(64, shape.head_dim), kv, shape,
-            1e-5, 0.1, ws,
+            1e-5, 0.1, ws, trace,
         )  # fmt: skip
     return _facts(launched[0][1])
 
@@ -131,7 +140,7 @@ def _config(raw: dict):
 def summarise() -> dict:
     _as_on_the_gpu()
     jobs = {n: functools.partial(compile_variant, *v) for n, v in VARIANTS.items()}
-    jobs |= {p: functools.partial(compile_real_shape, p, f) for p, f in REAL_SHAPES.items()}
+    jobs |= {p: functools.partial(compile_real_shape, p, *f) for p, f in REAL_SHAPES.items()}
     return compile_each(jobs)
 
 
@@ -152,6 +161,8 @@ def test_rows_megakernel_compiles_for_sm90(facts, variant):
         assert got["mma"] > 0, "the products do not run on the tensor cores"
     if variant in REAL_SHAPES:
         assert got["cp_async"] > 0, "the weight tiles are not software-pipelined"
+    traced = variant in REAL_SHAPES and REAL_SHAPES[variant][1]
+    assert (got["globaltimer"] > 0) == traced, got["globaltimer"]
 
 
 if __name__ == "__main__":

@@ -65,8 +65,10 @@ class RowsMegakernel:
         positions: torch.Tensor,
         meta: AttnMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        trace: bool = False,
     ) -> torch.Tensor:
-        """A decode step of T ≤ MAX_ROWS sequences (`serves`) → final hidden states [T, H]. Raises
+        """A decode step of T ≤ MAX_ROWS sequences (`serves`) → final hidden states [T, H]. `trace`: record
+        the phase timer in workspace.trace (see rows_megakernel_fwd). Raises
         MegakernelDoesNotFit, before launching anything, where the compiled kernel needs more shared memory
         than the GPU has."""
         try:
@@ -83,6 +85,7 @@ class RowsMegakernel:
                 self.eps,
                 self.scale,
                 self.workspace,
+                trace,
             )
         except OutOfResources as e:
             raise MegakernelDoesNotFit(f"{e} (RowsConfig {self.config})") from e

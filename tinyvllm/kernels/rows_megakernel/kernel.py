@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.decode_megakernel.grid_sync import arrive, end_phase
+from tinyvllm.kernels.decode_megakernel.grid_sync import arrive, end_phase, now, trace_arrival, trace_start
 from tinyvllm.kernels.decode_megakernel.vectors import normed
 from tinyvllm.kernels.rows_megakernel.attention import rows_attention_phase
 from tinyvllm.kernels.rows_megakernel.products import DOWN, GATE_UP, OUT, QKV, embedding_rstd, product_phase
@@ -113,7 +113,8 @@ def rows_megakernel_kernel(
     and the cos/sin table as in the batch-1 megakernel (decode_megakernel/kernel.py), as are the cache's
     layout and the barrier. Workspace (launch.RowsWorkspace): r [BP, H], ss [BP, NUP], q [BP, (HQ + HK)·D],
     attn [BP, HQ·D], act [BP, F], scratch [P, max M, BP] float32 (each program's products before their
-    epilogues), the partials, tickets [BP, HK], barrier [2].
+    epilogues), the partials, tickets [BP, HK], barrier [2]; the trace (TRACE: the global timer as
+    decode_megakernel/grid_sync.py lays it out, without phase B's inner points).
 
     Constexprs: shapes H, F, HQ, HK, D, BS; BP the rows of every product (≥ 16, tl.dot's N); per weight
     phase A, C, D, E its rows per unit R*, its K chunk KC*, its most units per program MAXU* (a program
@@ -124,6 +125,11 @@ def rows_megakernel_kernel(
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
+    if TRACE:  # noqa: SIM102 (a constexpr test apart: untraced kernels hold no trace code)
+        if pid == 0:
+            tl.store(trace_ptr, now(pid))
+    if TRACE:
+        trace_start(trace_ptr, pid)
     QD: tl.constexpr = HQ * D
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     rb = tl.arange(0, BP)
@@ -200,6 +206,8 @@ def rows_megakernel_kernel(
             arrive(bar_ptr, trace_ptr, pid, b + 5, TRACE)
     # Leave (no barrier after the last layer): the last program out applies the final norm to every row
     # and resets the counters and tickets.
+    if TRACE:
+        trace_arrival(trace_ptr, pid, 5 * num_layers)
     tl.debug_barrier()
     left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if left == P - 1:
@@ -212,3 +220,5 @@ def rows_megakernel_kernel(
         tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
         t = tl.arange(0, triton.next_power_of_2(BP * HK))
         tl.atomic_xchg(tickets_ptr + t, 0, mask=t < BP * HK, sem="relaxed", scope="gpu")
+        if TRACE:
+            tl.store(trace_ptr + 5 * num_layers, now(pid))

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from tinyvllm.kernels.decode_megakernel.grid_sync import TRACE_BASE, TRACE_BLOCK, TRACE_MAX_LAYERS
 from tinyvllm.kernels.decode_megakernel.launch import (
     ATTN_KEYS,
     MAX_SPLITS,
@@ -129,7 +130,8 @@ class RowsWorkspace:
     """The buffers of the rows megakernel for one shape, allocated once (graphs point at them):
     r [BP, H] the residual stream, ss [BP, NUP] float32 per-unit sums of squares, q and attn [BP, HQ·D],
     act [BP, F], scratch [P, max M, BP] float32 (each program's products), the attention partials (per row,
-    the batch-1 kernel's split-minor layout), tickets [BP, HK], barrier [2], trace. The kernel leaves tickets
+    the batch-1 kernel's split-minor layout), tickets [BP, HK], barrier [2], trace (a traced launch's timer
+    readings, grown on first use). The kernel leaves tickets
     and barrier at zero. `num_splits` fixes the context splits per (row, KV head) of every launch (tests;
     None: as many as fill the programs)."""
 
@@ -161,8 +163,10 @@ class RowsWorkspace:
         self.trace = torch.zeros(1, dtype=torch.int64, device=device)
 
 
-def _constexprs(shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: StackedWeights, device, fp8_kv):
-    """The kernel's compile-time arguments and launch options."""
+def _constexprs(
+    shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: StackedWeights, device, fp8_kv, trace=False
+):
+    """The kernel's compile-time arguments and launch options (`trace`: TRACE, on CUDA only)."""
     s, cfg, p = shape, ws.config, ws.programs
     group = s.num_heads // s.num_kv_heads
     wbytes = 1 if weights.fp8 else weights.dtype.itemsize
@@ -186,7 +190,7 @@ def _constexprs(shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: 
         GP=next_power_of_2(group),
         PIPE=cfg.stages,
         KV_STAGES=cfg.kv_stages,
-        TRACE=False,
+        TRACE=trace and device.type == "cuda",
         ASM=device.type == "cuda",
         UPCAST=upcast_dot(device),
         IEEE=weights.dtype == torch.float32,
@@ -213,6 +217,7 @@ def rows_megakernel_fwd(
     eps: float,
     scale: float,
     workspace: RowsWorkspace,
+    trace: bool = False,
 ) -> torch.Tensor:
     """One decode token of each of T ≤ MAX_ROWS sequences through every layer.
 
@@ -222,6 +227,8 @@ def rows_megakernel_fwd(
         seq_lens: [T] int32, each row's context including its new token (0: a padding row).
         block_tables: [T, ≥ cdiv(max seq_len, block_size)] int32, last dim contiguous.
         kv_caches: per layer (k, v), views of one buffer as the batch-1 megakernel reads them.
+        trace: (CUDA) record the global timer in workspace.trace (decode_megakernel/grid_sync.py describes
+            the layout; phase B's inner points are not recorded).
 
     Returns:
         The final-normed hidden states [T, H].
@@ -249,6 +256,10 @@ def rows_megakernel_fwd(
         raise ValueError(f"rows megakernel config {ws.config}: stages, kv_stages and tile ≥ 1, split ≥ 0 needed")
     block_size, layer_stride, v_offset = kv_layout(kv_caches, shape)
     num_layers = weights.qkv.shape[0]
+    if trace and num_layers > TRACE_MAX_LAYERS:
+        raise ValueError(f"a traced launch records at most {TRACE_MAX_LAYERS} layers")
+    if trace and ws.trace.numel() != TRACE_BASE + ws.programs * TRACE_BLOCK:
+        ws.trace = torch.zeros(TRACE_BASE + ws.programs * TRACE_BLOCK, dtype=torch.int64, device=device)
     check_family(shape, weights, num_layers)
     fp8_kv = check_kv_dtype(kv_caches[0][0].dtype, weights, num_layers)
     w = weights
@@ -288,6 +299,6 @@ def rows_megakernel_fwd(
             scale,
             shape.window or 0,
         ),
-        **_constexprs(shape, ws, block_size, weights, device, fp8_kv),
+        **_constexprs(shape, ws, block_size, weights, device, fp8_kv, trace=trace),
     )
     return out
