@@ -1,7 +1,7 @@
 """Decode steps of 2–16 rows: the rows megakernel against the layer loop the engine runs them through today.
 
     python benchmarks/kernels/bench_rows_megakernel.py [--preset llama-3.2-1b] [--batches 1 2 4 8 16]
-        [--context 640] [--variant chunk=128,stages=6 ...] [--fp8] [--fp8-kv] [--out DIR]
+        [--context 640] [--variant chunk=128,stages=6 ...] [--fp8] [--fp8-kv] [--trace] [--out DIR]
 
 A random-weight model of the preset's shape (bf16) on the GPU; each of `--batches` rows a sequence whose
 context is `--context` keys (distinct cache blocks). Timed as CUDA-graph replays of a whole step
@@ -14,6 +14,13 @@ Floor: the bytes a step must read (every weight once, each row's K/V, the LM hea
 measured at the start; the products' FLOPs at these batches take under a tenth of that time.
 Correctness, per batch: each variant's hidden states and logits against the layer loop's (relative error,
 argmax), its new K/V, the rest of the cache untouched, and a second launch bitwise equal to the first.
+`--trace`: per batch and megakernel path, TRACE_REPS traced launches (the global timer at every grid
+barrier, decode_megakernel/grid_sync.py's layout; elementwise medians) give each phase's time per layer
+(program 0's barrier exits, as bench_megakernel.phase_trace; means over the middle layers), against the
+bytes the phase must read (A, C, D, E: that product's weights and FP8 row scales; B: every row's K/V at
+the context) at the copy bandwidth; and the programs' arrivals at the barrier ending the phase: the last
+one's after the phase opened, and the spread (last − first: load imbalance). Their sum over the layers
+against the exit, and the graph-timed layers and step.
 Writes rows_megakernel[_<preset>][_fp8][_fp8kv]_<gpu>.json.
 """
 
@@ -28,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from bench_megakernel import BLOCK, setup
+from bench_megakernel import BLOCK, phase_trace, setup
 from common import (
     bench_graph,
     copy_bandwidth,
@@ -45,6 +52,7 @@ from tinyvllm.engine.paths.executor import ModelExecutor
 from tinyvllm.engine.paths.megakernel import DecodeMegakernel, stack_weights
 from tinyvllm.engine.paths.rows_megakernel import RowsMegakernel
 from tinyvllm.kernels.attention_metadata import AttnMetadata
+from tinyvllm.kernels.decode_megakernel import TRACE_BASE, TRACE_BLOCK
 from tinyvllm.kernels.rows_megakernel import RowsConfig
 
 R = RowsConfig
@@ -184,6 +192,122 @@ def time_steps(model, weights, kv, batches: list[int], ctx: int, variants: list[
     return rows_out
 
 
+TRACE_REPS = 10  # traced launches per path; medians of their readings
+PHASES = {"A": "A qkv", "B": "B attn", "C": "C out", "D": "D gate/up", "E": "E down"}
+
+
+def phase_bytes(weights, kv, rows: int, ctx: int) -> dict[str, float]:
+    """Bytes a layer's phase must read: A, C, D, E that product's weights (FP8: 1-byte) and FP8 row scales;
+    B every row's K and V at `ctx` keys (the cache's element size)."""
+    L, _, _, hk, _, d = kv.shape
+    size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+    w = weights
+    out = {
+        "A": size(w.qkv) + size(w.qkv_scale),
+        "C": size(w.o) + size(w.o_scale),
+        "D": size(w.gate_up) + size(w.gate_up_scale),
+        "E": size(w.down) + size(w.down_scale),
+    }
+    out = {k: v / L for k, v in out.items()}
+    out["B"] = rows * 2 * hk * ctx * d * kv.element_size()
+    return {k: out[k] for k in "ABCDE"}
+
+
+def traced(launch, trace_of, num_layers: int, programs: int, reps: int = TRACE_REPS):
+    """`reps` traced launches (after one that compiles): the elementwise medians, in µs from program 0's
+    start, of program 0's barrier exits [5L + 1] (grid_sync.py: [0] start, [5l + k + 1] after phase k of
+    layer l, [5L] the exit), every program's waits [P, 5L] ([p, 0] its start) and arrivals [P, 5L + 1]
+    ([p, b] at barrier b, [p, 5L] its exit); and the spread (last − first arrival) at each barrier [5L + 1]."""
+    n = 5 * num_layers
+    launch()
+    torch.cuda.synchronize()
+    g, waits, arrivals, spread = [], [], [], []
+    for _ in range(reps):
+        launch()
+        t = trace_of().double().cpu()
+        zero = t[0]
+        blocks = t[TRACE_BASE : TRACE_BASE + programs * TRACE_BLOCK].view(programs, TRACE_BLOCK)
+        g.append(t[: n + 1] - zero)
+        waits.append(blocks[:, :n] - zero)
+        arr = blocks[:, 400 : 401 + n]
+        arrivals.append(arr - zero)
+        spread.append(arr.max(0).values - arr.min(0).values)
+    med = lambda xs: torch.stack(xs).median(0).values / 1e3  # noqa: E731
+    return med(g), med(waits), med(arrivals), med(spread)
+
+
+def trace_summary(launch, trace_of, num_layers: int, programs: int, nbytes: dict, copy: float) -> dict:
+    """Per phase kind, means over the middle layers (all where L ≤ 2) of the traced launches' medians:
+    program 0's time (from its exit of the barrier opening the phase to its exit of the one ending it), the
+    last program's arrival at the ending barrier after the first left the opening one, the arrivals' spread;
+    the phase's bytes and their rate against the copy bandwidth. Totals: the sum over every layer's phases
+    (the exit; layer 0's A from the launch's start, the last E to the exit, also apart)."""
+    L = num_layers
+    g, waits, arrivals, spread = traced(launch, trace_of, L, programs)
+    per_layer = (g[1:] - g[:-1]).view(L, 5)
+    opened = waits.min(0).values  # [5L]: barrier b's first exit (b = 0: the first program's start)
+    last = (arrivals.max(0).values[1:] - opened).view(L, 5)
+    spread = spread[1:].view(L, 5)
+    mid = slice(1, L - 1) if L > 2 else slice(None)
+    phases = []
+    for k, kind in enumerate("ABCDE"):
+        us = float(per_layer[mid, k].mean())
+        phases.append(
+            {
+                "phase": PHASES[kind],
+                "us": us,
+                "last_arrival_us": float(last[mid, k].mean()),
+                "spread_us": float(spread[mid, k].mean()),
+                "mb": nbytes[kind] / 1e6,
+                "gbps": nbytes[kind] / us / 1e3,
+                "of_copy": nbytes[kind] / (us * 1e-6) / copy,
+            }
+        )
+    layer_bytes = sum(nbytes.values()) * L
+    return {
+        "layers": L,
+        "reps": TRACE_REPS,
+        "phases": phases,
+        "phases_x_layers_us": L * sum(p["us"] for p in phases),
+        "traced_us": float(g[-1]),
+        "layer0_A_from_start_us": float(per_layer[0, 0]),
+        "last_E_to_exit_us": float(per_layer[-1, -1]),
+        "traced_of_copy": layer_bytes / (float(g[-1]) * 1e-6) / copy,
+    }
+
+
+@torch.no_grad()
+def trace_steps(model, weights, kv, batches: list[int], ctx: int, variants: list[RowsConfig], copy, timings):
+    """trace_summary per batch and megakernel path (at one row also the batch-1 megakernel, with
+    bench_megakernel.phase_trace's split of its phase B), with the graph-timed step and layers."""
+    views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+    L = kv.shape[0]
+    out = []
+    for b in batches:
+        ids, pos, meta = step_inputs(kv.device, b, ctx, kv.shape[2])
+        nbytes = phase_bytes(weights, kv, b, ctx)
+        paths = [(name_of(c), RowsMegakernel(model, weights, c)) for c in variants]
+        if b == 1:
+            paths.insert(0, ("megakernel", DecodeMegakernel(model, weights=weights)))
+        for name, mk in paths:
+            launch = lambda mk=mk: mk(ids, pos, meta, views, trace=True)  # noqa: E731
+            row = {"batch": b, "path": name}
+            row |= trace_summary(launch, lambda mk=mk: mk.workspace.trace, L, mk.workspace.programs, nbytes, copy)
+            timed = next((t for t in timings if t["batch"] == b and t["path"] == name), {})
+            row["step_us"], row["layers_us"] = timed.get("step_us"), timed.get("layers_us")
+            if name == "megakernel":
+                row["batch1_phase_trace"] = phase_trace(model, mk, ids, pos, meta, kv)
+            out.append(row)
+            print({k: v for k, v in row.items() if k != "batch1_phase_trace"}, flush=True)
+    return out
+
+
+def print_traces(traces: list[dict], title: str) -> None:
+    flat = [{"batch": t["batch"], "path": t["path"], **p} for t in traces for p in t["phases"]]
+    print_table(f"{title}: per-layer phases (traced, means over middle layers)", flat, TRACE_COLUMNS)
+    print_table(f"{title}: traced totals against the graph-timed layers and step", traces, TRACE_TOTAL_COLUMNS)
+
+
 CHECK_COLUMNS = [
     ("dtype", "dtype", ""),
     ("batch", "rows", "d"),
@@ -207,6 +331,29 @@ STEP_COLUMNS = [
     ("layers_of_floor", "layers of floor", ".2f"),
 ]
 
+TRACE_COLUMNS = [
+    ("batch", "rows", "d"),
+    ("path", "path", ""),
+    ("phase", "phase", ""),
+    ("us", "µs (p0)", ".2f"),
+    ("last_arrival_us", "last arrival µs", ".2f"),
+    ("spread_us", "arrival spread µs", ".2f"),
+    ("mb", "MB read", ".2f"),
+    ("gbps", "GB/s", ".0f"),
+    ("of_copy", "of copy", ".2f"),
+]
+TRACE_TOTAL_COLUMNS = [
+    ("batch", "rows", "d"),
+    ("path", "path", ""),
+    ("phases_x_layers_us", "Σ phases × L µs", ".1f"),
+    ("traced_us", "traced exit µs", ".1f"),
+    ("layer0_A_from_start_us", "layer 0 A µs", ".2f"),
+    ("last_E_to_exit_us", "last E µs", ".2f"),
+    ("traced_of_copy", "traced of copy", ".2f"),
+    ("layers_us", "layers µs (graph)", ".1f"),
+    ("step_us", "step µs (graph)", ".1f"),
+]
+
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -217,6 +364,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--fp32", action=argparse.BooleanOptionalAction, default=True, help="also check in float32")
     ap.add_argument("--fp8", action="store_true", help="FP8 weights (per-row scales) from the random bf16 ones")
     ap.add_argument("--fp8-kv", action="store_true", help="an FP8 (e4m3) KV cache")
+    ap.add_argument("--trace", action="store_true", help="traced launches: each phase's time, bytes and imbalance")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     return ap.parse_args()
 
@@ -243,6 +391,9 @@ def main() -> None:
     rows = time_steps(model, weights, kv, ns.batches, ns.context, variants, copy)
     what = "bf16" + (", FP8 weights" if ns.fp8 else "") + (", FP8 KV cache" if ns.fp8_kv else "")
     print_table(f"decode steps of 2-16 rows, {ns.preset} shape, {what} ({info['gpu']})", rows, STEP_COLUMNS)
+    traces = trace_steps(model, weights, kv, ns.batches, ns.context, variants, copy, rows) if ns.trace else []
+    if traces:
+        print_traces(traces, f"{ns.preset} shape, {what}, context {ns.context} ({info['gpu']})")
     name = "rows_megakernel" + ("" if ns.preset == "llama-3.2-1b" else f"_{ns.preset}")
     name += ("_fp8" if ns.fp8 else "") + ("_fp8kv" if ns.fp8_kv else "")
     json_path, _ = output_paths(ns.out, name)
@@ -257,6 +408,7 @@ def main() -> None:
             "copy_bandwidth": copy,
             "checks": checks,
             "timings": rows,
+            "phase_trace": traces,
         },
     )
 
