@@ -3,17 +3,18 @@
 # the default it would change). Steps run in this order while BUDGET lasts; pick a group per device call
 # (≤ 10 min each) with STEPS:
 #
-#   STEPS=rows_bench bash scripts/gpu_pending.sh                                                   # §1e
-#   STEPS="rows_tests rows_latency_b8 rows_latency_b8_on rows_engine_test" ...
+#   STEPS=rows_trace bash scripts/gpu_pending.sh                                                   # §1e
+#   STEPS="rows_bench rows_tests rows_engine_test" ...
 #   STEPS=sizes ...;  STEPS=sizes_rows ...                                                           # §1e table
-#   STEPS="radix_tests radix_kernel top_p_plain top_p_radix top_p_search fp8_cost" ...            # §5, §9
+#   STEPS="radix_kernel top_p_plain top_p_radix top_p_search fp8_cost" ...                        # §5, §9
 #   STEPS="pieces_bench_main pieces_bench pieces_tests structured_prepare" ...                     # §1e, §10
 #   STEPS="fp8_tests fp8_quant_bench rows_bench_8b rows_bench_fp8" ...
 #   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                                              # §3a
-#   STEPS="decode_fold cascade_split" ...                                                            # §4
 #   STEPS=prefill_sweep ...;  STEPS=prefill_sweep_p256 ...                                           # §3
-#   STEPS="top_p_only serve_top_p" ... (carry .whl)                                                  # §7
+#   STEPS="top_p_only serve_top_p" ...                                                               # §7
 #
+# Carry .whl in every call (the device image lacks msgspec, which the CLI imports; fastapi etc. for serve):
+# `pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl msgspec ...`.
 # The megakernel-pieces steps need branch h1-mk-pieces's tree in .pieces/ (git-ignored, so the device
 # call must carry it): `rm -rf .pieces && mkdir .pieces && git archive h1-mk-pieces tinyvllm benchmarks tests
 # | tar -x -C .pieces`. Results and logs come back under $OUT as session.tgz.part* (gpu_session.sh's packing).
@@ -29,9 +30,9 @@ step checkpoint 120 python3 -c "from tinyvllm.models.checkpoint import resolve_m
 # 1. The rows megakernel (§1e): correctness over every program, then against the layer loop, then in the engine.
 step rows_tests 240 python3 -m pytest -q -x tests/gpu/test_rows_megakernel_gpu.py -p no:cacheprovider \
   -k "(default and (llama-3.2-1b or qwen3)) or graph"
+step rows_trace 200 python3 benchmarks/kernels/bench_rows_megakernel.py --batches 1 8 16 --no-fp32 --trace --variant stages=6 \
+  --out "$RES"
 step rows_bench 540 python3 benchmarks/kernels/bench_rows_megakernel.py --out "$RES"
-bench rows_latency_b8 120 latency --batch-size 8 --output-len 256 --name "latency_b8_$GPU"
-bench rows_latency_b8_on 120 latency --batch-size 8 --output-len 256 --rows-megakernel --name "latency_b8_rows_$GPU"
 step rows_engine_test 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k rows_megakernel -p no:cacheprovider
 step rows_bench_8b 300 python3 benchmarks/kernels/bench_rows_megakernel.py --preset llama-3.1-8b --no-fp32 --out "$RES"
 # FP8 weights: the rows kernel's tensor-core products against the batch-1 megakernel's reduction at one row too
@@ -78,10 +79,6 @@ step attn_sweep_64 560 python3 benchmarks/kernels/bench_attention_backward.py --
 step prefill_sweep 560 python3 benchmarks/kernels/bench_prefill_attention.py --sweep --no-flex --out "$RES"
 step prefill_sweep_p256 560 python3 benchmarks/kernels/bench_prefill_attention.py --sweep --no-flex --block-sizes 256 16 \
   --out "$RES/p256"
-
-# 6. Decode attention with the merge folded into the split kernel (§4; the fold's column, graph replays).
-step decode_fold 300 python3 benchmarks/kernels/bench_decode_attention.py --no-flex --out "$RES"
-step cascade_split 150 python3 benchmarks/kernels/bench_cascade.py --out "$RES"
 
 # 7. Serving at rate inf with top_p 0.9 against the offline figure with it (#40; needs .whl carried):
 # the API process's CPU per token fell by half unpaced on the development CPU (§7).
