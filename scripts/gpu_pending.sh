@@ -13,6 +13,8 @@
 #   STEPS=prefill_sweep ...;  STEPS=prefill_sweep_p256 ...                                           # §3
 #   STEPS="top_p_only serve_top_p" ...                                                               # §7
 #
+# Name the commit in the run command (`TINYVLLM_GIT_COMMIT=<local git rev-parse --short HEAD> bash ...`): the
+# device's copy of the tree may carry a stale .git, and result files record the commit they ran.
 # Carry .whl in every call (the device image lacks msgspec, which the CLI imports; fastapi etc. for serve):
 # `pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl msgspec ...`.
 # The megakernel-pieces steps need branch h1-mk-pieces's tree in .pieces/ (git-ignored, so the device
