@@ -3,7 +3,8 @@
 # the default it would change). Steps run in this order while BUDGET lasts; pick a group per device call
 # (≤ 10 min each) with STEPS:
 #
-#   STEPS=rows_trace bash scripts/gpu_pending.sh                                                   # §1e
+#   STEPS="startup startup_8b" bash scripts/gpu_pending.sh                                         # §12
+#   STEPS=rows_trace ...                                                                             # §1e
 #   STEPS="rows_bench rows_tests rows_engine_test" ...
 #   STEPS=sizes ...;  STEPS=sizes_rows ...                                                           # §1e table
 #   STEPS="radix_kernel top_p_plain top_p_radix top_p_search fp8_cost" ...                        # §5, §9
@@ -28,6 +29,10 @@ MARK=$WORK/start.mark
 touch "$MARK"
 
 step checkpoint 120 python3 -c "from tinyvllm.models.checkpoint import resolve_model; print(resolve_model('dummy:llama-3.2-1b'))"
+
+# 0. Start-up (§12) with the collector paused and Triton's key stored: the 1B warm target is 4 s.
+step startup 300 $CLI bench startup --model dummy:llama-3.2-1b --warm-runs 2 --out-dir "$RES"
+step startup_8b 300 $CLI bench startup --model dummy:llama-3.1-8b --warm-runs 1 --out-dir "$RES"
 
 # 1. The rows megakernel (§1e): correctness over every program, then against the layer loop, then in the engine.
 step rows_tests 240 python3 -m pytest -q -x tests/gpu/test_rows_megakernel_gpu.py -p no:cacheprovider \

@@ -161,7 +161,9 @@ class EngineArgs:
         8192, "largest hidden size the decode megakernel is on for by default (powers of two only)"
     )
     rows_megakernel: bool = _opt(
-        False, "on CUDA, a decode step of 2-16 sequences runs every layer in one kernel launch (not yet measured)"
+        False,
+        "on CUDA, a decode step of 2-16 sequences runs every layer in one kernel launch (slower than the"
+        " default layer loop today: docs/perf.md section 1e)",
     )
     pruned_lm_head: bool = _opt(
         True,
