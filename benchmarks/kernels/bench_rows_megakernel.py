@@ -58,12 +58,13 @@ from tinyvllm.kernels.rows_megakernel import RowsConfig
 R = RowsConfig
 VARIANTS = [
     R(),
+    R(kv_align=1),  # phase B's K/V tiles as 16-byte cp.async copies, one tile ahead (waited at once)
+    R(kv_align=1, kv_stages=5),  # ... two tiles ahead
+    R(kv_align=1, kv_stages=7),  # ... three tiles ahead
+    R(attn_splits=4),  # more, shorter phase B units (8 rows: 4 splits of 2-3 tiles)
+    R(attn_splits=8),  # (8 rows: 5 splits of 2 tiles, 2-3 units a program)
+    R(kv_align=1, kv_stages=5, attn_splits=4),
     R(chunk=128),
-    R(chunk=64, stages=6),
-    R(stages=6),
-    R(num_warps=8),
-    R(tile=32768, stages=3),
-    R(chunk=128, tile=8192, stages=8),
 ]
 
 

@@ -114,6 +114,8 @@ CASES = [
     ([260, 41], 11, RowsConfig(chunk=64, stages=4, tile=1 << 20, num_warps=8)),  # the merge in runs of 16
     # slots; K split in 4 (phases C, E: 64 rows < 16 · 8 warps)
     ([20] * MAX_ROWS, 2, RowsConfig(chunk=32, stages=6)),  # every row of the products
+    ([200, 60, 7], 2, RowsConfig(chunk=32, kv_align=1, kv_stages=5)),  # aligned K/V, 2 tiles copied ahead
+    ([260, 41, 3], None, RowsConfig(chunk=32, attn_splits=4)),  # splits from the config: 3, 1, 1 (5, 1, 1 tiles)
 ]
 
 

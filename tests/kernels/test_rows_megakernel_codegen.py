@@ -6,8 +6,10 @@ the tensor cores, and the pipeline fits an SM's shared memory. The traced kernel
 compiles at the 1B shape too, and only it reads the global timer.
 
 tests/engine/test_rows_megakernel_path.py checks what the kernel computes; only the compiler checks that it
-compiles (tests/kernels/sm90_compile.py). Runs in a subprocess without TRITON_INTERPRET; skipped where this
-Triton cannot compile for CUDA.
+compiles (tests/kernels/sm90_compile.py). With `kv_align` (RowsConfig) phase B's K and V tiles are
+16-byte cp.async copies of its key loop's pipeline; without it they are 2-byte synchronous loads (the
+caches' layer stride and V offset are unspecialised arguments). Runs in a subprocess without
+TRITON_INTERPRET; skipped where this Triton cannot compile for CUDA.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ VARIANTS = {
     "mistral/bf16/fp8w+fp8kv": ("tiny-mistral", "bfloat16", True, True),
     "qwen3/bf16/fp8kv": ("tiny-qwen3", "bfloat16", False, True),
 }
-# name -> (FP8 weights, traced)
+# name -> (FP8 weights, traced, RowsConfig fields)
 REAL_SHAPES = {
-    "llama-3.2-1b": (False, False),
-    "llama-3.1-8b": (False, False),
-    "llama-3.2-1b/fp8w": (True, False),
-    "llama-3.2-1b/trace": (False, True),
+    "llama-3.2-1b": (False, False, {}),
+    "llama-3.1-8b": (False, False, {}),
+    "llama-3.2-1b/fp8w": (True, False, {}),
+    "llama-3.2-1b/trace": (False, True, {}),
+    "llama-3.2-1b/kv_align": (False, False, {"kv_align": 1, "kv_stages": 5}),
 }
+KV_TILE_COPY = "tensor<64x64x!tt.ptr<bf16>"  # phase B's K or V tile at these shapes (64 keys, head_dim 64)
 
 
 def _as_on_the_gpu():
@@ -49,12 +53,14 @@ def _as_on_the_gpu():
 
 
 def _facts(kernel) -> dict:
-    ptx = kernel.asm["ptx"]
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     return {
         "shared": kernel.metadata.shared,
         "cp_async": ptx.count("cp.async.cg.shared.global"),
         "mma": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
         "globaltimer": ptx.count("%globaltimer"),
+        "ld_b16": ptx.count("ld.global.b16"),  # 2-byte loads: unvectorised (the K/V tiles without kv_align)
+        "kv_tile_copies": sum(KV_TILE_COPY in x for x in ttgir.splitlines() if "async_copy_global_to_local" in x),
     }
 
 
@@ -86,10 +92,10 @@ def compile_variant(preset: str, dtype_name: str, fp8w: bool, fp8kv: bool) -> di
     return _facts(kernels["rows_megakernel_kernel"])
 
 
-def compile_real_shape(name: str, fp8w: bool, trace: bool) -> dict:
+def compile_real_shape(name: str, fp8w: bool, trace: bool, fields: dict | None = None) -> dict:
     """The kernel at a real model's shape (bf16 activations, 132 programs; `fp8w`: FP8 weights with row
-    scales; `trace`: traced), from stand-in weight tensors: a compile reads only their dtypes and the scales'
-    shapes; the shapes come from the model's config."""
+    scales; `trace`: traced; `fields`: RowsConfig fields), from stand-in weight tensors: a compile reads only
+    their dtypes and the scales' shapes; the shapes come from the model's config."""
     import torch
 
     from tests.kernels.sm90_compile import compile_only_for_sm90
@@ -121,7 +127,7 @@ def compile_real_shape(name: str, fp8w: bool, trace: bool) -> dict:
     )
     buf = z(layers, 2, 4, shape.num_kv_heads, 16, shape.head_dim)
     kv = [(buf[i, 0], buf[i, 1]) for i in range(layers)]
-    ws = RowsWorkspace(shape, dt, torch.device("cpu"), 132, RowsConfig())
+    ws = RowsWorkspace(shape, dt, torch.device("cpu"), 132, RowsConfig(**(fields or {})))
     t = torch.zeros(8, dtype=torch.int64)
     with compile_only_for_sm90() as launched:
         rows_megakernel_fwd(
@@ -163,6 +169,9 @@ def test_rows_megakernel_compiles_for_sm90(facts, variant):
         assert got["cp_async"] > 0, "the weight tiles are not software-pipelined"
     traced = variant in REAL_SHAPES and REAL_SHAPES[variant][1]
     assert (got["globaltimer"] > 0) == traced, got["globaltimer"]
+    if variant in REAL_SHAPES and REAL_SHAPES[variant][2].get("kv_align"):
+        # phase B's K and V tiles: 16-byte cp.async copies in its key loop's pipeline, no 2-byte loads
+        assert got["ld_b16"] == 0 and got["kv_tile_copies"] >= 2, got
 
 
 if __name__ == "__main__":

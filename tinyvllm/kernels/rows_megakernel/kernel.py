@@ -94,6 +94,7 @@ def rows_megakernel_kernel(
     GP: tl.constexpr,
     PIPE: tl.constexpr,
     KV_STAGES: tl.constexpr,
+    KV_ALIGN: tl.constexpr,
     TRACE: tl.constexpr,
     ASM: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -120,8 +121,9 @@ def rows_megakernel_kernel(
     phase A, C, D, E its rows per unit R*, its K chunk KC*, its most units per program MAXU* (a program
     multiplies MAXU·R rows at once) and its K split S* (products.py); NUP the per-unit sums of squares a
     row keeps (≥ the units of phases C and E); KEYS, SM, BG, GP as in the batch-1 kernel; PIPE the
-    weight pipeline's depth, KV_STAGES the key loop's; WINDOW 0 none, 1 the layers flagged in
-    sliding_ptr, 2 every layer.
+    weight pipeline's depth, KV_STAGES the key loop's; KV_ALIGN: layer_stride and v_offset are multiples
+    of 16 elements (the K/V tiles then load as 16-byte vectors, pipelined by cp.async); WINDOW 0 none,
+    1 the layers flagged in sliding_ptr, 2 every layer.
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -143,8 +145,13 @@ def rows_megakernel_kernel(
     rstd0 = embedding_rstd(emb_ptr, emb_rows, live, H, eps, BP, KCA)
     for layer in range(num_layers):
         b = 5 * layer  # barriers before this layer: 5 per layer
-        k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
-        v_ptr = k_ptr + v_offset
+        k_off = tl.cast(layer, tl.int64) * layer_stride
+        v_off = k_off + v_offset
+        if KV_ALIGN:  # unspecialised arguments: without the hint the K/V tiles load 2 bytes at a time
+            k_off = tl.multiple_of(k_off, 16)  # (a hint needs an operation's result, not an argument)
+            v_off = tl.multiple_of(v_off, 16)
+        k_ptr = kv_ptr + k_off
+        v_ptr = kv_ptr + v_off
         k_scale, v_scale = 1.0, 1.0
         if FP8KV:
             k_scale = tl.load(kvs_ptr + 2 * layer)

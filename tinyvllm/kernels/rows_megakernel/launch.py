@@ -38,6 +38,11 @@ class RowsConfig(NamedTuple):
     # per warp; at least 16 columns each. Phases with more rows split M over the warps instead (one slice)
     stages: int = 4  # the weight and input tiles' software pipeline: this many shared-memory stages
     kv_stages: int = 3  # phase B's key loop: this many shared-memory stages
+    kv_align: int = 0  # 1: tell the compiler the caches' layer stride and V offset are multiples of 16 elements
+    # (where they are; the launcher checks), so phase B's K/V tiles load as 16-byte vectors that its key loop's
+    # pipeline copies ahead (cp.async); 0: unhinted (2-byte loads, synchronous)
+    attn_splits: int = 0  # phase B's context splits per (row, KV head), at least (0: as many as fill the programs,
+    # `num_splits_for`); more splits make more, shorter units, several a program
     num_warps: int = 4
     programs: int = 0  # CUDA: at most this many programs (0: one on every multiprocessor)
 
@@ -102,8 +107,8 @@ def rows_unsupported_reason(
     d, r = shape.head_dim, config.rows
     if r < 16 or r & (r - 1):
         return f"unit rows {r} (needs a power of two ≥ 16)"
-    if config.stages < 1 or config.kv_stages < 1 or config.tile < 1 or config.split < 0:
-        return f"config {config}: stages, kv_stages and tile ≥ 1, split ≥ 0 needed"
+    if config.stages < 1 or config.kv_stages < 1 or config.tile < 1 or config.split < 0 or config.attn_splits < 0:
+        return f"config {config}: stages, kv_stages and tile ≥ 1, split and attn_splits ≥ 0 needed"
     if d < r or d & (d - 1) or shape.num_heads % max(1, shape.num_kv_heads):
         return f"head_dim {d} (needs a power of two ≥ {r}) or query heads not a multiple of KV heads"
     if shape.hidden % r or shape.intermediate % (r // 2):
@@ -121,9 +126,10 @@ def _splits_run(programs: int, num_kv_heads: int) -> int:
     return max(4, next_power_of_2(min(MAX_SPLITS, max(1, programs // num_kv_heads))))
 
 
-def num_splits_for(programs: int, num_rows: int, num_kv_heads: int) -> int:
-    """Context splits per (row, KV head): as many as fill the programs, at most MAX_SPLITS."""
-    return max(1, min(MAX_SPLITS, programs // (num_rows * num_kv_heads)))
+def num_splits_for(programs: int, num_rows: int, num_kv_heads: int, at_least: int = 0) -> int:
+    """Context splits per (row, KV head): as many as fill the programs, and at least `at_least`
+    (RowsConfig.attn_splits); at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, max(at_least, programs // (num_rows * num_kv_heads))))
 
 
 class RowsWorkspace:
@@ -148,7 +154,8 @@ class RowsWorkspace:
         self.programs = programs
         self.config = config
         self.num_splits = num_splits  # None: `num_splits_for` the launch's rows
-        self.splits_run = max(_splits_run(programs, s.num_kv_heads), next_power_of_2(num_splits or 1))
+        most = max(num_splits or 1, min(MAX_SPLITS, config.attn_splits))
+        self.splits_run = max(_splits_run(programs, s.num_kv_heads), next_power_of_2(most))
         z = lambda n, dt=dtype: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
         qd = s.num_heads * s.head_dim
         self.nup = next_power_of_2(s.hidden // config.rows)
@@ -164,9 +171,17 @@ class RowsWorkspace:
 
 
 def _constexprs(
-    shape: ModelShape, ws: RowsWorkspace, block_size: int, weights: StackedWeights, device, fp8_kv, trace=False
+    shape: ModelShape,
+    ws: RowsWorkspace,
+    block_size: int,
+    weights: StackedWeights,
+    device,
+    fp8_kv,
+    trace=False,
+    kv_aligned=False,
 ):
-    """The kernel's compile-time arguments and launch options (`trace`: TRACE, on CUDA only)."""
+    """The kernel's compile-time arguments and launch options (`trace`: TRACE, on CUDA only; `kv_aligned`:
+    the caches' layer stride and V offset are multiples of 16 elements)."""
     s, cfg, p = shape, ws.config, ws.programs
     group = s.num_heads // s.num_kv_heads
     wbytes = 1 if weights.fp8 else weights.dtype.itemsize
@@ -190,6 +205,7 @@ def _constexprs(
         GP=next_power_of_2(group),
         PIPE=cfg.stages,
         KV_STAGES=cfg.kv_stages,
+        KV_ALIGN=bool(cfg.kv_align) and kv_aligned,
         TRACE=trace and device.type == "cuda",
         ASM=device.type == "cuda",
         UPCAST=upcast_dot(device),
@@ -254,6 +270,8 @@ def rows_megakernel_fwd(
         raise ValueError(f"{ws.programs} programs: more than one per multiprocessor may not all be resident")
     if ws.config.stages < 1 or ws.config.kv_stages < 1 or ws.config.tile < 1 or ws.config.split < 0:
         raise ValueError(f"rows megakernel config {ws.config}: stages, kv_stages and tile ≥ 1, split ≥ 0 needed")
+    if ws.config.attn_splits < 0:
+        raise ValueError(f"rows megakernel config {ws.config}: attn_splits ≥ 0 needed")
     block_size, layer_stride, v_offset = kv_layout(kv_caches, shape)
     num_layers = weights.qkv.shape[0]
     if trace and num_layers > TRACE_MAX_LAYERS:
@@ -271,6 +289,7 @@ def rows_megakernel_fwd(
         x if x is not None else w.norm1 for x in (w.qkv_scale, w.o_scale, w.gate_up_scale, w.down_scale, w.kv_scales)
     )
     k0 = kv_caches[0][0]
+    kv_aligned = layer_stride % 16 == 0 and v_offset % 16 == 0
     rows_megakernel_kernel[(ws.programs,)](
         *(input_ids, positions, slot_mapping, seq_lens, block_tables, block_tables.stride(0)),
         *(
@@ -294,11 +313,11 @@ def rows_megakernel_fwd(
         *(
             t,
             num_layers,
-            ws.num_splits or num_splits_for(ws.programs, t, shape.num_kv_heads),
+            ws.num_splits or num_splits_for(ws.programs, t, shape.num_kv_heads, ws.config.attn_splits),
             eps,
             scale,
             shape.window or 0,
         ),
-        **_constexprs(shape, ws, block_size, weights, device, fp8_kv, trace=trace),
+        **_constexprs(shape, ws, block_size, weights, device, fp8_kv, trace=trace, kv_aligned=kv_aligned),
     )
     return out
