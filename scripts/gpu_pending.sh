@@ -5,6 +5,7 @@
 #
 #   STEPS="startup startup_8b" bash scripts/gpu_pending.sh                                         # §12
 #   STEPS=rows_trace ...                                                                             # §1e
+#   STEPS=mk_kv_align ...                                                                            # §1b
 #   STEPS="rows_bench rows_tests rows_engine_test" ...
 #   STEPS=sizes ...;  STEPS=sizes_rows ...                                                           # §1e table
 #   STEPS="radix_kernel top_p_plain top_p_radix top_p_search fp8_cost" ...                        # §5, §9
@@ -46,6 +47,8 @@ step rows_engine_test 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k r
 step rows_bench_8b 300 python3 benchmarks/kernels/bench_rows_megakernel.py --preset llama-3.1-8b --no-fp32 --out "$RES"
 # FP8 weights: the rows kernel's tensor-core products against the batch-1 megakernel's reduction at one row too
 step rows_bench_fp8 300 python3 benchmarks/kernels/bench_rows_megakernel.py --fp8 --batches 1 2 8 --no-fp32 --out "$RES"
+# The batch-1 megakernel (§1b) with phase B's K/V tiles as 16-byte vector loads (MegakernelConfig.kv_align).
+step mk_kv_align 200 python3 benchmarks/kernels/bench_megakernel.py --preset llama-3.2-1b --contexts 640 4096 --no-traces --no-fp32 --variant kv_align=1 --out "$RES"
 
 # The table: batch 1 and 8 for every preset beside transformers, today's paths then the rows kernel.
 step sizes 560 python3 -m benchmarks.sizes --baseline hf --out-dir "$RES"

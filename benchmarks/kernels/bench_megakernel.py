@@ -1,7 +1,12 @@
 """Batch-1 decode step: the one-launch megakernel against the layer-by-layer fused path, per model shape.
 
     python benchmarks/kernels/bench_megakernel.py [--preset llama-3.2-1b] [--contexts 128 640 2048] [--out DIR]
-        [--fp8] [--fp8-kv]
+        [--fp8] [--fp8-kv] [--variant FIELD=VALUE,...]
+
+    # the default against phase B's K/V tiles as 16-byte vector loads (MegakernelConfig.kv_align)
+    python benchmarks/kernels/bench_megakernel.py --contexts 640 4096 --no-traces --no-fp32 --variant kv_align=1
+    # ... and against 4 phase-D stages with 2 in phases A and C
+    python benchmarks/kernels/bench_megakernel.py --variant stages=4,ace_stages=2 --variant kv_align=true
 
 A random-weight model of the preset's shape (default `llama-3.2-1b`, bf16) on the GPU, one sequence
 whose context is each of `--contexts` keys. Timed as CUDA-graph replays of a whole step (decoder
@@ -82,13 +87,22 @@ def name_of(cfg: MegakernelConfig, splits: int | None = None) -> str:
     )
 
 
+BOOLS = {"1": True, "0": False, "true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
+
+
 def parse_config(text: str) -> MegakernelConfig:
-    """`field=value,...` → MegakernelConfig (each value converted to the field's default's type)."""
+    """`field=value,...` → MegakernelConfig (each value converted to the field's default's type; a bool
+    from 1/0, true/false, yes/no or on/off)."""
     fields = {}
     for item in filter(None, text.split(",")):
         key, value = item.split("=")
         kind = type(getattr(C(), key))
-        fields[key] = bool(int(value)) if kind is bool else kind(value)
+        if kind is bool:
+            if value.lower() not in BOOLS:
+                raise ValueError(f"{key}={value}: not a boolean ({', '.join(BOOLS)})")
+            fields[key] = BOOLS[value.lower()]
+        else:
+            fields[key] = kind(value)
     return C(**fields)
 
 

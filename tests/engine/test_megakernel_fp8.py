@@ -141,25 +141,26 @@ def test_fp8_megakernel_equals_dequantized_reference(dtype, preset, seq_len, spl
 
 @needs_triton
 @pytest.mark.parametrize(
-    "dtype,preset,seq_len,splits,split_o",
+    "dtype,preset,seq_len,splits,split_o,kv_align",
     [
-        (torch.float32, "tiny", 300, 11, True),  # split merge in runs of 16
-        (torch.float32, "tiny", 65, 2, False),
-        (torch.bfloat16, "tiny", 13, 1, True),
-        (torch.float32, "tiny-qwen3", 65, 2, False),  # the new key, quantized, is the last split's whole
-        (torch.float32, "tiny-qwen3", 1, 1, True),  # ... or the whole context
-        (torch.float32, "tiny-mistral", 130, 3, True),  # the window over an FP8 cache
+        (torch.float32, "tiny", 300, 11, True, False),  # split merge in runs of 16
+        (torch.float32, "tiny", 65, 2, False, False),
+        (torch.bfloat16, "tiny", 13, 1, True, False),
+        (torch.float32, "tiny-qwen3", 65, 2, False, False),  # the new key, quantized, is the last split's whole
+        (torch.float32, "tiny-qwen3", 1, 1, True, False),  # ... or the whole context
+        (torch.float32, "tiny-mistral", 130, 3, True, False),  # the window over an FP8 cache
+        (torch.float32, "tiny-qwen3", 130, 3, True, True),  # the K/V pointers hinted 16-element aligned
     ],
 )
-def test_fp8_kv_megakernel_equals_reference(dtype, preset, seq_len, splits, split_o):
+def test_fp8_kv_megakernel_equals_reference(dtype, preset, seq_len, splits, split_o, kv_align):
     """Model weights in `dtype`, the cache FP8: against the torch table's decode attention over the
     dequantized cache. K's scales ignored move the float32 logits by 0.2, V's by 1.2, the two swapped by
-    0.26: far above the bound."""
+    0.26: far above the bound. `kv_align`: 16 one-byte elements, a 16-byte vector."""
     device = device_for("triton")
     ref = build("torch", dtype, device, max_positions=512, preset=preset)
     model = build("triton", dtype, device, max_positions=512, preset=preset)
     set_kv_scales(model, ref)
-    paths = with_megakernel(model, MegakernelConfig(tile=16384, split_o=split_o))
+    paths = with_megakernel(model, MegakernelConfig(tile=16384, split_o=split_o, kv_align=kv_align))
     mk = paths.megakernel
     mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
     assert mk.weights.kv_scales.tolist() == [list(map(lambda x: torch.tensor(x).item(), ks)) for ks in KV_SCALES[:2]]

@@ -458,3 +458,50 @@ def test_megakernel_refuses_what_it_cannot_serve_in_one_log_line(caplog):
     assert paths.megakernel is None and paths.uses_fused_path(1)
     line = "decode megakernel off: head_dim 24 (needs a power of two) or query heads not a multiple of KV heads"
     assert caplog.text.count(line) == 1, caplog.text
+
+
+@pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    "preset,dtype,seq_len,splits,padded",
+    [
+        ("tiny", torch.bfloat16, 300, 3, False),
+        ("tiny-qwen3", torch.float32, 130, 3, False),  # phase B writes the new key through the hinted pointers
+        ("tiny-mistral", torch.float32, 130, 2, False),  # a window: first tiles loaded below it
+        ("tiny", torch.float32, 65, 2, True),  # a layer stride of 8 elements past a multiple of 16: no hint
+    ],
+)
+def test_megakernel_kv_align_equals_reference(preset, dtype, seq_len, splits, padded, monkeypatch):
+    """`kv_align`: the K/V base pointers carry a 16-element alignment hint (16-byte vector loads on the GPU;
+    tests/kernels/test_megakernel_codegen.py checks the code), the same forward and cache writes as the
+    reference. The launcher sets the hint only where the layer stride and the V offset are multiples of 16
+    elements: a buffer whose layers are 8 elements apart gets none."""
+    from tinyvllm.kernels.decode_megakernel import launch
+
+    seen = []
+    real = launch._constexprs
+    monkeypatch.setattr(launch, "_constexprs", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    device = device_for("triton")
+    ref = build("torch", dtype, device, max_positions=512, preset=preset)
+    model = build("triton", dtype, device, max_positions=512, preset=preset)
+    paths = with_megakernel(model, MegakernelConfig(tile=16384, kv_align=True))
+    mk = paths.megakernel
+    mk.workspace = Workspace(mk.shape, dtype, device, programs=max_programs(device), num_splits=splits)
+    ids, positions, meta = step(seq_len, device=device)
+    buf_ref, buf = kv_buffer(ref, dtype).to(device), kv_buffer(ref, dtype).to(device)
+    if padded:  # the same values, each layer 8 elements further on
+        layers, per_layer = buf.shape[0], buf[0].numel()
+        pad = torch.zeros(layers, per_layer + 8, dtype=dtype, device=device)
+        pad[:, :per_layer] = buf.reshape(layers, per_layer)
+        buf = pad[:, :per_layer].view(buf.shape)
+    h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
+    h, logits = forward(paths, ids, positions, meta, buf)
+    assert [s["KV_ALIGN"] for s in seen] == [not padded]
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
+    slot = int(meta.slot_mapping[0])
+    blk, off = slot // BLOCK, slot % BLOCK
+    for layer in range(ref.config.num_hidden_layers):
+        for kv in (0, 1):
+            assert rel(buf[layer, kv, blk, :, off], buf_ref[layer, kv, blk, :, off]) <= tol
+    buf[:, :, blk, :, off] = buf_ref[:, :, blk, :, off]
+    assert torch.equal(buf, buf_ref)

@@ -7,11 +7,16 @@ kernels compute; only the compiler checks that they compile (tests/kernels/sm90_
 catches that the interpreter cannot). Each variant runs one decode step of a 2-layer model through the
 runner's paths with every launch turned into a compile, in a subprocess without TRITON_INTERPRET;
 skipped where this Triton cannot compile for CUDA.
+
+At real shapes (REAL_SHAPES) the megakernel alone: with `kv_align` (MegakernelConfig) phase B's K and V
+tiles load as 16-byte vectors; without it, as 2-byte scalars (the caches' layer stride and V offset are
+unspecialised arguments, so the compiler cannot prove the tiles' alignment).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -30,6 +35,15 @@ VARIANTS = {
     "qwen2/bf16/group3": ("tiny-qwen2", "bfloat16", False, False, GROUP_OF_3),
     "qwen3/bf16/fp8w": ("tiny-qwen3", "bfloat16", True, False, {}),
     "mistral/bf16/fp8kv": ("tiny-mistral", "bfloat16", False, True, {}),
+}
+
+
+# name -> (FP8 KV cache, MegakernelConfig fields)
+REAL_SHAPES = {
+    "llama-3.2-1b": (False, {}),
+    "llama-3.2-1b/kv_align": (False, {"kv_align": True}),
+    "llama-3.1-8b/kv_align": (False, {"kv_align": True}),
+    "llama-3.2-1b/fp8kv/kv_align": (True, {"kv_align": True}),
 }
 
 
@@ -68,6 +82,75 @@ def compile_variant(preset: str, dtype_name: str, fp8w: bool, fp8kv: bool, overr
     return names
 
 
+def _kv_tile_vectors(ttgir: str, d: int, elem: str) -> list[int]:
+    """Elements per thread along the head dim of each load of a [64, d] tile of `elem` pointers (phase B's
+    K and V tiles, 64 keys) in the TTGIR: its layout's sizePerThread, the vector each thread loads."""
+    layouts = dict(re.findall(r"^(#\w+) = #ttg\.\w+<\{sizePerThread = \[([\d, ]+)\]", ttgir, re.M))
+    loads = re.findall(rf"tt\.load .*: tensor<64x{d}x!tt\.ptr<{elem}>, (#\w+)>", ttgir)
+    return [int(layouts[x].split(",")[-1]) for x in loads]
+
+
+def compile_real_shape(name: str, fp8kv: bool, fields: dict) -> dict:
+    """The megakernel at a real model's shape (bf16, 132 programs; `fp8kv`: an FP8 cache; `fields`:
+    MegakernelConfig fields), from stand-in weight tensors: a compile reads only their dtypes; the shapes
+    come from the model's config."""
+    import torch
+
+    from tests.kernels.sm90_compile import compile_only_for_sm90
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.engine.paths.megakernel import model_shape
+    from tinyvllm.kernels.decode_megakernel import (
+        MegakernelConfig,
+        StackedWeights,
+        Workspace,
+        decode_megakernel_fwd,
+        launch,
+    )
+    from tinyvllm.models.checkpoint import make_config
+
+    shape = model_shape(type("M", (), {"config": ModelConfig.from_dict(make_config(name.split("/")[0]))})())
+    dt, layers = torch.bfloat16, 2
+    z = lambda *s, d=dt: torch.zeros(*s, dtype=d)  # noqa: E731
+    rows = {
+        "qkv": (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim,
+        "o": shape.hidden,
+        "gate_up": 2 * shape.intermediate,
+        "down": shape.hidden,
+    }
+    w = StackedWeights(
+        embed=z(4, shape.hidden),
+        **{k: z(layers, n, 1) for k, n in rows.items()},
+        norm1=z(layers, shape.hidden),
+        norm2=z(layers, shape.hidden),
+        norm_final=z(shape.hidden),
+        kv_scales=z(layers, 2, d=torch.float32) if fp8kv else None,
+    )
+    kv_dtype = torch.float8_e4m3fn if fp8kv else dt
+    buf = z(layers, 2, 4, shape.num_kv_heads, 16, shape.head_dim, d=kv_dtype)
+    kv = [(buf[i, 0], buf[i, 1]) for i in range(layers)]
+    ws = Workspace(shape, dt, torch.device("cpu"), 132)
+    t = torch.zeros(1, dtype=torch.int64)
+    real_constexprs = launch._constexprs  # as on the GPU
+    launch._constexprs = lambda *a, **k: {**real_constexprs(*a, **k), "ASM": True, "UPCAST": False}
+    try:
+        with compile_only_for_sm90() as launched:
+            decode_megakernel_fwd(
+                t, t, t, t.int(), torch.zeros(8, dtype=torch.int32), w, torch.zeros(64, shape.head_dim), kv, shape,
+                1e-5, 0.1, ws, MegakernelConfig(**fields),
+            )  # fmt: skip
+    finally:
+        launch._constexprs = real_constexprs
+    kernel = launched[0][1]
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    return {
+        "shared": kernel.metadata.shared,
+        "ld_b16": ptx.count("ld.global.b16"),  # 2-byte loads: unvectorised (the K/V tiles without kv_align)
+        "ld_v4": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.", ptx)),
+        "kv_tile_vectors": _kv_tile_vectors(ttgir, shape.head_dim, "f8E4M3FN" if fp8kv else "bf16"),
+        "kv_bytes": buf.element_size(),
+    }
+
+
 def summarise() -> dict:
     missing = missing_cuda_backend()
     if missing is not None:
@@ -79,6 +162,11 @@ def summarise() -> dict:
         except Exception as e:
             if "ptxas" in str(e) and "not found" in str(e):
                 return {"skip": f"no ptxas: {e}"}
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
+    for name, args in REAL_SHAPES.items():
+        try:
+            out[name] = compile_real_shape(name, *args)
+        except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
     return out
 
@@ -93,6 +181,20 @@ def test_decode_paths_compile_for_sm90(facts, variant):
     got = facts[variant]
     assert "error" not in got, got.get("error")
     assert "decode_megakernel_kernel" in got["kernels"], got["kernels"]
+
+
+@pytest.mark.parametrize("variant", list(REAL_SHAPES))
+def test_megakernel_real_shapes_compile_for_sm90(facts, variant):
+    """The megakernel fits an SM's shared memory at real shapes; with `kv_align` phase B's K and V tiles
+    (the preloaded first tile, the newest key's row, the key loop's tiles) load as 16-byte vectors and the
+    kernel has no 2-byte loads."""
+    got = facts[variant]
+    assert "error" not in got, got.get("error")
+    assert got["shared"] <= 227 * 1024, got["shared"]
+    assert len(got["kv_tile_vectors"]) >= 4, got  # K and V: the preloaded tile and the key loop's, at least
+    if REAL_SHAPES[variant][1].get("kv_align"):
+        assert got["ld_b16"] == 0 and got["ld_v4"] > 0, got
+        assert all(n * got["kv_bytes"] == 16 for n in got["kv_tile_vectors"]), got
 
 
 if __name__ == "__main__":

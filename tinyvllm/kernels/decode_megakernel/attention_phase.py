@@ -42,6 +42,20 @@ from tinyvllm.kernels.flash_tiles import attn_inner, dot_pv, dot_qk
 
 
 @triton.jit
+def layer_kv_ptrs(kv_ptr, layer, layer_stride, v_offset, ALIGN: tl.constexpr):
+    """(K, V) of `layer` in the caches' buffer: K at kv_ptr + layer·layer_stride elements, V at K +
+    v_offset. ALIGN: both offsets are multiples of 16 elements (the launcher checks). The two are
+    unspecialised arguments, so without the hint the compiler cannot prove the K/V tiles' alignment and
+    loads them 2 bytes at a time; the hint goes on an operation's result (one on an argument is dropped)."""
+    k_off = tl.cast(layer, tl.int64) * layer_stride
+    v_off = k_off + v_offset
+    if ALIGN:
+        k_off = tl.multiple_of(k_off, 16)
+        v_off = tl.multiple_of(v_off, 16)
+    return kv_ptr + k_off, kv_ptr + v_off
+
+
+@triton.jit
 def keys_per_split(num_keys, num_splits, KEYS: tl.constexpr):
     """Keys per split: whole KEYS tiles (each split starts at a multiple of KEYS from the range's start),
     enough for num_splits of them to cover num_keys."""

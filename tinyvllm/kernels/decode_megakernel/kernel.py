@@ -12,7 +12,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.decode_megakernel.attention_phase import attention_phase, first_tile_rows, preload_kv
+from tinyvllm.kernels.decode_megakernel.attention_phase import (
+    attention_phase,
+    first_tile_rows,
+    layer_kv_ptrs,
+    preload_kv,
+)
 from tinyvllm.kernels.decode_megakernel.gate_up_phase import gate_up_phase
 from tinyvllm.kernels.decode_megakernel.grid_sync import arrive, end_phase, now, trace_arrival, trace_start
 from tinyvllm.kernels.decode_megakernel.qkv_phase import qkv_phase
@@ -97,6 +102,7 @@ def decode_megakernel_kernel(
     WINDOW: tl.constexpr,
     FP8W: tl.constexpr,
     FP8KV: tl.constexpr,
+    KV_ALIGN: tl.constexpr,
 ):
     """One token through `num_layers` layers, final norm applied: out = RMSNorm(r; nf) [H].
 
@@ -112,7 +118,8 @@ def decode_megakernel_kernel(
     power of two (a group that is not one is padded, masked); MAXU_C, MAXU_E a program's most units in C
     (unsplit) and E; CW phase D's chunk width (DOT_D: on the tensor cores). Launch choices: TRACE, STAGES /
     PIPE / E_PIPE the pipeline depths of phase D / A and C / E, SPLIT_O, ASM (CUDA: the asm wait), UPCAST
-    (interpreter: bf16 dots in float32), IEEE (float32: exact dots).
+    (interpreter: bf16 dots in float32), IEEE (float32: exact dots), KV_ALIGN (layer_stride and v_offset
+    are multiples of 16 elements: the K/V tiles load as 16-byte vectors, `layer_kv_ptrs`).
 
     Families: HAS_BIAS adds the stacked q/k/v biases [L, (HQ + 2·HK)·D] in phase A; QK_NORM normalises
     every q and k head by the stacked weights qn, kn [L, D] before RoPE (phase B does it); WINDOW: 0 no
@@ -169,8 +176,7 @@ def decode_megakernel_kernel(
     # phase A has no barrier before it: each program normalises the embedding row itself.
     for layer in range(num_layers):
         b = 5 * layer  # barriers before this layer: 5 per layer
-        k_ptr = kv_ptr + tl.cast(layer, tl.int64) * layer_stride
-        v_ptr = k_ptr + v_offset
+        k_ptr, v_ptr = layer_kv_ptrs(kv_ptr, layer, layer_stride, v_offset, KV_ALIGN)
         x_ptr = r_ptr  # phase A's input: the residual stream, or the embedding row in layer 0
         if layer == 0:
             x_ptr = emb_ptr + tok * H

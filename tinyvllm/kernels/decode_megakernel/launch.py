@@ -34,6 +34,9 @@ class MegakernelConfig(NamedTuple):
     e_stages: int = 4  # the same for phase E: its deeper prologue lands during phase D's tail
     split_o: bool = True  # phase C split along K by KV group, merging attention's partials itself
     programs: int = 0  # CUDA: at most this many programs (0: one on every multiprocessor)
+    kv_align: bool = False  # tell the compiler the caches' layer stride and V offset are multiples of 16
+    # elements (where they are; the launcher checks, else the hint is off), so phase B's K/V tiles load as
+    # 16-byte vectors; off: unhinted (2-byte loads)
 
 
 DEFAULT_CONFIG = MegakernelConfig()
@@ -301,8 +304,10 @@ def _constexprs(
     device: torch.device,
     trace: bool,
     fp8_kv: bool,
+    kv_aligned: bool = False,
 ) -> dict:
-    """The kernel's compile-time arguments and launch options for this shape, config and workspace."""
+    """The kernel's compile-time arguments and launch options for this shape, config and workspace
+    (`kv_aligned`: the caches' layer stride and V offset are multiples of 16 elements)."""
     elem = weights.qkv.element_size()  # 1 for FP8 weights
     rq, ro, rg, rd = unit_rows(shape, unit_tile(config, elem))
     cw, dot_d = phase_d_chunks(shape, rg, elem)
@@ -339,6 +344,7 @@ def _constexprs(
         WINDOW=shape.window_mode,
         FP8W=weights.fp8,
         FP8KV=fp8_kv,
+        KV_ALIGN=bool(config.kv_align) and kv_aligned,
         num_warps=config.num_warps,
         num_stages=1,
     )
@@ -403,12 +409,13 @@ def decode_megakernel_fwd(
     scales = tuple(
         t if t is not None else w.norm1 for t in (w.qkv_scale, w.o_scale, w.gate_up_scale, w.down_scale, w.kv_scales)
     )
+    kv_aligned = layer_stride % 16 == 0 and v_offset % 16 == 0
     decode_megakernel_kernel[(ws.programs,)](
         *(input_ids, positions, slot_mapping, seq_lens, block_table),
         *(w.embed, w.qkv, w.o, w.gate_up, w.down, *scales, w.norm1, w.norm2, w.norm_final, *family, cos_sin),
         *(kv_caches[0][0], layer_stride, v_offset, kv_caches[0][0].stride(0), kv_caches[0][0].stride(1)),
         *(ws.r, ws.r2, ws.o_sums, ws.q, ws.attn, ws.act, ws.partials, ws.tickets, ws.barrier, out, ws.trace),
         *(num_layers, ws.num_splits, eps, scale, shape.window or 0),
-        **_constexprs(shape, config, ws, block_size, weights, device, trace, fp8_kv),
+        **_constexprs(shape, config, ws, block_size, weights, device, trace, fp8_kv, kv_aligned),
     )
     return out

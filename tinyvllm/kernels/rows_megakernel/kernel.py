@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tinyvllm.kernels.decode_megakernel.attention_phase import layer_kv_ptrs
 from tinyvllm.kernels.decode_megakernel.grid_sync import arrive, end_phase, now, trace_arrival, trace_start
 from tinyvllm.kernels.decode_megakernel.vectors import normed
 from tinyvllm.kernels.rows_megakernel.attention import rows_attention_phase
@@ -145,13 +146,7 @@ def rows_megakernel_kernel(
     rstd0 = embedding_rstd(emb_ptr, emb_rows, live, H, eps, BP, KCA)
     for layer in range(num_layers):
         b = 5 * layer  # barriers before this layer: 5 per layer
-        k_off = tl.cast(layer, tl.int64) * layer_stride
-        v_off = k_off + v_offset
-        if KV_ALIGN:  # unspecialised arguments: without the hint the K/V tiles load 2 bytes at a time
-            k_off = tl.multiple_of(k_off, 16)  # (a hint needs an operation's result, not an argument)
-            v_off = tl.multiple_of(v_off, 16)
-        k_ptr = kv_ptr + k_off
-        v_ptr = kv_ptr + v_off
+        k_ptr, v_ptr = layer_kv_ptrs(kv_ptr, layer, layer_stride, v_offset, KV_ALIGN)
         k_scale, v_scale = 1.0, 1.0
         if FP8KV:
             k_scale = tl.load(kvs_ptr + 2 * layer)
