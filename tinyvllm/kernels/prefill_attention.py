@@ -97,14 +97,19 @@ SHORT_CONFIGS: dict[int, PrefillConfig] = {128: PrefillConfig(64, 64, 4, 2)}  # 
 SHORT_Q = 1024
 
 # Candidates the GPU benchmark sweeps (`bench_prefill_attention.py --sweep`): a grid of pointer-load
-# tiles, then the Hopper options on a few tiles (tma; tma with ws). Triton 3.9 warp-specialises the loop
-# with 4 warps only (tests/kernels/test_prefill_tma_codegen.py): one 8-warp ws config in case the GPU's
-# Triton does better.
+# tiles, five-stage pipelines, then the Hopper options on a few tiles (tma; tma with ws). Triton 3.9
+# warp-specialises the loop with 4 warps only (tests/kernels/test_prefill_tma_codegen.py): one 8-warp ws
+# config in case the GPU's Triton does better.
 CANDIDATE_CONFIGS: list[PrefillConfig] = [
     PrefillConfig(m, n, w, s)
     for m, n in ((128, 64), (128, 128), (64, 64), (64, 128))
     for w in (4, 8)
     for s in (2, 3, 4)
+] + [
+    # 5 stages: the first depth at which Triton 3.6 / 3.9 keep the next K/V tile's copies in flight across
+    # the loop's wait (two buffers, `async_wait` num 1 and 3; up to 4 stages: one buffer, num 0)
+    PrefillConfig(m, n, w, 5)
+    for m, n, w in ((64, 64, 4), (128, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8))
 ] + [
     PrefillConfig(*c)
     for c in (
