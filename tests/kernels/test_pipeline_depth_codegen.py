@@ -4,7 +4,8 @@ The sweeps' five-stage candidates (decode_attention.CANDIDATE_CONFIGS, prefill_a
 exist because Triton pipelines these loops only from five stages on: below that the loop keeps one K/V
 buffer and waits for every copy at each tile (`ttg.async_wait` num 0); at five it keeps two buffers and
 the next tile's copies stay in flight across the wait (num > 0). This checks that premise in the compiled
-TTGIR of the paged decode kernel and the paged prefill kernel. Runs in a subprocess without
+TTGIR of the paged decode kernel, the paged prefill kernel and the cascade prefix kernel (whose depth is
+DecodeConfig.prefix_stages, 0 meaning its launch's default of 3). Runs in a subprocess without
 TRITON_INTERPRET (tests/kernels/sm90_compile.py); skipped where this Triton cannot compile for CUDA.
 """
 
@@ -19,6 +20,8 @@ from tests.kernels.sm90_compile import compiled_or_skip, facts_from_subprocess
 
 DECODE_STAGES = (3, 5)
 PREFILL_STAGES = (2, 5)
+PREFIX_STAGES = (0, 5)  # DecodeConfig.prefix_stages; 0: the prefix kernel's default depth (3)
+DEFAULT_DEPTH = {"decode": 3, "prefill": 2, "prefix": 0}
 
 
 def _waits(kernel) -> list[int]:
@@ -40,6 +43,25 @@ def compile_decode(stages: int) -> list[int]:
     with compile_only_for_sm90() as launched:
         decode_attention_fwd(q, cache, cache, lens, tables, 0.125, 320, config=DecodeConfig(64, 2, stages, 4, 1))
     return _waits(dict(launched)["_decode_kernel"])
+
+
+def compile_prefix(stages: int) -> list[int]:
+    """The cascade prefix kernel of a decode launch with a 128-key shared prefix, prefix_stages=stages."""
+    import torch
+
+    from tests.kernels.sm90_compile import compile_only_for_sm90
+    from tinyvllm.kernels.decode_attention import DecodeConfig, decode_attention_fwd
+
+    B, Hq, Hk, D, bs = 4, 32, 8, 64, 16
+    q = torch.zeros(B, Hq, D, dtype=torch.bfloat16)
+    cache = torch.zeros(64, Hk, bs, D, dtype=torch.bfloat16)
+    lens = torch.full((B,), 300, dtype=torch.int32)
+    tables = torch.zeros(B, 20, dtype=torch.int32)
+    prefix = torch.tensor([128], dtype=torch.int32)
+    cfg = DecodeConfig(64, 2, 3, 4, 1, prefix_stages=stages)
+    with compile_only_for_sm90() as launched:
+        decode_attention_fwd(q, cache, cache, lens, tables, 0.125, 320, config=cfg, prefix_len=prefix)
+    return _waits(dict(launched)["_prefix_kernel"])
 
 
 def compile_prefill(stages: int) -> list[int]:
@@ -64,6 +86,7 @@ def summarise() -> dict:
         return {
             **{f"decode/{s}": compile_decode(s) for s in DECODE_STAGES},
             **{f"prefill/{s}": compile_prefill(s) for s in PREFILL_STAGES},
+            **{f"prefix/{s}": compile_prefix(s) for s in PREFIX_STAGES},
         }
 
     return compiled_or_skip("waits", waits)
@@ -74,16 +97,17 @@ def facts() -> dict:
     return facts_from_subprocess(__file__, timeout=900)["waits"]
 
 
-@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "prefix"])
 def test_five_stages_keep_copies_in_flight(facts, kernel):
     deep = facts[f"{kernel}/5"]
     assert deep and max(deep) > 0, deep
 
 
-@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "prefix"])
 def test_the_default_depth_waits_for_every_copy(facts, kernel):
-    """The default configs' depth (3 for decode, 2 for prefill at head dim 64): what the sweep compares."""
-    shallow = facts[f"{kernel}/{min(DECODE_STAGES if kernel == 'decode' else PREFILL_STAGES)}"]
+    """The default configs' depth (3 for decode, 2 for prefill at head dim 64, prefix_stages 0 for the
+    prefix kernel): what the sweep compares."""
+    shallow = facts[f"{kernel}/{DEFAULT_DEPTH[kernel]}"]
     assert shallow and max(shallow) == 0, shallow
 
 

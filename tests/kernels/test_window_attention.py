@@ -285,18 +285,19 @@ CASCADE_CASES = [  # dtype, block_size, Hq, Hk, D, shared blocks, prefix_len, nu
 ]
 
 
-@pytest.mark.parametrize("prefix_splits", [1, 2], ids=["ps1", "ps2"])
+@pytest.mark.parametrize("prefix_splits,prefix_stages", [(1, 0), (2, 0), (2, 5)], ids=["ps1", "ps2", "ps2-st5"])
 @pytest.mark.parametrize(
     "dtype,block_size,hq,hk,d,shared,prefix_len,splits,contexts,window",
     CASCADE_CASES,
     ids=[f"{str(c[0])[6:]}-bs{c[1]}-P{c[6]}-s{c[7]}-w{c[9]}" for c in CASCADE_CASES],
 )
 def test_cascade_window_matches_reference(
-    dtype, block_size, hq, hk, d, shared, prefix_len, splits, contexts, window, prefix_splits, device
+    dtype, block_size, hq, hk, d, shared, prefix_len, splits, contexts, window, prefix_splits, prefix_stages, device
 ):
     """Cascade attention with a window: each row reads only the prefix keys inside its own window, and
     the shared blocks that every row's window has left hold NaN (freed and reused); with the prefix's
-    tiles split over two programs per chunk too (the masked and unmasked tiles cut between them)."""
+    tiles split over two programs per chunk too (the masked and unmasked tiles cut between them), also
+    with the prefix loop pipelined 5 deep (prefix_stages)."""
     gen = torch.Generator(device=device).manual_seed(4)
     k_cache, v_cache, tables = make_paged_cache(contexts, hk, d, block_size, dtype, device, gen, share_prefix=shared)
     # A shared block goes back to the pool only when every sequence holding it has freed it.
@@ -312,7 +313,7 @@ def test_cascade_window_matches_reference(
     lens = torch.tensor([*contexts, 0], dtype=torch.int32, device=device)
     q = torch.randn(len(contexts) + 1, hq, d, generator=gen, device=device).to(dtype)
     p = torch.tensor([prefix_len], dtype=torch.int32, device=device)
-    cfg = DecodeConfig(64, 4, 2, 4, 1, prefix_splits=prefix_splits)
+    cfg = DecodeConfig(64, 4, 2, 4, 1, prefix_splits=prefix_splits, prefix_stages=prefix_stages)
     out = decode_attention_fwd(
         q,
         k_cache,

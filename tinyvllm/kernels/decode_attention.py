@@ -60,6 +60,9 @@ class DecodeConfig(NamedTuple):
     min_tiles_per_split: int
     fold_merge: bool = False  # the last split of each (sequence, KV head) merges (module docstring)
     prefix_splits: int = 4  # cascade: the shared prefix's keys cut into this many programs per chunk
+    # cascade: the prefix kernel's num_stages (0: 3, which keeps one K/V buffer and waits for every copy
+    # each tile; from 5 its key loop keeps two buffers with the next tile's copies in flight)
+    prefix_stages: int = 0
 
 
 # The best of `bench_decode_attention.py --sweep` on the H200: 64-key tiles (4 pages of 16) with 2 warps
@@ -594,9 +597,10 @@ def _launch_prefix(
     window: int | None,
     v_scale: float = 1.0,
     prefix_splits: int = 1,
+    prefix_stages: int = 0,
 ) -> None:
     """`_prefix_kernel` on the grid (Hk, chunks of sequences, prefix_splits): the shared prefix's
-    partials into slots slot .. slot + prefix_splits − 1."""
+    partials into slots slot .. slot + prefix_splits − 1, compiled with num_stages prefix_stages (0: 3)."""
     B, Hq, D = q.shape
     _, Hk, block_size, _ = k_cache.shape
     g_pad = next_power_of_2(Hq // Hk)
@@ -635,7 +639,7 @@ def _launch_prefix(
         IEEE=q.dtype == torch.float32,
         HAS_WINDOW=window is not None,
         num_warps=4,
-        num_stages=3,
+        num_stages=prefix_stages or 3,
     )
 
 
@@ -728,6 +732,7 @@ def decode_attention_fwd(
             window,
             v_scale,
             cfg.prefix_splits,
+            cfg.prefix_stages,
         )
     part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
     _merge_kernel[(Hq, B)](
