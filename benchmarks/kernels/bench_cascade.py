@@ -7,7 +7,10 @@ then `suffix` keys each. Both kernels timed as CUDA-graph replays (one layer: 32
 head dim 64, bf16, block 16); floors: the bytes each must read at the copy bandwidth (plain decode
 re-reads the prefix per sequence unless L2 serves it; cascade reads it once per 16 sequences). The
 cascade is also timed with the prefix's tiles split over 2, 4 and 8 programs per chunk of sequences
-(`DecodeConfig.prefix_splits`), each checked against plain decode. Writes cascade_<gpu>.json.
+(`DecodeConfig.prefix_splits`), and split over 4 with the prefix kernel's key loop pipelined
+PIPELINED_STAGES deep (`DecodeConfig.prefix_stages`: two K/V buffers, the next tile's copies in flight,
+where the default depth waits for every copy each tile), each checked against plain decode. Writes
+cascade_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tinyvllm.kernels.decode_attention import DEFAULT_CONFIG, decode_attention_f
 
 HQ, HK, D, BS = 32, 8, 64, 16
 PREFIX_SPLITS = (2, 4, 8)  # the prefix's tiles over this many programs per chunk, beside the default 1
+PIPELINED_SPLITS, PIPELINED_STAGES = 4, 5  # prefix ÷4 with DecodeConfig.prefix_stages = 5
 
 
 def measure_batch(batch: int, prefix: int, suffix: int, copy: float, dev) -> dict:
@@ -55,8 +59,8 @@ def measure_batch(batch: int, prefix: int, suffix: int, copy: float, dev) -> dic
     def plain():
         return decode_attention_fwd(q, k, v, lens, tables, D**-0.5, ctx)
 
-    def cascade(prefix_splits: int = 1):
-        cfg = DEFAULT_CONFIG._replace(prefix_splits=prefix_splits)
+    def cascade(prefix_splits: int = 1, prefix_stages: int = 0):
+        cfg = DEFAULT_CONFIG._replace(prefix_splits=prefix_splits, prefix_stages=prefix_stages)
         return lambda: decode_attention_fwd(q, k, v, lens, tables, D**-0.5, ctx, prefix_len=p, config=cfg)
 
     ref, out = plain().float(), cascade()().float()
@@ -65,6 +69,9 @@ def measure_batch(batch: int, prefix: int, suffix: int, copy: float, dev) -> dic
     for n in PREFIX_SPLITS:  # split-K over the shared keys (DecodeConfig.prefix_splits)
         split_us[n] = bench_graph([cascade(n)]) * 1e3
         split_diff[n] = ((ref - cascade(n)().float()).norm() / ref.norm()).item()
+    piped = cascade(PIPELINED_SPLITS, PIPELINED_STAGES)  # the prefix loop prefetching (prefix_stages)
+    piped_us = bench_graph([piped]) * 1e3
+    piped_diff = ((ref - piped().float()).norm() / ref.norm()).item()
     kv_row = 2 * HK * D * 2  # K and V bytes of one token
     unique = (prefix + batch * suffix) * kv_row
     every = batch * ctx * kv_row
@@ -78,6 +85,8 @@ def measure_batch(batch: int, prefix: int, suffix: int, copy: float, dev) -> dic
         "rel_diff": ((ref - out).norm() / ref.norm()).item(),
         **{f"cascade_ps{n}_us": split_us[n] for n in PREFIX_SPLITS},
         **{f"rel_diff_ps{n}": split_diff[n] for n in PREFIX_SPLITS},
+        f"cascade_ps{PIPELINED_SPLITS}_st{PIPELINED_STAGES}_us": piped_us,
+        f"rel_diff_ps{PIPELINED_SPLITS}_st{PIPELINED_STAGES}": piped_diff,
     }
 
 
@@ -103,6 +112,11 @@ def main() -> None:
             ("floor_unique_us", "floor, unique keys µs", ".1f"),
             ("rel_diff", "rel diff", ".1e"),
             *[(f"cascade_ps{n}_us", f"prefix ÷{n} µs", ".1f") for n in PREFIX_SPLITS],
+            (
+                f"cascade_ps{PIPELINED_SPLITS}_st{PIPELINED_STAGES}_us",
+                f"prefix ÷{PIPELINED_SPLITS}, {PIPELINED_STAGES} stages µs",
+                ".1f",
+            ),
         ],
     )
     json_path, _ = output_paths(ns.out, "cascade")
