@@ -120,3 +120,39 @@ def compile_only_for_sm90() -> Iterator[list[tuple[str, object]]]:
     finally:
         JITFunction.run = original
         driver._active = previous
+
+
+def stand_in_model(name: str, fp8w: bool = False, fp8kv: bool = False, layers: int = 2):
+    """(shape, StackedWeights, per-layer (K, V) caches, the caches' buffer) of a real model's shape (`name`:
+    a preset, optionally "/<variant>") from zero stand-in tensors, for the megakernels' compile-only tests:
+    a compile reads only the tensors' dtypes and the scales' shapes; every size comes from the config.
+    `fp8w`: FP8 weights with float32 row scales; `fp8kv`: an FP8 cache with its per-layer scales."""
+    import torch
+
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.engine.paths.megakernel import model_shape
+    from tinyvllm.kernels.decode_megakernel import StackedWeights
+    from tinyvllm.models.checkpoint import make_config
+
+    shape = model_shape(type("M", (), {"config": ModelConfig.from_dict(make_config(name.split("/")[0]))})())
+    dt = torch.bfloat16
+    z = lambda *s, d=dt: torch.zeros(*s, dtype=d)  # noqa: E731
+    rows = {
+        "qkv": (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim,
+        "o": shape.hidden,
+        "gate_up": 2 * shape.intermediate,
+        "down": shape.hidden,
+    }
+    wd = torch.float8_e4m3fn if fp8w else dt
+    scales = {f"{k}_scale": z(layers, n, d=torch.float32) for k, n in rows.items()} if fp8w else {}
+    w = StackedWeights(
+        embed=z(4, shape.hidden),
+        **{k: z(layers, n, 1, d=wd) for k, n in rows.items()},
+        **scales,
+        norm1=z(layers, shape.hidden),
+        norm2=z(layers, shape.hidden),
+        norm_final=z(shape.hidden),
+        kv_scales=z(layers, 2, d=torch.float32) if fp8kv else None,
+    )
+    buf = z(layers, 2, 4, shape.num_kv_heads, 16, shape.head_dim, d=torch.float8_e4m3fn if fp8kv else dt)
+    return shape, w, [(buf[i, 0], buf[i, 1]) for i in range(layers)], buf

@@ -96,39 +96,11 @@ def compile_real_shape(name: str, fp8kv: bool, fields: dict) -> dict:
     come from the model's config."""
     import torch
 
-    from tests.kernels.sm90_compile import compile_only_for_sm90
-    from tinyvllm.config import ModelConfig
-    from tinyvllm.engine.paths.megakernel import model_shape
-    from tinyvllm.kernels.decode_megakernel import (
-        MegakernelConfig,
-        StackedWeights,
-        Workspace,
-        decode_megakernel_fwd,
-        launch,
-    )
-    from tinyvllm.models.checkpoint import make_config
+    from tests.kernels.sm90_compile import compile_only_for_sm90, stand_in_model
+    from tinyvllm.kernels.decode_megakernel import MegakernelConfig, Workspace, decode_megakernel_fwd, launch
 
-    shape = model_shape(type("M", (), {"config": ModelConfig.from_dict(make_config(name.split("/")[0]))})())
-    dt, layers = torch.bfloat16, 2
-    z = lambda *s, d=dt: torch.zeros(*s, dtype=d)  # noqa: E731
-    rows = {
-        "qkv": (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim,
-        "o": shape.hidden,
-        "gate_up": 2 * shape.intermediate,
-        "down": shape.hidden,
-    }
-    w = StackedWeights(
-        embed=z(4, shape.hidden),
-        **{k: z(layers, n, 1) for k, n in rows.items()},
-        norm1=z(layers, shape.hidden),
-        norm2=z(layers, shape.hidden),
-        norm_final=z(shape.hidden),
-        kv_scales=z(layers, 2, d=torch.float32) if fp8kv else None,
-    )
-    kv_dtype = torch.float8_e4m3fn if fp8kv else dt
-    buf = z(layers, 2, 4, shape.num_kv_heads, 16, shape.head_dim, d=kv_dtype)
-    kv = [(buf[i, 0], buf[i, 1]) for i in range(layers)]
-    ws = Workspace(shape, dt, torch.device("cpu"), 132)
+    shape, w, kv, buf = stand_in_model(name, fp8kv=fp8kv)
+    ws = Workspace(shape, torch.bfloat16, torch.device("cpu"), 132)
     t = torch.zeros(1, dtype=torch.int64)
     real_constexprs = launch._constexprs  # as on the GPU
     launch._constexprs = lambda *a, **k: {**real_constexprs(*a, **k), "ASM": True, "UPCAST": False}

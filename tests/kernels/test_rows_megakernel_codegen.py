@@ -98,36 +98,11 @@ def compile_real_shape(name: str, fp8w: bool, trace: bool, fields: dict | None =
     their dtypes and the scales' shapes; the shapes come from the model's config."""
     import torch
 
-    from tests.kernels.sm90_compile import compile_only_for_sm90
-    from tinyvllm.engine.paths.megakernel import model_shape
-    from tinyvllm.kernels.decode_megakernel import StackedWeights
+    from tests.kernels.sm90_compile import compile_only_for_sm90, stand_in_model
     from tinyvllm.kernels.rows_megakernel import RowsConfig, RowsWorkspace, rows_megakernel_fwd
-    from tinyvllm.models.checkpoint import make_config
 
-    c = make_config(name.split("/")[0])
-    shape = model_shape(type("M", (), {"config": _config(c)})())
-    dt, layers = torch.bfloat16, 2
-    z = lambda *s, d=dt: torch.zeros(*s, dtype=d)  # noqa: E731
-    rows = {
-        "qkv": (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim,
-        "o": shape.hidden,
-        "gate_up": 2 * shape.intermediate,
-        "down": shape.hidden,
-    }
-    wd = torch.float8_e4m3fn if fp8w else dt
-    mats = {k: z(layers, n, 1, d=wd) for k, n in rows.items()}
-    scales = {f"{k}_scale": z(layers, n, d=torch.float32) for k, n in rows.items()} if fp8w else {}
-    w = StackedWeights(
-        embed=z(4, shape.hidden),
-        **mats,
-        **scales,
-        norm1=z(layers, shape.hidden),
-        norm2=z(layers, shape.hidden),
-        norm_final=z(shape.hidden),
-    )
-    buf = z(layers, 2, 4, shape.num_kv_heads, 16, shape.head_dim)
-    kv = [(buf[i, 0], buf[i, 1]) for i in range(layers)]
-    ws = RowsWorkspace(shape, dt, torch.device("cpu"), 132, RowsConfig(**(fields or {})))
+    shape, w, kv, _ = stand_in_model(name, fp8w=fp8w)
+    ws = RowsWorkspace(shape, torch.bfloat16, torch.device("cpu"), 132, RowsConfig(**(fields or {})))
     t = torch.zeros(8, dtype=torch.int64)
     with compile_only_for_sm90() as launched:
         rows_megakernel_fwd(
@@ -135,12 +110,6 @@ def compile_real_shape(name: str, fp8w: bool, trace: bool, fields: dict | None =
             1e-5, 0.1, ws, trace,
         )  # fmt: skip
     return _facts(launched[0][1])
-
-
-def _config(raw: dict):
-    from tinyvllm.config import ModelConfig
-
-    return ModelConfig.from_dict(raw)
 
 
 def summarise() -> dict:

@@ -41,10 +41,15 @@ from tinyvllm.kernels.decode_megakernel.qkv_phase import cache_value
 from tinyvllm.kernels.flash_tiles import attn_inner, dot_pv, dot_qk
 
 
+def kv_alignable(layer_stride: int, v_offset: int) -> bool:
+    """Whether `layer_kv_ptrs` may mark the layer offsets aligned: both multiples of 16 elements."""
+    return layer_stride % 16 == 0 and v_offset % 16 == 0
+
+
 @triton.jit
 def layer_kv_ptrs(kv_ptr, layer, layer_stride, v_offset, ALIGN: tl.constexpr):
     """(K, V) of `layer` in the caches' buffer: K at kv_ptr + layer·layer_stride elements, V at K +
-    v_offset. ALIGN: both offsets are multiples of 16 elements (the launcher checks). The two are
+    v_offset. ALIGN: both offsets are multiples of 16 elements (the launcher checks, `kv_alignable`). The two are
     unspecialised arguments, so without the hint the compiler cannot prove the K/V tiles' alignment and
     loads them 2 bytes at a time; the hint goes on an operation's result (one on an argument is dropped)."""
     k_off = tl.cast(layer, tl.int64) * layer_stride

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from tinyvllm.kernels.decode_megakernel.attention_phase import kv_alignable
 from tinyvllm.kernels.decode_megakernel.grid_sync import TRACE_BASE, TRACE_BLOCK, TRACE_MAX_LAYERS
 from tinyvllm.kernels.decode_megakernel.kernel import decode_megakernel_kernel
 from tinyvllm.kernels.launch import check_int, next_power_of_2, num_sms, upcast_dot
@@ -409,7 +410,7 @@ def decode_megakernel_fwd(
     scales = tuple(
         t if t is not None else w.norm1 for t in (w.qkv_scale, w.o_scale, w.gate_up_scale, w.down_scale, w.kv_scales)
     )
-    kv_aligned = layer_stride % 16 == 0 and v_offset % 16 == 0
+    kv_aligned = kv_alignable(layer_stride, v_offset)
     decode_megakernel_kernel[(ws.programs,)](
         *(input_ids, positions, slot_mapping, seq_lens, block_table),
         *(w.embed, w.qkv, w.o, w.gate_up, w.down, *scales, w.norm1, w.norm2, w.norm_final, *family, cos_sin),

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from tinyvllm.kernels.decode_megakernel.attention_phase import kv_alignable
 from tinyvllm.kernels.decode_megakernel.grid_sync import TRACE_BASE, TRACE_BLOCK, TRACE_MAX_LAYERS
 from tinyvllm.kernels.decode_megakernel.launch import (
     ATTN_KEYS,
@@ -289,7 +290,7 @@ def rows_megakernel_fwd(
         x if x is not None else w.norm1 for x in (w.qkv_scale, w.o_scale, w.gate_up_scale, w.down_scale, w.kv_scales)
     )
     k0 = kv_caches[0][0]
-    kv_aligned = layer_stride % 16 == 0 and v_offset % 16 == 0
+    kv_aligned = kv_alignable(layer_stride, v_offset)
     rows_megakernel_kernel[(ws.programs,)](
         *(input_ids, positions, slot_mapping, seq_lens, block_tables, block_tables.stride(0)),
         *(
