@@ -111,6 +111,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def check_step(h, logits, h_ref, l_ref, buf, buf_ref, meta, num_layers: int, tol: float) -> None:
+    """A decode step against the reference's: hidden states and logits within tol, the new token's K/V in
+    every layer within tol, the rest of the cache untouched."""
+    assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
+    slot = int(meta.slot_mapping[0])
+    blk, off = slot // BLOCK, slot % BLOCK
+    for layer in range(num_layers):
+        for kv in (0, 1):
+            assert rel(buf[layer, kv, blk, :, off], buf_ref[layer, kv, blk, :, off]) <= tol
+    buf[:, :, blk, :, off] = buf_ref[:, :, blk, :, off]
+    assert torch.equal(buf, buf_ref)
+
+
 WIDE = {"hidden_size": 512, "intermediate_size": 256}  # phase D's tensor-core tile: 2 (bf16) / 4 chunks a row
 
 
@@ -154,15 +167,7 @@ def test_megakernel_equals_reference_forward(dtype, seq_len, splits, tile, stage
     h, logits = forward(paths, ids, positions, meta, buf)
     assert h.shape == h_ref.shape and h.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 4e-2
-    assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
-    # The cache: the new token's K/V in every layer, nothing else touched.
-    slot = int(meta.slot_mapping[0])
-    blk, off = slot // BLOCK, slot % BLOCK
-    for layer in range(ref.config.num_hidden_layers):
-        for kv in (0, 1):
-            assert rel(buf[layer, kv, blk, :, off], buf_ref[layer, kv, blk, :, off]) <= tol
-    buf[:, :, blk, :, off] = buf_ref[:, :, blk, :, off]
-    assert torch.equal(buf, buf_ref)
+    check_step(h, logits, h_ref, l_ref, buf, buf_ref, meta, ref.config.num_hidden_layers, tol)
 
 
 @pytest.mark.skipif("triton" not in backends(), reason="needs CUDA or TRITON_INTERPRET=1")
@@ -272,14 +277,7 @@ def test_megakernel_serves_every_family(preset, dtype, seq_len, splits, split_o,
     h_ref, l_ref = forward(ref, ids, positions, meta, buf_ref)
     h, logits = forward(paths, ids, positions, meta, buf)
     tol = 1e-5 if dtype == torch.float32 else 4e-2
-    assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
-    slot = int(meta.slot_mapping[0])
-    blk, off = slot // BLOCK, slot % BLOCK
-    for layer in range(c.num_hidden_layers):
-        for kv in (0, 1):
-            assert rel(buf[layer, kv, blk, :, off], buf_ref[layer, kv, blk, :, off]) <= tol
-    buf[:, :, blk, :, off] = buf_ref[:, :, blk, :, off]
-    assert torch.equal(buf, buf_ref)
+    check_step(h, logits, h_ref, l_ref, buf, buf_ref, meta, c.num_hidden_layers, tol)
     assert int(mk.workspace.barrier.abs().sum()) == 0 and int(torch.count_nonzero(mk.workspace.o_sums)) == 0
 
 
@@ -497,11 +495,4 @@ def test_megakernel_kv_align_equals_reference(preset, dtype, seq_len, splits, pa
     h, logits = forward(paths, ids, positions, meta, buf)
     assert [s["KV_ALIGN"] for s in seen] == [not padded]
     tol = 1e-5 if dtype == torch.float32 else 4e-2
-    assert rel(h, h_ref) <= tol and rel(logits, l_ref) <= tol, (rel(h, h_ref), rel(logits, l_ref))
-    slot = int(meta.slot_mapping[0])
-    blk, off = slot // BLOCK, slot % BLOCK
-    for layer in range(ref.config.num_hidden_layers):
-        for kv in (0, 1):
-            assert rel(buf[layer, kv, blk, :, off], buf_ref[layer, kv, blk, :, off]) <= tol
-    buf[:, :, blk, :, off] = buf_ref[:, :, blk, :, off]
-    assert torch.equal(buf, buf_ref)
+    check_step(h, logits, h_ref, l_ref, buf, buf_ref, meta, ref.config.num_hidden_layers, tol)
