@@ -82,6 +82,27 @@ def facts_from_subprocess(script: str, timeout: float) -> dict:
     return result
 
 
+def resource_usage(compiled) -> dict[str, int]:
+    """{"registers": per thread, "stack": bytes of stack frame per thread} of a compiled kernel, from its
+    cubin (`cuobjdump -res-usage`, shipped with Triton). Register spills land in the stack frame, which
+    PTX does not show (ptxas allocates registers after it): a stack > 0 is a spill in a Triton kernel,
+    which declares no local arrays."""
+    import re
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        text = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    if found is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage: {text[-500:]}")
+    return {"registers": int(found[1]), "stack": int(found[2])}
+
+
 class _Sm90Driver:
     """The three questions Triton's launcher asks the active driver, answered for one sm_90 device."""
 
@@ -126,6 +147,7 @@ def stand_in_model(name: str, fp8w: bool = False, fp8kv: bool = False, layers: i
     """(shape, StackedWeights, per-layer (K, V) caches, the caches' buffer) of a real model's shape (`name`:
     a preset, optionally "/<variant>") from zero stand-in tensors, for the megakernels' compile-only tests:
     a compile reads only the tensors' dtypes and the scales' shapes; every size comes from the config.
+    The family's tensors (QKV biases, per-head q/k norms) are there where the shape asks for them.
     `fp8w`: FP8 weights with float32 row scales; `fp8kv`: an FP8 cache with its per-layer scales."""
     import torch
 
@@ -153,6 +175,9 @@ def stand_in_model(name: str, fp8w: bool = False, fp8kv: bool = False, layers: i
         norm2=z(layers, shape.hidden),
         norm_final=z(shape.hidden),
         kv_scales=z(layers, 2, d=torch.float32) if fp8kv else None,
+        qkv_bias=z(layers, rows["qkv"]) if shape.qkv_bias else None,
+        q_norm=z(layers, shape.head_dim) if shape.qk_norm else None,
+        k_norm=z(layers, shape.head_dim) if shape.qk_norm else None,
     )
     buf = z(layers, 2, 4, shape.num_kv_heads, 16, shape.head_dim, d=torch.float8_e4m3fn if fp8kv else dt)
     return shape, w, [(buf[i, 0], buf[i, 1]) for i in range(layers)], buf

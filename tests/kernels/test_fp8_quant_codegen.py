@@ -57,7 +57,7 @@ def compile_kernels() -> dict:
     import tinyvllm.kernels.activation as act
     import tinyvllm.kernels.fp8_quant as fq
     import tinyvllm.kernels.rms_norm as rn
-    from tests.kernels.sm90_compile import compile_only_for_sm90
+    from tests.kernels.sm90_compile import compile_only_for_sm90, resource_usage
 
     act.upcast_dot = fq.upcast_dot = rn.upcast_dot = lambda device: False  # what a CUDA device gets
     out = {}
@@ -71,7 +71,8 @@ def compile_kernels() -> dict:
                     name += "/fp8"
                 ptx = kernel.asm["ptx"]
                 key = f"{label}/{str(dtype).removeprefix('torch.')}/{size}"
-                out[key] = {"kernel": name, **{k: ptx.count(pattern) for k, pattern in PATTERNS.items()}}
+                counts = {k: ptx.count(pattern) for k, pattern in PATTERNS.items()}
+                out[key] = {"kernel": name, **counts, **resource_usage(kernel)}
     return out
 
 
@@ -83,7 +84,7 @@ def facts() -> dict:
 def test_every_variant_compiles_without_spills(facts):
     assert len(facts) == 2 * len(WIDTHS) * 8, sorted(facts)
     for label, found in facts.items():
-        assert found["local"] == 0, (label, found)
+        assert found["local"] == 0 and found["stack"] == 0, (label, found)
 
 
 def test_fp8_kernels_divide_exactly_and_convert_in_hardware(facts):

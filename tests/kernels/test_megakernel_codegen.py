@@ -9,8 +9,9 @@ runner's paths with every launch turned into a compile, in a subprocess without 
 skipped where this Triton cannot compile for CUDA.
 
 At real shapes (REAL_SHAPES) the megakernel alone: with `kv_align` (MegakernelConfig) phase B's K and V
-tiles load as 16-byte vectors; without it, as 2-byte scalars (the caches' layer stride and V offset are
-unspecialised arguments, so the compiler cannot prove the tiles' alignment).
+tiles load as 16-byte vectors and nothing spills to the stack; without it, as 2-byte scalars (the caches'
+layer stride and V offset are unspecialised arguments, so the compiler cannot prove the tiles' alignment),
+and at head dim 128 (every preset but the 1B) the scalars' registers spill 350–540 bytes a thread.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ VARIANTS = {
 REAL_SHAPES = {
     "llama-3.2-1b": (False, {}),
     "llama-3.2-1b/kv_align": (False, {"kv_align": True}),
+    "llama-3.1-8b": (False, {}),
     "llama-3.1-8b/kv_align": (False, {"kv_align": True}),
+    "llama-3.2-3b/kv_align": (False, {"kv_align": True}),
+    "qwen3-0.6b/kv_align": (False, {"kv_align": True}),
     "llama-3.2-1b/fp8kv/kv_align": (True, {"kv_align": True}),
 }
 
@@ -96,7 +100,7 @@ def compile_real_shape(name: str, fp8kv: bool, fields: dict) -> dict:
     come from the model's config."""
     import torch
 
-    from tests.kernels.sm90_compile import compile_only_for_sm90, stand_in_model
+    from tests.kernels.sm90_compile import compile_only_for_sm90, resource_usage, stand_in_model
     from tinyvllm.kernels.decode_megakernel import MegakernelConfig, Workspace, decode_megakernel_fwd, launch
 
     shape, w, kv, buf = stand_in_model(name, fp8kv=fp8kv)
@@ -120,6 +124,7 @@ def compile_real_shape(name: str, fp8kv: bool, fields: dict) -> dict:
         "ld_v4": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.", ptx)),
         "kv_tile_vectors": _kv_tile_vectors(ttgir, shape.head_dim, "f8E4M3FN" if fp8kv else "bf16"),
         "kv_bytes": buf.element_size(),
+        **resource_usage(kernel),
     }
 
 
@@ -158,14 +163,18 @@ def test_decode_paths_compile_for_sm90(facts, variant):
 @pytest.mark.parametrize("variant", list(REAL_SHAPES))
 def test_megakernel_real_shapes_compile_for_sm90(facts, variant):
     """The megakernel fits an SM's shared memory at real shapes; with `kv_align` phase B's K and V tiles
-    (the preloaded first tile, the newest key's row, the key loop's tiles) load as 16-byte vectors and the
-    kernel has no 2-byte loads."""
+    (the preloaded first tile, the newest key's row, the key loop's tiles) load as 16-byte vectors, the
+    kernel has no 2-byte K/V loads (Qwen3's q/k norm weights, [D] vectors, keep two) and no register
+    spills: none at all under Triton 3.6 (the GPU's); under 3.9 Qwen3's q/k norm leaves one 16-byte spill of
+    loop invariants (the first tiles' rows, stored before the layer loop, reloaded once a layer), where
+    the unaligned loads spill ~500 bytes in the phases' loops."""
     got = facts[variant]
     assert "error" not in got, got.get("error")
     assert got["shared"] <= 227 * 1024, got["shared"]
     assert len(got["kv_tile_vectors"]) >= 4, got  # K and V: the preloaded tile and the key loop's, at least
     if REAL_SHAPES[variant][1].get("kv_align"):
-        assert got["ld_b16"] == 0 and got["ld_v4"] > 0, got
+        assert got["ld_b16"] <= (2 if variant.startswith("qwen3") else 0) and got["ld_v4"] > 0, got
+        assert got["stack"] <= (16 if variant.startswith("qwen3") else 0), got
         assert all(n * got["kv_bytes"] == 16 for n in got["kv_tile_vectors"]), got
 
 
