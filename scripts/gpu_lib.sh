@@ -9,6 +9,7 @@ WORK=/tmp/gpu-session
 RES=$WORK/results
 LOGS=$WORK/logs
 mkdir -p "$OUT" "$RES" "$LOGS"
+export RES  # the steps that run an exported shell function (bash -c) write there too
 T0=$(date +%s)
 BUDGET=${BUDGET:-480}  # seconds for the whole script; later steps are skipped when it runs out
 elapsed() { echo $(( $(date +%s) - T0 )); }
