@@ -9,7 +9,7 @@
 #   STEPS="rows_bench rows_tests rows_engine_test" ...
 #   STEPS=sizes ...;  STEPS=sizes_rows ...                                                           # §1e table
 #   STEPS="radix_kernel top_p_plain top_p_radix top_p_search fp8_cost" ...                        # §5, §9
-#   STEPS="pieces_bench_main pieces_bench pieces_tests structured_prepare" ...                     # §1e, §10
+#   STEPS=structured_prepare ...                                                                    # §10
 #   STEPS="fp8_tests fp8_quant_bench rows_bench_8b rows_bench_fp8" ...
 #   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                                              # §3a
 #   STEPS=prefill_sweep ...;  STEPS=prefill_sweep_p256 ...                                           # §3
@@ -20,9 +20,7 @@
 # device's copy of the tree may carry a stale .git, and result files record the commit they ran.
 # Carry .whl in every call (the device image lacks msgspec, which the CLI imports; fastapi etc. for serve):
 # `pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl msgspec ...`.
-# The megakernel-pieces steps need branch h1-mk-pieces's tree in .pieces/ (git-ignored, so the device
-# call must carry it): `rm -rf .pieces && mkdir .pieces && git archive h1-mk-pieces tinyvllm benchmarks tests
-# | tar -x -C .pieces`. Results and logs come back under $OUT as session.tgz.part* (gpu_session.sh's packing).
+# Results and logs come back under $OUT as session.tgz.part* (gpu_session.sh's packing).
 set -u
 cd "$(dirname "$0")/.."
 source scripts/gpu_lib.sh
@@ -80,21 +78,7 @@ step fp8_tests 200 python3 -m pytest -q tests/kernels/test_fp8_fused_quant.py te
   tests/engine/test_fp8_layer_loop.py -p no:cacheprovider
 step fp8_quant_bench 150 python3 benchmarks/kernels/bench_fp8_quant.py --rows 8 32 64 128 256 --out "$RES"
 
-# 4. The batch-1 megakernel's power-of-two pieces (branch h1-mk-pieces in .pieces/, §1e) against main.
-pieces() {  # pieces TREE: bench_megakernel at 640 keys for the four presets from TREE's copy of the repo
-  for p in llama-3.2-3b qwen3-4b llama-3.1-8b llama-3.2-1b; do
-    python3 "$1/benchmarks/kernels/bench_megakernel.py" --preset "$p" --contexts 640 --no-traces --no-fp32 \
-      --out "$RES/$(basename "$1")" || echo "FAILED $p"
-  done
-}
-export -f pieces
-if [ -d .pieces/tinyvllm ]; then
-  step pieces_bench_main 280 bash -c "pieces $PWD"
-  step pieces_bench 280 bash -c "pieces $PWD/.pieces"
-  step pieces_tests 240 bash -c "cd .pieces && python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py -p no:cacheprovider"
-fi
-
-# 5. The attention backward's and training forward's Hopper options (§3a: descriptor loads, warp
+# 4. The attention backward's and training forward's Hopper options (§3a: descriptor loads, warp
 # specialisation), swept with today's tiles; a call per head dim (~120 candidates each).
 step attn_sweep_128 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 128 --out "$RES"
 step attn_sweep_64 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 64 --out "$RES/d64"
@@ -104,16 +88,16 @@ step prefill_sweep 560 python3 benchmarks/kernels/bench_prefill_attention.py --s
 step prefill_sweep_p256 560 python3 benchmarks/kernels/bench_prefill_attention.py --sweep --no-flex --block-sizes 256 16 \
   --out "$RES/p256"
 
-# 6. Decode attention's candidates, 3 against 5 stages (the first depth whose loop prefetches, §3/§4).
+# 5. Decode attention's candidates, 3 against 5 stages (the first depth whose loop prefetches, §3/§4).
 step decode_sweep 400 python3 benchmarks/kernels/bench_decode_attention.py --sweep --no-flex --out "$RES/sweep"
 step cascade_stages 150 python3 benchmarks/kernels/bench_cascade.py --out "$RES"
 
-# 7. Serving at rate inf with top_p 0.9 against the offline figure with it (#40; needs .whl carried):
+# 6. Serving at rate inf with top_p 0.9 against the offline figure with it (#40; needs .whl carried):
 # the API process's CPU per token fell by half unpaced on the development CPU (§7).
 bench top_p_only 200 throughput --max-model-len 4096 --top-p 0.9 --name "throughput_top_p_only_$GPU"
 step serve_top_p 420 env BENCH_ARGS="--top-p 0.9" bash scripts/gpu_serve_bench.sh "$RES/serve_top_p09"
 
-# 8. Structured outputs with the next step's inputs packed in the constrained step's launch (§10).
+# 7. Structured outputs with the next step's inputs packed in the constrained step's launch (§10).
 step structured_prepare 400 python3 -m benchmarks.structured --repeats 3 --prepare-in-launch \
   --name "structured_prepare_$GPU" --out-dir "$RES"
 
