@@ -18,8 +18,8 @@
 #
 # Name the commit in the run command (`TINYVLLM_GIT_COMMIT=<local git rev-parse --short HEAD> bash ...`): the
 # device's copy of the tree may carry a stale .git, and result files record the commit they ran.
-# Carry .whl in every call (the device image lacks msgspec, which the CLI imports; fastapi etc. for serve):
-# `pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl msgspec ...`.
+# Carry .whl in every call (the device image lacks msgspec, which the CLI imports; fastapi etc. for serve;
+# xgrammar for structured outputs): `bash scripts/device_wheels.sh` fills it.
 # Results and logs come back under $OUT as session.tgz.part* (gpu_session.sh's packing).
 set -u
 cd "$(dirname "$0")/.."
