@@ -50,8 +50,9 @@ step rows_bench_fp8 300 python3 benchmarks/kernels/bench_rows_megakernel.py --fp
 # at head dim 128 (every preset but the 1B) the unaligned 2-byte loads spill 350-540 bytes a thread (Triton
 # 3.6, sm_90; test_megakernel_codegen.py), kv_align none. Qwen3-0.6B (0.30 of its floor) with phase traces.
 mk_kv_align() {
+  # tile=8192: phase A's 192 units over 132 programs take two rounds on 60 of them; 384 units balance
   python3 benchmarks/kernels/bench_megakernel.py --preset qwen3-0.6b --contexts 640 --no-fp32 --variant kv_align=1 \
-    --out "$RES/mk_qwen3-0.6b" || echo "FAILED qwen3-0.6b"
+    --variant kv_align=1,tile=8192 --out "$RES/mk_qwen3-0.6b" || echo "FAILED qwen3-0.6b"
   for p in llama-3.2-1b llama-3.1-8b llama-3.2-3b; do
     python3 benchmarks/kernels/bench_megakernel.py --preset "$p" --contexts 640 4096 --no-traces --no-fp32 \
       --variant kv_align=1 --out "$RES/mk_$p" || echo "FAILED $p"
