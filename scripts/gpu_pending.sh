@@ -13,7 +13,7 @@
 #   STEPS="fp8_tests fp8_quant_bench rows_bench_8b rows_bench_fp8" ...
 #   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                                              # §3a
 #   STEPS=prefill_sweep ...;  STEPS=prefill_sweep_p256 ...                                           # §3
-#   STEPS="decode_sweep cascade_stages" ...                                                          # §4
+#   STEPS="decode_sweep cascade_stages" ...;  STEPS="prefix_stream_test tp_default tp_prefix_stream" # §4
 #   STEPS="top_p_only serve_top_p" ...                                                               # §7
 #
 # Name the commit in the run command (`TINYVLLM_GIT_COMMIT=<local git rev-parse --short HEAD> bash ...`): the
@@ -92,6 +92,12 @@ step prefill_sweep_p256 560 python3 benchmarks/kernels/bench_prefill_attention.p
 # 5. Decode attention's candidates, 3 against 5 stages (the first depth whose loop prefetches, §3/§4).
 step decode_sweep 400 python3 benchmarks/kernels/bench_decode_attention.py --sweep --no-flex --out "$RES/sweep"
 step cascade_stages 150 python3 benchmarks/kernels/bench_cascade.py --out "$RES"
+# The cascade's prefix kernel on a stream of its own beside the splits (§4, DecodeConfig.prefix_stream):
+# bitwise the one-stream output, in a captured graph too; then the engine with and without it.
+step prefix_stream_test 150 python3 -m pytest -q tests/kernels/test_gpu_shapes.py -k prefix_stream -p no:cacheprovider
+bench tp_default 200 throughput --max-model-len 4096 --name "throughput_default_$GPU"
+step tp_prefix_stream 200 python3 scripts/with_decode_config.py prefix_stream=1 -- bench throughput \
+  --max-model-len 4096 --out-dir "$RES" --name "throughput_prefix_stream_$GPU"
 
 # 6. Serving at rate inf with top_p 0.9 against the offline figure with it (#40; needs .whl carried):
 # the API process's CPU per token fell by half unpaced on the development CPU (§7).

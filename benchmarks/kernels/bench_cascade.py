@@ -9,8 +9,9 @@ re-reads the prefix per sequence unless L2 serves it; cascade reads it once per 
 cascade is also timed with the prefix's tiles split over 2, 4 and 8 programs per chunk of sequences
 (`DecodeConfig.prefix_splits`), and split over 4 with the prefix kernel's key loop pipelined
 PIPELINED_STAGES deep (`DecodeConfig.prefix_stages`: two K/V buffers, the next tile's copies in flight,
-where the default depth waits for every copy each tile), each checked against plain decode. Writes
-cascade_<gpu>.json.
+where the default depth waits for every copy each tile), and with the prefix kernel on a stream of its
+own beside the splits (`DecodeConfig.prefix_stream`; graph-captured as two branches), each checked
+against plain decode. Writes cascade_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def measure_batch(batch: int, prefix: int, suffix: int, copy: float, dev) -> dic
     def plain():
         return decode_attention_fwd(q, k, v, lens, tables, D**-0.5, ctx)
 
-    def cascade(prefix_splits: int = 1, prefix_stages: int = 0):
-        cfg = DEFAULT_CONFIG._replace(prefix_splits=prefix_splits, prefix_stages=prefix_stages)
+    def cascade(prefix_splits: int = 1, prefix_stages: int = 0, prefix_stream: bool = False):
+        cfg = DEFAULT_CONFIG._replace(
+            prefix_splits=prefix_splits, prefix_stages=prefix_stages, prefix_stream=prefix_stream
+        )
         return lambda: decode_attention_fwd(q, k, v, lens, tables, D**-0.5, ctx, prefix_len=p, config=cfg)
 
     ref, out = plain().float(), cascade()().float()
@@ -72,6 +75,9 @@ def measure_batch(batch: int, prefix: int, suffix: int, copy: float, dev) -> dic
     piped = cascade(PIPELINED_SPLITS, PIPELINED_STAGES)  # the prefix loop prefetching (prefix_stages)
     piped_us = bench_graph([piped]) * 1e3
     piped_diff = ((ref - piped().float()).norm() / ref.norm()).item()
+    streamed = cascade(DEFAULT_CONFIG.prefix_splits, prefix_stream=True)  # the prefix beside the splits
+    streamed_us = bench_graph([streamed]) * 1e3
+    streamed_diff = ((ref - streamed().float()).norm() / ref.norm()).item()
     kv_row = 2 * HK * D * 2  # K and V bytes of one token
     unique = (prefix + batch * suffix) * kv_row
     every = batch * ctx * kv_row
@@ -87,6 +93,8 @@ def measure_batch(batch: int, prefix: int, suffix: int, copy: float, dev) -> dic
         **{f"rel_diff_ps{n}": split_diff[n] for n in PREFIX_SPLITS},
         f"cascade_ps{PIPELINED_SPLITS}_st{PIPELINED_STAGES}_us": piped_us,
         f"rel_diff_ps{PIPELINED_SPLITS}_st{PIPELINED_STAGES}": piped_diff,
+        "cascade_stream_us": streamed_us,
+        "rel_diff_stream": streamed_diff,
     }
 
 
@@ -117,6 +125,7 @@ def main() -> None:
                 f"prefix ÷{PIPELINED_SPLITS}, {PIPELINED_STAGES} stages µs",
                 ".1f",
             ),
+            ("cascade_stream_us", f"prefix ÷{DEFAULT_CONFIG.prefix_splits}, own stream µs", ".1f"),
         ],
     )
     json_path, _ = output_paths(ns.out, "cascade")

@@ -91,26 +91,46 @@ CASCADE_CASES = [  # dtype, block_size, Hq, Hk, D, shared blocks, prefix_len, nu
 ]
 
 
-@pytest.mark.parametrize("prefix_splits,prefix_stages", [(1, 0), (3, 0), (4, 5)], ids=["ps1", "ps3", "ps4-st5"])
+@pytest.mark.parametrize(
+    "prefix_splits,prefix_stages,prefix_stream",
+    [(1, 0, False), (3, 0, False), (4, 5, False), (4, 0, True)],
+    ids=["ps1", "ps3", "ps4-st5", "ps4-stream"],
+)
 @pytest.mark.parametrize(
     "dtype,block_size,hq,hk,d,shared,prefix_len,splits,contexts",
     CASCADE_CASES,
     ids=[f"{str(c[0])[6:]}-bs{c[1]}-g{c[2] // c[3]}-P{c[6]}-s{c[7]}" for c in CASCADE_CASES],
 )
 def test_cascade_matches_reference(
-    dtype, block_size, hq, hk, d, shared, prefix_len, splits, contexts, prefix_splits, prefix_stages, device
+    dtype,
+    block_size,
+    hq,
+    hk,
+    d,
+    shared,
+    prefix_len,
+    splits,
+    contexts,
+    prefix_splits,
+    prefix_stages,
+    prefix_stream,
+    device,
 ):
     """Cascade attention (the shared prefix attended once per chunk of sequences, the rest per sequence,
     merged by logsumexp) equals the float64 reference, with a padded zero-length row appended (as a CUDA
     graph's padding is) that must output zeros; with the prefix's tiles split over 3 programs per chunk
     too (one range empty at 2 tiles, none at 1), and over 4 with the prefix loop pipelined 5 deep
-    (prefix_stages: the compiled loop differs, the interpreter runs the same arithmetic)."""
+    (prefix_stages: the compiled loop differs, the interpreter runs the same arithmetic); with the prefix
+    on a stream of its own where there are streams (prefix_stream: on the CPU the prefix still runs, on
+    the current stream; tests/kernels/test_gpu_shapes.py checks the fork on CUDA)."""
     gen = torch.Generator(device=device).manual_seed(4)
     k_cache, v_cache, tables = make_paged_cache(contexts, hk, d, block_size, dtype, device, gen, share_prefix=shared)
     tables = torch.cat([tables, tables[:1]])  # the padded row: any table, length 0
     lens = torch.tensor([*contexts, 0], dtype=torch.int32, device=device)
     q = torch.randn(len(contexts) + 1, hq, d, generator=gen, device=device).to(dtype)
-    cfg = DecodeConfig(64, 4, 2, 4, 1, prefix_splits=prefix_splits, prefix_stages=prefix_stages)
+    cfg = DecodeConfig(
+        64, 4, 2, 4, 1, prefix_splits=prefix_splits, prefix_stages=prefix_stages, prefix_stream=prefix_stream
+    )
     p = torch.tensor([prefix_len], dtype=torch.int32, device=device)
     out = decode_attention_fwd(
         q, k_cache, v_cache, lens, tables, d**-0.5, max(contexts), config=cfg, num_splits=splits, prefix_len=p

@@ -16,6 +16,7 @@ from kernel_helpers import assert_close, free_below_window, make_paged_cache, pa
 
 from tinyvllm.config import RopeScaling
 from tinyvllm.kernels import reference, triton_ops
+from tinyvllm.kernels.decode_attention import DEFAULT_CONFIG as DEFAULT_DECODE
 from tinyvllm.kernels.decode_attention import DecodeConfig, decode_attention_fwd
 from tinyvllm.kernels.gemv import fused_gemv_fwd
 from tinyvllm.kernels.prefill_attention import prefill_attention_fwd
@@ -139,6 +140,35 @@ def test_cascade_window_real_shapes():
     )
     ref = reference.decode_attention(q.float(), k_cache.float(), v_cache.float(), sl, tables, 128**-0.5, window=window)
     assert_close(out, ref, BF16)
+
+
+def test_cascade_prefix_stream_matches_one_stream_in_graphs():
+    """The prefix kernel on its own stream (`DecodeConfig.prefix_stream`: a fork and a join) writes the same
+    partial slots as on the current stream: outputs bitwise equal, eagerly and replayed from a CUDA graph
+    captured with the fork (256 rows sharing 1,024 keys, 128 own keys each), and equal to the reference."""
+    gen = torch.Generator(device=CUDA).manual_seed(6)
+    contexts = [1024 + 128] * 256
+    k_cache, v_cache, tables = make_paged_cache(contexts, 8, 64, 16, BF16, CUDA, gen, share_prefix=64)
+    q = torch.randn(256, 32, 64, generator=gen, device=CUDA).to(BF16)
+    sl = torch.tensor(contexts, dtype=torch.int32, device=CUDA)
+    p = torch.tensor([1024], dtype=torch.int32, device=CUDA)
+    one, two = (DEFAULT_DECODE._replace(prefix_stream=on) for on in (False, True))
+
+    def run(cfg):
+        return decode_attention_fwd(q, k_cache, v_cache, sl, tables, 64**-0.5, 1152, config=cfg, prefix_len=p)
+
+    expected = run(one)
+    assert torch.equal(run(two), expected)  # also makes the side stream before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(two)
+    q.copy_(torch.randn(q.shape, generator=gen, device=CUDA).to(BF16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, run(one))
+    ref = reference.decode_attention(q.float(), k_cache.float(), v_cache.float(), sl, tables, 64**-0.5)
+    assert_close(captured, ref, BF16)
 
 
 DECODE_CASES = [  # batch, contexts (None: all equal to max_ctx), max_ctx

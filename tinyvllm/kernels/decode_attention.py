@@ -63,6 +63,9 @@ class DecodeConfig(NamedTuple):
     # cascade: the prefix kernel's num_stages (0: 3, which keeps one K/V buffer and waits for every copy
     # each tile; from 5 its key loop keeps two buffers with the next tile's copies in flight)
     prefix_stages: int = 0
+    # cascade: the prefix kernel on a second stream, beside the splits (a fork and a join, captured into
+    # CUDA graphs as two branches): its tensor-core products overlap the splits' memory-bound reads
+    prefix_stream: bool = False
 
 
 # The best of `bench_decode_attention.py --sweep` on the H200: 64-key tiles (4 pages of 16) with 2 warps
@@ -484,6 +487,23 @@ def _merge_kernel(
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The CUDA stream the cascade's prefix kernel runs on beside the splits (`DecodeConfig.prefix_stream`),
+    one per device, kept across calls; None off CUDA, and while a CUDA graph is being captured before
+    the stream exists (a stream made then would not be part of the capture's setup): the caller then
+    launches the prefix on the current stream."""
+    if device.type != "cuda":
+        return None
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
 
 
 def _tickets(device: torch.device, n: int) -> torch.Tensor | None:
@@ -711,29 +731,27 @@ def decode_attention_fwd(
     part_lse = torch.empty((B, Hq, slots), dtype=torch.float32, device=q.device)
     parts = (part_o, part_lse)
     tickets = _tickets(q.device, B * k_cache.shape[1]) if cfg.fold_merge and not cascade else None
+    side = _side_stream(q.device) if cascade and cfg.prefix_stream else None
+    if side is not None:  # fork: the prefix's partials (their own slots) beside the splits'
+        side.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(side):
+            _launch_prefix(
+                q, k_cache, v_cache, part_o, part_lse, seq_lens, block_tables, prefix_len, scale, num_splits,
+                window, v_scale, cfg.prefix_splits, cfg.prefix_stages,
+            )  # fmt: skip
     _launch_splits(
         q, k_cache, v_cache, out, parts, seq_lens, block_tables, prefix_len, scale, num_splits, cfg, window, v_scale,
         tickets,
     )  # fmt: skip
     if tickets is not None:
         return out
-    if cascade:
+    if side is not None:  # join: the merge reads both
+        torch.cuda.current_stream(q.device).wait_stream(side)
+    elif cascade:
         _launch_prefix(
-            q,
-            k_cache,
-            v_cache,
-            part_o,
-            part_lse,
-            seq_lens,
-            block_tables,
-            prefix_len,
-            scale,
-            num_splits,
-            window,
-            v_scale,
-            cfg.prefix_splits,
-            cfg.prefix_stages,
-        )
+            q, k_cache, v_cache, part_o, part_lse, seq_lens, block_tables, prefix_len, scale, num_splits,
+            window, v_scale, cfg.prefix_splits, cfg.prefix_stages,
+        )  # fmt: skip
     part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
     _merge_kernel[(Hq, B)](
         part_o, part_lse, out, slots, *part_strides, out.stride(0), out.stride(1), BLOCK_S=16, HEAD_DIM=D, num_warps=4
