@@ -37,10 +37,11 @@ step startup_8b 300 $CLI bench startup --model dummy:llama-3.1-8b --warm-runs 1 
 # 1. The rows megakernel (§1e): correctness over every program, then against the layer loop, then in the engine.
 step rows_tests 240 python3 -m pytest -q -x tests/gpu/test_rows_megakernel_gpu.py -p no:cacheprovider \
   -k "(default and (llama-3.2-1b or qwen3)) or graph"
-# Phase B's K/V tiles aligned (16-byte cp.async, pipelined from kv_stages 5) and split finer (§1e's trace):
+# Phase B's K/V tiles aligned (16-byte cp.async, pipelined from kv_stages 5) and split finer (§1e's trace);
+# 8 warps: 0-88 bytes of register spills a thread against 4 warps' 56-808 (Triton 3.6, sm_90):
 step rows_trace 300 python3 benchmarks/kernels/bench_rows_megakernel.py --batches 1 8 16 --no-fp32 --trace \
   --variant kv_align=1 --variant kv_align=1,kv_stages=5 --variant kv_align=1,kv_stages=7 \
-  --variant kv_align=1,kv_stages=5,attn_splits=4 --variant attn_splits=4 --out "$RES"
+  --variant kv_align=1,kv_stages=5,attn_splits=4 --variant attn_splits=4 --variant num_warps=8,kv_align=1 --out "$RES"
 step rows_bench 540 python3 benchmarks/kernels/bench_rows_megakernel.py --out "$RES"
 step rows_engine_test 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k rows_megakernel -p no:cacheprovider
 step rows_bench_8b 300 python3 benchmarks/kernels/bench_rows_megakernel.py --preset llama-3.1-8b --no-fp32 --out "$RES"
