@@ -44,6 +44,16 @@ def kernel_grads(q, k, v, do, **kw):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def assert_grads_match(q, k, v, do, cu, causal, cfg, dtype):
+    """dq, dk, dv of the kernels with backward config `cfg` (the fused dQ modes allowed) against the float64
+    reference's, within GRAD_FACTOR of the dtype's tolerance."""
+    _, dq, dk, dv = kernel_grads(q, k, v, do, causal=causal, cu_seqlens=cu, bwd_config=cfg, deterministic=False)
+    _, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, cu, causal)
+    assert_close(dq, ref_dq, dtype, GRAD_FACTOR)
+    assert_close(dk, ref_dk, dtype, GRAD_FACTOR)
+    assert_close(dv, ref_dv, dtype, GRAD_FACTOR)
+
+
 def reference_grads(q, k, v, do, cu, causal, scale=None):
     """out, dq, dk, dv in float64 through autograd of `reference.attention`."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -115,11 +125,7 @@ def test_fused_dq_modes_match_float64_autograd(mode, dtype, hq, hk, d, causal, t
     sequences off the tile grid (and an empty one), GQA/MQA, causal and not."""
     q, k, v, cu, do = make_inputs(LENS, hq, hk, d, dtype, device, seed=4)
     cfg = BackwardConfig(*tiles, 4, 1, 16, 16, 4, 1, 16, mode)
-    _, dq, dk, dv = kernel_grads(q, k, v, do, causal=causal, cu_seqlens=cu, bwd_config=cfg, deterministic=False)
-    _, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, cu, causal)
-    assert_close(dq, ref_dq, dtype, GRAD_FACTOR)
-    assert_close(dk, ref_dk, dtype, GRAD_FACTOR)
-    assert_close(dv, ref_dv, dtype, GRAD_FACTOR)
+    assert_grads_match(q, k, v, do, cu, causal, cfg, dtype)
 
 
 TMA = dict(dkdv_tma=True, dq_tma=True)
@@ -156,11 +162,7 @@ def test_hopper_knobs_match_float64_autograd(mode, dtype, hq, hk, d, causal, kno
     q, k, v, cu, do = make_inputs(LENS, hq, hk, d, dtype, device, seed=6)
     assert tma_usable(q, do) and tma_usable(k, v)
     cfg = BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1, 16, mode)._replace(**knobs)
-    _, dq, dk, dv = kernel_grads(q, k, v, do, causal=causal, cu_seqlens=cu, bwd_config=cfg, deterministic=False)
-    _, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, cu, causal)
-    assert_close(dq, ref_dq, dtype, GRAD_FACTOR)
-    assert_close(dk, ref_dk, dtype, GRAD_FACTOR)
-    assert_close(dv, ref_dv, dtype, GRAD_FACTOR)
+    assert_grads_match(q, k, v, do, cu, causal, cfg, dtype)
 
 
 ROW_SCORES_CASES = [  # dq_mode, dtype, Hq, Hk, D, causal, (dkdv_m, dkdv_n), other options turned on
@@ -190,11 +192,7 @@ def test_dkdv_row_scores_matches_float64_autograd(mode, dtype, hq, hk, d, causal
     loads and the warp-specialised loop."""
     q, k, v, cu, do = make_inputs(LENS, hq, hk, d, dtype, device, seed=10)
     cfg = BackwardConfig(*tiles, 4, 1, 32, 16, 4, 1, 16, mode, dkdv_row_scores=True)._replace(**knobs)
-    _, dq, dk, dv = kernel_grads(q, k, v, do, causal=causal, cu_seqlens=cu, bwd_config=cfg, deterministic=False)
-    _, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, cu, causal)
-    assert_close(dq, ref_dq, dtype, GRAD_FACTOR)
-    assert_close(dk, ref_dk, dtype, GRAD_FACTOR)
-    assert_close(dv, ref_dv, dtype, GRAD_FACTOR)
+    assert_grads_match(q, k, v, do, cu, causal, cfg, dtype)
 
 
 FORWARD_HOPPER_CASES = [  # dtype, Hq, Hk, D, causal, (block_m, block_n), the options turned on

@@ -39,14 +39,30 @@ import triton.language as tl
 
 
 @triton.jit
+def ordered_dot(a, b, acc):
+    """acc + a [M, K] · b [K, N] in float32: the interpreter's product (UPCAST). Its `tl.dot` is numpy's
+    matmul, whose BLAS sums K in an order that depends on M and N on some CPUs (OpenBLAS 0.3.31 on an AMD
+    EPYC), so a row's bits would change with the tile's shape, where the GPU's tensor-core products do not
+    (the batch-invariant kernels pick tiles by M). A broadcast product summed over K adds each element's
+    products in k order whatever M and N; used up to the interpreter's largest tensor (2²⁰ elements),
+    numpy's matmul beyond it."""
+    a = a.to(tl.float32)
+    b = b.to(tl.float32)
+    if a.shape[0] * a.shape[1] * b.shape[1] <= 1048576:
+        acc = acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def dot_qk(q, k, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """q [M, D] · kᵀ ([N, D] → [D, N]) in float32; IEEE: exact float32 products (no TF32).
 
-    UPCAST (CPU interpreter only, see launch.upcast_dot): the operands are cast to float32 first."""
+    UPCAST (CPU interpreter only, see launch.upcast_dot): in float32 by `ordered_dot`."""
     if UPCAST:
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-    if IEEE:
+        qk = ordered_dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32))
+    elif IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
@@ -57,9 +73,8 @@ def dot_qk(q, k, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 def dot_pv(p, v, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """acc + p [M, N] · v [N, D] in float32 (UPCAST, IEEE as in `dot_qk`)."""
     if UPCAST:
-        p = p.to(tl.float32)
-        v = v.to(tl.float32)
-    if IEEE:
+        acc = ordered_dot(p, v, acc)
+    elif IEEE:
         acc = tl.dot(p, v, acc, input_precision="ieee")
     else:
         acc = tl.dot(p, v, acc)

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from tinyvllm.kernels.flash_tiles import ordered_dot
 from tinyvllm.kernels.launch import cdiv, upcast_dot
 
 
@@ -244,10 +245,9 @@ def _matmul_kernel(
         ks = k0 + offs_k
         a = tl.load(x_rows + ks[None, :], mask=(offs_m[:, None] < M) & (ks[None, :] < K), other=0.0)
         b = tl.load(w_rows + ks[:, None], mask=(ks[:, None] < K) & (offs_n[None, :] < N), other=0.0)  # Wᵀ
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
+        if UPCAST:  # the interpreter: k-ordered sums (flash_tiles.ordered_dot)
+            acc = ordered_dot(a, b, acc)
+        elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
@@ -282,9 +282,9 @@ def _matmul_tma_kernel(
         a = x_desc.load([off_m, k0])
         b = w_desc.load([off_n, k0])
         if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b.T, acc)
+            acc = ordered_dot(a, b.T, acc)
+        else:
+            acc = tl.dot(a, b.T, acc)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     _store_tile(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
