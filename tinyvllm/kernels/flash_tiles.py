@@ -40,7 +40,8 @@ import triton.language as tl
 
 @triton.jit
 def ordered_dot(a, b, acc):
-    """acc + a [M, K] · b [K, N] in float32: the interpreter's product (UPCAST). Its `tl.dot` is numpy's
+    """acc + a [M, K] · b [K, N] (or a batch of them, [S, M, K] · [S, K, N]) in float32: the interpreter's
+    product (UPCAST). Its `tl.dot` is numpy's
     matmul, whose BLAS sums K in an order that depends on M and N on some CPUs (OpenBLAS 0.3.31 on an AMD
     EPYC), so a row's bits would change with the tile's shape, where the GPU's tensor-core products do not
     (the batch-invariant kernels pick tiles by M). A broadcast product summed over K adds each element's
@@ -48,7 +49,12 @@ def ordered_dot(a, b, acc):
     numpy's matmul beyond it."""
     a = a.to(tl.float32)
     b = b.to(tl.float32)
-    if a.shape[0] * a.shape[1] * b.shape[1] <= 1048576:
+    if len(a.shape) == 3:  # a batch of products, [S, M, K] · [S, K, N]
+        if a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2] <= 1048576:
+            acc = acc + tl.sum(a[:, :, :, None] * b[:, None, :, :], axis=2)
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+    elif a.shape[0] * a.shape[1] * b.shape[1] <= 1048576:
         acc = acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
     else:
         acc = tl.dot(a, b, acc, input_precision="ieee")
