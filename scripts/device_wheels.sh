@@ -7,11 +7,11 @@
 set -eu
 cd "$(dirname "$0")/.."
 rm -rf .whl && mkdir .whl
-python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
-  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-  --platform any -d .whl --no-deps \
-  msgspec fastapi starlette pydantic pydantic-core typing-inspection annotated-types anyio sniffio idna \
-  uvicorn h11 click prometheus-client uvloop httptools aiohttp aiohappyeyeballs aiosignal attrs frozenlist \
-  multidict propcache yarl xgrammar ninja typing-extensions
+target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any)
+# The server and the client with their dependencies, resolved together (pydantic pins pydantic-core exactly).
+python3 -m pip download -q "${target[@]}" -d .whl msgspec fastapi uvicorn prometheus-client uvloop httptools aiohttp
+# xgrammar alone: its torch, transformers and triton are the image's.
+python3 -m pip download -q "${target[@]}" -d .whl --no-deps xgrammar ninja
 ls .whl | wc -l
 du -sh .whl
