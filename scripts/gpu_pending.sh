@@ -92,6 +92,9 @@ step prefill_sweep_p256 560 python3 benchmarks/kernels/bench_prefill_attention.p
 
 # 5. Decode attention's candidates, 3 against 5 stages (the first depth whose loop prefetches, §3/§4).
 step decode_sweep 400 python3 benchmarks/kernels/bench_decode_attention.py --sweep --no-flex --out "$RES/sweep"
+# The same candidates over an FP8 cache (#36: 0.68 / 0.64 of the copy bandwidth today, target 0.85): FP8_CONFIG.
+step decode_sweep_fp8 500 python3 benchmarks/kernels/bench_decode_attention.py --sweep --fp8 --no-flex --quick \
+  --out "$RES/sweep_fp8"
 step cascade_stages 150 python3 benchmarks/kernels/bench_cascade.py --out "$RES"
 # The cascade's prefix kernel on a stream of its own beside the splits (§4, DecodeConfig.prefix_stream):
 # bitwise the one-stream output, in a captured graph too; then the engine with and without it.

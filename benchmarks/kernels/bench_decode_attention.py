@@ -15,7 +15,8 @@ ends up) and in order, and once more shuffled with the merge folded into the spl
 
 With `--fp8` each shape also runs ours over the same K/V quantized to e4m3 (one scale per tensor, as the
 engine's per-layer scales), its fraction counted in the bytes it moves (1-byte K/V), and its output
-against SDPA's on the bf16 K/V; writes decode_attention_fp8_<gpu>.json then.
+against SDPA's on the bf16 K/V; writes decode_attention_fp8_<gpu>.json then. `--sweep --fp8` sweeps the
+candidate configs over the FP8 cache as well (for `decode_attention.FP8_CONFIG`).
 
 Writes decode_attention_<gpu>.json and a plot of the fractions, decode_attention_<gpu>.png.
 """
@@ -77,11 +78,12 @@ class Problem:
         self.k_fp8 = (self.k_cache.float() / self.kv_scales[0]).to(e4m3)
         self.v_fp8 = (self.v_cache.float() / self.kv_scales[1]).to(e4m3)
 
-    def ours_fp8(self, tables):
+    def ours_fp8(self, tables, config: DecodeConfig | None = None):
         ks, vs = self.kv_scales
         return lambda: decode_attention_fwd(
-            self.q, self.k_fp8, self.v_fp8, self.seq_lens, tables, self.scale, self.ctx, k_scale=ks, v_scale=vs
-        )
+            self.q, self.k_fp8, self.v_fp8, self.seq_lens, tables, self.scale, self.ctx, config=config,
+            k_scale=ks, v_scale=vs,
+        )  # fmt: skip
 
     def ours(self, tables, config: DecodeConfig | None = None):
         return lambda: decode_attention_fwd(
@@ -172,25 +174,37 @@ def measure_shape(p: Problem, rotation: list[Problem], copy_bw: float, compiled_
     return row
 
 
-def sweep_shape(p: Problem, rotation: list[Problem], copy_bw: float, row: dict) -> list[dict]:
-    """Every candidate config on one shape (graph replays); the best goes into `row`."""
+def sweep_shape(p: Problem, rotation: list[Problem], copy_bw: float, row: dict, fp8: bool = False) -> list[dict]:
+    """Every candidate config on one shape (graph replays); the best goes into `row`. fp8: over the e4m3
+    copy of the cache instead (its bytes are the fraction's), the best into row["sweep_best_fp8"]."""
     sweep_rows, best = [], None
+    if fp8:
+        for r in rotation:
+            r.quantize()
     for c in CANDIDATE_CONFIGS:
         r: dict = {}
-        try_time(
-            "t", p.ours(p.tables_shuffled, c), p, copy_bw, None, r, [q.ours(q.tables_shuffled, c) for q in rotation]
-        )
+        if fp8:
+            fns = [p.ours_fp8(p.tables_shuffled, c), [q.ours_fp8(q.tables_shuffled, c) for q in rotation]]
+            try_time("t", fns[0], p, copy_bw, None, r, fns[1], p.fp8_bytes)
+        else:
+            fns = [p.ours(p.tables_shuffled, c), [q.ours(q.tables_shuffled, c) for q in rotation]]
+            try_time("t", fns[0], p, copy_bw, None, r, fns[1])
         if not r.get("t"):
             continue
         sweep_rows.append(
-            {"batch": p.batch, "ctx": p.ctx, "config": list(c), "frac": r["t_frac"], "graph_frac": r["t_graph_frac"]}
-        )
-        print(f"  sweep {tuple(c)}: {r['t_frac']:.2f} eager, {r['t_graph_frac']:.2f} graph", flush=True)
+            {"batch": p.batch, "ctx": p.ctx, "config": list(c), "fp8": fp8, "frac": r["t_frac"],
+             "graph_frac": r["t_graph_frac"]}
+        )  # fmt: skip
+        print(f"  sweep{' fp8' if fp8 else ''} {tuple(c)}: {r['t_frac']:.2f} eager, {r['t_graph_frac']:.2f} graph")
         if best is None or r["t_graph_frac"] > best[1]:
             best = (c, r["t_graph_frac"])
+    if fp8:
+        for r in rotation:
+            r.k_fp8 = r.v_fp8 = None
     if best:
-        print(f"  best config: {tuple(best[0])} at {best[1]:.2f} of copy bandwidth (graph)", flush=True)
-        row["sweep_best"], row["sweep_best_frac"] = list(best[0]), best[1]
+        key = "sweep_best_fp8" if fp8 else "sweep_best"
+        print(f"  best{' fp8' if fp8 else ''} config: {tuple(best[0])} at {best[1]:.2f} of copy bandwidth (graph)")
+        row[key], row[f"{key}_frac"] = list(best[0]), best[1]
     return sweep_rows
 
 
@@ -247,10 +261,14 @@ def main() -> None:
         rows.append(measure_shape(p, rotation, copy_bw, compiled_flex, device, args.fp8))
         if args.sweep and (batch, ctx) in SWEEP_SHAPES:
             sweep_rows += sweep_shape(p, rotation, copy_bw, rows[-1])
+            if args.fp8:
+                sweep_rows += sweep_shape(p, rotation, copy_bw, rows[-1], fp8=True)
         del p, rotation
         torch.cuda.empty_cache()
 
     cols = COLUMNS + ([("sweep_best_frac", "sweep best", ".2f")] if args.sweep else [])
+    if args.sweep and args.fp8:
+        cols += [("sweep_best_fp8_frac", "sweep best fp8", ".2f")]
     if args.fp8:
         cols += [
             ("fp8_shuffled_graph_us", "fp8 us", ".1f"),

@@ -71,6 +71,9 @@ class DecodeConfig(NamedTuple):
 # The best of `bench_decode_attention.py --sweep` on the H200: 64-key tiles (4 pages of 16) with 2 warps
 # and 3 stages, about 4 programs per SM.
 DEFAULT_CONFIG = DecodeConfig(block_n=64, num_warps=2, num_stages=3, programs_per_sm=4, min_tiles_per_split=1)
+# Over an FP8 (e4m3) cache, whose tiles hold half the bytes: bf16's until `bench_decode_attention.py --sweep
+# --fp8` (which sweeps the candidates over the FP8 cache too) times them.
+FP8_CONFIG = DEFAULT_CONFIG
 
 # Candidates the GPU benchmark sweeps (`bench_decode_attention.py --sweep`). Stages: Triton 3.6 and 3.9
 # compile the key loop with one K/V buffer and a full wait each tile up to 4 stages; from 5 they keep two
@@ -687,7 +690,7 @@ def decode_attention_fwd(
         block_tables: [B, max_blocks] int32.
         scale: the softmax scale, positive.
         max_seq_len: a bound on seq_lens that sizes the split count (None: the block table's reach).
-        config: tile and split choices (default: DEFAULT_CONFIG).
+        config: tile and split choices (default: DEFAULT_CONFIG, FP8_CONFIG over an FP8 cache).
         num_splits: splits per (sequence, KV head) (None: `num_splits_for`).
         prefix_len: cascade attention, a device int32 tensor of one element, P: the first P keys of
             every sequence with seq_len > 0 sit in the same cache blocks (block table row 0's), P is a
@@ -715,7 +718,7 @@ def decode_attention_fwd(
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    cfg = config or DEFAULT_CONFIG
+    cfg = config or (FP8_CONFIG if k_cache.dtype == torch.float8_e4m3fn else DEFAULT_CONFIG)
     cascade = prefix_len is not None
     if cascade and cfg.block_n != CASCADE_ALIGN:
         raise ValueError(f"cascade attention needs {CASCADE_ALIGN}-key tiles, the config has {cfg.block_n}")
