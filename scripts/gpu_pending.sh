@@ -5,7 +5,7 @@
 #
 #   STEPS="startup startup_8b" bash scripts/gpu_pending.sh                                         # §12
 #   STEPS=rows_trace ...                                                                             # §1e
-#   STEPS=mk_kv_align ...                                                                            # §1b
+#   STEPS="mk_tests mk_kv_align" ...                                                                 # §1b
 #   STEPS="rows_bench rows_tests rows_engine_test" ...
 #   STEPS=sizes ...;  STEPS=sizes_rows ...                                                           # §1e table
 #   STEPS="radix_kernel top_p_plain top_p_radix top_p_search fp8_cost" ...                        # §5, §9
@@ -60,6 +60,7 @@ mk_kv_align() {
   done
 }
 export -f mk_kv_align
+step mk_tests 300 python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py -p no:cacheprovider -k "1b_shape or family"
 step mk_kv_align 400 bash -c mk_kv_align
 
 # The table: batch 1 and 8 for every preset beside transformers, today's paths then the rows kernel.

@@ -118,11 +118,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("kv_align", [False, True], ids=["", "kv_align"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_megakernel_equals_layered_path_at_1b_shape(dtype):
+def test_megakernel_equals_layered_path_at_1b_shape(dtype, kv_align):
+    """One decode step through the megakernel equals the layered path (hidden state, logits, the new
+    token's K/V, nothing else in the cache written); with `kv_align` too, phase B's K/V tiles loaded as
+    16-byte vectors (the cache here is aligned, so the hint applies)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model, kv = setup(dtype)
-    mk = DecodeMegakernel(model)
+    mk = DecodeMegakernel(model, MegakernelConfig(kv_align=kv_align))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert mk.workspace.programs == sms  # one program per SM
     tol = 1e-5 if dtype == torch.float32 else 4e-2
@@ -144,7 +148,8 @@ def test_megakernel_equals_layered_path_at_1b_shape(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("family", list(FAMILY_SHAPES))
 def test_megakernel_equals_layered_path_for_every_family(family, dtype):
-    """As the 1B test above, at each family's real shape (FAMILY_SHAPES), with both phase-C schemes.
+    """As the 1B test above, at each family's real shape (FAMILY_SHAPES), with both phase-C schemes, and with
+    `kv_align` (head dim 128 here: the aligned loads are also what removes the register spills).
 
     float32: the megakernel equals the layered path to 1e-5. bf16: two bf16 computations of 28 layers
     differ by their rounding, which grows with depth, so each is measured against the float32 model on the
@@ -157,8 +162,8 @@ def test_megakernel_equals_layered_path_for_every_family(family, dtype):
     from tinyvllm.engine.paths.megakernel import megakernel_unsupported
 
     assert megakernel_unsupported(model) is None
-    for split_o in (True, False):
-        mk = DecodeMegakernel(model, MegakernelConfig(split_o=split_o))
+    for split_o, kv_align in ((True, False), (False, False), (True, True)):
+        mk = DecodeMegakernel(model, MegakernelConfig(split_o=split_o, kv_align=kv_align))
         assert (mk.shape.qk_norm, mk.shape.qkv_bias) == (c.qk_norm, c.qkv_bias)
         for ctx in (1, 333, 1500):
             ids, pos, meta, slot = step(ctx, kv.shape[2])
