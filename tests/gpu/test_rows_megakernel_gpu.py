@@ -81,7 +81,15 @@ def rel(a, b) -> float:
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("config", [RowsConfig(), RowsConfig(rows=32, chunk=512, stages=3)], ids=["default", "r32"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        RowsConfig(),
+        RowsConfig(rows=32, chunk=512, stages=3),
+        RowsConfig(kv_align=1, kv_stages=5, num_warps=8),  # phase B's aligned, prefetched K/V tiles; 8 warps
+    ],
+    ids=["default", "r32", "aligned-w8"],
+)
 def test_rows_megakernel_equals_layer_loop(shape, dtype, config):
     torch.backends.cuda.matmul.allow_tf32 = False
     preset, overrides = SHAPES[shape]
