@@ -190,3 +190,38 @@ def test_fused_path_only_for_small_batches():
     assert paths.lm_head.is_fused(default) and not paths.lm_head.is_fused(default + 1)
     off = ModelExecutor(model, RunnerConfig(fused_gemv=False), "cpu")
     assert not off.uses_fused_path(1) and not off.lm_head.is_fused(1)
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_attention_output_is_the_kernels_own(kind):
+    """A step of one kind of row returns the attention op's output tensor itself (no copy into a joint
+    buffer: a launch a layer); a mixed step joins the decode rows' and the chunk's outputs in row order."""
+    import dataclasses
+
+    model = build("torch", torch.float32, torch.device("cpu"))
+    attn = model.layers[0].self_attn
+    outputs = {}
+
+    def recorded(name, op):
+        def call(*args, **kwargs):
+            outputs[name] = op(*args, **kwargs)
+            return outputs[name]
+
+        return call
+
+    ops = attn.ops
+    attn.ops = dataclasses.replace(
+        ops,
+        decode_attention=recorded("decode", ops.decode_attention),
+        prefill_attention=recorded("prefill", ops.prefill_attention),
+    )
+    ids, positions, meta = batch(kind, torch.device("cpu"))
+    c = model.config
+    qkv = torch.randn(len(ids), (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim)
+    with torch.no_grad():
+        out = attn.attend(qkv, positions, model.cos_sin, meta, caches(model, torch.float32, torch.device("cpu"))[0])
+    if kind == "decode":
+        assert set(outputs) == {"decode"} and out.data_ptr() == outputs["decode"].data_ptr()
+    else:
+        joined = torch.cat([outputs["decode"], outputs["prefill"]]).reshape(out.shape)
+        assert torch.equal(out, joined)

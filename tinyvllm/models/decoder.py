@@ -161,10 +161,10 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         kv_scales = {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_cache.dtype == FP8_KV_DTYPE else {}
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **kv_scales)
-        out = torch.empty_like(q)
         D = meta.num_decode_tokens
+        decode = prefill = None
         if D:
-            out[:D] = self.ops.decode_attention(
+            decode = self.ops.decode_attention(
                 q[:D],
                 k_cache,
                 v_cache,
@@ -177,7 +177,7 @@ class Attention(nn.Module):
                 **kv_scales,
             )
         if D < T:
-            out[D:] = self.ops.prefill_attention(
+            prefill = self.ops.prefill_attention(
                 q[D:],
                 k_cache,
                 v_cache,
@@ -189,6 +189,10 @@ class Attention(nn.Module):
                 window=self.window,
                 **kv_scales,
             )
+        # One kind of row (every decode step): its output as it is, with no copy into a joint buffer, which
+        # cost a launch a layer.
+        parts = [o for o in (decode, prefill) if o is not None]
+        out = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else torch.empty_like(q)
         return out.reshape(T, self.q_size)
 
 
