@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from tests.kernels.sm90_compile import compile_only_for_sm90, resource_usage, stand_in_model
+from tests.kernels.sm90_compile import compile_only_for_sm90, resource_usage
 
 
 def fields_of(pairs: list[str], config) -> dict:
@@ -45,40 +45,20 @@ def fields_of(pairs: list[str], config) -> dict:
 
 
 def megakernel(ns) -> list:
-    from tinyvllm.kernels.decode_megakernel import MegakernelConfig, Workspace, decode_megakernel_fwd, launch
+    import tests.kernels.test_megakernel_codegen as codegen
+    from tinyvllm.kernels.decode_megakernel import MegakernelConfig
 
-    cfg = MegakernelConfig()._replace(**fields_of(ns.field, MegakernelConfig()))
-    shape, w, kv, _ = stand_in_model(ns.preset, fp8w=ns.fp8w, fp8kv=ns.fp8kv)
-    ws = Workspace(shape, torch.bfloat16, torch.device("cpu"), 132)
-    t = torch.zeros(1, dtype=torch.int64)
-    real = launch._constexprs  # as on the GPU: inline-assembly barriers, bf16 operands into the tensor cores
-    launch._constexprs = lambda *a, **k: {**real(*a, **k), "ASM": True, "UPCAST": False}
-    try:
-        with compile_only_for_sm90() as launched:
-            decode_megakernel_fwd(
-                t, t, t, t.int(), torch.zeros(8, dtype=torch.int32), w, torch.zeros(64, shape.head_dim), kv, shape,
-                1e-5, 0.1, ws, cfg,
-            )  # fmt: skip
-    finally:
-        launch._constexprs = real
-    return launched
+    fields = fields_of(ns.field, MegakernelConfig())
+    return [("decode_megakernel_kernel", codegen.real_shape_kernel(ns.preset, ns.fp8kv, fields, ns.fp8w))]
 
 
 def rows(ns) -> list:
     import tests.kernels.test_rows_megakernel_codegen as codegen
-    from tinyvllm.kernels.rows_megakernel import RowsConfig, RowsWorkspace, rows_megakernel_fwd
+    from tinyvllm.kernels.rows_megakernel import RowsConfig
 
     codegen._as_on_the_gpu()
-    cfg = RowsConfig()._replace(**fields_of(ns.field, RowsConfig()))
-    shape, w, kv, _ = stand_in_model(ns.preset, fp8w=ns.fp8w, fp8kv=ns.fp8kv)
-    ws = RowsWorkspace(shape, torch.bfloat16, torch.device("cpu"), 132, cfg)
-    t = torch.zeros(8, dtype=torch.int64)
-    with compile_only_for_sm90() as launched:
-        rows_megakernel_fwd(
-            t, t, t, t.int(), torch.zeros(8, 4, dtype=torch.int32), w, torch.zeros(64, shape.head_dim), kv, shape,
-            1e-5, 0.1, ws, False,
-        )  # fmt: skip
-    return launched
+    fields = fields_of(ns.field, RowsConfig())
+    return [("rows_megakernel_kernel", codegen.real_shape_kernel(ns.preset, ns.fp8w, False, fields, ns.fp8kv))]
 
 
 def backward(ns) -> list:

@@ -94,16 +94,16 @@ def _kv_tile_vectors(ttgir: str, d: int, elem: str) -> list[int]:
     return [int(layouts[x].split(",")[-1]) for x in loads]
 
 
-def compile_real_shape(name: str, fp8kv: bool, fields: dict) -> dict:
-    """The megakernel at a real model's shape (bf16, 132 programs; `fp8kv`: an FP8 cache; `fields`:
-    MegakernelConfig fields), from stand-in weight tensors: a compile reads only their dtypes; the shapes
-    come from the model's config."""
+def real_shape_kernel(name: str, fp8kv: bool, fields: dict, fp8w: bool = False):
+    """The megakernel compiled at a real model's shape (bf16, 132 programs; `fp8kv`: an FP8 cache;
+    `fields`: MegakernelConfig fields; `fp8w`: FP8 weights), from stand-in weight tensors: a compile reads
+    only their dtypes; the shapes come from the model's config."""
     import torch
 
-    from tests.kernels.sm90_compile import compile_only_for_sm90, resource_usage, stand_in_model
+    from tests.kernels.sm90_compile import compile_only_for_sm90, stand_in_model
     from tinyvllm.kernels.decode_megakernel import MegakernelConfig, Workspace, decode_megakernel_fwd, launch
 
-    shape, w, kv, buf = stand_in_model(name, fp8kv=fp8kv)
+    shape, w, kv, _ = stand_in_model(name, fp8w=fp8w, fp8kv=fp8kv)
     ws = Workspace(shape, torch.bfloat16, torch.device("cpu"), 132)
     t = torch.zeros(1, dtype=torch.int64)
     real_constexprs = launch._constexprs  # as on the GPU
@@ -116,14 +116,22 @@ def compile_real_shape(name: str, fp8kv: bool, fields: dict) -> dict:
             )  # fmt: skip
     finally:
         launch._constexprs = real_constexprs
-    kernel = launched[0][1]
+    return launched[0][1]
+
+
+def compile_real_shape(name: str, fp8kv: bool, fields: dict) -> dict:
+    """`real_shape_kernel`'s facts: shared memory, the global loads' widths, registers and spills."""
+    from tests.kernels.sm90_compile import resource_usage, stand_in_model
+
+    shape = stand_in_model(name)[0]
+    kernel = real_shape_kernel(name, fp8kv, fields)
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     return {
         "shared": kernel.metadata.shared,
         "ld_b16": ptx.count("ld.global.b16"),  # 2-byte loads: unvectorised (the K/V tiles without kv_align)
         "ld_v4": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.", ptx)),
         "kv_tile_vectors": _kv_tile_vectors(ttgir, shape.head_dim, "f8E4M3FN" if fp8kv else "bf16"),
-        "kv_bytes": buf.element_size(),
+        "kv_bytes": 1 if fp8kv else 2,
         **resource_usage(kernel),
     }
 

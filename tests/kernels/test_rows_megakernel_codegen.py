@@ -93,15 +93,21 @@ def compile_variant(preset: str, dtype_name: str, fp8w: bool, fp8kv: bool) -> di
 
 
 def compile_real_shape(name: str, fp8w: bool, trace: bool, fields: dict | None = None) -> dict:
-    """The kernel at a real model's shape (bf16 activations, 132 programs; `fp8w`: FP8 weights with row
-    scales; `trace`: traced; `fields`: RowsConfig fields), from stand-in weight tensors: a compile reads only
-    their dtypes and the scales' shapes; the shapes come from the model's config."""
+    """`real_shape_kernel`'s facts."""
+    return _facts(real_shape_kernel(name, fp8w, trace, fields))
+
+
+def real_shape_kernel(name: str, fp8w: bool, trace: bool, fields: dict | None = None, fp8kv: bool = False):
+    """The kernel compiled at a real model's shape (bf16 activations, 132 programs; `fp8w`: FP8 weights
+    with row scales; `trace`: traced; `fields`: RowsConfig fields; `fp8kv`: an FP8 cache), from stand-in
+    weight tensors: a compile reads only their dtypes and the scales' shapes; the shapes come from the
+    model's config. Call `_as_on_the_gpu` first."""
     import torch
 
     from tests.kernels.sm90_compile import compile_only_for_sm90, stand_in_model
     from tinyvllm.kernels.rows_megakernel import RowsConfig, RowsWorkspace, rows_megakernel_fwd
 
-    shape, w, kv, _ = stand_in_model(name, fp8w=fp8w)
+    shape, w, kv, _ = stand_in_model(name, fp8w=fp8w, fp8kv=fp8kv)
     ws = RowsWorkspace(shape, torch.bfloat16, torch.device("cpu"), 132, RowsConfig(**(fields or {})))
     t = torch.zeros(8, dtype=torch.int64)
     with compile_only_for_sm90() as launched:
@@ -109,7 +115,7 @@ def compile_real_shape(name: str, fp8w: bool, trace: bool, fields: dict | None =
             t, t, t, t.int(), torch.zeros(8, 4, dtype=torch.int32), w, torch.zeros(64, shape.head_dim), kv, shape,
             1e-5, 0.1, ws, trace,
         )  # fmt: skip
-    return _facts(launched[0][1])
+    return launched[0][1]
 
 
 def summarise() -> dict:
