@@ -183,12 +183,11 @@ def sweep_shape(p: Problem, rotation: list[Problem], copy_bw: float, row: dict, 
             r.quantize()
     for c in CANDIDATE_CONFIGS:
         r: dict = {}
-        if fp8:
-            fns = [p.ours_fp8(p.tables_shuffled, c), [q.ours_fp8(q.tables_shuffled, c) for q in rotation]]
-            try_time("t", fns[0], p, copy_bw, None, r, fns[1], p.fp8_bytes)
-        else:
-            fns = [p.ours(p.tables_shuffled, c), [q.ours(q.tables_shuffled, c) for q in rotation]]
-            try_time("t", fns[0], p, copy_bw, None, r, fns[1])
+
+        def call(x: Problem, c=c):
+            return (x.ours_fp8 if fp8 else x.ours)(x.tables_shuffled, c)
+
+        try_time("t", call(p), p, copy_bw, None, r, [call(x) for x in rotation], p.fp8_bytes if fp8 else None)
         if not r.get("t"):
             continue
         sweep_rows.append(

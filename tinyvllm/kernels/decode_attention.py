@@ -734,14 +734,18 @@ def decode_attention_fwd(
     part_lse = torch.empty((B, Hq, slots), dtype=torch.float32, device=q.device)
     parts = (part_o, part_lse)
     tickets = _tickets(q.device, B * k_cache.shape[1]) if cfg.fold_merge and not cascade else None
+
+    def prefix() -> None:  # the shared prefix's partials, into their own slots
+        _launch_prefix(
+            q, k_cache, v_cache, part_o, part_lse, seq_lens, block_tables, prefix_len, scale, num_splits, window,
+            v_scale, cfg.prefix_splits, cfg.prefix_stages,
+        )  # fmt: skip
+
     side = _side_stream(q.device) if cascade and cfg.prefix_stream else None
-    if side is not None:  # fork: the prefix's partials (their own slots) beside the splits'
+    if side is not None:  # fork: the prefix beside the splits
         side.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(side):
-            _launch_prefix(
-                q, k_cache, v_cache, part_o, part_lse, seq_lens, block_tables, prefix_len, scale, num_splits,
-                window, v_scale, cfg.prefix_splits, cfg.prefix_stages,
-            )  # fmt: skip
+            prefix()
     _launch_splits(
         q, k_cache, v_cache, out, parts, seq_lens, block_tables, prefix_len, scale, num_splits, cfg, window, v_scale,
         tickets,
@@ -751,10 +755,7 @@ def decode_attention_fwd(
     if side is not None:  # join: the merge reads both
         torch.cuda.current_stream(q.device).wait_stream(side)
     elif cascade:
-        _launch_prefix(
-            q, k_cache, v_cache, part_o, part_lse, seq_lens, block_tables, prefix_len, scale, num_splits,
-            window, v_scale, cfg.prefix_splits, cfg.prefix_stages,
-        )  # fmt: skip
+        prefix()
     part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
     _merge_kernel[(Hq, B)](
         part_o, part_lse, out, slots, *part_strides, out.stride(0), out.stride(1), BLOCK_S=16, HEAD_DIM=D, num_warps=4

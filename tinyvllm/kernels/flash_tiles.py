@@ -49,13 +49,9 @@ def ordered_dot(a, b, acc):
     numpy's matmul beyond it."""
     a = a.to(tl.float32)
     b = b.to(tl.float32)
-    if len(a.shape) == 3:  # a batch of products, [S, M, K] · [S, K, N]
-        if a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2] <= 1048576:
-            acc = acc + tl.sum(a[:, :, :, None] * b[:, None, :, :], axis=2)
-        else:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-    elif a.shape[0] * a.shape[1] * b.shape[1] <= 1048576:
-        acc = acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    k_axis: tl.constexpr = len(a.shape) - 1  # [.., M, K, 1] · [.., 1, K, N], summed over K
+    if a.numel * b.shape[-1] <= 1048576:
+        acc = acc + tl.sum(tl.expand_dims(a, k_axis + 1) * tl.expand_dims(b, k_axis - 1), axis=k_axis)
     else:
         acc = tl.dot(a, b, acc, input_precision="ieee")
     return acc
