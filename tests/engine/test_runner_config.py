@@ -18,12 +18,13 @@ def _parse(argv: list[str]) -> EngineArgs:
 
 
 def test_megakernel_default_is_by_size_on_cuda_only():
-    """On by default for power-of-two hidden sizes up to the limit (1B's 2,048, 8B's 4,096), off for the
-    padded ones (3B's 3,072, Qwen3-4B's 2,560) and off the GPU."""
+    """On by default on CUDA for hidden sizes up to the limit (1B's 2,048, 8B's 4,096, and the padded
+    3B's 3,072 and Qwen3-4B's 2,560), off above it and off the GPU."""
     cfg = RunnerConfig()
     assert cfg.megakernel_max_hidden == 8192
     assert wants_megakernel(cfg, "cuda", 2048) and wants_megakernel(cfg, "cuda", 4096)
-    assert not wants_megakernel(cfg, "cuda", 3072) and not wants_megakernel(cfg, "cuda", 2560)
+    assert wants_megakernel(cfg, "cuda", 3072) and wants_megakernel(cfg, "cuda", 2560)
+    assert not wants_megakernel(cfg, "cuda", 16384)
     assert not wants_megakernel(cfg, "cpu", 2048)
     assert not wants_megakernel(RunnerConfig(decode_megakernel=True), "cpu", 2048)
     assert not wants_megakernel(RunnerConfig(megakernel_max_hidden=2048), "cuda", 4096)

@@ -8,8 +8,8 @@ catches that the interpreter cannot). Each variant runs one decode step of a 2-l
 runner's paths with every launch turned into a compile, in a subprocess without TRITON_INTERPRET;
 skipped where this Triton cannot compile for CUDA.
 
-At real shapes (REAL_SHAPES) the megakernel alone: with `kv_align` (MegakernelConfig) phase B's K and V
-tiles load as 16-byte vectors and nothing spills to the stack; without it, as 2-byte scalars (the caches'
+At real shapes (REAL_SHAPES) the megakernel alone: with `kv_align` (MegakernelConfig, on by default) phase
+B's K and V tiles load as 16-byte vectors and nothing spills to the stack; without it, as 2-byte scalars (the caches'
 layer stride and V offset are unspecialised arguments, so the compiler cannot prove the tiles' alignment),
 and at head dim 128 (every preset but the 1B) the scalars' registers spill 350–540 bytes a thread.
 """
@@ -22,6 +22,7 @@ import re
 import pytest
 
 from tests.kernels.sm90_compile import facts_from_subprocess, missing_cuda_backend
+from tinyvllm.kernels.decode_megakernel.launch import DEFAULT_CONFIG
 
 GROUP_OF_3 = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2}  # padded to 4
 # name -> (preset, dtype, FP8 weights, FP8 KV cache, config.json overrides)
@@ -42,12 +43,12 @@ VARIANTS = {
 # name -> (FP8 KV cache, MegakernelConfig fields)
 REAL_SHAPES = {
     "llama-3.2-1b": (False, {}),
-    "llama-3.2-1b/kv_align": (False, {"kv_align": True}),
+    "llama-3.2-1b/unaligned": (False, {"kv_align": False}),
     "llama-3.1-8b": (False, {}),
-    "llama-3.1-8b/kv_align": (False, {"kv_align": True}),
-    "llama-3.2-3b/kv_align": (False, {"kv_align": True}),
-    "qwen3-0.6b/kv_align": (False, {"kv_align": True}),
-    "llama-3.2-1b/fp8kv/kv_align": (True, {"kv_align": True}),
+    "llama-3.1-8b/unaligned": (False, {"kv_align": False}),
+    "llama-3.2-3b": (False, {}),
+    "qwen3-0.6b": (False, {}),
+    "llama-3.2-1b/fp8kv": (True, {}),
 }
 
 
@@ -180,7 +181,7 @@ def test_megakernel_real_shapes_compile_for_sm90(facts, variant):
     assert "error" not in got, got.get("error")
     assert got["shared"] <= 227 * 1024, got["shared"]
     assert len(got["kv_tile_vectors"]) >= 4, got  # K and V: the preloaded tile and the key loop's, at least
-    if REAL_SHAPES[variant][1].get("kv_align"):
+    if REAL_SHAPES[variant][1].get("kv_align", DEFAULT_CONFIG.kv_align):
         assert got["ld_b16"] <= (2 if variant.startswith("qwen3") else 0) and got["ld_v4"] > 0, got
         assert got["stack"] <= (16 if variant.startswith("qwen3") else 0), got
         assert all(n * got["kv_bytes"] == 16 for n in got["kv_tile_vectors"]), got

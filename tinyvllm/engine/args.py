@@ -155,10 +155,10 @@ class EngineArgs:
     decode_megakernel: bool | None = _opt(
         None,
         "on CUDA, a decode step of one sequence runs every layer in one kernel launch "
-        "(default: on for power-of-two hidden sizes up to --megakernel-max-hidden)",
+        "(default: on for hidden sizes up to --megakernel-max-hidden)",
     )
     megakernel_max_hidden: int = _opt(
-        8192, "largest hidden size the decode megakernel is on for by default (powers of two only)"
+        8192, "largest hidden size the decode megakernel is on for by default"
     )
     rows_megakernel: bool = _opt(
         False,

@@ -65,7 +65,7 @@ class DecodeConfig(NamedTuple):
     prefix_stages: int = 0
     # cascade: the prefix kernel on a second stream, beside the splits (a fork and a join, captured into
     # CUDA graphs as two branches): its tensor-core products overlap the splits' memory-bound reads
-    prefix_stream: bool = False
+    prefix_stream: bool = True
 
 
 # The best of `bench_decode_attention.py --sweep` on the H200: 64-key tiles (4 pages of 16) with 2 warps

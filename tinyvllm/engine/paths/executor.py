@@ -44,15 +44,13 @@ logger = logging.getLogger(__name__)
 
 
 def wants_megakernel(config: RunnerConfig, device_type: str, hidden_size: int) -> bool:
-    """Whether to try the decode megakernel: only on CUDA; `decode_megakernel=None` means up to
-    `megakernel_max_hidden` when the hidden size is a power of two (the kernel pads other sizes' rows and
-    then runs slower than the fused path; the model may still be one it cannot serve: see
-    megakernel_unsupported)."""
+    """Whether to try the decode megakernel: only on CUDA; `decode_megakernel=None` means hidden sizes up
+    to `megakernel_max_hidden` (the model may still be one it cannot serve: see megakernel_unsupported)."""
     if device_type != "cuda" or config.decode_megakernel is False or config.batch_invariant:
         return False
     if config.decode_megakernel is True:
         return True
-    return hidden_size <= config.megakernel_max_hidden and hidden_size & (hidden_size - 1) == 0
+    return hidden_size <= config.megakernel_max_hidden
 
 
 class ModelExecutor:

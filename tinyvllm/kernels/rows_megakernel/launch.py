@@ -38,8 +38,8 @@ class RowsConfig(NamedTuple):
     split: int = 0  # K slices of a chunk multiplied side by side where M < 16 · num_warps (0: num_warps), one
     # per warp; at least 16 columns each. Phases with more rows split M over the warps instead (one slice)
     stages: int = 4  # the weight and input tiles' software pipeline: this many shared-memory stages
-    kv_stages: int = 3  # phase B's key loop: this many shared-memory stages
-    kv_align: int = 0  # 1: tell the compiler the caches' layer stride and V offset are multiples of 16 elements
+    kv_stages: int = 5  # phase B's key loop: this many shared-memory stages (from 5 it copies two tiles ahead)
+    kv_align: int = 1  # 1: tell the compiler the caches' layer stride and V offset are multiples of 16 elements
     # (where they are; the launcher checks), so phase B's K/V tiles load as 16-byte vectors that its key loop's
     # pipeline copies ahead (cp.async); 0: unhinted (2-byte loads, synchronous)
     attn_splits: int = 0  # phase B's context splits per (row, KV head), at least (0: as many as fill the programs,
