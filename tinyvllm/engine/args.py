@@ -157,9 +157,7 @@ class EngineArgs:
         "on CUDA, a decode step of one sequence runs every layer in one kernel launch "
         "(default: on for hidden sizes up to --megakernel-max-hidden)",
     )
-    megakernel_max_hidden: int = _opt(
-        8192, "largest hidden size the decode megakernel is on for by default"
-    )
+    megakernel_max_hidden: int = _opt(8192, "largest hidden size the decode megakernel is on for by default")
     rows_megakernel: bool = _opt(
         False,
         "on CUDA, a decode step of 2-16 sequences runs every layer in one kernel launch (slower than the"
