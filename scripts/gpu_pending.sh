@@ -1,20 +1,16 @@
 #!/usr/bin/env bash
-# The device measurements that decide what was built and not yet timed (docs/perf.md names each, with
-# the default it would change). Steps run in this order while BUDGET lasts; pick a group per device call
-# (≤ 10 min each) with STEPS:
+# The device measurements that decide what was built and not yet timed, and the H200 figures of what was
+# decided on the H100 (docs/perf.md names each, with the default it would change). Steps run in this order
+# while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
-#   STEPS="startup startup_8b" bash scripts/gpu_pending.sh                                         # §12
-#   STEPS=rows_trace ...                                                                             # §1e
-#   STEPS="mk_tests mk_kv_align" ...                                                                 # §1b
-#   STEPS="rows_bench rows_tests rows_engine_test" ...
-#   STEPS=sizes ...;  STEPS=sizes_rows ...                                                           # §1e table
-#   STEPS="radix_kernel top_p_plain top_p_radix top_p_search fp8_cost" ...                        # §5, §9
-#   STEPS=structured_prepare ...                                                                    # §10
-#   STEPS="fp8_tests fp8_quant_bench rows_bench_8b rows_bench_fp8" ...
-#   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                                              # §3a
-#   STEPS=prefill_sweep ...;  STEPS=prefill_sweep_p256 ...                                           # §3
-#   STEPS="decode_sweep cascade_stages" ...;  STEPS="prefix_stream_test tp_default tp_prefix_stream" # §4
-#   STEPS="top_p_only serve_top_p" ...                                                               # §7
+#   STEPS=sizes bash scripts/gpu_pending.sh                                # §1e: the issue's table, kv_align on
+#   STEPS="startup startup_8b mk_kv_align" ...                             # §12, §1e on the H200
+#   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                      # §3a
+#   STEPS=prefill_sweep ...;  STEPS=prefill_sweep_p256 ...                  # §3
+#   STEPS="decode_sweep_fp8 fp8_tests fp8_cost" ...                         # §9, §4
+#   STEPS="radix_kernel top_p_only serve_top_p" ...                         # §5, §7
+#   STEPS=structured_prepare ...;  STEPS="rows_bench_8b rows_bench_fp8" ... # §10, §1e
+#   STEPS="decode_sweep cascade_stages prefix_stream_test tp_default tp_prefix_stream" ...  # §4 on the H200
 #
 # Name the commit in the run command (`TINYVLLM_GIT_COMMIT=<local git rev-parse --short HEAD> bash ...`): the
 # device's copy of the tree may carry a stale .git, and result files record the commit they ran.
@@ -40,27 +36,24 @@ step rows_tests 240 python3 -m pytest -q -x tests/gpu/test_rows_megakernel_gpu.p
 # Phase B's K/V tiles aligned (16-byte cp.async, pipelined from kv_stages 5) and split finer (§1e's trace);
 # 8 warps: 0-88 bytes of register spills a thread against 4 warps' 56-808 (Triton 3.6, sm_90):
 step rows_trace 300 python3 benchmarks/kernels/bench_rows_megakernel.py --batches 1 8 16 --no-fp32 --trace \
-  --variant kv_align=1 --variant kv_align=1,kv_stages=5 --variant kv_align=1,kv_stages=7 \
-  --variant kv_align=1,kv_stages=5,attn_splits=4 --variant attn_splits=4 --variant num_warps=8,kv_align=1 --out "$RES"
+  --variant kv_align=0,kv_stages=3 --variant kv_stages=7 --variant attn_splits=4 --variant num_warps=8 --out "$RES"
 step rows_bench 540 python3 benchmarks/kernels/bench_rows_megakernel.py --out "$RES"
 step rows_engine_test 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k rows_megakernel -p no:cacheprovider
 step rows_bench_8b 300 python3 benchmarks/kernels/bench_rows_megakernel.py --preset llama-3.1-8b --no-fp32 --out "$RES"
 # FP8 weights: the rows kernel's tensor-core products against the batch-1 megakernel's reduction at one row too
 step rows_bench_fp8 300 python3 benchmarks/kernels/bench_rows_megakernel.py --fp8 --batches 1 2 8 --no-fp32 --out "$RES"
-# The batch-1 megakernel (§1b) with phase B's K/V tiles as 16-byte vector loads (MegakernelConfig.kv_align):
-# at head dim 128 (every preset but the 1B) the unaligned 2-byte loads spill 350-540 bytes a thread (Triton
-# 3.6, sm_90; test_megakernel_codegen.py), kv_align none. Qwen3-0.6B (0.30 of its floor) with phase traces.
+# The batch-1 megakernel (§1b) with phase B's K/V tiles as 16-byte vector loads (MegakernelConfig.kv_align, on
+# by default since the H100 run of §1e) against the unaligned tiles, on the H200; Qwen3-0.6B with phase traces.
 mk_kv_align() {
-  # tile=8192: phase A's 192 units over 132 programs take two rounds on 60 of them; 384 units balance
-  python3 benchmarks/kernels/bench_megakernel.py --preset qwen3-0.6b --contexts 640 --no-fp32 --variant kv_align=1 \
-    --variant kv_align=1,tile=8192 --out "$RES/mk_qwen3-0.6b" || echo "FAILED qwen3-0.6b"
-  for p in llama-3.2-1b llama-3.1-8b llama-3.2-3b; do
-    python3 benchmarks/kernels/bench_megakernel.py --preset "$p" --contexts 640 4096 --no-traces --no-fp32 \
-      --variant kv_align=1 --out "$RES/mk_$p" || echo "FAILED $p"
+  python3 benchmarks/kernels/bench_megakernel.py --preset qwen3-0.6b --contexts 640 --no-fp32 --variant kv_align=0 \
+    --out "$RES/mk_qwen3-0.6b" || echo "FAILED qwen3-0.6b"
+  for p in llama-3.2-1b llama-3.1-8b llama-3.2-3b qwen3-4b; do
+    python3 benchmarks/kernels/bench_megakernel.py --preset "$p" --contexts 640 --no-traces --no-fp32 \
+      --variant kv_align=0 --out "$RES/mk_$p" || echo "FAILED $p"
   done
 }
 export -f mk_kv_align
-step mk_tests 300 python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py -p no:cacheprovider -k "1b_shape or family"
+step mk_tests 300 python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py -p no:cacheprovider -k "kv_align or family"
 step mk_kv_align 400 bash -c mk_kv_align
 
 # The issue's table: batch 1 and 8 for every preset beside transformers, today's paths then the rows kernel.
