@@ -4,7 +4,7 @@
 # while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
 #   STEPS=sizes bash scripts/gpu_pending.sh                                # §1e: the table, kv_align on
-#   STEPS="startup startup_8b mk_kv_align" ...                             # §12, §1e on the H200
+#   STEPS="startup startup_8b mk_tests mk_kv_align" ...                    # §12, §1e on the H200 (FP8 with kv_align)
 #   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                      # §3a
 #   STEPS=prefill_sweep ...;  STEPS=prefill_sweep_p256 ...                  # §3
 #   STEPS="decode_sweep_fp8 fp8_tests fp8_cost" ...                         # §9, §4
@@ -53,7 +53,7 @@ mk_kv_align() {
   done
 }
 export -f mk_kv_align
-step mk_tests 300 python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py -p no:cacheprovider -k "kv_align or family"
+step mk_tests 400 python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py -p no:cacheprovider -k "kv_align or family or fp8"
 step mk_kv_align 400 bash -c mk_kv_align
 
 # The table: batch 1 and 8 for every preset beside transformers, today's paths then the rows kernel.
