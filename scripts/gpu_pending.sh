@@ -5,7 +5,7 @@
 #
 #   STEPS=sizes bash scripts/gpu_pending.sh                                # §1e: the table, kv_align on
 #   STEPS="startup startup_8b mk_tests mk_kv_align" ...                    # §12, §1e on the H200 (FP8 with kv_align)
-#   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...                      # §3a
+#   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...;  STEPS=train_compare ...  # §3a
 #   STEPS=prefill_sweep ...;  STEPS=prefill_sweep_p256 ...                  # §3
 #   STEPS="decode_sweep_fp8 fp8_tests fp8_cost" ...                         # §9, §4
 #   STEPS="radix_kernel top_p_only serve_top_p" ...                         # §5, §7
@@ -78,6 +78,9 @@ step fp8_quant_bench 150 python3 benchmarks/kernels/bench_fp8_quant.py --rows 8 
 # specialisation), swept with today's tiles; a call per head dim (~120 candidates each).
 step attn_sweep_128 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 128 --out "$RES"
 step attn_sweep_64 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 64 --out "$RES/d64"
+
+# The demo model trained through our attention against SDPA, same seed, and SDPA from another seed (§3a).
+step train_compare 500 python3 -m benchmarks.bench_training --train-args "--epochs 8 --max-minutes 2" --out-dir "$RES"
 
 # The paged prefill's TMA / warp-specialised candidates (§3), at pages of 16 and 256 keys.
 step prefill_sweep 560 python3 benchmarks/kernels/bench_prefill_attention.py --sweep --no-flex --out "$RES"
