@@ -367,7 +367,8 @@ class RunnerConfig:
         fused_max_tokens: the largest step (token rows) the fused matrix-vector path serves (1..16).
         decode_megakernel: a decode step of one sequence runs every layer in one kernel launch (CUDA and
             the Triton backend only); None: on for hidden sizes up to `megakernel_max_hidden` (measured
-            faster than the fused path at 1,024, 2,048, 2,560, 3,072 and 4,096: docs/perf.md §1e).
+            faster than the fused path at 1,024, 2,048, 2,560, 3,072 and 4,096: docs/perf.md §1e), with FP8
+            weights for powers of two only (the others untimed with them).
         megakernel_max_hidden: the largest hidden size the megakernel is on for by default.
         rows_megakernel: a decode step of 2–16 sequences runs every layer in one kernel launch, each
             weight tile multiplied by all rows at once (CUDA and the Triton backend only; off by default

@@ -43,13 +43,17 @@ from tinyvllm.quantization.linear import has_fp8_linear
 logger = logging.getLogger(__name__)
 
 
-def wants_megakernel(config: RunnerConfig, device_type: str, hidden_size: int) -> bool:
+def wants_megakernel(config: RunnerConfig, device_type: str, hidden_size: int, fp8_weights: bool = False) -> bool:
     """Whether to try the decode megakernel: only on CUDA; `decode_megakernel=None` means hidden sizes up
-    to `megakernel_max_hidden` (the model may still be one it cannot serve: see megakernel_unsupported)."""
+    to `megakernel_max_hidden`, and with FP8 weights (`fp8_weights`) powers of two only: the padded sizes
+    were timed against the fused path in bf16 (faster), not yet with FP8 weights. The model may still be
+    one it cannot serve (megakernel_unsupported)."""
     if device_type != "cuda" or config.decode_megakernel is False or config.batch_invariant:
         return False
     if config.decode_megakernel is True:
         return True
+    if fp8_weights and hidden_size & (hidden_size - 1):
+        return False
     return hidden_size <= config.megakernel_max_hidden
 
 
@@ -85,7 +89,7 @@ class ModelExecutor:
             logger.info("fused matrix-vector path off: FP8 weights need the Triton kernels (the layer loop runs)")
         self.fused_max_tokens = config.fused_max_tokens if fused else 0
         self.megakernel = None
-        if wants_megakernel(config, device_type, model.config.hidden_size):
+        if wants_megakernel(config, device_type, model.config.hidden_size, fp8_weights):
             self.megakernel = self._build_megakernel()
         self.rows_megakernel = None
         if config.rows_megakernel and device_type == "cuda" and not config.batch_invariant:
