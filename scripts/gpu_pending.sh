@@ -33,8 +33,8 @@ step startup_8b 300 $CLI bench startup --model dummy:llama-3.1-8b --warm-runs 1 
 # 1. The rows megakernel (§1e): correctness over every program, then against the layer loop, then in the engine.
 step rows_tests 240 python3 -m pytest -q -x tests/gpu/test_rows_megakernel_gpu.py -p no:cacheprovider \
   -k "((default or aligned) and (llama-3.2-1b or qwen3)) or graph"
-# Phase B's K/V tiles aligned (16-byte cp.async, pipelined from kv_stages 5) and split finer (§1e's trace);
-# 8 warps: 0-88 bytes of register spills a thread against 4 warps' 56-808 (Triton 3.6, sm_90):
+# The default (phase B's K/V tiles aligned, 5 key stages) against the unaligned 3-stage loop, 7 stages, finer
+# splits and 8 warps (0-88 bytes of register spills a thread against 4 warps' 56-808; Triton 3.6, sm_90):
 step rows_trace 300 python3 benchmarks/kernels/bench_rows_megakernel.py --batches 1 8 16 --no-fp32 --trace \
   --variant kv_align=0,kv_stages=3 --variant kv_stages=7 --variant attn_splits=4 --variant num_warps=8 --out "$RES"
 step rows_bench 540 python3 benchmarks/kernels/bench_rows_megakernel.py --out "$RES"

@@ -87,8 +87,9 @@ def rel(a, b) -> float:
         RowsConfig(),
         RowsConfig(rows=32, chunk=512, stages=3),
         RowsConfig(kv_align=1, kv_stages=5, num_warps=8),  # phase B's aligned, prefetched K/V tiles; 8 warps
+        RowsConfig(kv_align=0, kv_stages=3),  # the unhinted 2-byte K/V loads
     ],
-    ids=["default", "r32", "aligned-w8"],
+    ids=["default", "r32", "aligned-w8", "unaligned"],
 )
 def test_rows_megakernel_equals_layer_loop(shape, dtype, config):
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -41,12 +41,11 @@ import triton.language as tl
 @triton.jit
 def ordered_dot(a, b, acc):
     """acc + a [M, K] · b [K, N] (or a batch of them, [S, M, K] · [S, K, N]) in float32: the interpreter's
-    product (UPCAST). Its `tl.dot` is numpy's
-    matmul, whose BLAS sums K in an order that depends on M and N on some CPUs (OpenBLAS 0.3.31 on an AMD
-    EPYC), so a row's bits would change with the tile's shape, where the GPU's tensor-core products do not
-    (the batch-invariant kernels pick tiles by M). A broadcast product summed over K adds each element's
-    products in k order whatever M and N; used up to the interpreter's largest tensor (2²⁰ elements),
-    numpy's matmul beyond it."""
+    product (UPCAST). Its `tl.dot` is numpy's matmul, whose BLAS sums K in an order that depends on M and N
+    on some CPUs (OpenBLAS 0.3.31 on an AMD EPYC), so a row's bits would change with the tile's shape,
+    where the GPU's tensor-core products do not (the batch-invariant kernels pick tiles by M). A broadcast
+    product summed over K adds each element's products in k order whatever M and N; used up to the
+    interpreter's largest tensor (2²⁰ elements), numpy's matmul beyond it."""
     a = a.to(tl.float32)
     b = b.to(tl.float32)
     k_axis: tl.constexpr = len(a.shape) - 1  # [.., M, K, 1] · [.., 1, K, N], summed over K
