@@ -127,7 +127,13 @@ def test_greedy_tokens_end_to_end_with_and_without_fusion(tmp_path):
 
     write_dummy_checkpoint(tmp_path, make_config("tiny"), seed=7, init_std=0.1, dtype="bfloat16")
     llm = LLM(
-        model=str(tmp_path), device="cpu", max_model_len=64, kernel_backend="triton", quantization="fp8", block_size=4
+        model=str(tmp_path),
+        device=str(device_for("triton")),
+        max_model_len=64,
+        kernel_backend="triton",
+        quantization="fp8",
+        block_size=4,
+        enforce_eager=True,  # the flags below are read at each launch, not frozen in a captured graph
     )
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [40, 41, 42, 43]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
