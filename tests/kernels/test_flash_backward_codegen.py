@@ -29,7 +29,9 @@ VARIANTS.append((64, "ordered", False))
 TMA = dict(dkdv_tma=True, dq_tma=True)
 WS = dict(dkdv_ws=True, dq_ws=True)
 W4 = dict(dkdv_warps=4, dq_warps=4, dkdv_n=64, dq_m=128, dq_n=64)  # where Triton 3.9 specialises both
-# name: (head dim, dq_mode, causal, BackwardConfig fields replaced in the long-sequence table entry)
+# The long-sequence table entry's tiles with every Hopper option off: the variants below turn theirs on.
+PLAIN = dict(dkdv_tma=False, dkdv_ws=False, dq_tma=False, dq_ws=False)
+# name: (head dim, dq_mode, causal, BackwardConfig fields replaced in PLAIN's config)
 HOPPER_VARIANTS = {
     "tma-d64-separate": (64, "separate", True, TMA),
     "tma-d128-separate": (128, "separate", True, TMA),
@@ -69,7 +71,8 @@ def _facts(kernel) -> dict:
 
 def compile_variant(d: int, mode: str, causal: bool, knobs: dict | None = None) -> list[dict]:
     """Per kernel that one backward launches for this variant, compiled for sm_90: its name and the
-    counts of `_ptx_facts` in its PTX. knobs: fields replaced in the table's long-sequence config."""
+    counts of `_ptx_facts` in its PTX. knobs: fields replaced in PLAIN's config (None: the table's
+    long-sequence config as it is)."""
     import torch
 
     from tests.kernels.sm90_compile import compile_only_for_sm90
@@ -78,7 +81,7 @@ def compile_variant(d: int, mode: str, causal: bool, knobs: dict | None = None) 
 
     flash_backward.upcast_operands = lambda q: False  # as on the GPU: bf16 operands into the tensor cores
     table = HOPPER_BACKWARD_ATOMIC if mode != "separate" else HOPPER_BACKWARD
-    cfg = table[d][1]._replace(dq_mode=mode, **(knobs or {}))
+    cfg = table[d][1]._replace(dq_mode=mode, **({} if knobs is None else {**PLAIN, **knobs}))
     T, hq, hk = 256, 4, 2
     q, do, out = (torch.zeros(T, hq, d, dtype=torch.bfloat16) for _ in range(3))
     k, v = (torch.zeros(T, hk, d, dtype=torch.bfloat16) for _ in range(2))
@@ -112,12 +115,20 @@ def _kernels(got: dict) -> dict[str, dict]:
     "d,mode,causal", VARIANTS, ids=[f"d{d}-{m}-{'causal' if c else 'full'}" for d, m, c in VARIANTS]
 )
 def test_backward_compiles_for_sm90(facts, d, mode, causal):
-    """Today's kernels: the three launches, tensor-core products by wgmma, no TMA copies."""
+    """The tables' kernels: the three launches (four where the dK/dV loop is warp-specialised: its row
+    statistics packed first), tensor-core products by wgmma, TMA copies in the kernels whose table entry
+    asks for descriptor loads and in no other."""
+    from tinyvllm.kernels.flash_attention_op import HOPPER_BACKWARD_ATOMIC
+
+    cfg = (HOPPER_BACKWARD if mode == "separate" else HOPPER_BACKWARD_ATOMIC)[d][1]
     kernels = _kernels(facts[repr((d, mode, causal))])
     last = "_bwd_dq_kernel" if mode == "separate" else "_bwd_dq_convert_kernel"
-    assert list(kernels) == ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", last], list(kernels)
+    stats = ["_bwd_stats_kernel"] if cfg.dkdv_tma and cfg.dkdv_ws else []
+    assert list(kernels) == ["_bwd_preprocess_kernel", *stats, "_bwd_dkdv_kernel", last], list(kernels)
     assert kernels["_bwd_dkdv_kernel"]["wgmma"] > 0
-    assert all(k["tma"] == 0 for k in kernels.values())
+    assert (kernels["_bwd_dkdv_kernel"]["tma"] > 0) == cfg.dkdv_tma
+    assert (kernels[last]["tma"] > 0) == (mode == "separate" and cfg.dq_tma)
+    assert kernels["_bwd_preprocess_kernel"]["tma"] == 0
 
 
 @pytest.mark.parametrize(
@@ -149,7 +160,7 @@ def test_hopper_variant_compiles_for_sm90(facts, name):
             assert kernel["setmaxnreg"] == 0, part
     # the dK/dV kernel's score tiles: S, dP [rows, keys] with dkdv_row_scores, else Sᵀ, dPᵀ [keys, rows]
     # (without dQ's product, [rows, d], which may have the same shape)
-    cfg = HOPPER_BACKWARD[HOPPER_VARIANTS[name][0]][1]._replace(**knobs)
+    cfg = HOPPER_BACKWARD[HOPPER_VARIANTS[name][0]][1]._replace(**{**PLAIN, **knobs})
     if mode == "separate" and cfg.dkdv_m != cfg.dkdv_n:
         rows_keys = f"{cfg.dkdv_m}x{cfg.dkdv_n}" in kernels["_bwd_dkdv_kernel"]["dot_shapes"]
         assert rows_keys == cfg.dkdv_row_scores, kernels["_bwd_dkdv_kernel"]
