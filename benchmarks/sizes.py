@@ -1,15 +1,17 @@
 """Issue #38's table: batch-1 and batch-N decode tok/s with their floors for every preset size, beside
 transformers, in one run.
 
-    python -m benchmarks.sizes [--presets llama-3.2-1b llama-3.2-3b qwen3-4b llama-3.1-8b] [--batches 1 8]
-        [--output-len 256] [--baseline hf] [--engine-args "--rows-megakernel"] [--out-dir DIR]
+    python -m benchmarks.sizes [--presets llama-3.2-1b ...] [--batches 1 8] [--output-len 256] [--baseline hf]
+        [--engine-args "--rows-megakernel"] [--name NAME] [--out-dir DIR]
 
 Each (preset, batch) is one `tinyvllm bench latency` process (so each model's memory is freed before the
 next), random weights (`dummy:<preset>`), 128 prompt tokens, greedy; its result JSON carries the floor
 (every weight read once plus each row's K/V, at the copy bandwidth measured in that process) and the
 fraction. With `--baseline hf` transformers runs the same rows in the same process (its own model copy,
 fewer output tokens: `--baseline-output-len`). Prints one table and writes sizes_<gpu>.json with every
-row (and each run's own JSON beside it).
+row (and each run's own JSON beside it), or NAME.json. The presets: Llama 3.x's three sizes and Qwen3's
+four (with transformers, all of them take more than one 10-minute device call: run them in two with
+--presets and --name).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from tinyvllm.bench.report import device_tag, print_table, write_json
 
-PRESETS = ["llama-3.2-1b", "llama-3.2-3b", "qwen3-4b", "llama-3.1-8b"]
+PRESETS = ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"]
 COLUMNS = [
     ("preset", "preset", ""),
     ("batch", "rows", "d"),
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--engine-args", default="", help="extra engine flags for every run, one string")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out-dir", default=None, help="default benchmarks/results")
+    ap.add_argument("--name", default=None, help="the table's JSON name (default sizes_<gpu>)")
     ns = ap.parse_args()
     out_dir = Path(ns.out_dir) if ns.out_dir else Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +85,7 @@ def main() -> None:
     cells = [tuple("-" if r.get(k) is None else format(r[k], f) for k, _, f in COLUMNS) for r in rows]
     header = tuple(h for _, h, _ in COLUMNS)
     print_table(f"decode by model size ({device_tag()}, engine args: {ns.engine_args or 'defaults'})", cells, header)
-    write_json(f"sizes_{device_tag()}", {"engine_args": ns.engine_args, "rows": rows}, str(out_dir))
+    write_json(ns.name or f"sizes_{device_tag()}", {"engine_args": ns.engine_args, "rows": rows}, str(out_dir))
 
 
 if __name__ == "__main__":

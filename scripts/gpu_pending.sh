@@ -3,14 +3,15 @@
 # decided on the H100 (docs/perf.md names each, with the default it would change). Steps run in this order
 # while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
-#   STEPS=sizes bash scripts/gpu_pending.sh                                # §1e: the issue's table, kv_align on
-#   STEPS="startup startup_8b mk_tests mk_kv_align" ...                    # §12, §1e on the H200 (FP8 with kv_align)
-#   STEPS=attn_sweep_128 ...;  STEPS=attn_sweep_64 ...;  STEPS=train_compare ...  # §3a
-#   STEPS=prefill_sweep ...;  STEPS=prefill_sweep_p256 ...                  # §3
-#   STEPS="decode_sweep_fp8 fp8_tests fp8_cost" ...                         # §9, §4
-#   STEPS="radix_kernel top_p_only serve_top_p" ...                         # §5, §7
+#   STEPS="sizes sizes_qwen3" bash scripts/gpu_pending.sh                  # §1e: the issue's table on the H200 (2 calls)
+#   STEPS="startup startup_8b mk_tests mk_kv_align" ...                    # §12, §1e on the H200
+#   STEPS=attn_sweep_64 ...;  STEPS=attn_bench ...                         # §3a: d 64's options; the backward table
+#   STEPS="decode_sweep_fp8 fp8_tests fp8_cost" ...                         # §9 on the H200
+#   STEPS="top_p_only serve_top_p" ...                                      # §5, §7
 #   STEPS=structured_prepare ...;  STEPS="rows_bench_8b rows_bench_fp8" ... # §10, §1e
 #   STEPS="decode_sweep cascade_stages prefix_stream_test tp_default tp_prefix_stream" ...  # §4 on the H200
+# Done on the H100 (710c474): sizes, attn_sweep_128, train_compare, prefill_sweep, decode_sweep_fp8,
+# fp8_cost, mk_tests, radix_kernel.
 #
 # Name the commit in the run command (`TINYVLLM_GIT_COMMIT=<local git rev-parse --short HEAD> bash ...`): the
 # device's copy of the tree may carry a stale .git, and result files record the commit they ran.
@@ -57,7 +58,10 @@ step mk_tests 400 python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py -p no
 step mk_kv_align 400 bash -c mk_kv_align
 
 # The issue's table: batch 1 and 8 for every preset beside transformers, today's paths then the rows kernel.
-step sizes 560 python3 -m benchmarks.sizes --baseline hf --out-dir "$RES"
+step sizes 560 python3 -m benchmarks.sizes --baseline hf --presets llama-3.2-1b llama-3.2-3b qwen3-4b llama-3.1-8b \
+  --out-dir "$RES"
+step sizes_qwen3 560 python3 -m benchmarks.sizes --baseline hf --presets qwen3-0.6b qwen3-1.7b qwen3-8b \
+  --name "sizes_qwen3_$(python3 -c 'from tinyvllm.bench.report import device_tag; print(device_tag())')" --out-dir "$RES"
 step sizes_rows 560 python3 -m benchmarks.sizes --batches 8 --engine-args "--rows-megakernel" --out-dir "$RES/rows"
 
 # 2. The top-k radix select (§5): same ids as the search on the H200, its kernel time, then the engine A/B.
@@ -78,6 +82,10 @@ step fp8_quant_bench 150 python3 benchmarks/kernels/bench_fp8_quant.py --rows 8 
 # specialisation), swept with today's tiles; a call per head dim (~120 candidates each).
 step attn_sweep_128 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 128 --out "$RES"
 step attn_sweep_64 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 64 --out "$RES/d64"
+# The backward at the tables (d 128's dK/dV by TMA with a warp-specialised loop): the GPU tests first
+# (gradients against float64 with GQA and uneven lengths, run-to-run identity), then beside flash and cuDNN.
+step attn_bench 560 bash -c "python3 -m pytest -q -x tests/gpu/test_flash_backward_gpu.py -p no:cacheprovider \
+  && python3 benchmarks/kernels/bench_attention_backward.py --out $RES"
 
 # The demo model trained through our attention against SDPA, same seed, and SDPA from another seed (§3a).
 step train_compare 500 python3 -m benchmarks.bench_training --train-args "--epochs 8 --max-minutes 2" --out-dir "$RES"
