@@ -78,13 +78,8 @@ HOPPER_DQ = (
 HOPPER_FUSED = ((64, 128, 8, 2, True, False), (64, 128, 8, 3, True, False), (64, 64, 4, 2, True, False),
                 (32, 128, 4, 3, True, False), (64, 64, 4, 2, True, True))  # fmt: skip
 # The training forward (`flash_forward`, HOPPER_FORWARD): besides the table's entry, (block_m, block_n,
-# warps, stages, tma, ws); its warp-specialised loop compiles specialised with 4 warps under Triton 3.9
-# (tests/kernels/test_flash_forward_codegen.py).
-FWD_TILES = (
-    (128, 128, 8, 2, False, False), (128, 64, 4, 3, True, False), (128, 64, 8, 3, True, False),
-    (128, 128, 8, 2, True, False), (128, 64, 4, 2, True, True), (128, 64, 4, 3, True, True),
-    (128, 128, 4, 2, True, True), (64, 64, 4, 3, True, True), (128, 64, 8, 3, True, True),
-)  # fmt: skip
+# warps, stages).
+FWD_TILES = ((128, 128, 8, 2),)
 KINDS = ("dkdv", "dq", "atomic", "ordered")
 HOPPER_FIELDS = ("dkdv_tma", "dkdv_ws", "dq_tma", "dq_ws", "dkdv_row_scores")  # BackwardConfig's options
 PLACEHOLDER = BackwardConfig(32, 128, 4, 2, 128, 32, 4, 2)  # the other kernel's tiles while one is swept
@@ -147,9 +142,9 @@ def _options_first(cs: list, fields: tuple[str, ...] = HOPPER_FIELDS) -> list:
 
 def forward_candidates(d: int, limit: int | None = None) -> list[ForwardConfig]:
     """The training forward's configs at head dim d: HOPPER_FORWARD's entry, then FWD_TILES; limit: the
-    entry and `limit` others, one per combination of the options first (the smoke run)."""
+    entry and `limit` others (the smoke run)."""
     table, rest = HOPPER_FORWARD[d], [ForwardConfig(*t) for t in FWD_TILES]
-    return list(dict.fromkeys([table, *_options_first(rest, ("tma", "ws"))[:limit]]))
+    return list(dict.fromkeys([table, *rest[:limit]]))
 
 
 def candidates(d: int, limit: int | None = None) -> dict[str, list[BackwardConfig]]:
@@ -372,7 +367,7 @@ def _cfg_literal(c: BackwardConfig) -> str:
 def _label(c, kind: str) -> str:
     """The swept kernel's part of a config, for the progress lines: its tiles, warps, stages and options."""
     if kind == "fwd":
-        tiles, flags = tuple(c)[:4], [f for f in ("tma", "ws") if getattr(c, f)]
+        tiles, flags = tuple(c)[:4], []
     else:
         part = "dq" if kind == "dq" else "dkdv"
         tiles = tuple(c)[4:8] if kind == "dq" else tuple(c)[:4]
@@ -381,8 +376,8 @@ def _label(c, kind: str) -> str:
 
 
 def _fwd_literal(c: ForwardConfig) -> str:
-    """A forward config as Python to paste: tiles, warps, stages, then the options that are on."""
-    return f"ForwardConfig({', '.join([*map(str, c[:4]), *(f'{f}=True' for f in ('tma', 'ws') if getattr(c, f))])})"
+    """A forward config as Python to paste: tiles, warps, stages."""
+    return f"ForwardConfig({', '.join(map(str, c))})"
 
 
 def print_tables(all_results: list[dict], head_dims: list[int]) -> dict:

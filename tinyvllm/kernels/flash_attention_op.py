@@ -35,17 +35,12 @@ KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 
 
 class ForwardConfig(NamedTuple):
-    """Tiles of the forward: block_m query rows per program, block_n keys per step. Hopper options, off
-    by default (the kernel is then the prefill loop's): tma reads Q, K and V through tensor descriptors
-    (TMA on sm_90) where their alignment allows; ws (with tma) runs the keys in one warp-specialised
-    loop (`tl.range(..., warp_specialize=True)`), every tile masked."""
+    """Tiles of the forward: block_m query rows per program, block_n keys per step."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    tma: bool = False
-    ws: bool = False
 
 
 class BackwardConfig(NamedTuple):

@@ -41,7 +41,7 @@ stored.
 
 Hopper options (`BackwardConfig`'s dkdv_tma, dq_tma, dkdv_ws, dq_ws; off by default, which leaves the
 kernels above unchanged). TMA: a kernel reads its Q, K, V and dO tiles through tensor descriptors
-built in the kernel per (sequence, head) (`flash_forward.seq_rows`, TMA copies on sm_90), each ending
+built in the kernel per (sequence, head) (`_seq_rows`, TMA copies on sm_90), each ending
 at its sequence's end, so the rows past it read as zeros exactly as the masked loads do. WS (with
 TMA): the kernel's query- (dK/dV) or key-tile (dQ) loop is asked to be warp-specialised
 (`tl.range(..., warp_specialize=True)`); Triton 3.9 specialises only a kernel whose loop is one loop
@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.flash_forward import seq_rows, upcast_operands
+from tinyvllm.kernels.flash_forward import upcast_operands
 from tinyvllm.kernels.flash_tiles import dot_pv, dot_qk
 from tinyvllm.kernels.launch import cdiv, ensure_tma_allocator, tma_usable
 
@@ -98,6 +98,19 @@ def _bwd_preprocess_kernel(
     if ZERO_DQ:
         zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=dq_acc_ptr.dtype.element_ty)
         tl.store(dq_acc_ptr + rows[:, None] * stride_at + h * stride_ah + offs_d[None, :], zero, mask=valid[:, None])
+
+
+@triton.jit
+def _seq_rows(base, seq_len, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A tensor descriptor (TMA on sm_90) over one sequence's rows of one head: [seq_len, HEAD_DIM]
+    elements from `base` (the sequence's first row of the head), row stride stride_t, loaded as
+    [BLOCK, HEAD_DIM] tiles. The descriptor ends where the sequence ends, so rows from seq_len on load as
+    zeros, exactly as the masked pointer loads: no row of the next sequence is ever read. An empty
+    sequence's descriptor spans one row (a TMA dimension may not be 0); nothing loaded for it is stored.
+    base and stride_t · element size must be multiples of 16 bytes (`launch.tma_usable`)."""
+    return tl.make_tensor_descriptor(
+        base, shape=[tl.maximum(seq_len, 1), HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM]
+    )
 
 
 @triton.jit
@@ -170,7 +183,7 @@ def _dkdv_tiles(
     """Fold query rows lo .. hi−1 (lo a multiple of BLOCK_M, hi ≤ seq_len) of one query head into the
     key tile's (dk, dv) [BLOCK_N, HEAD_DIM]. k, v: the tile's keys [BLOCK_N, HEAD_DIM] at positions
     offs_n; q_src, do_src: this head's Q and dO rows of the sequence, as pointers to its first row or
-    (TMA) as `seq_rows` descriptors; lse_ptr, delta_ptr, dq_acc_ptr: offset to the sequence's first row
+    (TMA) as `_seq_rows` descriptors; lse_ptr, delta_ptr, dq_acc_ptr: offset to the sequence's first row
     of this head (WS: lse_ptr is a `_stats_rows` descriptor, delta_ptr unused); ticket_ptr: this
     (sequence, head)'s tickets, one per query tile; key_tile: j.
     MASKED: the causal mask (key ≤ query); unmasked tiles must lie wholly on or below the diagonal.
@@ -277,7 +290,7 @@ def _bwd_dkdv_kernel(
     """Program (key tile, KV head hk, sequence s): dK, dV of BLOCK_N keys, summed over the GROUP query
     heads hk·GROUP .. hk·GROUP + GROUP − 1 (module docstring, kernel 2); DQ_MODE 1, 2: also their
     contributions to dQ (kernel 3's fused modes). dq_acc_ptr, tickets_ptr: unused in DQ_MODE 0.
-    TMA: the K, V, Q and dO tiles come through per-(sequence, head) tensor descriptors (`seq_rows`).
+    TMA: the K, V, Q and dO tiles come through per-(sequence, head) tensor descriptors (`_seq_rows`).
     WS (with TMA): one warp-specialised loop per query head, every tile causally masked, the row
     statistics read through descriptors (lse_ptr: `_bwd_stats_kernel`'s rows, stride_lse_h its head
     stride; delta_ptr unused): Triton's Hopper warp specialisation (3.9) specialises a single loop
@@ -300,8 +313,8 @@ def _bwd_dkdv_kernel(
     if TMA:
         k_seq = k_ptr + seq_start.to(tl.int64) * stride_kt + hk * stride_kh
         v_seq = v_ptr + seq_start.to(tl.int64) * stride_vt + hk * stride_vh
-        k = seq_rows(k_seq, seq_len, stride_kt, BLOCK_N, HEAD_DIM).load([start_n, 0])
-        v = seq_rows(v_seq, seq_len, stride_vt, BLOCK_N, HEAD_DIM).load([start_n, 0])
+        k = _seq_rows(k_seq, seq_len, stride_kt, BLOCK_N, HEAD_DIM).load([start_n, 0])
+        v = _seq_rows(v_seq, seq_len, stride_vt, BLOCK_N, HEAD_DIM).load([start_n, 0])
     else:
         k = tl.load(
             k_ptr + rows_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=key_valid[:, None], other=0.0
@@ -324,8 +337,8 @@ def _bwd_dkdv_kernel(
         q_h = q_ptr + row0 * stride_qt + h * stride_qh
         do_h = do_ptr + row0 * stride_dot + h * stride_doh
         if TMA:
-            q_h = seq_rows(q_h, seq_len, stride_qt, BLOCK_M, HEAD_DIM)
-            do_h = seq_rows(do_h, seq_len, stride_dot, BLOCK_M, HEAD_DIM)
+            q_h = _seq_rows(q_h, seq_len, stride_qt, BLOCK_M, HEAD_DIM)
+            do_h = _seq_rows(do_h, seq_len, stride_dot, BLOCK_M, HEAD_DIM)
         lse_h = lse_ptr + h * stride_lse_h + row0
         delta_h = delta_ptr + h * stride_lse_h + row0
         dq_h = dq_acc_ptr + row0 * stride_at + h * stride_ah
@@ -389,7 +402,7 @@ def _dq_tiles(
     """Fold keys lo .. hi−1 (lo a multiple of BLOCK_N) into the query tile's dq [BLOCK_M, HEAD_DIM].
     q, do: the tile's rows; lse2: their logsumexp in log2 units; delta: their D; q_pos: the last key each
     row sees. k_src, v_src: the KV head's rows of the sequence, as pointers to its first row or (TMA) as
-    `seq_rows` descriptors (keys ≥ seq_len read as zeros). MASKED: mask keys after q_pos and keys
+    `_seq_rows` descriptors (keys ≥ seq_len read as zeros). MASKED: mask keys after q_pos and keys
     ≥ seq_len; unmasked tiles must be visible to every row. WS: warp-specialise the loop."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
@@ -451,7 +464,7 @@ def _bwd_dq_kernel(
     WS: tl.constexpr,
 ):
     """Program (query tile, query head h, sequence s): dQ of BLOCK_M rows (module docstring, kernel 3).
-    TMA: the Q, dO, K and V tiles come through per-(sequence, head) tensor descriptors (`seq_rows`).
+    TMA: the Q, dO, K and V tiles come through per-(sequence, head) tensor descriptors (`_seq_rows`).
     WS (with TMA): one warp-specialised loop over the keys, every tile masked, the row statistics read
     through a descriptor (lse_ptr: `_bwd_stats_kernel`'s rows, stride_lse_h their head stride;
     delta_ptr unused), for the reasons `_bwd_dkdv_kernel` gives."""
@@ -472,8 +485,8 @@ def _bwd_dq_kernel(
     if TMA:
         q_seq = q_ptr + seq_start.to(tl.int64) * stride_qt + h * stride_qh
         do_seq = do_ptr + seq_start.to(tl.int64) * stride_dot + h * stride_doh
-        q = seq_rows(q_seq, seq_len, stride_qt, BLOCK_M, HEAD_DIM).load([start_m, 0])
-        do = seq_rows(do_seq, seq_len, stride_dot, BLOCK_M, HEAD_DIM).load([start_m, 0])
+        q = _seq_rows(q_seq, seq_len, stride_qt, BLOCK_M, HEAD_DIM).load([start_m, 0])
+        do = _seq_rows(do_seq, seq_len, stride_dot, BLOCK_M, HEAD_DIM).load([start_m, 0])
     else:
         q = tl.load(
             q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_valid[:, None], other=0.0
@@ -492,8 +505,8 @@ def _bwd_dq_kernel(
     k_h = k_ptr + row0 * stride_kt + hk * stride_kh
     v_h = v_ptr + row0 * stride_vt + hk * stride_vh
     if TMA:
-        k_h = seq_rows(k_h, seq_len, stride_kt, BLOCK_N, HEAD_DIM)
-        v_h = seq_rows(v_h, seq_len, stride_vt, BLOCK_N, HEAD_DIM)
+        k_h = _seq_rows(k_h, seq_len, stride_kt, BLOCK_N, HEAD_DIM)
+        v_h = _seq_rows(v_h, seq_len, stride_vt, BLOCK_N, HEAD_DIM)
     acc_dtype = tl.float64 if q.dtype == tl.float64 else tl.float32
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=acc_dtype)
     if CAUSAL:
