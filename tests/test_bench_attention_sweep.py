@@ -43,11 +43,10 @@ def test_candidates_hold_the_hopper_options():
         grid = sweep._tile_candidates(d)
         fwd = sweep.forward_candidates(d)
         total, base = sum(map(len, cs.values())) + len(fwd), sum(map(len, grid.values()))
-        assert base < total <= 1.6 * base  # the options and the forward add about half the compiles again
+        assert base < total <= 1.5 * base  # the options and the forward add at most half the compiles again
         assert fwd[0] == HOPPER_FORWARD[d] and len(set(fwd)) == len(fwd)
         for kind, field in (("dkdv", "dkdv_tma"), ("dkdv", "dkdv_ws"), ("dq", "dq_tma"), ("dq", "dq_ws"),
-                            ("atomic", "dkdv_tma"), ("ordered", "dkdv_tma"), ("dkdv", "dkdv_row_scores"),
-                            ("atomic", "dkdv_row_scores"), ("ordered", "dkdv_row_scores")):  # fmt: skip
+                            ("atomic", "dkdv_tma"), ("ordered", "dkdv_tma")):  # fmt: skip
             assert any(getattr(c, field) for c in cs[kind]), (d, kind, field)
         assert not any(c.dkdv_ws for c in cs["ordered"])
         for kind, configs in cs.items():
@@ -69,6 +68,5 @@ def test_pasted_literal_keeps_the_options():
         BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3, 64, dkdv_tma=True, dq_ws=True),
         BackwardConfig(64, 128, 8, 3, 0, 0, 0, 0, 64, "atomic", dkdv_tma=True, dkdv_ws=True),
         BackwardConfig(32, 64, 4, 3, 64, 32, 4, 3, 64),
-        BackwardConfig(32, 128, 4, 3, 0, 0, 0, 0, 64, "ordered", dkdv_row_scores=True),
     ):
         assert eval(sweep._cfg_literal(c), {"BackwardConfig": BackwardConfig}) == c

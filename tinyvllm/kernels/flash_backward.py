@@ -37,19 +37,19 @@ Kernels:
        order of the key-tile axis), so the wait always ends.
 Rows past a sequence's end load Q = dO = 0 (and L = D = 0), so in kernel 2 they add exactly zero to dK
 and dV; key rows past the end are loaded as zero, so they add zero to dQ, and their dK, dV are never
-stored.
-
-Hopper options (`BackwardConfig`'s dkdv_tma, dq_tma, dkdv_ws, dq_ws; off by default, which leaves the
-kernels above unchanged). TMA: a kernel reads its Q, K, V and dO tiles through tensor descriptors
-built in the kernel per (sequence, head) (`_seq_rows`, TMA copies on sm_90), each ending
-at its sequence's end, so the rows past it read as zeros exactly as the masked loads do. WS (with
-TMA): the kernel's query- (dK/dV) or key-tile (dQ) loop is asked to be warp-specialised
-(`tl.range(..., warp_specialize=True)`); Triton 3.9 specialises only a kernel whose loop is one loop
-without branches and without pointer loads of vectors, so in this form the two loops become one with
-every tile masked, tiles past a sequence run empty loops instead of returning early, and the per-row
-statistics (L · log2 e, D) are read through descriptors from 16-byte rows that `_bwd_stats_kernel`
-packs before each kernel. Accumulation is float32 (float64 for float64 inputs); products of 16-bit inputs round P and dS
+stored. Accumulation is float32 (float64 for float64 inputs); products of 16-bit inputs round P and dS
 to the input dtype first, as FA2. All row offsets are int64.
+
+Hopper options (`BackwardConfig`'s dkdv_tma, dq_tma, dkdv_ws, dq_ws; without them, the kernels above;
+`HOPPER_BACKWARD` turns on the dK/dV kernel's at head dim 128). TMA: a kernel reads its Q, K, V and dO
+tiles through tensor descriptors built in the kernel per (sequence, head) (`_seq_rows`, TMA copies on
+sm_90), each ending at its sequence's end, so the rows past it read as zeros exactly as the masked
+loads do. WS (with TMA): the kernel's query- (dK/dV) or key-tile (dQ) loop is asked to be
+warp-specialised (`tl.range(..., warp_specialize=True)`); Triton 3.9 specialises only a kernel whose
+loop is one loop without branches and without pointer loads of vectors, so in this form the two loops
+become one with every tile masked, tiles past a sequence run empty loops instead of returning early,
+and the per-row statistics (L · log2 e, D) are read through descriptors from 16-byte rows that
+`_bwd_stats_kernel` packs before each kernel.
 """
 
 from __future__ import annotations
@@ -178,7 +178,6 @@ def _dkdv_tiles(
     IEEE: tl.constexpr,
     TMA: tl.constexpr,
     WS: tl.constexpr,
-    ROW_SCORES: tl.constexpr = False,
 ):
     """Fold query rows lo .. hi−1 (lo a multiple of BLOCK_M, hi ≤ seq_len) of one query head into the
     key tile's (dk, dv) [BLOCK_N, HEAD_DIM]. k, v: the tile's keys [BLOCK_N, HEAD_DIM] at positions
@@ -188,11 +187,7 @@ def _dkdv_tiles(
     (sequence, head)'s tickets, one per query tile; key_tile: j.
     MASKED: the causal mask (key ≤ query); unmasked tiles must lie wholly on or below the diagonal.
     DQ_MODE 1 ("atomic") and 2 ("ordered"): also add dS Kⱼ (unscaled) into the dQ accumulator.
-    WS: ask Triton to warp-specialise the loop (`tl.range(..., warp_specialize=True)`).
-    ROW_SCORES: the scores as S = Q Kᵀ and dP = dO Vᵀ [BLOCK_M, BLOCK_N] (query rows first) instead of
-    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ [BLOCK_N, BLOCK_M]; P and dS then reach dV's and dK's products transposed
-    (through shared memory), and dS reaches dQ's as it is. Both forms read K, V, Q and dO from shared
-    memory; they differ in how the score tiles lie over the warps, and so in registers and spills."""
+    WS: ask Triton to warp-specialise the loop (`tl.range(..., warp_specialize=True)`)."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -210,24 +205,14 @@ def _dkdv_tiles(
         else:
             lse2 = tl.load(lse_ptr + rows, mask=row_valid, other=0.0) * 1.4426950408889634
             delta = tl.load(delta_ptr + rows, mask=row_valid, other=0.0)
-        if ROW_SCORES:
-            qk = dot_qk(q, k, UPCAST, IEEE)  # S / scale: [BLOCK_M, BLOCK_N]
-            p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # P = exp(S − L)
-            if MASKED:
-                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
-            dv = dot_pv(tl.trans(p.to(do.dtype)), do, dv, UPCAST, IEEE)  # dV += Pᵀ dO
-            dp = dot_qk(do, v, UPCAST, IEEE)  # dP = dO Vᵀ
-            ds = (p * (dp - delta[:, None])).to(q.dtype)  # dS = P ∘ (dP − D), without the scale
-            ds_t = tl.trans(ds)
-        else:
-            qk_t = dot_qk(k, q, UPCAST, IEEE)  # Sᵀ / scale: [BLOCK_N, BLOCK_M]
-            p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # Pᵀ = exp(Sᵀ − L)
-            if MASKED:
-                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-            dv = dot_pv(p_t.to(do.dtype), do, dv, UPCAST, IEEE)  # dV += Pᵀ dO
-            dp_t = dot_qk(v, do, UPCAST, IEEE)  # dPᵀ = V dOᵀ
-            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)  # dSᵀ = Pᵀ ∘ (dPᵀ − D), without the scale
-            ds = tl.trans(ds_t)
+        qk_t = dot_qk(k, q, UPCAST, IEEE)  # Sᵀ / scale: [BLOCK_N, BLOCK_M]
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # Pᵀ = exp(Sᵀ − L)
+        if MASKED:
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv = dot_pv(p_t.to(do.dtype), do, dv, UPCAST, IEEE)  # dV += Pᵀ dO
+        dp_t = dot_qk(v, do, UPCAST, IEEE)  # dPᵀ = V dOᵀ
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)  # dSᵀ = Pᵀ ∘ (dPᵀ − D), without the scale
+        ds = tl.trans(ds_t)
         dk = dot_pv(ds_t, q, dk, UPCAST, IEEE)  # dK += dSᵀ Q
         if DQ_MODE != 0:
             dq = dot_pv(ds, k, tl.zeros([BLOCK_M, HEAD_DIM], dtype=dk.dtype), UPCAST, IEEE)  # dS Kⱼ
@@ -285,7 +270,6 @@ def _bwd_dkdv_kernel(
     IEEE: tl.constexpr,
     TMA: tl.constexpr,
     WS: tl.constexpr,
-    ROW_SCORES: tl.constexpr = False,
 ):
     """Program (key tile, KV head hk, sequence s): dK, dV of BLOCK_N keys, summed over the GROUP query
     heads hk·GROUP .. hk·GROUP + GROUP − 1 (module docstring, kernel 2); DQ_MODE 1, 2: also their
@@ -348,19 +332,18 @@ def _bwd_dkdv_kernel(
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, lo, q_end, seq_len,
                 qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, CAUSAL, DQ_MODE, UPCAST, IEEE, TMA, True,
-                ROW_SCORES,
             )  # fmt: skip
         else:
             if CAUSAL:  # the diagonal, masked
                 dk, dv = _dkdv_tiles(
                     dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, lo, mid, seq_len,
                     qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, True, DQ_MODE, UPCAST, IEEE, TMA,
-                    False, ROW_SCORES,
+                    False,
                 )  # fmt: skip
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, mid, q_end, seq_len,
                 qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, False, DQ_MODE, UPCAST, IEEE, TMA,
-                False, ROW_SCORES,
+                False,
             )  # fmt: skip
     dk = dk * scale
     tl.store(
@@ -646,7 +629,7 @@ class BackwardLaunch:
             self.scale * LOG2E, *self._strides(), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             lse.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
             BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, DQ_MODE=self.mode, TMA=self.dkdv_tma, WS=self.dkdv_ws,
-            ROW_SCORES=cfg.dkdv_row_scores, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **self.common,
+            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **self.common,
         )  # fmt: skip
 
     def dq_pass(self) -> None:
