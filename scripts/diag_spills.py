@@ -9,7 +9,7 @@ TRITON_INTERPRET, with the Triton the GPU runs (3.6) for the GPU's figures:
 
     python scripts/diag_spills.py megakernel --preset qwen3-0.6b [--field kv_align=1] [--fp8w] [--fp8kv]
     python scripts/diag_spills.py rows --preset llama-3.1-8b [--field num_warps=8]
-    python scripts/diag_spills.py backward --head-dim 128 [--field dkdv_m=64 --field dkdv_row_scores=1]
+    python scripts/diag_spills.py backward --head-dim 128 [--field dkdv_m=64 --field dkdv_ws=0]
 
 `--field NAME=VALUE` sets a field of the kernel's config (MegakernelConfig, RowsConfig, or the
 backward's long-sequence BackwardConfig entry); integers, 0 / 1 for booleans.

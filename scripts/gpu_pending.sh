@@ -78,8 +78,8 @@ step fp8_tests 200 python3 -m pytest -q tests/kernels/test_fp8_fused_quant.py te
   tests/engine/test_fp8_layer_loop.py -p no:cacheprovider
 step fp8_quant_bench 150 python3 benchmarks/kernels/bench_fp8_quant.py --rows 8 32 64 128 256 --out "$RES"
 
-# 4. The attention backward's and training forward's Hopper options (§3a: descriptor loads, warp
-# specialisation), swept with today's tiles; a call per head dim (~120 candidates each).
+# 4. The attention backward's Hopper options (§3a: descriptor loads, warp specialisation) and the training
+# forward's tiles, swept with today's tiles; a call per head dim (~115 candidates each).
 step attn_sweep_128 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 128 --out "$RES"
 step attn_sweep_64 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 64 --out "$RES/d64"
 # The backward at the tables (d 128's dK/dV by TMA with a warp-specialised loop): the GPU tests first
@@ -90,7 +90,7 @@ step attn_bench 560 bash -c "python3 -m pytest -q -x tests/gpu/test_flash_backwa
 # The demo model trained through our attention against SDPA, same seed, and SDPA from another seed (§3a).
 step train_compare 500 python3 -m benchmarks.bench_training --train-args "--epochs 8 --max-minutes 2" --out-dir "$RES"
 
-# The paged prefill's TMA / warp-specialised candidates (§3), at pages of 16 and 256 keys.
+# The paged prefill's candidates (§3), five-stage pipelines among them, at pages of 16 and 256 keys.
 step prefill_sweep 560 python3 benchmarks/kernels/bench_prefill_attention.py --sweep --no-flex --out "$RES"
 step prefill_sweep_p256 560 python3 benchmarks/kernels/bench_prefill_attention.py --sweep --no-flex --block-sizes 256 16 \
   --out "$RES/p256"

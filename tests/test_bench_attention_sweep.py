@@ -43,12 +43,10 @@ def test_candidates_hold_the_hopper_options():
         grid = sweep._tile_candidates(d)
         fwd = sweep.forward_candidates(d)
         total, base = sum(map(len, cs.values())) + len(fwd), sum(map(len, grid.values()))
-        assert base < total <= 1.7 * base  # the options and the forward add about 60 % of the compiles again
+        assert base < total <= 1.5 * base  # the options and the forward add at most half the compiles again
         assert fwd[0] == HOPPER_FORWARD[d] and len(set(fwd)) == len(fwd)
-        assert any(c.tma and not c.ws for c in fwd) and any(c.tma and c.ws and c.num_warps == 4 for c in fwd)
         for kind, field in (("dkdv", "dkdv_tma"), ("dkdv", "dkdv_ws"), ("dq", "dq_tma"), ("dq", "dq_ws"),
-                            ("atomic", "dkdv_tma"), ("ordered", "dkdv_tma"), ("dkdv", "dkdv_row_scores"),
-                            ("atomic", "dkdv_row_scores"), ("ordered", "dkdv_row_scores")):  # fmt: skip
+                            ("atomic", "dkdv_tma"), ("ordered", "dkdv_tma")):  # fmt: skip
             assert any(getattr(c, field) for c in cs[kind]), (d, kind, field)
         assert not any(c.dkdv_ws for c in cs["ordered"])
         for kind, configs in cs.items():
@@ -64,12 +62,11 @@ def test_candidates_hold_the_hopper_options():
 
 def test_pasted_literal_keeps_the_options():
     """The winners' tables are printed as Python: the Hopper options survive the round trip."""
-    for c in (ForwardConfig(128, 64, 8, 3), ForwardConfig(128, 64, 4, 2, tma=True, ws=True)):
-        assert eval(sweep._fwd_literal(c), {"ForwardConfig": ForwardConfig}) == c
+    fwd = ForwardConfig(128, 64, 8, 3)
+    assert eval(sweep._fwd_literal(fwd), {"ForwardConfig": ForwardConfig}) == fwd
     for c in (
         BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3, 64, dkdv_tma=True, dq_ws=True),
         BackwardConfig(64, 128, 8, 3, 0, 0, 0, 0, 64, "atomic", dkdv_tma=True, dkdv_ws=True),
         BackwardConfig(32, 64, 4, 3, 64, 32, 4, 3, 64),
-        BackwardConfig(32, 128, 4, 3, 0, 0, 0, 0, 64, "ordered", dkdv_row_scores=True),
     ):
         assert eval(sweep._cfg_literal(c), {"BackwardConfig": BackwardConfig}) == c

@@ -62,13 +62,6 @@ HOPPER_DKDV = (
     (128, 64, 4, 2, True, True), (128, 64, 4, 3, True, True), (64, 128, 8, 3, True, True),
 )  # fmt: skip
 HOPPER_DKDV_WIDE = ((128, 128, 8, 2, True, False), (128, 128, 8, 3, True, False))
-# The dK/dV kernel with its scores as [query rows, keys] (`BackwardConfig.dkdv_row_scores`), pointer
-# loads, on the tiles where that spills least when compiled for sm_90 (Triton 3.6: about half the bytes
-# of the [keys, query rows] form at 4 warps and at 128 × 128, more at (64, 128, 8 warps)): (rows, keys,
-# warps, stages); the fused modes on one.
-ROW_SCORES_DKDV = ((32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 2))
-ROW_SCORES_DKDV_WIDE = ((128, 128, 8, 2),)
-ROW_SCORES_FUSED = ((32, 128, 4, 3),)
 HOPPER_DQ = (
     (64, 64, 4, 2, True, False), (64, 64, 4, 3, True, False), (128, 64, 4, 3, True, False),
     (128, 64, 8, 2, True, False), (128, 64, 8, 3, True, False), (128, 128, 8, 2, True, False),
@@ -78,32 +71,23 @@ HOPPER_DQ = (
 HOPPER_FUSED = ((64, 128, 8, 2, True, False), (64, 128, 8, 3, True, False), (64, 64, 4, 2, True, False),
                 (32, 128, 4, 3, True, False), (64, 64, 4, 2, True, True))  # fmt: skip
 # The training forward (`flash_forward`, HOPPER_FORWARD): besides the table's entry, (block_m, block_n,
-# warps, stages, tma, ws); its warp-specialised loop compiles specialised with 4 warps under Triton 3.9
-# (tests/kernels/test_flash_forward_codegen.py).
-FWD_TILES = (
-    (128, 128, 8, 2, False, False), (128, 64, 4, 3, True, False), (128, 64, 8, 3, True, False),
-    (128, 128, 8, 2, True, False), (128, 64, 4, 2, True, True), (128, 64, 4, 3, True, True),
-    (128, 128, 4, 2, True, True), (64, 64, 4, 3, True, True), (128, 64, 8, 3, True, True),
-)  # fmt: skip
+# warps, stages).
+FWD_TILES = ((128, 128, 8, 2),)
 KINDS = ("dkdv", "dq", "atomic", "ordered")
-HOPPER_FIELDS = ("dkdv_tma", "dkdv_ws", "dq_tma", "dq_ws", "dkdv_row_scores")  # BackwardConfig's options
+HOPPER_FIELDS = ("dkdv_tma", "dkdv_ws", "dq_tma", "dq_ws")  # BackwardConfig's options
 PLACEHOLDER = BackwardConfig(32, 128, 4, 2, 128, 32, 4, 2)  # the other kernel's tiles while one is swept
 
 
 def hopper_candidates(d: int) -> dict[str, list[BackwardConfig]]:
-    """Per kind, the Hopper options' configs at head dim d (HOPPER_*, then SHARED_KV_*; the 128 × 128 dK/dV
-    tiles only up to d 64, where their float32 dK and dV fit the registers of 8 warps); "ordered" takes
-    no warp specialisation (`BackwardLaunch` refuses it)."""
+    """Per kind, the Hopper options' configs at head dim d (HOPPER_*; the 128 × 128 dK/dV tiles only up
+    to d 64, where their float32 dK and dV fit the registers of 8 warps); "ordered" takes no warp
+    specialisation (`BackwardLaunch` refuses it)."""
     wide = HOPPER_DKDV_WIDE if d <= 64 else ()
     dkdv = [PLACEHOLDER._replace(dkdv_m=m, dkdv_n=n, dkdv_warps=w, dkdv_stages=s, dkdv_tma=t, dkdv_ws=ws)
             for m, n, w, s, t, ws in (*HOPPER_DKDV, *wide)]  # fmt: skip
     dq = [PLACEHOLDER._replace(dq_m=m, dq_n=n, dq_warps=w, dq_stages=s, dq_tma=t, dq_ws=ws)
           for m, n, w, s, t, ws in HOPPER_DQ]  # fmt: skip
     fused = [BackwardConfig(m, n, w, s, 0, 0, 0, 0, dkdv_tma=t, dkdv_ws=ws) for m, n, w, s, t, ws in HOPPER_FUSED]
-    rs_wide = ROW_SCORES_DKDV_WIDE if d <= 64 else ()
-    dkdv += [PLACEHOLDER._replace(dkdv_m=m, dkdv_n=n, dkdv_warps=w, dkdv_stages=s, dkdv_row_scores=True)
-             for m, n, w, s in (*ROW_SCORES_DKDV, *rs_wide)]  # fmt: skip
-    fused += [BackwardConfig(m, n, w, s, 0, 0, 0, 0, dkdv_row_scores=True) for m, n, w, s in ROW_SCORES_FUSED]
     return {
         "dkdv": sorted(dkdv),
         "dq": sorted(dq),
@@ -118,7 +102,7 @@ def _tile_candidates(d: int) -> dict[str, list[BackwardConfig]]:
     dkdv = {PLACEHOLDER._replace(dkdv_m=m, dkdv_n=n, dkdv_warps=w, dkdv_stages=s)
             for m, n in DKDV_TILES for w in WARPS for s in STAGES}  # fmt: skip
     dkdv |= {PLACEHOLDER._replace(dkdv_m=c.dkdv_m, dkdv_n=c.dkdv_n, dkdv_warps=c.dkdv_warps, dkdv_stages=c.dkdv_stages,
-                                  dkdv_tma=c.dkdv_tma, dkdv_ws=c.dkdv_ws, dkdv_row_scores=c.dkdv_row_scores)
+                                  dkdv_tma=c.dkdv_tma, dkdv_ws=c.dkdv_ws)
              for c in table if c.dq_mode == "separate"}  # fmt: skip
     dq = {PLACEHOLDER._replace(dq_m=m, dq_n=n, dq_warps=w, dq_stages=s)
           for m, n in DQ_TILES for w in WARPS for s in STAGES}  # fmt: skip
@@ -126,7 +110,7 @@ def _tile_candidates(d: int) -> dict[str, list[BackwardConfig]]:
                                 dq_tma=c.dq_tma, dq_ws=c.dq_ws) for c in table if c.dq_mode == "separate"}  # fmt: skip
     fused = {BackwardConfig(m, n, w, s, 0, 0, 0, 0) for m, n in FUSED_TILES for w in WARPS for s in FUSED_STAGES}
     fused |= {
-        BackwardConfig(*c[:4], 0, 0, 0, 0, dkdv_tma=c.dkdv_tma, dkdv_ws=c.dkdv_ws, dkdv_row_scores=c.dkdv_row_scores)
+        BackwardConfig(*c[:4], 0, 0, 0, 0, dkdv_tma=c.dkdv_tma, dkdv_ws=c.dkdv_ws)
         for c in (*HOPPER_BACKWARD_ATOMIC[d], *table)
         if c.dq_mode != "separate"
     }
@@ -147,9 +131,9 @@ def _options_first(cs: list, fields: tuple[str, ...] = HOPPER_FIELDS) -> list:
 
 def forward_candidates(d: int, limit: int | None = None) -> list[ForwardConfig]:
     """The training forward's configs at head dim d: HOPPER_FORWARD's entry, then FWD_TILES; limit: the
-    entry and `limit` others, one per combination of the options first (the smoke run)."""
+    entry and `limit` others (the smoke run)."""
     table, rest = HOPPER_FORWARD[d], [ForwardConfig(*t) for t in FWD_TILES]
-    return list(dict.fromkeys([table, *_options_first(rest, ("tma", "ws"))[:limit]]))
+    return list(dict.fromkeys([table, *rest[:limit]]))
 
 
 def candidates(d: int, limit: int | None = None) -> dict[str, list[BackwardConfig]]:
@@ -372,17 +356,17 @@ def _cfg_literal(c: BackwardConfig) -> str:
 def _label(c, kind: str) -> str:
     """The swept kernel's part of a config, for the progress lines: its tiles, warps, stages and options."""
     if kind == "fwd":
-        tiles, flags = tuple(c)[:4], [f for f in ("tma", "ws") if getattr(c, f)]
+        tiles, flags = tuple(c)[:4], []
     else:
         part = "dq" if kind == "dq" else "dkdv"
         tiles = tuple(c)[4:8] if kind == "dq" else tuple(c)[:4]
-        flags = [f for f in ("tma", "ws", "row_scores") if getattr(c, f"{part}_{f}", False)]
+        flags = [f for f in ("tma", "ws") if getattr(c, f"{part}_{f}")]
     return f"{tiles}{'+' + '+'.join(flags) if flags else ''}"
 
 
 def _fwd_literal(c: ForwardConfig) -> str:
-    """A forward config as Python to paste: tiles, warps, stages, then the options that are on."""
-    return f"ForwardConfig({', '.join([*map(str, c[:4]), *(f'{f}=True' for f in ('tma', 'ws') if getattr(c, f))])})"
+    """A forward config as Python to paste: tiles, warps, stages."""
+    return f"ForwardConfig({', '.join(map(str, c))})"
 
 
 def print_tables(all_results: list[dict], head_dims: list[int]) -> dict:

@@ -12,9 +12,7 @@ also checks ours against SDPA's output.
     python benchmarks/kernels/bench_prefill_attention.py --sweep         # also try every candidate tile config
     python benchmarks/kernels/bench_prefill_attention.py --sweep --block-sizes 256 16   # sweep at page 256
 
-The sweep runs at the first page size. Its candidates with the Hopper options (`PrefillConfig.tma`, `ws`)
-are first compiled by worker processes, so that a compiler crash costs a worker, not the run; those
-that fail are left out of the timing.
+The sweep runs at the first page size.
 
 Writes prefill_attention_<gpu>.json and a plot of the TFLOP/s, prefill_attention_<gpu>.png.
 """
@@ -22,14 +20,12 @@ Writes prefill_attention_<gpu>.json and a plot of the TFLOP/s, prefill_attention
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import attention_backward_sweep
 import common
 import torch
 import torch.nn.functional as F
@@ -144,8 +140,8 @@ def parse_args() -> argparse.Namespace:
         "--config",
         action="append",
         default=None,
-        metavar="M,N,WARPS,STAGES[,TMA[,WS]]",
-        help="sweep these tile configs instead of the candidates (repeatable; TMA, WS: 0 or 1)",
+        metavar="M,N,WARPS,STAGES",
+        help="sweep these tile configs instead of the candidates (repeatable)",
     )
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     ap.add_argument("--quick", action="store_true", help="lengths 1k, 4k, 16k at head dim 64")
@@ -159,37 +155,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def parse_config(text: str) -> PrefillConfig:
-    """A --config value, M,N,WARPS,STAGES[,TMA[,WS]] (TMA, WS: 0 or 1), as a PrefillConfig."""
+    """A --config value, M,N,WARPS,STAGES, as a PrefillConfig."""
     fields = [int(x) for x in text.split(",")]
-    if not 4 <= len(fields) <= 6:
-        raise ValueError(f"--config wants M,N,WARPS,STAGES[,TMA[,WS]], got {text!r}")
-    return PrefillConfig(*fields[:4], *(bool(x) for x in fields[4:]))
-
-
-def _compile_job(job: tuple[int, int, tuple]) -> str | None:
-    """Worker: run one candidate (d, page size, config fields) on the 1k-token shape, which compiles it
-    with the swept shapes' specialisation into Triton's on-disk cache; the error, or None."""
-    d, block_size, fields = job
-    try:
-        Problem(1024, d, torch.device("cuda")).ours(block_size, PrefillConfig(*fields))()
-        torch.cuda.synchronize()
-        return None
-    except Exception as e:  # a config that does not compile or fit: reported, and left out of the timing
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-
-
-def precompile_options(head_dims: list[int], block_size: int, candidates) -> set[tuple[int, PrefillConfig]]:
-    """Compile the candidates with Hopper options in worker processes
-    (`attention_backward_sweep.pool_errors`); the (d, config) that failed, left out of the timing."""
-    jobs = {(d, c): (d, block_size, tuple(c)) for d in head_dims for c in candidates if c.tma or c.ws}
-    if not jobs:
-        return set()
-    workers = max(1, min(8, (os.cpu_count() or 2) // 2))
-    failed = attention_backward_sweep.pool_errors(_compile_job, jobs, workers)
-    print(f"compiled {len(jobs)} candidates with Hopper options; {len(failed)} failed", flush=True)
-    for (d, c), err in failed.items():
-        print(f"  d{d} {tuple(c)}: {err}", flush=True)
-    return set(failed)
+    if len(fields) != 4:
+        raise ValueError(f"--config wants M,N,WARPS,STAGES, got {text!r}")
+    return PrefillConfig(*fields)
 
 
 def measure_shape(p: Problem, block_sizes: list[int], compiled_flex, device, matmul: float) -> tuple[dict, object]:
@@ -275,7 +245,6 @@ def main() -> None:
     args = parse_args()
     candidates = [parse_config(c) for c in args.config] if args.config else CANDIDATE_CONFIGS
     device, info, compiled_flex = common.start(args.no_flex)
-    failed = precompile_options(args.head_dims, args.block_sizes[0], candidates) if args.sweep else set()
     matmul = common.matmul_tflops(device)
     print(f"bf16 matmul 8192³: {matmul:.0f} TFLOP/s", flush=True)
 
@@ -286,8 +255,7 @@ def main() -> None:
             row, ref = measure_shape(p, args.block_sizes, compiled_flex, device, matmul)
             rows.append(row)
             if args.sweep:
-                ok = [c for c in candidates if (d, c) not in failed]
-                sweep_rows += sweep_shape(p, args.block_sizes[0], ok, ref, row)
+                sweep_rows += sweep_shape(p, args.block_sizes[0], candidates, ref, row)
             del p, ref
             torch.cuda.empty_cache()
 

@@ -165,67 +165,6 @@ def test_hopper_knobs_match_float64_autograd(mode, dtype, hq, hk, d, causal, kno
     assert_grads_match(q, k, v, do, cu, causal, cfg, dtype)
 
 
-ROW_SCORES_CASES = [  # dq_mode, dtype, Hq, Hk, D, causal, (dkdv_m, dkdv_n), other options turned on
-    ("separate", BF16, 4, 2, 64, True, (16, 32), {}),
-    ("separate", F32, 4, 1, 32, False, (32, 16), {}),
-    ("separate", F16, 8, 2, 128, True, (16, 16), dict(dkdv_tma=True)),
-    ("separate", BF16, 4, 2, 32, True, (16, 32), dict(dkdv_tma=True, dkdv_ws=True)),
-    ("atomic", BF16, 4, 2, 64, True, (32, 16), {}),
-    ("ordered", F16, 8, 2, 32, False, (16, 32), {}),
-    ("ordered", F32, 2, 2, 16, True, (16, 16), {}),
-]
-
-
-@pytest.mark.parametrize(
-    "mode,dtype,hq,hk,d,causal,tiles,knobs",
-    ROW_SCORES_CASES,
-    ids=[
-        f"{c[0]}-{str(c[1])[6:]}-g{c[2] // c[3]}-d{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}-{'+'.join(c[7])}"
-        for c in ROW_SCORES_CASES
-    ],
-)
-def test_dkdv_row_scores_matches_float64_autograd(mode, dtype, hq, hk, d, causal, tiles, knobs, device):
-    """The dK/dV kernel with its scores as [query rows, keys] (`dkdv_row_scores`: S = Q Kᵀ, P and dS
-    transposed into dV's and dK's products, dS K as it is for the fused dQ modes) gives
-    the reference's gradients on packed sequences off the tile grid (and an empty one), GQA/MQA, causal
-    (the diagonal tiles masked as [rows, keys]) and not, in each dQ mode, with pointer and descriptor
-    loads and the warp-specialised loop."""
-    q, k, v, cu, do = make_inputs(LENS, hq, hk, d, dtype, device, seed=10)
-    cfg = BackwardConfig(*tiles, 4, 1, 32, 16, 4, 1, 16, mode, dkdv_row_scores=True)._replace(**knobs)
-    assert_grads_match(q, k, v, do, cu, causal, cfg, dtype)
-
-
-FORWARD_HOPPER_CASES = [  # dtype, Hq, Hk, D, causal, (block_m, block_n), the options turned on
-    (BF16, 4, 2, 64, True, (16, 32), dict(tma=True)),
-    (F16, 8, 2, 32, False, (32, 16), dict(tma=True, ws=True)),
-    (F32, 4, 1, 16, True, (16, 16), dict(tma=True, ws=True)),
-    (BF16, 2, 1, 32, True, (16, 16), dict(ws=True)),  # ws without tma: the plain kernel
-    (F32, 2, 2, 128, False, (16, 16), dict(tma=True)),
-]
-
-
-@pytest.mark.parametrize(
-    "dtype,hq,hk,d,causal,tiles,knobs",
-    FORWARD_HOPPER_CASES,
-    ids=[
-        f"{str(c[0])[6:]}-g{c[1] // c[2]}-d{c[3]}-{'causal' if c[4] else 'full'}-{c[5]}-{'+'.join(c[6])}"
-        for c in FORWARD_HOPPER_CASES
-    ],
-)
-def test_forward_hopper_knobs_match_float64(dtype, hq, hk, d, causal, tiles, knobs, device):
-    """The forward's descriptor loads (`ForwardConfig.tma`) and warp-specialised loops (`ws`): out and
-    the logsumexp match the float64 reference on packed sequences off the tile grid (and an empty one),
-    GQA/MQA, causal and not; the descriptors end at each sequence's end."""
-    from tinyvllm.kernels.launch import tma_usable
-
-    q, k, v, cu, _ = make_inputs(LENS, hq, hk, d, dtype, device, seed=8)
-    assert tma_usable(q, k, v)
-    cfg = ForwardConfig(*tiles, 4, 1, **knobs)
-    out, lse = flash_attention_fwd(q, k, v, causal, cu, backend="triton", fwd_config=cfg)
-    assert_close(out, reference_grads(q, k, v, torch.zeros_like(q), cu, causal)[0], dtype)
-    assert_close(lse, reference.attention_lse(q.double(), k.double(), cu, d**-0.5, causal), F32)
-
-
 def test_tma_falls_back_on_misaligned_inputs(device):
     """Inputs whose base is not 16-byte aligned cannot be read through descriptors: `tma_usable` says
     so, and a config asking for them takes the pointer loads and still gives the reference's gradients."""

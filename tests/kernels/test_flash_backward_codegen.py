@@ -6,9 +6,8 @@ checks the spin loop's scalar atomics, the transposed dS product, the pipelined 
 descriptors' lowering to TMA (tests/kernels/sm90_compile.py). Each compiled kernel's PTX is searched
 for `wgmma.mma_async` (Hopper's asynchronous tensor-core product), `cp.async.bulk.tensor` (a TMA copy)
 and `setmaxnreg` (register reallocation between warp groups: the mark of a warp-specialised kernel);
-its TTGIR for the products that read their first operand from shared memory; its cubin for registers
-and spills (stack bytes), recorded for reading (the wide dK/dV tiles spill at every config the sweep
-tries but (32, 64, 8 warps, 2 stages): docs/perf.md §3a).
+its cubin for registers and spills (stack bytes), recorded for reading (the wide dK/dV tiles spill at
+every config the sweep tries but (32, 64, 8 warps, 2 stages): docs/perf.md §3a).
 Runs in a subprocess without TRITON_INTERPRET; skipped where this Triton cannot compile for CUDA.
 """
 
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 
 import pytest
 
@@ -46,10 +44,6 @@ HOPPER_VARIANTS = {
     "tma-ws-w8-d128": (128, "separate", True, dict(dkdv_warps=8, dq_warps=8, **TMA, **WS)),
     "tma-ws-w4-d64-128keys": (64, "separate", True, dict(W4, dkdv_n=128, **TMA, **WS)),
     "tma-ws-w4-d64-atomic": (64, "atomic", True, dict(W4, dkdv_tma=True, dkdv_ws=True)),
-    "row-scores-d64-separate": (64, "separate", True, dict(dkdv_row_scores=True)),
-    "row-scores-d128-separate": (128, "separate", True, dict(dkdv_row_scores=True)),
-    "row-scores-d128-atomic": (128, "atomic", True, dict(dkdv_row_scores=True)),
-    "row-scores-tma-d128-full": (128, "separate", False, dict(dkdv_row_scores=True, dkdv_tma=True)),
 }
 # Triton 3.9's Hopper warp-specialisation pass (NVGPUWarpSpecialization) aborts on the dK/dV kernel
 # with 128 keys ("value not sliced" in its data partitioning) and on the fused mode's atomic adds
@@ -58,20 +52,18 @@ WS_FAILS_HERE = {"tma-ws-w4-d64-128keys", "tma-ws-w4-d64-atomic"}
 
 
 def _facts(kernel) -> dict:
-    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    ptx = kernel.asm["ptx"]
     return {
         "wgmma": ptx.count("wgmma.mma_async"),
         "tma": ptx.count("cp.async.bulk.tensor"),
         "setmaxnreg": ptx.count("setmaxnreg"),
-        # the products' float32 result tiles, "<rows>x<cols>"
-        "dot_shapes": sorted(set(re.findall(r"ttng\.warp_group_dot [^\n]*-> tensor<(\d+x\d+)xf32", ttgir))),
         **resource_usage(kernel),
     }
 
 
 def compile_variant(d: int, mode: str, causal: bool, knobs: dict | None = None) -> list[dict]:
     """Per kernel that one backward launches for this variant, compiled for sm_90: its name and the
-    counts of `_ptx_facts` in its PTX. knobs: fields replaced in PLAIN's config (None: the table's
+    facts `_facts` reads from it. knobs: fields replaced in PLAIN's config (None: the table's
     long-sequence config as it is)."""
     import torch
 
@@ -158,12 +150,6 @@ def test_hopper_variant_compiles_for_sm90(facts, name):
             assert kernel["setmaxnreg"] > 0, part
         if not (tma and ws):
             assert kernel["setmaxnreg"] == 0, part
-    # the dK/dV kernel's score tiles: S, dP [rows, keys] with dkdv_row_scores, else Sᵀ, dPᵀ [keys, rows]
-    # (without dQ's product, [rows, d], which may have the same shape)
-    cfg = HOPPER_BACKWARD[HOPPER_VARIANTS[name][0]][1]._replace(**{**PLAIN, **knobs})
-    if mode == "separate" and cfg.dkdv_m != cfg.dkdv_n:
-        rows_keys = f"{cfg.dkdv_m}x{cfg.dkdv_n}" in kernels["_bwd_dkdv_kernel"]["dot_shapes"]
-        assert rows_keys == cfg.dkdv_row_scores, kernels["_bwd_dkdv_kernel"]
     if knobs.get("dkdv_ws") or knobs.get("dq_ws"):
         stats = "_bwd_stats_kernel" in kernels
         assert stats == bool(knobs.get("dkdv_tma") or knobs.get("dq_tma")), list(kernels)

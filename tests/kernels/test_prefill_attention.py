@@ -1,8 +1,6 @@
 """FlashAttention-2 prefill over the paged cache vs `reference.prefill_attention` (float64), on small odd
 shapes: chunks starting mid-context, lengths off the tile grid, scattered blocks of sizes 1/3/5/16/32,
-GQA 1/2/4/8, head dims 16..256, and tile configs small enough to give many tiles per sequence; the same
-for the tensor-descriptor loads (`PrefillConfig.tma`, with and without `ws`) at block sizes 16 and 64,
-and the launches that fall back from them to pointer loads."""
+GQA 1/2/4/8, head dims 16..256, and tile configs small enough to give many tiles per sequence."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from hypothesis import strategies as st
 from kernel_helpers import assert_close, make_paged_cache, packed_queries
 
 from tinyvllm.kernels import get_ops, reference
-from tinyvllm.kernels.prefill_attention import PrefillConfig, prefill_attention_fwd, tma_applies
+from tinyvllm.kernels.prefill_attention import PrefillConfig, prefill_attention_fwd
 
 # (q_len, seq_len) per sequence: a whole prompt off the tile grid, a chunk in mid-context, a one-token
 # prompt, an empty chunk, a long chunk after a prefix-cache hit, a single row deep in its context.
@@ -60,85 +58,6 @@ def test_prefill_matches_reference(dtype, block_size, hq, hk, d, tiles, device):
     cfg = PrefillConfig(tiles[0], tiles[1], 4, 2)
     out, ref, _, _ = run_case(dtype, block_size, hq, hk, d, cfg, LAYOUT, device)
     assert_close(out, ref, dtype)
-
-
-TMA_CASES = [  # dtype, block_size, Hq, Hk, D, (BLOCK_M, BLOCK_N), ws
-    (F32, 16, 4, 2, 32, (16, 16), False),  # one page per tile
-    (BF16, 16, 8, 2, 32, (16, 32), False),  # two page loads per tile
-    (F16, 16, 4, 1, 16, (32, 64), False),  # four page loads per tile
-    (BF16, 64, 4, 4, 64, (32, 16), False),  # four tiles per page
-    (F32, 64, 8, 2, 16, (16, 32), True),
-    (BF16, 16, 4, 2, 32, (16, 32), True),
-    (F16, 16, 8, 1, 16, (16, 64), True),
-]
-
-
-@pytest.mark.parametrize(
-    "dtype,block_size,hq,hk,d,tiles,ws",
-    TMA_CASES,
-    ids=[
-        f"{str(c[0])[6:]}-bs{c[1]}-g{c[2] // c[3]}-d{c[4]}-m{c[5][0]}n{c[5][1]}{'-ws' if c[6] else ''}"
-        for c in TMA_CASES
-    ],
-)
-def test_tma_matches_reference(dtype, block_size, hq, hk, d, tiles, ws, device):
-    """Q, K and V through tensor descriptors (`tma`; `ws`: one loop, every tile masked): the reference's
-    output and logsumexp, on the layout above (odd lengths, a chunk mid-context, an empty chunk). The cache
-    slots past each sequence's end and every block it does not own hold NaN, and pages past the end are
-    loaded whole, so keys the kernel fails to mask show up as NaN. The descriptor path runs (asserted)."""
-    cfg = PrefillConfig(tiles[0], tiles[1], 4, 2, tma=True, ws=ws)
-    out, ref, lse, (q, k_cache, v_cache, cu, sl, tables, scale) = run_case(
-        dtype, block_size, hq, hk, d, cfg, LAYOUT, device, seed=4, return_lse=True
-    )
-    assert tma_applies(q, k_cache, v_cache, cfg)
-    assert_close(out, ref, dtype)
-    plain, plain_lse = prefill_attention_fwd(
-        q,
-        k_cache,
-        v_cache,
-        cu,
-        sl,
-        tables,
-        scale,
-        max(n for n, _ in LAYOUT),
-        return_lse=True,
-        config=cfg._replace(tma=False, ws=False),
-    )
-    rows = int(cu[-1])
-    if not ws:  # the same operations in the same order as the pointer loads
-        assert torch.equal(out[:rows], plain[:rows])
-    torch.testing.assert_close(lse[:, :rows], plain_lse[:, :rows], rtol=1e-5, atol=1e-5)
-
-
-def test_tma_falls_back_to_pointer_loads(device):
-    """Where descriptors cannot serve, `tma` launches read through pointers and still match the reference:
-    a block size that is not a power of two, more than MAX_PAGE_LOADS pages per tile, an FP8 cache, a
-    query tensor whose base is not 16-byte aligned."""
-    for block_size, tiles in ((3, (16, 16)), (1, (16, 16))):
-        cfg = PrefillConfig(*tiles, 4, 2, tma=True, ws=True)
-        out, ref, _, (q, k_cache, v_cache, *_) = run_case(F32, block_size, 4, 2, 16, cfg, LAYOUT, device, seed=5)
-        assert not tma_applies(q, k_cache, v_cache, cfg)
-        assert_close(out, ref, F32)
-    gen = torch.Generator(device=device).manual_seed(6)
-    q_lens, seq_lens = zip(*LAYOUT)
-    k_cache, v_cache, tables = make_paged_cache(list(seq_lens), 2, 32, 16, F32, device, gen)
-    k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
-    q, cu = packed_queries(list(q_lens), 4, 32, BF16, device, gen)
-    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    cfg = PrefillConfig(16, 32, 4, 2, tma=True)
-    assert not tma_applies(q, k_cache, v_cache, cfg)
-    out, _ = prefill_attention_fwd(q, k_cache, v_cache, cu, sl, tables, 0.2, max(q_lens), config=cfg)
-    assert_close(out, reference.prefill_attention(q.double(), k_cache, v_cache, cu, sl, tables, 0.2), BF16)
-    k_cache, v_cache, tables = make_paged_cache(list(seq_lens), 2, 16, 16, F32, device, gen)
-    wide = torch.randn(sum(q_lens) * 4 * 16 + 1, generator=gen, device=device)
-    q = wide[1:].view(sum(q_lens), 4, 16)  # 4 bytes past an aligned base
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    cfg = PrefillConfig(16, 16, 4, 2, tma=True)
-    assert not tma_applies(q, k_cache, v_cache, cfg) and tma_applies(q.clone(), k_cache, v_cache, cfg)
-    out, _ = prefill_attention_fwd(q, k_cache, v_cache, cu, sl, tables, 0.25, max(q_lens), config=cfg)
-    ref = reference.prefill_attention(q.double(), k_cache.double(), v_cache.double(), cu, sl, tables, 0.25)
-    assert_close(out, ref, F32)
 
 
 def test_default_config_and_ops_table(device):

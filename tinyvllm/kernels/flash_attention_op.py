@@ -35,17 +35,12 @@ KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 
 
 class ForwardConfig(NamedTuple):
-    """Tiles of the forward: block_m query rows per program, block_n keys per step. Hopper options, off
-    by default (the kernel is then the prefill loop's): tma reads Q, K and V through tensor descriptors
-    (TMA on sm_90) where their alignment allows; ws (with tma) runs the keys in one warp-specialised
-    loop (`tl.range(..., warp_specialize=True)`), every tile masked."""
+    """Tiles of the forward: block_m query rows per program, block_n keys per step."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    tma: bool = False
-    ws: bool = False
 
 
 class BackwardConfig(NamedTuple):
@@ -55,15 +50,11 @@ class BackwardConfig(NamedTuple):
     (a second pass, deterministic), "atomic" (dQ added inside the dK/dV kernel, not deterministic) or
     "ordered" (the same adds in a fixed order, deterministic); the fused modes ignore the dq_* fields.
 
-    Hopper options, off by default (the kernels are then today's): dkdv_tma / dq_tma make that kernel
-    read its Q, K, V and dO tiles through tensor descriptors (TMA on sm_90) where the tensors' alignment
+    Hopper options, off unless set (the kernels then load through pointers; `HOPPER_BACKWARD` sets
+    dkdv_tma, and dkdv_ws past SHORT_SEQLEN, at head dim 128): dkdv_tma / dq_tma make that kernel read
+    its Q, K, V and dO tiles through tensor descriptors (TMA on sm_90) where the tensors' alignment
     allows (`launch.tma_usable`; else pointer loads); dkdv_ws / dq_ws ask Triton to warp-specialise
-    that kernel's inner loops (`tl.range(..., warp_specialize=True)`; not with "ordered").
-
-    dkdv_row_scores: the dK/dV kernel computes S and dP as [query rows, keys] instead of [keys, query
-    rows] (`_dkdv_tiles`). Compiled for sm_90 (Triton 3.6), the kernel spills at every wide tile either
-    way; this form spills about half the bytes at 4 warps and at 128 × 128 tiles, more at (64, 128, 8
-    warps) (docs/perf.md §3a); a sweep option until the GPU times it."""
+    that kernel's inner loops (`tl.range(..., warp_specialize=True)`; not with "ordered")."""
 
     dkdv_m: int
     dkdv_n: int
@@ -79,7 +70,6 @@ class BackwardConfig(NamedTuple):
     dkdv_ws: bool = False
     dq_tma: bool = False
     dq_ws: bool = False
-    dkdv_row_scores: bool = False
 
 
 DETERMINISTIC_DQ_MODES = ("separate", "ordered")

@@ -37,19 +37,19 @@ Kernels:
        order of the key-tile axis), so the wait always ends.
 Rows past a sequence's end load Q = dO = 0 (and L = D = 0), so in kernel 2 they add exactly zero to dK
 and dV; key rows past the end are loaded as zero, so they add zero to dQ, and their dK, dV are never
-stored.
-
-Hopper options (`BackwardConfig`'s dkdv_tma, dq_tma, dkdv_ws, dq_ws; off by default, which leaves the
-kernels above unchanged). TMA: a kernel reads its Q, K, V and dO tiles through tensor descriptors
-built in the kernel per (sequence, head) (`flash_forward.seq_rows`, TMA copies on sm_90), each ending
-at its sequence's end, so the rows past it read as zeros exactly as the masked loads do. WS (with
-TMA): the kernel's query- (dK/dV) or key-tile (dQ) loop is asked to be warp-specialised
-(`tl.range(..., warp_specialize=True)`); Triton 3.9 specialises only a kernel whose loop is one loop
-without branches and without pointer loads of vectors, so in this form the two loops become one with
-every tile masked, tiles past a sequence run empty loops instead of returning early, and the per-row
-statistics (L · log2 e, D) are read through descriptors from 16-byte rows that `_bwd_stats_kernel`
-packs before each kernel. Accumulation is float32 (float64 for float64 inputs); products of 16-bit inputs round P and dS
+stored. Accumulation is float32 (float64 for float64 inputs); products of 16-bit inputs round P and dS
 to the input dtype first, as FA2. All row offsets are int64.
+
+Hopper options (`BackwardConfig`'s dkdv_tma, dq_tma, dkdv_ws, dq_ws; without them, the kernels above;
+`HOPPER_BACKWARD` turns on the dK/dV kernel's at head dim 128). TMA: a kernel reads its Q, K, V and dO
+tiles through tensor descriptors built in the kernel per (sequence, head) (`_seq_rows`, TMA copies on
+sm_90), each ending at its sequence's end, so the rows past it read as zeros exactly as the masked
+loads do. WS (with TMA): the kernel's query- (dK/dV) or key-tile (dQ) loop is asked to be
+warp-specialised (`tl.range(..., warp_specialize=True)`); Triton 3.9 specialises only a kernel whose
+loop is one loop without branches and without pointer loads of vectors, so in this form the two loops
+become one with every tile masked, tiles past a sequence run empty loops instead of returning early,
+and the per-row statistics (L · log2 e, D) are read through descriptors from 16-byte rows that
+`_bwd_stats_kernel` packs before each kernel.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.flash_forward import seq_rows, upcast_operands
+from tinyvllm.kernels.flash_forward import upcast_operands
 from tinyvllm.kernels.flash_tiles import dot_pv, dot_qk
 from tinyvllm.kernels.launch import cdiv, ensure_tma_allocator, tma_usable
 
@@ -98,6 +98,19 @@ def _bwd_preprocess_kernel(
     if ZERO_DQ:
         zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=dq_acc_ptr.dtype.element_ty)
         tl.store(dq_acc_ptr + rows[:, None] * stride_at + h * stride_ah + offs_d[None, :], zero, mask=valid[:, None])
+
+
+@triton.jit
+def _seq_rows(base, seq_len, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A tensor descriptor (TMA on sm_90) over one sequence's rows of one head: [seq_len, HEAD_DIM]
+    elements from `base` (the sequence's first row of the head), row stride stride_t, loaded as
+    [BLOCK, HEAD_DIM] tiles. The descriptor ends where the sequence ends, so rows from seq_len on load as
+    zeros, exactly as the masked pointer loads: no row of the next sequence is ever read. An empty
+    sequence's descriptor spans one row (a TMA dimension may not be 0); nothing loaded for it is stored.
+    base and stride_t · element size must be multiples of 16 bytes (`launch.tma_usable`)."""
+    return tl.make_tensor_descriptor(
+        base, shape=[tl.maximum(seq_len, 1), HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM]
+    )
 
 
 @triton.jit
@@ -165,21 +178,16 @@ def _dkdv_tiles(
     IEEE: tl.constexpr,
     TMA: tl.constexpr,
     WS: tl.constexpr,
-    ROW_SCORES: tl.constexpr = False,
 ):
     """Fold query rows lo .. hi−1 (lo a multiple of BLOCK_M, hi ≤ seq_len) of one query head into the
     key tile's (dk, dv) [BLOCK_N, HEAD_DIM]. k, v: the tile's keys [BLOCK_N, HEAD_DIM] at positions
     offs_n; q_src, do_src: this head's Q and dO rows of the sequence, as pointers to its first row or
-    (TMA) as `seq_rows` descriptors; lse_ptr, delta_ptr, dq_acc_ptr: offset to the sequence's first row
+    (TMA) as `_seq_rows` descriptors; lse_ptr, delta_ptr, dq_acc_ptr: offset to the sequence's first row
     of this head (WS: lse_ptr is a `_stats_rows` descriptor, delta_ptr unused); ticket_ptr: this
     (sequence, head)'s tickets, one per query tile; key_tile: j.
     MASKED: the causal mask (key ≤ query); unmasked tiles must lie wholly on or below the diagonal.
     DQ_MODE 1 ("atomic") and 2 ("ordered"): also add dS Kⱼ (unscaled) into the dQ accumulator.
-    WS: ask Triton to warp-specialise the loop (`tl.range(..., warp_specialize=True)`).
-    ROW_SCORES: the scores as S = Q Kᵀ and dP = dO Vᵀ [BLOCK_M, BLOCK_N] (query rows first) instead of
-    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ [BLOCK_N, BLOCK_M]; P and dS then reach dV's and dK's products transposed
-    (through shared memory), and dS reaches dQ's as it is. Both forms read K, V, Q and dO from shared
-    memory; they differ in how the score tiles lie over the warps, and so in registers and spills."""
+    WS: ask Triton to warp-specialise the loop (`tl.range(..., warp_specialize=True)`)."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -197,24 +205,14 @@ def _dkdv_tiles(
         else:
             lse2 = tl.load(lse_ptr + rows, mask=row_valid, other=0.0) * 1.4426950408889634
             delta = tl.load(delta_ptr + rows, mask=row_valid, other=0.0)
-        if ROW_SCORES:
-            qk = dot_qk(q, k, UPCAST, IEEE)  # S / scale: [BLOCK_M, BLOCK_N]
-            p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # P = exp(S − L)
-            if MASKED:
-                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
-            dv = dot_pv(tl.trans(p.to(do.dtype)), do, dv, UPCAST, IEEE)  # dV += Pᵀ dO
-            dp = dot_qk(do, v, UPCAST, IEEE)  # dP = dO Vᵀ
-            ds = (p * (dp - delta[:, None])).to(q.dtype)  # dS = P ∘ (dP − D), without the scale
-            ds_t = tl.trans(ds)
-        else:
-            qk_t = dot_qk(k, q, UPCAST, IEEE)  # Sᵀ / scale: [BLOCK_N, BLOCK_M]
-            p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # Pᵀ = exp(Sᵀ − L)
-            if MASKED:
-                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-            dv = dot_pv(p_t.to(do.dtype), do, dv, UPCAST, IEEE)  # dV += Pᵀ dO
-            dp_t = dot_qk(v, do, UPCAST, IEEE)  # dPᵀ = V dOᵀ
-            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)  # dSᵀ = Pᵀ ∘ (dPᵀ − D), without the scale
-            ds = tl.trans(ds_t)
+        qk_t = dot_qk(k, q, UPCAST, IEEE)  # Sᵀ / scale: [BLOCK_N, BLOCK_M]
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # Pᵀ = exp(Sᵀ − L)
+        if MASKED:
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv = dot_pv(p_t.to(do.dtype), do, dv, UPCAST, IEEE)  # dV += Pᵀ dO
+        dp_t = dot_qk(v, do, UPCAST, IEEE)  # dPᵀ = V dOᵀ
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)  # dSᵀ = Pᵀ ∘ (dPᵀ − D), without the scale
+        ds = tl.trans(ds_t)
         dk = dot_pv(ds_t, q, dk, UPCAST, IEEE)  # dK += dSᵀ Q
         if DQ_MODE != 0:
             dq = dot_pv(ds, k, tl.zeros([BLOCK_M, HEAD_DIM], dtype=dk.dtype), UPCAST, IEEE)  # dS Kⱼ
@@ -272,12 +270,11 @@ def _bwd_dkdv_kernel(
     IEEE: tl.constexpr,
     TMA: tl.constexpr,
     WS: tl.constexpr,
-    ROW_SCORES: tl.constexpr = False,
 ):
     """Program (key tile, KV head hk, sequence s): dK, dV of BLOCK_N keys, summed over the GROUP query
     heads hk·GROUP .. hk·GROUP + GROUP − 1 (module docstring, kernel 2); DQ_MODE 1, 2: also their
     contributions to dQ (kernel 3's fused modes). dq_acc_ptr, tickets_ptr: unused in DQ_MODE 0.
-    TMA: the K, V, Q and dO tiles come through per-(sequence, head) tensor descriptors (`seq_rows`).
+    TMA: the K, V, Q and dO tiles come through per-(sequence, head) tensor descriptors (`_seq_rows`).
     WS (with TMA): one warp-specialised loop per query head, every tile causally masked, the row
     statistics read through descriptors (lse_ptr: `_bwd_stats_kernel`'s rows, stride_lse_h its head
     stride; delta_ptr unused): Triton's Hopper warp specialisation (3.9) specialises a single loop
@@ -300,8 +297,8 @@ def _bwd_dkdv_kernel(
     if TMA:
         k_seq = k_ptr + seq_start.to(tl.int64) * stride_kt + hk * stride_kh
         v_seq = v_ptr + seq_start.to(tl.int64) * stride_vt + hk * stride_vh
-        k = seq_rows(k_seq, seq_len, stride_kt, BLOCK_N, HEAD_DIM).load([start_n, 0])
-        v = seq_rows(v_seq, seq_len, stride_vt, BLOCK_N, HEAD_DIM).load([start_n, 0])
+        k = _seq_rows(k_seq, seq_len, stride_kt, BLOCK_N, HEAD_DIM).load([start_n, 0])
+        v = _seq_rows(v_seq, seq_len, stride_vt, BLOCK_N, HEAD_DIM).load([start_n, 0])
     else:
         k = tl.load(
             k_ptr + rows_n[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=key_valid[:, None], other=0.0
@@ -324,8 +321,8 @@ def _bwd_dkdv_kernel(
         q_h = q_ptr + row0 * stride_qt + h * stride_qh
         do_h = do_ptr + row0 * stride_dot + h * stride_doh
         if TMA:
-            q_h = seq_rows(q_h, seq_len, stride_qt, BLOCK_M, HEAD_DIM)
-            do_h = seq_rows(do_h, seq_len, stride_dot, BLOCK_M, HEAD_DIM)
+            q_h = _seq_rows(q_h, seq_len, stride_qt, BLOCK_M, HEAD_DIM)
+            do_h = _seq_rows(do_h, seq_len, stride_dot, BLOCK_M, HEAD_DIM)
         lse_h = lse_ptr + h * stride_lse_h + row0
         delta_h = delta_ptr + h * stride_lse_h + row0
         dq_h = dq_acc_ptr + row0 * stride_at + h * stride_ah
@@ -335,19 +332,18 @@ def _bwd_dkdv_kernel(
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, lo, q_end, seq_len,
                 qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, CAUSAL, DQ_MODE, UPCAST, IEEE, TMA, True,
-                ROW_SCORES,
             )  # fmt: skip
         else:
             if CAUSAL:  # the diagonal, masked
                 dk, dv = _dkdv_tiles(
                     dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, lo, mid, seq_len,
                     qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, True, DQ_MODE, UPCAST, IEEE, TMA,
-                    False, ROW_SCORES,
+                    False,
                 )  # fmt: skip
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, offs_n, q_h, do_h, lse_h, delta_h, dq_h, tickets_h, key_tile, mid, q_end, seq_len,
                 qk_scale, stride_qt, stride_dot, stride_at, HEAD_DIM, BLOCK_M, False, DQ_MODE, UPCAST, IEEE, TMA,
-                False, ROW_SCORES,
+                False,
             )  # fmt: skip
     dk = dk * scale
     tl.store(
@@ -389,7 +385,7 @@ def _dq_tiles(
     """Fold keys lo .. hi−1 (lo a multiple of BLOCK_N) into the query tile's dq [BLOCK_M, HEAD_DIM].
     q, do: the tile's rows; lse2: their logsumexp in log2 units; delta: their D; q_pos: the last key each
     row sees. k_src, v_src: the KV head's rows of the sequence, as pointers to its first row or (TMA) as
-    `seq_rows` descriptors (keys ≥ seq_len read as zeros). MASKED: mask keys after q_pos and keys
+    `_seq_rows` descriptors (keys ≥ seq_len read as zeros). MASKED: mask keys after q_pos and keys
     ≥ seq_len; unmasked tiles must be visible to every row. WS: warp-specialise the loop."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
@@ -451,7 +447,7 @@ def _bwd_dq_kernel(
     WS: tl.constexpr,
 ):
     """Program (query tile, query head h, sequence s): dQ of BLOCK_M rows (module docstring, kernel 3).
-    TMA: the Q, dO, K and V tiles come through per-(sequence, head) tensor descriptors (`seq_rows`).
+    TMA: the Q, dO, K and V tiles come through per-(sequence, head) tensor descriptors (`_seq_rows`).
     WS (with TMA): one warp-specialised loop over the keys, every tile masked, the row statistics read
     through a descriptor (lse_ptr: `_bwd_stats_kernel`'s rows, stride_lse_h their head stride;
     delta_ptr unused), for the reasons `_bwd_dkdv_kernel` gives."""
@@ -472,8 +468,8 @@ def _bwd_dq_kernel(
     if TMA:
         q_seq = q_ptr + seq_start.to(tl.int64) * stride_qt + h * stride_qh
         do_seq = do_ptr + seq_start.to(tl.int64) * stride_dot + h * stride_doh
-        q = seq_rows(q_seq, seq_len, stride_qt, BLOCK_M, HEAD_DIM).load([start_m, 0])
-        do = seq_rows(do_seq, seq_len, stride_dot, BLOCK_M, HEAD_DIM).load([start_m, 0])
+        q = _seq_rows(q_seq, seq_len, stride_qt, BLOCK_M, HEAD_DIM).load([start_m, 0])
+        do = _seq_rows(do_seq, seq_len, stride_dot, BLOCK_M, HEAD_DIM).load([start_m, 0])
     else:
         q = tl.load(
             q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_valid[:, None], other=0.0
@@ -492,8 +488,8 @@ def _bwd_dq_kernel(
     k_h = k_ptr + row0 * stride_kt + hk * stride_kh
     v_h = v_ptr + row0 * stride_vt + hk * stride_vh
     if TMA:
-        k_h = seq_rows(k_h, seq_len, stride_kt, BLOCK_N, HEAD_DIM)
-        v_h = seq_rows(v_h, seq_len, stride_vt, BLOCK_N, HEAD_DIM)
+        k_h = _seq_rows(k_h, seq_len, stride_kt, BLOCK_N, HEAD_DIM)
+        v_h = _seq_rows(v_h, seq_len, stride_vt, BLOCK_N, HEAD_DIM)
     acc_dtype = tl.float64 if q.dtype == tl.float64 else tl.float32
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=acc_dtype)
     if CAUSAL:
@@ -633,7 +629,7 @@ class BackwardLaunch:
             self.scale * LOG2E, *self._strides(), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             lse.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
             BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, DQ_MODE=self.mode, TMA=self.dkdv_tma, WS=self.dkdv_ws,
-            ROW_SCORES=cfg.dkdv_row_scores, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **self.common,
+            num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **self.common,
         )  # fmt: skip
 
     def dq_pass(self) -> None:

@@ -26,14 +26,6 @@ Key tiles are gathered through the block table (`block_tables[s, pos // block_si
 holds whole tiles (block_size % BLOCK_N == 0) one table entry serves a tile.
 Optionally stores the logsumexp  lse[h, row] = log Σ_j exp(scale · q·k_j)  (natural log, float32).
 
-Hopper options (`PrefillConfig.tma`, `.ws`; off by default, which leaves the kernel above unchanged): tma
-reads the query tile through a descriptor over the sequence's rows of q and the key tiles through
-descriptors over the cache viewed as rows (`flash_tiles.attn_inner_tma`: one load per page, or per tile
-when a page holds whole tiles; TMA copies on sm_90), same passes, same arithmetic. ws (with tma) runs
-the keys in one warp-specialised loop with every tile masked, as the batch-invariant mode does, and has
-no early return. An FP8 cache, a block size that is not a power of two, more than MAX_PAGE_LOADS pages
-per tile or tensors TMA cannot address keep the pointer loads (`tma_applies`).
-
 Batch-invariant mode (INVARIANT, `invariant_prefill_attention` / `invariant_decode_attention`): a row's
 result must not depend on the chunk it sits in, on its place in the query tile or on whether it is a
 decode row. The unmasked pass rounds s·scale − m as one FMA where the masked pass rounds twice, and which
@@ -53,33 +45,19 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.flash_tiles import attn_inner, attn_inner_tma, queries_for_cache, rows_desc
-from tinyvllm.kernels.launch import (
-    cdiv,
-    check_kv_scales,
-    check_paged_attention,
-    check_window,
-    ensure_tma_allocator,
-    is_power_of_2,
-    tma_usable,
-    upcast_dot,
-)
+from tinyvllm.kernels.flash_tiles import attn_inner, queries_for_cache
+from tinyvllm.kernels.launch import cdiv, check_kv_scales, check_paged_attention, check_window, upcast_dot
 
 LOG2E = 1.4426950408889634
 
 
 class PrefillConfig(NamedTuple):
-    """Tiles of the prefill: block_m query rows per program, block_n keys per step. Hopper options, off
-    by default (the kernel is then the pointer-load one): tma reads Q through a tensor descriptor and K/V
-    through descriptors over the cache's rows (TMA on sm_90; `tma_applies` says where, else pointer
-    loads); ws (with tma) runs the keys in one warp-specialised loop, every tile masked."""
+    """Tiles of the prefill: block_m query rows per program, block_n keys per step."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    tma: bool = False
-    ws: bool = False
 
 
 # Per head dim, for 16-bit inputs on the H200 (227 KB of shared memory per SM): the best of
@@ -96,10 +74,8 @@ DEFAULT_CONFIGS: dict[int, PrefillConfig] = {
 SHORT_CONFIGS: dict[int, PrefillConfig] = {128: PrefillConfig(64, 64, 4, 2)}  # max_seqlen_q ≤ SHORT_Q
 SHORT_Q = 1024
 
-# Candidates the GPU benchmark sweeps (`bench_prefill_attention.py --sweep`): a grid of pointer-load
-# tiles, five-stage pipelines, then the Hopper options on a few tiles (tma; tma with ws). Triton 3.9
-# warp-specialises the loop with 4 warps only (tests/kernels/test_prefill_tma_codegen.py): one 8-warp ws
-# config in case the GPU's Triton does better.
+# Candidates the GPU benchmark sweeps (`bench_prefill_attention.py --sweep`): a grid of tiles, then
+# five-stage pipelines.
 CANDIDATE_CONFIGS: list[PrefillConfig] = [
     PrefillConfig(m, n, w, s)
     for m, n in ((128, 64), (128, 128), (64, 64), (64, 128))
@@ -110,15 +86,7 @@ CANDIDATE_CONFIGS: list[PrefillConfig] = [
     # the loop's wait (two buffers, `async_wait` num 1 and 3; up to 4 stages: one buffer, num 0)
     PrefillConfig(m, n, w, 5)
     for m, n, w in ((64, 64, 4), (128, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8))
-] + [
-    PrefillConfig(*c)
-    for c in (
-        (64, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 64, 4, 3, True), (128, 64, 8, 3, True),
-        (128, 128, 8, 2, True), (128, 128, 8, 3, True), (64, 128, 4, 3, True),
-        (64, 64, 4, 2, True, True), (64, 64, 4, 3, True, True), (128, 64, 4, 2, True, True),
-        (64, 128, 4, 2, True, True), (128, 128, 8, 2, True, True),
-    )
-]  # fmt: skip
+]
 
 
 def default_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int | None = None) -> PrefillConfig:
@@ -131,52 +99,6 @@ def default_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int | None =
             block_m=max(16, cfg.block_m // 2), block_n=max(16, cfg.block_n // 2), num_stages=min(cfg.num_stages, 2)
         )
     return cfg
-
-
-@triton.jit
-def _fold(
-    acc,
-    l_i,
-    m_i,
-    q,
-    q_pos,
-    k_src,
-    v_src,
-    bt_row_ptr,
-    lo,
-    hi,
-    kv_end,
-    qk_scale,
-    stride_kb,
-    stride_kt,
-    block_rows,
-    head_row,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    PAGE_TILE: tl.constexpr,
-    MASKED: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-    TMA: tl.constexpr,
-    kv_start=0,
-    window=0,
-    HAS_WINDOW: tl.constexpr = False,
-    WS: tl.constexpr = False,
-):
-    """Fold keys lo .. hi−1 into (acc, l_i, m_i): `attn_inner` over the cache pointers k_src, v_src
-    (offset to the KV head), or with TMA `attn_inner_tma` over the descriptors k_src, v_src (block_rows,
-    head_row locate the KV head's rows; WS: warp-specialise its loop)."""
-    if TMA:
-        return attn_inner_tma(
-            acc, l_i, m_i, q, q_pos, k_src, v_src, bt_row_ptr, block_rows, head_row, lo, hi, kv_end, qk_scale,
-            BLOCK_N, BLOCK_SIZE, PAGE_TILE, MASKED, UPCAST, IEEE, kv_start, window, HAS_WINDOW, WS,
-        )  # fmt: skip
-    else:
-        return attn_inner(
-            acc, l_i, m_i, q, q_pos, k_src, v_src, bt_row_ptr, lo, hi, kv_end, qk_scale, stride_kb, stride_kt,
-            HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_TILE, MASKED, UPCAST, IEEE, kv_start, window, HAS_WINDOW,
-        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["stride_lse_h", "stride_bt"])  # they vary per step: see decode_attention
@@ -201,7 +123,6 @@ def _prefill_kernel(
     stride_kt,
     stride_bt,
     window,
-    num_kv_rows,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -214,8 +135,6 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     INVARIANT: tl.constexpr = False,
     DECODE_GROUP: tl.constexpr = False,
-    TMA: tl.constexpr = False,
-    WS: tl.constexpr = False,
 ):
     """Program (query tile, head h, sequence s): out[rows] = softmax(scale · q Kᵀ) V for BLOCK_M query rows of
     head h of sequence s, causal (and inside a `window`-key sliding window with HAS_WINDOW), over the paged
@@ -223,25 +142,14 @@ def _prefill_kernel(
 
     DECODE_GROUP (with INVARIANT, chunks of one row, no STORE_LSE): program (0, KV head h, sequence s), its
     tile's rows the GROUP query heads of h at the one position, so K/V are read once per group: each row
-    goes through the same tiles and arithmetic as in a one-head program, at another row of the tile.
-
-    TMA (not with INVARIANT): Q through a descriptor over head h's rows of the packed queries (a tile's
-    rows past q_len read the next chunk's queries, or zeros past the last, and are never stored), K and V
-    through `flash_tiles.rows_desc` descriptors over the caches' num_kv_rows rows (`attn_inner_tma`).
-    WS (with TMA): no early return and one warp-specialised loop over the keys from the first visible
-    key's tile, every tile masked (Triton's Hopper warp specialisation takes a kernel's single loop,
-    without branches in it)."""
-    tl.static_assert(not (TMA and INVARIANT), "the batch-invariant mode reads through pointers")
-    tl.static_assert(TMA or not WS, "the warp-specialised loop reads through descriptors")
+    goes through the same tiles and arithmetic as in a one-head program, at another row of the tile."""
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) tiles first
     h = tl.program_id(1)
     s = tl.program_id(2)
     q_start = tl.load(cu_seqlens_ptr + s)
     q_len = tl.load(cu_seqlens_ptr + s + 1) - q_start
     start_m = m_tile * BLOCK_M
-    if WS:  # no early return: a tile past the chunk runs an empty loop and stores nothing
-        live = start_m < q_len
-    elif start_m >= q_len:
+    if start_m >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + s)
     ctx = seq_len - q_len  # tokens before this chunk
@@ -261,24 +169,11 @@ def _prefill_kernel(
         q_rows = rows[:, None] * stride_qt + h * stride_qh
         o_rows = rows[:, None] * stride_ot + h * stride_oh
         kv_off = (h // GROUP).to(tl.int64) * stride_kh
-    if TMA:  # head h's rows of the packed queries, up to cu_seqlens[S] (at least one: a valid descriptor)
-        q_total = tl.maximum(tl.load(cu_seqlens_ptr + tl.num_programs(2)), 1)
-        q = rows_desc(q_ptr + h * stride_qh, q_total, stride_qt, BLOCK_M, HEAD_DIM).load([q_start + start_m, 0])
-    else:
-        q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=row_valid[:, None], other=0.0)
     q = queries_for_cache(q, k_cache_ptr)
 
-    if TMA:  # descriptors over the caches' rows; block 1's rows, and the KV head's in block 0, start at these
-        ROWS: tl.constexpr = BLOCK_N if PAGE_TILE else BLOCK_SIZE  # a whole tile, or one page, per load
-        k_src = rows_desc(k_cache_ptr, num_kv_rows, stride_kt, ROWS, HEAD_DIM)
-        v_src = rows_desc(v_cache_ptr, num_kv_rows, stride_kt, ROWS, HEAD_DIM)
-        block_rows = stride_kb // stride_kt
-        head_row = (h // GROUP) * (stride_kh // stride_kt)
-    else:  # the caches offset to the KV head
-        k_src = k_cache_ptr + kv_off
-        v_src = v_cache_ptr + kv_off
-        block_rows = 0
-        head_row = 0
+    k_ptr = k_cache_ptr + kv_off
+    v_ptr = v_cache_ptr + kv_off
     bt_row_ptr = block_tables_ptr + s.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -287,7 +182,7 @@ def _prefill_kernel(
     hi_full = ((ctx + start_m + 1) // BLOCK_N) * BLOCK_N
     lo_full = 0
     kv_start = 0
-    if INVARIANT or WS:  # every tile masked (module docstring), pass 2 only, from the first visible key's tile
+    if INVARIANT:  # every tile masked (module docstring): pass 2 only, from the first visible key's tile
         if HAS_WINDOW:
             kv_start = tl.maximum(ctx + start_m - window + 1, 0)
         hi_full = (kv_start // BLOCK_N) * BLOCK_N
@@ -297,14 +192,14 @@ def _prefill_kernel(
         kv_start = tl.maximum(ctx + start_m - window + 1, 0)  # the lowest key the tile's first row sees
         p_max = ctx + tl.minimum(start_m + BLOCK_M, q_len) - 1  # the tile's last row
         lo_full = tl.minimum(tl.cdiv(tl.maximum(p_max - window + 1, 0), BLOCK_N) * BLOCK_N, hi_full)
-        acc, l_i, m_i = _fold(
+        acc, l_i, m_i = attn_inner(
             acc,
             l_i,
             m_i,
             q,
             q_pos,
-            k_src,
-            v_src,
+            k_ptr,
+            v_ptr,
             bt_row_ptr,
             (kv_start // BLOCK_N) * BLOCK_N,
             lo_full,
@@ -312,8 +207,6 @@ def _prefill_kernel(
             qk_scale,
             stride_kb,
             stride_kt,
-            block_rows,
-            head_row,
             HEAD_DIM,
             BLOCK_N,
             BLOCK_SIZE,
@@ -321,50 +214,44 @@ def _prefill_kernel(
             True,
             UPCAST,
             IEEE,
-            TMA,
             kv_start,
             window,
             True,
         )
-    if not WS:  # 1. Off the diagonal: keys lo_full .. ctx + start_m are visible to every row of the tile.
-        acc, l_i, m_i = _fold(
-            acc,
-            l_i,
-            m_i,
-            q,
-            q_pos,
-            k_src,
-            v_src,
-            bt_row_ptr,
-            lo_full,
-            hi_full,
-            seq_len,
-            qk_scale,
-            stride_kb,
-            stride_kt,
-            block_rows,
-            head_row,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_SIZE,
-            PAGE_TILE,
-            False,
-            UPCAST,
-            IEEE,
-            TMA,
-        )
-    # 2. On the diagonal: up to the last row's position, masked.
-    hi = tl.minimum(ctx + start_m + BLOCK_M, seq_len)
-    if WS:
-        hi = tl.where(live, hi, hi_full)  # a tile past the chunk: an empty loop
-    acc, l_i, m_i = _fold(
+    # 1. Off the diagonal: keys lo_full .. ctx + start_m are visible to every row of the tile.
+    acc, l_i, m_i = attn_inner(
         acc,
         l_i,
         m_i,
         q,
         q_pos,
-        k_src,
-        v_src,
+        k_ptr,
+        v_ptr,
+        bt_row_ptr,
+        lo_full,
+        hi_full,
+        seq_len,
+        qk_scale,
+        stride_kb,
+        stride_kt,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_SIZE,
+        PAGE_TILE,
+        False,
+        UPCAST,
+        IEEE,
+    )
+    # 2. On the diagonal: up to the last row's position, masked.
+    hi = tl.minimum(ctx + start_m + BLOCK_M, seq_len)
+    acc, l_i, m_i = attn_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_ptr,
+        v_ptr,
         bt_row_ptr,
         hi_full,
         hi,
@@ -372,8 +259,6 @@ def _prefill_kernel(
         qk_scale,
         stride_kb,
         stride_kt,
-        block_rows,
-        head_row,
         HEAD_DIM,
         BLOCK_N,
         BLOCK_SIZE,
@@ -381,11 +266,9 @@ def _prefill_kernel(
         True,
         UPCAST,
         IEEE,
-        TMA,
         kv_start,
         window,
         HAS_WINDOW,
-        WS,
     )
 
     if HAS_WINDOW:  # a padding row past q_len may see no key at all: keep it finite (it is not stored)
@@ -426,37 +309,6 @@ def _check(
         )
 
 
-MAX_PAGE_LOADS = 8  # descriptor loads per K (and V) tile; tiles of more pages read through pointers
-
-
-def cache_rows(cache: torch.Tensor) -> int | None:
-    """How many rows of its token stride the cache [blocks, Hk, block_size, D] spans when viewed as the 2-D
-    rows `flash_tiles.rows_desc` reads, or None where it cannot be: the block and head strides must
-    be multiples of the token stride, and the rows fewer than 2³¹ (TMA coordinates are 32-bit)."""
-    nb, hk, bs, _ = cache.shape
-    sb, sh, st, _ = cache.stride()
-    if st <= 0 or sb % st or sh % st:
-        return None
-    rows = ((nb - 1) * sb + (hk - 1) * sh + (bs - 1) * st) // st + 1
-    return rows if rows < 2**31 else None
-
-
-def tma_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cfg: PrefillConfig) -> bool:
-    """Whether a launch with `cfg` reads through tensor descriptors: cfg.tma, a cache in q's dtype (an FP8
-    cache keeps the pointer path, whose loads widen e4m3 in registers), a power-of-two block size with at
-    most MAX_PAGE_LOADS pages per key tile, a cache `cache_rows` can view as rows, and tensors
-    `launch.tma_usable` accepts (16-byte aligned; on CUDA, sm_90 or later)."""
-    block_size = k_cache.shape[2]
-    return (
-        bool(cfg.tma)
-        and k_cache.dtype == q.dtype
-        and is_power_of_2(block_size)
-        and cfg.block_n // block_size <= MAX_PAGE_LOADS
-        and cache_rows(k_cache) is not None
-        and tma_usable(q, k_cache, v_cache)
-    )
-
-
 def _launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -475,13 +327,9 @@ def _launch(
     v_scale: float = 1.0,
 ) -> None:
     """Launch `_prefill_kernel` on the grid (query tiles of the longest chunk, heads, sequences); with
-    `decode_group` (chunks of one row), (1, KV heads, sequences). cfg.tma / cfg.ws apply outside the
-    batch-invariant mode where `tma_applies`."""
+    `decode_group` (chunks of one row), (1, KV heads, sequences)."""
     _, Hq, D = q.shape
     _, Hk, block_size, _ = k_cache.shape
-    tma = not invariant and tma_applies(q, k_cache, v_cache, cfg)
-    if tma and q.device.type == "cuda":
-        ensure_tma_allocator()
     if decode_group:
         assert invariant and lse is None and max_seqlen_q == 1 and Hq // Hk <= cfg.block_m
         grid = (1, Hk, seq_lens.shape[0])
@@ -508,7 +356,6 @@ def _launch(
         k_cache.stride(2),
         block_tables.stride(0),
         window or 0,
-        cache_rows(k_cache) if tma else 1,  # 1: the pointer kernel takes it as a constant and ignores it
         GROUP=Hq // Hk,
         HEAD_DIM=D,
         BLOCK_M=cfg.block_m,
@@ -521,8 +368,6 @@ def _launch(
         HAS_WINDOW=window is not None,
         INVARIANT=invariant,
         DECODE_GROUP=decode_group,
-        TMA=tma,
-        WS=tma and bool(cfg.ws),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -698,14 +543,11 @@ def invariant_decode_attention(
 __all__ = [
     "CANDIDATE_CONFIGS",
     "DEFAULT_CONFIGS",
-    "MAX_PAGE_LOADS",
     "PrefillConfig",
-    "cache_rows",
     "default_config",
     "invariant_config",
     "invariant_decode_attention",
     "invariant_prefill_attention",
     "prefill_attention",
     "prefill_attention_fwd",
-    "tma_applies",
 ]
