@@ -71,8 +71,8 @@ HOPPER_DQ = (
 HOPPER_FUSED = ((64, 128, 8, 2, True, False), (64, 128, 8, 3, True, False), (64, 64, 4, 2, True, False),
                 (32, 128, 4, 3, True, False), (64, 64, 4, 2, True, True))  # fmt: skip
 # The training forward (`flash_forward`, HOPPER_FORWARD): besides the table's entry, (block_m, block_n,
-# warps, stages).
-FWD_TILES = ((128, 128, 8, 2),)
+# warps, stages), the prefill sweep's best tiles among them (docs/perf.md section 3).
+FWD_TILES = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 5), (128, 128, 8, 2), (128, 128, 8, 5), (64, 64, 4, 3))
 KINDS = ("dkdv", "dq", "atomic", "ordered")
 HOPPER_FIELDS = ("dkdv_tma", "dkdv_ws", "dq_tma", "dq_ws")  # BackwardConfig's options
 PLACEHOLDER = BackwardConfig(32, 128, 4, 2, 128, 32, 4, 2)  # the other kernel's tiles while one is swept
