@@ -169,7 +169,7 @@ def measure_shape(p: Problem, block_sizes: list[int], compiled_flex, device, mat
 
     d, length = p.d, p.length
     flops = causal_flops(p.batch, p.heads, length, d)
-    cfg = default_config(d, torch.bfloat16, length)
+    cfg = default_config(d, torch.bfloat16, length, device)
     row = {"d": d, "L": length, "batch": p.batch, "heads": p.heads, "config": list(cfg)}
     print(f"d={d} L={length} batch={p.batch} heads={p.heads} config={tuple(cfg)}", flush=True)
     ref = sdpa_fn(p, SDPBackend.FLASH_ATTENTION)()

@@ -105,8 +105,8 @@ def test_five_stages_keep_copies_in_flight(facts, kernel):
 
 @pytest.mark.parametrize("kernel", ["decode", "prefill", "prefix"])
 def test_the_default_depth_waits_for_every_copy(facts, kernel):
-    """The default configs' depth (3 for decode, 2 for prefill at head dim 64, prefix_stages 0 for the
-    prefix kernel): what the sweep compares."""
+    """The shallow depths the five-stage candidates are compared with (decode's default 3, prefill's 2 of
+    its short chunks at head dim 64, prefix_stages 0 for the prefix kernel)."""
     shallow = facts[f"{kernel}/{DEFAULT_DEPTH[kernel]}"]
     assert shallow and max(shallow) == 0, shallow
 

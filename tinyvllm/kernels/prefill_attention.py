@@ -60,18 +60,24 @@ class PrefillConfig(NamedTuple):
     num_stages: int
 
 
-# Per head dim, for 16-bit inputs on the H200 (227 KB of shared memory per SM): the best of
-# `bench_prefill_attention.py --sweep`. Shared memory per program ≈ BLOCK_M·D·2 (Q) +
-# num_stages · 2·BLOCK_N·D·2 (K and V stages): (128, 128, 8 warps, 3 stages) at D = 128 takes 224 KB.
-# Head dim 128 prefers big tiles for long sequences and small ones (more programs) for short ones.
+# Per head dim, for 16-bit inputs on Hopper (227 KB of shared memory per SM): the best of
+# `bench_prefill_attention.py --sweep` (H200 first; head dims 64 and 128 from the H100 sweep of docs/perf.md
+# section 3, the same sm_90 and Triton). Big tiles for long sequences, small ones (more programs) for
+# chunks of at most SHORT_Q rows. The long entries take 5 stages, the first depth at which the paged key
+# loop keeps the next tile's copies in flight (tests/kernels/test_pipeline_depth_codegen.py): 1.03-1.09x
+# the 2- and 3-stage entries from 4k keys, a tie at 2k. The block-table indirection takes a stage, so the
+# loop holds two K/V buffers, not five.
 DEFAULT_CONFIGS: dict[int, PrefillConfig] = {
     16: PrefillConfig(64, 64, 4, 2),
     32: PrefillConfig(64, 64, 4, 2),
-    64: PrefillConfig(64, 64, 4, 2),
-    128: PrefillConfig(128, 128, 8, 3),
+    64: PrefillConfig(128, 64, 8, 5),
+    128: PrefillConfig(128, 128, 8, 5),
     256: PrefillConfig(64, 32, 4, 2),
 }
-SHORT_CONFIGS: dict[int, PrefillConfig] = {128: PrefillConfig(64, 64, 4, 2)}  # max_seqlen_q ≤ SHORT_Q
+SHORT_CONFIGS: dict[int, PrefillConfig] = {  # max_seqlen_q ≤ SHORT_Q
+    64: PrefillConfig(64, 64, 4, 2),
+    128: PrefillConfig(64, 64, 4, 2),
+}
 SHORT_Q = 1024
 
 # Candidates the GPU benchmark sweeps (`bench_prefill_attention.py --sweep`): a grid of tiles, then
@@ -89,11 +95,17 @@ CANDIDATE_CONFIGS: list[PrefillConfig] = [
 ]
 
 
-def default_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int | None = None) -> PrefillConfig:
-    """The tile config for this head dim and dtype; chunks of at most SHORT_Q rows take smaller tiles."""
+def default_config(
+    head_dim: int, dtype: torch.dtype, max_seqlen_q: int | None = None, device: torch.device | None = None
+) -> PrefillConfig:
+    """The tile config for this head dim and dtype; chunks of at most SHORT_Q rows take smaller tiles.
+    Before Hopper (a CUDA device of compute capability < 9: at most 163 KB of shared memory per block)
+    the long entries keep 3 stages, one K/V buffer."""
     cfg = DEFAULT_CONFIGS[head_dim]
     if max_seqlen_q is not None and max_seqlen_q <= SHORT_Q:
         cfg = SHORT_CONFIGS.get(head_dim, cfg)
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        cfg = cfg._replace(num_stages=min(cfg.num_stages, 3))
     if dtype == torch.float32:  # 4-byte tiles: halve them to stay inside shared memory
         cfg = cfg._replace(
             block_m=max(16, cfg.block_m // 2), block_n=max(16, cfg.block_n // 2), num_stages=min(cfg.num_stages, 2)
@@ -424,7 +436,7 @@ def prefill_attention_fwd(
         return out, lse
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    cfg = config or default_config(D, q.dtype, max_seqlen_q)
+    cfg = config or default_config(D, q.dtype, max_seqlen_q, q.device)
     _launch(
         q,
         k_cache,
