@@ -231,7 +231,8 @@ def reads(ns: argparse.Namespace) -> None:
     import torch
     from common import device_info, output_paths, print_table, write_json
 
-    from tinyvllm.kernels.top_p_sampling import _NC, truncation_plan, truncation_thresholds
+    from tinyvllm.kernels.top_p_sampling import truncation_plan, truncation_thresholds
+    from tinyvllm.kernels.top_p_sampling.plan import _NC
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")

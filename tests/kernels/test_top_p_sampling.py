@@ -1,4 +1,4 @@
-"""Top-k / top-p / min-p sampling on the device (kernels/top_p_sampling.py) against a float64 reference.
+"""Top-k / top-p / min-p sampling on the device (kernels/top_p_sampling/) against a float64 reference.
 
 The reference is the sort-based definition the full sampler implements (sampling/sampler.py): over
 l = z / T, top-k keeps l ≥ the k-th largest value, top-p (after top-k) drops the ascending prefix whose
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
-from tinyvllm.kernels.top_p_sampling import _NC, sample_top_k_top_p, truncation_plan, truncation_thresholds
+from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p, truncation_plan, truncation_thresholds
+from tinyvllm.kernels.top_p_sampling.plan import _NC
 from tinyvllm.sampling.bitmask import pack_bitmask
 from tinyvllm.sampling.sampler import apply_min_p, apply_top_k_top_p
 

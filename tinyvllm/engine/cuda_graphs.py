@@ -41,7 +41,7 @@ pair's hidden state (`replay_masked_head`), so a constrained batch-1 step keeps 
 launches one graph for it instead of its three kernels.
 
 With `sample_in_graph`, every graph that computes logits also gets a truncating sampler graph, captured
-with it: the fused top-k/top-p/min-p sampler (kernels/top_p_sampling.py) over that graph's logits and the
+with it: the fused top-k/top-p/min-p sampler (kernels/top_p_sampling/) over that graph's logits and the
 arena's per-row temperatures, seeds and filters, writing its ids into `last_sampled` (and the twin's
 `sampled_ids` for the buckets that do their own copies). A step with rows that sampler serves replays it
 right after the forward's graph (`replay_truncating`), instead of launching the sampler's kernels

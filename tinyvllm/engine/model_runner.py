@@ -391,7 +391,7 @@ class ModelRunner:
             self._warm_truncating_sampler()
 
     def _warm_truncating_sampler(self) -> None:
-        """Compile the truncating sampler's kernels (kernels/top_p_sampling.py) for logits in the LM head's
+        """Compile the truncating sampler's kernels (kernels/top_p_sampling/) for logits in the LM head's
         dtype, the decode graphs' logits, at start-up rather than at the first step or capture that needs
         them: one launch over two rows of zeros."""
         from tinyvllm.kernels.top_p_sampling import sample_top_k_top_p

@@ -6,7 +6,7 @@ Row b with temperature T_b:
     from Philox keyed by (seed_b, i). This draws exactly from softmax(z / T_b) (Gumbel 1954; Maddison et
     al. 2014), without normalising, sorting or writing probabilities.
 Ties resolve to the lowest index. Reads B·V logits once and writes B ids. With per-row thresholds
-(HAS_THR, from kernels/top_p_sampling.py) the argmax runs over the tokens whose scaled logit exceeds the
+(HAS_THR, from kernels/top_p_sampling/) the argmax runs over the tokens whose scaled logit exceeds the
 row's threshold: top-k / top-p / min-p sampling with the same noise. The torch sampler handles the rows
 that need penalties, logit_bias or logprobs.
 
@@ -49,7 +49,7 @@ def thresholded_gumbel(z, inv_t, u, FAST_LOG: tl.constexpr):
     ln 2 · log2(−log2 u) (Gumbel noise up to a constant), the product z · inv_t rounded first (the
     threshold test compares it) and the noise's product fused into the subtraction, written as one
     explicit fma so that every kernel computing it gets the same bits, whatever its compiler would
-    contract (top_p_sampling.py draws rows with it outside this kernel)."""
+    contract (top_p_sampling/ draws rows with it outside this kernel)."""
     return tl.fma(log2(-log2(u, FAST_LOG), FAST_LOG), -0.6931471805599453, z * inv_t)
 
 
@@ -85,7 +85,7 @@ def _best_of_quarter(
     """Fold indices [q_start, q_start + QUARTER) into the running per-lane best (strict >: a lane
     keeps its earliest index on ties, and quarters arrive in index order). With HAS_MASK, only the
     indices the bitmask row allows; with HAS_THR, only those whose scaled logit z · inv_t exceeds `thr`
-    (the truncation threshold of top_p_sampling.py, computed there with the same arithmetic)."""
+    (the truncation threshold of top_p_sampling/, computed there with the same arithmetic)."""
     offs = q_start + tl.arange(0, QUARTER)
     mask = offs < end
     if HAS_MASK:
@@ -325,10 +325,10 @@ def sample_greedy_or_gumbel(
         bitmask: [B, ceil(V / 32)] int32 on the logits' device: each row samples among the tokens its
             row allows (module docstring); a row that allows nothing gives index 0. None: no constraint.
         thresholds: [B] float32 on the logits' device: row b samples only among the tokens whose scaled
-            logit z · (1 / T_b) exceeds thresholds[b] (top_p_sampling.py; −inf: every finite one), with
+            logit z · (1 / T_b) exceeds thresholds[b] (top_p_sampling/; −inf: every finite one), with
             the same noise, so a row whose threshold removes nothing draws the id it draws without.
         decided: [B] int32 on the logits' device: a row with decided[b] ≥ 0 takes that id without reading
-            its logits (top_p_sampling.py's rows whose draw is already known); −1: the row is drawn.
+            its logits (top_p_sampling/'s rows whose draw is already known); −1: the row is drawn.
 
     Returns:
         The sampled ids [B] int64 (`out`).

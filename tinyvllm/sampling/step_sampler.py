@@ -4,7 +4,7 @@ Three samplers serve a step's rows:
 - the fused greedy/Gumbel kernel (kernels/sampling.py) for rows whose sampling is greedy or temperature
   only and that no min_tokens ban still holds back (`FusedSamplingPlan.fused_rows`); it may already have
   run inside the decode graph or the LM head's product (`presampled`);
-- the fused top-k/top-p/min-p kernel (kernels/top_p_sampling.py) for random rows with those filters and
+- the fused top-k/top-p/min-p kernel (kernels/top_p_sampling/) for random rows with those filters and
   nothing else the full sampler is needed for (`FusedSamplingPlan.truncating_rows`), over the logits
   (inside a decode graph's truncating sampler graph, engine/cuda_graphs.py, or eagerly);
 - the full sampler (sampling/sampler.py: penalties, logit_bias, logprobs, bans) for the others.
