@@ -5,7 +5,7 @@
 #
 #   STEPS="sizes sizes_qwen3" bash scripts/gpu_pending.sh                  # §1e: the issue's table on the H200 (2 calls)
 #   STEPS="startup startup_8b mk_tests mk_kv_align" ...                    # §12, §1e on the H200
-#   STEPS=attn_sweep_64 ...;  STEPS=attn_bench ...                         # §3a: d 64's options; the backward table
+#   STEPS="prefill_tests attn_bench" ...;  STEPS=attn_sweep_64 ...         # §3, §3a: the new defaults' GPU tests first
 #   STEPS="decode_sweep_fp8 fp8_tests fp8_cost" ...                         # §9 on the H200
 #   STEPS="top_p_only serve_top_p" ...                                      # §5, §7
 #   STEPS=structured_prepare ...;  STEPS="rows_bench_8b rows_bench_fp8" ... # §10, §1e
@@ -82,6 +82,9 @@ step fp8_quant_bench 150 python3 benchmarks/kernels/bench_fp8_quant.py --rows 8 
 # forward's tiles, swept with today's tiles; a call per head dim (~115 candidates each).
 step attn_sweep_128 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 128 --out "$RES"
 step attn_sweep_64 560 python3 benchmarks/kernels/bench_attention_backward.py --sweep --head-dims 64 --out "$RES/d64"
+# The prefill's 5-stage long-chunk configs at real shapes (mixed chunks up to 8k tokens, windows, FP8 caches).
+step prefill_tests 300 python3 -m pytest -q tests/kernels/test_gpu_shapes.py tests/kernels/test_fp8_kv_cache.py \
+  -k "prefill or window or fp8" -p no:cacheprovider
 # The backward at the tables (d 128's dK/dV by TMA with a warp-specialised loop): the GPU tests first
 # (gradients against float64 with GQA and uneven lengths, run-to-run identity), then beside flash and cuDNN.
 step attn_bench 560 bash -c "python3 -m pytest -q -x tests/gpu/test_flash_backward_gpu.py -p no:cacheprovider \
