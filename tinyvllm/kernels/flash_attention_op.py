@@ -79,10 +79,9 @@ DETERMINISTIC_DQ_MODES = ("separate", "ordered")
 # SHORT_SEQLEN, config for longer ones). HOPPER_BACKWARD is the deterministic default, HOPPER_BACKWARD_ATOMIC
 # the one `deterministic=False` takes. Both tables are printed, ready to paste, by
 # `benchmarks/kernels/bench_attention_backward.py --sweep` (candidates in attention_backward_sweep.py);
-# the entries below are that sweep's winners (L 1k for the short entry, the geometric mean over L 4k and
-# 16k for the long one; 16 and 32 keep the d 64 candidates' small tiles): d 64 on the H200, d 128 on the
-# H100 (the same sm_90 and 132 SMs), where the dK/dV kernel's TMA loads and warp-specialised loop took
-# 1.22-1.26x off its time from 4k (docs/perf.md section 3a).
+# the entries below are that sweep's winners (docs/perf.md section 3a: L 1k for the short entry, the
+# geometric mean over L 4k and 16k for the long one; 16 and 32 keep the d 64 candidates' small tiles). At
+# d 128 the dK/dV kernel reads its tiles by TMA, and beyond SHORT_SEQLEN runs its loop warp-specialised.
 SHORT_SEQLEN = 2048
 HOPPER_BACKWARD: dict[int, tuple[BackwardConfig, BackwardConfig]] = {
     16: (BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5, 64), BackwardConfig(32, 128, 4, 5, 128, 32, 4, 5, 64)),

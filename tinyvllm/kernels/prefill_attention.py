@@ -61,12 +61,10 @@ class PrefillConfig(NamedTuple):
 
 
 # Per head dim, for 16-bit inputs on Hopper (227 KB of shared memory per SM): the best of
-# `bench_prefill_attention.py --sweep` (H200 first; head dims 64 and 128 from the H100 sweep of docs/perf.md
-# section 3, the same sm_90 and Triton). Big tiles for long sequences, small ones (more programs) for
-# chunks of at most SHORT_Q rows. The long entries take 5 stages, the first depth at which the paged key
-# loop keeps the next tile's copies in flight (tests/kernels/test_pipeline_depth_codegen.py): 1.03-1.09x
-# the 2- and 3-stage entries from 4k keys, a tie at 2k. The block-table indirection takes a stage, so the
-# loop holds two K/V buffers, not five.
+# `bench_prefill_attention.py --sweep` (docs/perf.md section 3). Big tiles for long sequences, small ones
+# (more programs) for chunks of at most SHORT_Q rows. The long entries take 5 stages, the first depth at
+# which the paged key loop keeps the next tile's copies in flight (tests/kernels/test_pipeline_depth_codegen.py);
+# the block-table indirection takes a stage, so the loop holds two K/V buffers, not five.
 DEFAULT_CONFIGS: dict[int, PrefillConfig] = {
     16: PrefillConfig(64, 64, 4, 2),
     32: PrefillConfig(64, 64, 4, 2),
