@@ -62,6 +62,10 @@ step sizes 560 python3 -m benchmarks.sizes --baseline hf --presets llama-3.2-1b 
   --out-dir "$RES"
 step sizes_qwen3 560 python3 -m benchmarks.sizes --baseline hf --presets qwen3-0.6b qwen3-1.7b qwen3-8b \
   --name "sizes_qwen3_$(python3 -c 'from tinyvllm.bench.report import device_tag; print(device_tag())')" --out-dir "$RES"
+# Where a batch-8 step of the layer loop goes (kernels by class, the device's gaps between them): §1e's 0.75.
+bench b8_profile_1b 200 latency --model dummy:llama-3.2-1b --batch-size 8 --profile --name "latency_b8_profile_$GPU"
+bench b8_profile_3b 200 latency --model dummy:llama-3.2-3b --batch-size 8 --profile \
+  --name "latency_llama-3.2-3b_b8_profile_$GPU"
 step sizes_rows 560 python3 -m benchmarks.sizes --batches 8 --engine-args "--rows-megakernel" --out-dir "$RES/rows"
 
 # 2. The top-k radix select (§5): same ids as the search on the H200, its kernel time, then the engine A/B.
