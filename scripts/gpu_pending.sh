@@ -4,6 +4,7 @@
 # while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
 #   STEPS="sizes sizes_qwen3" bash scripts/gpu_pending.sh                  # §1e: the issue's table on the H200 (2 calls)
+#   STEPS="pdl_tests pdl_bench b8_profile_1b pdl_latency_b8" ...            # §1e: PDL on the fused path at 2-16 rows
 #   STEPS="startup startup_8b mk_tests mk_kv_align" ...                    # §12, §1e on the H200
 #   STEPS="prefill_tests attn_bench" ...;  STEPS=attn_sweep_64 ...         # §3, §3a: the new defaults' GPU tests first
 #   STEPS="decode_sweep_fp8 fp8_tests fp8_cost" ...                         # §9 on the H200
@@ -62,6 +63,18 @@ step sizes 560 python3 -m benchmarks.sizes --baseline hf --presets llama-3.2-1b 
   --out-dir "$RES"
 step sizes_qwen3 560 python3 -m benchmarks.sizes --baseline hf --presets qwen3-0.6b qwen3-1.7b qwen3-8b \
   --name "sizes_qwen3_$(python3 -c 'from tinyvllm.bench.report import device_tag; print(device_tag())')" --out-dir "$RES"
+# Programmatic dependent launch on the fused path (§1e, kernels/pdl.py): same bits as ordinary launches, then
+# steps of 2-16 rows against the layer loop, with L2 prefetch budgets of 0-48 MB; engine figures after.
+step pdl_tests 300 python3 -m pytest -q tests/gpu/test_pdl_gpu.py -p no:cacheprovider
+pdl_bench() {
+  for p in llama-3.2-1b llama-3.2-3b llama-3.1-8b; do
+    python3 benchmarks/kernels/bench_pdl.py --preset "$p" --out "$RES" || echo "FAILED $p"
+  done
+}
+export -f pdl_bench
+step pdl_bench 480 bash -c pdl_bench
+bench pdl_latency_b8 200 latency --model dummy:llama-3.2-1b --batch-size 8 --fused-max-tokens 16 --pdl \
+  --name "latency_b8_pdl_$GPU"
 # Where a batch-8 step of the layer loop goes (kernels by class, the device's gaps between them): §1e's 0.75.
 bench b8_profile_1b 200 latency --model dummy:llama-3.2-1b --batch-size 8 --profile --name "latency_b8_profile_$GPU"
 bench b8_profile_3b 200 latency --model dummy:llama-3.2-3b --batch-size 8 --profile \

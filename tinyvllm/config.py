@@ -365,6 +365,11 @@ class RunnerConfig:
         fused_gemv: steps of at most `fused_max_tokens` token rows run the decoder through our
             matrix-vector kernels, with SwiGLU and the residual adds folded in.
         fused_max_tokens: the largest step (token rows) the fused matrix-vector path serves (1..16).
+        pdl: the fused path's kernels (and its LM head's) are launched with programmatic dependent
+            launch on sm_90+ (kernels/pdl.py): each kernel's programs start while the previous kernel
+            finishes and the products prefetch their weights into L2 meanwhile; the gate/up product
+            then runs on our kernel too (cuBLAS's are not launched so). Off by default until measured
+            (docs/perf.md §1e).
         decode_megakernel: a decode step of one sequence runs every layer in one kernel launch (CUDA and
             the Triton backend only); None: on for hidden sizes up to `megakernel_max_hidden` (measured
             faster than the fused path at 1,024, 2,048, 2,560, 3,072 and 4,096: docs/perf.md §1e), with FP8
@@ -396,6 +401,7 @@ class RunnerConfig:
 
     fused_gemv: bool = True
     fused_max_tokens: int = 1
+    pdl: bool = False
     decode_megakernel: bool | None = None
     megakernel_max_hidden: int = 8192
     rows_megakernel: bool = False

@@ -15,6 +15,7 @@ elementwise in tests/kernels/test_gemv.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -177,6 +178,41 @@ def test_fused_small_batch_equals_unfused(backend, dtype, kind, preset):
         return
     tol = 1e-5 if dtype == torch.float32 else 4e-2
     for ours, ref in ((h1, h0), (l1, l0), *[(x[i], y[i]) for x, y in zip(kv1, kv0) for i in (0, 1)]):
+        err = ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("backend", backends())
+def test_fused_path_with_every_product_ours(backend, kind, preset):
+    """`fused_forward(pdl=True)` (the gate/up product by the matrix-vector kernel too, as under PDL) against
+    the unfused forward, in float32: the same maths, only the products' order of sums differs."""
+    from tinyvllm.engine.paths.fused import fused_forward
+
+    device = device_for(backend)
+    model = build(backend, torch.float32, device, preset=preset)
+    ids, positions, meta = batch(kind, device)
+    kv = caches(model, torch.float32, device)
+    h0, _, kv0 = run(model, False, ids, positions, meta, kv)
+    kv1 = [(k.clone(), v.clone()) for k, v in kv]
+    calls = []
+    gemv = model.ops.fused_gemv
+
+    def counted(x, w, **kw):
+        calls.append(w.data_ptr())
+        return gemv(x, w, **kw)
+
+    for layer in model.layers:
+        layer.self_attn.ops = dataclasses.replace(layer.self_attn.ops, fused_gemv=counted)
+    with torch.no_grad():
+        h1 = fused_forward(model, ids, positions, meta, kv1, pdl=True)
+    # Every layer's four products went through the matrix-vector kernel, the gate/up one included.
+    for layer in model.layers:
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert calls.count(proj.weight.data_ptr()) == 1
+    tol = 1e-5 if backend == "triton" else 0.0
+    for ours, ref in ((h1, h0), *[(x[i], y[i]) for x, y in zip(kv1, kv0) for i in (0, 1)]):
         err = ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
         assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
 

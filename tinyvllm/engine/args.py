@@ -152,6 +152,11 @@ class EngineArgs:
         True, "small decode steps through our matrix-vector kernels, with SwiGLU and the residual adds folded in"
     )
     fused_max_tokens: int = _opt(1, "largest step (token rows, 1-16) the fused matrix-vector path serves")
+    pdl: bool = _opt(
+        False,
+        "on sm_90+ GPUs, launch the fused path's kernels with programmatic dependent launch: each starts while"
+        " the previous one finishes, the products prefetching their weights (docs/perf.md section 1e)",
+    )
     decode_megakernel: bool | None = _opt(
         None,
         "on CUDA, a decode step of one sequence runs every layer in one kernel launch "

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from tinyvllm.kernels.attention_metadata import CASCADE_ALIGN  # the tile of both kernels
 from tinyvllm.kernels.flash_tiles import attn_inner, queries_for_cache
+from tinyvllm.kernels.grid_dependency import wait_for_previous
 from tinyvllm.kernels.launch import (
     cdiv,
     check_kv_scales,
@@ -46,6 +47,7 @@ from tinyvllm.kernels.launch import (
     num_sms,
     upcast_dot,
 )
+from tinyvllm.kernels.pdl import options as pdl_options
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
@@ -143,16 +145,19 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr,
     FOLD: tl.constexpr = False,
     BLOCK_S: tl.constexpr = 16,
+    PDL: tl.constexpr = False,
 ):
     """Program (split, KV head, sequence): keys [start + split·chunk, ...) of the sequence, where start
     is 0, or with CASCADE the shared prefix's length (`_prefix_kernel` covers the keys before it), or
     with HAS_WINDOW at least the tile holding the window's first key seq_len − window. FOLD (with SPLIT):
     the last split to take the (sequence, KV head)'s ticket at tickets_ptr [B, Hk] merges the group's
-    partials into out and resets the ticket (module docstring)."""
+    partials into out and resets the ticket (module docstring). PDL: launched as a dependent
+    (kernels/pdl.py)."""
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     num_splits = tl.num_programs(0)
+    wait_for_previous(PDL)
     seq_len = tl.load(seq_lens_ptr + b)
     start = 0
     if CASCADE:
@@ -481,8 +486,11 @@ def _merge_kernel(
     stride_oh,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """`_merge_head` for program (head, sequence) (one compiled kernel for every split count)."""
+    """`_merge_head` for program (head, sequence) (one compiled kernel for every split count). PDL:
+    launched as a dependent (kernels/pdl.py)."""
+    wait_for_previous(PDL)
     _merge_head(
         part_o_ptr, part_lse_ptr, out_ptr, tl.program_id(1).to(tl.int64), tl.program_id(0), num_splits,
         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh, BLOCK_S, HEAD_DIM, False,
@@ -603,6 +611,7 @@ def _launch_splits(
         FOLD=tickets is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_options(q.device),
     )
 
 
@@ -758,8 +767,9 @@ def decode_attention_fwd(
         prefix()
     part_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
     _merge_kernel[(Hq, B)](
-        part_o, part_lse, out, slots, *part_strides, out.stride(0), out.stride(1), BLOCK_S=16, HEAD_DIM=D, num_warps=4
-    )
+        part_o, part_lse, out, slots, *part_strides, out.stride(0), out.stride(1), BLOCK_S=16, HEAD_DIM=D, num_warps=4,
+        **pdl_options(q.device),
+    )  # fmt: skip
     return out
 
 

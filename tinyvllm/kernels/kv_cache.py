@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.fp8_convert import to_e4m3
+from tinyvllm.kernels.grid_dependency import wait_for_previous
 from tinyvllm.kernels.launch import (
     check_dim,
     check_int,
@@ -26,6 +27,7 @@ from tinyvllm.kernels.launch import (
     next_power_of_2,
     upcast_dot,
 )
+from tinyvllm.kernels.pdl import options as pdl_options
 
 
 @triton.jit
@@ -50,9 +52,12 @@ def _write_kv_kernel(
     D: tl.constexpr,
     FP8: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """Program t: token t's K and V rows [Hk, D] into cache slot slot_mapping[t] (none where negative)."""
+    """Program t: token t's K and V rows [Hk, D] into cache slot slot_mapping[t] (none where negative).
+    PDL: launched as a dependent (kernels/pdl.py)."""
     t = tl.program_id(0).to(tl.int64)
+    wait_for_previous(PDL)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         heads = tl.arange(0, BLOCK_H)
@@ -126,4 +131,5 @@ def write_kv_cache(
         FP8=fp8,
         EMULATE_FP8=upcast_dot(k.device),  # the CPU interpreter: fp8_convert.py
         num_warps=4,
+        **pdl_options(k.device),
     )

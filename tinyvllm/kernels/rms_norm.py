@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.fp8_quant import empty_quantized, row_scale, store_e4m3
+from tinyvllm.kernels.grid_dependency import wait_for_previous
 from tinyvllm.kernels.launch import (
     FLOAT_DTYPES,
     check_dim,
@@ -28,6 +29,7 @@ from tinyvllm.kernels.launch import (
     next_power_of_2,
     upcast_dot,
 )
+from tinyvllm.kernels.pdl import options as pdl_options
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TL_DTYPES = {
@@ -57,13 +59,16 @@ def _rms_norm_kernel(
     Y_DTYPE: tl.constexpr,
     EMULATE_FP8: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program per row: y = w ⊙ round(x / sqrt(mean(x²) + eps)), rounded to Y_DTYPE; with HAS_RESIDUAL x
     is first replaced by round(x + residual), which is also stored. Stores y at y_ptr, or with QUANTIZE
-    its e4m3 codes there (y_ptr then float8) and its row scale at s_ptr (module docstring)."""
+    its e4m3 codes there (y_ptr then float8) and its row scale at s_ptr (module docstring). PDL: launched
+    as a dependent (kernels/pdl.py)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
+    wait_for_previous(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     acc_ty = tl.float64 if x.dtype == tl.float64 else tl.float32
     if HAS_RESIDUAL:
@@ -133,6 +138,7 @@ def _launch(
         EMULATE_FP8=upcast_dot(x.device),
         BLOCK_H=block_h,
         num_warps=num_warps,
+        **pdl_options(x.device),
     )
     return y, scales, res_out
 

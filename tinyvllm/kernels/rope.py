@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyvllm.kernels.grid_dependency import wait_for_previous
 from tinyvllm.kernels.launch import (
     check_dim,
     check_float,
@@ -23,6 +24,7 @@ from tinyvllm.kernels.launch import (
     is_power_of_2,
     next_power_of_2,
 )
+from tinyvllm.kernels.pdl import options as pdl_options
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -62,9 +64,12 @@ def _rope_kernel(
     BLOCK_HK: tl.constexpr,
     HALF: tl.constexpr,
     FP64: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """Program t: rotate token t's Hq query and Hk key heads in place by its position's cos/sin row."""
+    """Program t: rotate token t's Hq query and Hk key heads in place by its position's cos/sin row.
+    PDL: launched as a dependent (kernels/pdl.py)."""
     t = tl.program_id(0).to(tl.int64)
+    wait_for_previous(PDL)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dims = tl.arange(0, HALF)
     c = tl.load(cos_sin_ptr + pos * stride_cs + dims)
@@ -113,5 +118,6 @@ def rope(
         HALF=D // 2,
         FP64=q.dtype == torch.float64,
         num_warps=num_warps,
+        **pdl_options(q.device),
     )
     return q, k

@@ -4,7 +4,7 @@
 |-------------------------------------------|-----------------------------------|-------------------------------|
 | decode, one sequence, megakernel on       | paths/megakernel.py (one launch)  | LM head, fused product        |
 | decode, 2–16 sequences, `rows_megakernel` | paths/rows_megakernel.py          | LM head, cuBLAS               |
-| ≤ `fused_max_tokens` rows, `fused_gemv`   | paths/fused.py                    | LM head, fused product        |
+| ≤ `fused_max_tokens` rows, `fused_gemv`   | paths/fused.py (`pdl`: PDL chain) | LM head, fused product        |
 | anything else                             | the model's layer loop            | LM head, cuBLAS               |
 
 Batch-1 decode graph steps may sample through the pruned LM head instead (paths/lm_head.py). Every path
@@ -37,6 +37,7 @@ from tinyvllm.distributed.group import TPGroup
 from tinyvllm.engine.paths.fused import fused_forward
 from tinyvllm.engine.paths.lm_head import LMHead
 from tinyvllm.kernels.attention_metadata import AttnMetadata
+from tinyvllm.kernels.pdl import programmatic_launches
 from tinyvllm.models.decoder import CausalLM, KVCache
 from tinyvllm.quantization.linear import has_fp8_linear
 
@@ -88,6 +89,7 @@ class ModelExecutor:
         if config.fused_gemv and not fp8_gemv:
             logger.info("fused matrix-vector path off: FP8 weights need the Triton kernels (the layer loop runs)")
         self.fused_max_tokens = config.fused_max_tokens if fused else 0
+        self.pdl = config.pdl and device_type == "cuda" and model.ops.name == "triton"
         self.megakernel = None
         if wants_megakernel(config, device_type, model.config.hidden_size, fp8_weights):
             self.megakernel = self._build_megakernel()
@@ -105,7 +107,9 @@ class ModelExecutor:
             and config.sample_in_lm_head
             and model.config.hidden_size % 4 == 0
         )
-        self.lm_head = LMHead(model.lm_head_weight, model.ops, self.fused_max_tokens, pruned=pruned, group=group)
+        self.lm_head = LMHead(
+            model.lm_head_weight, model.ops, self.fused_max_tokens, pruned=pruned, group=group, pdl=self.pdl
+        )
 
     def _build_megakernel(self):
         from tinyvllm.engine.paths.megakernel import DecodeMegakernel, megakernel_unsupported
@@ -157,5 +161,6 @@ class ModelExecutor:
                     logger.warning("rows megakernel off: %s", e)
                     self.rows_megakernel = None
         if self.uses_fused_path(input_ids.shape[0]):
-            return fused_forward(self.model, input_ids, positions, meta, kv_caches)
+            with programmatic_launches(self.pdl):
+                return fused_forward(self.model, input_ids, positions, meta, kv_caches, pdl=self.pdl)
         return self.model(input_ids, positions, meta, kv_caches)

@@ -6,12 +6,16 @@ layer runs with the neighbouring ops folded into the products,
     h   = RMSNorm(r);  qkv = fused_gemv(h, Wqkv) (+ bqkv in the epilogue: Qwen2)
     o   = the model's own attention of qkv (q/k norm, RoPE, cache write, the layer's window)
     r   = fused_gemv(attn, Wo, residual=r)               residual add in the epilogue
-    h   = RMSNorm(r);  gu = h Wguᵀ (cuBLAS)
+    h   = RMSNorm(r);  gu = h Wguᵀ (cuBLAS; with `pdl`, fused_gemv(h, Wgu))
     r   = fused_gemv(gu, Wd, silu_mul=True, residual=r)  SwiGLU in the prologue, residual add in the epilogue
 
 so r is always the complete residual stream (the first layer's is the embeddings). The RMSNorms stay
 kernels of their own: folding them into the products' prologue would re-read r in every program. The
 roundings are those of the layer loop; only the order of the float32 sums inside the products differs.
+
+With `pdl` (kernels/pdl.py; the executor opens `programmatic_launches` around the path) every kernel of
+a layer is ours, so each is launched while the one before it finishes: the gate/up product then runs on
+the matrix-vector kernel too, since a cuBLAS kernel is neither launched as a dependent nor releases one.
 
 FP8 layers (quantization/linear.py `Fp8Linear`, Triton table only) run all four products through the
 matrix-vector kernel reading the FP8 weights with their row scales: each computes x · dequant(W)ᵀ with
@@ -61,8 +65,10 @@ def fused_layer(
     cos_sin: torch.Tensor,
     meta: AttnMetadata,
     kv_cache: KVCache,
+    gemv_gate_up: bool = False,
 ) -> torch.Tensor:
-    """One decoder layer on the fused path: residual stream r [T, H] → the next layer's."""
+    """One decoder layer on the fused path: residual stream r [T, H] → the next layer's; `gemv_gate_up`:
+    the gate/up product by the matrix-vector kernel instead of cuBLAS."""
     attn, mlp = layer.self_attn, layer.mlp
     gemv = attn.ops.fused_gemv
     qkv = qkv_projection(attn, layer.input_layernorm(r)[0])
@@ -74,6 +80,8 @@ def fused_layer(
     h = layer.post_attention_layernorm(r)[0]
     if isinstance(mlp.gate_up_proj, Fp8Linear):
         gate_up = fp8_product(mlp.gate_up_proj, h)
+    elif gemv_gate_up:
+        gate_up = gemv(h, mlp.gate_up_proj.weight)
     else:
         gate_up = F.linear(h, mlp.gate_up_proj.weight)
     if isinstance(mlp.down_proj, Fp8Linear):
@@ -87,9 +95,11 @@ def fused_forward(
     positions: torch.Tensor,
     meta: AttnMetadata,
     kv_caches: list[KVCache],
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """`model.forward` on the fused path: input_ids, positions [T] → final hidden states [T, H]."""
+    """`model.forward` on the fused path: input_ids, positions [T] → final hidden states [T, H]; `pdl`:
+    every product by our kernels (module docstring)."""
     x = model.embed_tokens(input_ids)
     for layer, kv_cache in zip(model.layers, kv_caches):
-        x = fused_layer(layer, x, positions, model.cos_sin, meta, kv_cache)
+        x = fused_layer(layer, x, positions, model.cos_sin, meta, kv_cache, gemv_gate_up=pdl)
     return model.norm(x)[0]

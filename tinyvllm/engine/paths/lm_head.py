@@ -18,6 +18,7 @@ import torch
 
 from tinyvllm.distributed.group import TPGroup
 from tinyvllm.kernels import Ops
+from tinyvllm.kernels.pdl import programmatic_launches
 
 
 class LMHead:
@@ -31,12 +32,21 @@ class LMHead:
         pruned: keep an int8 copy of the weight (V·H bytes) for `sample_pruned`; needs the Triton ops.
         group: under tensor parallelism, the ranks' group: `weight` is the rank's vocabulary rows and
             `logits` gathers every rank's columns (no fused sampling inside the product then).
+        pdl: the fused product is launched with programmatic dependent launch (kernels/pdl.py), as the
+            fused path's kernels before it are.
     """
 
     def __init__(
-        self, weight: torch.Tensor, ops: Ops, fused_max_rows: int, pruned: bool = False, group: TPGroup | None = None
+        self,
+        weight: torch.Tensor,
+        ops: Ops,
+        fused_max_rows: int,
+        pruned: bool = False,
+        group: TPGroup | None = None,
+        pdl: bool = False,
     ) -> None:
         assert group is None or not pruned, "the pruned LM head reads the whole weight"
+        self.pdl = pdl
         self.weight = weight
         self.ops = ops
         self.group = group
@@ -54,7 +64,8 @@ class LMHead:
     def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """[N, H] → [N, V] logits in `dtype` (None: the weight's dtype; the samplers upcast as they read)."""
         if self.is_fused(hidden.shape[0]):
-            logits = self.ops.fused_gemv(hidden, self.weight)
+            with programmatic_launches(self.pdl):
+                logits = self.ops.fused_gemv(hidden, self.weight)
         else:
             logits = self.ops.linear(hidden, self.weight)
         if self.group is not None:
@@ -79,7 +90,8 @@ class LMHead:
         if self.is_fused(hidden.shape[0]) and self.ops.name == "triton" and self.group is None:
             from tinyvllm.kernels.gemv import GemvSampling, fused_gemv_fwd
 
-            return fused_gemv_fwd(hidden, self.weight, sampling=GemvSampling(temperature, seeds, ids, host_ids))
+            with programmatic_launches(self.pdl):
+                return fused_gemv_fwd(hidden, self.weight, sampling=GemvSampling(temperature, seeds, ids, host_ids))
         from tinyvllm.kernels.sampling import sample_greedy_or_gumbel
 
         logits = self.logits(hidden, dtype=None)

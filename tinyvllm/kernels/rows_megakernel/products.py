@@ -46,6 +46,7 @@ import triton.language as tl
 from tinyvllm.kernels.decode_megakernel.grid_sync import end_phase
 from tinyvllm.kernels.decode_megakernel.qkv_phase import cache_value
 from tinyvllm.kernels.flash_tiles import dot_pv
+from tinyvllm.kernels.grid_dependency import prefetch_l2
 
 QKV = tl.constexpr(0)  # the kinds of weight phase (module docstring)
 OUT = tl.constexpr(1)
@@ -73,14 +74,6 @@ def weight_rows(u, r, KIND: tl.constexpr, R: tl.constexpr, D: tl.constexpr, F: t
 def unit_weight_rows(u, KIND: tl.constexpr, R: tl.constexpr, D: tl.constexpr, F: tl.constexpr):
     """The R weight rows of unit u, [R] (`weight_rows`)."""
     return weight_rows(u, tl.arange(0, R), KIND, R, D, F)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Bring the 128-byte lines at ptrs into L2 (CUDA; a hint: nothing waits for it)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
 
 
 @triton.jit
@@ -320,7 +313,7 @@ def product_phase(
             LPR: tl.constexpr = (KC * ELT + 127) // 128  # 128-byte lines per row of a tile
             for t in tl.static_range(PIPE - 1):
                 if t < NKC:
-                    _prefetch_l2(w_rows[:, None] + t * KC + tl.arange(0, LPR)[None, :] * (128 // ELT))
+                    prefetch_l2(w_rows[:, None] + t * KC + tl.arange(0, LPR)[None, :] * (128 // ELT))
     end_phase(bar_ptr, b, P, trace_ptr, pid, TRACE, ASM)
     if NORMED and from_sums:
         rstd = rstd_from_sums(ss_in_ptr, num_sums_in, live, H, eps, BP, NUP)

@@ -1,0 +1,24 @@
+"""The kernels' half of programmatic dependent launch (kernels/pdl.py has the contract and the host
+half): the wait for the previous kernel, and the L2 prefetch a kernel issues before it."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """With PDL: wait until the previous kernel has completed and its writes are visible, then let the
+    next kernel launch (kernels/pdl.py). Without: nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 to fetch the 128-byte lines at `ptrs` (a hint: no data comes back, nothing waits)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
