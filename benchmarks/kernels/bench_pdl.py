@@ -50,21 +50,21 @@ from tinyvllm.engine.paths.fused import fused_forward
 from tinyvllm.kernels.pdl import programmatic_launches
 
 STEP_COLUMNS = [
-    ("batch", "rows", "{}"),
-    ("path", "path", "{}"),
-    ("step_us", "µs/step", "{:.1f}"),
-    ("tok_per_s", "tok/s", "{:.0f}"),
-    ("floor_step_us", "floor µs", "{:.1f}"),
-    ("of_floor", "of floor", "{:.3f}"),
-    ("speedup", "× layers", "{:.3f}"),
+    ("batch", "rows", ""),
+    ("path", "path", ""),
+    ("step_us", "µs/step", ".1f"),
+    ("tok_per_s", "tok/s", ".0f"),
+    ("floor_step_us", "floor µs", ".1f"),
+    ("of_floor", "of floor", ".3f"),
+    ("speedup", "× layers", ".3f"),
 ]
 CHECK_COLUMNS = [
-    ("batch", "rows", "{}"),
-    ("path", "path", "{}"),
-    ("hidden_rel_err", "hidden err", "{:.1e}"),
-    ("logits_rel_err", "logits err", "{:.1e}"),
-    ("argmax_equal", "argmax =", "{}"),
-    ("bitwise_as_ours", "= ours", "{}"),
+    ("batch", "rows", ""),
+    ("path", "path", ""),
+    ("hidden_rel_err", "hidden err", ".1e"),
+    ("logits_rel_err", "logits err", ".1e"),
+    ("argmax_equal", "argmax =", ""),
+    ("bitwise_as_ours", "= ours", ""),
 ]
 
 
