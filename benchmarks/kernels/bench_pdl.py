@@ -2,7 +2,7 @@
 against the layer loop the engine runs them through by default.
 
     python benchmarks/kernels/bench_pdl.py [--preset llama-3.2-1b] [--batches 2 4 8 16] [--context 640]
-        [--budgets-mb 0 12 24 48] [--out DIR]
+        [--out DIR]
 
 A random-weight model of the preset's shape (bf16) on the GPU; each of `--batches` rows a sequence of
 `--context` keys (distinct cache blocks). Timed as CUDA-graph replays of a whole step (decoder layers,
@@ -11,8 +11,7 @@ final norm, LM head; no sampling), 16 steps a graph, by path:
   * `fused`: the fused path (our matrix-vector kernels with the norm, SwiGLU and residual folded in;
     cuBLAS for gate/up), `--fused-max-tokens 16`;
   * `ours`: the fused path with every product on our kernel, launched the ordinary way;
-  * `pdl <MB>`: the same kernels launched as PDL dependents, the products prefetching up to that many MB
-    of their weights into L2 before their wait (0: PDL alone).
+  * `pdl`: the same kernels launched as PDL dependents (`--pdl`).
 Floor: every weight read once, each row's K/V and the LM head, at the copy bandwidth measured at the start.
 Correctness per batch: each path's hidden states and logits against the layer loop's (relative error,
 argmax); `pdl` against `ours` bitwise (the same kernels, only their launches differ).
@@ -43,7 +42,6 @@ from common import (
     write_json,
 )
 
-import tinyvllm.kernels.gemv as gemv
 from tinyvllm.config import RunnerConfig
 from tinyvllm.engine.paths.executor import ModelExecutor
 from tinyvllm.engine.paths.fused import fused_forward
@@ -69,12 +67,12 @@ CHECK_COLUMNS = [
 
 
 class StepPath:
-    """One way of running a step: `layers` / `fused` through the executor, `ours` / `pdl <MB>` through
+    """One way of running a step: `layers` / `fused` through the executor, `ours` / `pdl` through
     `fused_forward(pdl=True)` and the LM head's fused product (with PDL for the latter)."""
 
-    def __init__(self, model, name: str, kind: str, budget_mb: float | None = None) -> None:
-        self.name, self.kind, self.budget = name, kind, budget_mb
-        fused = kind != "layers"
+    def __init__(self, model, name: str) -> None:
+        self.name = self.kind = name
+        fused = name != "layers"
         cfg = RunnerConfig(fused_max_tokens=16 if fused else 1, decode_megakernel=False, pruned_lm_head=False)
         self.paths = ModelExecutor(model, cfg, "cuda")
         self.model = model
@@ -85,29 +83,23 @@ class StepPath:
             hidden = self.paths.hidden_states(ids, pos, meta, views)
             return hidden, self.paths.lm_head.logits(hidden, dtype=None) if logits else None
         pdl = self.kind == "pdl"
-        gemv.PREFETCH_BUDGET_BYTES = int((self.budget or 0) * (1 << 20))
         self.paths.lm_head.pdl = pdl
         with programmatic_launches(pdl):
             hidden = fused_forward(self.model, ids, pos, meta, views, pdl=True)
         return hidden, self.paths.lm_head.logits(hidden, dtype=None) if logits else None
 
 
-def paths_for(model, budgets_mb: list[float]) -> list[StepPath]:
-    return [
-        StepPath(model, "layers", "layers"),
-        StepPath(model, "fused", "fused"),
-        StepPath(model, "ours", "ours"),
-        *[StepPath(model, f"pdl {mb:g}", "pdl", mb) for mb in budgets_mb],
-    ]
+def paths_for(model) -> list[StepPath]:
+    return [StepPath(model, name) for name in ("layers", "fused", "ours", "pdl")]
 
 
 @torch.no_grad()
-def check(model, kv, batches: list[int], ctx: int, budgets_mb: list[float]) -> list[dict]:
+def check(model, kv, batches: list[int], ctx: int) -> list[dict]:
     out = []
     for b in batches:
         ids, pos, meta = step_inputs(kv.device, b, ctx, kv.shape[2])
         results = {}
-        for p in paths_for(model, budgets_mb):
+        for p in paths_for(model):
             results[p.name] = p(ids, pos, meta, kv.clone())
         h_ref, l_ref = results["layers"]
         h_ours, l_ours = results["ours"]
@@ -126,7 +118,7 @@ def check(model, kv, batches: list[int], ctx: int, budgets_mb: list[float]) -> l
 
 
 @torch.no_grad()
-def time_steps(model, kv, batches: list[int], ctx: int, budgets_mb: list[float], copy: float) -> list[dict]:
+def time_steps(model, kv, batches: list[int], ctx: int, copy: float) -> list[dict]:
     cfg = model.config
     weight_bytes = sum(
         p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2
@@ -137,7 +129,7 @@ def time_steps(model, kv, batches: list[int], ctx: int, budgets_mb: list[float],
         ids, pos, meta = step_inputs(kv.device, b, ctx, kv.shape[2])
         kv_bytes = b * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * ctx * cfg.head_dim * kv.element_size()
         floor = (weight_bytes + kv_bytes + head_bytes) / copy * 1e6
-        for p in paths_for(model, budgets_mb):
+        for p in paths_for(model):
             step_us = bench_graph([lambda p=p: p(ids, pos, meta, kv)], calls=16, replays=9) * 1e3
             rows.append(
                 {
@@ -161,7 +153,6 @@ def main() -> None:
     ap.add_argument("--preset", default="llama-3.2-1b", help="the model shape (tinyvllm.models.presets)")
     ap.add_argument("--batches", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--context", type=int, default=640)
-    ap.add_argument("--budgets-mb", type=float, nargs="+", default=[0, 12, 24, 48], help="L2 prefetch budgets")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     ns = ap.parse_args()
     dev = require_cuda()
@@ -169,9 +160,9 @@ def main() -> None:
     copy = copy_bandwidth(dev)
     print(f"{info}\ncopy bandwidth {copy / 1e12:.2f} TB/s")
     model, kv = setup(dev, torch.bfloat16, ns.context * max(ns.batches), ns.preset)
-    checks = check(model, kv, ns.batches, ns.context, ns.budgets_mb)
+    checks = check(model, kv, ns.batches, ns.context)
     print_table("correctness against the layer loop", checks, CHECK_COLUMNS)
-    rows = time_steps(model, kv, ns.batches, ns.context, ns.budgets_mb, copy)
+    rows = time_steps(model, kv, ns.batches, ns.context, copy)
     print_table(f"decode steps of 2-16 rows, {ns.preset} shape, bf16 ({info['gpu']})", rows, STEP_COLUMNS)
     name = "pdl" + ("" if ns.preset == "llama-3.2-1b" else f"_{ns.preset}")
     json_path, _ = output_paths(ns.out, name)

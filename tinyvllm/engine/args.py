@@ -155,7 +155,7 @@ class EngineArgs:
     pdl: bool = _opt(
         False,
         "on sm_90+ GPUs, launch the fused path's kernels with programmatic dependent launch: each starts while"
-        " the previous one finishes, the products prefetching their weights (docs/perf.md section 1e)",
+        " the previous one finishes (docs/perf.md section 1e)",
     )
     decode_megakernel: bool | None = _opt(
         None,

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.grid_dependency import prefetch_l2, wait_for_previous
+from tinyvllm.kernels.grid_dependency import wait_for_previous
 from tinyvllm.kernels.launch import (
     cdiv,
     check_dim,
@@ -277,8 +277,6 @@ def gemv_kernel(
     SAMPLE: tl.constexpr,
     TILE: tl.constexpr,
     FAST_LOG: tl.constexpr,
-    PREFETCH_TILES: tl.constexpr = 0,
-    LINE: tl.constexpr = 64,
     PDL: tl.constexpr = False,
 ):
     """Program (n-block, k-split): out[:, n-block] of a = f(x) [M, K] times W [N, K]ᵀ over the program's
@@ -287,10 +285,8 @@ def gemv_kernel(
     (each tile converted to a's dtype; the scales multiply the finished float32 sums). SPLIT: the K
     ranges' fp32 partials go to the workspace and
     the last split to take the tile's ticket sums them in split order. SAMPLE: the tile's best (value,
-    index) per row into the sampler's partials (`_sample_epilogue`). PDL (kernels/pdl.py): the first
-    PREFETCH_TILES weight tiles of the program's K range are prefetched into L2 (a line every LINE
-    elements: 128 bytes, or the tile's width) before the wait for the previous kernel, which everything
-    else follows."""
+    index) per row into the sampler's partials (`_sample_epilogue`). PDL: launched as a dependent
+    (kernels/pdl.py)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -299,13 +295,6 @@ def gemv_kernel(
     mask_m = offs_m < M
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
-    k_start = pid_k * k_per_split
-
-    if PREFETCH_TILES > 0:  # weights are never written by a step: safe before the wait
-        rows_in = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn
-        lines = tl.arange(0, BLOCK_K // LINE)[None, :] * LINE
-        for t in range(0, PREFETCH_TILES):
-            prefetch_l2(rows_in + tl.minimum(k_start + t * BLOCK_K + lines, K - 1))
     wait_for_previous(PDL)
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -318,6 +307,7 @@ def gemv_kernel(
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
 
+    k_start = pid_k * k_per_split
     for k0 in range(0, k_per_split, BLOCK_K):
         k = k_start + k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:  # every tile lies inside [0, K): an all-true mask, which the compiler folds away
@@ -512,20 +502,6 @@ def check_config(cfg: GemvConfig) -> None:
         raise ValueError(f"tl.dot needs block_n ≥ 16 and block_k ≥ 16: {cfg}")
 
 
-# Weight bytes a PDL launch asks L2 to prefetch before its wait: half of the H100's and H200's 50 MB L2,
-# so that the prefetched lines are not evicted by each other before the product reads them.
-PREFETCH_BUDGET_BYTES = 24 << 20
-
-
-def prefetch_tiles(programs: int, cfg: GemvConfig, elt: int, k_per_split: int, budget: int | None = None) -> int:
-    """How many weight tiles each of `programs` programs prefetches before its PDL wait: as many of its
-    K range's tiles as fit `budget` bytes (default PREFETCH_BUDGET_BYTES) over all programs; 0 where not
-    even one tile each fits."""
-    budget = PREFETCH_BUDGET_BYTES if budget is None else budget
-    tile_bytes = cfg.block_n * cfg.block_k * elt
-    return min(cdiv(k_per_split, cfg.block_k), budget // (programs * tile_bytes))
-
-
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -558,8 +534,6 @@ def _launch(
             torch.empty((M, n_blocks), dtype=torch.float32, device=x.device),
             torch.empty((M, n_blocks), dtype=torch.int32, device=x.device),
         )
-    pdl = pdl_options(x.device)
-    prefetch = prefetch_tiles(n_blocks * split, cfg, weight.element_size(), k_per_split) if pdl["PDL"] else 0
     gemv_kernel[(n_blocks, split)](
         x,
         weight,
@@ -595,11 +569,9 @@ def _launch(
         SAMPLE=s is not None,
         TILE=sampling_tile(),
         FAST_LOG=x.is_cuda,
-        PREFETCH_TILES=prefetch,
-        LINE=min(cfg.block_k, 128 // weight.element_size()),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl,
+        **pdl_options(x.device),
     )
     return parts
 

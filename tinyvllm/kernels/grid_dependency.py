@@ -1,5 +1,5 @@
-"""The kernels' half of programmatic dependent launch (kernels/pdl.py has the contract and the host
-half): the wait for the previous kernel, and the L2 prefetch a kernel issues before it."""
+"""Grid dependency control inside a kernel: the wait of programmatic dependent launch (kernels/pdl.py has
+the contract and the host half), and an L2 prefetch hint."""
 
 from __future__ import annotations
 

@@ -6,23 +6,22 @@ programs start only after the previous kernel has finished and its writes are fl
 of the chain pays the launch, the ramp-up of the first loads and the tail of the last programs.
 
 With PDL a kernel is launched while the previous one still runs: its programs become resident as
-soon as every program of the previous kernel has signalled `gdc_launch_dependents` (or exited), run
-whatever does not depend on the previous kernel, then wait at `gdc_wait` for it to complete with its
-memory flushed. The matrix-vector kernels use the time before the wait to prefetch their weight
-slices into L2 (weights are never written by a step), so the product's loads after the wait hit L2.
+soon as every program of the previous kernel has signalled `gdc_launch_dependents` (or exited), and
+wait at `gdc_wait` for it to complete with its memory flushed; the launch and the programs' start-up
+overlap the previous kernel's tail instead of following it.
 
 The contract every kernel launched with PDL keeps:
   * before `wait_for_previous`: no load of anything a kernel of this step may have written, and no
     store at all (a store could race a still-running kernel's loads of a reused buffer);
   * `wait_for_previous` (grid_dependency.py) also signals the dependents, so at most one kernel waits
-    ahead of the running one (deeper chains would prefetch weights that evict each other's from L2).
+    ahead of the running one, holding SM slots the running kernel's programs might still need.
 The wait is transitive: kernel k + 1 waits for k, which waited for k − 1 before finishing. A kernel
 launched without PDL (cuBLAS, a torch op, a copy) waits for its predecessor in full, as always, and
 its successor is only released when it completes.
 
 `programmatic_launches(True)` turns PDL on for the launches made inside it (the runner wraps the
 decode steps of the fused path in it); `options(device)` is what a launcher passes to its kernel, and
-kernels/grid_dependency.py holds the kernels' half (the wait, the L2 prefetch). On the CPU interpreter
+kernels/grid_dependency.py holds the kernels' half (the wait). On the CPU interpreter
 and before sm_90 the launches stay ordinary and the kernels compile without the wait. This module
 imports no Triton: the engine opens the context on any backend.
 """
