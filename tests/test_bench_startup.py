@@ -68,3 +68,11 @@ def test_bench_startup_reports_every_phase_cold_and_warm(tmp_path):
         assert run["decode_s"] > 0
     big_result = _run(big, tmp_path, "big")
     assert big_result["cold"]["seconds"]["weights"] > result["cold"]["seconds"]["weights"]
+
+
+def test_result_names_carry_the_model_unless_it_is_the_default():
+    from tinyvllm.bench.startup import DEFAULT_MODEL, default_name
+
+    assert default_name(DEFAULT_MODEL, "h200") == "startup_h200"
+    assert default_name("dummy:llama-3.1-8b", "h200") == "startup_llama-3.1-8b_h200"
+    assert default_name("/models/Qwen3-8B/", "h100") == "startup_Qwen3-8B_h100"

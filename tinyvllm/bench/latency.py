@@ -16,7 +16,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--profile", action="store_true", help="also break a batch-1 decode step down by kernel class")
+    p.add_argument("--profile", action="store_true", help="also break a decode step down by kernel class")
     p.add_argument(
         "--baseline-output-len",
         type=int,

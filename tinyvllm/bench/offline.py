@@ -200,7 +200,8 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
         rows,
         ("", "decode tok/s", "TTFT ms"),
     )
-    profile = _profile(ns, llm, w, device, f"latency_step_breakdown_{_tag(ns)}.png") if batch == 1 else None
+    png = f"latency_step_breakdown{'' if batch == 1 else f'_b{batch}'}_{_tag(ns)}.png"
+    profile = _profile(ns, llm, w, device, png)
     result = {
         "workload": "latency",
         "model": ns.model,

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 HELP = "start-up time, process start to first token, by phase, with a cold and a warm Triton cache"
+DEFAULT_MODEL = "dummy:llama-3.2-1b"
 
 # The rows of the table, in the order they happen.
 ENGINE_PHASES = (
@@ -61,11 +62,18 @@ PHASES = ("import", *ENGINE_PHASES, "llm_other", "first_step")
 TOTALS = ("ready", "first_token")
 
 
+def default_name(model: str, tag: str) -> str:
+    """startup_<gpu> for the default model, startup_<preset or directory name>_<gpu> for another."""
+    if model == DEFAULT_MODEL:
+        return f"startup_{tag}"
+    return f"startup_{model.removeprefix('dummy:').rstrip('/').split('/')[-1]}_{tag}"
+
+
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     from tinyvllm.engine.args import add_engine_cli_args
 
     add_engine_cli_args(p)
-    p.set_defaults(model="dummy:llama-3.2-1b", dtype="bfloat16")
+    p.set_defaults(model=DEFAULT_MODEL, dtype="bfloat16")
     p.add_argument("--warm-runs", type=int, default=2, help="processes after the cold one, on its cache")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens of the first request")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded after the first one")
@@ -76,7 +84,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one process may take")
     p.add_argument("--out-dir", default="benchmarks/results")
-    p.add_argument("--name", default=None, help="JSON file name without .json (default: startup_<gpu>)")
+    p.add_argument("--name", default=None, help="JSON file name without .json (default: startup[_<preset>]_<gpu>)")
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -183,7 +191,7 @@ def run_startup(ns: argparse.Namespace) -> dict[str, Any]:
         "engine_args": vars(args),
     }
     tag = "cpu" if device == "cpu" else _gpu_tag()
-    write_json(ns.name or f"startup_{tag}", result, Path(ns.out_dir))
+    write_json(ns.name or default_name(ns.model, tag), result, Path(ns.out_dir))
     return result
 
 
