@@ -3,16 +3,17 @@
 # decided on the H100 (docs/perf.md names each, with the default it would change). Steps run in this order
 # while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
-#   STEPS="sizes sizes_qwen3" bash scripts/gpu_pending.sh                  # §1e: the issue's table on the H200 (2 calls)
-#   STEPS="pdl_tests pdl_bench b8_profile_1b pdl_latency_b8" ...            # §1e: PDL on the fused path at 2-16 rows
-#   STEPS="startup startup_8b mk_tests mk_kv_align" ...                    # §12, §1e on the H200
-#   STEPS="prefill_tests attn_bench" ...;  STEPS=attn_sweep_64 ...         # §3, §3a: the new defaults' GPU tests first
-#   STEPS="decode_sweep_fp8 fp8_tests fp8_cost" ...                         # §9 on the H200
+#   STEPS="sizes_qwen3 b8_profile_1b" bash scripts/gpu_pending.sh          # §1e: Qwen3 sizes; the batch-8 profile
+#   STEPS=gemv_sweep_m8 ...; STEPS=gemv_sweep_m2 ...; STEPS=gemv_sweep_m16  # §1e: our products at 2-16 rows
+#   STEPS="mk_tests mk_kv_align" ...                                        # §1e on the H200
+#   STEPS=attn_sweep_64 ...                                                 # §3a: d 64's Hopper options
+#   STEPS="decode_sweep_fp8 fp8_cost" ...                                   # §9 on the H200
 #   STEPS="top_p_only serve_top_p" ...                                      # §5, §7
 #   STEPS=structured_prepare ...;  STEPS="rows_bench_8b rows_bench_fp8" ... # §10, §1e
 #   STEPS="decode_sweep cascade_stages prefix_stream_test tp_default tp_prefix_stream" ...  # §4 on the H200
 # Done on the H100 (710c474): sizes, attn_sweep_128, train_compare, prefill_sweep, decode_sweep_fp8,
-# fp8_cost, mk_tests, radix_kernel.
+# fp8_cost, mk_tests, radix_kernel. On the H200 (39e1da9): sizes, pdl_tests, pdl_bench, startup, startup_8b,
+# prefill_tests, attn_bench, fp8_tests, the prefill bench.
 #
 # Name the commit in the run command (`TINYVLLM_GIT_COMMIT=<local git rev-parse --short HEAD> bash ...`): the
 # device's copy of the tree may carry a stale .git, and result files record the commit they ran.
@@ -75,6 +76,12 @@ export -f pdl_bench
 step pdl_bench 480 bash -c pdl_bench
 bench pdl_latency_b8 200 latency --model dummy:llama-3.2-1b --batch-size 8 --fused-max-tokens 16 --pdl \
   --name "latency_b8_pdl_$GPU"
+# The matrix-vector kernel's configs at 2-16 rows (§1e: 0.83x cuBLAS at M = 8 with the untuned default, the
+# fused path's gap to the layer loop); one M a call, the 1B shapes the fused path multiplies.
+for m in 2 8 16; do
+  step "gemv_sweep_m$m" 560 python3 benchmarks/kernels/bench_gemv.py --sweep --sweep-m $m --batches $m --models 1b \
+    --sweep-proj qkv o down gate_up --no-model --out "$RES/gemv_m$m"
+done
 # Where a batch-8 step of the layer loop goes (kernels by class, the device's gaps between them): §1e's 0.75.
 bench b8_profile_1b 200 latency --model dummy:llama-3.2-1b --batch-size 8 --profile --name "latency_b8_profile_$GPU"
 bench b8_profile_3b 200 latency --model dummy:llama-3.2-3b --batch-size 8 --profile \
