@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import assert_close
+from kernel_helpers import assert_close, rel_err
 
 from tinyvllm.config import RopeScaling
 from tinyvllm.kernels import reference, triton_ops
@@ -76,6 +76,73 @@ def test_rope_in_place_on_fused_qkv_views(hq, hk, d, dtype, device):
     assert_close(q, ref_q, dtype)
     assert_close(k, ref_k, dtype)
     assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "v must be untouched"
+
+
+# A cache in the model's dtype for every dtype; an FP8 cache for the 16- and 32-bit models it serves.
+CACHES = [(dt, "same") for dt in DTYPES] + [(dt, "fp8") for dt in DTYPES if dt != torch.float64]
+
+
+@pytest.mark.parametrize("dtype,cache", CACHES, ids=[f"{i}-{c}" for (dt, c), i in zip(CACHES, IDS + IDS[:3])])
+@pytest.mark.parametrize("hq,hk,d", [(4, 4, 16), (6, 3, 64), (8, 1, 128)])
+def test_rope_write_kv_is_rope_then_the_cache_write(hq, hk, d, dtype, cache, device):
+    """The fused op on views of one fused qkv row block: q and k rotated in place, the rotated K and V in
+    their slots (none for a padded row), bit for bit as the two Triton kernels one after the other. Against
+    the reference's two ops: V's slots bit for bit, q, k and K's slots close (the rotation's float
+    arithmetic; in an FP8 cache two K's a rounding apart land at most one e4m3 step, 2⁻³ relative, apart,
+    and rarely: 2⁻⁴ bounds the whole tensor's relative error)."""
+    gen = torch.Generator(device=device).manual_seed(hq * d + hk)
+    T, bs, nb = 9, 4, 7
+    cos_sin = cos_sin_table(d, 500000.0, None, 4096, device=device)
+    qkv = randn(T, (hq + 2 * hk) * d, dtype=dtype, device=device, gen=gen) * 4
+    positions = torch.randint(0, 4096, (T,), generator=gen, device=device)
+    slots = torch.randperm(nb * bs, generator=torch.Generator().manual_seed(hk))[:T]
+    slots[4] = -1  # a padded row: rotated, but nothing written
+    slots = slots.to(device)
+    cache_dtype = torch.float8_e4m3fn if cache == "fp8" else dtype
+    scales = {"k_scale": 0.37, "v_scale": 1.9} if cache == "fp8" else {}
+
+    def views(t):
+        return (
+            t[:, : hq * d].reshape(T, hq, d),
+            t[:, hq * d : (hq + hk) * d].reshape(T, hk, d),
+            t[:, (hq + hk) * d :].reshape(T, hk, d),
+        )
+
+    def empty_caches():
+        return [torch.zeros(nb, hk, bs, d, device=device).to(cache_dtype) for _ in range(2)]
+
+    runs = {}
+    for name in ("fused", "two kernels", "reference"):
+        t = qkv.clone()
+        q, k, v = views(t)
+        kc, vc = empty_caches()
+        if name == "fused":
+            out_q, out_k = triton_ops.rope_write_kv(q, k, v, positions, cos_sin, kc, vc, slots, **scales)
+            assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+        elif name == "two kernels":
+            triton_ops.rope(q, k, positions, cos_sin)
+            triton_ops.write_kv_cache(k, v, kc, vc, slots, **scales)
+        else:
+            reference.rope_write_kv(q, k, v, positions, cos_sin, kc, vc, slots, **scales)
+        runs[name] = (t, kc, vc)
+    for a, b in zip(runs["fused"], runs["two kernels"]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    t, kc, vc = runs["fused"]
+    rt, rkc, rvc = runs["reference"]
+    assert_close(t, rt, dtype)
+    assert torch.equal(t[:, (hq + hk) * d :], qkv[:, (hq + hk) * d :]), "v must be untouched"
+    written = torch.zeros(nb * bs, dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    written = written.to(device)
+    slots_of = lambda c: c.permute(0, 2, 1, 3).reshape(nb * bs, hk, d)  # noqa: E731
+    for ours in (kc, vc):
+        assert not slots_of(ours)[~written].float().any(), "wrote a slot it should not have"
+    assert torch.equal(slots_of(vc)[written].view(torch.uint8), slots_of(rvc)[written].view(torch.uint8))
+    k_ours, k_ref = slots_of(kc)[written].float(), slots_of(rkc)[written].float()
+    if cache == "fp8":
+        assert rel_err(k_ours, k_ref) <= 2**-4
+    else:
+        assert_close(k_ours, k_ref, dtype)
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])

@@ -251,6 +251,26 @@ def test_layer_ops_real_shapes():
     assert torch.equal(caches[0].nan_to_num(), caches[2].nan_to_num())
     assert torch.equal(caches[1].isnan(), caches[3].isnan())
 
+    # The fused RoPE + cache write on fresh inputs: bit for bit the two kernels above, one after the other.
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=gen, device=CUDA).to(BF16)
+    fused, split = qkv.clone(), qkv.clone()
+    out = [torch.full((num_blocks, hk, bs, d), float("nan"), dtype=BF16, device=CUDA) for _ in range(4)]
+
+    def views(t):
+        return (
+            t[:, : hq * d].reshape(T, hq, d),
+            t[:, hq * d : (hq + hk) * d].reshape(T, hk, d),
+            t[:, (hq + hk) * d :].reshape(T, hk, d),
+        )
+
+    triton_ops.rope_write_kv(*views(fused), positions, cos_sin, out[0], out[1], slots)
+    q2, k2, v2 = views(split)
+    triton_ops.rope(q2, k2, positions, cos_sin)
+    triton_ops.write_kv_cache(k2, v2, out[2], out[3], slots)
+    assert torch.equal(fused, split)
+    for a, b in ((out[0], out[2]), (out[1], out[3])):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
 
 # fused_gemv at the projections of Llama-3.2-1B, Llama-3.1-8B and the Qwen families, each with the fusion the model uses
 # there: (N, K, variant). bf16 against the reference in float32 (TF32 off): the output rounding and the

@@ -94,7 +94,7 @@ def facts() -> dict:
 
 def test_every_kernel_of_the_path_is_a_dependent(facts):
     kernels = facts["pdl"]
-    assert {"_rms_norm_kernel", "gemv_kernel", "_rope_kernel", "_write_kv_kernel", "_decode_kernel"} <= set(kernels)
+    assert {"_rms_norm_kernel", "gemv_kernel", "_rope_write_kv_kernel", "_decode_kernel"} <= set(kernels)
     for name, launches in kernels.items():
         for f in launches:
             assert f["launch_pdl"], name

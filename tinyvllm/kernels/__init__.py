@@ -40,6 +40,7 @@ class Ops:
     add_rms_norm: Callable
     rope: Callable
     write_kv_cache: Callable
+    rope_write_kv: Callable  # rope, then write_kv_cache of the rotated k and v (one launch on Triton)
     prefill_attention: Callable
     decode_attention: Callable
     silu_and_mul: Callable
@@ -71,6 +72,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> Ops:
         add_rms_norm=m.add_rms_norm,
         rope=m.rope,
         write_kv_cache=m.write_kv_cache,
+        rope_write_kv=m.rope_write_kv,
         prefill_attention=m.prefill_attention,
         decode_attention=m.decode_attention,
         silu_and_mul=m.silu_and_mul,
@@ -94,6 +96,7 @@ def _batch_invariant_ops(backend: str) -> Ops:
             add_rms_norm=m.add_rms_norm,
             rope=m.rope,
             write_kv_cache=reference.write_kv_cache,
+            rope_write_kv=m.rope_write_kv,
             prefill_attention=m.prefill_attention,
             decode_attention=m.decode_attention,
             silu_and_mul=m.silu_and_mul,
@@ -112,6 +115,7 @@ def _batch_invariant_ops(backend: str) -> Ops:
         add_rms_norm=triton_ops.add_rms_norm,
         rope=triton_ops.rope,  # one program per row
         write_kv_cache=triton_ops.write_kv_cache,
+        rope_write_kv=triton_ops.rope_write_kv,  # one program per row
         prefill_attention=prefill_attention.invariant_prefill_attention,
         decode_attention=prefill_attention.invariant_decode_attention,
         silu_and_mul=triton_ops.silu_and_mul,  # elementwise

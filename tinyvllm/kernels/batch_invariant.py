@@ -98,6 +98,13 @@ def rope(
     return q, k
 
 
+def rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+    """reference.rope_write_kv with this module's rope (row by row); the cache write is per row already."""
+    rope(q, k, positions, cos_sin)
+    ref.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q, k
+
+
 def attend_row(
     q: torch.Tensor,
     k_cache: torch.Tensor,

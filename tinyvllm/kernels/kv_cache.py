@@ -75,17 +75,17 @@ def _write_kv_kernel(
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache(
+def check_kv_write(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """cache[slot // bs, :, slot % bs] = k[t] (and v) for every t with slot_mapping[t] >= 0; an FP8 cache
-    stores k[t] / k_scale and v[t] / v_scale (module docstring)."""
+    k_scale: float,
+    v_scale: float,
+) -> bool:
+    """Raise ValueError / TypeError unless k, v [T, Hk, D] fit the caches [num_blocks, Hk, block_size, D]
+    and slot_mapping [T]; returns whether the cache is FP8 (e4m3)."""
     for name, t in (("k", k), ("v", v)):
         check_dim(name, t, 3)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -107,6 +107,22 @@ def write_kv_cache(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8 and not (k_scale > 0 and v_scale > 0):
         raise ValueError(f"FP8 cache scales must be positive, got k_scale={k_scale}, v_scale={v_scale}")
+    return fp8
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """cache[slot // bs, :, slot % bs] = k[t] (and v) for every t with slot_mapping[t] >= 0; an FP8 cache
+    stores k[t] / k_scale and v[t] / v_scale (module docstring)."""
+    fp8 = check_kv_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    T, Hk, D = k.shape
     if T == 0:
         return
     _write_kv_kernel[(T,)](

@@ -116,6 +116,25 @@ def write_kv_cache(
     v_cache[blocks, :, offsets] = _to_cache(v[valid], v_cache, v_scale)
 
 
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` on q and k (in place), then `write_kv_cache` of the rotated k and v: the attention layer's
+    two steps before attention, one op (a backend may fuse them). Returns (q, k)."""
+    rope(q, k, positions, cos_sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q, k
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
     """Tokens start..length−1 of one sequence's K or V, contiguous: [length − start, Hk, D]. Only the
     blocks holding them are read."""

@@ -13,7 +13,7 @@ from tinyvllm.kernels.kv_cache import write_kv_cache
 from tinyvllm.kernels.placeholders import resolve_placeholders
 from tinyvllm.kernels.prefill_attention import prefill_attention
 from tinyvllm.kernels.rms_norm import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8
-from tinyvllm.kernels.rope import rope
+from tinyvllm.kernels.rope import rope, rope_write_kv
 
 __all__ = [
     "add_rms_norm",
@@ -25,6 +25,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_fp8",
     "rope",
+    "rope_write_kv",
     "silu_and_mul",
     "silu_and_mul_fp8",
     "write_kv_cache",

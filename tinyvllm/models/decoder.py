@@ -157,10 +157,9 @@ class Attention(nn.Module):
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache
         kv_scales = {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_cache.dtype == FP8_KV_DTYPE else {}
-        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **kv_scales)
+        q, k = self.ops.rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, **kv_scales)
         D = meta.num_decode_tokens
         decode = prefill = None
         if D:
