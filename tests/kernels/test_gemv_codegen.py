@@ -98,6 +98,7 @@ def compile_ptx(
         "SAMPLE": sample,
         "TILE": 2048,
         "FAST_LOG": True,
+        "PDL": False,
     }
     sig.update({name: "constexpr" for name in consts})
     attrs = {(gemv_kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}

@@ -40,3 +40,15 @@ def to_e4m3(x, EMULATE: tl.constexpr):
     if EMULATE:
         x = round_to_e4m3(x)
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def cache_value(y, scale, dtype: tl.constexpr, FP8KV: tl.constexpr, EMULATE: tl.constexpr):
+    """A K or V value y (float32, already rounded to the model's dtype) as the cache stores it: y in
+    `dtype`, or e4m3(y / scale) with FP8KV. One return: the compiler requires every return of a function
+    to carry one type, constexpr branches included."""
+    if FP8KV:
+        stored = to_e4m3(y / scale, EMULATE)
+    else:
+        stored = y.to(dtype)
+    return stored

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyvllm.kernels.fp8_convert import to_e4m3
+from tinyvllm.kernels.fp8_convert import cache_value
 from tinyvllm.kernels.grid_dependency import wait_for_previous
 from tinyvllm.kernels.kv_cache import check_kv_write
 from tinyvllm.kernels.launch import (
@@ -150,16 +150,12 @@ def _rope_write_kv_kernel(
         pv = v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :]
         v1 = tl.load(pv, mask=mask)
         v2 = tl.load(pv + HALF, mask=mask)
-        if FP8:
-            k1 = to_e4m3(k1.to(tl.float32) / k_scale, EMULATE_FP8)
-            k2 = to_e4m3(k2.to(tl.float32) / k_scale, EMULATE_FP8)
-            v1 = to_e4m3(v1.to(tl.float32) / v_scale, EMULATE_FP8)
-            v2 = to_e4m3(v2.to(tl.float32) / v_scale, EMULATE_FP8)
-        cache_ty = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dst, k1.to(cache_ty), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, k2.to(cache_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v1.to(cache_ty), mask=mask)
-        tl.store(v_cache_ptr + dst + HALF, v2.to(cache_ty), mask=mask)
+        ty = k_cache_ptr.dtype.element_ty
+        # an FP8 cache: the division in float32 (a 16-bit value over the float32 scale promotes), as the write's
+        tl.store(k_cache_ptr + dst, cache_value(k1, k_scale, ty, FP8, EMULATE_FP8), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, cache_value(k2, k_scale, ty, FP8, EMULATE_FP8), mask=mask)
+        tl.store(v_cache_ptr + dst, cache_value(v1, v_scale, ty, FP8, EMULATE_FP8), mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, cache_value(v2, v_scale, ty, FP8, EMULATE_FP8), mask=mask)
 
 
 def check_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.decode_megakernel.grid_sync import now, trace_attention
-from tinyvllm.kernels.decode_megakernel.qkv_phase import cache_value
 from tinyvllm.kernels.flash_tiles import attn_inner, dot_pv, dot_qk
+from tinyvllm.kernels.fp8_convert import cache_value
 
 
 def kv_alignable(layer_stride: int, v_offset: int) -> bool:

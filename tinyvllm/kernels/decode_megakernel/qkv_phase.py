@@ -25,19 +25,7 @@ import triton.language as tl
 
 from tinyvllm.kernels.decode_megakernel.grid_sync import end_phase
 from tinyvllm.kernels.decode_megakernel.vectors import normed
-from tinyvllm.kernels.fp8_convert import to_e4m3
-
-
-@triton.jit
-def cache_value(y, scale, dtype: tl.constexpr, FP8KV: tl.constexpr, EMULATE: tl.constexpr):
-    """A K or V value y (float32, already rounded to the model's dtype) as the cache stores it: y in
-    `dtype`, or e4m3(y / scale) with FP8KV. One return: the compiler requires every return of a function
-    to carry one type, constexpr branches included."""
-    if FP8KV:
-        stored = to_e4m3(y / scale, EMULATE)
-    else:
-        stored = y.to(dtype)
-    return stored
+from tinyvllm.kernels.fp8_convert import cache_value
 
 
 @triton.jit

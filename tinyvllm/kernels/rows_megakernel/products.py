@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.decode_megakernel.grid_sync import end_phase
-from tinyvllm.kernels.decode_megakernel.qkv_phase import cache_value
 from tinyvllm.kernels.flash_tiles import dot_pv
+from tinyvllm.kernels.fp8_convert import cache_value
 from tinyvllm.kernels.grid_dependency import prefetch_l2
 
 QKV = tl.constexpr(0)  # the kinds of weight phase (module docstring)
