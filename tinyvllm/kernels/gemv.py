@@ -137,15 +137,17 @@ def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False, fp8:
 
 def candidate_configs(M: int, N: int, K: int, sms: int, *, norm: bool = False) -> list[GemvConfig]:
     """The grid `bench_gemv.py --sweep` times (deduplicated, the default among them): tiles × warps ×
-    stages × split targets of 2, 4 and 8 programs per SM; FMA tiles only for M ≤ 4."""
+    stages × split targets of 1, 2, 4 and 8 programs per SM; FMA tiles only for M ≤ 4. One program per SM
+    and 5 stages are there for the small products at M ≥ 2, whose default splits leave each program two
+    K tiles: a pipeline that never fills, and a split-K reduction per 32 KB of weights."""
     fma = [(4, 512), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512)] if M <= 4 else []
     dot = [(32, 128), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128)]
     grid = [(False, n, k, w, s) for n, k in fma for w in (4, 8) for s in (1, 2)]
-    grid += [(True, n, k, 4, s) for n, k in dot for s in (2, 3, 4)]
+    grid += [(True, n, k, 4, s) for n, k in dot for s in (2, 3, 4, 5)]
     out = [default_config(M, N, K, sms, norm=norm)]
     for use_dot, block_n, block_k, warps, stages in grid:
         block_k = min(block_k, max(16, next_power_of_2(K)))
-        for pps in (2, 4, 8):
+        for pps in (1, 2, 4, 8):
             split = choose_split(M, N, K, sms, block_n, block_k, norm, pps)
             cfg = GemvConfig(block_n, block_k, split, warps, stages, use_dot)
             if cfg not in out:
