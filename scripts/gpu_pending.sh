@@ -5,6 +5,7 @@
 #
 #   STEPS="sizes_qwen3 b8_profile_1b" bash scripts/gpu_pending.sh          # §1e: Qwen3 sizes; the batch-8 profile
 #   STEPS=gemv_sweep_m8 ...; STEPS=gemv_sweep_m2 ...; STEPS=gemv_sweep_m16  # §1e: our products at 2-16 rows
+#   STEPS="decode_bench sizes" ...                                          # §4: decode with PDL; §6: fused RoPE
 #   STEPS="mk_tests mk_kv_align" ...                                        # §1e on the H200
 #   STEPS=attn_sweep_64 ...                                                 # §3a: d 64's Hopper options
 #   STEPS="decode_sweep_fp8 fp8_cost" ...                                   # §9 on the H200
@@ -123,6 +124,9 @@ step prefill_sweep_p256 560 python3 benchmarks/kernels/bench_prefill_attention.p
   --out "$RES/p256"
 
 # 5. Decode attention's candidates, 3 against 5 stages (the first depth whose loop prefetches, §3/§4).
+# The workload beside SDPA's backends, with the split and merge kernels as PDL dependents too (§4: the issue's
+# "at or above cuDNN's fraction" at 1 x 32k and 16 x 2k, missed by the two launches' ramp).
+step decode_bench 300 python3 benchmarks/kernels/bench_decode_attention.py --no-flex --out "$RES"
 step decode_sweep 400 python3 benchmarks/kernels/bench_decode_attention.py --sweep --no-flex --out "$RES/sweep"
 # The same candidates over an FP8 cache (#36: 0.68 / 0.64 of the copy bandwidth today, target 0.85): FP8_CONFIG.
 step decode_sweep_fp8 500 python3 benchmarks/kernels/bench_decode_attention.py --sweep --fp8 --no-flex --quick \

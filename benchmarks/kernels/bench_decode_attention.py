@@ -3,10 +3,12 @@
 
 Decode is bound by memory bandwidth, so the figure is GB/s of K/V + Q + O moved, and its fraction of
 the device-to-device copy bandwidth measured in this same run (bytes read + written; a read-only
-kernel can pass 1.0). Ours runs on the paged cache twice: blocks shuffled at random (as a real cache
-ends up) and in order, and once more shuffled with the merge folded into the split kernel
-(`fold_merge`: one launch instead of two); the baselines get contiguous [B, Hk, L, D] K/V: SDPA flash and cuDNN
-(enable_gqa) and FlexAttention (torch.compile). Ours (in order) is checked against SDPA's output.
+kernel can pass 1.0). Ours runs on the paged cache with blocks shuffled at random (as a real cache ends
+up) and in order, shuffled with its split and merge kernels launched as programmatic dependents (`ours
+pdl`, kernels/pdl.py: the merge's launch overlaps the split's tail; sm_90+), and shuffled with the merge
+folded into the split kernel (`fold_merge`: one launch instead of two); the baselines get contiguous
+[B, Hk, L, D] K/V: SDPA flash and cuDNN (enable_gqa) and FlexAttention (torch.compile). Ours (in order) is
+checked against SDPA's output.
 
     python benchmarks/kernels/bench_decode_attention.py            # the workload (~2 min)
     python benchmarks/kernels/bench_decode_attention.py --quick    # 4 shapes
@@ -42,6 +44,7 @@ from tinyvllm.kernels.decode_attention import (
     num_splits_for,
 )
 from tinyvllm.kernels.launch import num_sms
+from tinyvllm.kernels.pdl import programmatic_launches
 
 HQ, HK, D, BLOCK = 32, 8, 64, 16
 BATCHES = [1, 16, 64, 256]
@@ -106,6 +109,16 @@ class Problem:
         return lambda: compiled_flex(q4, self.k, self.v, scale=self.scale, enable_gqa=True)
 
 
+def with_pdl(fn):
+    """fn with its kernels launched as programmatic dependents (kernels/pdl.py; sm_90+, else unchanged)."""
+
+    def call():
+        with programmatic_launches(True):
+            return fn()
+
+    return call
+
+
 def try_time(name, fn, p: Problem, copy_bw: float, ref, row: dict, graph_fns=None, nbytes=None) -> None:
     """Eager timing (do_bench, L2 flushed) of fn into row[name...]; with graph_fns (the same call
     over rotated inputs), also CUDA-graph replay timing into row[name + '_graph...']. Fractions count
@@ -152,6 +165,8 @@ def measure_shape(p: Problem, rotation: list[Problem], copy_bw: float, compiled_
     shuffled = [r.ours(r.tables_shuffled) for r in rotation]
     try_time("ours_shuffled", p.ours(p.tables_shuffled), p, copy_bw, None, row, shuffled)
     try_time("ours_in_order", p.ours(p.tables_in_order), p, copy_bw, ref, row)
+    pdl = [with_pdl(r.ours(r.tables_shuffled)) for r in rotation]  # split and merge as dependent launches
+    try_time("ours_pdl", with_pdl(p.ours(p.tables_shuffled)), p, copy_bw, None, row, pdl)
     fold = DEFAULT_CONFIG._replace(fold_merge=True)  # the last split merges: one launch, not two
     folded = [r.ours(r.tables_shuffled, fold) for r in rotation]
     try_time("ours_fold", p.ours(p.tables_shuffled, fold), p, copy_bw, None, row, folded)
@@ -221,6 +236,7 @@ COLUMNS = [
     ("ours/cudnn", "ours/cudnn", ".2f"),
     ("ours_shuffled_graph_us", "graph: ours us", ".1f"),
     ("ours_shuffled_graph_frac", "ours", ".2f"),
+    ("ours_pdl_graph_frac", "ours pdl", ".2f"),
     ("ours_fold_graph_frac", "ours fold", ".2f"),
     ("flash_graph_frac", "flash", ".2f"),
     ("cudnn_graph_frac", "cudnn", ".2f"),
