@@ -74,3 +74,24 @@ def test_a_graph_of_dependent_launches_replays_the_same_bits():
         torch.cuda.synchronize()
         assert torch.equal(out[:9], eager[:9]) and torch.equal(logits[:9], eager_logits[:9])
     assert torch.equal(graph_kv, eager_kv)
+
+
+@pytest.mark.parametrize("seq_lens", [[2000], [900, 1000], [40 * (i + 1) for i in range(9)]])
+def test_the_layer_loop_with_dependent_launches_gives_the_same_bits(seq_lens):
+    """The layer loop under `pdl` (the cache write, attention's splits and their merge as dependents; long
+    contexts so that the merge runs) against the same executor without it."""
+    model, kv = setup(torch.bfloat16)
+    on, off = (
+        ModelExecutor(model, RunnerConfig(pdl=pdl, fused_gemv=False, decode_megakernel=False), "cuda")
+        for pdl in (True, False)
+    )
+    assert not on.uses_fused_path(len(seq_lens)) and on.megakernel is None
+    ids, pos, meta = rows_step(seq_lens, kv.shape[2], seed=len(seq_lens))
+    outs = []
+    for paths in (on, off):
+        cache = kv.clone()
+        views = [(cache[i, 0], cache[i, 1]) for i in range(cache.shape[0])]
+        with torch.no_grad():
+            hidden = paths.hidden_states(ids, pos, meta, views)
+            outs.append((hidden, paths.lm_head.logits(hidden, dtype=None), cache))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

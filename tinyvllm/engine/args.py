@@ -154,8 +154,8 @@ class EngineArgs:
     fused_max_tokens: int = _opt(1, "largest step (token rows, 1-16) the fused matrix-vector path serves")
     pdl: bool = _opt(
         False,
-        "on sm_90+ GPUs, launch the fused path's kernels with programmatic dependent launch: each starts while"
-        " the previous one finishes (docs/perf.md section 1e)",
+        "on sm_90+ GPUs, launch our kernels with programmatic dependent launch: each starts while the previous"
+        " one finishes (docs/perf.md section 1e)",
     )
     decode_megakernel: bool | None = _opt(
         None,

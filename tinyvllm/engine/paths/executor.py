@@ -4,10 +4,13 @@
 |-------------------------------------------|-----------------------------------|-------------------------------|
 | decode, one sequence, megakernel on       | paths/megakernel.py (one launch)  | LM head, fused product        |
 | decode, 2–16 sequences, `rows_megakernel` | paths/rows_megakernel.py          | LM head, cuBLAS               |
-| ≤ `fused_max_tokens` rows, `fused_gemv`   | paths/fused.py (`pdl`: PDL chain) | LM head, fused product        |
+| ≤ `fused_max_tokens` rows, `fused_gemv`   | paths/fused.py                    | LM head, fused product        |
 | anything else                             | the model's layer loop            | LM head, cuBLAS               |
 
-Batch-1 decode graph steps may sample through the pruned LM head instead (paths/lm_head.py). Every path
+Batch-1 decode graph steps may sample through the pruned LM head instead (paths/lm_head.py). With `pdl`
+(kernels/pdl.py) the fused path and the layer loop launch our kernels as programmatic dependents: in the
+fused path every kernel, in the layer loop those that follow another of ours (the cache write → attention
+→ its merge), since cuBLAS's kernels release no dependent early. Every path
 computes the model's maths with the model's parameters; they differ only in the order of float32 sums.
 With `batch_invariant` every step takes the layer loop over the ops table's batch-invariant ops: the
 fused path, the megakernel and the pruned LM head are off (each has its own order of sums, chosen by the
@@ -160,7 +163,7 @@ class ModelExecutor:
                 except MegakernelDoesNotFit as e:  # raised before anything ran: the other paths from now on
                     logger.warning("rows megakernel off: %s", e)
                     self.rows_megakernel = None
-        if self.uses_fused_path(input_ids.shape[0]):
-            with programmatic_launches(self.pdl):
+        with programmatic_launches(self.pdl):
+            if self.uses_fused_path(input_ids.shape[0]):
                 return fused_forward(self.model, input_ids, positions, meta, kv_caches, pdl=self.pdl)
-        return self.model(input_ids, positions, meta, kv_caches)
+            return self.model(input_ids, positions, meta, kv_caches)
