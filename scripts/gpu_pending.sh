@@ -3,9 +3,10 @@
 # decided on the H100 (docs/perf.md names each, with the default it would change). Steps run in this order
 # while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
-#   STEPS="sizes_qwen3 b8_profile_1b" bash scripts/gpu_pending.sh          # §1e: Qwen3 sizes; the batch-8 profile
+#   STEPS="decode_bench sizes" bash scripts/gpu_pending.sh                  # §4: decode with PDL; §6: fused RoPE (vs 39e1da9)
+#   STEPS="pdl_bench b8_profile_1b" ...                                     # §1e: PDL in the layer loop; the batch-8 profile
 #   STEPS=gemv_sweep_m8 ...; STEPS=gemv_sweep_m2 ...; STEPS=gemv_sweep_m16  # §1e: our products at 2-16 rows
-#   STEPS="decode_bench sizes" ...                                          # §4: decode with PDL; §6: fused RoPE
+#   STEPS=sizes_qwen3 ...                                                   # §1e: Qwen3-0.6B / 1.7B / 8B
 #   STEPS="mk_tests mk_kv_align" ...                                        # §1e on the H200
 #   STEPS=attn_sweep_64 ...                                                 # §3a: d 64's Hopper options
 #   STEPS="decode_sweep_fp8 fp8_cost" ...                                   # §9 on the H200
