@@ -3,8 +3,8 @@
 # decided on the H100 (docs/perf.md names each, with the default it would change). Steps run in this order
 # while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
-#   STEPS="decode_bench sizes" bash scripts/gpu_pending.sh                  # §4: decode with PDL; §6: fused RoPE (vs 39e1da9)
-#   STEPS="pdl_bench b8_profile_1b" ...                                     # §1e: PDL in the layer loop; the batch-8 profile
+#   STEPS="layer_ops_tests decode_bench sizes" bash scripts/gpu_pending.sh  # §6: fused RoPE's tests, then vs 39e1da9; §4
+#   STEPS="pdl_tests pdl_bench b8_profile_1b" ...                           # §1e: PDL in the layer loop; the batch-8 profile
 #   STEPS=gemv_sweep_m8 ...; STEPS=gemv_sweep_m2 ...; STEPS=gemv_sweep_m16  # §1e: our products at 2-16 rows
 #   STEPS=sizes_qwen3 ...                                                   # §1e: Qwen3-0.6B / 1.7B / 8B
 #   STEPS="mk_tests mk_kv_align" ...                                        # §1e on the H200
@@ -69,6 +69,9 @@ step sizes_qwen3 560 python3 -m benchmarks.sizes --baseline hf --presets qwen3-0
 # Programmatic dependent launch on the fused path (§1e, kernels/pdl.py): same bits as ordinary launches, then
 # steps of 2-16 rows against the layer loop, with L2 prefetch budgets of 0-48 MB; engine figures after.
 step pdl_tests 300 python3 -m pytest -q tests/gpu/test_pdl_gpu.py -p no:cacheprovider
+# RoPE with the cache write (§6) against the two kernels at real shapes, and the model paths that call it.
+step layer_ops_tests 300 python3 -m pytest -q tests/kernels/test_gpu_shapes.py -k "layer_ops or decode_real" \
+  tests/gpu/test_engine_gpu.py -p no:cacheprovider
 pdl_bench() {
   for p in llama-3.2-1b llama-3.2-3b llama-3.1-8b; do
     python3 benchmarks/kernels/bench_pdl.py --preset "$p" --out "$RES" || echo "FAILED $p"
