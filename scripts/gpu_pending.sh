@@ -61,6 +61,9 @@ export -f mk_kv_align
 step mk_tests 400 python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py -p no:cacheprovider -k "kv_align or family or fp8"
 step mk_kv_align 400 bash -c mk_kv_align
 
+# RoPE with the cache write (§6) against the two kernels at real shapes, and the model paths that call it.
+step layer_ops_tests 300 python3 -m pytest -q tests/kernels/test_gpu_shapes.py -k "layer_ops or decode_real" \
+  tests/gpu/test_engine_gpu.py -p no:cacheprovider
 # The table: batch 1 and 8 for every preset beside transformers, today's paths then the rows kernel.
 step sizes 560 python3 -m benchmarks.sizes --baseline hf --presets llama-3.2-1b llama-3.2-3b qwen3-4b llama-3.1-8b \
   --out-dir "$RES"
@@ -69,9 +72,6 @@ step sizes_qwen3 560 python3 -m benchmarks.sizes --baseline hf --presets qwen3-0
 # Programmatic dependent launch on the fused path (§1e, kernels/pdl.py): same bits as ordinary launches, then
 # steps of 2-16 rows against the layer loop, with L2 prefetch budgets of 0-48 MB; engine figures after.
 step pdl_tests 300 python3 -m pytest -q tests/gpu/test_pdl_gpu.py -p no:cacheprovider
-# RoPE with the cache write (§6) against the two kernels at real shapes, and the model paths that call it.
-step layer_ops_tests 300 python3 -m pytest -q tests/kernels/test_gpu_shapes.py -k "layer_ops or decode_real" \
-  tests/gpu/test_engine_gpu.py -p no:cacheprovider
 pdl_bench() {
   for p in llama-3.2-1b llama-3.2-3b llama-3.1-8b; do
     python3 benchmarks/kernels/bench_pdl.py --preset "$p" --out "$RES" || echo "FAILED $p"
