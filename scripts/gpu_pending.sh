@@ -3,8 +3,9 @@
 # decided on the H100 (docs/perf.md names each, with the default it would change). Steps run in this order
 # while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
-#   STEPS="layer_ops_tests decode_bench sizes" bash scripts/gpu_pending.sh  # §6: fused RoPE's tests, then vs 39e1da9; §4
-#   STEPS="pdl_tests pdl_bench b8_profile_1b" ...                           # §1e: PDL in the layer loop; the batch-8 profile
+#   STEPS="layer_ops_tests sizes" bash scripts/gpu_pending.sh               # §6: fused RoPE's tests, then vs 39e1da9
+#   STEPS="pdl_tests pdl_bench decode_bench" ...                            # §1e: PDL in the layer loop; §4 decode with PDL
+#   STEPS=b8_profile_1b ...                                                 # §1e: the batch-8 step by kernel
 #   STEPS=gemv_sweep_m8 ...; STEPS=gemv_sweep_m2 ...; STEPS=gemv_sweep_m16  # §1e: our products at 2-16 rows
 #   STEPS=sizes_qwen3 ...                                                   # §1e: Qwen3-0.6B / 1.7B / 8B
 #   STEPS="mk_tests mk_kv_align" ...                                        # §1e on the H200
