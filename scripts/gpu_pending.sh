@@ -63,8 +63,8 @@ step mk_tests 400 python3 -m pytest -q -x tests/gpu/test_megakernel_gpu.py -p no
 step mk_kv_align 400 bash -c mk_kv_align
 
 # RoPE with the cache write (§6) against the two kernels at real shapes, and the model paths that call it.
-step layer_ops_tests 300 python3 -m pytest -q tests/kernels/test_gpu_shapes.py -k "layer_ops or decode_real" \
-  tests/gpu/test_engine_gpu.py -p no:cacheprovider
+step layer_ops_tests 300 python3 -m pytest -q tests/kernels/test_gpu_shapes.py::test_layer_ops_real_shapes \
+  tests/kernels/test_gpu_shapes.py::test_decode_real_shapes tests/gpu/test_engine_gpu.py -p no:cacheprovider
 # The table: batch 1 and 8 for every preset beside transformers, today's paths then the rows kernel.
 step sizes 560 python3 -m benchmarks.sizes --baseline hf --presets llama-3.2-1b llama-3.2-3b qwen3-4b llama-3.1-8b \
   --out-dir "$RES"

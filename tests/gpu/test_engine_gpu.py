@@ -293,6 +293,26 @@ def test_pruned_lm_head_draws_the_same_tokens_bf16(ckpt):
     assert got[True] == got[False]
 
 
+def test_dependent_launches_draw_the_same_tokens_bf16(ckpt):
+    """`pdl=True` launches our kernels of the layer loop as programmatic dependents (kernels/pdl.py): the
+    same kernels, so a batch of 8 in decode graphs draws the same tokens as without, greedy and with a
+    seeded temperature, over 64 steps (the layer loop at every batch: the megakernel's atomics are not
+    reproducible run to run, and the fused path's gate/up product changes with `pdl`)."""
+    ps = prompts(8, 30, 200, seed=9)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=64, ignore_eos=True) for i in range(8)]
+    got = {}
+    for pdl in (True, False):
+        llm = engine(
+            ckpt, "bfloat16", kv=1 << 30, max_model_len=512, pdl=pdl, decode_megakernel=False, fused_gemv=False
+        )
+        assert llm.llm_engine.runner.executor.pdl == pdl
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        got[pdl] = [o.outputs[0].token_ids for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+    assert got[True] == got[False]
+
+
 def _counting(fn, calls: list):
     def wrapped(*args):
         calls.append(1)
