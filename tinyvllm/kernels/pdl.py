@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL, sm_90+) between the kernels of a small decode step.
+"""Programmatic dependent launch (PDL, sm_90+) between the kernels of a step.
 
 A decode step of a few rows is a chain of short kernels (norm, product, RoPE, cache write, attention,
 product, ...), each reading what the one before it wrote. Launched the ordinary way, a kernel's
@@ -13,17 +13,19 @@ overlap the previous kernel's tail instead of following it.
 The contract every kernel launched with PDL keeps:
   * before `wait_for_previous`: no load of anything a kernel of this step may have written, and no
     store at all (a store could race a still-running kernel's loads of a reused buffer);
-  * `wait_for_previous` (grid_dependency.py) also signals the dependents, so at most one kernel waits
-    ahead of the running one, holding SM slots the running kernel's programs might still need.
+  * `wait_for_previous` (grid_dependency.py) also signals the dependents, so at most one kernel is
+    resident ahead of the running one (a kernel releasing its dependents before its own wait would let
+    a chain of waiting kernels fill the SMs).
 The wait is transitive: kernel k + 1 waits for k, which waited for k − 1 before finishing. A kernel
 launched without PDL (cuBLAS, a torch op, a copy) waits for its predecessor in full, as always, and
 its successor is only released when it completes.
 
-`programmatic_launches(True)` turns PDL on for the launches made inside it (the runner wraps the
-decode steps of the fused path in it); `options(device)` is what a launcher passes to its kernel, and
-kernels/grid_dependency.py holds the kernels' half (the wait). On the CPU interpreter
-and before sm_90 the launches stay ordinary and the kernels compile without the wait. This module
-imports no Triton: the engine opens the context on any backend.
+`programmatic_launches(True)` turns PDL on for the launches made inside it (with `--pdl` the executor
+wraps a step's forward in it: the fused path's and the layer loop's, engine/paths/executor.py);
+`options(device)` is what a launcher passes to its kernel, and kernels/grid_dependency.py holds the
+kernels' half (the wait). On the CPU interpreter and before sm_90 the launches stay ordinary and the
+kernels compile without the wait. This module imports no Triton: the engine opens the context on any
+backend.
 """
 
 from __future__ import annotations
