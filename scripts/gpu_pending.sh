@@ -3,7 +3,7 @@
 # decided on the H100 (docs/perf.md names each, with the default it would change). Steps run in this order
 # while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
-#   STEPS="layer_ops_tests sizes" bash scripts/gpu_pending.sh               # §6: fused RoPE's tests, then vs 39e1da9
+#   STEPS="layer_ops_tests sizes_ours" bash scripts/gpu_pending.sh          # §6: fused RoPE's tests, then vs 39e1da9
 #   STEPS="pdl_tests pdl_bench decode_bench" ...                            # §1e: PDL in the layer loop; §4 decode with PDL
 #   STEPS=b8_profile_1b ...                                                 # §1e: the batch-8 step by kernel
 #   STEPS=gemv_sweep_m8 ...; STEPS=gemv_sweep_m2 ...; STEPS=gemv_sweep_m16  # §1e: our products at 2-16 rows
@@ -68,6 +68,9 @@ step layer_ops_tests 300 python3 -m pytest -q tests/kernels/test_gpu_shapes.py::
 # The table: batch 1 and 8 for every preset beside transformers, today's paths then the rows kernel.
 step sizes 560 python3 -m benchmarks.sizes --baseline hf --presets llama-3.2-1b llama-3.2-3b qwen3-4b llama-3.1-8b \
   --out-dir "$RES"
+# The same four presets without transformers (a rerun to time a change against sizes_<gpu>.json; ~2 min less).
+step sizes_ours 400 python3 -m benchmarks.sizes --presets llama-3.2-1b llama-3.2-3b qwen3-4b llama-3.1-8b \
+  --name "sizes_ours_$GPU" --out-dir "$RES"
 step sizes_qwen3 560 python3 -m benchmarks.sizes --baseline hf --presets qwen3-0.6b qwen3-1.7b qwen3-8b \
   --name "sizes_qwen3_$(python3 -c 'from tinyvllm.bench.report import device_tag; print(device_tag())')" --out-dir "$RES"
 # Programmatic dependent launch on the fused path (§1e, kernels/pdl.py): same bits as ordinary launches, then
