@@ -368,9 +368,8 @@ class RunnerConfig:
         pdl: our kernels are launched with programmatic dependent launch on sm_90+ (kernels/pdl.py):
             each kernel's programs start while the previous kernel finishes. In the fused path (and its
             LM head) every kernel, the gate/up product then on our kernel too (cuBLAS's are not launched
-            so); in the layer loop those between cuBLAS's products. Off by default: 1.06× the fused path's
-            kernels launched the ordinary way, but our products at 2–16 rows are slower than cuBLAS's, so
-            that path stays behind the layer loop; the layer loop's gain is untimed (docs/perf.md §1e).
+            so); in the layer loop those between cuBLAS's products. Off by default: the fused path under it
+            measured behind the layer loop (docs/perf.md §1e).
         decode_megakernel: a decode step of one sequence runs every layer in one kernel launch (CUDA and
             the Triton backend only); None: on for hidden sizes up to `megakernel_max_hidden` (measured
             faster than the fused path at 1,024, 2,048, 2,560, 3,072 and 4,096: docs/perf.md §1e), with FP8

@@ -75,7 +75,7 @@ class StepPath:
     `fused_forward(pdl=True)` and the LM head's fused product (with PDL for the latter)."""
 
     def __init__(self, model, name: str) -> None:
-        self.name = self.kind = name
+        self.name = name
         fused = not name.startswith("layers")
         cfg = RunnerConfig(
             fused_max_tokens=16 if fused else 1,
@@ -88,10 +88,10 @@ class StepPath:
 
     def __call__(self, ids, pos, meta, kv, logits: bool = True):
         views = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
-        if self.kind in ("layers", "layers pdl", "fused"):
+        if self.name in ("layers", "layers pdl", "fused"):
             hidden = self.paths.hidden_states(ids, pos, meta, views)
             return hidden, self.paths.lm_head.logits(hidden, dtype=None) if logits else None
-        pdl = self.kind == "pdl"
+        pdl = self.name == "pdl"
         self.paths.lm_head.pdl = pdl
         with programmatic_launches(pdl):
             hidden = fused_forward(self.model, ids, pos, meta, views, pdl=True)

@@ -98,7 +98,18 @@ def rope(
     return q, k
 
 
-def rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.rope_write_kv with this module's rope (row by row); the cache write is per row already."""
     rope(q, k, positions, cos_sin)
     ref.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

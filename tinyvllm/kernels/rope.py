@@ -38,7 +38,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @triton.jit
 def _rotate_heads(x_ptr, stride_h, stride_d, num_heads, c, s, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-    """Rotate the [num_heads, D] rows at x_ptr (one token) in place; c, s: [HALF] float32."""
+    """Rotate the [num_heads, D] rows at x_ptr (one token) in place; c, s: [HALF] float32. Returns the
+    rotated halves [BLOCK_H, HALF] as stored (rows past num_heads: zeros)."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
     mask = heads[:, None] < num_heads
@@ -48,8 +49,11 @@ def _rotate_heads(x_ptr, stride_h, stride_d, num_heads, c, s, BLOCK_H: tl.conste
     x2 = tl.load(p2, mask=mask, other=0.0)
     acc_ty = c.dtype
     x1f, x2f = x1.to(acc_ty), x2.to(acc_ty)
-    tl.store(p1, (x1f * c[None, :] - x2f * s[None, :]).to(x1.dtype), mask=mask)
-    tl.store(p2, (x2f * c[None, :] + x1f * s[None, :]).to(x1.dtype), mask=mask)
+    r1 = (x1f * c[None, :] - x2f * s[None, :]).to(x1.dtype)
+    r2 = (x2f * c[None, :] + x1f * s[None, :]).to(x1.dtype)
+    tl.store(p1, r1, mask=mask)
+    tl.store(p2, r2, mask=mask)
+    return r1, r2
 
 
 @triton.jit
@@ -133,16 +137,9 @@ def _rope_write_kv_kernel(
     c = tl.load(cos_sin_ptr + pos * stride_cs + dims).to(acc_ty)
     s = tl.load(cos_sin_ptr + pos * stride_cs + HALF + dims).to(acc_ty)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, stride_qd, Hq, c, s, BLOCK_HQ, HALF)
+    k1, k2 = _rotate_heads(k_ptr + t * stride_kt, stride_kh, 1, Hk, c, s, BLOCK_HK, HALF)
     heads = tl.arange(0, BLOCK_HK)
     mask = heads[:, None] < Hk
-    p1 = k_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    x1f, x2f = x1.to(acc_ty), x2.to(acc_ty)
-    k1 = (x1f * c[None, :] - x2f * s[None, :]).to(x1.dtype)
-    k2 = (x2f * c[None, :] + x1f * s[None, :]).to(x1.dtype)
-    tl.store(p1, k1, mask=mask)
-    tl.store(p1 + HALF, k2, mask=mask)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cslot
