@@ -13,7 +13,7 @@ from tinyvllm.entrypoints.cli import build_parser, extra_subcommands
 from tinyvllm.models.checkpoint import make_config, write_dummy_checkpoint
 
 
-def _run(model_dir, out_dir, name: str) -> dict:
+def _run(model_dir, out_dir, name: str, *extra: str) -> dict:
     ns = build_parser(extra_subcommands()).parse_args(
         [
             "bench",
@@ -36,6 +36,7 @@ def _run(model_dir, out_dir, name: str) -> dict:
             str(out_dir),
             "--name",
             name,
+            *extra,
         ]
     )
     assert ns.func(ns) == 0
@@ -49,7 +50,7 @@ def test_bench_startup_reports_every_phase_cold_and_warm(tmp_path):
     write_dummy_checkpoint(
         big, make_config("tiny", hidden_size=1024, intermediate_size=2048, num_hidden_layers=8), seed=0, dtype="float32"
     )
-    result = _run(small, tmp_path, "small")
+    result = _run(small, tmp_path, "small", "--compile-bytecode", str(tmp_path / "pyc"))
     assert result["workload"] == "startup" and result["device"] == "cpu"
     runs = [result["cold"], *result["warm"]]
     assert len(runs) == 2
@@ -66,6 +67,9 @@ def test_bench_startup_reports_every_phase_cold_and_warm(tmp_path):
         assert run["graph_captures"] == []  # no CUDA graphs on the CPU
         assert run["new_cache_entries"] == 0  # the interpreter compiles nothing
         assert run["decode_s"] > 0
+    # every module the warm process imported was read as bytecode from the tree the bench compiled
+    assert result["bytecode"]["pycache_prefix"] == str((tmp_path / "pyc").resolve())
+    assert result["warm"][0]["modules_from_source"] == 0, result["warm"][0]["modules_from_source_sample"]
     big_result = _run(big, tmp_path, "big")
     assert big_result["cold"]["seconds"]["weights"] > result["cold"]["seconds"]["weights"]
 
@@ -76,3 +80,28 @@ def test_result_names_carry_the_model_unless_it_is_the_default():
     assert default_name(DEFAULT_MODEL, "h200") == "startup_h200"
     assert default_name("dummy:llama-3.1-8b", "h200") == "startup_llama-3.1-8b_h200"
     assert default_name("/models/Qwen3-8B/", "h100") == "startup_Qwen3-8B_h100"
+
+
+def test_modules_from_source_sees_a_prefix_without_bytecode_and_compile_packages_fills_it(tmp_path):
+    """A process whose PYTHONPYCACHEPREFIX names an empty tree compiles `email.mime.text` from source;
+    after `compile_packages` writes the `email` package there, it reads it as bytecode."""
+    import os
+    import subprocess
+    import sys
+
+    from tinyvllm.bench.bytecode import compile_packages, package_dirs
+
+    prefix = tmp_path / "pyc"
+    probe = (
+        "import json, email.mime.text; from tinyvllm.bench.bytecode import modules_from_source; "
+        "print(json.dumps(modules_from_source()))"
+    )
+    env = dict(os.environ, PYTHONPYCACHEPREFIX=str(prefix), PYTHONDONTWRITEBYTECODE="1")
+
+    def from_source() -> list[str]:
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    assert "email.mime.text" in from_source()
+    assert compile_packages(prefix, package_dirs(["email.mime.text"])) == 0
+    assert "email.mime.text" not in from_source()

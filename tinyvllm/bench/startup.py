@@ -27,6 +27,7 @@ The checkpoint (for `dummy:<preset>`, written once) is resolved before any proce
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -82,6 +83,14 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the cache the processes share (must be empty for a cold first run; default: a fresh temp dir)",
     )
+    p.add_argument(
+        "--compile-bytecode",
+        default=None,
+        metavar="DIR",
+        help="compile the packages the engine imports into DIR and run the processes with "
+        "PYTHONPYCACHEPREFIX=DIR: what `pip install` gives, on images that ship no bytecode and set "
+        "PYTHONDONTWRITEBYTECODE (default: run with whatever bytecode is installed)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one process may take")
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--name", default=None, help="JSON file name without .json (default: startup[_<preset>]_<gpu>)")
@@ -102,16 +111,17 @@ def measure_once(
     prompt_len: int,
     decode_tokens: int,
     timeout: float,
+    env_extra: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One fresh process (`_child`) with TRITON_CACHE_DIR=`cache_dir`: its phases (seconds), totals,
-    graph captures and the cache entries it added."""
+    """One fresh process (`_child`) with TRITON_CACHE_DIR=`cache_dir` (and `env_extra`): its phases
+    (seconds), totals, graph captures and the cache entries it added."""
     with tempfile.TemporaryDirectory(prefix="tinyvllm_startup_") as tmp:
         spec = Path(tmp) / "spec.json"
         out = Path(tmp) / "result.json"
         spec.write_text(
             json.dumps({"engine_args": engine_args, "prompt_len": prompt_len, "decode_tokens": decode_tokens})
         )
-        env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir))
+        env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir), **(env_extra or {}))
         before = _cache_entries(cache_dir)
         spawn = time.time()
         proc = subprocess.run(
@@ -144,11 +154,23 @@ def run_startup(ns: argparse.Namespace) -> dict[str, Any]:
         cache_dir = Path(ns.triton_cache_dir)
         if _cache_entries(cache_dir):
             print(f"warning: {cache_dir} is not empty: the first run is not cold")
+    env_extra = {}
+    if ns.compile_bytecode is not None:
+        env_extra["PYTHONPYCACHEPREFIX"] = str(Path(ns.compile_bytecode).resolve())
+        _compile_engine_bytecode(Path(env_extra["PYTHONPYCACHEPREFIX"]), ns.timeout)
     try:
-        runs = [
-            measure_once(vars(args), cache_dir, ns.prompt_len, ns.decode_tokens, ns.timeout)
-            for _ in range(1 + ns.warm_runs)
+        runs = [measure_once(vars(args), cache_dir, ns.prompt_len, ns.decode_tokens, ns.timeout, env_extra)]
+        if env_extra and runs[0]["modules_from_source"]:  # what the probe missed, for the warm runs
+            from tinyvllm.bench.bytecode import compile_packages, package_dirs
+
+            compile_packages(Path(env_extra["PYTHONPYCACHEPREFIX"]), package_dirs(runs[0]["modules_from_source"]))
+        runs += [
+            measure_once(vars(args), cache_dir, ns.prompt_len, ns.decode_tokens, ns.timeout, env_extra)
+            for _ in range(ns.warm_runs)
         ]
+        for r in runs:  # the count, and a few names
+            names = r["modules_from_source"]
+            r["modules_from_source"], r["modules_from_source_sample"] = len(names), names[:20]
     finally:
         if owned is not None:
             owned.cleanup()
@@ -169,6 +191,9 @@ def run_startup(ns: argparse.Namespace) -> dict[str, Any]:
         )
     )
     rows.append(("new Triton cache entries", str(cold["new_cache_entries"]), str(warm[0]["new_cache_entries"]), ""))
+    rows.append(
+        ("modules compiled from source", str(cold["modules_from_source"]), str(warm[0]["modules_from_source"]), "")
+    )
     device = cold["device"]
     print_table(
         f"startup: {ns.model} on {device}, graph_capture={args.graph_capture}"
@@ -188,11 +213,41 @@ def run_startup(ns: argparse.Namespace) -> dict[str, Any]:
         "cold": cold,
         "warm": warm,
         "warm_median": warm_median,
+        "bytecode": {"pycache_prefix": env_extra.get("PYTHONPYCACHEPREFIX"), "compiled_by_bench": bool(env_extra)},
         "engine_args": vars(args),
     }
     tag = "cpu" if device == "cpu" else _gpu_tag()
     write_json(ns.name or default_name(ns.model, tag), result, Path(ns.out_dir))
     return result
+
+
+def _compile_engine_bytecode(prefix: Path, timeout: float) -> None:
+    """Compile into `prefix` every package (standard library included: a prefix tree replaces the
+    `__pycache__` directories) that a process importing the engine and its kernels loads."""
+    from tinyvllm.bench.bytecode import compile_packages, package_dirs
+
+    probe = subprocess.run(
+        [sys.executable, "-m", "tinyvllm.bench.startup", "--import-probe"],
+        env=dict(os.environ, PYTHONPYCACHEPREFIX=str(prefix)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
+    failed = compile_packages(prefix, package_dirs(json.loads(probe.stdout)), workers=0)
+    if failed:
+        print(f"note: {failed} package paths had files that do not compile (left to import from source)")
+
+
+def _import_probe() -> None:
+    """Import what the engine imports (its kernels where Triton is installed) and print the module names."""
+    import importlib
+
+    for name in ("tinyvllm.llm", "tinyvllm.engine.llm_engine", "tinyvllm.engine.model_runner"):
+        importlib.import_module(name)
+    with contextlib.suppress(ImportError):
+        importlib.import_module("tinyvllm.kernels.triton_ops")
+    print(json.dumps(sorted(sys.modules)))
 
 
 def _gpu_tag() -> str:
@@ -227,8 +282,13 @@ def _child(spawn_time: float, spec_path: str, out_path: str) -> None:
     seconds["first_step"] = first_token - ready
     seconds["ready"] = ready - spawn_time
     seconds["first_token"] = first_token - spawn_time
+    from tinyvllm.bench.bytecode import modules_from_source
+
+    from_source = modules_from_source()
     result = {
         "seconds": {k: seconds.get(k, 0.0) for k in (*PHASES, *TOTALS)},
+        # modules this process compiled from source for want of cached bytecode
+        "modules_from_source": from_source,
         "decode_s": decode_s,
         # (bucket, warm-up s, capture s) of the graphs captured after `ready` (lazy capture)
         "graph_captures": [] if graphs is None else [list(c) for c in graphs.capture_log[captured_at_ready:]],
@@ -238,4 +298,7 @@ def _child(spawn_time: float, spec_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _child(float(sys.argv[1]), sys.argv[2], sys.argv[3])
+    if sys.argv[1:] == ["--import-probe"]:
+        _import_probe()
+    else:
+        _child(float(sys.argv[1]), sys.argv[2], sys.argv[3])
