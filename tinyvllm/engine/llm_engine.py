@@ -22,6 +22,7 @@ its prompt; the entries it already holds are kept.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import json
@@ -42,13 +43,14 @@ from tinyvllm.core.outputs import SchedulerOutput
 from tinyvllm.core.request import Request, RequestStatus
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs, default_model
+from tinyvllm.engine.driver_init import DriverInit
 from tinyvllm.engine.messages import AbortRequest, EngineCoreOutput, RequestTimes
 from tinyvllm.engine.model_runner import ModelRunner, StepHandle
 from tinyvllm.engine.output_processor import OutputProcessor, streams_every_step
 from tinyvllm.engine.startup_timing import StartupTimer
 from tinyvllm.engine.step_timing import StepRecord, StepTimer
 from tinyvllm.gc_pause import gc_paused
-from tinyvllm.kernels import default_backend
+from tinyvllm.kernels import default_backend, get_ops
 from tinyvllm.models.checkpoint import resolve_model
 from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.quantization.config import resolve_quantization
@@ -214,6 +216,13 @@ def _times(request: Request, finished_time: float | None = None) -> RequestTimes
     return RequestTimes(request.first_scheduled_time, request.first_token_time, finished_time)
 
 
+def _import_triton_kernels(batch_invariant: bool) -> None:
+    """Import the Triton kernels' modules ahead of the runner, which then finds them loaded (where Triton
+    is missing, the runner raises its own error later)."""
+    with contextlib.suppress(ImportError):
+        get_ops("triton", batch_invariant=batch_invariant)
+
+
 class LLMEngine:
     """Synchronous engine: `add_request`, then `step()` until `has_unfinished_requests()` is False."""
 
@@ -231,6 +240,8 @@ class LLMEngine:
                 "serve several with `tinyvllm serve -dp N`, or run one LLM per device"
             )
         timer = StartupTimer()
+        # CUDA's driver initialises on a thread while the config, tokenizer and kernels load (GIL released)
+        driver = DriverInit(args.device) if self.parallel_config.world_size == 1 else None
         with timer.phase("config_tokenizer"):
             self.model_dir = resolve_model(args.model or default_model())
             self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -240,11 +251,16 @@ class LLMEngine:
             self.generation_config = load_generation_config(
                 self.model_dir, args.generation_config, args.override_generation_config
             )
-        self.device = resolve_device(args.device)
-        timer.set_device(self.device)
+        if driver is not None and driver.loaded and args.kernel_backend in ("auto", "triton"):
+            with timer.phase("kernels_import"):
+                _import_triton_kernels(args.batch_invariant)
         with timer.phase("device_init"):
+            if driver is not None:
+                driver.join()
+            self.device = resolve_device(args.device)
+            timer.set_device(self.device)
             if self.device.type == "cuda":
-                torch.zeros(1, device=self.device)  # creates the context
+                torch.zeros(1, device=self.device)  # creates the context (or finds the thread's)
         self.dtype = resolve_dtype(args.dtype, self.model_config)
         backend = default_backend(self.device.type) if args.kernel_backend == "auto" else args.kernel_backend
         self.eos_token_ids = self._eos_token_ids()
