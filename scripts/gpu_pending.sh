@@ -3,10 +3,8 @@
 # decided on the H100 (docs/perf.md names each, with the default it would change). Steps run in this order
 # while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
-#   STEPS="layer_ops_tests sizes_ours" bash scripts/gpu_pending.sh          # §6: fused RoPE's tests, then vs 39e1da9
-#   STEPS="pdl_tests pdl_bench decode_bench" ...                            # §1e: PDL in the layer loop; §4 decode with PDL
-#   STEPS=b8_profile_1b ...                                                 # §1e: the batch-8 step by kernel
-#   STEPS=gemv_sweep_m8 ...; STEPS=gemv_sweep_m2 ...; STEPS=gemv_sweep_m16  # §1e: our products at 2-16 rows
+#   STEPS="startup_bytecode startup gemv_tests gemv_bench pdl_bench_1b" ... # §12 driver thread, bytecode; §1e gemv rule
+#   STEPS="pdl_bench startup_8b_bytecode" ...                               # §1e: 3B and 8B
 #   STEPS=sizes_qwen3 ...                                                   # §1e: Qwen3-0.6B / 1.7B / 8B
 #   STEPS="mk_tests mk_kv_align" ...                                        # §1e on the H200
 #   STEPS=attn_sweep_64 ...                                                 # §3a: d 64's Hopper options
@@ -14,6 +12,7 @@
 #   STEPS="top_p_only serve_top_p" ...                                      # §5, §7
 #   STEPS=structured_prepare ...;  STEPS="rows_bench_8b rows_bench_fp8" ... # §10, §1e
 #   STEPS="decode_sweep cascade_stages prefix_stream_test tp_default tp_prefix_stream" ...  # §4 on the H200
+# Done on the H100 (187ce24): layer_ops_tests, sizes_ours, pdl_tests, decode_bench, b8_profile_1b, gemv_sweep_m*.
 # Done on the H100 (710c474): sizes, attn_sweep_128, train_compare, prefill_sweep, decode_sweep_fp8,
 # fp8_cost, mk_tests, radix_kernel. On the H200 (39e1da9): sizes, pdl_tests, pdl_bench, startup, startup_8b,
 # prefill_tests, attn_bench, fp8_tests, the prefill bench.
@@ -35,6 +34,12 @@ step checkpoint 120 python3 -c "from tinyvllm.models.checkpoint import resolve_m
 # 0. Start-up (§12) with the collector paused and Triton's key stored: the 1B warm target is 4 s.
 step startup 300 $CLI bench startup --model dummy:llama-3.2-1b --warm-runs 2 --out-dir "$RES"
 step startup_8b 300 $CLI bench startup --model dummy:llama-3.1-8b --warm-runs 1 --out-dir "$RES"
+# The same with every imported package's bytecode compiled ahead, as `pip install` leaves it: the image
+# ships torch without bytecode and sets PYTHONDONTWRITEBYTECODE (§12).
+step startup_bytecode 300 $CLI bench startup --model dummy:llama-3.2-1b --warm-runs 2 --compile-bytecode /tmp/pyc \
+  --name "startup_bytecode_$GPU" --out-dir "$RES"
+step startup_8b_bytecode 300 $CLI bench startup --model dummy:llama-3.1-8b --warm-runs 1 --compile-bytecode /tmp/pyc \
+  --name "startup_llama-3.1-8b_bytecode_$GPU" --out-dir "$RES"
 
 # 1. The rows megakernel (§1e): correctness over every program, then against the layer loop, then in the engine.
 step rows_tests 240 python3 -m pytest -q -x tests/gpu/test_rows_megakernel_gpu.py -p no:cacheprovider \
@@ -76,6 +81,10 @@ step sizes_qwen3 560 python3 -m benchmarks.sizes --baseline hf --presets qwen3-0
 # Programmatic dependent launch on the fused path (§1e, kernels/pdl.py): same bits as ordinary launches, then
 # steps of 2-16 rows against the layer loop, with L2 prefetch budgets of 0-48 MB; engine figures after.
 step pdl_tests 300 python3 -m pytest -q tests/gpu/test_pdl_gpu.py -p no:cacheprovider
+# The matrix-vector kernel's defaults at 2-16 rows (§1e) at real shapes, then the fused path at 1B with them.
+step gemv_tests 300 python3 -m pytest -q -x tests/kernels/test_gpu_shapes.py -k gemv -p no:cacheprovider
+step gemv_bench 200 python3 benchmarks/kernels/bench_gemv.py --batches 1 2 8 16 --models 1b 8b --no-model --out "$RES"
+step pdl_bench_1b 300 python3 benchmarks/kernels/bench_pdl.py --preset llama-3.2-1b --out "$RES"
 pdl_bench() {
   for p in llama-3.2-1b llama-3.2-3b llama-3.1-8b; do
     python3 benchmarks/kernels/bench_pdl.py --preset "$p" --out "$RES" || echo "FAILED $p"

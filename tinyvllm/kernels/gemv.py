@@ -118,10 +118,13 @@ def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False, fp8:
     The Llama-3.2-1B shapes at M = 1 on the H200 take their tuned configs (TUNED_M1_H200). Elsewhere a
     heuristic, reasoned from the sm_90 code Triton emits: a memory-bound program wants ≥ 16 KB of weight
     loads in flight per SM. M = 1: [8, 512] bf16 tiles (8 KB per iteration, 16-byte loads) at 4 warps
-    take ~80 registers per thread, so ~6 programs share an SM. M ≥ 2: [64, 128] tiles (16 KB) into wgmma
-    (64 × 16 × 16), 3 stages of cp.async in ~60 KB of shared memory, ~3 programs per SM (the FMA path
-    at M = 2 needs 120 registers and reshuffles x through shared memory each tile). Split-K by
-    `choose_split`. FP8 weights (`fp8`) take twice the FMA path's block_k, the same bytes per tile (the
+    take ~80 registers per thread, so ~6 programs share an SM; split-K by `choose_split` to ≥ 4 programs
+    per SM. M ≥ 2: [32, 128] tiles (8 KB) into wgmma with M padded to 16, 4 stages of cp.async, split
+    only to ≥ 1 program per SM: few programs, each long enough to fill its pipeline (the FMA path at
+    M = 2 needs 120 registers and reshuffles x through shared memory each tile); the rule is the sweep's
+    (`bench_gemv.py --sweep --sweep-m 2|8|16`, docs/perf.md §1e). Products wide enough for ≥ 4 programs
+    per SM of [64, 128] tiles without a split (the LM head) keep those tiles and 3 stages. FP8 weights
+    (`fp8`) take twice the FMA path's block_k, the same bytes per tile (the
     tuned table is bf16's)."""
     tuned = TUNED_M1_H200.get((N, K)) if M == 1 and sms == H200_SMS and not norm and not fp8 else None
     if tuned is not None:
@@ -129,9 +132,14 @@ def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False, fp8:
     if M <= FMA_MAX_ROWS:
         block_k = 1024 if fp8 else 512
         block_n, block_k, warps, stages, dot = 8, min(block_k, max(16, next_power_of_2(K))), 4, 2, False
-    else:
+        programs_per_sm = 4
+    elif cdiv(N, 64) >= 4 * sms:  # the LM head: 64-row tiles already give ≥ 4 programs per SM
         block_n, block_k, warps, stages, dot = 64, min(128, max(16, next_power_of_2(K))), 4, 3, True
-    split = choose_split(M, N, K, sms, block_n, block_k, norm)
+        programs_per_sm = 4
+    else:
+        block_n, block_k, warps, stages, dot = 32, min(128, max(16, next_power_of_2(K))), 4, 4, True
+        programs_per_sm = 1
+    split = choose_split(M, N, K, sms, block_n, block_k, norm, programs_per_sm)
     return GemvConfig(block_n, block_k, split, warps, stages, dot)
 
 
