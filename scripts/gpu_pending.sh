@@ -3,8 +3,9 @@
 # decided on the H100 (docs/perf.md names each, with the default it would change). Steps run in this order
 # while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
-#   STEPS="startup_bytecode startup gemv_tests gemv_bench pdl_bench_1b" ... # §12 driver thread, bytecode; §1e gemv rule
-#   STEPS="pdl_bench startup_8b_bytecode" ...                               # §1e: 3B and 8B
+#   STEPS="startup_bytecode startup_8b_bytecode startup" ... (on an H200)   # §12: the ≤ 4 s target where it is set
+#   STEPS="sizes sizes_qwen3" ... (on an H200, two calls)                   # §1e: the issue's table, every size
+#   STEPS="pdl_bench" ...                                                   # §1e: 3B and 8B with the gemv rule
 #   STEPS=sizes_qwen3 ...                                                   # §1e: Qwen3-0.6B / 1.7B / 8B
 #   STEPS="mk_tests mk_kv_align" ...                                        # §1e on the H200
 #   STEPS=attn_sweep_64 ...                                                 # §3a: d 64's Hopper options
@@ -12,7 +13,8 @@
 #   STEPS="top_p_only serve_top_p" ...                                      # §5, §7
 #   STEPS=structured_prepare ...;  STEPS="rows_bench_8b rows_bench_fp8" ... # §10, §1e
 #   STEPS="decode_sweep cascade_stages prefix_stream_test tp_default tp_prefix_stream" ...  # §4 on the H200
-# Done on the H100 (187ce24): layer_ops_tests, sizes_ours, pdl_tests, decode_bench, b8_profile_1b, gemv_sweep_m*.
+# Done on the H100 (187ce24): layer_ops_tests, sizes_ours, pdl_tests, decode_bench, b8_profile_1b, gemv_sweep_m*;
+# (da52f79, e9ebac6): startup, startup_bytecode, startup_8b_bytecode, gemv_tests, gemv_bench, pdl_bench_1b, sizes_qwen3.
 # Done on the H100 (710c474): sizes, attn_sweep_128, train_compare, prefill_sweep, decode_sweep_fp8,
 # fp8_cost, mk_tests, radix_kernel. On the H200 (39e1da9): sizes, pdl_tests, pdl_bench, startup, startup_8b,
 # prefill_tests, attn_bench, fp8_tests, the prefill bench.
