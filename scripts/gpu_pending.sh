@@ -3,7 +3,7 @@
 # decided on the H100 (docs/perf.md names each, with the default it would change). Steps run in this order
 # while BUDGET lasts; pick a group per device call (≤ 10 min each) with STEPS. Next, in this order:
 #
-#   STEPS="startup_bytecode startup_8b_bytecode startup" ... (on an H200)   # §12: the ≤ 4 s target where it is set
+#   STEPS="int8_rows_tests startup_bytecode startup_8b_bytecode startup" ... (H200)  # §12: ≤ 4 s where it is set
 #   STEPS="sizes sizes_qwen3" ... (on an H200, two calls)                   # §1e: the table, every size
 #   STEPS="pdl_bench" ...                                                   # §1e: 3B and 8B with the gemv rule
 #   STEPS=sizes_qwen3 ...                                                   # §1e: Qwen3-0.6B / 1.7B / 8B
@@ -84,6 +84,9 @@ step sizes_qwen3 560 python3 -m benchmarks.sizes --baseline hf --presets qwen3-0
 # steps of 2-16 rows against the layer loop, with L2 prefetch budgets of 0-48 MB; engine figures after.
 step pdl_tests 300 python3 -m pytest -q tests/gpu/test_pdl_gpu.py -p no:cacheprovider
 # The matrix-vector kernel's defaults at 2-16 rows (§1e) at real shapes, then the fused path at 1B with them.
+# The int8 copy of the LM head in one kernel (§12) against its torch reference at the real LM heads.
+step int8_rows_tests 200 python3 -m pytest -q tests/kernels/test_gpu_shapes.py -k int8 tests/kernels/test_int8_rows.py \
+  tests/kernels/test_lm_head_bounds.py -p no:cacheprovider
 step gemv_tests 300 python3 -m pytest -q -x tests/kernels/test_gpu_shapes.py -k gemv -p no:cacheprovider
 step gemv_bench 200 python3 benchmarks/kernels/bench_gemv.py --batches 1 2 8 16 --models 1b 8b --no-model --out "$RES"
 step pdl_bench_1b 300 python3 benchmarks/kernels/bench_pdl.py --preset llama-3.2-1b --out "$RES"

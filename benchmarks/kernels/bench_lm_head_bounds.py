@@ -34,10 +34,10 @@ from common import (
 )
 
 from tinyvllm.kernels.gemv import GemvSampling, fused_gemv_fwd
+from tinyvllm.kernels.int8_rows import quantize_rows
 from tinyvllm.kernels.lm_head_bounds import (
     BoundsConfig,
     default_bounds_config,
-    quantize_rows,
     sample_pruned,
     score_bounds,
 )

@@ -353,3 +353,15 @@ def test_gemv_every_batch_size_and_cuda_graph():
         torch.cuda.synchronize()
         for out, (_, _, _, eager) in zip(outs, calls):
             assert torch.equal(out, eager)
+
+
+# The pruned LM head's int8 copy at the LM heads it is made for: the kernel against the torch reference
+@pytest.mark.parametrize(("N", "K"), [(128256, 2048), (128256, 3072), (151936, 1024), (128256, 4096)])
+def test_int8_rows_real_shapes(N, K):
+    from tinyvllm.kernels.int8_rows import quantize_rows, quantize_rows_reference
+
+    gen = torch.Generator(device=CUDA).manual_seed(N + K)
+    w = (torch.randn(N, K, generator=gen, device=CUDA) * 0.02).to(torch.bfloat16)
+    got, ref = quantize_rows(w), quantize_rows_reference(w)
+    assert torch.equal(got.packed, ref.packed) and torch.equal(got.scale, ref.scale)
+    torch.testing.assert_close(got.slack, ref.slack, rtol=1e-6, atol=0)

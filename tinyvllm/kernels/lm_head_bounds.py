@@ -12,7 +12,8 @@ The bounds come from an int8 copy of the weight, ŵ_i = s_i q_i (per-row absmax 
     |y_i − a_i| ≤ |(w_i − ŵ_i) · h| + (rounding of both fp32 sums) ≤ (‖w_i − ŵ_i‖₂ + 2⁻¹⁰ ‖w_i‖₂) ‖h‖₂
 by Cauchy–Schwarz; the 2⁻¹⁰ term covers the sums' rounding with orders of magnitude to spare (an fp32
 sum of 2,048 products errs by at most ~2⁻¹³ ‖w_i‖₂ ‖h‖₂ in the worst case, ~2⁻²⁰ typically).
-`slack_i` = ‖w_i − ŵ_i‖₂ + 2⁻¹⁰ ‖w_i‖₂ is computed once, in float64, when the copy is made.
+`slack_i` = ‖w_i − ŵ_i‖₂ + 2⁻¹⁰ ‖w_i‖₂ is computed once, in float64, when the copy is made
+(kernels/int8_rows.py: the copy, its layout and its kernel).
 
 `sample_pruned` runs two passes and the sampler's reduce:
 1. `score_bounds` (V·K bytes): every row's upper bound hi_i, and each block's largest lower and upper
@@ -47,61 +48,9 @@ import triton
 import triton.language as tl
 
 from tinyvllm.kernels.gemv import GemvConfig, GemvSampling, check_sampling, default_config
+from tinyvllm.kernels.int8_rows import QuantizedRows
 from tinyvllm.kernels.launch import cdiv, is_power_of_2, num_sms, upcast_dot
 from tinyvllm.kernels.sampling import allowed_by, best_of_block, log2, noise_at, reduce_partials, sampling_tile
-
-ROUNDING_SLACK = 2.0**-10  # relative to ‖w_i‖₂ ‖h‖₂: both fp32 sums' rounding (module docstring)
-
-
-class QuantizedRows(NamedTuple):
-    """An int8 copy of a weight [N, K] by rows: packed [N, K/4] int32 (module docstring: bytes q + 128,
-    word c holding columns c + j·K/4, j = 0..3), scale [N] float32 (w_i ≈ scale_i · q_i), slack [N]
-    float32 (‖w_i − scale_i q_i‖₂ + ROUNDING_SLACK · ‖w_i‖₂, rounded up)."""
-
-    packed: torch.Tensor
-    scale: torch.Tensor
-    slack: torch.Tensor
-
-
-def pack_rows(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] int8 (K a multiple of 4) → packed [N, K/4] int32 (`QuantizedRows`)."""
-    N, K = q.shape
-    u = (q.to(torch.int32) + 128).view(N, 4, K // 4)  # u[:, j, c]: column j·K/4 + c
-    return u[:, 0] | (u[:, 1] << 8) | (u[:, 2] << 16) | (u[:, 3] << 24)
-
-
-def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """`pack_rows`'s inverse: packed [N, K/4] int32 → q [N, K] int8."""
-    u = torch.stack([(packed >> (8 * j)) & 0xFF for j in range(4)], dim=1)  # [N, 4, K/4]
-    return (u - 128).to(torch.int8).flatten(1)
-
-
-@torch.no_grad()
-def quantize_rows(weight: torch.Tensor, chunk_rows: int = 8192) -> QuantizedRows:
-    """The int8 copy of `weight` [N, K] (any float dtype, K a multiple of 4) on its device, `chunk_rows`
-    rows at a time (the float64 residuals of a chunk are its only large temporary)."""
-    if weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] % 4:
-        raise ValueError(
-            f"weight must be a 2-D float tensor with a multiple of 4 columns, got {tuple(weight.shape)} {weight.dtype}"
-        )
-    N, K = weight.shape
-    packed = torch.empty((N, K // 4), dtype=torch.int32, device=weight.device)
-    scale = torch.empty(N, dtype=torch.float32, device=weight.device)
-    slack = torch.empty(N, dtype=torch.float32, device=weight.device)
-    for r0 in range(0, N, chunk_rows):
-        w = weight[r0 : r0 + chunk_rows].double()
-        s = (w.abs().amax(dim=1) / 127.0).float()  # the scale the kernel multiplies by, in float32
-        safe = torch.where(s > 0, s, torch.ones_like(s)).double()
-        q = torch.clamp(torch.round(w / safe[:, None]), -127, 127)
-        q = torch.where(s[:, None] > 0, q, torch.zeros_like(q))
-        err = (w - s.double()[:, None] * q).norm(dim=1)
-        bound = (err + ROUNDING_SLACK * w.norm(dim=1)) * (1 + 2.0**-40)
-        b32 = bound.float()
-        b32 = torch.where(b32.double() < bound, torch.nextafter(b32, torch.full_like(b32, float("inf"))), b32)
-        packed[r0 : r0 + chunk_rows] = pack_rows(q.to(torch.int8))
-        scale[r0 : r0 + chunk_rows] = s
-        slack[r0 : r0 + chunk_rows] = b32
-    return QuantizedRows(packed, scale, slack)
 
 
 def check_bitmask(bitmask: torch.Tensor | None, n: int, x: torch.Tensor) -> None:

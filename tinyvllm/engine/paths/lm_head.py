@@ -53,7 +53,7 @@ class LMHead:
         self.fused_max_rows = fused_max_rows if ops.fused_gemv is not None else 0
         self.rows = None
         if pruned and ops.name == "triton" and self.fused_max_rows >= 1:
-            from tinyvllm.kernels.lm_head_bounds import quantize_rows
+            from tinyvllm.kernels.int8_rows import quantize_rows
 
             self.rows = quantize_rows(weight)
 
