@@ -3,10 +3,10 @@ compiled copy of the packages for images that ship none.
 
 `pip install` compiles every module of a package to bytecode at install time, so an installed torch
 imports from `__pycache__`. Some container images ship site-packages without bytecode and set
-PYTHONDONTWRITEBYTECODE, so every process compiles ~2,000 of torch's modules again (about 0.5-1 s of
-`import torch`). `compile_packages` writes the bytecode into a separate tree that a process reads when
-PYTHONPYCACHEPREFIX names it (Python's own mechanism, PEP 488 / 3.8's `sys.pycache_prefix`): the
-start-up bench then measures what an installed package costs, and records which setting it ran under.
+PYTHONDONTWRITEBYTECODE, so every process compiles torch's modules again inside `import torch`.
+`compile_packages` writes the bytecode into a separate tree that a process reads when
+PYTHONPYCACHEPREFIX names it (Python's own mechanism, `sys.pycache_prefix`): the start-up bench then
+measures what an installed package costs, and records which setting it ran under.
 """
 
 from __future__ import annotations

@@ -213,7 +213,7 @@ def run_startup(ns: argparse.Namespace) -> dict[str, Any]:
         "cold": cold,
         "warm": warm,
         "warm_median": warm_median,
-        "bytecode": {"pycache_prefix": env_extra.get("PYTHONPYCACHEPREFIX"), "compiled_by_bench": bool(env_extra)},
+        "bytecode": {"pycache_prefix": env_extra.get("PYTHONPYCACHEPREFIX")},  # None: as installed
         "engine_args": vars(args),
     }
     tag = "cpu" if device == "cpu" else _gpu_tag()
@@ -234,7 +234,7 @@ def _compile_engine_bytecode(prefix: Path, timeout: float) -> None:
         timeout=timeout,
         check=True,
     )
-    failed = compile_packages(prefix, package_dirs(json.loads(probe.stdout)), workers=0)
+    failed = compile_packages(prefix, package_dirs(json.loads(probe.stdout)))
     if failed:
         print(f"note: {failed} package paths had files that do not compile (left to import from source)")
 

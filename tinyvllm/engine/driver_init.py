@@ -1,8 +1,8 @@
 """The CUDA driver's initialisation, started on a thread while the engine does host work.
 
 The first CUDA call of a process initialises the driver (`cuInit`) and creates the device's primary
-context: ~0.3 s of the engine's start-up on an H100 or H200 host, spent in torch calls that hold the
-GIL (`torch.cuda.is_available`, the first allocation), so nothing else in the process runs meanwhile.
+context, a sizeable part of the engine's start-up (docs/perf.md §12), in torch calls that hold the GIL
+(`torch.cuda.is_available`, the first allocation), so nothing else in the process runs meanwhile.
 `DriverInit` makes the same two driver calls through ctypes, which releases the GIL around them, on a
 background thread: reading the config and tokenizer and importing the kernels overlap it, and torch's
 own calls then find the driver initialised and the primary context (the one the CUDA runtime uses)

@@ -130,15 +130,12 @@ def default_config(M: int, N: int, K: int, sms: int, *, norm: bool = False, fp8:
     if tuned is not None:
         return tuned
     if M <= FMA_MAX_ROWS:
-        block_k = 1024 if fp8 else 512
-        block_n, block_k, warps, stages, dot = 8, min(block_k, max(16, next_power_of_2(K))), 4, 2, False
-        programs_per_sm = 4
+        block_n, block_k, stages, dot, programs_per_sm = 8, 1024 if fp8 else 512, 2, False, 4
     elif cdiv(N, 64) >= 4 * sms:  # the LM head: 64-row tiles already give ≥ 4 programs per SM
-        block_n, block_k, warps, stages, dot = 64, min(128, max(16, next_power_of_2(K))), 4, 3, True
-        programs_per_sm = 4
+        block_n, block_k, stages, dot, programs_per_sm = 64, 128, 3, True, 4
     else:
-        block_n, block_k, warps, stages, dot = 32, min(128, max(16, next_power_of_2(K))), 4, 4, True
-        programs_per_sm = 1
+        block_n, block_k, stages, dot, programs_per_sm = 32, 128, 4, True, 1
+    block_k, warps = min(block_k, max(16, next_power_of_2(K))), 4
     split = choose_split(M, N, K, sms, block_n, block_k, norm, programs_per_sm)
     return GemvConfig(block_n, block_k, split, warps, stages, dot)
 

@@ -10,10 +10,11 @@ the kernel's sums, tree-reduced per block, err by far less). kernels/lm_head_bou
 slack's use. The bytes u = q + 128 are packed four to an int32 word, word c of a row holding columns
 c, c + K/4, c + K/2, c + 3K/4 (byte j from column c + j·K/4).
 
-`quantize_rows` runs `_quantize_rows_kernel`: one read of the weight, every row's scale, bytes and
-slack in one launch. The torch form (`quantize_rows_reference`, a dozen float64 kernels over chunks
-of rows) is its specification: the same scales and bytes bit for bit, the slack the same up to the
-float64 sums' order (tests/kernels/test_int8_rows.py).
+`quantize_rows` runs `_quantize_rows_kernel`: every row's scale, bytes and slack in one launch, each
+program reading its rows twice (the absmax, then the bytes and sums; the second pass mostly from L2).
+The torch form (`quantize_rows_reference`, a dozen float64 kernels over chunks of rows) is its
+specification: the same scales and bytes bit for bit, the slack the same up to the float64 sums' order
+(tests/kernels/test_int8_rows.py).
 """
 
 from __future__ import annotations
